@@ -1,0 +1,16 @@
+"""Configuration: the typed model, its derivations, and loading from CLI / files."""
+
+from vime_core.config.derive import (
+    dp_size,
+    engine_server_args,
+    num_engines,
+    rollout_concurrency,
+    weight_transport,
+)
+from vime_core.config.loader import ConfigError, config_hash, load_config, make_config, parse_args
+from vime_core.config.schema import VimeConfig
+
+__all__ = [
+    "VimeConfig", "ConfigError", "load_config", "make_config", "parse_args", "config_hash",
+    "dp_size", "num_engines", "rollout_concurrency", "engine_server_args", "weight_transport",
+]

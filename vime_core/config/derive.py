@@ -1,0 +1,137 @@
+"""Derived configuration values, computed in one place.
+
+    global_batch_size      = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
+    eps_clip_high          = eps_clip                       (when unset)
+    over_sampling_batch_size = rollout_batch_size           (when unset)
+    rollout_max_context_len = rollout_max_prompt_len + rollout_max_response_len (when unset)
+    rollout_num_gpus       = trainer devices when colocated, else 1 (when unset)
+    num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
+    rollout_concurrency    = vllm_server_concurrency * num_engines
+    dp_size                = trainer devices // tensor_model_parallel_size
+
+Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vime_core.config.schema import VimeConfig
+
+
+def trainer_num_devices(cfg: "VimeConfig") -> int:
+    return cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+
+
+def dp_size(cfg: "VimeConfig") -> int:
+    return trainer_num_devices(cfg) // cfg.tensor_model_parallel_size
+
+
+def num_engines(cfg: "VimeConfig") -> int:
+    return cfg.rollout_num_gpus // cfg.rollout_num_gpus_per_engine
+
+
+def rollout_concurrency(cfg: "VimeConfig") -> int:
+    return cfg.vllm_server_concurrency * num_engines(cfg)
+
+
+def samples_per_rollout(cfg: "VimeConfig") -> int:
+    return cfg.rollout_batch_size * cfg.n_samples_per_prompt
+
+
+def derive_in_place(cfg: "VimeConfig") -> None:
+    rollout_samples = samples_per_rollout(cfg)
+    if cfg.num_steps_per_rollout is not None:
+        if rollout_samples % cfg.num_steps_per_rollout:
+            raise ValueError(
+                f"num_steps_per_rollout={cfg.num_steps_per_rollout} does not divide "
+                f"rollout_batch_size*n_samples_per_prompt={rollout_samples}"
+            )
+        derived = rollout_samples // cfg.num_steps_per_rollout
+        if cfg.global_batch_size is not None and cfg.global_batch_size != derived:
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} contradicts num_steps_per_rollout="
+                f"{cfg.num_steps_per_rollout} (rollout_batch_size*n_samples_per_prompt//"
+                f"num_steps_per_rollout = {derived}); set only one of them"
+            )
+        cfg.global_batch_size = derived
+    elif cfg.global_batch_size is None:
+        raise ValueError("set num_steps_per_rollout or global_batch_size")
+    elif rollout_samples % cfg.global_batch_size:
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} does not divide "
+            f"rollout_batch_size*n_samples_per_prompt={rollout_samples}"
+        )
+    else:
+        cfg.num_steps_per_rollout = rollout_samples // cfg.global_batch_size
+
+    if cfg.eps_clip_high is None:
+        cfg.eps_clip_high = cfg.eps_clip
+    if cfg.over_sampling_batch_size is None:
+        cfg.over_sampling_batch_size = cfg.rollout_batch_size
+    if cfg.rollout_max_context_len is None:
+        cfg.rollout_max_context_len = cfg.rollout_max_prompt_len + cfg.rollout_max_response_len
+    if cfg.rollout_max_context_len < cfg.rollout_max_prompt_len + 1:
+        raise ValueError(
+            f"rollout_max_context_len={cfg.rollout_max_context_len} leaves no room to generate "
+            f"after a prompt of rollout_max_prompt_len={cfg.rollout_max_prompt_len}"
+        )
+
+    devices = trainer_num_devices(cfg)
+    if devices % cfg.tensor_model_parallel_size:
+        raise ValueError(
+            f"tensor_model_parallel_size={cfg.tensor_model_parallel_size} does not divide the "
+            f"trainer's {devices} devices (actor_num_nodes*actor_num_gpus_per_node)"
+        )
+    if cfg.rollout_num_gpus is None:
+        cfg.rollout_num_gpus = devices if cfg.colocate else 1
+    if cfg.rollout_num_gpus % cfg.rollout_num_gpus_per_engine:
+        raise ValueError(
+            f"rollout_num_gpus_per_engine={cfg.rollout_num_gpus_per_engine} does not divide "
+            f"rollout_num_gpus={cfg.rollout_num_gpus}"
+        )
+    if cfg.colocate and cfg.rollout_num_gpus != devices:
+        raise ValueError(
+            f"colocate needs rollout_num_gpus ({cfg.rollout_num_gpus}) equal to the trainer's "
+            f"devices ({devices}); set colocate=false to place engines elsewhere"
+        )
+    if cfg.global_batch_size % dp_size(cfg):
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "
+            f"size {dp_size(cfg)}"
+        )
+    if cfg.use_dynamic_batch_size and cfg.max_tokens_per_gpu is None:
+        raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
+    if cfg.eps_clip_c is not None and cfg.eps_clip_c <= 1.0:
+        raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
+    if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
+        raise ValueError("rm_type=remote_rm needs rm_url")
+    if cfg.advantage_estimator == "ppo":
+        raise ValueError(
+            "advantage_estimator=ppo needs a critic, which the trainer does not build yet; "
+            "its GAE math is in vime_core.algo.advantages"
+        )
+
+
+def weight_transport(cfg: "VimeConfig") -> str:
+    """The weight-transfer path by placement: CUDA IPC when colocated on GPUs, shared memory on
+    CPU, NCCL when engines live on other devices, disk only when asked."""
+    if cfg.weight_transport != "auto":
+        return cfg.weight_transport
+    if cfg.device == "cpu":
+        return "shm"
+    return "ipc" if cfg.colocate else "nccl"
+
+
+def engine_server_args(cfg: "VimeConfig") -> dict:
+    """The vLLM server options the configuration implies (step 2 of the walkthrough)."""
+    transport = weight_transport(cfg)
+    vllm_backend = {"ipc": "ipc", "nccl": "nccl", "shm": "vime_shm", "disk": None}[transport]
+    return {
+        "enable_sleep_mode": bool(cfg.offload_rollout),
+        "max_model_len": cfg.rollout_max_context_len,
+        "tensor_parallel_size": cfg.rollout_num_gpus_per_engine,
+        "weight_transfer_config": {"backend": vllm_backend} if vllm_backend else None,
+        "logprobs_mode": "processed_logprobs",
+    }

@@ -1,0 +1,143 @@
+"""Reading a `VimeConfig` from a YAML/JSON file, CLI flags, or both (flags override the file).
+
+The argparse parser is generated from the model, so `--help` shows every field's description and
+default without importing anything heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from vime_core.config.schema import VimeConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that does not parse; the message names the field or file."""
+
+
+def _field_kind(annotation: Any) -> tuple[str, Any]:
+    """('bool'|'list'|'scalar', element type) of a field annotation, unwrapping Optional."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _field_kind(args[0])
+    if annotation is bool:
+        return "bool", bool
+    if origin is list:
+        return "list", typing.get_args(annotation)[0]
+    if origin is typing.Literal:
+        return "scalar", str
+    return "scalar", annotation
+
+
+def build_parser(prog: str = "vime train", description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.HelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", dest="config_file", help="YAML or JSON file of field values; flags override it.")
+    for name, field in VimeConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind, elem = _field_kind(field.annotation)
+        default = field.default if field.default_factory is None else field.default_factory()
+        help_text = f"{field.description} (default: {default})".replace("%", "%%")
+        choices = None
+        if typing.get_origin(field.annotation) is typing.Literal:
+            choices = list(typing.get_args(field.annotation))
+        if kind == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif kind == "list":
+            parser.add_argument(flag, dest=name, nargs="*", type=elem, metavar=name.upper(), help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=str, choices=choices, metavar=None if choices else name.upper(), help=help_text)
+    return parser
+
+
+def _read_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError
+        raise ConfigError(f"config file {path} does not parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of field names to values")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    return data
+
+
+def _from_cli_string(name: str, raw: str) -> Any:
+    if raw.lower() in ("none", "null"):
+        return None
+    return raw  # pydantic converts "32" -> 32 etc. and names the field when it cannot
+
+
+def make_config(values: dict, source: str = "configuration") -> VimeConfig:
+    try:
+        return VimeConfig(**values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(config)"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {field}: {msg} (got {err.get('input')!r})" if err["loc"] else f"  {msg}")
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> VimeConfig:
+    values = _read_file(path) if path else {}
+    values.update(overrides or {})
+    return make_config(values, source=f"configuration ({path})" if path else "configuration")
+
+
+def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> VimeConfig:
+    parser = build_parser(prog)
+    ns = vars(parser.parse_args(list(argv) if argv is not None else None))
+    path = ns.pop("config_file", None)
+    overrides = {k: (_from_cli_string(k, v) if isinstance(v, str) else v) for k, v in ns.items()}
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def config_dict(cfg: VimeConfig) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def config_hash(cfg: VimeConfig) -> str:
+    """sha256 of the resolved configuration, keys sorted; identifies batches made under it."""
+    blob = json.dumps(config_dict(cfg), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def dump_config(cfg: VimeConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_dict(cfg), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def describe(cfg: VimeConfig) -> str:
+    """The resolved configuration as aligned `name = value` lines, for the log at start."""
+    d = config_dict(cfg)
+    width = max(len(k) for k in d)
+    return "\n".join(f"{k:<{width}} = {json.dumps(v)}" for k, v in d.items())

@@ -1,0 +1,141 @@
+"""The one configuration model of a vime run.
+
+Field names are the flag names users of slime / verl already know (`--rollout-batch-size 32`).
+Each field's description is its documentation: it is what `vime train --help` prints, what the
+Prefect UI shows in the parameter form, and what the README's configuration table is generated
+from. Values that depend on other values are derived in `model_post_init` (one place) and tested
+in `tests/unit/test_config.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AdvantageEstimator = Literal[
+    "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+]
+LossType = Literal["policy_loss", "sft_loss"]
+KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
+RouterPolicy = Literal["round_robin", "random", "consistent_hash", "power_of_two", "cache_aware"]
+WeightTransport = Literal["auto", "ipc", "shm", "disk", "nccl"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class VimeConfig(BaseModel):
+    """Everything a vime run needs; every field has a default that runs on a 2-core CPU machine."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    # ---- run and storage -------------------------------------------------------------------
+    run_name: str = Field("vime-default", description="Name of the run. Actors are detached and namespaced by it; a new flow run with the same name attaches to them and resumes.", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    storage_uri: str = Field("runs", description="Where batches, checkpoints and exports go: a local folder or `s3://bucket/prefix` (credentials from the usual AWS variables/profile, never logged).")
+    seed: int = Field(1234, description="Seed for data shuffling, sampling and model initialisation.")
+    num_rollout: int = Field(60, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
+    start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
+    save_interval: Optional[int] = Field(None, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
+    eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
+
+    # ---- model and data ----------------------------------------------------------------------
+    hf_checkpoint: str = Field("", description="Hugging Face checkpoint folder (config.json, safetensors, tokenizer). Empty: the embedded tiny model is built under storage_uri.")
+    prompt_data: str = Field("", description="Prompt dataset (JSONL or Parquet, local path or fsspec URI). Empty: the embedded synthetic task.")
+    input_key: str = Field("prompt", description="Field of a dataset row holding the prompt text.")
+    label_key: str = Field("label", description="Field of a dataset row holding the reference answer given to the reward function.")
+    apply_chat_template: bool = Field(False, description="Wrap each prompt in the tokenizer's chat template before tokenising.")
+    rollout_shuffle: bool = Field(True, description="Shuffle the prompt dataset each epoch (seeded).")
+    eval_prompt_data: str = Field("", description="Eval dataset (same format as prompt_data). Empty: the embedded task's eval split.")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per eval prompt.")
+    eval_temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of eval rollouts (0 = greedy).")
+
+    # ---- placement -----------------------------------------------------------------------------
+    colocate: bool = Field(True, description="Trainer actors and inference engines share the same devices; they take turns (offload/onload).")
+    offload_rollout: bool = Field(True, description="Engines sleep while the trainer runs (vLLM sleep mode; level 2 when they receive weight updates).")
+    offload_train: bool = Field(True, description="Trainer frees its device memory while engines generate.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device of trainer actors and engines.")
+    actor_num_nodes: int = Field(1, ge=1, description="Nodes of trainer actors.")
+    actor_num_gpus_per_node: int = Field(1, ge=1, description="Trainer devices per node (on CPU: device slots declared to Ray).")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor-parallel size; DP = trainer devices // TP.")
+    rollout_num_gpus: Optional[int] = Field(None, ge=1, description="Devices for inference engines. Default: the trainer's devices when colocated, else 1.")
+    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="Devices per vLLM engine (its TP size).")
+    ray_address: str = Field("auto", description="Ray cluster address; `auto` attaches to the running local head (infra/ray_head.sh).")
+
+    # ---- rollout -------------------------------------------------------------------------------
+    rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    over_sampling_batch_size: Optional[int] = Field(None, ge=1, description="Groups submitted at a time while filling the rollout; default: rollout_batch_size.")
+    rollout_max_prompt_len: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
+    rollout_max_response_len: int = Field(1024, ge=1, description="Maximum generated tokens per sample.")
+    rollout_max_context_len: Optional[int] = Field(None, ge=2, description="Engine max_model_len. Default: rollout_max_prompt_len + rollout_max_response_len.")
+    rollout_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
+    rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    rollout_top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
+    rollout_stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids (EOS always stops).")
+    rollout_skip_special_tokens: bool = Field(False, description="Skip special tokens when detokenising responses.")
+    vllm_server_concurrency: int = Field(512, ge=1, description="Concurrent requests per engine; the rollout semaphore is this times the number of engines.")
+    router_policy: RouterPolicy = Field("consistent_hash", description="vllm-router policy; with consistent_hash each sample's session_id goes in x-session-id.")
+    use_router: bool = Field(True, description="Route generate requests through the real vllm-router (False: the rollout client routes with the same policy).")
+    rollout_function_path: str = Field("vime_core.rollout.loop:generate_rollout", description="Rollout function, `module:function`.")
+    custom_generate_function_path: str = Field("", description="Per-sample generate function, `module:function` (multi-turn / tool use). Empty: single-turn token-in/token-out.")
+    partial_rollout: bool = Field(False, description="Aborted samples keep their partial responses and go back to the data source to be continued.")
+    dynamic_sampling_filter_path: str = Field("", description="Group filter, `module:function` (e.g. vime_core.rewards.filters:check_reward_nonzero_std). Empty: keep every group.")
+
+    # ---- reward --------------------------------------------------------------------------------
+    rm_type: str = Field("math", description="Built-in reward: math (boxed/final-number checker), exact_match, f1, remote_rm, or a task name registered in vime_core.rewards (e.g. arith).")
+    custom_rm_path: str = Field("", description="Reward function `module:function` (sync or async; per sample, or per group with group_rm). Overrides rm_type.")
+    group_rm: bool = Field(False, description="Score each group at once instead of each sample.")
+    rm_url: str = Field("", description="Remote reward model endpoint for rm_type=remote_rm.")
+    rm_timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")
+
+    # ---- engines -------------------------------------------------------------------------------
+    vllm_python: str = Field(".venv-vllm/bin/python", description="Python interpreter of the vLLM environment; the engine actor starts the server with it.")
+    vllm_cpu_kvcache_gb: float = Field(1.0, gt=0, description="KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction when colocated on GPUs.")
+    vllm_enforce_eager: bool = Field(True, description="Start engines without compilation/CUDA graphs (faster start, ~10% less throughput).")
+    vllm_extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server.")
+    engine_urls: list[str] = Field(default_factory=list, description="Attach to external vLLM servers at these URLs instead of starting engines.")
+    engine_startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine's health before failing with its log.")
+
+    # ---- algorithm -----------------------------------------------------------------------------
+    advantage_estimator: AdvantageEstimator = Field("grpo", description="grpo (Shao et al. 2024), gspo (Zheng et al. 2025), cispo (MiniMax-M1 2025), reinforce_plus_plus (Hu 2025), reinforce_plus_plus_baseline, ppo (GAE with a value head).")
+    grpo_std_normalization: bool = Field(True, description="Divide group-centred rewards by the group's unbiased std + 1e-6 (Dr. GRPO turns this off).")
+    loss_type: LossType = Field("policy_loss", description="policy_loss (PPO-clip family) or sft_loss.")
+    loss_agg_mode: LossAggregation = Field("token_mean", description="Aggregation over loss_mask==1 tokens: token_mean (per token), seq_mean_token_mean / seq_mean_token_sum (per sequence).")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range below 1 (ratio >= 1 - eps_clip).")
+    eps_clip_high: Optional[float] = Field(None, gt=0, description="PPO clip range above 1 (ratio <= 1 + eps_clip_high). Default: eps_clip. DAPO uses 0.28.")
+    eps_clip_c: Optional[float] = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (Ye et al. 2020); must be > 1. None: off.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term.")
+    kl_loss_type: KLLossType = Field("low_var_kl", description="KL estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
+    use_rollout_logprobs: bool = Field(False, description="Use the engine's log-probs as the old policy instead of recomputing them.")
+    use_tis: bool = Field(False, description="Truncated importance sampling of the train/rollout mismatch (Yao et al. 2025).")
+    tis_clip: float = Field(2.0, gt=0, description="Upper bound of the TIS weight.")
+    get_mismatch_metrics: bool = Field(False, description="Report train-vs-rollout log-prob mismatch metrics (forces a log-prob recompute).")
+
+    # ---- training ------------------------------------------------------------------------------
+    num_steps_per_rollout: Optional[int] = Field(1, ge=1, description="Optimizer steps per rollout; sets global_batch_size.")
+    global_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step. Default: rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
+    use_dynamic_batch_size: bool = Field(False, description="Pack micro-batches by a token budget (max_tokens_per_gpu) instead of a fixed sample count.")
+    max_tokens_per_gpu: Optional[int] = Field(None, ge=1, description="Token budget of one packed micro-batch (with use_dynamic_batch_size).")
+    lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="Adam beta2.")
+    clip_grad: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+    bf16: bool = Field(False, description="Train in bf16 (GPUs); fp32 otherwise.")
+    update_weight_buffer_size: int = Field(512 * 1024**2, ge=1024, description="Bytes per weight-update bucket.")
+    weight_transport: WeightTransport = Field("auto", description="auto picks by placement: ipc (CUDA, colocated), shm (CPU), nccl (engines elsewhere), disk (fallback).")
+    flush_cache_interval: int = Field(1, ge=1, description="Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish always flushes.")
+
+    # ---- derived (filled in model_post_init; do not set) ----------------------------------------
+
+    @model_validator(mode="after")
+    def _derive(self) -> "VimeConfig":
+        from vime_core.config.derive import derive_in_place
+
+        derive_in_place(self)
+        return self

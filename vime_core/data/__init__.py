@@ -1,0 +1,1 @@
+"""Samples, the prompt data source, the batch builder and the DP schedule (pure Python/torch)."""

@@ -1,0 +1,112 @@
+"""A tiny Qwen3/Qwen2/Llama-style causal LM and a character-level tokenizer, built locally and
+saved as a normal Hugging Face checkpoint (config.json, model.safetensors, tokenizer.json) that
+transformers, vLLM and vime's Megatron loader all read.
+
+The vocabulary is the synthetic tasks' alphabet: digits, a few operators, and the special
+tokens. Building is deterministic for a given seed and family, so tests and the default job can
+share one cached folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+CHARACTERS = list("0123456789+-=*> ")
+VOCAB = SPECIAL_TOKENS + CHARACTERS  # 19 tokens
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+FAMILIES = {
+    # family -> (architecture, model_type, extra config)
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", {}),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", {}),
+    "llama": ("LlamaForCausalLM", "llama", {"mlp_bias": False, "attention_bias": False}),
+}
+
+
+def tiny_config(
+    family: str = "qwen3",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+) -> dict:
+    """config.json contents. head_dim 32 is the smallest vLLM's CPU attention accepts."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    arch, model_type, extra = FAMILIES[family]
+    cfg = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": len(VOCAB),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if model_type == "qwen2":
+        cfg["attention_bias"] = True  # Qwen2 has q/k/v biases
+    cfg.update(extra)
+    return cfg
+
+
+def build_tokenizer(out_dir: str | Path):
+    """A character-level WordLevel tokenizer saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, **shape) -> Path:
+    """Build (or reuse) a randomly initialised tiny model and its tokenizer in `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    cfg_dict = tiny_config(family, **shape)
+    marker = out / "vime_tiny.json"
+    want = {"family": family, "seed": seed, "config": cfg_dict}
+    if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    config = AutoConfig.from_pretrained(str(out))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    build_tokenizer(out)
+    marker.write_text(json.dumps(want, indent=2))
+    return out
