@@ -1,0 +1,45 @@
+"""Session-wide fixtures shared by every test folder.
+
+Folder-specific fixtures (servers, clusters) live in the conftest.py of their folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("VIME_TEST_CACHE", REPO / ".cache" / "tests"))
+
+# No hub on these machines: make every accidental download fail fast.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    return CACHE
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(cache_dir) -> Path:
+    """The default tiny Qwen3-style checkpoint (built once, reused across sessions)."""
+    from vime_core.models.tiny import build_tiny_model
+
+    return build_tiny_model(cache_dir / "models" / "tiny-qwen3", family="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_python(repo_root) -> str:
+    py = repo_root / ".venv-vllm" / "bin" / "python"
+    if not py.exists():
+        pytest.fail(f"{py} is missing: run infra/setup_env.sh (the README's test command does)")
+    return str(py)
