@@ -24,7 +24,9 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 
 class VimeConfig(BaseModel):
-    """Everything a vime run needs; every field has a default that runs on a 2-core CPU machine."""
+    """Everything a vime run needs. The defaults are the embedded default job — the tiny model
+    learning "a+b=" on a 2-core CPU machine (lr 1e-3, 4-token responses); a real model sets
+    hf_checkpoint, prompt_data and the lengths/learning rate it needs."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
@@ -32,7 +34,7 @@ class VimeConfig(BaseModel):
     run_name: str = Field("vime-default", description="Name of the run. Actors are detached and namespaced by it; a new flow run with the same name attaches to them and resumes.", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     storage_uri: str = Field("runs", description="Where batches, checkpoints and exports go: a local folder or `s3://bucket/prefix` (credentials from the usual AWS variables/profile, never logged).")
     seed: int = Field(1234, description="Seed for data shuffling, sampling and model initialisation.")
-    num_rollout: int = Field(60, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
+    num_rollout: int = Field(80, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
     start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
     save_interval: Optional[int] = Field(None, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
@@ -64,8 +66,8 @@ class VimeConfig(BaseModel):
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")
     n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     over_sampling_batch_size: Optional[int] = Field(None, ge=1, description="Groups submitted at a time while filling the rollout; default: rollout_batch_size.")
-    rollout_max_prompt_len: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
-    rollout_max_response_len: int = Field(1024, ge=1, description="Maximum generated tokens per sample.")
+    rollout_max_prompt_len: int = Field(16, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
+    rollout_max_response_len: int = Field(4, ge=1, description="Maximum generated tokens per sample.")
     rollout_max_context_len: Optional[int] = Field(None, ge=2, description="Engine max_model_len. Default: rollout_max_prompt_len + rollout_max_response_len.")
     rollout_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -82,7 +84,7 @@ class VimeConfig(BaseModel):
     dynamic_sampling_filter_path: str = Field("", description="Group filter, `module:function` (e.g. vime_core.rewards.filters:check_reward_nonzero_std). Empty: keep every group.")
 
     # ---- reward --------------------------------------------------------------------------------
-    rm_type: str = Field("math", description="Built-in reward: math (boxed/final-number checker), exact_match, f1, remote_rm, or a task name registered in vime_core.rewards (e.g. arith).")
+    rm_type: str = Field("arith", description="Built-in reward: math (boxed/final-number checker), exact_match, f1, remote_rm, or a task name registered in vime_core.rewards (e.g. arith).")
     custom_rm_path: str = Field("", description="Reward function `module:function` (sync or async; per sample, or per group with group_rm). Overrides rm_type.")
     group_rm: bool = Field(False, description="Score each group at once instead of each sample.")
     rm_url: str = Field("", description="Remote reward model endpoint for rm_type=remote_rm.")
@@ -118,10 +120,10 @@ class VimeConfig(BaseModel):
     # ---- training ------------------------------------------------------------------------------
     num_steps_per_rollout: Optional[int] = Field(1, ge=1, description="Optimizer steps per rollout; sets global_batch_size.")
     global_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step. Default: rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout.")
-    micro_batch_size: int = Field(8, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
+    micro_batch_size: int = Field(32, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
     use_dynamic_batch_size: bool = Field(False, description="Pack micro-batches by a token budget (max_tokens_per_gpu) instead of a fixed sample count.")
     max_tokens_per_gpu: Optional[int] = Field(None, ge=1, description="Token budget of one packed micro-batch (with use_dynamic_batch_size).")
-    lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
+    lr: float = Field(1e-3, gt=0, description="Adam learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.98, ge=0, lt=1, description="Adam beta2.")

@@ -27,16 +27,18 @@ FAMILIES = {
 
 def tiny_config(
     family: str = "qwen3",
-    hidden_size: int = 64,
+    hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 2,
     num_kv_heads: int = 2,
-    head_dim: int = 32,
-    intermediate_size: int = 128,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 512,
 ) -> dict:
-    """config.json contents. head_dim 32 is the smallest vLLM's CPU attention accepts."""
+    """config.json contents. The default shape (0.33M parameters) is the embedded default job's
+    model: a plain GRPO loop measured here lifts its "a+b=" reward from ~0.0 to ~0.49 in 100
+    iterations at lr 1e-3, while a 0.08M one (hidden 64) peaked at ~0.43 and fell back."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     arch, model_type, extra = FAMILIES[family]

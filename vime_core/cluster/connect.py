@@ -1,0 +1,51 @@
+"""Connecting a driver (a flow run, the CLI, a test) to the Ray cluster of a run."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# Ray picks a non-loopback address unless this is set in the head and in every driver
+# (see shared ENVIRONMENT.md, "Ray on one machine").
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def actor_env() -> dict[str, str]:
+    """Environment every vime actor runs with: offline hub, quiet tokenizers, and the
+    repository on the path so `vime_core` imports even where the package is not installed."""
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in [repo, os.environ.get("PYTHONPATH", "")] if p),
+        **LOOPBACK_ENV,
+    }
+    return env
+
+
+def ensure_ray(address: str = "auto"):
+    """Attach to the cluster at `address` (idempotent). `auto` means the running local head."""
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    try:
+        ray.init(
+            address=address,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": actor_env()},
+        )
+    except ConnectionError as exc:
+        raise RuntimeError(
+            f"no Ray cluster at address {address!r}: start one with `vime cluster up` "
+            f"(or infra/ray_head.sh start) or pass --ray-address ({exc})"
+        ) from None
+    return ray

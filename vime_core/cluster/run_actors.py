@@ -1,0 +1,202 @@
+"""A run's long-lived actors: the device placement group, the RolloutManager and the trainer
+group (TP x DP Megatron actors). All detached and named under the run's namespace, so bootstrap
+is idempotent: it attaches to what exists and creates what is missing.
+
+Placement: one bundle per trainer device ({"GPU": 1}; on CPU machines the Ray head declares
+device slots with --num-gpus so the same placement works). When `colocate`, a trainer actor
+takes a fraction of its bundle's device and the engines share the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vime_core.cluster import names
+from vime_core.config import VimeConfig
+from vime_core.config.derive import trainer_num_devices
+
+log = logging.getLogger(__name__)
+
+TRAINER_DEVICE_SHARE_COLOCATED = 0.5
+
+
+def _get_actor(name: str, run_name: str):
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=names.namespace(run_name))
+    except ValueError:
+        return None
+
+
+def get_or_create_placement_group(cfg: VimeConfig):
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group
+
+    pg_name = names.placement_group(cfg.run_name)
+    try:
+        pg = get_placement_group(pg_name)
+    except ValueError:
+        bundles = [{"GPU": 1} for _ in range(trainer_num_devices(cfg))]
+        pg = placement_group(bundles, strategy="PACK", name=pg_name, lifetime="detached")
+    ready, _ = ray.wait([pg.ready()], timeout=120)
+    if not ready:
+        raise RuntimeError(
+            f"placement group {pg_name} ({trainer_num_devices(cfg)} device bundles) could not be "
+            f"placed in 120 s: does the cluster declare enough GPUs/device slots? "
+            f"(`vime cluster up --num-gpus N`)"
+        )
+    return pg
+
+
+def get_or_create_rollout_manager(cfg: VimeConfig):
+    import ray
+
+    from vime_core.cluster.connect import actor_env
+
+    existing = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
+    if existing is not None:
+        return existing
+    from vime_core.rollout.manager import RolloutManager
+
+    actor_cls = ray.remote(RolloutManager)
+    return actor_cls.options(
+        name=names.ROLLOUT_MANAGER,
+        namespace=names.namespace(cfg.run_name),
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=8,
+        runtime_env={"env_vars": actor_env()},
+    ).remote(cfg)
+
+
+@dataclass
+class TrainerGroup:
+    """Handles of the run's trainer actors, rank order."""
+
+    cfg: VimeConfig
+    actors: list[Any]
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every rank concurrently (collectives need all ranks) and wait."""
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_async(self, method: str, *args, **kwargs) -> list:
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def rank0(self, method: str, *args, **kwargs):
+        import ray
+
+        return ray.get(getattr(self.actors[0], method).remote(*args, **kwargs))
+
+
+def _master_endpoint(pg) -> tuple[str, int]:
+    """Address and a free port on the node of bundle 0, where rank 0 runs."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def free_port() -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    return ray.get(free_port.options(scheduling_strategy=strategy).remote())
+
+
+def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:
+    """Returns (group, created). A created group still needs `init`."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from vime_core.cluster.connect import actor_env
+
+    world = trainer_num_devices(cfg)
+    found = [_get_actor(names.trainer(r), cfg.run_name) for r in range(world)]
+    if all(a is not None for a in found):
+        return TrainerGroup(cfg, found), False
+    if any(a is not None for a in found):
+        # A partial group cannot rejoin torch.distributed: rebuild it whole.
+        for a in found:
+            if a is not None:
+                ray.kill(a)
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    master_addr, master_port = _master_endpoint(pg)
+    share = TRAINER_DEVICE_SHARE_COLOCATED if cfg.colocate else 1.0
+    actor_cls = ray.remote(MegatronTrainer)
+    actors = []
+    for rank in range(world):
+        actors.append(
+            actor_cls.options(
+                name=names.trainer(rank),
+                namespace=names.namespace(cfg.run_name),
+                lifetime="detached",
+                num_cpus=0,
+                num_gpus=share,
+                max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": actor_env()},
+            ).remote(cfg, rank, world, master_addr, master_port)
+        )
+    return TrainerGroup(cfg, actors), True
+
+
+def attach(cfg: VimeConfig):
+    """(rollout_manager, trainer_group) of a bootstrapped run, or raise naming what is missing."""
+    manager = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
+    world = trainer_num_devices(cfg)
+    trainers = [_get_actor(names.trainer(r), cfg.run_name) for r in range(world)]
+    missing = ([names.ROLLOUT_MANAGER] if manager is None else []) + [
+        names.trainer(r) for r, a in enumerate(trainers) if a is None
+    ]
+    if missing:
+        raise RuntimeError(
+            f"run {cfg.run_name!r} is not bootstrapped (missing actors: {', '.join(missing)} in "
+            f"namespace {names.namespace(cfg.run_name)}); run the bootstrap flow first"
+        )
+    return manager, TrainerGroup(cfg, trainers)
+
+
+def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
+    """Stop the run's engines, kill its actors and remove its placement group. Returns what was
+    removed. Safe to call when nothing exists."""
+    import ray
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    removed = []
+    manager = _get_actor(names.ROLLOUT_MANAGER, run_name)
+    if manager is not None:
+        try:
+            ray.get(manager.shutdown.remote(), timeout=120)
+        except Exception as exc:  # the engines die with the actor's processes anyway
+            log.warning("rollout manager shutdown failed: %s", exc)
+        ray.kill(manager)
+        removed.append(names.ROLLOUT_MANAGER)
+    rank = 0
+    while num_trainers is None or rank < num_trainers:
+        a = _get_actor(names.trainer(rank), run_name)
+        if a is None:
+            if num_trainers is None:
+                break
+        else:
+            ray.kill(a)
+            removed.append(names.trainer(rank))
+        rank += 1
+    try:
+        remove_placement_group(get_placement_group(names.placement_group(run_name)))
+        removed.append(names.placement_group(run_name))
+    except ValueError:
+        pass
+    return removed
