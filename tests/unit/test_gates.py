@@ -1,0 +1,58 @@
+"""can_reuse_log_probs_in_loss (step 38) and should_flush_cache (steps 7 and 45)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vime_core.algo.gates import can_reuse_log_probs_in_loss, should_flush_cache
+from vime_core.config import load_config
+from vime_core.data.schedule import build_dp_schedule
+
+
+def _num_microbatches(cfg) -> list[int]:
+    n = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    return build_dp_schedule([10] * n, cfg.global_batch_size, 4, cfg.micro_batch_size).num_microbatches
+
+
+def test_default_grpo_reuses_log_probs():
+    cfg = load_config(overrides={"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8})
+    assert _num_microbatches(cfg) == [8]
+    assert can_reuse_log_probs_in_loss([8], cfg) is True
+
+
+def test_four_steps_per_rollout_recomputes():
+    cfg = load_config(overrides={"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8, "num_steps_per_rollout": 4})
+    nmb = _num_microbatches(cfg)
+    assert nmb == [2, 2, 2, 2]
+    assert can_reuse_log_probs_in_loss(nmb, cfg) is False
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"kl_coef": 0.01},
+        {"use_rollout_logprobs": True},
+        {"get_mismatch_metrics": True},
+        {"advantage_estimator": "gspo"},
+        {"loss_type": "sft_loss"},
+    ],
+)
+def test_each_condition_blocks_reuse(override):
+    cfg = load_config(overrides=override)
+    assert can_reuse_log_probs_in_loss([8], cfg) is False
+
+
+def test_should_flush_cache_reference_numbers():
+    assert should_flush_cache(1, 1, 0) is True  # first publish, step 7
+    assert should_flush_cache(1, 2, 0) is True  # second publish, step 45
+
+
+def test_should_flush_cache_interval():
+    flushed = [v for v in range(1, 10) if should_flush_cache(3, v, 0)]
+    assert flushed == [1, 4, 7]
+    assert should_flush_cache(3, 6, 5) is True  # first publish after a resume at version 5
+    assert should_flush_cache(3, 7, 5) is False
+    with pytest.raises(ValueError, match="flush_cache_interval"):
+        should_flush_cache(0, 1)
+    with pytest.raises(ValueError, match="new_version"):
+        should_flush_cache(1, 0, 0)

@@ -1,0 +1,17 @@
+"""The RL math of one step, in pure torch: group reward normalisation, advantage estimators,
+policy losses, KL estimators and the scheduling gates. Nothing here imports ray, HTTP or prefect.
+
+Estimators and losses are registered by name (`register_adv_est`, `register_policy_loss`), so a
+new one is one decorated function in its own module.
+"""
+
+from vime_core.algo import advantages as _advantages  # noqa: F401  (registers the estimators)
+from vime_core.algo import losses as _losses  # noqa: F401  (registers the policy losses)
+from vime_core.algo.registry import (
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    register_adv_est,
+    register_policy_loss,
+)
+
+__all__ = ["register_adv_est", "register_policy_loss", "get_adv_estimator_fn", "get_policy_loss_fn"]

@@ -1,0 +1,215 @@
+"""Reward post-processing per group and per-token advantages.
+
+Group normalisation (done once per rollout, on scalar rewards r_i of one group g, |g| = n):
+
+    grpo / gspo / cispo:            A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)
+                                        when grpo_std_normalization and n > 1, else r_i - mean_g(r)
+                                    std_g is the unbiased (n - 1) standard deviation
+    reinforce_plus_plus_baseline:   A_i = r_i - mean_g(r)
+    reinforce_plus_plus, ppo:       A_i = r_i            (no group baseline)
+
+Per-token advantages (done by the trainer on its partition; T_i response tokens of sample i,
+kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
+
+    grpo / gspo / cispo:            A_{i,t} = A_i                        (broadcast; returns = A)
+    reinforce_plus_plus:            r_{i,t} = -kl_coef * kl_{i,t} + [t = T_i - 1] * A_i
+                                    G_{i,t} = r_{i,t} + gamma * G_{i,t+1},  G_{i,T_i} = 0
+                                    A_{i,t} = whiten(G)_{i,t}            (returns = G)
+    reinforce_plus_plus_baseline:   A_{i,t} = whiten(A_i - kl_coef * kl_{i,t})   (returns = A)
+    ppo (GAE, value V):             delta_t = r_{i,t} + gamma * V_{t+1} - V_t,  V_{T_i} = 0
+                                    A_t = delta_t + gamma * lambd * A_{t+1},    A_{T_i} = 0
+                                    returns = A + V;  advantages = whiten(A)
+
+    whiten(x) = (x - mean_m(x)) / sqrt(var_m(x) + 1e-8), mean and unbiased variance over the
+    loss_mask == 1 tokens of every sample passed in (the caller passes one whole step).
+
+REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from vime_core.algo.registry import register_adv_est
+
+GROUP_STD_EPS = 1e-6
+WHITEN_EPS = 1e-8
+STD_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo")
+MEAN_CENTRED_ESTIMATORS = STD_NORMALISED_ESTIMATORS + ("reinforce_plus_plus_baseline",)
+
+
+# ---- group normalisation (scalar rewards) ---------------------------------------------------
+
+
+def normalize_group(rewards: Sequence[float], std_normalization: bool) -> list[float]:
+    """One group: r - mean(r), divided by std_unbiased(r) + 1e-6 when asked and n > 1."""
+    n = len(rewards)
+    if n == 0:
+        return []
+    mean = sum(rewards) / n
+    centred = [r - mean for r in rewards]
+    if std_normalization and n > 1:
+        std = (sum(c * c for c in centred) / (n - 1)) ** 0.5
+        centred = [c / (std + GROUP_STD_EPS) for c in centred]
+    return centred
+
+
+def postprocess_rewards(
+    rewards: Sequence[float],
+    group_ids: Sequence[int],
+    advantage_estimator: str,
+    grpo_std_normalization: bool = True,
+) -> list[float]:
+    """Rewards after the estimator's per-group processing (module docstring), in input order.
+
+    Samples of one group share a `group_ids` value; they need not be contiguous.
+    """
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
+    if advantage_estimator not in MEAN_CENTRED_ESTIMATORS:
+        return [float(r) for r in rewards]
+    std_normalization = grpo_std_normalization and advantage_estimator in STD_NORMALISED_ESTIMATORS
+    positions: dict[int, list[int]] = {}
+    for pos, gid in enumerate(group_ids):
+        positions.setdefault(gid, []).append(pos)
+    out = [0.0] * len(rewards)
+    for group in positions.values():
+        for pos, value in zip(group, normalize_group([float(rewards[p]) for p in group], std_normalization), strict=True):
+            out[pos] = value
+    return out
+
+
+# ---- whitening --------------------------------------------------------------------------------
+
+
+def masked_whiten(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """whiten(x) = (x - mean_m(x)) / sqrt(var_m(x) + 1e-8) over loss_mask == 1 tokens of all
+    samples together (unbiased variance). Masked tokens are shifted/scaled too; they carry no loss."""
+    flat = torch.cat([v.float() for v in values])
+    mask = torch.cat([m.float() for m in loss_masks])
+    count = mask.sum()
+    if count < 2:
+        return [v.float().clone() for v in values]
+    mean = (flat * mask).sum() / count
+    var = (((flat - mean) ** 2) * mask).sum() / (count - 1)
+    whitened = (flat - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return list(whitened.split([len(v) for v in values]))
+
+
+def _token_rewards(reward: torch.Tensor, kl: Optional[torch.Tensor], kl_coef: float, length: int) -> torch.Tensor:
+    """r_t = -kl_coef * kl_t + [t = T - 1] * reward."""
+    r = torch.zeros(length, dtype=torch.float32) if kl is None else -kl_coef * kl.float()
+    if length:
+        r[length - 1] = r[length - 1] + reward
+    return r
+
+
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, G_T = 0."""
+    returns = torch.empty_like(token_rewards)
+    running = torch.zeros((), dtype=token_rewards.dtype)
+    for t in range(len(token_rewards) - 1, -1, -1):
+        running = token_rewards[t] + gamma * running
+        returns[t] = running
+    return returns
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lambd A_{t+1};  returns = A + V."""
+    values = values.float()
+    advantages = torch.empty_like(token_rewards)
+    next_value = torch.zeros((), dtype=torch.float32)
+    running = torch.zeros((), dtype=torch.float32)
+    for t in range(len(token_rewards) - 1, -1, -1):
+        delta = token_rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lambd * running
+        advantages[t] = running
+        next_value = values[t]
+    return advantages, advantages + values
+
+
+# ---- per-token estimators ---------------------------------------------------------------------
+# Common signature: (rewards[B] post-processed, loss_masks: list[T_i], *, kl, values, gamma,
+# lambd, kl_coef) -> (advantages: list[T_i], returns: list[T_i]).
+
+
+def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: Optional[Sequence[torch.Tensor]]) -> None:
+    if len(rewards) != len(loss_masks):
+        raise ValueError(f"{len(rewards)} rewards but {len(loss_masks)} loss masks")
+    for name, seqs in named.items():
+        if seqs is None:
+            continue
+        if len(seqs) != len(loss_masks):
+            raise ValueError(f"{len(seqs)} {name} tensors but {len(loss_masks)} samples")
+        for i, (s, m) in enumerate(zip(seqs, loss_masks, strict=True)):
+            if len(s) != len(m):
+                raise ValueError(f"sample {i}: {name} has {len(s)} tokens, loss_mask {len(m)}")
+
+
+@register_adv_est("grpo")
+@register_adv_est("gspo")
+@register_adv_est("cispo")
+def group_broadcast_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+    """A_{i,t} = A_i for every response token t of sample i; returns = advantages."""
+    _check(rewards, loss_masks)
+    advantages = [torch.full((len(m),), float(r), dtype=torch.float32) for r, m in zip(rewards.tolist(), loss_masks)]
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+    """A = whiten(G), G_t = r_t + gamma G_{t+1}, r_t = -kl_coef kl_t + [t = T-1] A_i."""
+    _check(rewards, loss_masks, kl=kl)
+    returns = [
+        discounted_returns(_token_rewards(rewards[i], None if kl is None else kl[i], kl_coef, len(m)), gamma)
+        for i, m in enumerate(loss_masks)
+    ]
+    return masked_whiten(returns, loss_masks), returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+    """A = whiten(A_i - kl_coef * kl_t) (A_i already group-centred); returns = A."""
+    _check(rewards, loss_masks, kl=kl)
+    raw = [
+        torch.full((len(m),), float(rewards[i]), dtype=torch.float32) - (0.0 if kl is None else kl_coef * kl[i].float())
+        for i, m in enumerate(loss_masks)
+    ]
+    advantages = masked_whiten(raw, loss_masks)
+    return advantages, advantages
+
+
+@register_adv_est("ppo")
+def gae_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+    """GAE on r_t = -kl_coef kl_t + [t = T-1] r_i with the value head's V; advantages whitened."""
+    if values is None:
+        raise ValueError("advantage_estimator=ppo needs values (a critic's per-token value estimates)")
+    _check(rewards, loss_masks, kl=kl, values=values)
+    advantages, returns = [], []
+    for i, m in enumerate(loss_masks):
+        a, g = gae(_token_rewards(rewards[i], None if kl is None else kl[i], kl_coef, len(m)), values[i], gamma, lambd)
+        advantages.append(a)
+        returns.append(g)
+    return masked_whiten(advantages, loss_masks), returns
+
+
+def compute_advantages(
+    advantage_estimator: str,
+    rewards: Sequence[float] | torch.Tensor,
+    loss_masks: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    kl: Optional[Sequence[torch.Tensor]] = None,
+    values: Optional[Sequence[torch.Tensor]] = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Look up the estimator by name and run it; accepts plain lists for rewards and masks."""
+    from vime_core.algo.registry import get_adv_estimator_fn
+
+    fn = get_adv_estimator_fn(advantage_estimator)
+    rewards_t = torch.as_tensor(rewards, dtype=torch.float32)
+    masks = [torch.as_tensor(m, dtype=torch.float32) for m in loss_masks]
+    return fn(rewards_t, masks, kl=kl, values=values, gamma=gamma, lambd=lambd, kl_coef=kl_coef)

@@ -1,0 +1,47 @@
+"""Decisions the step takes from the configuration alone (walkthrough steps 7, 38, 45).
+
+can_reuse_log_probs_in_loss: the old-policy log-probs equal the current ones (detached) at the
+first forward of the only training step, so the separate "recompute old log-probs" forward can
+be skipped when ALL of these hold:
+
+    len(num_microbatches) == 1            one optimizer step per rollout (the policy has not moved)
+    loss_type == "policy_loss"
+    kl_coef == 0                          no reference-model term needs its own forward
+    not use_rollout_logprobs              old = engine log-probs is a different choice
+    not get_mismatch_metrics              train-vs-rollout metrics need the recomputed ones
+    no critic                             (advantage_estimator == "ppo" trains one)
+    no on-policy distillation             (cfg.use_opd, when that field exists)
+    advantage_estimator != "gspo"         GSPO's sequence ratio needs the old log-probs as input
+
+should_flush_cache(interval, v, v0): the engines' prefix cache holds KV of the old weights, so it
+is flushed on the first publish after v0 and then every `interval` versions:
+
+    v == v0 + 1  or  (v - v0 - 1) % interval == 0
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:
+    return (
+        len(num_microbatches) == 1
+        and cfg.loss_type == "policy_loss"
+        and cfg.kl_coef == 0
+        and not cfg.use_rollout_logprobs
+        and not cfg.get_mismatch_metrics
+        and cfg.advantage_estimator != "ppo"
+        and not getattr(cfg, "use_opd", False)
+        and cfg.advantage_estimator != "gspo"
+    )
+
+
+def should_flush_cache(flush_cache_interval: int, new_version: int, initial_version: int = 0) -> bool:
+    if flush_cache_interval < 1:
+        raise ValueError(f"flush_cache_interval={flush_cache_interval} must be >= 1")
+    if new_version <= initial_version:
+        raise ValueError(f"new_version={new_version} must be after initial_version={initial_version}")
+    if new_version == initial_version + 1:
+        return True
+    return (new_version - initial_version - 1) % flush_cache_interval == 0

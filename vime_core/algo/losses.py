@@ -1,0 +1,182 @@
+"""Policy losses (per token), entropy, truncated importance sampling and loss aggregation.
+
+Notation: per response token t, log_probs = log pi(a_t) (with grad), old_log_probs = log
+pi_old(a_t) (no grad), ppo_kl = old_log_probs - log_probs, A = advantage, eps = eps_clip,
+eps_high = eps_clip_high, c = eps_clip_c.
+
+PPO clip (grpo, reinforce++, ppo; Schulman et al. 2017), with the dual clip of Ye et al. 2020:
+
+    ratio = exp(-ppo_kl)
+    pg    = max(-ratio * A, -clip(ratio, 1 - eps, 1 + eps_high) * A)
+    pg    = min(pg, -c * A)            where A < 0 and c is given (c > 1)
+    clip_fraction_t = 1 where the clipped term won (-clip(ratio)*A > -ratio*A), else 0
+
+GSPO (Zheng et al. 2025): the same clip on the sequence-level ratio. For sample i with valid
+tokens m_i, ppo_kl_seq_i = sum_t(m_{i,t} ppo_kl_{i,t}) / sum_t m_{i,t}, broadcast to every token
+of i, so ratio_i = (prod_t pi/pi_old)^(1/|y_i|).
+
+CISPO (MiniMax-M1 2025): the importance weight is clipped and detached, the gradient flows
+through log pi only:
+
+    pg = -sg(min(ratio, 1 + eps_high)) * A * log_probs
+    clip_fraction_t = 1 where ratio > 1 + eps_high
+
+Entropy from logits z over the vocabulary:  H = logsumexp(z) - sum_v softmax(z)_v z_v.
+TIS weight (Yao et al. 2025): w = sg(min(exp(old_log_probs - rollout_log_probs), tis_clip)).
+
+Aggregation over loss_mask m (per sequence i, T_i tokens):
+
+    token_mean:           sum_{i,t} m l / sum_{i,t} m
+    seq_mean_token_mean:  mean_i over sequences with sum_t m > 0 of (sum_t m l / sum_t m)
+    seq_mean_token_sum:   mean_i of sum_t m l
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from vime_core.algo.registry import register_policy_loss
+
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+def compute_policy_loss(
+    ppo_kl: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clip with optional dual clip -> (per_token_loss, clip_fraction per token as float)."""
+    ratio = (-ppo_kl).exp()
+    pg_losses1 = -ratio * advantages
+    pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clip_fraction = torch.gt(pg_losses2, pg_losses1).float()
+    if eps_clip_c is None:
+        return clip_pg_losses1, clip_fraction
+    if eps_clip_c <= 1.0:
+        raise ValueError(f"eps_clip_c={eps_clip_c} must be > 1")
+    pg_losses3 = -eps_clip_c * advantages
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return pg_losses, clip_fraction
+
+
+def sequence_mean_kl(ppo_kl: torch.Tensor, loss_mask: torch.Tensor, response_lengths: Sequence[int]) -> torch.Tensor:
+    """GSPO: each token gets its sequence's masked mean of ppo_kl (flat [sum T_i] in and out)."""
+    _check_flat(ppo_kl, response_lengths, "ppo_kl")
+    lengths = torch.as_tensor(list(response_lengths))
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    mask = loss_mask.to(ppo_kl.dtype)
+    sums = torch.zeros(len(lengths), dtype=ppo_kl.dtype).index_add(0, seq_ids, ppo_kl * mask)
+    counts = torch.zeros(len(lengths), dtype=ppo_kl.dtype).index_add(0, seq_ids, mask).clamp_min(1)
+    return (sums / counts)[seq_ids]
+
+
+def compute_cispo_loss(
+    ppo_kl: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor, eps_clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """pg = -sg(min(ratio, 1 + eps_high)) * A * log_probs -> (per_token_loss, clip_fraction)."""
+    ratio = (-ppo_kl).exp()
+    truncated = torch.clamp(ratio, max=1 + eps_clip_high).detach()
+    return -truncated * advantages * log_probs, torch.gt(ratio, 1 + eps_clip_high).float()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v over the last dimension."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, tis_clip: float) -> torch.Tensor:
+    """w = sg(min(exp(old_log_probs - rollout_log_probs), tis_clip))."""
+    return torch.clamp((old_log_probs - rollout_log_probs).exp(), max=tis_clip).detach()
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str,
+    response_lengths: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss over loss_mask == 1 tokens (formulas in the module docstring).
+
+    `per_token` is either [B, T] (one row per sequence, padding masked out) or flat [sum T_i]
+    with `response_lengths` giving each sequence's T_i.
+    """
+    if per_token.shape != loss_mask.shape:
+        raise ValueError(f"per-token loss {tuple(per_token.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
+    mask = loss_mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return (per_token * mask).sum() / mask.sum().clamp_min(1)
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {list(LOSS_AGG_MODES)}")
+    if per_token.dim() == 2:
+        seq_sums, seq_counts = (per_token * mask).sum(-1), mask.sum(-1)
+    else:
+        if response_lengths is None:
+            raise ValueError(f"loss_agg_mode={mode} on a flat tensor needs response_lengths")
+        _check_flat(per_token, response_lengths, "per-token loss")
+        lengths = torch.as_tensor(list(response_lengths))
+        seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        seq_sums = torch.zeros(len(lengths), dtype=per_token.dtype).index_add(0, seq_ids, per_token * mask)
+        seq_counts = torch.zeros(len(lengths), dtype=per_token.dtype).index_add(0, seq_ids, mask)
+    if mode == "seq_mean_token_sum":
+        return seq_sums.mean() if len(seq_sums) else per_token.sum() * 0
+    valid = seq_counts > 0
+    if not bool(valid.any()):
+        return per_token.sum() * 0  # keeps the graph; nothing to train on
+    return (seq_sums[valid] / seq_counts[valid]).mean()
+
+
+def _check_flat(t: torch.Tensor, response_lengths: Sequence[int], name: str) -> None:
+    if t.dim() != 1 or t.numel() != sum(response_lengths):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected flat [{sum(response_lengths)}] = sum(response_lengths)")
+
+
+# ---- registered policy losses ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    eps_clip_c: Optional[float] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "PolicyLossParams":
+        return cls(cfg.eps_clip, cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip, cfg.eps_clip_c)
+
+
+def policy_loss_name(advantage_estimator: str) -> str:
+    """The registered policy loss an estimator trains with."""
+    return advantage_estimator if advantage_estimator in ("gspo", "cispo") else "ppo"
+
+
+# Common signature (flat tensors over the response tokens of a micro-batch, sum T_i long):
+# (log_probs, old_log_probs, advantages, loss_mask, response_lengths, params) -> (loss, clipfrac)
+
+
+@register_policy_loss("ppo")
+def ppo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+    """PPO clip on the token ratio: compute_policy_loss(old - current, A, ...)."""
+    ppo_kl = old_log_probs - log_probs
+    return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+    """PPO clip on the sequence ratio: compute_policy_loss(sequence_mean_kl(old - current), A, ...)."""
+    ppo_kl = sequence_mean_kl(old_log_probs - log_probs, loss_mask, response_lengths)
+    return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+    """CISPO: compute_cispo_loss(old - current, current, A, eps_high)."""
+    return compute_cispo_loss(old_log_probs - log_probs, log_probs, advantages, params.eps_clip_high)
