@@ -1,0 +1,155 @@
+"""`vime`: the command line over the same flows the Prefect deployments run.
+
+    vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
+    vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
+    vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches)
+    vime cluster up [--num-gpus N] | down | status       a local Ray head on loopback
+    vime teardown --run-name RUN                          stop a run's engines and actors
+    vime prune   [--run RUN] [--older-than-days D] [--yes]
+
+`--help` answers without importing Prefect, Ray or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _config_parser(prog: str):
+    from vime_core.config.loader import build_parser
+
+    return build_parser(prog)
+
+
+def _config_from(ns: dict, parser):
+    from vime_core.config.loader import ConfigError, _from_cli_string, load_config
+
+    path = ns.pop("config_file", None)
+    overrides = {k: (_from_cli_string(k, v) if isinstance(v, str) else v) for k, v in ns.items()}
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = _config_parser("vime train")
+    cfg = _config_from(vars(parser.parse_args(argv)), parser)
+    from flows.train import train
+
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_replay(argv: list[str]) -> int:
+    parser = _config_parser("vime replay")
+    parser.add_argument("--source-run", required=True, help="Run whose stored batches are replayed.")
+    parser.add_argument("--checkpoint", required=True, help="Trainer checkpoint to start from.")
+    parser.add_argument("--rollout-ids", type=int, nargs="+", help="Rollout ids of the batches.")
+    parser.add_argument("--weight-version", type=int, help="Replay every batch sampled from this weight version.")
+    ns = vars(parser.parse_args(argv))
+    extra = {k: ns.pop(k, None) for k in ("source_run", "checkpoint", "rollout_ids", "weight_version")}
+    cfg = _config_from(ns, parser)
+    from flows.replay import replay
+
+    out = replay(cfg, **extra)
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def cmd_lineage(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vime lineage", description="Lineage queries over the batch index (no batch is read).")
+    parser.add_argument("--storage-uri", default="runs")
+    parser.add_argument("--run", default=None)
+    q = parser.add_mutually_exclusive_group(required=True)
+    q.add_argument("--weight-version", type=int, help="Batches produced by this weight version.")
+    q.add_argument("--prompts-seen-twice", action="store_true", help="Prompt ids seen in two or more batches.")
+    q.add_argument("--reward-by-iteration", action="store_true", help="Mean reward per rollout id.")
+    q.add_argument("--batches", action="store_true", help="The index itself.")
+    args = parser.parse_args(argv)
+    from vime_core.storage import BatchStore
+    from vime_core.storage import lineage
+
+    store = BatchStore(args.storage_uri)
+    if args.weight_version is not None:
+        result = lineage.batches_by_weight_version(store, args.weight_version, run=args.run)
+    elif args.prompts_seen_twice:
+        result = lineage.prompts_seen_twice(store, run=args.run)
+    elif args.reward_by_iteration:
+        result = lineage.reward_by_iteration(store, run=args.run)
+    else:
+        result = store.index().to_pylist()
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_cluster(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vime cluster", description="A local Ray head on loopback.")
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines).")
+    parser.add_argument("--num-cpus", type=int, default=None)
+    args = parser.parse_args(argv)
+    from vime_core.cluster import local_head
+
+    if args.action == "up":
+        print(local_head.start_local_head(num_gpus=args.num_gpus, num_cpus=args.num_cpus))
+    elif args.action == "down":
+        local_head.stop_local_head()
+    else:
+        addr = local_head.head_running()
+        print(addr or "no local Ray head")
+        return 0 if addr else 1
+    return 0
+
+
+def cmd_teardown(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vime teardown")
+    parser.add_argument("--run-name", required=True)
+    parser.add_argument("--ray-address", default="auto")
+    args = parser.parse_args(argv)
+    from flows.teardown import teardown
+
+    print(teardown(args.run_name, args.ray_address))
+    return 0
+
+
+def cmd_prune(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vime prune", description="Remove stored batches by run and/or age (dry run unless --yes).")
+    parser.add_argument("--storage-uri", default="runs")
+    parser.add_argument("--run", default=None)
+    parser.add_argument("--older-than-days", type=float, default=None)
+    parser.add_argument("--yes", action="store_true", help="Really delete.")
+    args = parser.parse_args(argv)
+    from datetime import timedelta
+
+    from vime_core.storage import BatchStore
+    from vime_core.storage.retention import prune
+
+    older = timedelta(days=args.older_than_days) if args.older_than_days is not None else None
+    print(json.dumps(prune(BatchStore(args.storage_uri), run=args.run, older_than=older, dry_run=not args.yes), indent=2, default=str))
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "replay": cmd_replay,
+    "lineage": cmd_lineage,
+    "cluster": cmd_cluster,
+    "teardown": cmd_teardown,
+    "prune": cmd_prune,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__)
+        return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

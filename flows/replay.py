@@ -1,0 +1,49 @@
+"""The replay job: stored batches -> a trainer restored from a chosen checkpoint -> training,
+without any engine. With the same checkpoint, batch and configuration on the CPU default, the
+weights come out bit-identical to the original run's.
+
+Batches are chosen by source run + rollout ids, or by a lineage query (`weight_version`: every
+batch sampled from those weights).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger, task
+
+from tasks.bootstrap import prepare_assets
+from tasks.common import TASK_DEFAULTS
+from vime_core.config import VimeConfig
+
+
+@task(name="replay-train", task_run_name="replay-train-{rollout_id}", **TASK_DEFAULTS)
+def replay_one(config: VimeConfig, source_run: str, rollout_id: int) -> dict:
+    from vime_core.cluster.replay import train_on_stored_batch
+
+    return train_on_stored_batch(config, source_run, rollout_id)
+
+
+@flow(name="replay", flow_run_name="replay-{source_run}", log_prints=True)
+def replay(
+    config: VimeConfig,
+    source_run: str,
+    checkpoint: str,
+    rollout_ids: list[int] | None = None,
+    weight_version: int | None = None,
+    save: bool = True,
+) -> dict:
+    """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`."""
+    from vime_core.cluster.replay import prepare_replay_trainers, save_replay, select_batches
+
+    log = get_run_logger()
+    t0 = time.perf_counter()
+    config = prepare_assets(config)
+    ids = select_batches(config, source_run, rollout_ids, weight_version)
+    log.info("replaying %s batches %s on checkpoint %s", source_run, ids, checkpoint)
+    prepare_replay_trainers(config, checkpoint)
+    metrics = {k: replay_one(config, source_run, k) for k in ids}
+    out = {"rollout_ids": ids, "metrics": metrics, "seconds": time.perf_counter() - t0}
+    if save and ids:
+        out["checkpoint"] = save_replay(config, ids[-1])
+    return out

@@ -1,0 +1,64 @@
+"""bootstrap: design steps 1-13. Idempotent: attaches to the run's actors when they exist,
+creates what is missing, restores the latest checkpoint of the run, publishes the trainer's
+weights to the engines when they differ, and wakes the KV cache."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from prefect import get_run_logger, task
+
+from tasks.common import TASK_DEFAULTS
+from vime_core.cluster.connect import ensure_ray
+from vime_core.config import VimeConfig
+
+
+@task(name="prepare-assets", retries=1, **TASK_DEFAULTS)
+def prepare_assets(config: VimeConfig) -> VimeConfig:
+    """Absolute paths, plus the embedded tiny model and task data when none are configured."""
+    from vime_core.run_assets import resolve_run_config
+
+    return resolve_run_config(config)
+
+
+@task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
+def bootstrap(config: VimeConfig) -> dict:
+    from vime_core.cluster.run_actors import (
+        get_or_create_placement_group,
+        get_or_create_rollout_manager,
+        get_or_create_trainer_group,
+    )
+    from vime_core.trainer.checkpoint import latest_checkpoint
+
+    log = get_run_logger()
+    t0 = time.perf_counter()
+    ensure_ray(config.ray_address)
+    pg = get_or_create_placement_group(config)
+    manager = get_or_create_rollout_manager(config)  # starts engines + router (steps 2, 4-7)
+    trainers, created = get_or_create_trainer_group(config, pg)  # step 3
+    if created:
+        trainers.call("init", config.hf_checkpoint)
+        ckpt = latest_checkpoint(config)
+        if ckpt is not None:
+            extra = trainers.call("load", ckpt)[0] or {}
+            if extra.get("data_source") is not None:
+                ray.get(manager.load_data_source_state.remote(extra["data_source"]))
+            log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
+    state = trainers.rank0("state")
+    ray.get(manager.wait_ready.remote())
+    target = max(1, state["weight_version"])
+    versions = ray.get(manager.weight_versions.remote())
+    if not versions or any(v != target for v in versions):  # step 8: first publish is v1
+        urls = ray.get(manager.engine_urls.remote())
+        trainers.call("update_weights", urls, target)
+    ray.get(manager.onload_kv.remote())  # steps 10-13
+    last = state.get("last_trained_rollout_id")
+    out = {
+        "weight_version": target,
+        "next_rollout_id": (last + 1) if last is not None else 0,
+        "t_bootstrap": time.perf_counter() - t0,
+        "created_trainers": created,
+    }
+    log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d", out["t_bootstrap"], target, out["next_rollout_id"])
+    return out

@@ -1,0 +1,31 @@
+"""What every phase task shares: attaching to the run's actors and timing the phase."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prefect.cache_policies import NO_CACHE
+
+from vime_core.cluster.connect import ensure_ray
+from vime_core.config import VimeConfig
+
+# Phase tasks take actor handles and object references: nothing to hash or cache.
+TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+def run_handles(cfg: VimeConfig):
+    """(rollout_manager, trainer_group) of the run, attaching the driver to Ray if needed."""
+    ensure_ray(cfg.ray_address)
+    from vime_core.cluster.run_actors import attach
+
+    return attach(cfg)
+
+
+@contextmanager
+def timed(out: dict, key: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = time.perf_counter() - t0

@@ -1,0 +1,15 @@
+"""eval-k: an eval rollout over the eval set, without touching the training data source."""
+
+from __future__ import annotations
+
+import ray
+from prefect import task
+
+from tasks.common import TASK_DEFAULTS, run_handles
+from vime_core.config import VimeConfig
+
+
+@task(name="eval", task_run_name="eval-{rollout_id}", retries=1, **TASK_DEFAULTS)
+def evaluate(config: VimeConfig, rollout_id: int) -> dict:
+    manager, _ = run_handles(config)
+    return dict(ray.get(manager.eval.remote(rollout_id)))

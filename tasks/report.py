@@ -1,0 +1,48 @@
+"""report-k: the iteration's record in metrics.jsonl, the console line, and the Prefect
+artifacts (a metrics table, the reward curve, a link to the stored batch)."""
+
+from __future__ import annotations
+
+import base64
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks.common import TASK_DEFAULTS
+from vime_core.config import VimeConfig
+from vime_core.report.curve import reward_curve_png, write_reward_curve
+from vime_core.report.records import append_record, console_line, read_records, sparkline
+
+
+def _artifact_key(run_name: str, what: str) -> str:
+    # keys: lowercase letters, digits and dashes only
+    safe = "".join(c if c.isalnum() else "-" for c in run_name.lower())
+    return f"{safe}-{what}"
+
+
+@task(name="report", task_run_name="report-{rollout_id}", retries=2, **TASK_DEFAULTS)
+def report_iteration(config: VimeConfig, rollout_id: int, record: dict) -> str:
+    append_record(config.storage_uri, config.run_name, record)
+    records = read_records(config.storage_uri, config.run_name)
+    line = console_line(record)
+    get_run_logger().info(line)
+    print(line, flush=True)
+    write_reward_curve(config.storage_uri, config.run_name, records)
+    create_table_artifact(
+        key=_artifact_key(config.run_name, "metrics"),
+        table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records],
+        description=f"vime run {config.run_name}: one row per iteration (T_* in seconds)",
+    )
+    rewards = [r.get("reward_mean") or 0.0 for r in records]
+    png = base64.b64encode(reward_curve_png(records, f"vime run {config.run_name}")).decode()
+    create_markdown_artifact(
+        key=_artifact_key(config.run_name, "reward-curve"),
+        markdown=(
+            f"### Reward, run `{config.run_name}`\n\n`{sparkline(rewards)}`\n\n"
+            f"latest: rollout {rollout_id}, reward {record.get('reward_mean')}\n\n"
+            f"![reward curve](data:image/png;base64,{png})\n\n"
+            f"stored batch: `{record.get('batch_key', '')}`"
+        ),
+        description="reward mean per iteration",
+    )
+    return line

@@ -1,0 +1,57 @@
+"""rollout-k: generate (or load the stored) batch of rollout k, and persist it with its lineage."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from tasks.common import TASK_DEFAULTS, run_handles
+from vime_core.config import VimeConfig
+
+
+@dataclass
+class RolloutOutput:
+    batch_ref: Any  # ray.ObjectRef of the batch dict; the driver never holds the batch
+    metrics: dict = field(default_factory=dict)
+    from_store: bool = False
+    storage_key: str = ""
+
+
+@task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
+def rollout(config: VimeConfig, rollout_id: int) -> RolloutOutput:
+    """Design phases rollout + build. Idempotent: a batch already stored for this rollout id is
+    loaded (checksum verified) instead of regenerated."""
+    import ray
+
+    from vime_core.cluster import batch_io
+
+    log = get_run_logger()
+    manager, _ = run_handles(config)
+    t0 = time.perf_counter()
+    if batch_io.stored(config, rollout_id):
+        ref, key = batch_io.load(config, rollout_id)
+        log.info("rollout %d: loaded stored batch %s", rollout_id, key)
+        metrics = batch_io.summarize(ref)
+        metrics["t_rollout"] = time.perf_counter() - t0
+        return RolloutOutput(ref, metrics, from_store=True, storage_key=key)
+    batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id)
+    metrics = dict(ray.get(metrics_ref))
+    metrics.setdefault("t_rollout", time.perf_counter() - t0)
+    return RolloutOutput(batch_ref, metrics)
+
+
+@task(name="persist", task_run_name="persist-{rollout_id}", retries=3, retry_delay_seconds=2, **TASK_DEFAULTS)
+def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
+    """Design phase persist: the batch as an Arrow table with its lineage, written atomically."""
+    from vime_core.cluster import batch_io
+
+    if out.from_store:
+        return {"key": out.storage_key, "t_persist": 0.0, "skipped": True}
+    t0 = time.perf_counter()
+    info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id)
+    info["t_persist"] = time.perf_counter() - t0
+    get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))
+    return info

@@ -1,0 +1,101 @@
+"""Moving rollout batches between Ray's object store and the batch store without passing them
+through the driver: writes and reads run as Ray tasks next to the data; the driver only sees
+object references and small dicts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from functools import lru_cache
+from typing import Any
+
+from vime_core.config import VimeConfig, config_hash
+from vime_core.config.loader import config_dict
+
+
+@lru_cache(maxsize=None)
+def _remote_functions():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def write(uri: str, batch: dict, lineage: dict) -> dict:
+        from vime_core.storage import BatchStore
+
+        ref = BatchStore(uri).write(batch, lineage)
+        return _ref_dict(ref)
+
+    @ray.remote(num_cpus=0)
+    def read(uri: str, run: str, rollout_id: int) -> dict:
+        from vime_core.storage import BatchStore
+
+        batch, _lineage = BatchStore(uri).read(run, rollout_id)
+        return batch
+
+    @ray.remote(num_cpus=0)
+    def summarize(batch: dict) -> dict:
+        return batch_summary(batch)
+
+    return write, read, summarize
+
+
+def _ref_dict(ref: Any) -> dict:
+    if isinstance(ref, dict):
+        return ref
+    if hasattr(ref, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(ref)
+    return {"key": str(ref)}
+
+
+def summarize(batch_ref) -> dict:
+    """Statistics of a batch held in Ray's object store, computed where it lives."""
+    import ray
+
+    return ray.get(_remote_functions()[2].remote(batch_ref))
+
+
+def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "") -> dict:
+    """The lineage the caller knows; the store adds prompt ids, weight versions, row count,
+    checksum, code version and creation time from the batch itself."""
+    return {
+        "run": cfg.run_name,
+        "rollout_id": rollout_id,
+        "config_hash": config_hash(cfg),
+        "config": json.dumps(config_dict(cfg), sort_keys=True),
+        "model_id": cfg.hf_checkpoint,
+        "dataset_id": cfg.prompt_data,
+        "flow_run_id": flow_run_id,
+    }
+
+
+def stored(cfg: VimeConfig, rollout_id: int) -> bool:
+    from vime_core.storage import BatchStore
+
+    return BatchStore(cfg.storage_uri).exists(cfg.run_name, rollout_id)
+
+
+def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "") -> dict:
+    import ray
+
+    write, _, _ = _remote_functions()
+    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage_for(cfg, rollout_id, flow_run_id)))
+
+
+def load(cfg: VimeConfig, rollout_id: int):
+    """(object ref of the stored batch, its key)."""
+    _, read, _ = _remote_functions()
+    return read.remote(cfg.storage_uri, cfg.run_name, rollout_id), f"{cfg.run_name}/{rollout_id}"
+
+
+def batch_summary(batch: dict) -> dict:
+    """Reward and length statistics of a batch dict (for a batch loaded instead of generated)."""
+    rewards = [float(r) for r in batch.get("raw_reward", [])]
+    lengths = [int(x) for x in batch.get("response_length", [])]
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_len_mean": statistics.fmean(lengths) if lengths else None,
+        "response_len_max": max(lengths) if lengths else None,
+        "num_samples": len(rewards),
+    }

@@ -1,0 +1,58 @@
+"""Replay: a trainer group with no engines, restored from a checkpoint, fed stored batches."""
+
+from __future__ import annotations
+
+from vime_core.cluster.connect import ensure_ray
+from vime_core.config import VimeConfig
+
+
+def select_batches(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | None, weight_version: int | None) -> list[int]:
+    """Rollout ids to replay: the given ones (each must be stored), or those a lineage query
+    over the index selects."""
+    from vime_core.storage import BatchStore
+
+    store = BatchStore(cfg.storage_uri)
+    if rollout_ids is None and weight_version is None:
+        raise ValueError("replay needs rollout_ids or weight_version (a lineage query)")
+    if rollout_ids is None:
+        from vime_core.storage.lineage import batches_by_weight_version
+
+        rollout_ids = [int(k) for k in batches_by_weight_version(store, weight_version, run=source_run)]
+    missing = [k for k in rollout_ids if not store.exists(source_run, k)]
+    if missing:
+        raise ValueError(f"run {source_run!r} has no stored batch for rollout ids {missing} in {cfg.storage_uri}")
+    return sorted(rollout_ids)
+
+
+def prepare_replay_trainers(cfg: VimeConfig, checkpoint: str):
+    from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group
+
+    ensure_ray(cfg.ray_address)
+    pg = get_or_create_placement_group(cfg)
+    trainers, created = get_or_create_trainer_group(cfg, pg)
+    if created:
+        trainers.call("init", cfg.hf_checkpoint)
+    trainers.call("load", checkpoint)
+    return trainers
+
+
+def _trainers(cfg: VimeConfig):
+    from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group
+
+    ensure_ray(cfg.ray_address)
+    trainers, created = get_or_create_trainer_group(cfg, get_or_create_placement_group(cfg))
+    if created:
+        raise RuntimeError(f"replay trainers of run {cfg.run_name!r} vanished; restart the replay")
+    return trainers
+
+
+def train_on_stored_batch(cfg: VimeConfig, source_run: str, rollout_id: int) -> dict:
+    from vime_core.cluster import batch_io
+
+    trainers = _trainers(cfg)
+    ref, _ = batch_io.load(cfg.model_copy(update={"run_name": source_run}), rollout_id)
+    return trainers.call("train", rollout_id, ref)[0]
+
+
+def save_replay(cfg: VimeConfig, rollout_id: int) -> str:
+    return _trainers(cfg).call("save", rollout_id, {"rollout_id": rollout_id, "replay": True})[0]

@@ -1,0 +1,1 @@
+"""Per-iteration records of a run: the console line, metrics.jsonl, the reward curve, the summary."""

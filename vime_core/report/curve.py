@@ -1,0 +1,43 @@
+"""The reward-curve picture of a run (PNG), written next to its metrics."""
+
+from __future__ import annotations
+
+import io
+
+
+def reward_curve_png(records: list[dict], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ids = [r["rollout_id"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    ax.plot(ids, [r.get("reward_mean") for r in records], marker=".", label="reward mean")
+    if any(r.get("eval_reward_mean") is not None for r in records):
+        ev = [(r["rollout_id"], r["eval_reward_mean"]) for r in records if r.get("eval_reward_mean") is not None]
+        ax.plot([e[0] for e in ev], [e[1] for e in ev], marker="o", label="eval reward")
+    ax.set_xlabel("rollout id")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_reward_curve(storage_uri: str, run_name: str, records: list[dict]) -> str:
+    import fsspec
+
+    from vime_core.report.records import run_dir
+
+    fs, root = fsspec.core.url_to_fs(run_dir(storage_uri, run_name))
+    fs.makedirs(root, exist_ok=True)
+    path = f"{root}/reward_curve.png"
+    with fs.open(path, "wb") as f:
+        f.write(reward_curve_png(records, f"vime run {run_name}"))
+    return path

@@ -1,0 +1,58 @@
+"""Resolving a configuration for the actors of a run: absolute paths (actors do not share the
+driver's working directory), and the embedded default model and task data when the
+configuration names none (the default job on a fresh machine)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from vime_core.config import VimeConfig
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def _abs(path: str, base: Path) -> str:
+    if not path or _is_remote(path):
+        return path
+    p = Path(path.removeprefix("file://")).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def assets_dir(cfg: VimeConfig) -> Path:
+    """Local folder for built models and generated data: beside local storage, else in .cache."""
+    root = Path(cfg.storage_uri) if not _is_remote(cfg.storage_uri) else REPO / ".cache"
+    return root / "_assets"
+
+
+def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
+    base = base or Path.cwd()
+    updates = {
+        "storage_uri": _abs(cfg.storage_uri, base),
+        "hf_checkpoint": _abs(cfg.hf_checkpoint, base),
+        "prompt_data": _abs(cfg.prompt_data, base),
+        "eval_prompt_data": _abs(cfg.eval_prompt_data, base),
+        "vllm_python": _abs(cfg.vllm_python, REPO) if not Path(cfg.vllm_python).is_absolute() else cfg.vllm_python,
+    }
+    resolved = cfg.model_copy(update=updates)
+    assets = assets_dir(resolved)
+    if not resolved.hf_checkpoint:
+        from vime_core.models.tiny import build_tiny_model
+
+        path = build_tiny_model(assets / "tiny-qwen3", family="qwen3", seed=0)
+        log.info("using the embedded tiny Qwen3-style model at %s", path)
+        resolved = resolved.model_copy(update={"hf_checkpoint": str(path)})
+    if not resolved.prompt_data:
+        from vime_core.tasks.arith import write_dataset
+
+        path = write_dataset(assets / "arith.jsonl", seed=0)
+        resolved = resolved.model_copy(update={"prompt_data": str(path)})
+        if not resolved.eval_prompt_data:
+            resolved = resolved.model_copy(update={"eval_prompt_data": str(path)})
+    return resolved
