@@ -1,0 +1,95 @@
+"""vLLM worker extension loaded with `--worker-extension-cls
+vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension`.
+
+Importing this module (vLLM does it in every worker before the model loads) registers the
+`vime_shm` weight-transfer backend, so `--weight-transfer-config '{"backend": "vime_shm"}'`
+works on CPU. The class adds methods callable through `POST /collective_rpc`:
+
+- `vime_weight_spec()`: the HF-named tensors the model's `load_weights` expects (name, shape,
+  dtype on the wire), read from the checkpoint the server started from. The trainer validates a
+  publish against it before any byte moves, because a half-applied update breaks the server.
+- `vime_update_stats()`: where this worker's time went in the last `vime_shm` session.
+
+Runs inside the vLLM worker: imports only vllm, torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from typing import Any
+
+from vime_core.engines.vllm_side.shm_format import BACKEND_NAME, FLOATING
+
+
+def _register_backend() -> None:
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "vime_core.engines.vllm_side.shm_backend", "ShmWeightTransferEngine"
+        )
+    except ValueError:  # already registered (module imported twice in one process)
+        pass
+
+
+_register_backend()
+
+# safetensors header dtype codes -> torch dtype names
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def read_safetensors_layout(model_dir: str) -> dict[str, dict[str, Any]]:
+    """{name: {"shape": [...], "dtype": torch dtype name}} over every *.safetensors file in
+    `model_dir`, read from the file headers only (8-byte little-endian length + JSON)."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    layout: dict[str, dict[str, Any]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            code = entry["dtype"]
+            if code not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {code!r}")
+            layout[name] = {"shape": list(entry["shape"]), "dtype": _SAFETENSORS_DTYPES[code]}
+    return layout
+
+
+class VimeWorkerExtension:
+    """Mixed into vLLM's worker class by `--worker-extension-cls`; `self` is the worker."""
+
+    def vime_weight_spec(self) -> dict[str, Any]:
+        """What a full weight update must contain. Floating tensors travel in the served dtype
+        (the model's parameters' dtype); others in the checkpoint's. Cached on first call: a
+        disk reload repoints `model_config.model` at a folder that may be gone later."""
+        cached = getattr(self, "_vime_weight_spec", None)
+        if cached is not None:
+            return cached
+        model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        source = model_config.model
+        if not os.path.isdir(source):
+            raise FileNotFoundError(f"vime_weight_spec needs a local checkpoint folder; model is {source!r}")
+        served = str(model_config.dtype).removeprefix("torch.")
+        tensors = read_safetensors_layout(source)
+        for entry in tensors.values():
+            if entry["dtype"] in FLOATING:
+                entry["dtype"] = served
+        spec = {"source": source, "served_dtype": served, "tensors": tensors}
+        self._vime_weight_spec = spec
+        return spec
+
+    def vime_update_stats(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        stats = getattr(engine, "stats", None)
+        return stats.as_dict() if stats is not None else {}
