@@ -1,0 +1,295 @@
+"""Reward hub, rule-based checkers, the remote reward model (against a real loopback HTTP
+server), filters and hook loading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vime_core.config import load_config
+from vime_core.data.sample import Sample, Status
+from vime_core.rewards.filters import check_reward_nonzero_std, keep_all, load_filter
+from vime_core.rewards.hub import RewardHub
+from vime_core.rewards.math_checker import extract_answer, extract_boxed, is_equiv, math_reward
+from vime_core.rewards.remote import RemoteRewardError, RemoteRewardModel, redact_url
+from vime_core.rewards.scorers import exact_match_reward, f1_score
+from vime_core.utils.imports import HookLoadError, load_function
+
+
+def _sample(response: str, label, **kw) -> Sample:
+    return Sample(prompt="q", response=response, label=label, **kw)
+
+
+# ---- math checker -------------------------------------------------------------------------------
+
+
+def test_boxed_extraction_handles_nesting_and_last_box():
+    assert extract_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_boxed("no box") is None
+    assert extract_boxed(r"\boxed{unbalanced") is None
+    assert extract_answer("so 3 apples and 12 pears") == "12"
+
+
+@pytest.mark.parametrize(
+    "pred, label, equal",
+    [
+        (r"\frac{1}{2}", "0.5", True),
+        (r"\dfrac{3}{4}", "3/4", True),
+        ("1,000", "1000", True),
+        ("50\\%", "0.5", True),
+        ("x = 5", "5", True),
+        ("5.", "5", True),
+        ("6", "5", False),
+        ("abc", "5", False),
+        (None, "5", False),
+    ],
+)
+def test_equivalence(pred, label, equal):
+    assert is_equiv(pred, label) is equal
+
+
+def test_math_reward_boxed_and_final_number():
+    assert math_reward(_sample(r"... the answer is \boxed{42}", "42")) == 1.0
+    assert math_reward(_sample("7 then 42", "42")) == 1.0
+    assert math_reward(_sample(r"\boxed{41}", r"\boxed{42}")) == 0.0
+
+
+# ---- text scorers ---------------------------------------------------------------------------------
+
+
+def test_exact_match_and_f1():
+    assert exact_match_reward(_sample("The Eiffel Tower!", "eiffel tower")) == 1.0
+    assert exact_match_reward(_sample("tower", ["eiffel tower", "Tower"])) == 1.0
+    # pred {paris, france}, ref {paris}: P = 1/2, R = 1 -> F1 = 2/3
+    p, r = 1 / 2, 1.0
+    assert f1_score("Paris France", "paris") == pytest.approx(2 * p * r / (p + r))
+    assert f1_score("", "") == 1.0 and f1_score("x", "") == 0.0
+
+
+# ---- hub ------------------------------------------------------------------------------------------
+
+
+def _hub(**over) -> RewardHub:
+    return RewardHub(load_config(overrides=over))
+
+
+def test_builtin_arith_and_math():
+    s = _sample("7", "7", finish_reason="stop")
+    asyncio.run(_hub(rm_type="arith").score(s))
+    assert s.reward == 1.0 and s.status == Status.PENDING
+    s2 = _sample(r"\boxed{8}", "7")
+    asyncio.run(_hub(rm_type="math").score(s2))
+    assert s2.reward == 0.0
+
+
+def test_unknown_rm_type_is_named():
+    with pytest.raises(ValueError, match="rm_type='nope'"):
+        _hub(rm_type="nope")
+
+
+HOOKS = '''
+import asyncio
+
+def per_sample(sample):
+    return float(len(sample.response))
+
+async def per_sample_async(sample):
+    await asyncio.sleep(0)
+    return 2.5
+
+def per_group(samples):
+    return [float(i) for i, _ in enumerate(samples)]
+
+def raises(sample):
+    raise RuntimeError("judge exploded")
+
+def not_a_number(sample):
+    return "high"
+
+def short_group(samples):
+    return [1.0]
+
+VALUE = 3
+'''
+
+
+@pytest.fixture
+def hooks(tmp_path):
+    path = tmp_path / "my_hooks.py"
+    path.write_text(HOOKS)
+    return str(path)
+
+
+def test_custom_sync_and_async(hooks):
+    s = _sample("abcd", None)
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:per_sample").score(s))
+    assert s.reward == 4.0
+    group = [_sample("a", None), _sample("b", None)]
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:per_sample_async").score_group(group))
+    assert [g.reward for g in group] == [2.5, 2.5]
+
+
+def test_custom_group_reward(hooks):
+    group = [_sample("a", None) for _ in range(3)]
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:per_group", group_rm=True).score_group(group))
+    assert [g.reward for g in group] == [0.0, 1.0, 2.0]
+
+
+def test_raising_reward_marks_sample_failed_and_goes_on(hooks):
+    hub = _hub(custom_rm_path=f"{hooks}:raises")
+    samples = [_sample("a", None), _sample("b", None)]
+    asyncio.run(hub.score_group(samples))
+    for s in samples:
+        assert s.status == Status.FAILED
+        assert s.reward == 0.0
+        assert s.metadata["reward_error"] == "RuntimeError: judge exploded"
+
+
+def test_non_numeric_reward_and_wrong_group_length_fail(hooks):
+    s = _sample("a", None)
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:not_a_number").score(s))
+    assert s.status == Status.FAILED and s.metadata["reward_error"].startswith("TypeError")
+    group = [_sample("a", None), _sample("b", None)]
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:short_group", group_rm=True).score_group(group))
+    assert all(g.status == Status.FAILED for g in group)
+
+
+# ---- hook loading ---------------------------------------------------------------------------------
+
+
+def test_load_function_errors_name_the_path(hooks):
+    assert load_function("vime_core.rewards.filters:check_reward_nonzero_std") is check_reward_nonzero_std
+    with pytest.raises(HookLoadError, match=r"custom_rm_path='no_such_mod:f': module 'no_such_mod' not found"):
+        load_function("no_such_mod:f", field="custom_rm_path")
+    with pytest.raises(HookLoadError, match="has no attribute 'missing'"):
+        load_function("vime_core.rewards.filters:missing")
+    with pytest.raises(HookLoadError, match="exactly one ':'"):
+        load_function("vime_core.rewards.filters.keep_all")
+    with pytest.raises(HookLoadError, match="not a callable"):
+        load_function(f"{hooks}:VALUE")
+    with pytest.raises(HookLoadError, match="does not exist"):
+        load_function("/nonexistent/x.py:f")
+
+
+def test_bad_custom_rm_path_fails_at_hub_construction():
+    with pytest.raises(HookLoadError, match="custom_rm_path"):
+        _hub(custom_rm_path="vime_core.rewards.filters:nope")
+
+
+# ---- filters --------------------------------------------------------------------------------------
+
+
+def test_check_reward_nonzero_std():
+    assert check_reward_nonzero_std([_sample("", None, reward=r) for r in (1, 0, 0, 1)]) is True
+    assert check_reward_nonzero_std([_sample("", None, reward=1.0) for _ in range(8)]) is False
+    assert check_reward_nonzero_std([_sample("", None, reward=1.0)]) is False
+    assert load_filter("vime_core.rewards.filters:check_reward_nonzero_std") is check_reward_nonzero_std
+    assert load_filter("") is keep_all
+    with pytest.raises(HookLoadError, match="dynamic_sampling_filter_path"):
+        load_filter("x:y")
+
+
+# ---- remote reward model against a real loopback server ------------------------------------------
+
+
+class _RewardServer:
+    """A loopback HTTP reward model: answers 503 for the first `fail_first` calls, sleeps
+    `delay_s` per call, then returns {"reward": len(response)}; records the headers it saw."""
+
+    def __init__(self, fail_first: int = 0, delay_s: float = 0.0, status: int = 200):
+        self.calls = 0
+        self.seen_auth: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                outer.calls += 1
+                outer.seen_auth.append(self.headers.get("Authorization", ""))
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(delay_s)
+                if outer.calls <= fail_first:
+                    code, payload = 503, {"error": "busy"}
+                elif status != 200:
+                    code, payload = status, {"error": "bad request"}
+                else:
+                    code, payload = 200, {"reward": float(len(body["response"]))}
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and left
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def reward_server(request):
+    servers = []
+
+    def make(**kw):
+        s = _RewardServer(**kw)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_remote_retries_then_succeeds_and_sends_key(reward_server, monkeypatch):
+    server = reward_server(fail_first=2)
+    monkeypatch.setenv("VIME_RM_API_KEY", "sk-secret-123")
+    hub = _hub(rm_type="remote_rm", rm_url=server.url)
+    hub.fn.backoff_s = 0.01
+    s = _sample("abc", "x")
+    asyncio.run(hub.score(s))
+    assert s.reward == 3.0 and s.status == Status.PENDING
+    assert server.calls == 3
+    assert server.seen_auth[-1] == "Bearer sk-secret-123"
+    assert "sk-secret" not in repr(hub.fn)
+
+
+def test_remote_gives_up_and_error_has_no_secret(reward_server):
+    server = reward_server(fail_first=100)
+    model = RemoteRewardModel(server.url, timeout_s=2, max_retries=2, backoff_s=0.01, headers={"Authorization": "Bearer sk-secret-123"})
+    with pytest.raises(RemoteRewardError) as info:
+        asyncio.run(model(_sample("a", None)))
+    assert server.calls == 3
+    assert "HTTP 503" in str(info.value) and "sk-secret" not in str(info.value)
+
+
+def test_remote_timeout_and_client_error_mark_failed(reward_server):
+    slow = reward_server(delay_s=0.5)
+    hub = _hub(rm_type="remote_rm", rm_url=slow.url, rm_timeout_s=0.1)
+    hub.fn.max_retries, hub.fn.backoff_s = 1, 0.01
+    s = _sample("a", None)
+    asyncio.run(hub.score(s))
+    assert s.status == Status.FAILED and "timed out" in s.metadata["reward_error"]
+    bad = reward_server(status=400)
+    model = RemoteRewardModel(bad.url, max_retries=3, backoff_s=0.01)
+    with pytest.raises(RemoteRewardError, match="HTTP 400"):
+        asyncio.run(model(_sample("a", None)))
+    assert bad.calls == 1  # 4xx is not retried
+
+
+def test_redact_url():
+    assert redact_url("http://user:pw@host:8080/score?key=abc") == "http://host:8080/score"

@@ -1,0 +1,93 @@
+"""A reward model behind HTTP (rm_type=remote_rm).
+
+One POST per sample to `url` with JSON {"prompt", "response", "label", "metadata"}; the answer is
+a JSON number or {"reward": number}. Transport errors, timeouts, 429 and 5xx are retried up to
+`max_retries` times with exponential backoff (backoff_s * 2^attempt); other 4xx fail at once.
+
+Headers (e.g. an API key) are sent but never logged and never put in exceptions; URLs are shown
+without user-info or query string, which may carry credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward model did not give a usable reward; the message holds no headers or secrets."""
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def parse_reward(payload: Any) -> float:
+    value = payload.get("reward") if isinstance(payload, dict) else payload
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RemoteRewardError(f"reward model answered {str(payload)[:200]!r}; expected a number or {{'reward': number}}")
+    return float(value)
+
+
+class RemoteRewardModel:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        headers: Optional[dict[str, str]] = None,
+    ) -> None:
+        if not url:
+            raise ValueError("rm_url is empty; rm_type=remote_rm needs the reward model's URL")
+        self.url = url
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._headers = dict(headers or {})
+
+    def __repr__(self) -> str:  # never show headers
+        return f"RemoteRewardModel(url={redact_url(self.url)!r}, timeout_s={self.timeout_s}, max_retries={self.max_retries})"
+
+    async def __call__(self, sample) -> float:
+        import httpx
+
+        body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
+        shown = redact_url(self.url)
+        last_error = ""
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers) as client:
+            for attempt in range(self.max_retries + 1):
+                if attempt:
+                    delay = self.backoff_s * 2 ** (attempt - 1)
+                    log.warning("reward model %s: %s; retry %d/%d in %.2fs", shown, last_error, attempt, self.max_retries, delay)
+                    await asyncio.sleep(delay)
+                try:
+                    response = await client.post(self.url, json=body)
+                except httpx.TimeoutException:
+                    last_error = f"timed out after {self.timeout_s}s"
+                    continue
+                except httpx.TransportError as exc:
+                    last_error = f"{type(exc).__name__}"
+                    continue
+                if response.status_code in RETRYABLE_STATUS:
+                    last_error = f"HTTP {response.status_code}"
+                    continue
+                if response.status_code >= 400:
+                    raise RemoteRewardError(f"reward model {shown} answered HTTP {response.status_code}: {response.text[:200]!r}")
+                try:
+                    payload = response.json()
+                except ValueError:
+                    raise RemoteRewardError(f"reward model {shown} answered non-JSON: {response.text[:200]!r}") from None
+                return parse_reward(payload)
+        raise RemoteRewardError(f"reward model {shown} failed after {self.max_retries + 1} attempts: {last_error}")

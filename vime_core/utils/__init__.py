@@ -1,0 +1,1 @@
+"""Small helpers shared across vime_core (no heavy imports)."""
