@@ -1,0 +1,373 @@
+"""HTTP client of one vLLM server: token-in/token-out generate and every control call of the step.
+
+`EngineClient` is async (httpx) because generate sits in the rollout's hot path; control calls
+(pause, resume, sleep/wake, the weight-update session, the prefix cache, the weight version) are
+also available blocking through `SyncEngineClient`, for the trainer's weight publisher, tests and
+the CLI.
+
+Every failure is an `EngineError` naming the engine, the endpoint, the HTTP status (None when no
+answer came: refused connection, timeout) and an excerpt of the body.
+
+Control calls go to each engine directly, never through vllm-router: the router sends a control
+call to one worker only and drops its query string (`/pause?mode=keep` arrives as `/pause`,
+i.e. abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any, Callable, Coroutine, Iterable, Literal, Optional, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+WAKE_TAGS = ("weights", "kv_cache")
+_TAG_ALIASES = {"weights": "weights", "weight": "weights", "kv_cache": "kv_cache", "kv": "kv_cache"}
+BODY_EXCERPT_CHARS = 500
+GENERATE_PATH = "/inference/v1/generate"
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """A vLLM server call that failed: which engine, which endpoint, what it answered."""
+
+    def __init__(self, engine: str, endpoint: str, status: Optional[int], body: str) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.status = status
+        self.body = body[:BODY_EXCERPT_CHARS]
+        answer = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"engine {engine}: {endpoint} failed ({answer}): {self.body}")
+
+
+def redact_url(url: str) -> str:
+    """The URL without user:password, so it can go into logs and errors."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts).rstrip("/")
+
+
+def normalize_wake_tags(tags: Optional[Iterable[str]]) -> list[str]:
+    """Tags vLLM knows (`weights`, `kv_cache`), deduplicated in canonical order; None -> both."""
+    if tags is None:
+        return list(WAKE_TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    wanted = set()
+    for tag in tags:
+        canonical = _TAG_ALIASES.get(str(tag).strip().lower())
+        if canonical is None:
+            raise ValueError(f"wake_up tag {tag!r} is not one of {list(WAKE_TAGS)}")
+        wanted.add(canonical)
+    return [t for t in WAKE_TAGS if t in wanted]
+
+
+def parse_weight_version(raw: Any) -> int:
+    """vLLM reports versions as strings; the checkpoint's own weights are "default" (version 0)."""
+    if raw is None or raw == "default":
+        return 0
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight version {raw!r} is not an integer") from None
+
+
+class EngineClient:
+    """Async client of one vLLM server at `base_url` (e.g. http://127.0.0.1:8000).
+
+    The underlying httpx client is bound to the event loop that first used it; a call from a
+    different loop (the rollout manager runs one loop per rollout) opens a fresh one.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        name: Optional[str] = None,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        supports_sleep: bool = True,
+        model: Optional[str] = None,
+        max_connections: int = 1024,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name or redact_url(self.base_url)
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.supports_sleep = supports_sleep
+        self.model = model
+        self.max_connections = max_connections
+        self._http: Optional[httpx.AsyncClient] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop or self._http.is_closed:
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=64)
+            self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=self.timeout_s)
+            self._loop = loop
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = None
+        self._loop = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Any = None,
+        json: Any = None,
+        headers: Optional[dict] = None,
+        timeout_s: Optional[float] = None,
+    ) -> Any:
+        """One call; the decoded JSON body (None when empty). Raises `EngineError`."""
+        endpoint = f"{method} {path}"
+        timeout = timeout_s if timeout_s is not None else self.control_timeout_s
+        try:
+            resp = await self._client().request(
+                method, path, params=params, json=json, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise EngineError(self.name, endpoint, None, f"timed out after {timeout} s ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise EngineError(self.name, endpoint, None, f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code >= 400:
+            raise EngineError(self.name, endpoint, resp.status_code, resp.text)
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            raise EngineError(self.name, endpoint, resp.status_code, f"not JSON: {resp.text}") from None
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        token_ids: list[int],
+        sampling_params: dict,
+        session_id: Optional[str] = None,
+        request_id: Optional[str] = None,
+    ) -> dict:
+        """`POST /inference/v1/generate`: token ids in; the raw response (choices with token_ids,
+        logprobs, finish_reason, weight_versions; usage) out. `session_id` travels in
+        `X-Session-ID` (vllm-router's consistent_hash key)."""
+        body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling_params}
+        if self.model:
+            body["model"] = self.model
+        if request_id:
+            body["request_id"] = request_id
+        headers = {"X-Session-ID": session_id} if session_id else None
+        return await self.request("POST", GENERATE_PATH, json=body, headers=headers, timeout_s=self.timeout_s)
+
+    # ---- admission: pause / resume / abort ----------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "abort") -> dict:
+        """abort: drop in-flight requests; wait: let them finish; keep: freeze them until resume."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode {mode!r} is not one of abort, wait, keep")
+        return await self.request("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> dict:
+        return await self.request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.request("GET", "/is_paused"))["is_paused"])
+
+    async def abort_requests(self, request_ids: Optional[list[str]] = None) -> int:
+        """Abort the given requests (all in flight when None) without pausing; how many."""
+        body = {"request_ids": list(request_ids)} if request_ids else {}
+        answer = await self.request("POST", "/abort_requests", json=body)
+        return int((answer or {}).get("aborted", 0))
+
+    # ---- memory: sleep / wake --------------------------------------------------------------
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "keep") -> dict:
+        """Free device memory: level 1 offloads weights to host and drops the KV cache, level 2
+        drops both (for engines that receive weights afterwards). Skipped, with a log line, where
+        the platform has no sleep mode (vLLM CPU answers but frees nothing and stays paused)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is not 1 or 2")
+        if not self.supports_sleep:
+            logger.info("engine %s: no sleep mode on this platform; sleep(level=%d) skipped", self.name, level)
+            return {"status": "skipped", "level": level}
+        return await self.request("POST", "/sleep", params={"level": level, "mode": mode})
+
+    async def wake_up(self, tags: Optional[Iterable[str]] = None) -> dict:
+        """Wake the given parts (`weights`, `kv_cache`; None: both)."""
+        canonical = normalize_wake_tags(tags)
+        if not self.supports_sleep:
+            logger.info("engine %s: no sleep mode on this platform; wake_up(%s) skipped", self.name, canonical)
+            return {"status": "skipped", "tags": canonical}
+        return await self.request("POST", "/wake_up", params=[("tags", t) for t in canonical])
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self.request("GET", "/is_sleeping"))["is_sleeping"])
+
+    async def reset_prefix_cache(self, attempts: int = 20, backoff_s: float = 0.05) -> None:
+        """Flush the prefix cache (reloaded weights do not invalidate it). vLLM refuses while
+        blocks are held by running requests, so retry a bounded number of times."""
+        delay = backoff_s
+        for _ in range(attempts):
+            answer = await self.request("POST", "/reset_prefix_cache")
+            if answer is None or answer.get("success", True):
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        raise EngineError(self.name, "POST /reset_prefix_cache", 200, f"still refused after {attempts} attempts")
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def init_weight_transfer(self, init_info: dict) -> dict:
+        return await self.request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    async def start_weight_update(self) -> dict:
+        return await self.request("POST", "/start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> dict:
+        return await self.request("POST", "/update_weights", json={"update_info": update_info})
+
+    async def finish_weight_update(self, version: int | str) -> dict:
+        return await self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
+
+    async def update_weight_version(self, version: int | str) -> dict:
+        """Set the version label only (after weights were reloaded another way, e.g. from disk)."""
+        return await self.request("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def weight_version(self) -> int:
+        return parse_weight_version((await self.request("GET", "/weight_info"))["weight_version"])
+
+    async def collective_rpc(
+        self, method: str, kwargs: Optional[dict] = None, args: Optional[list] = None, timeout_s: Optional[float] = None
+    ) -> Any:
+        body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}, "args": args or []}
+        if timeout_s is not None:
+            body["timeout"] = timeout_s
+        answer = await self.request("POST", "/collective_rpc", json=body, timeout_s=timeout_s)
+        return None if answer is None else answer.get("results")
+
+    # ---- liveness and shape -----------------------------------------------------------------
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True when /health answers 200; raises `EngineError` otherwise."""
+        await self.request("GET", "/health", timeout_s=timeout_s)
+        return True
+
+    async def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return await self.health(timeout_s)
+        except EngineError:
+            return False
+
+    async def world_size(self) -> int:
+        """TP x PP of the server (data parallelism excluded)."""
+        answer = await self.request("GET", "/get_world_size", params={"include_dp": "false"})
+        return int(answer["world_size"])
+
+    async def served_models(self) -> list[dict]:
+        return list((await self.request("GET", "/v1/models"))["data"])
+
+
+def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from sync code, also when this thread already runs a loop
+    (a Ray async actor): then in a helper thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coro())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make_coro())).result()
+
+
+class SyncEngineClient:
+    """Blocking twins of `EngineClient`'s control calls; each call opens and closes its own
+    connection, which costs ~1 ms and keeps the object free of event-loop state."""
+
+    def __init__(self, base_url: str, name: Optional[str] = None, **client_kwargs: Any) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name or redact_url(self.base_url)
+        self._client_kwargs = client_kwargs
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        async def one_call() -> Any:
+            async with EngineClient(self.base_url, self.name, **self._client_kwargs) as client:
+                return await getattr(client, method)(*args, **kwargs)
+
+        return run_blocking(one_call)
+
+    def pause(self, mode: PauseMode = "abort") -> dict:
+        return self._call("pause", mode)
+
+    def resume(self) -> dict:
+        return self._call("resume")
+
+    def is_paused(self) -> bool:
+        return self._call("is_paused")
+
+    def abort_requests(self, request_ids: Optional[list[str]] = None) -> int:
+        return self._call("abort_requests", request_ids)
+
+    def sleep(self, level: int = 1, mode: PauseMode = "keep") -> dict:
+        return self._call("sleep", level, mode)
+
+    def wake_up(self, tags: Optional[Iterable[str]] = None) -> dict:
+        return self._call("wake_up", None if tags is None else list(tags))
+
+    def is_sleeping(self) -> bool:
+        return self._call("is_sleeping")
+
+    def reset_prefix_cache(self, attempts: int = 20, backoff_s: float = 0.05) -> None:
+        return self._call("reset_prefix_cache", attempts, backoff_s)
+
+    def init_weight_transfer(self, init_info: dict) -> dict:
+        return self._call("init_weight_transfer", init_info)
+
+    def start_weight_update(self) -> dict:
+        return self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> dict:
+        return self._call("update_weights", update_info)
+
+    def finish_weight_update(self, version: int | str) -> dict:
+        return self._call("finish_weight_update", version)
+
+    def update_weight_version(self, version: int | str) -> dict:
+        return self._call("update_weight_version", version)
+
+    def weight_version(self) -> int:
+        return self._call("weight_version")
+
+    def collective_rpc(self, method: str, kwargs: Optional[dict] = None, args: Optional[list] = None, timeout_s: Optional[float] = None) -> Any:
+        return self._call("collective_rpc", method, kwargs, args, timeout_s)
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        return self._call("health", timeout_s)
+
+    def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        return self._call("is_healthy", timeout_s)
+
+    def world_size(self) -> int:
+        return self._call("world_size")
+
+    def served_models(self) -> list[dict]:
+        return self._call("served_models")

@@ -1,0 +1,398 @@
+"""One vLLM server process: launch (or attach), wait for health, shut down without hanging.
+
+The server runs in the vLLM environment's interpreter (`cfg.vllm_python`), so the trainer's
+environment never imports vllm:
+
+    <vllm_python> -m vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P
+        --enable-scale-out                        # POST /inference/v1/generate (token ids in/out)
+        --max-model-len rollout_max_context_len
+        --logprobs-mode processed_logprobs        # log-probs after temperature, what training needs
+        [--enable-sleep-mode] [--weight-transfer-config JSON] [--worker-extension-cls CLS] ...
+
+with VLLM_SERVER_DEV_MODE=1 (pause/resume, weight session, collective_rpc, reset cache),
+VLLM_CPU_KVCACHE_SPACE (else vLLM CPU asks for ~92% of RAM), HF_HUB_OFFLINE=1, a CPU core set
+per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core, and the
+repository root on PYTHONPATH so modules under vime_core/engines/vllm_side load inside vLLM.
+
+`EngineActor = ray.remote(EngineServer)` is built lazily (this module does not import ray).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from vime_core.engines.client import SyncEngineClient, redact_url
+
+if TYPE_CHECKING:
+    from vime_core.config import VimeConfig
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOG_TAIL_LINES = 40
+BUILTIN_WEIGHT_BACKENDS = ("ipc", "nccl")
+# Loaded into vLLM's workers for vime's own weight-transfer backends (e.g. "vime_shm" on CPU).
+VIME_WORKER_EXTENSION = "vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension"
+TCMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
+
+
+class EngineStartError(RuntimeError):
+    """The server did not become healthy; the message ends with its last log lines."""
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_python(vllm_python: str) -> Path:
+    """`cfg.vllm_python`, relative paths taken from the repository root."""
+    path = Path(vllm_python)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not path.exists():
+        raise FileNotFoundError(f"vllm_python={vllm_python!r}: {path} does not exist (run infra/setup_env.sh)")
+    return path
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0,1,2,5] -> "0-2,5" (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    parts, start = [], None
+    for i, core in enumerate(cores):
+        if start is None:
+            start = core
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            parts.append(str(start) if start == core else f"{start}-{core}")
+            start = None
+    return ",".join(parts)
+
+
+def cpu_bind(engine_index: int, engines_per_node: int, tp_size: int = 1, cores: Optional[list[int]] = None) -> str:
+    """The core set of engine `engine_index`: the node's cores split evenly between its engines
+    (engine i gets the i-th slice), each engine's slice split between its TP ranks with "|".
+    With more engines than cores, engines wrap around and share (a warning says so)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    slots = engines_per_node * tp_size
+    if slots > len(cores):
+        logger.warning("%d engine ranks on %d cores: engines will share cores", slots, len(cores))
+    per_rank = max(1, len(cores) // slots)
+    local = engine_index % engines_per_node
+    rank_sets = []
+    for rank in range(tp_size):
+        first = (local * tp_size + rank) * per_rank
+        rank_sets.append(_ranges(sorted({cores[(first + j) % len(cores)] for j in range(per_rank)})))
+    return "|".join(rank_sets)
+
+
+def _module_file(dotted_class: str) -> Optional[Path]:
+    """Where a `vime_core.` class path's module would live in this repository (None: not ours)."""
+    module = dotted_class.rsplit(".", 1)[0]
+    if not module.startswith("vime_core."):
+        return None
+    return REPO_ROOT / (module.replace(".", "/") + ".py")
+
+
+def platform_supports_sleep(cfg: "VimeConfig") -> bool:
+    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none."""
+    return cfg.device == "cuda"
+
+
+class EngineServer:
+    """Starts (or attaches to) one vLLM server. Plain class; a Ray actor by `EngineActor`.
+
+    `url` is the server's base URL once started. `start()` blocks until /health answers (or
+    raises `EngineStartError` with the last log lines), `shutdown()` pauses with abort then
+    terminates, `restart()` does both and returns the (possibly new) URL.
+    """
+
+    def __init__(
+        self,
+        cfg: "VimeConfig",
+        engine_index: int = 0,
+        *,
+        model_path: Optional[str] = None,
+        attach_url: Optional[str] = None,
+        engines_per_node: Optional[int] = None,
+        server_args: Optional[dict] = None,
+        worker_extension_cls: Optional[str] = None,
+        weight_transfer_config: Optional[dict] = "from_cfg",  # type: ignore[assignment]
+        extra_env: Optional[dict[str, str]] = None,
+        log_dir: Optional[str] = None,
+        warmup: bool = True,
+    ) -> None:
+        from vime_core.config import engine_server_args, num_engines
+
+        self.cfg = cfg
+        self.engine_index = engine_index
+        self.name = f"engine-{engine_index}"
+        model = model_path or cfg.hf_checkpoint
+        self.model_path = str(Path(model).resolve()) if model else ""
+        self.attach_url = attach_url
+        self.engines_per_node = engines_per_node or num_engines(cfg)
+        self.server_args = dict(engine_server_args(cfg))
+        self.server_args.update(server_args or {})
+        if weight_transfer_config != "from_cfg":
+            self.server_args["weight_transfer_config"] = weight_transfer_config
+        if worker_extension_cls is not None:
+            self.server_args["worker_extension_cls"] = worker_extension_cls
+        self.extra_env = dict(extra_env or {})
+        self.log_dir = Path(log_dir) if log_dir else REPO_ROOT / ".cache" / "engine-logs"
+        self.warmup = warmup
+        self.port: Optional[int] = None
+        self.url: Optional[str] = attach_url.rstrip("/") if attach_url else None
+        self.log_path: Optional[Path] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._log_file: Any = None
+
+    # ---- what is launched -------------------------------------------------------------------
+
+    def command(self, port: int) -> list[str]:
+        """The server's command line (without environment)."""
+        cfg, args = self.cfg, dict(self.server_args)
+        if not self.model_path:
+            raise ValueError("hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)")
+        cmd = [
+            str(resolve_python(cfg.vllm_python)), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_path),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--enable-scale-out",
+            "--max-model-len", str(args.pop("max_model_len", cfg.rollout_max_context_len)),
+            "--logprobs-mode", str(args.pop("logprobs_mode", "processed_logprobs")),
+            "--tensor-parallel-size", str(args.pop("tensor_parallel_size", cfg.rollout_num_gpus_per_engine)),
+            "--seed", str(cfg.seed + self.engine_index),
+        ]
+        if cfg.vllm_enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.device == "cpu":
+            # Serve in the trainer's precision so rollout log-probs match its recompute.
+            cmd += ["--dtype", "bfloat16" if cfg.bf16 else "float32"]
+        else:
+            cmd += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+
+        if args.pop("enable_sleep_mode", False):
+            if platform_supports_sleep(cfg):
+                cmd.append("--enable-sleep-mode")
+            else:
+                logger.info("%s: device=%s has no vLLM sleep mode; starting without it (offload is a no-op)", self.name, cfg.device)
+
+        extension = args.pop("worker_extension_cls", None)
+        transfer = args.pop("weight_transfer_config", None)
+        backend = (transfer or {}).get("backend")
+        if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and not extension:
+            extension = VIME_WORKER_EXTENSION
+        if extension and (path := _module_file(extension)) is not None and not path.exists():
+            logger.warning("%s: worker extension %s not found (%s); starting without it", self.name, extension, path)
+            extension = None
+        if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and not extension:
+            logger.warning("%s: weight-transfer backend %r has no worker extension loaded; starting without it", self.name, backend)
+            transfer = None
+        if transfer and backend in BUILTIN_WEIGHT_BACKENDS and cfg.device == "cpu":
+            logger.warning("%s: vLLM's %r weight transfer needs CUDA; starting without it", self.name, backend)
+            transfer = None
+        if extension:
+            cmd += ["--worker-extension-cls", extension]
+        if transfer:
+            cmd += ["--weight-transfer-config", json.dumps(transfer)]
+
+        for key, value in args.items():  # options added to engine_server_args later
+            if value is None or value is False:
+                continue
+            flag = "--" + key.replace("_", "-")
+            cmd += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        cmd += list(cfg.vllm_extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        cfg = self.cfg
+        env = dict(os.environ)
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # shared-memory tensor handles in the weight session
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+        )
+        if cfg.device == "cpu":
+            kv_gib = max(1, math.ceil(cfg.vllm_cpu_kvcache_gb))  # vLLM reads whole GiB
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(self.engine_index, self.engines_per_node, cfg.rollout_num_gpus_per_engine)
+            preload = [p for p in TCMALLOC_CANDIDATES if os.path.exists(p)][:1]
+            iomp = resolve_python(cfg.vllm_python).parents[1] / "lib" / "libiomp5.so"
+            if iomp.exists():
+                preload.append(str(iomp))
+            if preload:
+                env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        env.update(self.extra_env)
+        return env
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def client(self) -> SyncEngineClient:
+        if self.url is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return SyncEngineClient(self.url, self.name, supports_sleep=platform_supports_sleep(self.cfg))
+
+    def get_url(self) -> Optional[str]:
+        """`url` for Ray actor handles (attributes are not remote)."""
+        return self.url
+
+    def is_alive(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            return False
+        return self.url is not None and self.client().is_healthy(timeout_s=5.0)
+
+    def start(self) -> str:
+        """Launch (or attach) and wait until healthy; the base URL."""
+        if self.attach_url:
+            return self._attach()
+        if self._proc is not None and self._proc.poll() is None:
+            return self.url  # type: ignore[return-value]
+        self.port = self.port or free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{self.name}-{os.getpid()}-{self.port}.log"
+        cmd = self.command(self.port)
+        self._log_file = open(self.log_path, "ab")
+        logger.info("%s: starting %s (log %s)", self.name, " ".join(cmd), self.log_path)
+        # Own session: shutdown signals the whole group (API server + engine-core child).
+        self._proc = subprocess.Popen(
+            cmd, env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT),
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_healthy(self.cfg.engine_startup_timeout_s)
+        if self.warmup:
+            self._warm_up()
+        return self.url
+
+    def _attach(self) -> str:
+        client = self.client()
+        if not client.is_healthy(timeout_s=10.0):
+            raise EngineStartError(f"engine_urls[{self.engine_index}]={redact_url(self.url or '')} does not answer /health")
+        world = client.world_size()
+        if world != self.cfg.rollout_num_gpus_per_engine:
+            raise ValueError(
+                f"engine_urls[{self.engine_index}]={redact_url(self.url or '')} runs with TP x PP = {world}, "
+                f"but rollout_num_gpus_per_engine={self.cfg.rollout_num_gpus_per_engine}"
+            )
+        return self.url  # type: ignore[return-value]
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        with open(self.log_path, "r", errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = SyncEngineClient(self.url, self.name)  # type: ignore[arg-type]
+        while time.monotonic() < deadline:
+            code = self._proc.poll() if self._proc else None
+            if code is not None:
+                raise EngineStartError(
+                    f"{self.name}: vLLM server exited with code {code} before becoming healthy; "
+                    f"last {LOG_TAIL_LINES} log lines ({self.log_path}):\n{self.log_tail()}"
+                )
+            if client.is_healthy(timeout_s=2.0):
+                logger.info("%s: healthy at %s", self.name, self.url)
+                return
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self._terminate(grace_s=5.0)
+        raise EngineStartError(
+            f"{self.name}: not healthy after engine_startup_timeout_s={timeout_s} s; "
+            f"last {LOG_TAIL_LINES} log lines ({self.log_path}):\n{tail}"
+        )
+
+    def _warm_up(self) -> None:
+        """One 1-token request: the first generate after start pays one-off set-up costs
+        (seconds on CPU) that would otherwise land in the first rollout's timings."""
+        import httpx
+
+        body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+        try:
+            httpx.post(f"{self.url}/inference/v1/generate", json=body, timeout=120.0)
+        except httpx.HTTPError as exc:
+            logger.warning("%s: warm-up request failed: %s", self.name, exc)
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """Abort in-flight requests (SIGTERM alone hangs while requests run), then SIGTERM, then
+        SIGKILL after `grace_s`. Attached servers are not ours to stop."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None and self.url:
+            try:
+                SyncEngineClient(self.url, self.name, control_timeout_s=5.0).pause("abort")
+            except Exception as exc:  # the server may already be broken; terminate anyway
+                logger.info("%s: pause(abort) before shutdown failed: %s", self.name, exc)
+        self._terminate(grace_s)
+
+    def _terminate(self, grace_s: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if proc.poll() is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s: still running %.0f s after %s", self.name, wait_s, sig.name)
+        # Children may outlive the leader; make sure the group is gone.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL without warning (tests of failure handling)."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait(timeout=30)
+
+    def restart(self) -> str:
+        """Shut down and start again, on the same port when it is still free; the URL."""
+        if self.attach_url:
+            raise RuntimeError(f"{self.name} is attached to {redact_url(self.attach_url)}; it cannot be restarted from here")
+        self.shutdown()
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", self.port or 0))
+        except OSError:
+            self.port = None
+        return self.start()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EngineActor":
+        import ray
+
+        return ray.remote(EngineServer)
+    raise AttributeError(name)
