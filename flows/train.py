@@ -12,6 +12,7 @@ import time
 from prefect import flow, get_run_logger
 
 from flows.iteration import iteration
+from flows.settings import without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import export_hf
 from vime_core.config import VimeConfig
@@ -29,8 +30,9 @@ def train(config: VimeConfig) -> dict:
         dump_config(config, f"{run_dir(config.storage_uri, config.run_name)}/config.json")
     boot = bootstrap(config)
     start = config.start_rollout_id if config.start_rollout_id is not None else boot["next_rollout_id"]
-    for rollout_id in range(start, config.num_rollout):
-        iteration(config, rollout_id)
+    with without_heartbeats():
+        for rollout_id in range(start, config.num_rollout):
+            iteration(config, rollout_id)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
     export = export_hf(config, f"{root}/hf_export")
