@@ -1,0 +1,76 @@
+"""Samples -> the rollout batch: a `dict[str, list]` of columns, one entry per sample, rows sorted
+by (group_index, index) so groups are contiguous (docs/interfaces.md, "Data crossing boundaries").
+
+    raw_reward_i = sample.reward                      (0.0 for a FAILED sample)
+    reward_i     = postprocess_rewards(raw, group_index, cfg.advantage_estimator,
+                                       cfg.grpo_std_normalization)_i      over non-failed samples
+                   GRPO/GSPO/CISPO: (r_i - mean_g) / (std_unbiased_g + 1e-6) when the group has > 1
+                   sample; reinforce_plus_plus_baseline: r_i - mean_g; otherwise r_i
+    advantage_i  = reward_i   (the scalar the trainer broadcasts or discounts per token)
+
+Failed samples (their reward function raised) get raw_reward 0.0, reward 0.0, advantage 0.0 and
+a loss_mask of zeros: they stay in the batch, so lineage shows them, but carry no gradient and do
+not move their group's mean or std.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from vime_core.algo.advantages import postprocess_rewards
+from vime_core.data.sample import Sample, Status
+
+BATCH_COLUMNS = (
+    "prompt_id", "group_index", "index", "tokens", "prompt_length", "response_length", "total_length",
+    "loss_mask", "rollout_log_probs", "raw_reward", "reward", "advantage", "status", "finish_reason",
+    "weight_versions", "session_id", "is_eval", "metadata",
+)
+
+
+def _check_sample(s: Sample) -> None:
+    where = f"sample {s.group_index}/{s.index} (prompt {s.prompt_id!r})"
+    if s.prompt_length + s.response_length != len(s.tokens):
+        raise ValueError(f"{where}: {len(s.tokens)} tokens != prompt_length {s.prompt_length} + response_length {s.response_length}")
+    if len(s.loss_mask) != s.response_length:
+        raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}")
+    if len(s.rollout_log_probs) != s.response_length:
+        raise ValueError(f"{where}: {len(s.rollout_log_probs)} rollout_log_probs, response_length is {s.response_length}")
+    if s.reward is None and s.status != Status.FAILED:
+        raise ValueError(f"{where}: reward is None; score samples before building the batch")
+
+
+def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[str, list]:
+    """The columns of BATCH_COLUMNS for `samples` (formulas in the module docstring)."""
+    ordered = sorted(samples, key=lambda s: (s.group_index, s.index))
+    for s in ordered:
+        _check_sample(s)
+    failed = [s.status == Status.FAILED for s in ordered]
+    raw = [0.0 if f else float(s.reward) for s, f in zip(ordered, failed)]
+    live = [i for i, f in enumerate(failed) if not f]
+    live_rewards = postprocess_rewards(
+        [raw[i] for i in live], [ordered[i].group_index for i in live], cfg.advantage_estimator, cfg.grpo_std_normalization
+    )
+    reward = [0.0] * len(ordered)
+    for i, r in zip(live, live_rewards, strict=True):
+        reward[i] = r
+    return {
+        "prompt_id": [s.prompt_id for s in ordered],
+        "group_index": [s.group_index for s in ordered],
+        "index": [s.index for s in ordered],
+        "tokens": [list(s.tokens) for s in ordered],
+        "prompt_length": [s.prompt_length for s in ordered],
+        "response_length": [s.response_length for s in ordered],
+        "total_length": [len(s.tokens) for s in ordered],
+        "loss_mask": [[0] * s.response_length if f else list(s.loss_mask) for s, f in zip(ordered, failed)],
+        "rollout_log_probs": [list(s.rollout_log_probs) for s in ordered],
+        "raw_reward": raw,
+        "reward": reward,
+        "advantage": list(reward),
+        "status": [s.status.value for s in ordered],
+        "finish_reason": [s.finish_reason for s in ordered],
+        "weight_versions": [[{"version": w.version, "start": w.start, "end": w.end} for w in s.weight_versions] for s in ordered],
+        "session_id": [s.session_id for s in ordered],
+        "is_eval": [is_eval] * len(ordered),
+        "metadata": [json.dumps(s.metadata, sort_keys=True, default=str) for s in ordered],
+    }

@@ -1,0 +1,244 @@
+"""The prompt data source: rows from JSONL/Parquet -> groups of Samples, with exact resume.
+
+Loading (once): every row of `path` (a local path or any fsspec URI; `.jsonl`/`.json` or
+`.parquet`) gives prompt = row[cfg.input_key] (text, or a list of chat messages), label =
+row[cfg.label_key] (None when absent), prompt_id = row["prompt_id"] when present else
+"row-<i>", and the other columns in metadata. The prompt is tokenised (through the chat template
+when cfg.apply_chat_template or when it is a message list); prompts longer than
+cfg.rollout_max_prompt_len tokens are dropped, and the count is logged.
+
+Handing out: `get_groups(k)` returns k groups, first those returned by `add_back` (oldest first,
+exactly as they came back, partial responses included), then new ones: for the next prompt of
+the epoch's order, n_samples_per_prompt deep copies with
+    group_index = a run-wide counter (0, 1, 2, ...; one per new group)
+    index       = the position inside the group (0 .. n-1)
+    session_id  = f"{run_name}-{group_index}-{index}"
+An epoch is one pass over the prompts in the order random.Random(seed + epoch).shuffle(range(N))
+(identity when not cfg.rollout_shuffle); at its end the next epoch starts.
+
+Resume: `state_dict()` holds the epoch, cursor, seed, shuffle flag, the group counter, the
+returned-samples buffer and a fingerprint of the dataset; `load_state_dict()` on a source built
+from the same data continues exactly where the saved one stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from vime_core.data.sample import Sample
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+@dataclass
+class PromptRow:
+    prompt_id: str
+    prompt: Any  # str, or a list of chat messages
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def _read_records(path: str) -> list[dict]:
+    import fsspec
+
+    lower = path.lower()
+    try:
+        if lower.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fsspec.open(path, "rb") as f:
+                return pq.read_table(f).to_pylist()
+        if lower.endswith((".jsonl", ".json")):
+            with fsspec.open(path, "rt", encoding="utf-8") as f:
+                text = f.read()
+        else:
+            raise ValueError(f"prompt data {path}: unknown format; use .jsonl, .json or .parquet")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt data {path} does not exist") from None
+    if lower.endswith(".json") and text.lstrip().startswith("["):
+        records = json.loads(text)
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"prompt data {path}, line {lineno}: not JSON ({exc.msg})") from None
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"prompt data {path}, record {i}: expected an object, got {type(r).__name__}")
+    return records
+
+
+def load_prompt_rows(path: str, cfg, tokenizer: Any = None) -> list[PromptRow]:
+    """Rows of a prompt file (also the eval set); tokenised and length-filtered when a
+    tokenizer is given (module docstring)."""
+    records = _read_records(path)
+    rows: list[PromptRow] = []
+    for i, record in enumerate(records):
+        if cfg.input_key not in record:
+            raise KeyError(f"prompt data {path}, row {i}: no field {cfg.input_key!r} (input_key); fields: {sorted(record)}")
+        prompt_id = str(record["prompt_id"]) if record.get("prompt_id") is not None else f"row-{i}"
+        extra = {k: v for k, v in record.items() if k not in (cfg.input_key, cfg.label_key, "prompt_id")}
+        rows.append(PromptRow(prompt_id, record[cfg.input_key], record.get(cfg.label_key), extra))
+    if tokenizer is None:
+        return rows
+    for row in rows:
+        row.tokens = tokenize_prompt(tokenizer, row.prompt, cfg.apply_chat_template)
+    kept = [r for r in rows if len(r.tokens) <= cfg.rollout_max_prompt_len]
+    if len(kept) < len(rows):
+        log.info("prompt data %s: dropped %d of %d prompts longer than rollout_max_prompt_len=%d tokens",
+                 path, len(rows) - len(kept), len(rows), cfg.rollout_max_prompt_len)
+    return kept
+
+
+def tokenize_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
+    """Token ids of a prompt; chat-formatted (with the generation prompt) when asked or when the
+    prompt is a message list."""
+    if isinstance(prompt, list) or apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(str(prompt)))
+
+
+def load_tokenizer(cfg) -> Any:
+    if not cfg.hf_checkpoint:
+        raise ValueError("hf_checkpoint is empty: the data source needs its tokenizer (or pass tokenizer=)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+
+
+# ---- the source -----------------------------------------------------------------------------------
+
+
+class DataSource:
+    def __init__(self, cfg, path: Optional[str] = None, tokenizer: Any = None) -> None:
+        self.path = path or cfg.prompt_data
+        if not self.path:
+            raise ValueError("prompt_data is empty: give the prompt dataset (run_assets fills in the embedded task)")
+        self.n_samples_per_prompt = cfg.n_samples_per_prompt
+        self.run_name = cfg.run_name
+        self.shuffle = cfg.rollout_shuffle
+        self.seed = cfg.seed
+        self.rows = load_prompt_rows(self.path, cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg))
+        if not self.rows:
+            raise ValueError(f"prompt data {self.path}: no prompt fits rollout_max_prompt_len={cfg.rollout_max_prompt_len}")
+        self.fingerprint = hashlib.sha256(
+            json.dumps([[r.prompt_id, r.tokens] for r in self.rows]).encode()
+        ).hexdigest()[:16]
+        self.epoch = 0
+        self.cursor = 0
+        self.next_group_index = 0
+        self.buffer: list[list[Sample]] = []
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def _next_row(self) -> PromptRow:
+        if self.cursor >= len(self._order):
+            self.epoch += 1
+            self.cursor = 0
+            self._order = self._epoch_order(self.epoch)
+        row = self.rows[self._order[self.cursor]]
+        self.cursor += 1
+        return row
+
+    def _new_group(self) -> list[Sample]:
+        row = self._next_row()
+        group_index = self.next_group_index
+        self.next_group_index += 1
+        template = Sample(
+            prompt_id=row.prompt_id,
+            prompt=row.prompt,
+            label=row.label,
+            tokens=list(row.tokens),
+            prompt_length=len(row.tokens),
+            group_index=group_index,
+            metadata=dict(row.metadata),
+        )
+        group = []
+        for index in range(self.n_samples_per_prompt):
+            s = copy.deepcopy(template)
+            s.index = index
+            s.session_id = f"{self.run_name}-{group_index}-{index}"
+            group.append(s)
+        return group
+
+    def get_groups(self, num_groups: int) -> list[list[Sample]]:
+        """`num_groups` groups: returned ones first, then new prompts (module docstring)."""
+        if num_groups < 0:
+            raise ValueError(f"num_groups={num_groups} must be >= 0")
+        groups = self.buffer[:num_groups]
+        self.buffer = self.buffer[num_groups:]
+        while len(groups) < num_groups:
+            groups.append(self._new_group())
+        return groups
+
+    def add_back(self, samples: Iterable[Sample] | Iterable[list[Sample]]) -> None:
+        """Take back aborted samples (a list of groups, or a flat list regrouped by group_index);
+        they are handed out before any new prompt, oldest first."""
+        items = list(samples)
+        if not items:
+            return
+        if isinstance(items[0], list):
+            groups = [list(g) for g in items if g]
+        else:
+            by_group: dict[int, list[Sample]] = {}
+            for s in items:
+                by_group.setdefault(s.group_index, []).append(s)
+            groups = list(by_group.values())
+        self.buffer.extend(groups)
+
+    # ---- resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "path": self.path,
+            "fingerprint": self.fingerprint,
+            "num_rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "next_group_index": self.next_group_index,
+            "buffer": [[copy.deepcopy(s.to_dict()) for s in g] for g in self.buffer],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data source state version {state.get('version')!r}; this code reads {STATE_VERSION}")
+        if state["fingerprint"] != self.fingerprint or state["num_rows"] != len(self.rows):
+            raise ValueError(
+                f"data source state was saved for {state['path']} ({state['num_rows']} prompts, fingerprint "
+                f"{state['fingerprint']}); this source reads {self.path} ({len(self.rows)} prompts, {self.fingerprint})"
+            )
+        # The saved seed/shuffle win: they define the order the saved cursor points into.
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.next_group_index = int(state["next_group_index"])
+        self.buffer = [[Sample.from_dict(copy.deepcopy(d)) for d in g] for g in state["buffer"]]
+        self._order = self._epoch_order(self.epoch)
