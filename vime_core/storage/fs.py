@@ -1,0 +1,181 @@
+"""An fsspec filesystem and a root path from a storage URI.
+
+- a plain path (`runs`, `/data/vime`) or `file:///data/vime`: the local filesystem; relative
+  paths are made absolute against the current directory when the store is opened;
+- `s3://bucket/prefix`: s3fs. The endpoint comes from `storage_options["endpoint_url"]`, else
+  `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (unset: AWS itself); the region from
+  `AWS_REGION` / `AWS_DEFAULT_REGION`; credentials are left to botocore's usual chain
+  (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, `AWS_PROFILE` and the shared
+  credentials file, instance roles). Credentials are never passed, stored, logged or put in an
+  error message by this module; a URI carrying them (`s3://key:secret@bucket`) is refused;
+- any other `protocol://` that fsspec knows, with `storage_options` passed through.
+
+Paths handed to pyarrow are plain paths inside the filesystem, never `file://` URIs (pyarrow
+refuses a URI together with an fsspec filesystem).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    """A filesystem and the root path of the store inside it."""
+
+    fs: Any  # fsspec.AbstractFileSystem
+    root: str
+    protocol: str
+    endpoint: str = ""
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def url(self, key: str = "") -> str:
+        """A URI for people (artifacts, logs): `s3://bucket/prefix/key` or an absolute path."""
+        path = self.path(key)
+        return path if self.is_local else f"{self.protocol}://{path}"
+
+    def describe(self) -> str:
+        return self.url() + (f" (endpoint {self.endpoint})" if self.endpoint else "")
+
+    # ---- bytes in and out -------------------------------------------------------------------
+    def put_atomic(self, key: str, data: bytes) -> None:
+        """Write `data` so that a reader sees the old object or the whole new one, never a part.
+
+        S3 PUTs are atomic by themselves; a local file is written beside and renamed.
+        """
+        path = self.path(key)
+        parent = path.rsplit("/", 1)[0]
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        self.fs.makedirs(parent, exist_ok=True)
+        partial = f"{parent}/.{path.rsplit('/', 1)[1]}.{uuid.uuid4().hex}.partial"
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        if self.is_local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    def get(self, key: str) -> bytes:
+        return self.fs.cat_file(self.path(key))
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """{key: bytes}; concurrent on S3. Raises FileNotFoundError if any one is gone."""
+        if not keys:
+            return {}
+        blobs = self.fs.cat([self.path(k) for k in keys], on_error="raise")
+        return {k: blobs[self.path(k)] for k in keys}
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename on a local disk (atomic); copy + delete on object stores (the copy is atomic)."""
+        if self.is_local:
+            self.fs.makedirs(self.path(dst).rsplit("/", 1)[0], exist_ok=True)
+            os.replace(self.path(src), self.path(dst))
+        else:
+            self.fs.copy(self.path(src), self.path(dst))
+            self.fs.rm_file(self.path(src))
+
+    def delete(self, key: str) -> bool:
+        """Remove one object; False if it was not there."""
+        try:
+            self.fs.rm_file(self.path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Keys of all objects under `prefix` (a folder), sorted; [] if there is none."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, withdirs=False)
+        except FileNotFoundError:
+            return []
+        root = self.root.rstrip("/") + "/"
+        return sorted(p[len(root):] for p in (str(x) for x in found) if p.startswith(root) and "/." not in p)
+
+    def list_with_times(self, prefix: str) -> list[tuple[str, float | None]]:
+        """(key, modification time as a POSIX timestamp or None) of every object under prefix."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, withdirs=False, detail=True)
+        except FileNotFoundError:
+            return []
+        root = self.root.rstrip("/") + "/"
+        out = []
+        for p, info in sorted(found.items()):
+            if p.startswith(root):
+                out.append((p[len(root):], _mtime(info)))
+        return out
+
+
+def _mtime(info: dict) -> float | None:
+    value = info.get("mtime", info.get("LastModified", info.get("created")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+def _refuse_userinfo(uri: str) -> None:
+    if "@" in urlsplit(uri).netloc:
+        raise ValueError(
+            "storage URI carries credentials in its host part (scheme://user:secret@...): "
+            "refused; put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile"
+        )
+
+
+def open_location(uri: str, storage_options: dict | None = None) -> StorageLocation:
+    """The StorageLocation for `uri` (module docstring)."""
+    if not uri:
+        raise ValueError("storage URI is empty: give a local folder or s3://bucket/prefix")
+    options = dict(storage_options or {})
+    if "://" not in uri or uri.startswith("file://"):
+        local = uri[len("file://"):] if uri.startswith("file://") else uri
+        root = str(Path(local).expanduser().resolve())
+        return StorageLocation(fsspec.filesystem("file"), root, "file")
+    _refuse_userinfo(uri)
+    protocol, rest = uri.split("://", 1)
+    root = rest.strip("/")
+    if not root:
+        raise ValueError(f"storage URI {protocol}://{rest} names no bucket")
+    if protocol in ("s3", "s3a"):
+        return _s3_location(root, options)
+    return StorageLocation(fsspec.filesystem(protocol, **options), root, protocol)
+
+
+def _s3_location(root: str, options: dict) -> StorageLocation:
+    import s3fs
+
+    endpoint = options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    client_kwargs = dict(options.pop("client_kwargs", {}))
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        client_kwargs.setdefault("region_name", region)
+    config_kwargs = dict(options.pop("config_kwargs", {}))
+    if endpoint:
+        # Self-hosted S3 servers (SeaweedFS, MinIO, Ceph) serve buckets as paths, not host names.
+        config_kwargs.setdefault("s3", {"addressing_style": "path"})
+    # Listings must not be cached: other processes publish batches while this one runs.
+    options.setdefault("use_listings_cache", False)
+    fs = s3fs.S3FileSystem(
+        endpoint_url=endpoint or None, client_kwargs=client_kwargs, config_kwargs=config_kwargs, **options
+    )
+    return StorageLocation(fs, root, "s3", endpoint)

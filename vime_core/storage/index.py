@@ -1,0 +1,187 @@
+"""The index of all published batches: one Parquet manifest per batch, folded by `compact()`.
+
+Every file under `index/` is a Parquet table of INDEX_SCHEMA, so the folder is one Parquet
+dataset (pyarrow.dataset, DuckDB `read_parquet('.../index/**/*.parquet')`). `BatchIndex.table()`
+reads it consistently while writers and compactions run:
+
+1. list the manifests, then list the compacted files (this order matters: a compaction writes
+   its output before deleting what it folded, so anything deleted after step 1 is already in a
+   compacted file listed in step 2 or in a manifest read in step 3);
+2. read them all; if any listed file vanished meanwhile, start again;
+3. keep one row per (run, rollout_id): the latest `created_at` (duplicates exist only while a
+   compaction runs, or after an overwrite).
+
+Compactions may run concurrently with writers and with each other (each folds what it read into a
+new file and deletes only what it read; union semantics make the result complete). `prune`
+(retention.py) must not run concurrently with a compaction: a compaction that read a pruned
+manifest would list the pruned batch again (its read then fails with BatchNotFoundError).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import logging
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vime_core.storage import layout
+from vime_core.storage.fs import StorageLocation
+from vime_core.storage.schema import lineage_of
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("run", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.int64(), nullable=False),
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("num_rows", pa.int64(), nullable=False),
+        pa.field("size_bytes", pa.int64(), nullable=False),
+        pa.field("checksum", pa.string(), nullable=False),
+        pa.field("schema_version", pa.int64(), nullable=False),
+        pa.field("config_hash", pa.string()),
+        pa.field("code_version", pa.string()),
+        pa.field("model_id", pa.string()),
+        pa.field("dataset_id", pa.string()),
+        pa.field("flow_run_id", pa.string()),
+        pa.field("weight_version_min", pa.int64()),
+        pa.field("weight_version_max", pa.int64()),
+        pa.field("weight_versions", pa.list_(pa.field("element", pa.int64()))),
+        pa.field("prompt_ids", pa.list_(pa.field("element", pa.string()))),
+        pa.field("reward_mean", pa.float64()),
+        pa.field("response_length_mean", pa.float64()),
+        pa.field("num_eval_rows", pa.int64()),
+    ],
+    metadata={"index_version": str(INDEX_VERSION)},
+)
+
+_READ_ATTEMPTS = 8
+
+
+def _mean(column: pa.ChunkedArray) -> float | None:
+    value = pc.mean(column).as_py() if len(column) else None
+    return None if value is None else float(value)
+
+
+def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
+    """The one-row index table describing stored batch `table` at `key`.
+
+    reward_mean is the mean raw (unnormalised) reward over scored samples: the normalised reward
+    of GRPO averages to 0 in every group and says nothing about progress.
+    """
+    lineage = lineage_of(table)
+    versions = [int(v) for v in lineage.get("weight_versions", [])]
+    row = {
+        "run": lineage["run"],
+        "rollout_id": int(lineage["rollout_id"]),
+        "key": key,
+        "created_at": dt.datetime.fromisoformat(lineage["created_at"]).astimezone(dt.timezone.utc),
+        "num_rows": table.num_rows,
+        "size_bytes": size_bytes,
+        "checksum": lineage["checksum"],
+        "schema_version": int(lineage["schema_version"]),
+        "config_hash": lineage.get("config_hash", ""),
+        "code_version": lineage.get("code_version", ""),
+        "model_id": lineage.get("model_id", ""),
+        "dataset_id": lineage.get("dataset_id", ""),
+        "flow_run_id": lineage.get("flow_run_id", ""),
+        "weight_version_min": min(versions) if versions else None,
+        "weight_version_max": max(versions) if versions else None,
+        "weight_versions": versions,
+        "prompt_ids": [str(p) for p in lineage.get("prompt_ids", [])],
+        "reward_mean": _mean(table.column("raw_reward")) if "raw_reward" in table.column_names else None,
+        "response_length_mean": _mean(table.column("response_length")) if "response_length" in table.column_names else None,
+        "num_eval_rows": int(pc.sum(table.column("is_eval")).as_py() or 0) if "is_eval" in table.column_names else 0,
+    }
+    return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
+
+
+def _to_parquet(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def latest_per_batch(table: pa.Table) -> pa.Table:
+    """One row per (run, rollout_id): the one created last; sorted by run, rollout_id."""
+    if table.num_rows == 0:
+        return table
+    table = table.sort_by([("run", "ascending"), ("rollout_id", "ascending"), ("created_at", "ascending")])
+    runs, ids = table.column("run").combine_chunks(), table.column("rollout_id").combine_chunks()
+    # A row is kept when the next row belongs to another batch (or it is the last row).
+    differs = pc.or_(pc.not_equal(runs[1:], runs[:-1]), pc.not_equal(ids[1:], ids[:-1]))
+    keep = pa.concat_arrays([differs, pa.array([True])])
+    return table.filter(keep)
+
+
+class BatchIndex:
+    """Manifests + compacted files of one store (module docstring)."""
+
+    def __init__(self, location: StorageLocation):
+        self.location = location
+
+    def publish(self, row: pa.Table) -> str:
+        """Write the manifest of one verified batch: from now on readers see it."""
+        run, rollout_id, checksum = row["run"][0].as_py(), row["rollout_id"][0].as_py(), row["checksum"][0].as_py()
+        key = layout.manifest_key(run, rollout_id, checksum)
+        self.location.put_atomic(key, _to_parquet(row))
+        return key
+
+    def entry(self, run: str, rollout_id: int) -> dict | None:
+        """The index row of (run, rollout_id) as a dict, or None when not published.
+
+        Looks at that batch's manifests first (one listing), then at the whole index.
+        """
+        prefix = layout.manifest_prefix(run, rollout_id)
+        names = [k for k in self.location.list_keys(prefix.rsplit("/", 1)[0]) if k.startswith(prefix)]
+        if names:
+            try:
+                rows = latest_per_batch(self._read(names))
+                return rows.to_pylist()[0]
+            except FileNotFoundError:
+                pass  # folded by a concurrent compaction: the full read finds it
+        table = self.table()
+        match = table.filter(pc.and_(pc.equal(table.column("run"), run), pc.equal(table.column("rollout_id"), rollout_id)))
+        return match.to_pylist()[0] if match.num_rows else None
+
+    def _read(self, keys: list[str]) -> pa.Table:
+        blobs = self.location.get_many(keys)
+        tables = [pq.read_table(io.BytesIO(blobs[k])).cast(INDEX_SCHEMA) for k in keys]
+        return pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+
+    def snapshot(self) -> tuple[list[str], pa.Table]:
+        """(keys read, all rows incl. duplicates), consistent as described in the module docstring."""
+        for _ in range(_READ_ATTEMPTS):
+            manifests = self.location.list_keys(layout.MANIFESTS)
+            compacted = self.location.list_keys(layout.COMPACTED)
+            keys = [k for k in manifests + compacted if k.endswith(".parquet")]
+            try:
+                return keys, self._read(keys)
+            except FileNotFoundError:
+                log.debug("index file vanished while reading (a compaction ran); reading again")
+        raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads")
+
+    def table(self) -> pa.Table:
+        """All published batches, one row each, sorted by run and rollout_id."""
+        return latest_per_batch(self.snapshot()[1])
+
+    def compact(self, drop_keys: frozenset[str] = frozenset()) -> pa.Table:
+        """Fold every manifest and compacted file into one new compacted file; returns its rows.
+
+        Rows whose batch `key` is in `drop_keys` are left out (used by retention).
+        """
+        read_keys, rows = self.snapshot()
+        rows = latest_per_batch(rows)
+        if drop_keys:
+            rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), pa.array(sorted(drop_keys), pa.string()))))
+        if rows.num_rows or read_keys:
+            self.location.put_atomic(layout.compacted_key(), _to_parquet(rows))
+        for key in read_keys:
+            self.location.delete(key)
+        log.info("compacted %d index files into %d rows at %s", len(read_keys), rows.num_rows, self.location.describe())
+        return rows

@@ -1,0 +1,339 @@
+"""The Arrow schema of a stored rollout batch, its lineage metadata, and the checksum.
+
+A rollout batch (docs/interfaces.md, "Data crossing boundaries") is a `dict[str, list]` with one
+entry per sample. Stored, it is one Arrow table: one row per sample, the columns of
+`BATCH_SCHEMA`, and the lineage as schema metadata (one key per lineage field, each value
+JSON-encoded UTF-8).
+
+Checksum (`table_checksum`), precisely:
+
+    checksum = sha256( IPC_stream( canonical(table) ) ).hexdigest()
+
+where `canonical(table)` is the table with every column combined into one chunk, and with its
+schema metadata reduced to every key *other than* `checksum` (values as stored), sorted by
+key; `IPC_stream` is the Arrow IPC streaming format as written by `pyarrow.ipc.new_stream` with
+default options (no compression, one record batch, none for an empty table, end-of-stream
+marker). Field types include the list item name `element` (Parquet's compliant naming) so a
+Parquet round trip leaves the bytes unchanged. This definition is part of the stored format:
+changing it needs a SCHEMA_VERSION bump. The checksum therefore covers every value, every type and all lineage, so a flipped
+byte in the data or an edited lineage field is detected, while the Parquet encoding (page
+sizes, compression) does not matter.
+
+Round trip: `table_to_batch(batch_to_table(b, lineage))` gives back `b` exactly, with these
+documented normalisations: `rollout_log_probs` is float32 (values are rounded to float32 on
+write, as training consumes them), `status` enums become their string value, `weight_versions`
+spans become plain dicts, a dict `metadata` becomes its JSON string (keys sorted).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import functools
+import hashlib
+import json
+import subprocess
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vime_core.storage.secrets import redact_secrets
+
+SCHEMA_VERSION = 1
+"""Bump when a column is added, removed or changes meaning; add an upgrade to `UPGRADES`."""
+
+_WEIGHT_SPAN = pa.struct(
+    [pa.field("version", pa.int64(), nullable=False), pa.field("start", pa.int64(), nullable=False), pa.field("end", pa.int64(), nullable=False)]
+)
+
+
+def _list(item: pa.DataType) -> pa.ListType:
+    # Parquet's compliant nested naming calls a list item "element"; using it here keeps the
+    # type, and hence the checksum, identical after a Parquet round trip.
+    return pa.list_(pa.field("element", item))
+
+
+def _field(name: str, type_: pa.DataType, description: str, nullable: bool = False) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable, metadata={"description": description})
+
+
+BATCH_SCHEMA = pa.schema(
+    [
+        _field("prompt_id", pa.string(), "dataset id of the prompt"),
+        _field("group_index", pa.int64(), "group counter inside the rollout (samples of one prompt share it)"),
+        _field("index", pa.int64(), "position of the sample inside its group"),
+        _field("tokens", _list(pa.int32()), "prompt + response token ids"),
+        _field("prompt_length", pa.int64(), "number of prompt tokens"),
+        _field("response_length", pa.int64(), "number of response tokens (the last ones of `tokens`)"),
+        _field("total_length", pa.int64(), "prompt_length + response_length = len(tokens)"),
+        _field("loss_mask", _list(pa.int8()), "one per response token; 0 = not trained (tool output, off-policy part)"),
+        _field("rollout_log_probs", _list(pa.float32()), "engine log-probs, one per response token (may be empty when not collected)"),
+        _field("raw_reward", pa.float64(), "reward as scored (null: not scored, e.g. aborted)", nullable=True),
+        _field("reward", pa.float64(), "reward after group normalisation (GRPO: (r - mean) / (std_unbiased + 1e-6))", nullable=True),
+        _field("advantage", pa.float64(), "scalar advantage of the sample (GRPO: = reward)", nullable=True),
+        _field("status", pa.string(), "Sample.Status value: completed, truncated, aborted, failed"),
+        _field("finish_reason", pa.string(), "vLLM finish reason (stop, length, abort)"),
+        _field("weight_versions", _list(_WEIGHT_SPAN), "spans {version, start, end} over response tokens: tokens [start, end) came from weights `version`"),
+        _field("session_id", pa.string(), "routing key sent as x-session-id"),
+        _field("is_eval", pa.bool_(), "sample of an eval rollout"),
+        _field("metadata", pa.string(), "free-form per-sample metadata, a JSON string"),
+    ],
+    metadata={"schema_version": json.dumps(SCHEMA_VERSION)},
+)
+COLUMNS: tuple[str, ...] = tuple(BATCH_SCHEMA.names)
+
+LINEAGE_DESCRIPTIONS: dict[str, str] = {
+    "run": "run name (required)",
+    "rollout_id": "rollout iteration id (required, int >= 0)",
+    "schema_version": "version of BATCH_SCHEMA the table was written with (set by the store)",
+    "config_hash": "vime_core.config.config_hash of the resolved configuration",
+    "config": "the full resolved configuration, a JSON string (credential-like values redacted)",
+    "code_version": "`git describe --always --dirty --tags` of the code that wrote it (computed)",
+    "model_id": "model / checkpoint the rollout started from",
+    "dataset_id": "prompt dataset",
+    "prompt_ids": "prompt id of every group, in group order (computed from the batch if absent)",
+    "weight_versions": "sorted distinct weight versions that generated the batch (computed)",
+    "flow_run_id": "Prefect flow run that produced the batch",
+    "created_at": "ISO-8601 UTC time of writing (computed if absent)",
+    "num_rows": "number of samples (computed)",
+    "checksum": "sha256 of the canonical IPC bytes, see module docstring (computed)",
+}
+LINEAGE_KEYS: tuple[str, ...] = tuple(LINEAGE_DESCRIPTIONS)
+_COMPUTED_KEYS = ("schema_version", "num_rows", "checksum")
+
+
+class SchemaError(ValueError):
+    """A batch or a stored table does not match the schema; the message names the column."""
+
+
+class SchemaVersionError(SchemaError):
+    """A stored table has a schema version this code cannot read."""
+
+
+# ---- upgrades ---------------------------------------------------------------------------------
+# UPGRADES[v] turns a table of schema version v into one of version v + 1 (lineage metadata
+# included). Reading a table of version v < SCHEMA_VERSION applies UPGRADES[v], UPGRADES[v+1], ...
+# A missing step refuses the read with a message naming both versions.
+UPGRADES: dict[int, Callable[[pa.Table], pa.Table]] = {}
+
+
+def upgrade_table(table: pa.Table, source: str = "table") -> pa.Table:
+    """Bring `table` to SCHEMA_VERSION through UPGRADES, or raise SchemaVersionError."""
+    version = stored_schema_version(table, source)
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{source} has schema version {version}, newer than this vime's {SCHEMA_VERSION}: "
+            f"read it with a newer vime"
+        )
+    while version < SCHEMA_VERSION:
+        step = UPGRADES.get(version)
+        if step is None:
+            raise SchemaVersionError(
+                f"{source} has schema version {version}; this vime reads version {SCHEMA_VERSION} "
+                f"and has no upgrade from {version} to {version + 1} "
+                f"(add one to vime_core.storage.schema.UPGRADES, or replay it with the vime that wrote it)"
+            )
+        table = step(table)
+        new_version = stored_schema_version(table, source)
+        if new_version != version + 1:
+            raise SchemaVersionError(f"upgrade {version}->{version + 1} of {source} produced version {new_version}")
+        version = new_version
+    return table
+
+
+def stored_schema_version(table: pa.Table, source: str = "table") -> int:
+    raw = (table.schema.metadata or {}).get(b"schema_version")
+    if raw is None:
+        raise SchemaVersionError(f"{source} has no schema_version in its metadata: not a vime rollout batch")
+    return int(json.loads(raw))
+
+
+# ---- lineage ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """`git describe --always --dirty --tags` of this checkout; the package version without git."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--tags"],
+            cwd=repo, capture_output=True, text=True, timeout=10, check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"vime-{version('vime')}"
+        except PackageNotFoundError:
+            return "unknown"
+
+
+def _group_prompt_ids(prompt_ids: pa.Array, group_index: pa.Array) -> list[str]:
+    """Prompt id of each group, in row order (a group = a run of equal group_index)."""
+    if len(group_index) == 0:
+        return []
+    starts = pc.not_equal(group_index[1:], group_index[:-1])
+    mask = pa.concat_arrays([pa.array([True]), starts.combine_chunks() if isinstance(starts, pa.ChunkedArray) else starts])
+    return pc.filter(prompt_ids, mask).to_pylist()
+
+
+def _distinct_versions(spans: pa.Array) -> list[int]:
+    versions = pc.struct_field(pc.list_flatten(spans), "version")
+    return sorted(int(v) for v in pc.unique(versions).to_pylist())
+
+
+def complete_lineage(lineage: dict, table: pa.Table) -> dict:
+    """The full lineage of `table`: caller's keys, plus the computed ones (without checksum)."""
+    unknown = sorted(set(lineage) - set(LINEAGE_KEYS))
+    if unknown:
+        raise SchemaError(f"unknown lineage keys {unknown}; known: {list(LINEAGE_KEYS)}")
+    for key in ("run", "rollout_id"):
+        if key not in lineage:
+            raise SchemaError(f"lineage is missing required key {key!r}")
+    rollout_id = lineage["rollout_id"]
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, int) or rollout_id < 0:
+        raise SchemaError(f"lineage rollout_id must be an int >= 0, got {rollout_id!r}")
+    if not isinstance(lineage["run"], str) or not lineage["run"]:
+        raise SchemaError(f"lineage run must be a non-empty string, got {lineage['run']!r}")
+    config = lineage.get("config", {})
+    if isinstance(config, str):
+        try:
+            config = json.loads(config) if config else {}
+        except json.JSONDecodeError as exc:
+            raise SchemaError(f"lineage config is not valid JSON: {exc.msg} at char {exc.pos}") from None
+    full: dict[str, Any] = {
+        "run": lineage["run"],
+        "rollout_id": rollout_id,
+        "schema_version": SCHEMA_VERSION,
+        "config_hash": str(lineage.get("config_hash", "")),
+        "config": json.dumps(redact_secrets(config), sort_keys=True, separators=(",", ":")),
+        "code_version": str(lineage.get("code_version") or code_version()),
+        "model_id": str(lineage.get("model_id", "")),
+        "dataset_id": str(lineage.get("dataset_id", "")),
+        "prompt_ids": list(lineage["prompt_ids"]) if "prompt_ids" in lineage
+        else _group_prompt_ids(table.column("prompt_id").combine_chunks(), table.column("group_index").combine_chunks()),
+        "weight_versions": sorted(int(v) for v in lineage["weight_versions"]) if "weight_versions" in lineage
+        else _distinct_versions(table.column("weight_versions").combine_chunks()),
+        "flow_run_id": str(lineage.get("flow_run_id", "")),
+        "created_at": str(lineage.get("created_at") or dt.datetime.now(dt.timezone.utc).isoformat()),
+        "num_rows": table.num_rows,
+    }
+    return redact_secrets(full)
+
+
+def _encode_metadata(lineage: dict) -> dict[bytes, bytes]:
+    return {k.encode(): json.dumps(lineage[k], sort_keys=True).encode() for k in sorted(lineage)}
+
+
+def lineage_of(table: pa.Table) -> dict:
+    """The lineage stored in a table's schema metadata (values decoded)."""
+    meta = table.schema.metadata or {}
+    return {k.decode(): json.loads(v) for k, v in meta.items() if k.decode() in LINEAGE_DESCRIPTIONS}
+
+
+def table_checksum(table: pa.Table) -> str:
+    """sha256 hex of the canonical IPC bytes of `table` without its checksum (module docstring)."""
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"checksum"}
+    # combine_chunks: one chunk per column, so chunking does not change the bytes; the IPC
+    # writer itself rebases sliced offsets and bitmaps, so slices do not either.
+    canonical = table.combine_chunks().replace_schema_metadata(dict(sorted(metadata.items())))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, canonical.schema) as writer:
+        for record_batch in canonical.to_batches():
+            if record_batch.num_rows:
+                writer.write_batch(record_batch)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+# ---- batch <-> table --------------------------------------------------------------------------
+def _normalise(name: str, values: list) -> list:
+    if name == "status":
+        return [v.value if isinstance(v, enum.Enum) else v for v in values]
+    if name == "weight_versions":
+        return [[asdict(s) if is_dataclass(s) else s for s in spans] for spans in values]
+    if name == "metadata":
+        return [json.dumps(v, sort_keys=True) if isinstance(v, dict) else v for v in values]
+    return values
+
+
+def _check_lengths(table: pa.Table) -> None:
+    """Row-wise consistency the trainer relies on; names the column and the first bad row."""
+    def first_bad(ok: pa.ChunkedArray | pa.Array) -> int | None:
+        bad = pc.indices_nonzero(pc.invert(ok.combine_chunks() if isinstance(ok, pa.ChunkedArray) else ok))
+        return int(bad[0].as_py()) if len(bad) else None
+
+    n_tokens = pc.list_value_length(table.column("tokens"))
+    response = table.column("response_length")
+    checks = [
+        ("total_length", pc.equal(table.column("total_length"), n_tokens), "total_length != len(tokens)"),
+        ("prompt_length", pc.equal(pc.add(table.column("prompt_length"), response), table.column("total_length")),
+         "prompt_length + response_length != total_length"),
+        ("loss_mask", pc.equal(pc.list_value_length(table.column("loss_mask")), response), "len(loss_mask) != response_length"),
+        ("rollout_log_probs", pc.or_(pc.equal(pc.list_value_length(table.column("rollout_log_probs")), response),
+                                     pc.equal(pc.list_value_length(table.column("rollout_log_probs")), 0)),
+         "len(rollout_log_probs) is neither response_length nor 0"),
+    ]
+    for column, ok, what in checks:
+        row = first_bad(ok)
+        if row is not None:
+            raise SchemaError(f"batch column {column!r}, row {row}: {what}")
+
+
+def batch_to_table(batch: dict[str, list], lineage: dict) -> pa.Table:
+    """The stored form of a batch: BATCH_SCHEMA columns, full lineage and checksum in metadata.
+
+    Raises SchemaError naming the column for a missing/unknown column, ragged lengths, a value
+    of the wrong type or a null in a non-nullable column.
+    """
+    missing = [c for c in COLUMNS if c not in batch]
+    unknown = sorted(set(batch) - set(COLUMNS))
+    if missing or unknown:
+        raise SchemaError(
+            f"batch columns do not match schema version {SCHEMA_VERSION}: missing {missing}, unknown {unknown}"
+        )
+    num_rows = len(batch[COLUMNS[0]])
+    arrays = []
+    for field in BATCH_SCHEMA:
+        values = batch[field.name]
+        if len(values) != num_rows:
+            raise SchemaError(f"batch column {field.name!r} has {len(values)} rows, {COLUMNS[0]!r} has {num_rows}")
+        try:
+            array = pa.array(_normalise(field.name, list(values)), type=field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
+            raise SchemaError(f"batch column {field.name!r}: values do not fit {field.type}: {exc}") from None
+        if not field.nullable and array.null_count:
+            raise SchemaError(f"batch column {field.name!r} has {array.null_count} null values; it is not nullable")
+        arrays.append(array)
+    table = pa.Table.from_arrays(arrays, schema=BATCH_SCHEMA.remove_metadata())
+    _check_lengths(table)
+    full = complete_lineage(lineage, table)
+    table = table.replace_schema_metadata(_encode_metadata(full))
+    full["checksum"] = table_checksum(table)
+    return table.replace_schema_metadata(_encode_metadata(full))
+
+
+def table_to_batch(table: pa.Table) -> tuple[dict[str, list], dict]:
+    """(batch dict, lineage) of a stored table of the current schema version."""
+    version = stored_schema_version(table)
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(f"table has schema version {version}, expected {SCHEMA_VERSION}: upgrade_table() it first")
+    batch = {name: table.column(name).to_pylist() for name in COLUMNS}
+    return batch, lineage_of(table)
+
+
+def describe_schema() -> str:
+    """Markdown tables of the batch columns and the lineage keys (docs/lineage.md is made from it)."""
+    lines = [f"Schema version {SCHEMA_VERSION}.", "", "| column | Arrow type | nullable | meaning |", "|---|---|---|---|"]
+    for field in BATCH_SCHEMA:
+        desc = (field.metadata or {}).get(b"description", b"").decode()
+        lines.append(f"| {field.name} | `{field.type}` | {'yes' if field.nullable else 'no'} | {desc} |")
+    lines += ["", "| lineage key (table metadata, JSON value) | meaning |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in LINEAGE_DESCRIPTIONS.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe_schema())

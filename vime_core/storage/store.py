@@ -1,0 +1,196 @@
+"""BatchStore: atomic, verified writes and reads of rollout batches (layout in layout.py).
+
+write: batch -> Arrow table (+ lineage, checksum) -> Parquet bytes -> temporary key -> read back
+and verify the checksum -> move to the final key -> write the manifest (the publish point).
+A writer killed at any step before the manifest leaves no visible batch, only garbage that
+`retention.remove_orphans` deletes. Writers of different batches touch disjoint keys, so they
+can run concurrently from threads, processes or machines.
+
+read: index entry -> object -> Parquet -> checksum (against the table's own metadata and the
+index) -> schema upgrade if older -> batch dict. A mismatch raises CorruptBatchError naming the
+key; the batch is never returned.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vime_core.storage import layout
+from vime_core.storage.fs import StorageLocation, open_location
+from vime_core.storage.index import BatchIndex, index_row
+from vime_core.storage.schema import (
+    batch_to_table,
+    lineage_of,
+    table_checksum,
+    table_to_batch,
+    upgrade_table,
+)
+
+if TYPE_CHECKING:
+    import datetime as dt
+
+log = logging.getLogger(__name__)
+
+
+class CorruptBatchError(RuntimeError):
+    """A stored batch failed verification; `key` names the object. It must not be used."""
+
+    def __init__(self, key: str, detail: str):
+        super().__init__(f"stored batch {key} is corrupt: {detail}")
+        self.key = key
+
+
+class BatchNotFoundError(LookupError):
+    """No published batch for (run, rollout_id)."""
+
+
+class BatchExistsError(FileExistsError):
+    """A batch for (run, rollout_id) is already published and overwrite was not asked for."""
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """Where a published batch is and what it is."""
+
+    run: str
+    rollout_id: int
+    key: str
+    uri: str
+    checksum: str
+    num_rows: int
+    created_at: str
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def verify_table(data: bytes, key: str, expected_checksum: str | None = None) -> pa.Table:
+    """The table in Parquet `data`, after checking its checksum; CorruptBatchError otherwise."""
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptBatchError(key, f"not readable as Parquet ({exc})") from None
+    stored = lineage_of(table).get("checksum")
+    if not stored:
+        raise CorruptBatchError(key, "no checksum in its metadata")
+    actual = table_checksum(table)
+    if actual != stored:
+        raise CorruptBatchError(key, f"content checksum {actual[:16]}... differs from its recorded {stored[:16]}...")
+    if expected_checksum is not None and stored != expected_checksum:
+        raise CorruptBatchError(key, f"checksum {stored[:16]}... differs from the index's {expected_checksum[:16]}...")
+    return table
+
+
+class BatchStore:
+    """Rollout batches of every run under one URI (a local folder or s3://bucket/prefix)."""
+
+    def __init__(self, uri: str = "runs", storage_options: dict | None = None):
+        self.uri = uri
+        self.location: StorageLocation = open_location(uri, storage_options)
+        self.batch_index = BatchIndex(self.location)
+
+    def __repr__(self) -> str:
+        return f"BatchStore({self.location.describe()!r})"
+
+    # ---- writing ------------------------------------------------------------------------------
+    def write(self, batch: dict[str, list], lineage: dict, overwrite: bool = False) -> BatchRef:
+        """Store `batch` with `lineage` (keys: schema.LINEAGE_KEYS; run and rollout_id required).
+
+        Raises BatchExistsError when (run, rollout_id) is already published, unless `overwrite`
+        (the old object is then deleted once the new one is published).
+        """
+        table = batch_to_table(batch, lineage)
+        full = lineage_of(table)
+        run, rollout_id, checksum = layout.check_run(full["run"]), full["rollout_id"], full["checksum"]
+        previous = self.batch_index.entry(run, rollout_id)
+        if previous is not None and not overwrite:
+            raise BatchExistsError(f"batch {run}/{rollout_id} is already stored at {previous['key']}; pass overwrite=True to replace it")
+        data = _parquet_bytes(table)
+        tmp = layout.tmp_key(run, rollout_id)
+        final = layout.batch_key(run, rollout_id, checksum)
+        self.location.put(tmp, data)
+        try:
+            verify_table(self.location.get(tmp), tmp, checksum)
+            self._publish(tmp, final, index_row(table, final, len(data)))
+        except BaseException:
+            self.location.delete(tmp)
+            raise
+        if previous is not None and previous["key"] != final:
+            self._forget(previous)
+        log.info("stored batch %s/%d (%d rows, %d bytes) at %s", run, rollout_id, table.num_rows, len(data), self.location.url(final))
+        return BatchRef(run, rollout_id, final, self.location.url(final), checksum, table.num_rows, full["created_at"])
+
+    def _publish(self, tmp: str, final: str, row: pa.Table) -> None:
+        """Move the verified upload to its final key, then write its manifest (the publish point)."""
+        self.location.move(tmp, final)
+        self.batch_index.publish(row)
+
+    def _forget(self, entry: dict) -> None:
+        """Delete a replaced batch: its manifest first (it stops being visible), then the object."""
+        self.location.delete(layout.manifest_key(entry["run"], entry["rollout_id"], entry["checksum"]))
+        self.location.delete(entry["key"])
+
+    # ---- reading ------------------------------------------------------------------------------
+    def exists(self, run: str, rollout_id: int) -> bool:
+        """True when (run, rollout_id) is published (its object is not read)."""
+        return self.batch_index.entry(layout.check_run(run), layout.check_rollout_id(rollout_id)) is not None
+
+    def ref(self, run: str, rollout_id: int) -> BatchRef:
+        entry = self._entry(run, rollout_id)
+        return self._ref(entry)
+
+    def read_table(self, run: str, rollout_id: int) -> pa.Table:
+        """The verified table of (run, rollout_id), upgraded to the current schema version."""
+        entry = self._entry(run, rollout_id)
+        try:
+            data = self.location.get(entry["key"])
+        except FileNotFoundError:
+            raise BatchNotFoundError(f"batch {run}/{rollout_id} is in the index but its object {entry['key']} is gone (pruned?)") from None
+        return upgrade_table(verify_table(data, entry["key"], entry["checksum"]), source=f"stored batch {entry['key']}")
+
+    def read(self, run: str, rollout_id: int) -> tuple[dict[str, list], dict]:
+        """(batch dict, lineage) of a published batch, verified (see module docstring)."""
+        return table_to_batch(self.read_table(run, rollout_id))
+
+    def _entry(self, run: str, rollout_id: int) -> dict:
+        entry = self.batch_index.entry(layout.check_run(run), layout.check_rollout_id(rollout_id))
+        if entry is None:
+            raise BatchNotFoundError(f"no published batch {run}/{rollout_id} in {self.location.describe()}")
+        return entry
+
+    def _ref(self, entry: dict) -> BatchRef:
+        return BatchRef(
+            entry["run"], entry["rollout_id"], entry["key"], self.location.url(entry["key"]),
+            entry["checksum"], entry["num_rows"], entry["created_at"].isoformat(),
+        )
+
+    # ---- the index --------------------------------------------------------------------------
+    def index(self) -> pa.Table:
+        """Every published batch of every run, one row each (index.INDEX_SCHEMA)."""
+        return self.batch_index.table()
+
+    def list_batches(self, run: str | None = None) -> list[BatchRef]:
+        """Published batches (of `run`, or all), by run then rollout id."""
+        rows = self.index().to_pylist()
+        return [self._ref(r) for r in rows if run is None or r["run"] == run]
+
+    def compact(self) -> int:
+        """Fold the manifests into one compacted index file; returns the number of batches."""
+        return self.batch_index.compact().num_rows
+
+    def prune(self, run: str | None = None, older_than: "str | dt.timedelta | dt.datetime | None" = None, dry_run: bool = True) -> list[BatchRef]:
+        """Remove published batches (see retention.prune); dry_run only lists them."""
+        from vime_core.storage.retention import prune
+
+        return prune(self, run=run, older_than=older_than, dry_run=dry_run)
+
+    list = list_batches  # noqa: A003 - the name docs/interfaces.md gives it

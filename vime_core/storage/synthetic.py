@@ -1,0 +1,69 @@
+"""Synthetic rollout batches of a chosen shape, for tests, benchmarks and examples.
+
+Values are drawn from a seeded generator and respect the invariants batch_to_table checks
+(lengths agree, groups contiguous); log-probs are float32-representable so a round trip is
+exact; GRPO-normalised rewards are computed from the raw ones like the real builder does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import numpy as np
+
+
+def synthetic_batch(
+    num_groups: int = 4,
+    group_size: int = 4,
+    prompt_len: int = 8,
+    max_response_len: int = 16,
+    weight_version: int = 1,
+    seed: int = 0,
+    prompt_prefix: str = "p",
+    vocab_size: int = 19,
+) -> dict[str, list]:
+    """A batch dict of num_groups x group_size samples; response lengths in [1, max_response_len].
+
+    A sample whose response straddles a weight update gets two spans (version and version+1),
+    as vLLM reports it.
+    """
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    batch: dict[str, list] = {k: [] for k in (
+        "prompt_id", "group_index", "index", "tokens", "prompt_length", "response_length", "total_length",
+        "loss_mask", "rollout_log_probs", "raw_reward", "reward", "advantage", "status", "finish_reason",
+        "weight_versions", "session_id", "is_eval", "metadata",
+    )}
+    for g in range(num_groups):
+        raw = [float(rng.randint(0, 1)) for _ in range(group_size)]
+        mean = statistics.fmean(raw)
+        std = statistics.stdev(raw) if group_size > 1 else 0.0
+        for i in range(group_size):
+            response = rng.randint(1, max_response_len)
+            tokens = np_rng.integers(0, vocab_size, prompt_len + response).tolist()
+            split = rng.randint(0, response) if rng.random() < 0.25 else response
+            spans = [{"version": weight_version, "start": 0, "end": split}] if split else []
+            if split < response:
+                spans.append({"version": weight_version + 1, "start": split, "end": response})
+            normalised = (raw[i] - mean) / (std + 1e-6)
+            batch["prompt_id"].append(f"{prompt_prefix}{g}")
+            batch["group_index"].append(g)
+            batch["index"].append(i)
+            batch["tokens"].append(tokens)
+            batch["prompt_length"].append(prompt_len)
+            batch["response_length"].append(response)
+            batch["total_length"].append(prompt_len + response)
+            batch["loss_mask"].append([1] * response)
+            batch["rollout_log_probs"].append(np_rng.uniform(-5, 0, response).astype(np.float32).tolist())
+            batch["raw_reward"].append(raw[i])
+            batch["reward"].append(normalised)
+            batch["advantage"].append(normalised)
+            batch["status"].append("completed" if response < max_response_len else "truncated")
+            batch["finish_reason"].append("stop" if response < max_response_len else "length")
+            batch["weight_versions"].append(spans)
+            batch["session_id"].append(f"{prompt_prefix}{g}-{i}")
+            batch["is_eval"].append(False)
+            batch["metadata"].append(json.dumps({"seed": seed}))
+    return batch
