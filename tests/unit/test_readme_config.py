@@ -1,0 +1,20 @@
+"""The README's configuration reference is generated from the model and must not go stale."""
+
+from pathlib import Path
+
+from vime_core.config.docs import config_table, render_into
+from vime_core.config.schema import VimeConfig
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_config_section_is_current():
+    text = README.read_text()
+    assert render_into(text) == text, "run: python -m vime_core.config.docs --write README.md"
+
+
+def test_every_field_is_documented():
+    table = config_table()
+    for name, field in VimeConfig.model_fields.items():
+        assert field.description, f"{name} has no description"
+        assert f"`--{name.replace('_', '-')}`" in table

@@ -1,0 +1,33 @@
+"""Run records: append/replace semantics, the console line, the reward gain, the curve."""
+
+from vime_core.report.curve import reward_curve_png
+from vime_core.report.records import append_record, console_line, read_records, reward_gain
+
+
+def test_records_keep_last_per_rollout_id(tmp_path):
+    uri = str(tmp_path)
+    append_record(uri, "r", {"rollout_id": 0, "reward_mean": 0.1})
+    append_record(uri, "r", {"rollout_id": 1, "reward_mean": 0.2})
+    append_record(uri, "r", {"rollout_id": 0, "reward_mean": 0.3})  # a retried iteration
+    recs = read_records(uri, "r")
+    assert [r["rollout_id"] for r in recs] == [0, 1]
+    assert recs[0]["reward_mean"] == 0.3
+
+
+def test_reward_gain_is_last3_minus_first3():
+    recs = [{"rollout_id": i, "reward_mean": i / 10} for i in range(8)]
+    first = sum(r["reward_mean"] for r in recs[:3]) / 3
+    last = sum(r["reward_mean"] for r in recs[-3:]) / 3
+    assert abs(reward_gain(recs) - (last - first)) < 1e-12
+    assert reward_gain(recs[:5]) is None
+
+
+def test_console_line_names_versions_and_phases():
+    line = console_line({"rollout_id": 7, "version_before": 8, "version_after": 9, "reward_mean": 0.5,
+                         "response_len_mean": 2.0, "t_step": 2.5, "t_rollout": 1.0})
+    assert "iter   7 v8->v9" in line and "reward 0.500" in line and "rollout 1.00" in line and "sync -" in line
+
+
+def test_reward_curve_is_a_png():
+    png = reward_curve_png([{"rollout_id": i, "reward_mean": i / 4} for i in range(5)], "t")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
