@@ -1,0 +1,149 @@
+"""Configuration: derived values (walkthrough steps 1-2), error messages, files, CLI, --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vime_core.config import (
+    ConfigError,
+    dp_size,
+    engine_server_args,
+    load_config,
+    num_engines,
+    parse_args,
+    rollout_concurrency,
+    weight_transport,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_global_batch_size_from_steps():
+    cfg = load_config(overrides={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "num_steps_per_rollout": 1})
+    assert cfg.global_batch_size == 32 * 8 // 1 == 256
+    cfg4 = load_config(overrides={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "num_steps_per_rollout": 4})
+    assert cfg4.global_batch_size == 32 * 8 // 4 == 64
+
+
+def test_steps_from_explicit_global_batch_size():
+    cfg = load_config(overrides={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "num_steps_per_rollout": None, "global_batch_size": 64})
+    assert cfg.num_steps_per_rollout == 256 // 64
+
+
+def test_inconsistent_global_batch_size_names_both_fields():
+    with pytest.raises(ConfigError, match=r"global_batch_size=100 contradicts num_steps_per_rollout=1"):
+        load_config(overrides={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "global_batch_size": 100})
+
+
+def test_eps_clip_high_and_over_sampling_defaults():
+    cfg = load_config(overrides={"eps_clip": 0.2, "rollout_batch_size": 32})
+    assert cfg.eps_clip_high == cfg.eps_clip == 0.2
+    assert cfg.over_sampling_batch_size == cfg.rollout_batch_size == 32
+    explicit = load_config(overrides={"eps_clip": 0.2, "eps_clip_high": 0.28, "over_sampling_batch_size": 48})
+    assert (explicit.eps_clip_high, explicit.over_sampling_batch_size) == (0.28, 48)
+
+
+def _reference_placement(**over):
+    values = {"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "rollout_num_gpus": 8,
+              "rollout_num_gpus_per_engine": 2, "vllm_server_concurrency": 512, "device": "cuda"}
+    values.update(over)
+    return load_config(overrides=values)
+
+
+def test_engines_concurrency_and_dp():
+    cfg = _reference_placement()
+    assert num_engines(cfg) == 8 // 2 == 4
+    assert rollout_concurrency(cfg) == 512 * num_engines(cfg) == 2048
+    assert dp_size(cfg) == 8 // 2 == 4
+
+
+def test_engine_server_args():
+    cfg = _reference_placement(offload_rollout=True, rollout_max_context_len=4096)
+    args = engine_server_args(cfg)
+    assert args["enable_sleep_mode"] is True
+    assert args["max_model_len"] == 4096
+    assert weight_transport(cfg) == "ipc" and args["weight_transfer_config"] == {"backend": "ipc"}
+    assert engine_server_args(_reference_placement(offload_rollout=False))["enable_sleep_mode"] is False
+    assert weight_transport(load_config(overrides={"device": "cpu"})) == "shm"
+    derived = load_config(overrides={"rollout_max_prompt_len": 100, "rollout_max_response_len": 28})
+    assert engine_server_args(derived)["max_model_len"] == 100 + 28
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"tensor_model_parallel_size": 3, "actor_num_gpus_per_node": 8}, "tensor_model_parallel_size"),
+        ({"rollout_num_gpus_per_engine": 3, "rollout_num_gpus": 8, "colocate": False}, "rollout_num_gpus_per_engine"),
+        ({"num_steps_per_rollout": 3}, "num_steps_per_rollout"),
+        ({"eps_clip_c": 0.5}, "eps_clip_c"),
+        ({"rollout_batch_size": "abc"}, "rollout_batch_size"),
+        ({"advantage_estimator": "dpo"}, "advantage_estimator"),
+        ({"use_dynamic_batch_size": True}, "max_tokens_per_gpu"),
+        ({"rm_type": "remote_rm"}, "rm_url"),
+    ],
+)
+def test_bad_values_name_the_field(over, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(overrides=over)
+
+
+def test_unknown_field_rejected():
+    with pytest.raises(ConfigError, match="rollout_batch_sise"):
+        load_config(overrides={"rollout_batch_sise": 4})
+
+
+def test_yaml_file_with_cli_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout-batch-size: 16\nn_samples_per_prompt: 4\nadvantage_estimator: gspo\n")
+    cfg = parse_args(["--config", str(path), "--rollout-batch-size", "8", "--no-colocate"])
+    assert cfg.rollout_batch_size == 8  # the flag wins over the file
+    assert cfg.n_samples_per_prompt == 4 and cfg.advantage_estimator == "gspo" and cfg.colocate is False
+    assert cfg.global_batch_size == 8 * 4
+
+
+def test_json_file_and_bad_files(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"seed": 7}))
+    assert load_config(path).seed == 7
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="bad.yaml must hold a mapping"):
+        load_config(bad)
+
+
+def test_cli_error_names_field_and_exits(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rollout-batch-size", "zero"])
+    assert "rollout_batch_size" in capsys.readouterr().err
+
+
+def _timed(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+    return time.perf_counter() - start, proc
+
+
+def test_help_is_instant():
+    code = "from vime_core.config import parse_args; parse_args(['--help'])"
+    elapsed, proc = _timed([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "--rollout-batch-size" in proc.stdout and "--eps-clip-high" in proc.stdout
+    assert elapsed < 2.0, f"config --help took {elapsed:.2f}s"
+
+
+def test_vime_train_help_is_instant():
+    script = Path(sys.executable).parent / "vime"
+    if not script.exists():
+        pytest.skip(f"{script} is not installed (pip install -e . creates it)")
+    elapsed, proc = _timed([str(script), "train", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "--rollout-batch-size" in proc.stdout
+    assert elapsed < 2.0, f"vime train --help took {elapsed:.2f}s"
