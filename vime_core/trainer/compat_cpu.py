@@ -1,0 +1,148 @@
+"""The CPU compatibility layer that lets megatron-core run over gloo without CUDA.
+
+Version choice: megatron-core **0.16.1** is pinned because it is the newest release that declares
+Python 3.11 (0.17 and later declare >= 3.12). Every shim below was written against its source.
+
+What megatron-core assumes about CUDA, and what this layer does about it (only when
+``torch.cuda.is_available()`` is False; on a GPU machine ``activate()`` changes nothing):
+
+1. ``import megatron.core`` can fail without triton: some releases import triton unguarded in
+   ``megatron.core.transformer.moe.ops.paged_stash``. When that module exists and triton does not,
+   a stub module is registered under its name (triton itself is never stubbed: a fake triton
+   breaks ``torch._dynamo``). 0.16.1 has no such module, so the stub is a no-op there.
+2. ``torch.cuda.current_device()`` is called to place tensors (rotary embeddings, the DDP grad
+   buffers, TP gathers). It is redirected to return ``torch.device("cpu")``, which every such
+   call site accepts as a ``device=`` argument.
+3. A few optimizer paths create tensors with a literal ``device="cuda"`` (the grad-norm
+   accumulator of ``clip_grads``, the FP32 optimizer's unit loss scale, the apex-free
+   ``local_multi_tensor_l2_norm`` in ``megatron.core.utils``). In exactly those
+   modules the module-global name ``torch`` is replaced by a proxy whose tensor factories map
+   ``"cuda"`` to ``"cpu"``; everything else is the real torch.
+4. ``model_parallel_cuda_manual_seed`` needs CUDA; ``seed_everything`` below seeds torch and
+   creates Megatron's RNG tracker without touching CUDA (dropout is 0 in our configs, so the
+   tracker's forked streams are never drawn from).
+
+What is *not* shimmed, by design: bf16/fp16 mixed-precision optimizers and the distributed
+optimizer check for ``torch.cuda.*Tensor`` types, so on CPU the optimizer is fp32 and
+non-distributed; the default causal mask (GPTModel builds it on "cuda" when none is given), so
+callers always pass an explicit mask.
+
+``activate()`` is idempotent and returns whether the shims are in force.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = False
+PAGED_STASH_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
+# Modules whose literal device="cuda" tensor factories must land on the CPU.
+CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (apex stand-in) returns a "cuda" tensor
+)
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+
+def is_active() -> bool:
+    """Whether the CPU shims are in force in this process."""
+    return _ACTIVE
+
+
+def activate() -> bool:
+    """Apply the shims when CUDA is absent (idempotent). Returns True when they are in force."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE:
+        return True
+    _stub_paged_stash_without_triton()
+    _redirect_current_device()
+    for name in CUDA_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorchProxy):
+            module.torch = _CpuTorchProxy(torch)
+    _ACTIVE = True
+    log.info("megatron-core CPU compatibility layer active (gloo, fp32, explicit masks)")
+    return True
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch and create Megatron's tensor-parallel RNG tracker without CUDA.
+
+    On a GPU this also seeds the CUDA tracker the way ``model_parallel_cuda_manual_seed`` does.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(force_reset=True)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _stub_paged_stash_without_triton() -> None:
+    if _triton_available() or PAGED_STASH_MODULE in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(PAGED_STASH_MODULE)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        return  # this megatron-core release has no such module
+    stub = types.ModuleType(PAGED_STASH_MODULE)
+    stub.__doc__ = "vime stub: the real module needs triton, which is absent (MoE paged stash)."
+    sys.modules[PAGED_STASH_MODULE] = stub
+    log.info("stubbed %s (triton is absent)", PAGED_STASH_MODULE)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _redirect_current_device() -> None:
+    if getattr(torch.cuda.current_device, "__vime_cpu__", False):
+        return
+    _cpu_current_device.__vime_cpu__ = True  # type: ignore[attr-defined]
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Stands in for ``torch`` inside a module: tensor factories given device "cuda" build on the
+    CPU; every other attribute is torch's own."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("torch")
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory

@@ -1,0 +1,203 @@
+"""Build a Megatron-core ``GPTModel`` from a Hugging Face config (Qwen2, Qwen3, Llama).
+
+The families map onto one Megatron layer (local spec, RMSNorm, SwiGLU MLP, RoPE) with two
+switches: Qwen2 has q/k/v biases (``add_qkv_bias``), Qwen3 normalises q and k per head before
+RoPE (``qk_layernorm``). Embeddings are tied or untied as the checkpoint says.
+
+Vocabulary padding: the embedding and output layers are split over the TP ranks along the
+vocabulary, so the vocabulary is padded up to a multiple of the TP size:
+``padded = ceil(vocab / tp) * tp``. The padded rows are zeros; their logits are *not* real tokens
+and are masked to a very negative value before any softmax (see ``logprobs.py``) and cut when
+weights are exported (``hf_convert.py``).
+
+Anything the mapping cannot express exactly (another ``model_type``, biases on the output or MLP
+projections, sliding-window attention, RoPE scaling, a non-SiLU activation) is refused with an
+error naming the config field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this trainer cannot build exactly."""
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """The architecture fields of an HF config that decide the Megatron model's shape."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the HF checkpoint folder")
+    return json.loads(path.read_text())
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """transformers 5 keeps RoPE settings in ``rope_parameters``; older configs at the top level."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"rope_scaling/rope_parameters.rope_type={rope_type!r} is not supported (only 'default')"
+        )
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
+    """Read and validate an HF config dict."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        raise UnsupportedModelError(
+            f"attention_bias=true for model_type={model_type!r} (bias on o_proj) is not supported"
+        )
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window=true is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return HFArchitecture(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Smallest multiple of ``tp_size`` that is >= ``vocab_size``."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
+    for field, value in (
+        ("num_attention_heads", arch.num_heads),
+        ("num_key_value_heads", arch.num_kv_heads),
+        ("intermediate_size", arch.ffn_hidden_size),
+    ):
+        if value % tp_size:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}"
+            )
+
+
+def transformer_config(arch: HFArchitecture, tp_size: int, dtype: torch.dtype) -> Any:
+    """Megatron's ``TransformerConfig`` for ``arch``: no dropout, no fused kernels (they need TE
+    or apex), weights created on the CPU and left uninitialised (a checkpoint is loaded next)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_tp_divides(arch, tp_size)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
+
+
+def layer_spec(arch: HFArchitecture) -> Any:
+    """The local layer spec with SDPA core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from vime_core.trainer.attention import SDPACoreAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(
+    arch: HFArchitecture, tp_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Any:
+    """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
+
+    The output layer returns vocabulary-parallel logits [b, s, padded_vocab / tp].
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from vime_core.trainer import compat_cpu
+
+    compat_cpu.activate()
+    model = GPTModel(
+        config=transformer_config(arch, tp_size, dtype),
+        transformer_layer_spec=layer_spec(arch),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,  # type: ignore[arg-type]  (a float is fine: it is only exponentiated)
+    )
+    model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
+    return model.to(device=device)

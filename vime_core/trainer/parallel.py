@@ -1,0 +1,92 @@
+"""torch.distributed + Megatron parallel state for one trainer rank (TP x DP).
+
+Ranks are laid out TP-innermost (Megatron's order "tp-cp-ep-dp-pp"): with TP=2 and 8 ranks,
+ranks {0,1} are one TP group and {0,2,4,6} one DP group, so ``tp_rank = rank % tp`` and
+``dp_rank = rank // tp``. The backend is gloo on CPU and NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits in the TP x DP grid."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+
+
+def layout_for(rank: int, world_size: int, tp_size: int) -> ParallelLayout:
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp_size} does not divide world_size={world_size}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside world_size={world_size}")
+    return ParallelLayout(rank, world_size, tp_size, rank % tp_size, world_size // tp_size, rank // tp_size)
+
+
+def init_parallel(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    tp_size: int,
+    device: str = "cpu",
+    timeout_s: float = 600.0,
+) -> ParallelLayout:
+    """Join the process group and create Megatron's TP/DP groups (idempotent in a process)."""
+    from megatron.core import parallel_state
+
+    from vime_core.trainer import compat_cpu
+
+    layout = layout_for(rank, world_size, tp_size)
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
+    else:
+        compat_cpu.activate()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            # Extra gloo groups only serve the distributed optimizer, which we do not use.
+            create_gloo_process_groups=False,
+        )
+    return layout
+
+
+def destroy_parallel() -> None:
+    """Leave the process group and forget Megatron's groups (for tests and shutdown)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for single-machine process groups)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
