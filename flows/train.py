@@ -35,7 +35,7 @@ def train(config: VimeConfig) -> dict:
             iteration(config, rollout_id)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
-    export = export_hf(config, f"{root}/hf_export")
+    export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports"))
     summary = {
         "run_name": config.run_name,
         "iterations": len(records),
@@ -44,8 +44,8 @@ def train(config: VimeConfig) -> dict:
         "reward_gain": reward_gain(records),
         "t_step_median": _median([r.get("t_step") for r in records]),
         "wall_seconds": time.perf_counter() - t0,
-        "batches": f"{root}/batches",
-        "checkpoints": f"{root}/checkpoints",
+        "batches": run_dir(config.storage_uri, config.run_name, "batches"),
+        "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),
         "hf_export": export,
         "metrics": f"{root}/metrics.jsonl",
         "reward_curve": f"{root}/reward_curve.png",

@@ -1,6 +1,6 @@
 """Iteration records of a run, kept as `metrics.jsonl` beside the run's batches.
 
-One record per finished iteration: rollout id, weight versions, reward and length statistics,
+Kept in `<storage>/reports/<run>/metrics.jsonl`. One record per finished iteration: rollout id, weight versions, reward and length statistics,
 training metrics and the phase times T_rollout ... T_sync (seconds), with
 T_step = wall time of the iteration. Records are appended, and re-reading them keeps the last
 record per rollout id, so a retried iteration replaces its earlier record.
@@ -15,8 +15,10 @@ from typing import Iterable
 PHASES = ("rollout", "build", "persist", "offload", "train", "onload", "sync")
 
 
-def run_dir(storage_uri: str, run_name: str) -> str:
-    return f"{storage_uri.rstrip('/')}/{run_name}"
+def run_dir(storage_uri: str, run_name: str, kind: str = "reports") -> str:
+    """Where a run's files of one kind live: `<storage>/<kind>/<run>`, beside the batch store's
+    `batches/<run>` (kinds: reports, checkpoints, exports)."""
+    return f"{storage_uri.rstrip('/')}/{kind}/{run_name}"
 
 
 def _fs_and_path(uri: str):
