@@ -39,14 +39,18 @@ GROUPS, GROUP_SIZE, PROMPT_LEN, MAX_RESPONSE = 32, 8, 64, 1024
 N = GROUPS * GROUP_SIZE
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def median_seconds(*fns, repeats: int) -> list[float]:
+    """Median wall time of each fn; the fns run interleaved in every repeat so drift of the shared
+    machine's load hits all of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for k, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def make_samples(rng: random.Random) -> list[Sample]:
@@ -77,9 +81,7 @@ def bench_build(repeats: int, cfg) -> dict:
         {"tokens": [list(s.tokens) for s in samples], "loss_mask": [list(s.loss_mask) for s in samples],
          "rollout_log_probs": [list(s.rollout_log_probs) for s in samples]}
 
-    base = median_seconds(baseline, repeats)
-    fixed = median_seconds(vime_fixed, repeats)
-    packed = median_seconds(vime_packed, repeats)
+    base, fixed, packed = median_seconds(baseline, vime_fixed, vime_packed, repeats=repeats)
     return {"samples": N, "tokens": sum(s.total_length for s in samples), "baseline_s": base,
             "vime_fixed_s": fixed, "ratio_fixed": fixed / base, "vime_packed_s": packed, "ratio_packed": packed / base}
 
@@ -109,8 +111,7 @@ def bench_loss(repeats: int) -> dict:
         ((per_token * mask).sum() / mask.sum()).backward()
         ((clipped < unclipped).float() * mask).sum() / mask.sum()  # clip fraction, as vime reports
 
-    base = median_seconds(baseline, repeats)
-    t = median_seconds(vime, repeats)
+    base, t = median_seconds(baseline, vime, repeats=repeats)
     return {"tokens": T, "baseline_s": base, "vime_s": t, "ratio": t / base}
 
 
@@ -121,9 +122,12 @@ def bench_advantages(repeats: int) -> dict:
     def baseline():
         torch.tensor(rewards).unsqueeze(1).expand(N, MAX_RESPONSE).contiguous()
 
-    base = median_seconds(baseline, repeats)
-    grpo = median_seconds(lambda: compute_advantages("grpo", rewards, masks), repeats)
-    rpp = median_seconds(lambda: compute_advantages("reinforce_plus_plus", rewards, masks, gamma=0.99), max(1, repeats // 3))
+    base, grpo, rpp = median_seconds(
+        baseline,
+        lambda: compute_advantages("grpo", rewards, masks),
+        lambda: compute_advantages("reinforce_plus_plus", rewards, masks, gamma=0.99),
+        repeats=repeats,
+    )
     return {"tokens": N * MAX_RESPONSE, "baseline_s": base, "grpo_s": grpo, "ratio_grpo": grpo / base,
             "reinforce_plus_plus_s": rpp, "ratio_reinforce_plus_plus": rpp / base}
 
