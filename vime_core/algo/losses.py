@@ -69,12 +69,8 @@ def compute_policy_loss(
 def sequence_mean_kl(ppo_kl: torch.Tensor, loss_mask: torch.Tensor, response_lengths: Sequence[int]) -> torch.Tensor:
     """GSPO: each token gets its sequence's masked mean of ppo_kl (flat [sum T_i] in and out)."""
     _check_flat(ppo_kl, response_lengths, "ppo_kl")
-    lengths = torch.as_tensor(list(response_lengths))
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    mask = loss_mask.to(ppo_kl.dtype)
-    sums = torch.zeros(len(lengths), dtype=ppo_kl.dtype).index_add(0, seq_ids, ppo_kl * mask)
-    counts = torch.zeros(len(lengths), dtype=ppo_kl.dtype).index_add(0, seq_ids, mask).clamp_min(1)
-    return (sums / counts)[seq_ids]
+    seq_ids, sums, counts = _per_sequence_sums(ppo_kl, loss_mask.to(ppo_kl.dtype), response_lengths)
+    return (sums / counts.clamp_min(1))[seq_ids]
 
 
 def compute_cispo_loss(
@@ -122,16 +118,24 @@ def aggregate_loss(
         if response_lengths is None:
             raise ValueError(f"loss_agg_mode={mode} on a flat tensor needs response_lengths")
         _check_flat(per_token, response_lengths, "per-token loss")
-        lengths = torch.as_tensor(list(response_lengths))
-        seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        seq_sums = torch.zeros(len(lengths), dtype=per_token.dtype).index_add(0, seq_ids, per_token * mask)
-        seq_counts = torch.zeros(len(lengths), dtype=per_token.dtype).index_add(0, seq_ids, mask)
+        _, seq_sums, seq_counts = _per_sequence_sums(per_token, mask, response_lengths)
     if mode == "seq_mean_token_sum":
         return seq_sums.mean() if len(seq_sums) else per_token.sum() * 0
     valid = seq_counts > 0
     if not bool(valid.any()):
         return per_token.sum() * 0  # keeps the graph; nothing to train on
     return (seq_sums[valid] / seq_counts[valid]).mean()
+
+
+def _per_sequence_sums(
+    values: torch.Tensor, mask: torch.Tensor, response_lengths: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence id of each flat token, sum_t m*v per sequence, sum_t m per sequence)."""
+    lengths = torch.as_tensor(list(response_lengths))
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    sums = torch.zeros(len(lengths), dtype=values.dtype).index_add(0, seq_ids, values * mask)
+    counts = torch.zeros(len(lengths), dtype=values.dtype).index_add(0, seq_ids, mask)
+    return seq_ids, sums, counts
 
 
 def _check_flat(t: torch.Tensor, response_lengths: Sequence[int], name: str) -> None:
