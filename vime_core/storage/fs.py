@@ -104,16 +104,12 @@ class StorageLocation:
 
     def list_keys(self, prefix: str) -> list[str]:
         """Keys of all objects under `prefix` (a folder), sorted; [] if there is none."""
-        base = self.path(prefix).rstrip("/")
-        try:
-            found = self.fs.find(base, withdirs=False)
-        except FileNotFoundError:
-            return []
-        root = self.root.rstrip("/") + "/"
-        return sorted(p[len(root):] for p in (str(x) for x in found) if p.startswith(root) and "/." not in p)
+        return [key for key, _ in self.list_with_times(prefix)]
 
     def list_with_times(self, prefix: str) -> list[tuple[str, float | None]]:
-        """(key, modification time as a POSIX timestamp or None) of every object under prefix."""
+        """(key, modification time as a POSIX timestamp or None) of every object under prefix,
+        sorted by key. Folder entries (some S3 servers list them) and hidden partial files are
+        left out."""
         base = self.path(prefix).rstrip("/")
         try:
             found = self.fs.find(base, withdirs=False, detail=True)
@@ -121,9 +117,11 @@ class StorageLocation:
             return []
         root = self.root.rstrip("/") + "/"
         out = []
-        for p, info in sorted(found.items()):
-            if p.startswith(root):
-                out.append((p[len(root):], _mtime(info)))
+        for path, info in sorted(found.items()):
+            path = str(path)
+            if info.get("type") != "file" or path == base or not path.startswith(root) or "/." in path:
+                continue
+            out.append((path[len(root):], _mtime(info)))
         return out
 
 

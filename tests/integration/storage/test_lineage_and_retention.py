@@ -1,0 +1,133 @@
+"""Lineage queries answer from the index alone; pyarrow.dataset reads the index folder; prune and
+orphan removal (local folder and real S3)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pytest
+
+from vime_core.storage import BatchNotFoundError, BatchStore
+from vime_core.storage import layout, lineage
+from vime_core.storage.index import latest_per_batch
+from vime_core.storage.retention import parse_age, remove_orphans
+from vime_core.storage.synthetic import synthetic_batch
+
+pytestmark = pytest.mark.timeout(120)
+
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
+def _fill(store: BatchStore) -> dict[int, dict]:
+    """Run "lin": rollout k at weights k+1 (some samples straddle into k+2); prompts p0..p3 in
+    every rollout, and q0 used again in rollout 2. Run "other": one batch, 10 days old."""
+    batches = {}
+    for k in range(4):
+        batch = synthetic_batch(num_groups=4, group_size=2, weight_version=k + 1, seed=k)
+        if k == 2:
+            extra = synthetic_batch(num_groups=1, group_size=2, weight_version=k + 1, seed=50, prompt_prefix="q")
+            for column, values in extra.items():
+                batch[column] = batch[column] + (
+                    [g + 4 for g in values] if column == "group_index" else values)
+        batches[k] = batch
+        store.write(batch, {"run": "lin", "rollout_id": k, "config_hash": "c1" if k < 2 else "c2"})
+    store.write(synthetic_batch(num_groups=1, group_size=2, seed=9, prompt_prefix="q"),
+                {"run": "other", "rollout_id": 0, "created_at": (NOW - dt.timedelta(days=10)).isoformat()})
+    return batches
+
+
+def _delete_batch_objects(store: BatchStore) -> None:
+    for key in store.location.list_keys(layout.BATCHES):
+        store.location.delete(key)
+
+
+def test_lineage_queries_answer_from_the_index_alone(store_uri):
+    store = BatchStore(store_uri)
+    batches = _fill(store)
+    _delete_batch_objects(store)  # any batch read would now fail: the answers come from the index
+    index = store.index()
+
+    for version in range(1, 7):
+        expected = sorted(k for k, b in batches.items()
+                          if any(s["version"] == version for spans in b["weight_versions"] for s in spans))
+        got = lineage.batches_by_weight_version(index, version, run="lin").column("rollout_id").to_pylist()
+        assert got == expected, version
+
+    seen = lineage.prompt_use_counts(index, run="lin", min_count=2)
+    uses: dict[str, list[int]] = {}
+    for k, b in batches.items():
+        for i, prompt in enumerate(b["prompt_id"]):
+            if b["index"][i] == 0:
+                uses.setdefault(prompt, []).append(k)
+    expected_seen = {p: ks for p, ks in uses.items() if len(ks) >= 2}
+    assert {r["prompt_id"]: (r["count"], r["rollout_ids"]) for r in seen.to_pylist()} == {
+        p: (len(ks), sorted(set(ks))) for p, ks in expected_seen.items()}
+    assert "q0" not in expected_seen  # used once in this run (and once in run "other")
+
+    curve = lineage.reward_by_iteration(index, "lin").to_pylist()
+    assert [r["rollout_id"] for r in curve] == [0, 1, 2, 3]
+    for row in curve:
+        rewards = batches[row["rollout_id"]]["raw_reward"]
+        assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+        assert row["num_rows"] == len(rewards)
+    assert lineage.batches_of_config(index, "c2").column("rollout_id").to_pylist() == [2, 3]
+    with pytest.raises(BatchNotFoundError):
+        store.read("lin", 0)  # the object really is gone
+
+
+def test_index_folder_is_a_parquet_dataset(store_uri):
+    """The documented query: pyarrow.dataset over <store>/index, without vime's reader."""
+    store = BatchStore(store_uri)
+    _fill(store)
+    store.compact()
+    store.write(synthetic_batch(seed=77), {"run": "lin", "rollout_id": 4})  # a manifest beside the compacted file
+    dataset = ds.dataset(store.location.path("index"), format="parquet", filesystem=store.location.fs)
+    table = latest_per_batch(dataset.to_table())
+    assert table.equals(store.index())
+    v2 = table.filter(pc.and_(pc.less_equal(table["weight_version_min"], 2), pc.greater_equal(table["weight_version_max"], 2)))
+    assert set(v2.column("rollout_id").to_pylist()) >= {0, 1}
+
+
+def test_prune_by_run_and_age(store_uri):
+    store = BatchStore(store_uri)
+    _fill(store)
+    with pytest.raises(ValueError, match="run or an age"):
+        store.prune()
+    planned = store.prune(older_than="7d")
+    assert [(r.run, r.rollout_id) for r in planned] == [("other", 0)]
+    assert store.exists("other", 0), "dry run removed something"
+    removed = store.prune(older_than="7d", dry_run=False)
+    assert [(r.run, r.rollout_id) for r in removed] == [("other", 0)]
+    assert not store.exists("other", 0)
+    assert removed[0].key not in store.location.list_keys("")
+    assert store.index().column("run").unique().to_pylist() == ["lin"]
+    store.prune(run="lin", older_than=NOW - dt.timedelta(days=1), dry_run=False)  # nothing that old
+    assert store.index().num_rows == 4
+    removed = store.prune(run="lin", dry_run=False)
+    assert len(removed) == 4 and store.index().num_rows == 0
+    assert store.location.list_keys(layout.BATCHES) == []
+    assert store.location.list_keys(layout.MANIFESTS) == []
+
+
+def test_remove_orphans_keeps_young_and_published_objects(store_uri):
+    store = BatchStore(store_uri)
+    ref = store.write(synthetic_batch(seed=1), {"run": "orph", "rollout_id": 0})
+    store.location.put(layout.tmp_key("orph", 1), b"partial upload")
+    store.location.put(layout.batch_key("orph", 2, "f" * 64), b"never indexed")
+    assert remove_orphans(store, older_than="1h") == []  # too young: a writer may still publish them
+    orphans = remove_orphans(store, older_than=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1), dry_run=False)
+    assert len(orphans) == 2 and ref.key not in orphans
+    assert store.location.list_keys(layout.TMP) == []
+    assert store.read("orph", 0)[0] == synthetic_batch(seed=1)
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2w", 1209600)])
+def test_parse_age(text, seconds):
+    assert parse_age(text).total_seconds() == seconds
+
+
+def test_parse_age_refuses_garbage():
+    with pytest.raises(ValueError, match="7d"):
+        parse_age("seven days")

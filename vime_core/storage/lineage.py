@@ -1,0 +1,70 @@
+"""Lineage questions answered from the index alone (index.INDEX_SCHEMA), never by reading batches.
+
+Each function takes the index table (`BatchStore(uri).index()`) so callers read it once and
+ask several questions. The same queries work on the Parquet files directly, without vime:
+
+    import pyarrow.dataset as ds, pyarrow.compute as pc
+    index = ds.dataset("runs/index", format="parquet").to_table()       # local store
+    # S3: ds.dataset("bucket/prefix/index", format="parquet", filesystem=s3fs.S3FileSystem(...))
+    v7 = index.filter(pc.and_(pc.less_equal(index["weight_version_min"], 7),
+                              pc.greater_equal(index["weight_version_max"], 7)))
+
+(Reading the folder directly can show a batch twice while a compaction runs; keep the row with
+the latest created_at per (run, rollout_id), as `index.latest_per_batch` does.)
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def _of_run(index: pa.Table, run: str | None) -> pa.Table:
+    return index if run is None else index.filter(pc.equal(index.column("run"), run))
+
+
+def batches_by_weight_version(index: pa.Table, version: int, run: str | None = None) -> pa.Table:
+    """Index rows of the batches that some weights `version` generated tokens of."""
+    index = _of_run(index, run)
+    versions = index.column("weight_versions").combine_chunks()
+    # Flatten the per-batch version lists; parent indices map each version back to its row.
+    hits = pc.equal(pc.list_flatten(versions), version)
+    # Parent indices come out in row order, so the unique ones keep the index's order.
+    rows = pc.unique(pc.filter(pc.list_parent_indices(versions), hits))
+    return index.take(rows)
+
+
+def prompt_use_counts(index: pa.Table, run: str | None = None, min_count: int = 2) -> pa.Table:
+    """Prompts used by at least `min_count` groups: columns prompt_id, count, rollout_ids.
+
+    A "use" is one group (a prompt copied n_samples_per_prompt times); the index stores the
+    prompt id of every group, so a prompt sampled twice in one rollout counts twice.
+    Sorted by count (descending), then prompt_id.
+    """
+    index = _of_run(index, run)
+    prompts = index.column("prompt_ids").combine_chunks()
+    parents = pc.list_parent_indices(prompts)
+    uses = pa.table({
+        "prompt_id": pc.list_flatten(prompts),
+        "rollout_id": pc.take(index.column("rollout_id"), parents),
+    })
+    counts = uses.group_by("prompt_id").aggregate([("rollout_id", "count"), ("rollout_id", "distinct")])
+    counts = counts.rename_columns(["prompt_id", "count", "rollout_ids"])
+    counts = counts.filter(pc.greater_equal(counts.column("count"), min_count))
+    ids = pa.array([sorted(v) for v in counts.column("rollout_ids").to_pylist()], pa.list_(pa.int64()))
+    counts = counts.set_column(2, "rollout_ids", ids)
+    return counts.sort_by([("count", "descending"), ("prompt_id", "ascending")])
+
+
+def reward_by_iteration(index: pa.Table, run: str) -> pa.Table:
+    """Per rollout id of `run`: reward_mean (raw reward), response_length_mean, num_rows and
+    the weight versions that generated it; sorted by rollout_id."""
+    rows = _of_run(index, run).select(
+        ["rollout_id", "reward_mean", "response_length_mean", "num_rows", "weight_version_min", "weight_version_max", "created_at"]
+    )
+    return rows.sort_by("rollout_id")
+
+
+def batches_of_config(index: pa.Table, config_hash: str) -> pa.Table:
+    """Index rows of the batches made under the configuration with this config_hash."""
+    return index.filter(pc.equal(index.column("config_hash"), config_hash))
