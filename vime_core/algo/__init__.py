@@ -2,11 +2,10 @@
 policy losses, KL estimators and the scheduling gates. Nothing here imports ray, HTTP or prefect.
 
 Estimators and losses are registered by name (`register_adv_est`, `register_policy_loss`), so a
-new one is one decorated function in its own module.
+new one is one decorated function in its own module. The built-in ones register when first
+looked up, so importing this package (or `gates`) does not import torch.
 """
 
-from vime_core.algo import advantages as _advantages  # noqa: F401  (registers the estimators)
-from vime_core.algo import losses as _losses  # noqa: F401  (registers the policy losses)
 from vime_core.algo.registry import (
     get_adv_estimator_fn,
     get_policy_loss_fn,
