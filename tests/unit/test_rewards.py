@@ -33,6 +33,9 @@ def test_boxed_extraction_handles_nesting_and_last_box():
     assert extract_boxed("no box") is None
     assert extract_boxed(r"\boxed{unbalanced") is None
     assert extract_answer("so 3 apples and 12 pears") == "12"
+    assert extract_answer("it costs 1,250 dollars, not 12,") == "12"
+    assert extract_answer("total: 1,250.") == "1,250"
+    assert extract_boxed(r"\boxed 7$") == "7"
 
 
 @pytest.mark.parametrize(
@@ -132,6 +135,12 @@ def test_custom_sync_and_async(hooks):
     group = [_sample("a", None), _sample("b", None)]
     asyncio.run(_hub(custom_rm_path=f"{hooks}:per_sample_async").score_group(group))
     assert [g.reward for g in group] == [2.5, 2.5]
+
+
+def test_group_function_scores_a_single_sample(hooks):
+    s = _sample("a", None)
+    asyncio.run(_hub(custom_rm_path=f"{hooks}:per_group", group_rm=True).score(s))
+    assert s.reward == 0.0 and s.status == Status.PENDING
 
 
 def test_custom_group_reward(hooks):

@@ -16,7 +16,7 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^(-?)\\d?frac\{([^{}]+)\}\{([^{}]+)\}$")
 REL_TOL = 1e-6
 
