@@ -133,6 +133,9 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: 
 
 
 # ---- per-token estimators ---------------------------------------------------------------------
+
+TokenTensors = Optional[Sequence[torch.Tensor]]
+AdvantagesAndReturns = tuple[list[torch.Tensor], list[torch.Tensor]]
 # Common signature: (rewards[B] post-processed, loss_masks: list[T_i], *, kl, values, gamma,
 # lambd, kl_coef) -> (advantages: list[T_i], returns: list[T_i]).
 
@@ -153,7 +156,16 @@ def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: O
 @register_adv_est("grpo")
 @register_adv_est("gspo")
 @register_adv_est("cispo")
-def group_broadcast_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+def group_broadcast_advantages(
+    rewards: torch.Tensor,
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    kl: TokenTensors = None,
+    values: TokenTensors = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+) -> AdvantagesAndReturns:
     """A_{i,t} = A_i for every response token t of sample i; returns = advantages."""
     _check(rewards, loss_masks)
     advantages = [torch.full((len(m),), float(r), dtype=torch.float32) for r, m in zip(rewards.tolist(), loss_masks)]
@@ -161,7 +173,16 @@ def group_broadcast_advantages(rewards, loss_masks, *, kl=None, values=None, gam
 
 
 @register_adv_est("reinforce_plus_plus")
-def reinforce_plus_plus_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    kl: TokenTensors = None,
+    values: TokenTensors = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+) -> AdvantagesAndReturns:
     """A = whiten(G), G_t = r_t + gamma G_{t+1}, r_t = -kl_coef kl_t + [t = T-1] A_i."""
     _check(rewards, loss_masks, kl=kl)
     returns = [
@@ -172,7 +193,16 @@ def reinforce_plus_plus_advantages(rewards, loss_masks, *, kl=None, values=None,
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+def reinforce_plus_plus_baseline_advantages(
+    rewards: torch.Tensor,
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    kl: TokenTensors = None,
+    values: TokenTensors = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+) -> AdvantagesAndReturns:
     """A = whiten(A_i - kl_coef * kl_t) (A_i already group-centred); returns = A."""
     _check(rewards, loss_masks, kl=kl)
     raw = [
@@ -184,7 +214,16 @@ def reinforce_plus_plus_baseline_advantages(rewards, loss_masks, *, kl=None, val
 
 
 @register_adv_est("ppo")
-def gae_advantages(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
+def gae_advantages(
+    rewards: torch.Tensor,
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    kl: TokenTensors = None,
+    values: TokenTensors = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+) -> AdvantagesAndReturns:
     """GAE on r_t = -kl_coef kl_t + [t = T-1] r_i with the value head's V; advantages whitened."""
     if values is None:
         raise ValueError("advantage_estimator=ppo needs values (a critic's per-token value estimates)")

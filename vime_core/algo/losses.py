@@ -167,20 +167,41 @@ def policy_loss_name(advantage_estimator: str) -> str:
 
 
 @register_policy_loss("ppo")
-def ppo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+def ppo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths: Sequence[int],
+    params: PolicyLossParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip on the token ratio: compute_policy_loss(old - current, A, ...)."""
     ppo_kl = old_log_probs - log_probs
     return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
 
 
 @register_policy_loss("gspo")
-def gspo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+def gspo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths: Sequence[int],
+    params: PolicyLossParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip on the sequence ratio: compute_policy_loss(sequence_mean_kl(old - current), A, ...)."""
     ppo_kl = sequence_mean_kl(old_log_probs - log_probs, loss_mask, response_lengths)
     return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
 
 
 @register_policy_loss("cispo")
-def cispo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, params: PolicyLossParams):
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths: Sequence[int],
+    params: PolicyLossParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO: compute_cispo_loss(old - current, current, A, eps_high)."""
     return compute_cispo_loss(old_log_probs - log_probs, log_probs, advantages, params.eps_clip_high)
