@@ -1,0 +1,182 @@
+"""The rollout loop against two real vLLM servers (behind the real vllm-router or routed in-client).
+
+The engine-kill test is last in this file on purpose: it leaves the killed engine restarted by
+the health monitor, and `healthy_engines` re-checks before every test anyway.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+
+import pytest
+
+from tests.integration.rollout.conftest import hook, make_cfg
+from vime_core.data.sample import Status
+from vime_core.tasks.arith import reward as arith_reward
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def make_manager(healthy_engines, tiny_model_dir, vllm_python, arith_data, cache_dir):
+    from vime_core.rollout.manager import RolloutManager
+
+    made = []
+
+    def make(**overrides):
+        cfg = make_cfg(tiny_model_dir, vllm_python, arith_data, **overrides)
+        manager = RolloutManager(cfg, servers=healthy_engines, log_dir=str(cache_dir / "engine-logs"))
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.shutdown()
+
+
+def check_batch_shape(batch: dict, groups: int, n: int) -> None:
+    rows = groups * n
+    assert all(len(col) == rows for col in batch.values()), {k: len(v) for k, v in batch.items()}
+    group_ids = batch["group_index"]
+    assert [group_ids[i * n] for i in range(groups)] == sorted(set(group_ids)), "groups are not contiguous"
+    assert batch["index"] == [i % n for i in range(rows)]
+    for i in range(rows):
+        assert batch["prompt_length"][i] + batch["response_length"][i] == batch["total_length"][i] == len(batch["tokens"][i])
+        assert len(batch["loss_mask"][i]) == len(batch["rollout_log_probs"][i]) == batch["response_length"][i]
+
+
+def test_full_loop_router_arith_reward(make_manager):
+    manager = make_manager(router_policy="consistent_hash")
+    batch, metrics = manager.generate(0)
+    check_batch_shape(batch, 4, 4)
+    assert set(batch["status"]) <= {"completed", "truncated"}
+    for i, status in enumerate(batch["status"]):
+        spans = batch["weight_versions"][i]
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == batch["response_length"][i]
+        assert all(lp <= 0.0 for lp in batch["rollout_log_probs"][i])
+        assert batch["finish_reason"][i] == ("length" if status == "truncated" else "stop")
+    # The rule-based reward recomputed from the returned tokens agrees with the loop's.
+    tokenizer = manager.tokenizer
+    for i in range(16):
+        response_ids = batch["tokens"][i][batch["prompt_length"][i]:]
+        if batch["finish_reason"][i] == "stop":
+            assert response_ids[-1] == tokenizer.eos_token_id
+            response_ids = response_ids[:-1]
+
+        class Probe:
+            finish_reason = batch["finish_reason"][i]
+            response = tokenizer.decode(response_ids)
+            label = str(sum(int(x) for x in batch["prompt_id"][i].split("-")[1:]))
+
+        assert batch["raw_reward"][i] == arith_reward(Probe)
+    lengths = batch["response_length"]
+    assert metrics["rollout/response_len_mean"] == pytest.approx(statistics.fmean(lengths))
+    assert metrics["rollout/response_len_max"] == max(lengths)
+    assert metrics["rollout/truncated_rate"] == pytest.approx(batch["status"].count("truncated") / 16)
+    assert metrics["rollout/output_tokens"] >= sum(lengths)
+    assert metrics["rollout/tokens_per_s"] > 0
+    assert metrics["rollout/missing_logprob_count"] == 0
+
+
+def test_filter_drops_all_equal_groups_and_oversampling_refills(make_manager):
+    manager = make_manager(
+        custom_rm_path=hook("parity_reward"),
+        dynamic_sampling_filter_path="vime_core.rewards.filters:check_reward_nonzero_std",
+        over_sampling_batch_size=2,
+    )
+    samples, metrics = manager.generate_samples(0)
+    assert len(samples) == 16
+    groups = [samples[i:i + 4] for i in range(0, 16, 4)]
+    for group in groups:
+        assert group[0].group_index % 2 == 1, "a constant-reward group was kept"
+        assert [s.reward for s in group] == [float(s.index % 2) for s in group]
+    # Every even group the loop completed was dropped; over-sampling replaced each one.
+    assert metrics["rollout/dropped_groups"] > 0
+    assert metrics["rollout/submitted_groups"] >= 4 + metrics["rollout/dropped_groups"]
+    completed = 4 + metrics["rollout/dropped_groups"]
+    assert metrics["rollout/filter_drop_rate"] == pytest.approx(metrics["rollout/dropped_groups"] / completed)
+
+
+def test_partial_rollout_requeues_aborted_samples(make_manager):
+    # 1 group wanted, 6 submitted, 4 requests at a time: most groups are still running or
+    # waiting when the first group completes, and must come back through the data source.
+    manager = make_manager(
+        rollout_batch_size=1, over_sampling_batch_size=6, vllm_server_concurrency=2,
+        rollout_max_response_len=64, partial_rollout=True, custom_rm_path=hook("index_reward"),
+    )
+    samples, metrics = manager.generate_samples(0)
+    assert len(samples) == 4
+    buffered = manager.data_source.buffer
+    requeued = [s for g in buffered for s in g]
+    assert metrics["rollout/requeued_count"] == len(requeued) > 0
+    assert metrics["rollout/aborted_count"] > 0
+    returned_ids = {s.group_index for s in samples}
+    assert not returned_ids & {g[0].group_index for g in buffered}, "a group came back and was requeued"
+    for s in requeued:
+        assert s.loss_mask == [0] * s.response_length, "off-policy tokens must not be trained"
+        assert s.status in (Status.PENDING, Status.COMPLETED, Status.TRUNCATED)
+    # Next rollout continues the requeued groups first; a continued sample's old part stays masked.
+    old = {s.session_id: s.response_length for s in requeued}
+    samples2, _ = manager.generate_samples(1)
+    continued = [s for s in samples2 if s.session_id in old]
+    assert continued, "requeued groups were not handed out first"
+    for s in continued:
+        k = old[s.session_id]
+        assert s.loss_mask[:k] == [0] * k
+        if s.metadata.get("requeued") and s.status is not Status.FAILED and k < s.response_length:
+            assert s.loss_mask[k:] == [1] * (s.response_length - k)
+        assert s.weight_versions[-1].end == s.response_length
+
+
+def test_reward_function_raising_marks_samples_failed(make_manager):
+    manager = make_manager(custom_rm_path=hook("raising_reward"))
+    batch, metrics = manager.generate(0)
+    check_batch_shape(batch, 4, 4)
+    assert set(batch["status"]) == {"failed"}
+    assert all(m == [0] * len(m) for m in batch["loss_mask"])
+    assert all("RuntimeError: reward exploded" in md for md in batch["metadata"])
+    assert metrics["rollout/failed_count"] == 16
+
+
+def test_in_client_consistent_hash_and_eval(make_manager, arith_data):
+    manager = make_manager(use_router=False, router_policy="consistent_hash", eval_prompt_data=arith_data, n_samples_per_eval_prompt=2, eval_temperature=0.0)
+    router = manager.state.generator
+    assert router.pick("session-a") is router.pick("session-a")
+    picks = {router.pick(f"s-{i}").base_url for i in range(32)}
+    assert len(picks) == 2, "32 sessions all hashed onto one engine"
+    batch, _ = manager.generate(0)
+    check_batch_shape(batch, 4, 4)
+    state_before = manager.data_source_state()
+    metrics = manager.eval(0)
+    assert manager.data_source_state() == state_before, "eval touched the training data source"
+    assert metrics["eval/num_samples"] == 25 * 2
+    assert 0.0 <= metrics["eval/reward_mean"] <= 1.0
+    assert manager.weight_versions() == [0, 0]
+
+
+def test_killing_an_engine_mid_rollout_still_returns_a_full_batch(make_manager, healthy_engines):
+    manager = make_manager(rollout_batch_size=8, rollout_max_response_len=32, vllm_server_concurrency=4)
+    victim = healthy_engines[1]
+    killed = threading.Event()
+
+    def kill_after_first_sample(sample):
+        if not killed.is_set():
+            killed.set()
+            victim.kill()
+
+    manager.state.sample_hook = kill_after_first_sample
+    batch, metrics = manager.generate(0)
+    assert killed.is_set()
+    check_batch_shape(batch, 8, 4)
+    assert "failed" not in batch["status"], [m for m in batch["metadata"] if "generate_error" in m]
+    assert len(set(batch["session_id"])) == 32, "a sample was duplicated"
+    # The monitor brings the engine back (same URL) for the tests that follow.
+    deadline_s = 240
+    import time
+
+    t0 = time.monotonic()
+    while manager.health.restarts == 0 and time.monotonic() - t0 < deadline_s:
+        time.sleep(1)
+    assert manager.health.restarts >= 1, manager.health.errors
+    assert victim.is_alive()

@@ -1,0 +1,118 @@
+"""Engine health monitoring: find a dead engine, restart it, give it the current weights, put
+it back behind the router.
+
+A background thread polls each engine every `interval_s`. An engine whose process exited, or
+that failed `failures_to_restart` health checks in a row, is restarted; before it serves again
+`on_restarted(engine_index, url)` is called (the owner pushes the current weights and version
+there), then the router (or the in-client PolicyRouter) gets its new URL. Requests that were in
+flight on it fail, and the rollout loop retries them on a live engine: nothing is lost.
+
+The monitor is paused while engines sleep (offload: a sleeping engine may not answer) and
+resumed when they generate again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        servers: Sequence[object],
+        on_restarted: Optional[Callable[[int, str], None]] = None,
+        on_url_changed: Optional[Callable[[str, str], None]] = None,
+        interval_s: float = 2.0,
+        failures_to_restart: int = 3,
+    ) -> None:
+        self.servers = list(servers)
+        self.on_restarted = on_restarted
+        self.on_url_changed = on_url_changed
+        self.interval_s = interval_s
+        self.failures_to_restart = failures_to_restart
+        self.restarts = 0
+        self.errors: list[str] = []
+        self._failures = [0] * len(self.servers)
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one check/restart at a time (check_now from other threads)
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
+            self._thread.start()
+        self.resume()
+
+    def pause(self) -> None:
+        self._active.clear()
+
+    def resume(self) -> None:
+        self._active.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._active.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._active.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._active.wait()
+            if self._stop.is_set():
+                return
+            self.check_now()
+            self._stop.wait(self.interval_s)
+
+    def check_now(self) -> int:
+        """One pass over the engines; returns how many were restarted."""
+        restarted = 0
+        with self._lock:
+            for i, server in enumerate(self.servers):
+                if self._stop.is_set() or self.paused:
+                    break
+                if getattr(server, "attach_url", None):
+                    continue  # not ours to restart
+                if self._alive(server):
+                    self._failures[i] = 0
+                    continue
+                self._failures[i] += 1
+                process_gone = getattr(server, "_proc", None) is None or server._proc.poll() is not None  # type: ignore[attr-defined]
+                if process_gone or self._failures[i] >= self.failures_to_restart:
+                    restarted += self._restart(i, server)
+        return restarted
+
+    @staticmethod
+    def _alive(server: object) -> bool:
+        try:
+            return bool(server.is_alive())  # type: ignore[attr-defined]
+        except Exception:
+            return False
+
+    def _restart(self, index: int, server: object) -> int:
+        old_url = server.url  # type: ignore[attr-defined]
+        logger.warning("engine %d at %s is dead; restarting", index, old_url)
+        try:
+            new_url = server.restart()  # type: ignore[attr-defined]
+            if self.on_restarted is not None:
+                self.on_restarted(index, new_url)
+            if self.on_url_changed is not None:
+                self.on_url_changed(old_url, new_url)
+        except Exception as exc:
+            message = f"engine {index}: restart failed: {type(exc).__name__}: {exc}"
+            logger.error(message)
+            self.errors.append(message[:2000])
+            return 0
+        self._failures[index] = 0
+        self.restarts += 1
+        logger.warning("engine %d restarted at %s", index, new_url)
+        return 1

@@ -1,0 +1,64 @@
+"""Eval rollout: every prompt of the eval dataset, n_samples_per_eval_prompt samples each, at
+eval_temperature (0 = greedy), scored by the same reward. The training data source is not touched.
+
+Metrics: eval/reward_mean (mean over samples), eval/pass_at_n (share of prompts with at least one
+sample of reward > 0), eval/response_len_mean, eval/truncated_rate, eval/failed_count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from vime_core.data.sample import Sample, Status
+from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+
+
+def eval_samples(rows: list[Any], n_samples: int) -> list[list[Sample]]:
+    """Groups of fresh samples for the eval rows (PromptRow-like: prompt_id, prompt, label, tokens)."""
+    groups = []
+    for g, row in enumerate(rows):
+        groups.append([
+            Sample(
+                prompt_id=row.prompt_id, prompt=row.prompt, label=row.label, tokens=list(row.tokens),
+                prompt_length=len(row.tokens), group_index=g, index=i, session_id=f"eval-{g}-{i}",
+                metadata={**dict(row.metadata), "is_eval": True},
+            )
+            for i in range(n_samples)
+        ])
+    return groups
+
+
+async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    cfg = state.cfg
+    t0 = time.perf_counter()
+    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open)
+    params = base_sampling_params(cfg, temperature=cfg.eval_temperature)
+    sem = asyncio.Semaphore(state.concurrency)
+    groups = eval_samples(rows, cfg.n_samples_per_eval_prompt)
+
+    async def one(sample: Sample) -> Sample:
+        async with sem:
+            await generate_sample(ctx, sample, dict(params))
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            await state.reward_hub.score(sample)
+        if sample.reward is None:
+            sample.reward = 0.0
+        return sample
+
+    samples = list(await asyncio.gather(*(one(s) for g in groups for s in g)))
+    rewards = [float(s.reward or 0.0) for s in samples]
+    solved = sum(any((s.reward or 0.0) > 0 for s in g) for g in groups)
+    metrics = {
+        "eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "eval/pass_at_n": solved / max(1, len(groups)),
+        "eval/response_len_mean": statistics.fmean(s.response_length for s in samples) if samples else 0.0,
+        "eval/truncated_rate": sum(s.status is Status.TRUNCATED for s in samples) / max(1, len(samples)),
+        "eval/failed_count": float(sum(s.status is Status.FAILED for s in samples)),
+        "eval/num_samples": float(len(samples)),
+        "eval/time_s": time.perf_counter() - t0,
+        "eval/rollout_id": float(rollout_id),
+    }
+    return samples, metrics

@@ -1,0 +1,189 @@
+"""Single-turn, token-in/token-out generation of one sample (steps 19-23 of the worked example).
+
+For a sample with `response_length` tokens already generated (0, or a partial response coming
+back from an aborted rollout):
+
+    max_new_tokens = rollout_max_response_len - response_length
+        == 0  -> TRUNCATED, no request
+    request  = prompt + response ids, sampling params (stop / stop_token_ids only when set,
+               top_k -1 sent as is, logprobs=0: the sampled token's log-prob only)
+    response = token ids, one log-prob per token (processed = after temperature), finish reason,
+               usage, weight-version spans over the output tokens
+
+The response is appended with `Sample.append_response_tokens`; spans are shifted by the old
+response length so they index the whole response. Status: finish "stop" -> COMPLETED
+(also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED.
+
+A log-prob entry that does not belong to the sampled token, or is vLLM's -9999 floor (log 0), is
+kept as MISSING_LOGPROB and counted in `metadata["missing_logprobs"]` (a rollout metric), never
+used silently. A response whose token and log-prob counts differ fails the sample with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+from vime_core.data.sample import Sample, Status, WeightSpan
+from vime_core.engines.client import EngineError, parse_weight_version
+
+logger = logging.getLogger(__name__)
+
+MISSING_LOGPROB = -9999.0
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class Generator(Protocol):
+    """What generate needs from an engine, the router or the in-client PolicyRouter."""
+
+    async def generate(self, token_ids: list[int], sampling_params: dict, session_id: Optional[str] = None, request_id: Optional[str] = None) -> dict: ...
+
+
+class MalformedResponse(ValueError):
+    """The engine answered 200 with a body that cannot be turned into tokens + log-probs."""
+
+
+@dataclass
+class GenerateContext:
+    """What one sample's generation needs; shared by every sample of a rollout."""
+
+    cfg: Any
+    generator: Generator
+    tokenizer: Any
+    eos_token_id: Optional[int] = None
+    # Set when the rollout has what it needs: samples not yet sent are returned ABORTED.
+    aborting: asyncio.Event = field(default_factory=asyncio.Event)
+    # Cleared by pause_admission: new requests wait until it is set again.
+    admission_open: Optional[Any] = None
+    # Retries of a request whose engine did not answer (dead engine, restart in progress).
+    max_attempts: int = 8
+    retry_backoff_s: float = 0.5
+
+
+def base_sampling_params(cfg: Any, temperature: Optional[float] = None) -> dict:
+    """vLLM sampling params of the configuration; each sample gets its own copy."""
+    params: dict[str, Any] = {
+        "temperature": cfg.rollout_temperature if temperature is None else temperature,
+        "top_p": cfg.rollout_top_p,
+        "top_k": cfg.rollout_top_k,
+        "logprobs": 0,
+        "skip_special_tokens": cfg.rollout_skip_special_tokens,
+    }
+    if cfg.rollout_stop:
+        params["stop"] = list(cfg.rollout_stop)
+    if cfg.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(cfg.rollout_stop_token_ids)
+    return params
+
+
+def parse_choice(answer: dict) -> tuple[list[int], list[float], int, str, list[WeightSpan]]:
+    """(token ids, log-probs, missing log-prob count, finish reason, spans) of choice 0."""
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise MalformedResponse(f"no choices in the response: {str(answer)[:200]}") from None
+    token_ids = [int(t) for t in choice.get("token_ids") or []]
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    if len(entries) != len(token_ids):
+        raise MalformedResponse(f"{len(token_ids)} tokens but {len(entries)} log-probs in the response")
+    log_probs, missing = [], 0
+    for token, entry in zip(token_ids, entries):
+        value = _sampled_logprob(token, entry)
+        if value is None or value <= MISSING_LOGPROB:
+            missing += 1
+            value = MISSING_LOGPROB
+        log_probs.append(value)
+    spans = [WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+    return token_ids, log_probs, missing, str(choice.get("finish_reason") or ""), spans
+
+
+def _sampled_logprob(token: int, entry: dict) -> Optional[float]:
+    if entry.get("token_id") == token and entry.get("logprob") is not None:
+        return float(entry["logprob"])
+    for top in entry.get("top_logprobs") or []:
+        if top.get("token_id") == token and top.get("logprob") is not None:
+            return float(top["logprob"])
+    return None
+
+
+def extend_spans(sample: Sample, spans: list[WeightSpan], offset: int) -> None:
+    """Append spans shifted by `offset`, merging with the last one when the version continues."""
+    for span in spans:
+        shifted = WeightSpan(span.version, span.start + offset, span.end + offset)
+        last = sample.weight_versions[-1] if sample.weight_versions else None
+        if last is not None and last.version == shifted.version and last.end == shifted.start:
+            last.end = shifted.end
+        else:
+            sample.weight_versions.append(shifted)
+
+
+def decode_response(tokenizer: Any, sample: Sample, skip_special_tokens: bool, eos_token_id: Optional[int]) -> str:
+    """The response text; a final EOS is not part of it (as in vLLM's own text output)."""
+    ids = sample.response_tokens
+    if ids and eos_token_id is not None and ids[-1] == eos_token_id and sample.finish_reason == "stop":
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def fail_sample(sample: Sample, reason: str) -> Sample:
+    sample.status = Status.FAILED
+    sample.metadata["generate_error"] = reason
+    return sample
+
+
+async def _wait_for_admission(ctx: GenerateContext) -> None:
+    while ctx.admission_open is not None and not ctx.admission_open.is_set():
+        if ctx.aborting.is_set():
+            return
+        await asyncio.sleep(0.05)
+
+
+async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
+    """Generate (or continue) one sample in place; returns it (module docstring)."""
+    cfg = ctx.cfg
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:
+        return sample  # finished before an abort; came back with its group
+    budget = cfg.rollout_max_response_len - sample.response_length
+    if budget <= 0:
+        sample.status, sample.finish_reason = Status.TRUNCATED, "length"
+        return sample
+    context_room = cfg.rollout_max_context_len - len(sample.tokens)
+    if context_room <= 0:
+        return fail_sample(sample, f"prompt+response of {len(sample.tokens)} tokens leaves no room in rollout_max_context_len={cfg.rollout_max_context_len}")
+    params = dict(sampling_params, max_tokens=min(budget, context_room))
+
+    answer = None
+    for attempt in range(1, ctx.max_attempts + 1):
+        await _wait_for_admission(ctx)
+        if ctx.aborting.is_set():
+            sample.status = Status.ABORTED
+            return sample
+        try:
+            answer = await ctx.generator.generate(sample.tokens, params, session_id=sample.session_id or None)
+            break
+        except EngineError as exc:
+            if exc.status is not None and exc.status < 500:
+                return fail_sample(sample, str(exc))  # the request itself is bad: retrying cannot help
+            if attempt == ctx.max_attempts:
+                return fail_sample(sample, f"no engine answered after {attempt} attempts: {exc}")
+            logger.info("sample %s: attempt %d failed (%s); retrying", sample.session_id, attempt, exc)
+            await asyncio.sleep(min(ctx.retry_backoff_s * 2 ** (attempt - 1), 5.0))
+    assert answer is not None
+
+    try:
+        token_ids, log_probs, missing, finish, spans = parse_choice(answer)
+    except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
+        return fail_sample(sample, f"malformed engine response: {exc}")
+    offset = sample.response_length
+    sample.append_response_tokens(token_ids, log_probs)
+    extend_spans(sample, spans, offset)
+    if missing:
+        sample.metadata["missing_logprobs"] = sample.metadata.get("missing_logprobs", 0) + missing
+    usage = answer.get("usage") or {}
+    sample.metadata["completion_tokens"] = sample.metadata.get("completion_tokens", 0) + int(usage.get("completion_tokens", len(token_ids)))
+    sample.finish_reason = finish
+    sample.status = FINISH_STATUS.get(finish, Status.COMPLETED)
+    sample.response = decode_response(ctx.tokenizer, sample, cfg.rollout_skip_special_tokens, ctx.eos_token_id)
+    return sample

@@ -1,0 +1,229 @@
+"""The default rollout function (steps 14-29 of the worked example), asynchronous end to end.
+
+    target = rollout_batch_size groups
+    while kept < target:
+        while kept + in flight < target: submit over_sampling_batch_size new groups
+            (one task per group, one per sample inside it; a semaphore of
+             vllm_server_concurrency * engines bounds the requests in flight)
+        take the first group that completes: check its size, score it (group_rm; otherwise each
+        sample was scored right after its generation), apply the dynamic filter -> kept / dropped
+    abort what is still running (abort_requests on every engine), wait for it to come back;
+    partial_rollout: unfinished groups return to the data source with their partial responses,
+    the off-policy part masked (loss_mask 0); otherwise they are dropped.
+
+Exactly `rollout_batch_size` groups come back, groups contiguous, samples in index order.
+
+The rollout function is loaded by path (`rollout_function_path`), default
+`vime_core.rollout.loop:generate_rollout`, called as `await fn(state, rollout_id)` and returning
+`(samples, metrics)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+from vime_core.data.sample import Sample, Status
+from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+
+logger = logging.getLogger(__name__)
+
+ABORT_POLL_S = 0.5
+ABORT_WAIT_S = 60.0
+
+GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable[Sample]]
+
+
+@dataclass
+class RolloutState:
+    """What a rollout function works with; built once by the RolloutManager."""
+
+    cfg: Any
+    data_source: Any
+    reward_hub: Any
+    generator: Any  # EngineClient of the router, or a PolicyRouter
+    engines: Sequence[Any]  # EngineClient per engine: aborts go to each one directly
+    tokenizer: Any
+    group_filter: Callable[[list[Sample]], bool]
+    eos_token_id: Optional[int] = None
+    generate_fn: GenerateFn = generate_sample
+    admission_open: Optional[Any] = None  # threading.Event; cleared = hold new requests
+    concurrency: int = 1
+    # Rollout sample hook: called on each sample after generation and reward.
+    sample_hook: Optional[Callable[[Sample], None]] = None
+
+
+@dataclass
+class _Progress:
+    kept: list[list[Sample]] = field(default_factory=list)
+    dropped_groups: int = 0
+    surplus_groups: int = 0
+    submitted_groups: int = 0
+    output_tokens: int = 0
+    time_reward_s: float = 0.0
+
+
+async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Semaphore, sample: Sample, params: dict, progress: _Progress, bar: Any) -> Sample:
+    async with sem:
+        before = sample.response_length
+        await state.generate_fn(ctx, sample, dict(params))
+    progress.output_tokens += sample.response_length - before
+    if not state.cfg.group_rm and sample.status in (Status.COMPLETED, Status.TRUNCATED):
+        t0 = time.perf_counter()
+        await state.reward_hub.score(sample)
+        progress.time_reward_s += time.perf_counter() - t0
+    if sample.status is not Status.ABORTED:
+        bar.update(1)
+    return sample
+
+
+async def _run_group(state: RolloutState, ctx: GenerateContext, sem: asyncio.Semaphore, group: list[Sample], params: dict, progress: _Progress, bar: Any) -> list[Sample]:
+    samples = await asyncio.gather(*(_run_sample(state, ctx, sem, s, params, progress, bar) for s in group))
+    if state.cfg.group_rm and not any(s.status is Status.ABORTED for s in samples):
+        scorable = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
+        t0 = time.perf_counter()
+        await state.reward_hub.score_group(scorable)
+        progress.time_reward_s += time.perf_counter() - t0
+    for s in samples:
+        if s.status is Status.FAILED and s.reward is None:
+            s.reward = 0.0
+        if state.sample_hook is not None:
+            state.sample_hook(s)
+    return list(samples)
+
+
+def _group_is_complete(group: list[Sample]) -> bool:
+    return not any(s.status in (Status.ABORTED, Status.PENDING) for s in group)
+
+
+async def abort_in_flight(engines: Sequence[Any], tasks: set[asyncio.Task], ctx: GenerateContext, wait_s: float = ABORT_WAIT_S) -> None:
+    """Stop every request still running and wait for its task; requests already on an engine
+    come back with finish "abort", those not sent yet return ABORTED without a request."""
+    ctx.aborting.set()
+    deadline = time.monotonic() + wait_s
+    while tasks and time.monotonic() < deadline:
+        await asyncio.gather(*(_abort_quietly(e) for e in engines))
+        done, tasks = await asyncio.wait(tasks, timeout=ABORT_POLL_S)
+    for task in tasks:  # an engine that never answers must not hang the rollout
+        task.cancel()
+    if tasks:
+        logger.warning("%d group tasks did not finish %.0f s after the abort; cancelled", len(tasks), wait_s)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _abort_quietly(engine: Any) -> None:
+    try:
+        await engine.abort_requests()
+    except Exception as exc:  # a dead engine has nothing in flight to abort
+        logger.info("abort_requests on %s failed: %s", getattr(engine, "name", engine), exc)
+
+
+def requeue_partial(data_source: Any, groups: list[list[Sample]]) -> int:
+    """Give unfinished groups back with their partial responses; what was generated so far is
+    off-policy for the next rollout, so its loss mask becomes 0. Returns the sample count."""
+    for group in groups:
+        for s in group:
+            s.loss_mask = [0] * len(s.loss_mask)
+            if s.status is Status.ABORTED:
+                s.status = Status.PENDING
+            s.metadata["requeued"] = s.metadata.get("requeued", 0) + 1
+    data_source.add_back(groups)
+    return sum(len(g) for g in groups)
+
+
+def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: int, requeued: int, times: dict[str, float]) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    rewards = [float(s.reward or 0.0) for s in samples]
+    lengths = [s.response_length for s in samples]
+    completed_groups = len(progress.kept) + progress.dropped_groups
+    gen_s = times.get("rollout/time_generate_s", 0.0)
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "rollout/response_len_max": float(max(lengths, default=0)),
+        "rollout/truncated_rate": sum(s.status is Status.TRUNCATED for s in samples) / max(1, len(samples)),
+        "rollout/failed_count": float(sum(s.status is Status.FAILED for s in samples)),
+        "rollout/filter_drop_rate": progress.dropped_groups / max(1, completed_groups),
+        "rollout/dropped_groups": float(progress.dropped_groups),
+        "rollout/surplus_groups": float(progress.surplus_groups),
+        "rollout/submitted_groups": float(progress.submitted_groups),
+        "rollout/aborted_count": float(aborted),
+        "rollout/requeued_count": float(requeued),
+        "rollout/missing_logprob_count": float(sum(s.metadata.get("missing_logprobs", 0) for s in samples)),
+        "rollout/output_tokens": float(progress.output_tokens),
+        "rollout/tokens_per_s": progress.output_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/time_reward_s": progress.time_reward_s,
+        **times,
+    }
+
+
+async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    """One rollout: exactly rollout_batch_size groups and the rollout's metrics."""
+    from tqdm.auto import tqdm
+
+    cfg = state.cfg
+    target = cfg.rollout_batch_size
+    t_start = time.perf_counter()
+    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open)
+    sem = asyncio.Semaphore(state.concurrency)
+    params = base_sampling_params(cfg)
+    progress = _Progress()
+    in_flight: set[asyncio.Task] = set()
+    bar = tqdm(total=target * cfg.n_samples_per_prompt, desc=f"rollout {rollout_id}", unit="sample", disable=None)
+
+    try:
+        while len(progress.kept) < target:
+            while len(progress.kept) + len(in_flight) < target:
+                for group in state.data_source.get_groups(cfg.over_sampling_batch_size):
+                    in_flight.add(asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar)))
+                    progress.submitted_groups += 1
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                if len(group) != cfg.n_samples_per_prompt:
+                    raise RuntimeError(f"group {group[0].group_index if group else '?'} has {len(group)} samples; n_samples_per_prompt={cfg.n_samples_per_prompt}")
+                if len(progress.kept) >= target:
+                    progress.surplus_groups += 1
+                elif state.group_filter(group):
+                    progress.kept.append(group)
+                else:
+                    progress.dropped_groups += 1
+        t_generated = time.perf_counter()
+
+        leftovers: list[list[Sample]] = []
+        if in_flight:
+            abort_tasks = set(in_flight)
+            await abort_in_flight(state.engines, abort_tasks, ctx)
+            leftovers = [t.result() for t in in_flight if not t.cancelled() and t.exception() is None]
+        t_aborted = time.perf_counter()
+    except BaseException:
+        ctx.aborting.set()  # a failing group must not leave requests running behind it
+        for task in in_flight:
+            task.cancel()
+        raise
+    finally:
+        bar.close()
+
+    aborted = sum(s.status is Status.ABORTED for g in leftovers for s in g)
+    requeued = 0
+    unfinished = [g for g in leftovers if not _group_is_complete(g)]
+    if cfg.partial_rollout and unfinished:
+        requeued = requeue_partial(state.data_source, unfinished)
+
+    groups = sorted(progress.kept[:target], key=lambda g: g[0].group_index)
+    samples = [s for g in groups for s in sorted(g, key=lambda s: s.index)]
+    t_end = time.perf_counter()
+    times = {
+        "rollout/time_generate_s": t_generated - t_start,
+        "rollout/time_abort_s": t_aborted - t_generated,
+        "rollout/time_finalize_s": t_end - t_aborted,
+        "rollout/time_total_s": t_end - t_start,
+    }
+    metrics = rollout_metrics(groups, progress, aborted, requeued, times)
+    logger.info("rollout %d: %d groups, reward %.3f, %.0f tok/s", rollout_id, len(groups), metrics["rollout/reward_mean"], metrics["rollout/tokens_per_s"])
+    return samples, metrics

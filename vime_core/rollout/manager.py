@@ -1,0 +1,246 @@
+"""RolloutManager: the rollout half of a run in one plain class (the cluster module makes it a
+detached Ray actor). It owns the engines (or attaches to `engine_urls`), the router, the data
+source and the reward hub, and runs one rollout per `generate(rollout_id)` in its own event loop.
+
+Phases it serves (design section 1): rollout (`generate`, `eval`), offload rollout (`offload`),
+the engine side of sync (`pause_admission`, `onload_weights`, `resume_admission`, `onload_kv`).
+Weight pushes themselves go from the trainer straight to `engine_urls()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from vime_core.engines.client import EngineClient, run_blocking
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        servers: Optional[Sequence[Any]] = None,
+        receives_weight_updates: bool = True,
+        on_engine_restarted: Optional[Callable[[int, str], None]] = None,
+        health_interval_s: float = 2.0,
+        log_dir: Optional[str] = None,
+    ) -> None:
+        """`servers`: EngineServer objects already started by the caller (tests share them; the
+        caller shuts them down). Otherwise engines are started here, or attached when
+        cfg.engine_urls is set. `on_engine_restarted(index, url)` must give a restarted engine
+        the current weights (the trainer's publisher); without it a restarted engine serves the
+        checkpoint's weights, and a warning says so."""
+        from vime_core.config import num_engines
+        from vime_core.data.data_source import DataSource, load_tokenizer
+        from vime_core.engines.health import HealthMonitor
+        from vime_core.engines.server import EngineServer, platform_supports_sleep
+        from vime_core.rewards.filters import load_filter
+        from vime_core.rewards.hub import RewardHub
+        from vime_core.rollout.generate import generate_sample
+        from vime_core.rollout.loop import RolloutState
+        from vime_core.utils.imports import load_function
+
+        self.cfg = cfg
+        self.receives_weight_updates = receives_weight_updates
+        self.on_engine_restarted = on_engine_restarted
+        self.supports_sleep = platform_supports_sleep(cfg)
+        self.tokenizer = load_tokenizer(cfg)
+        self.data_source = DataSource(cfg, tokenizer=self.tokenizer)
+        self.reward_hub = RewardHub(cfg)
+        self.rollout_fn = load_function(cfg.rollout_function_path, field="rollout_function_path")
+        generate_fn = (
+            load_function(cfg.custom_generate_function_path, field="custom_generate_function_path")
+            if cfg.custom_generate_function_path else generate_sample
+        )
+        group_filter = load_filter(cfg.dynamic_sampling_filter_path)
+        self.admission_open = threading.Event()
+        self.admission_open.set()
+
+        self._owns_servers = servers is None
+        if servers is not None:
+            self.servers = list(servers)
+        elif cfg.engine_urls:
+            if len(cfg.engine_urls) != num_engines(cfg):
+                logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs", len(cfg.engine_urls), num_engines(cfg))
+            self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir) for i, u in enumerate(cfg.engine_urls)]
+        else:
+            self.servers = [EngineServer(cfg, i, log_dir=log_dir) for i in range(num_engines(cfg))]
+        self.router = None
+        try:
+            if self._owns_servers:
+                self._start_servers()
+            self.router = self._make_router(log_dir)
+        except BaseException:
+            self.shutdown()
+            raise
+
+        self.state = RolloutState(
+            cfg=cfg, data_source=self.data_source, reward_hub=self.reward_hub,
+            generator=self._generator, engines=self._engine_clients, tokenizer=self.tokenizer,
+            group_filter=group_filter, eos_token_id=self.tokenizer.eos_token_id, generate_fn=generate_fn,
+            admission_open=self.admission_open, concurrency=cfg.vllm_server_concurrency * len(self.servers),
+        )
+        self.health = HealthMonitor(self.servers, on_restarted=self._engine_restarted, on_url_changed=self._url_changed, interval_s=health_interval_s)
+        self.health.start()
+
+    # ---- topology ----------------------------------------------------------------------------
+
+    def _start_servers(self) -> None:
+        # Engines start one after another: on a 2-core machine parallel starts only slow each other.
+        for server in self.servers:
+            server.start()
+
+    def _make_router(self, log_dir: Optional[str]) -> Any:
+        from vime_core.engines.router import PolicyRouter, Router
+
+        urls = self.engine_urls()
+        self._engine_clients = [self._client(u, f"engine-{i}") for i, u in enumerate(urls)]
+        if self.cfg.use_router:
+            router = Router(self.cfg.router_policy, worker_urls=urls, log_dir=log_dir)
+            router.start()
+            self._wait_router_workers(router, urls)
+            self._generator = self._client(router.url, "router")
+            return router
+        self._generator = PolicyRouter(self._engine_clients, self.cfg.router_policy, seed=self.cfg.seed)
+        return None
+
+    @staticmethod
+    def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while set(urls) - set(router.workers()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
+            time.sleep(0.2)
+
+    def _client(self, url: str, name: str) -> EngineClient:
+        return EngineClient(url, name, supports_sleep=self.supports_sleep, max_connections=max(64, self.cfg.vllm_server_concurrency * 2))
+
+    def _engine_restarted(self, index: int, url: str) -> None:
+        if self.on_engine_restarted is not None:
+            self.on_engine_restarted(index, url)
+        else:
+            logger.warning("engine %d restarted without a weight callback: it serves the checkpoint's weights", index)
+
+    def _url_changed(self, old_url: str, new_url: str) -> None:
+        """Point clients and routing at a restarted engine. On the same URL the router's own
+        health check re-admits it; on a new one it is re-registered."""
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        if old_url == new_url:
+            return
+        for i, client in enumerate(self._engine_clients):
+            if client.base_url == old_url:
+                self._engine_clients[i] = fresh = self._client(new_url, client.name)
+                if self.router is None:
+                    self._generator.add(fresh)
+                    self._generator.remove(old_url)
+        if self.router is not None:
+            try:
+                self.router.remove_worker(old_url)
+            except Exception as exc:
+                logger.info("router remove_worker %s: %s", old_url, exc)
+            self.router.add_worker(new_url)
+
+    def engine_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def _each_engine(self, method: str, *args: Any) -> list[Any]:
+        """A control call on every engine directly, concurrently."""
+        async def all_engines() -> list[Any]:
+            clients = [EngineClient(u, f"engine-{i}", supports_sleep=self.supports_sleep) for i, u in enumerate(self.engine_urls())]
+            try:
+                return list(await asyncio.gather(*(getattr(c, method)(*args) for c in clients)))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+
+        return run_blocking(all_engines)
+
+    # ---- rollout -----------------------------------------------------------------------------
+
+    def generate(self, rollout_id: int) -> tuple[dict, dict]:
+        """One rollout: `(build_batch(samples), metrics)`."""
+        from vime_core.data.batch import build_batch
+
+        samples, metrics = self.generate_samples(rollout_id)
+        t0 = time.perf_counter()
+        batch = build_batch(samples, self.cfg)
+        metrics["rollout/time_build_s"] = time.perf_counter() - t0
+        metrics["rollout/engine_restarts"] = float(self.health.restarts)
+        return batch, metrics
+
+    def generate_samples(self, rollout_id: int) -> tuple[list, dict]:
+        """The rollout function's raw output (samples, metrics), for tests and custom drivers."""
+        self.health.resume()
+        return run_blocking(lambda: self._in_loop(self.rollout_fn(self.state, rollout_id)))
+
+    async def _in_loop(self, work: Any) -> Any:
+        """Await `work`, then close the HTTP connections this event loop opened."""
+        try:
+            return await work
+        finally:
+            clients = [*self._engine_clients, *getattr(self._generator, "clients", [self._generator])]
+            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+
+    def eval(self, rollout_id: int) -> dict:
+        """Eval rollout over cfg.eval_prompt_data; metrics only. The training data is untouched."""
+        from vime_core.data.data_source import load_prompt_rows
+        from vime_core.rollout.eval import run_eval
+
+        if not self.cfg.eval_prompt_data:
+            raise ValueError("eval_prompt_data is empty: nothing to evaluate")
+        rows = load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer)
+        self.health.resume()
+        _, metrics = run_blocking(lambda: self._in_loop(run_eval(self.state, rows, rollout_id)))
+        return metrics
+
+    # ---- offload / onload / admission ----------------------------------------------------------
+
+    def offload(self) -> None:
+        """Engines sleep: level 2 (drop weights too) when the trainer will push new ones, else 1."""
+        self.health.pause()
+        self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")
+
+    def onload_weights(self) -> None:
+        self._each_engine("wake_up", ["weights"])
+
+    def onload_kv(self) -> None:
+        self._each_engine("wake_up", ["kv_cache"])
+        self.health.resume()
+
+    def pause_admission(self) -> None:
+        """Hold new generate requests (those in flight continue) until resume_admission."""
+        self.admission_open.clear()
+
+    def resume_admission(self) -> None:
+        self.admission_open.set()
+
+    def weight_versions(self) -> list[int]:
+        return self._each_engine("weight_version")
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def data_source_state(self) -> dict:
+        return self.data_source.state_dict()
+
+    def load_data_source_state(self, state: dict) -> None:
+        self.data_source.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        health = getattr(self, "health", None)
+        if health is not None:
+            health.stop()
+        if getattr(self, "router", None) is not None:
+            self.router.shutdown()
+            self.router = None
+        if self._owns_servers:
+            for server in getattr(self, "servers", []):
+                try:
+                    server.shutdown()
+                except Exception as exc:
+                    logger.warning("shutting down %s: %s", getattr(server, "name", server), exc)
+
