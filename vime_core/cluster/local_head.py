@@ -1,0 +1,238 @@
+"""A local Ray head on loopback, for one machine (infra/ray_head.sh calls this module).
+
+    python -m vime_core.cluster.local_head start --num-gpus 1   # prints the address
+    python -m vime_core.cluster.local_head status
+    python -m vime_core.cluster.local_head stop
+
+What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
+- loopback only: `--node-ip-address=127.0.0.1` plus RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (without
+  it Ray silently picks a non-loopback address); drivers need the same variable
+  (vime_core.cluster.connect sets it);
+- every port Ray opens is a free one, including the two metrics ports that only the environment
+  variables AUTOSCALER_METRIC_PORT and DASHBOARD_METRIC_PORT set; workers take random ports;
+- `--num-gpus=N` declares N device slots even without GPUs, so placement groups and fractional
+  GPU colocation behave as on a GPU node;
+- no dashboard; the object store is capped (default 1 GiB) on a shared machine;
+- the temp dir (sessions, logs, sockets) is under the repository's .cache/ray by default;
+  its path must stay short (Unix socket paths are limited to ~107 bytes);
+- start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
+  processes of this head: the process group `ray start` created and their descendants (actor
+  workers get their own process groups). Never `ray stop`, which ends every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_TEMP_DIR = REPO / ".cache" / "ray"
+STATE_FILE = "vime_head.json"
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_binary() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else "ray"
+
+
+def _temp_dir(temp_dir: str | Path | None) -> Path:
+    return Path(temp_dir or os.environ.get("VIME_RAY_TEMP_DIR") or DEFAULT_TEMP_DIR).resolve()
+
+
+def _read_state(temp_dir: Path) -> dict | None:
+    try:
+        return json.loads((temp_dir / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# ---- processes ----------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, pgid, state) of a live process, or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def _head_processes(pgid: int) -> list[int]:
+    """Live processes of the head's process group and all their descendants."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(int(entry))
+            if info and info[2] != "Z":
+                table[int(entry)] = info
+    members = {pid for pid, (_, group, _) in table.items() if group == pgid}
+    frontier = set(members)
+    while frontier:
+        children = {pid for pid, (parent, _, _) in table.items() if parent in frontier and pid not in members}
+        members |= children
+        frontier = children
+    return sorted(members)
+
+
+def _gcs_alive(state: dict) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", int(state["gcs_port"])), timeout=1.0):
+            pass
+    except OSError:
+        return False
+    return any(
+        b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _head_processes(int(state["pgid"]))
+        if Path(f"/proc/{pid}/cmdline").exists()
+    )
+
+
+# ---- public ---------------------------------------------------------------------------------------
+def head_running(temp_dir: str | Path | None = None) -> str | None:
+    """The address (`127.0.0.1:PORT`) of the head started for `temp_dir`, if it is running."""
+    state = _read_state(_temp_dir(temp_dir))
+    return state["address"] if state and _gcs_alive(state) else None
+
+
+def start_local_head(
+    num_gpus: int,
+    num_cpus: int | None = None,
+    temp_dir: str | Path | None = None,
+    object_store_memory: int = 1 << 30,
+    timeout: float = 180.0,
+) -> str:
+    """Start a Ray head on loopback with `num_gpus` device slots; return its address.
+
+    Idempotent: if a head for this temp dir runs, its address is returned (a different
+    num_gpus is reported in the log, not changed: stop the head to change it).
+    """
+    temp = _temp_dir(temp_dir)
+    running = _read_state(temp)
+    if running and _gcs_alive(running):
+        if running.get("num_gpus") != num_gpus or running.get("num_cpus") != num_cpus:
+            log.warning("Ray head at %s runs with num_gpus=%s num_cpus=%s (asked %s/%s); reusing it",
+                        running["address"], running.get("num_gpus"), running.get("num_cpus"), num_gpus, num_cpus)
+        return running["address"]
+    temp.mkdir(parents=True, exist_ok=True)
+    gcs_port = _free_port()
+    env = {
+        **os.environ,
+        **LOOPBACK_ENV,
+        "AUTOSCALER_METRIC_PORT": str(_free_port()),
+        "DASHBOARD_METRIC_PORT": str(_free_port()),
+    }
+    args = [
+        _ray_binary(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+        f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
+        "--min-worker-port=0", "--max-worker-port=0",
+        f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        "--include-dashboard=false", "--disable-usage-stats",
+        f"--num-gpus={int(num_gpus)}", f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
+    ]
+    if num_cpus is not None:
+        args.append(f"--num-cpus={int(num_cpus)}")
+    # A new session makes `ray start` the leader of a process group its daemons inherit:
+    # that group (plus descendants) is exactly what stop_local_head ends.
+    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_processes(process.pid)
+        raise TimeoutError(f"`ray start --head` did not finish in {timeout:.0f} s") from None
+    address = f"127.0.0.1:{gcs_port}"
+    state = {"address": address, "gcs_port": gcs_port, "pgid": process.pid, "temp_dir": str(temp),
+             "num_gpus": num_gpus, "num_cpus": num_cpus}
+    if process.returncode != 0:
+        _end_processes(process.pid)
+        raise RuntimeError(f"`ray start --head` failed (exit {process.returncode}):\n" + "\n".join(output.splitlines()[-15:]))
+    (temp / STATE_FILE).write_text(json.dumps(state))
+    deadline = time.monotonic() + 30
+    while not _gcs_alive(state):
+        if time.monotonic() > deadline:
+            stop_local_head(temp)
+            raise TimeoutError(f"Ray head at {address} started but its GCS does not answer")
+        time.sleep(0.2)
+    log.info("Ray head at %s (num_gpus=%s, temp dir %s)", address, num_gpus, temp)
+    return address
+
+
+def _end_processes(pgid: int, grace: float = 10.0) -> int:
+    """SIGTERM the head's processes, SIGKILL what is left after `grace` s; returns how many."""
+    pids = _head_processes(pgid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in _head_processes(pgid) + [p for p in pids if _alive(p)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)  # SIGKILLed processes take a moment to become zombies
+    return len(pids)
+
+
+def _alive(pid: int) -> bool:
+    state = _stat(pid)
+    return state is not None and state[2] != "Z"
+
+
+def stop_local_head(temp_dir: str | Path | None = None, grace: float = 10.0) -> bool:
+    """Stop the head started for `temp_dir` and everything it started; False if none ran."""
+    temp = _temp_dir(temp_dir)
+    state = _read_state(temp)
+    if state is None:
+        return False
+    ended = _end_processes(int(state["pgid"]), grace)
+    (temp / STATE_FILE).unlink(missing_ok=True)
+    log.info("stopped Ray head %s (%d processes)", state["address"], ended)
+    return ended > 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vime_core.cluster.local_head", description="A local Ray head on loopback.")
+    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("--num-gpus", type=int, default=int(os.environ.get("VIME_NUM_GPUS", "1")), help="device slots to declare (default 1, or $VIME_NUM_GPUS)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs to declare (default: all)")
+    parser.add_argument("--temp-dir", default=None, help=f"Ray temp dir (default {DEFAULT_TEMP_DIR}, or $VIME_RAY_TEMP_DIR)")
+    parser.add_argument("--object-store-memory", type=int, default=1 << 30, help="object store bytes (default 1 GiB)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "start":
+        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory))
+        return 0
+    if args.command == "stop":
+        print("stopped" if stop_local_head(args.temp_dir) else "not running")
+        return 0
+    address = head_running(args.temp_dir)
+    print(address or "not running")
+    return 0 if address else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
