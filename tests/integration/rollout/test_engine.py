@@ -1,0 +1,171 @@
+"""One real vLLM server: token-in/token-out, log-prob parity with transformers, pause(keep)
+across a weight swap, bad input. The two real servers behind the real vllm-router: load spread
+and session affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPT = [1, 5, 14, 6, 17]  # "<bos>2+3="
+TEMPERATURE = 0.7
+# fp32 engine vs fp32 transformers on the same weights: only summation order differs.
+# Measured max |diff| on this model: ~1e-6 (see the report); the bound leaves room for kernels.
+LOGPROB_ATOL = 1e-3
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def generate(url: str, token_ids: list[int], **params) -> dict:
+    async with EngineClient(url) as client:
+        sampling = {"temperature": TEMPERATURE, "top_k": -1, "top_p": 1.0, "logprobs": 0, **params}
+        return await client.generate(token_ids, sampling)
+
+
+def reference_logprobs(model_dir: Path, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """log softmax(logits / T) of a transformers forward, at each sampled response token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    positions = range(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return [float(logp[p, t]) for p, t in zip(positions, response)]
+
+
+def test_token_in_token_out_and_logprob_parity(healthy_engines, tiny_model_dir):
+    url = healthy_engines[0].url
+    answer = run(generate(url, PROMPT, max_tokens=12, ignore_eos=True))
+    choice = answer["choices"][0]
+    tokens = choice["token_ids"]
+    assert len(tokens) == 12 and all(0 <= t < 19 for t in tokens)
+    assert answer["usage"]["completion_tokens"] == 12 and answer["usage"]["prompt_tokens"] == len(PROMPT)
+    engine = [e["logprob"] for e in choice["logprobs"]["content"]]
+    reference = reference_logprobs(tiny_model_dir, PROMPT, tokens, TEMPERATURE)
+    diff = max(abs(a - b) for a, b in zip(engine, reference))
+    print(f"max |engine - transformers| log-prob at T={TEMPERATURE}: {diff:.2e}")
+    assert diff < LOGPROB_ATOL
+    # Processed (tempered) log-probs, not raw ones: at T=1 they would differ by far more.
+    raw = reference_logprobs(tiny_model_dir, PROMPT, tokens, 1.0)
+    assert max(abs(a - b) for a, b in zip(engine, raw)) > 10 * LOGPROB_ATOL
+
+
+def _perturbed_checkpoint(model_dir: Path, out_dir: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    changed = {k: (v + 0.5 * torch.randn(v.shape, generator=gen)).contiguous() if v.ndim == 2 else v for k, v in tensors.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(changed, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def _swap_weights(client: SyncEngineClient, weights_dir: Path, version: int) -> None:
+    client.collective_rpc("reload_weights", {"weights_path": str(weights_dir)})
+    client.update_weight_version(version)
+    client.reset_prefix_cache()
+
+
+def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, tiny_model_dir, tmp_path):
+    server = healthy_engines[0]
+    sync = SyncEngineClient(server.url)
+    new_weights = _perturbed_checkpoint(tiny_model_dir, tmp_path / "v1")
+    max_tokens = 200
+
+    t0 = time.perf_counter()
+    run(generate(server.url, PROMPT, max_tokens=max_tokens, ignore_eos=True))
+    full_request_s = time.perf_counter() - t0
+
+    async def straddle() -> dict:
+        async with EngineClient(server.url) as client:
+            request = asyncio.create_task(generate(server.url, PROMPT, max_tokens=max_tokens, ignore_eos=True))
+            await asyncio.sleep(full_request_s / 3)  # about a third of the tokens with version 0
+            await client.pause("keep")
+            assert await client.is_paused()
+            await asyncio.to_thread(_swap_weights, sync, new_weights, 1)
+            await client.resume()
+            return await request
+
+    try:
+        answer = run(straddle())
+        spans = answer["choices"][0]["weight_versions"]
+        assert len(answer["choices"][0]["token_ids"]) == max_tokens
+        assert [s["version"] for s in spans] == ["default", "1"], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == max_tokens
+        assert sync.weight_version() == 1
+    finally:
+        _swap_weights(sync, tiny_model_dir, 0)
+    assert sync.weight_version() == 0
+
+
+def test_bad_input_prompt_longer_than_context(healthy_engines):
+    from tests.integration.rollout.conftest import ENGINE_CONTEXT
+
+    with pytest.raises(EngineError) as err:
+        run(generate(healthy_engines[0].url, [3] * (ENGINE_CONTEXT + 10), max_tokens=4))
+    assert err.value.status == 400 and err.value.endpoint == "POST /inference/v1/generate"
+    assert str(ENGINE_CONTEXT) in err.value.body
+
+
+def test_unreachable_engine_is_a_clear_error_not_a_hang():
+    from vime_core.engines.server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as err:
+        run(generate(url, PROMPT, max_tokens=4))
+    assert err.value.status is None and "Connect" in err.value.body
+    assert time.monotonic() - t0 < 5
+
+
+def _requests_served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "consistent_hash"])
+def test_router_spreads_load_and_keeps_sessions(healthy_engines, cache_dir, policy):
+    from vime_core.engines.router import Router
+
+    urls = [s.url for s in healthy_engines]
+    router = Router(policy, worker_urls=urls, log_dir=str(cache_dir / "engine-logs"))
+    router.start()
+    try:
+        deadline = time.monotonic() + 60
+        while set(router.workers()) != set(urls) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+        async def burst(session_ids: list[str]) -> list[dict]:
+            async with EngineClient(router.url, "router") as client:
+                params = {"max_tokens": 4, "temperature": 1.0, "logprobs": 0}
+                return await asyncio.gather(*(client.generate(PROMPT, params, session_id=s) for s in session_ids))
+
+        before = [_requests_served(u) for u in urls]
+        answers = run(burst([f"s-{i}" for i in range(16)]))
+        spread = [_requests_served(u) - b for u, b in zip(urls, before)]
+        assert sum(spread) == 16 and all(n > 0 for n in spread), spread
+        assert all(len(a["choices"][0]["logprobs"]["content"]) == len(a["choices"][0]["token_ids"]) for a in answers)
+        if policy == "consistent_hash":
+            for session in ("alpha", "beta", "gamma"):
+                before = [_requests_served(u) for u in urls]
+                run(burst([session] * 6))
+                counts = sorted(_requests_served(u) - b for u, b in zip(urls, before))
+                assert counts == [0, 6], f"session {session} split over engines: {counts}"
+    finally:
+        router.shutdown()
