@@ -135,19 +135,22 @@ class BatchIndex:
     def entry(self, run: str, rollout_id: int) -> dict | None:
         """The index row of (run, rollout_id) as a dict, or None when not published.
 
-        Looks at that batch's manifests first (one listing), then at the whole index.
+        Reads only that batch's manifests and the compacted files, never every manifest: a
+        published batch is in its own manifest or (once folded) in a compacted file. Manifests
+        are listed before compacted files, for the reason the module docstring gives.
         """
         prefix = layout.manifest_prefix(run, rollout_id)
-        names = [k for k in self.location.list_keys(prefix.rsplit("/", 1)[0]) if k.startswith(prefix)]
-        if names:
+        for _ in range(_READ_ATTEMPTS):
+            names = [k for k in self.location.list_keys(prefix.rsplit("/", 1)[0]) if k.startswith(prefix)]
+            compacted = self.location.list_keys(layout.COMPACTED)
             try:
-                rows = latest_per_batch(self._read(names))
-                return rows.to_pylist()[0]
+                rows = self._read(names + [k for k in compacted if k.endswith(".parquet")])
             except FileNotFoundError:
-                pass  # folded by a concurrent compaction: the full read finds it
-        table = self.table()
-        match = table.filter(pc.and_(pc.equal(table.column("run"), run), pc.equal(table.column("rollout_id"), rollout_id)))
-        return match.to_pylist()[0] if match.num_rows else None
+                continue  # folded or replaced meanwhile: look again
+            rows = latest_per_batch(rows.filter(pc.and_(pc.equal(rows.column("run"), run),
+                                                        pc.equal(rows.column("rollout_id"), rollout_id))))
+            return rows.to_pylist()[0] if rows.num_rows else None
+        raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads")
 
     def _read(self, keys: list[str]) -> pa.Table:
         blobs = self.location.get_many(keys)

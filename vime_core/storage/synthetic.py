@@ -19,12 +19,14 @@ def synthetic_batch(
     group_size: int = 4,
     prompt_len: int = 8,
     max_response_len: int = 16,
+    min_response_len: int = 1,
     weight_version: int = 1,
     seed: int = 0,
     prompt_prefix: str = "p",
     vocab_size: int = 19,
 ) -> dict[str, list]:
-    """A batch dict of num_groups x group_size samples; response lengths in [1, max_response_len].
+    """A batch dict of num_groups x group_size samples; response lengths drawn uniformly from
+    [min_response_len, max_response_len].
 
     A sample whose response straddles a weight update gets two spans (version and version+1),
     as vLLM reports it.
@@ -41,7 +43,7 @@ def synthetic_batch(
         mean = statistics.fmean(raw)
         std = statistics.stdev(raw) if group_size > 1 else 0.0
         for i in range(group_size):
-            response = rng.randint(1, max_response_len)
+            response = rng.randint(min_response_len, max_response_len)
             tokens = np_rng.integers(0, vocab_size, prompt_len + response).tolist()
             split = rng.randint(0, response) if rng.random() < 0.25 else response
             spans = [{"version": weight_version, "start": 0, "end": split}] if split else []

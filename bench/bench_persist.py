@@ -1,0 +1,128 @@
+"""Persist cost of a rollout batch, against a raw write of the same bytes to the same store.
+
+    batch:     256 samples (32 groups x 8) x 1024 tokens (64 prompt + 960 response), with loss
+               masks, float32 log-probs, rewards and weight-version spans
+    write:     BatchStore.write: batch dict -> Arrow table + lineage + checksum -> Parquet bytes ->
+               upload to a temporary key -> read back + verify checksum -> move to the final key
+               -> index manifest
+    baseline:  one upload of the very same Parquet bytes to a key of the same store (the floor any
+               persist pays: encoding nothing, verifying nothing, indexing nothing)
+    read:      BatchStore.read (index lookup, download, verify, to dict) against a raw download +
+               Parquet decode of the same object
+    encode:    batch_to_table + Parquet encoding alone (no I/O), for the breakdown
+
+Both a local folder and a real S3 server (SeaweedFS on loopback, started here) are measured.
+Prints JSON (medians over repeats, ratio = vime / baseline) and writes
+bench/results/bench_persist.json. Run: .venv/bin/python bench/bench_persist.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from vime_core.storage import BatchStore
+from vime_core.storage.schema import batch_to_table
+from vime_core.storage.store import _parquet_bytes
+from vime_core.storage.synthetic import synthetic_batch
+
+GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 32, 8, 64, 960
+
+
+def median_seconds(*fns, repeats: int) -> list[float]:
+    """Median wall time of each fn; interleaved per repeat so load drift hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def measure(store: BatchStore, batch: dict, repeats: int) -> dict:
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    ids = itertools.count()
+    data = _parquet_bytes(batch_to_table(batch, {"run": run, "rollout_id": 0}))
+    raw_keys = itertools.count()
+
+    def write():
+        store.write(batch, {"run": run, "rollout_id": next(ids), "config": {"bench": True}})
+
+    def raw_write():
+        store.location.put(f"raw/{run}/{next(raw_keys)}.parquet", data)
+
+    def read():
+        store.read(run, 0)
+
+    def raw_read():
+        pq.read_table(io.BytesIO(store.location.get(f"raw/{run}/0.parquet"))).to_pydict()
+
+    def encode():
+        _parquet_bytes(batch_to_table(batch, {"run": run, "rollout_id": 0}))
+
+    t_write, t_raw_write, t_encode = median_seconds(write, raw_write, encode, repeats=repeats)
+    t_read, t_raw_read = median_seconds(read, raw_read, repeats=repeats)
+    return {
+        "write_s": round(t_write, 4), "raw_write_s": round(t_raw_write, 4),
+        "write_ratio": round(t_write / t_raw_write, 2),
+        "encode_s": round(t_encode, 4),
+        "read_s": round(t_read, 4), "raw_read_s": round(t_raw_read, 4),
+        "read_ratio": round(t_read / t_raw_read, 2),
+        "parquet_bytes": len(data),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--skip-s3", action="store_true", help="measure the local folder only")
+    args = parser.parse_args()
+    batch = synthetic_batch(GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN, min_response_len=RESPONSE_LEN, seed=0)
+    result = {
+        "bench": "persist",
+        "batch": {"samples": GROUPS * GROUP_SIZE, "tokens_per_sample": PROMPT_LEN + RESPONSE_LEN},
+        "repeats": args.repeats,
+        "statistic": "median seconds; ratio = vime / baseline (raw write/read of the same bytes)",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+    }
+    work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
+    try:
+        result["local"] = measure(BatchStore(str(work / "store")), batch, args.repeats)
+        if not args.skip_s3:
+            from vime_core.storage.s3_server import start_s3_server, stop_s3_server
+
+            # Made-up credentials for the throwaway server this benchmark starts.
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", "vimebenchkey")
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "vimebenchsecret" + uuid.uuid4().hex)
+            server = start_s3_server(work / "s3", bucket="bench")
+            try:
+                os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+                result["s3_seaweedfs_loopback"] = measure(BatchStore(server.storage_uri("p")), batch, args.repeats)
+            finally:
+                stop_s3_server(work / "s3")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = Path(__file__).parent / "results" / "bench_persist.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
