@@ -174,13 +174,16 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     params = base_sampling_params(cfg)
     progress = _Progress()
     in_flight: set[asyncio.Task] = set()
+    all_tasks: list[asyncio.Task] = []
     bar = tqdm(total=target * cfg.n_samples_per_prompt, desc=f"rollout {rollout_id}", unit="sample", disable=None)
 
     try:
         while len(progress.kept) < target:
             while len(progress.kept) + len(in_flight) < target:
                 for group in state.data_source.get_groups(cfg.over_sampling_batch_size):
-                    in_flight.add(asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar)))
+                    task = asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar))
+                    in_flight.add(task)
+                    all_tasks.append(task)
                     progress.submitted_groups += 1
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -199,12 +202,14 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
         if in_flight:
             abort_tasks = set(in_flight)
             await abort_in_flight(state.engines, abort_tasks, ctx)
-            leftovers = [t.result() for t in in_flight if not t.cancelled() and t.exception() is None]
+            finished = [t for t in in_flight if not t.cancelled() and t.exception() is None]
+            leftovers = sorted((t.result() for t in finished), key=lambda g: g[0].group_index)
         t_aborted = time.perf_counter()
     except BaseException:
         ctx.aborting.set()  # a failing group must not leave requests running behind it
-        for task in in_flight:
+        for task in all_tasks:
             task.cancel()
+        await asyncio.gather(*all_tasks, return_exceptions=True)  # retrieve every outcome
         raise
     finally:
         bar.close()

@@ -1,0 +1,263 @@
+"""EngineClient / EngineServer / PolicyRouter against a tiny fake HTTP server (the engine boundary
+stubbed); the real server is exercised in tests/integration/rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient, normalize_wake_tags, parse_weight_version
+
+pytestmark = pytest.mark.timeout(60)
+
+Handler = Callable[[str, str, dict], tuple[int, object]]
+
+
+class FakeEngine:
+    """Answers each request with `handler(method, path_with_query, json_body) -> (status, body)`;
+    records every request."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.requests: list[tuple[str, str, dict, dict]] = []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def _serve(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                fake.requests.append((self.command, self.path, body, dict(self.headers)))
+                status, answer = handler(self.command, self.path, body)
+                data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeEngine":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def generate_answer(tokens: list[int], logprobs: list[float], finish: str = "stop", spans=None) -> dict:
+    return {
+        "choices": [{
+            "index": 0, "finish_reason": finish, "token_ids": tokens,
+            "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs)]},
+            "weight_versions": spans if spans is not None else [{"version": "3", "start": 0, "end": len(tokens)}],
+        }],
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens)},
+    }
+
+
+def test_generate_sends_tokens_params_and_session_header():
+    with FakeEngine(lambda m, p, b: (200, generate_answer([5, 2], [-0.5, -0.1]))) as fake:
+        async def call():
+            async with EngineClient(fake.url, "e0") as client:
+                return await client.generate([1, 4, 5], {"max_tokens": 2}, session_id="run-0-1")
+
+        answer = asyncio.run(call())
+    method, path, body, headers = fake.requests[0]
+    assert (method, path) == ("POST", "/inference/v1/generate")
+    assert body == {"token_ids": [1, 4, 5], "sampling_params": {"max_tokens": 2}}
+    assert headers.get("X-Session-ID") == "run-0-1"
+    assert answer["choices"][0]["token_ids"] == [5, 2]
+
+
+def test_engine_error_names_engine_endpoint_status_and_body():
+    body = "x" * 2000
+    with FakeEngine(lambda m, p, b: (503, body)) as fake:
+        with pytest.raises(EngineError) as err:
+            SyncEngineClient(fake.url, "engine-7").pause("keep")
+    e = err.value
+    assert (e.engine, e.endpoint, e.status) == ("engine-7", "POST /pause", 503)
+    assert len(e.body) == 500 and "engine-7" in str(e) and "HTTP 503" in str(e)
+
+
+def test_control_calls_reach_the_right_endpoints():
+    def handler(method, path, body):
+        answers = {
+            "/is_paused": {"is_paused": True}, "/weight_info": {"weight_version": "12"},
+            "/abort_requests": {"status": "aborted", "aborted": 3}, "/get_world_size?include_dp=false": {"world_size": 2},
+        }
+        return 200, answers.get(path, {"ok": True})
+
+    with FakeEngine(handler) as fake:
+        c = SyncEngineClient(fake.url)
+        c.pause("keep")
+        c.resume()
+        assert c.is_paused() is True
+        assert c.weight_version() == 12
+        assert c.abort_requests() == 3
+        assert c.world_size() == 2
+        c.sleep(2)
+        c.wake_up(["kv", "weights"])
+        c.init_weight_transfer({"a": 1})
+        c.start_weight_update()
+        c.update_weights({"names": ["w"]})
+        c.finish_weight_update(4)
+        c.update_weight_version(5)
+        c.collective_rpc("reload_weights", {"weights_path": "/x"})
+    seen = [(m, p, b) for m, p, b, _ in fake.requests]
+    assert ("POST", "/pause?mode=keep", {}) in seen
+    assert ("POST", "/sleep?level=2&mode=keep", {}) in seen
+    assert ("POST", "/wake_up?tags=weights&tags=kv_cache", {}) in seen
+    assert ("POST", "/init_weight_transfer_engine", {"init_info": {"a": 1}}) in seen
+    assert ("POST", "/update_weights", {"update_info": {"names": ["w"]}}) in seen
+    assert ("POST", "/finish_weight_update", {"weight_version": "4"}) in seen
+    assert ("POST", "/update_weight_version", {"new_version": "5"}) in seen
+    assert ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}, "args": []}) in seen
+
+
+def test_sleep_and_wake_skip_without_platform_support():
+    with FakeEngine(lambda m, p, b: (500, "must not be called")) as fake:
+        c = SyncEngineClient(fake.url, supports_sleep=False)
+        assert c.sleep(1)["status"] == "skipped"
+        assert c.wake_up(["weights"]) == {"status": "skipped", "tags": ["weights"]}
+    assert fake.requests == []
+
+
+def test_wake_tags_and_versions_are_normalised():
+    assert normalize_wake_tags(None) == ["weights", "kv_cache"]
+    assert normalize_wake_tags(["kv", "weight", "kv_cache"]) == ["weights", "kv_cache"]
+    assert normalize_wake_tags("kv") == ["kv_cache"]
+    with pytest.raises(ValueError, match="tag 'gpu'"):
+        normalize_wake_tags(["gpu"])
+    assert parse_weight_version("default") == 0 and parse_weight_version("7") == 7
+    with pytest.raises(ValueError, match="'v7'"):
+        parse_weight_version("v7")
+
+
+def test_reset_prefix_cache_retries_then_gives_up():
+    refusals = {"left": 2}
+
+    def handler(method, path, body):
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            return 200, {"success": False}
+        return 200, {"success": True}
+
+    with FakeEngine(handler) as fake:
+        SyncEngineClient(fake.url).reset_prefix_cache(attempts=5, backoff_s=0.001)
+        assert len(fake.requests) == 3
+    with FakeEngine(lambda m, p, b: (200, {"success": False})) as fake:
+        with pytest.raises(EngineError, match="still refused after 4 attempts"):
+            SyncEngineClient(fake.url).reset_prefix_cache(attempts=4, backoff_s=0.001)
+        assert len(fake.requests) == 4
+
+
+def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
+    """A 200 answer with 3 tokens but 2 log-probs: the sample fails, naming the mismatch."""
+    from vime_core.config import make_config
+    from vime_core.data.sample import Sample, Status
+    from vime_core.rollout.generate import GenerateContext, generate_sample
+
+    broken = generate_answer([5, 6, 2], [-0.5, -0.1, -0.2])
+    broken["choices"][0]["logprobs"]["content"].pop()
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "rollout_max_response_len": 8})
+    with FakeEngine(lambda m, p, b: (200, broken)) as fake:
+        sample = Sample(tokens=[1, 4, 5], prompt_length=3)
+
+        async def go():
+            async with EngineClient(fake.url) as client:
+                return await generate_sample(GenerateContext(cfg, client, tokenizer=None), sample, {"temperature": 1.0})
+
+        asyncio.run(go())
+    assert sample.status is Status.FAILED
+    assert "3 tokens but 2 log-probs" in sample.metadata["generate_error"]
+    assert sample.response_length == 0 and sample.tokens == [1, 4, 5]
+
+
+def test_policy_router_consistent_hash_is_sticky_and_moves_little():
+    from vime_core.engines.router import PolicyRouter
+
+    clients = [EngineClient(f"http://127.0.0.1:{9000 + i}") for i in range(3)]
+    router = PolicyRouter(clients, "consistent_hash")
+    sessions = [f"run-{g}-{i}" for g in range(100) for i in range(4)]
+    first = {s: router.pick(s).base_url for s in sessions}
+    assert first == {s: router.pick(s).base_url for s in sessions}
+    counts = {c.base_url: list(first.values()).count(c.base_url) for c in clients}
+    assert min(counts.values()) > len(sessions) / 3 / 2, counts  # roughly even
+    router.remove(clients[2].base_url)
+    moved = [s for s in sessions if router.pick(s).base_url != first[s]]
+    # Only the removed engine's sessions move.
+    assert set(moved) == {s for s in sessions if first[s] == clients[2].base_url}
+    rr = PolicyRouter(clients[:2], "round_robin")
+    assert [rr.pick().base_url for _ in range(4)] == [c.base_url for c in clients[:2]] * 2
+
+
+def _fake_python(tmp_path: Path, script: str) -> str:
+    path = tmp_path / "fake-python"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer, EngineStartError
+
+    python = _fake_python(tmp_path, 'for i in $(seq 1 60); do echo "line $i"; done; echo "CUDA out of memory" >&2; exit 3\n')
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30})
+    server = EngineServer(cfg, log_dir=str(tmp_path))
+    with pytest.raises(EngineStartError) as err:
+        server.start()
+    message = str(err.value)
+    assert "exited with code 3" in message and "CUDA out of memory" in message
+    assert "line 60" in message and "line 19\n" not in message  # the last 40 lines only
+    server.shutdown()
+
+
+def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_dir):
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer, EngineStartError
+
+    python = _fake_python(tmp_path, "echo starting; exec sleep 600\n")
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2})
+    server = EngineServer(cfg, log_dir=str(tmp_path))
+    with pytest.raises(EngineStartError, match="not healthy after engine_startup_timeout_s=2"):
+        server.start()
+    assert server._proc is None  # terminated, not left behind
+
+
+def test_engine_server_command_and_environment(tiny_model_dir):
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer, cpu_bind
+
+    cfg = make_config({
+        "hf_checkpoint": str(tiny_model_dir), "rollout_max_context_len": 96, "offload_rollout": True,
+        "vllm_cpu_kvcache_gb": 1.5, "actor_num_gpus_per_node": 2, "vllm_extra_args": ["--max-num-seqs", "64"],
+    })
+    server = EngineServer(cfg, 1, weight_transfer_config={"backend": "nccl"})
+    cmd = server.command(4321)
+    joined = " ".join(cmd)
+    assert "--host 127.0.0.1 --port 4321" in joined and "--max-model-len 96" in joined
+    assert "--logprobs-mode processed_logprobs" in joined and "--enable-scale-out" in joined
+    assert "--enable-sleep-mode" not in cmd  # CPU: no sleep mode
+    assert "--weight-transfer-config" not in cmd  # nccl needs CUDA
+    assert cmd[-2:] == ["--max-num-seqs", "64"]
+    env = server.environment()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind(1, 2)
+    assert env["PYTHONPATH"].split(":")[0] == str(Path(__file__).resolve().parents[2])
+    assert cpu_bind(0, 2, cores=[0, 1]) == "0" and cpu_bind(1, 2, cores=[0, 1]) == "1"
+    assert cpu_bind(0, 1, cores=[0, 1, 2, 3]) == "0-3" and cpu_bind(1, 1, 2, cores=[0, 1, 2, 3]) == "0-1|2-3"

@@ -1,0 +1,261 @@
+"""The per-sample generate and the rollout loop with the engine boundary stubbed: a fake
+generator answers like vLLM's /inference/v1/generate; data source and reward hub are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from vime_core.data.sample import Sample, Status, WeightSpan
+from vime_core.engines.client import EngineError
+from vime_core.rollout.generate import (
+    MISSING_LOGPROB, GenerateContext, base_sampling_params, generate_sample, parse_choice,
+)
+
+pytestmark = pytest.mark.timeout(60)
+THIS = __file__
+EOS = 2
+
+
+def answer(tokens, logprobs=None, finish="stop", version="1"):
+    logprobs = logprobs if logprobs is not None else [-0.25] * len(tokens)
+    return {
+        "choices": [{
+            "token_ids": tokens, "finish_reason": finish,
+            "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []} for t, lp in zip(tokens, logprobs)]},
+            "weight_versions": [{"version": version, "start": 0, "end": len(tokens)}] if tokens else [],
+        }],
+        "usage": {"completion_tokens": len(tokens)},
+    }
+
+
+class FakeGenerator:
+    """Answers per session id; `slow` sessions wait until abort_requests and come back partial."""
+
+    def __init__(self, response=(5, EOS), slow=lambda s: False, errors=()):
+        self.response = list(response)
+        self.slow = slow
+        self.errors = list(errors)
+        self.calls: list[tuple[list[int], dict, str]] = []
+        self.aborted = asyncio.Event()
+        self.name = "fake"
+
+    async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+        self.calls.append((list(token_ids), dict(sampling_params), session_id))
+        if self.errors:
+            raise self.errors.pop(0)
+        if self.slow(session_id):
+            await self.aborted.wait()
+            return answer([7], finish="abort")
+        await asyncio.sleep(random.random() * 0.01)
+        return answer(self.response[: sampling_params["max_tokens"]], finish="stop" if sampling_params["max_tokens"] >= len(self.response) else "length")
+
+    async def abort_requests(self):
+        self.aborted.set()
+        return 0
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def make_cfg(tiny_model_dir, tmp_path):
+    from vime_core.config import make_config
+    from vime_core.tasks.arith import write_dataset
+
+    data = write_dataset(tmp_path / "arith.jsonl")
+
+    def make(**overrides):
+        values = {
+            "hf_checkpoint": str(tiny_model_dir), "prompt_data": str(data), "rollout_batch_size": 4,
+            "n_samples_per_prompt": 4, "rollout_max_prompt_len": 16, "rollout_max_response_len": 8,
+            "rm_type": "arith", "vllm_server_concurrency": 8,
+        }
+        values.update(overrides)
+        return make_config(values)
+
+    return make
+
+
+def make_state(cfg, tokenizer, generator):
+    from vime_core.data.data_source import DataSource
+    from vime_core.rewards.filters import load_filter
+    from vime_core.rewards.hub import RewardHub
+    from vime_core.rollout.loop import RolloutState
+
+    return RolloutState(
+        cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg), generator=generator,
+        engines=[generator], tokenizer=tokenizer, group_filter=load_filter(cfg.dynamic_sampling_filter_path),
+        eos_token_id=EOS, concurrency=cfg.vllm_server_concurrency,
+    )
+
+
+# ---- hooks loaded by path -------------------------------------------------------------------------
+
+
+def index_reward(sample) -> float:
+    return float(sample.index % 2)
+
+
+def constant_for_even_groups(sample) -> float:
+    return 1.0 if sample.group_index % 2 == 0 else float(sample.index % 2)
+
+
+def group_reward(samples) -> list[float]:
+    return [float(i) for i, _ in enumerate(samples)]
+
+
+# ---- per-sample generate ------------------------------------------------------------------------
+
+
+def test_sampling_params_send_stop_only_when_set(make_cfg):
+    params = base_sampling_params(make_cfg())
+    assert params["top_k"] == -1 and params["logprobs"] == 0
+    assert "stop" not in params and "stop_token_ids" not in params
+    params = base_sampling_params(make_cfg(rollout_stop=["\n"], rollout_stop_token_ids=[7]), temperature=0.0)
+    assert params["stop"] == ["\n"] and params["stop_token_ids"] == [7] and params["temperature"] == 0.0
+
+
+def test_parse_choice_counts_missing_logprobs_and_rejects_mismatch():
+    a = answer([5, 6, 2], [-0.1, -0.2, -0.3])
+    entries = a["choices"][0]["logprobs"]["content"]
+    entries[1] = {"token_id": 9, "logprob": -1.0, "top_logprobs": [{"token_id": 6, "logprob": -2.5}]}
+    entries[2] = {"token_id": 2, "logprob": -9999.0}
+    tokens, lps, missing, finish, spans = parse_choice(a)
+    assert lps == [-0.1, -2.5, MISSING_LOGPROB] and missing == 1 and finish == "stop"
+    assert spans == [WeightSpan(1, 0, 3)]
+    entries.pop()
+    with pytest.raises(ValueError, match="3 tokens but 2 log-probs"):
+        parse_choice(a)
+
+
+def test_budget_used_up_is_truncated_without_a_request(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_max_response_len=2)
+    gen = FakeGenerator()
+    s = Sample(tokens=[1, 4, 5, 6], prompt_length=2, response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0])
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer), s, {}))
+    assert s.status is Status.TRUNCATED and gen.calls == []
+
+
+def test_continuation_shifts_and_merges_version_spans(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_max_response_len=6)
+    gen = FakeGenerator(response=(5, 6, EOS))
+    s = Sample(tokens=[1, 4, 9, 9], prompt_length=2, response_length=2, loss_mask=[0, 0], rollout_log_probs=[-1.0, -1.0],
+               weight_versions=[WeightSpan(1, 0, 2)])
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, eos_token_id=EOS), s, {"temperature": 1.0}))
+    sent_tokens, sent_params, _ = gen.calls[0]
+    assert sent_tokens == [1, 4, 9, 9] and sent_params["max_tokens"] == 4
+    assert s.tokens == [1, 4, 9, 9, 5, 6, EOS] and s.response_length == 5
+    assert s.loss_mask == [0, 0, 1, 1, 1]
+    assert s.weight_versions == [WeightSpan(1, 0, 5)]  # same version continues: one span
+    assert s.status is Status.COMPLETED and s.response == tokenizer.decode([9, 9, 5, 6])
+
+
+def test_engine_errors_retry_5xx_and_fail_4xx(make_cfg, tokenizer):
+    cfg = make_cfg()
+    gen = FakeGenerator(errors=[EngineError("e", "POST /g", None, "refused"), EngineError("e", "POST /g", 502, "bad gateway")])
+    s = Sample(tokens=[1, 4], prompt_length=2)
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, retry_backoff_s=0.001), s, {}))
+    assert s.status is Status.COMPLETED and len(gen.calls) == 3
+    gen = FakeGenerator(errors=[EngineError("e", "POST /g", 400, "prompt too long")])
+    s = Sample(tokens=[1, 4], prompt_length=2)
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer), s, {}))
+    assert s.status is Status.FAILED and "prompt too long" in s.metadata["generate_error"] and len(gen.calls) == 1
+
+
+def test_prompt_filling_the_context_fails_without_a_request(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_max_context_len=20)
+    gen = FakeGenerator()
+    s = Sample(tokens=[3] * 20, prompt_length=20)
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer), s, {}))
+    assert s.status is Status.FAILED and "rollout_max_context_len=20" in s.metadata["generate_error"] and gen.calls == []
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+
+def run_loop(state, rollout_id=0):
+    from vime_core.rollout.loop import generate_rollout
+
+    return asyncio.run(generate_rollout(state, rollout_id))
+
+
+def test_loop_returns_exactly_the_batch_with_metrics(make_cfg, tokenizer):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", over_sampling_batch_size=6)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    samples, metrics = run_loop(state)
+    assert len(samples) == 16
+    assert [(s.group_index, s.index) for s in samples] == sorted((s.group_index, s.index) for s in samples)
+    assert all(s.status is Status.COMPLETED and s.response_length == 2 for s in samples)
+    assert [s.reward for s in samples] == [float(i % 2) for i in range(16)]
+    assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/reward_std"] == 0.5
+    assert metrics["rollout/submitted_groups"] == 6 and metrics["rollout/truncated_rate"] == 0.0
+    assert metrics["rollout/response_len_mean"] == 2.0
+    assert metrics["rollout/output_tokens"] >= 32
+
+
+def test_filter_drops_constant_groups_and_oversampling_refills(make_cfg, tokenizer):
+    cfg = make_cfg(
+        custom_rm_path=f"{THIS}:constant_for_even_groups", over_sampling_batch_size=1,
+        dynamic_sampling_filter_path="vime_core.rewards.filters:check_reward_nonzero_std",
+    )
+    samples, metrics = run_loop(make_state(cfg, tokenizer, FakeGenerator()))
+    groups = sorted({s.group_index for s in samples})
+    assert len(groups) == 4 and all(g % 2 == 1 for g in groups)
+    # One group at a time, so groups complete in order: 0 1 2 3 4 5 6 7 -> 4 dropped, 4 kept.
+    assert metrics["rollout/dropped_groups"] == 4 and metrics["rollout/filter_drop_rate"] == 0.5
+
+
+def test_group_rm_scores_each_group_once(make_cfg, tokenizer):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:group_reward", group_rm=True)
+    samples, _ = run_loop(make_state(cfg, tokenizer, FakeGenerator()))
+    assert [s.reward for s in samples] == [float(i % 4) for i in range(16)]
+
+
+def test_partial_rollout_aborts_and_requeues_with_masked_tokens(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_batch_size=2, over_sampling_batch_size=4, partial_rollout=True, custom_rm_path=f"{THIS}:index_reward")
+    # Groups 2 and 3 never finish on their own: they are running when the batch is full.
+    gen = FakeGenerator(slow=lambda session: int(session.split("-")[-2]) >= 2)
+    state = make_state(cfg, tokenizer, gen)
+    samples, metrics = run_loop(state)
+    assert sorted({s.group_index for s in samples}) == [0, 1]
+    assert metrics["rollout/aborted_count"] == 8 and metrics["rollout/requeued_count"] == 8
+    buffered = state.data_source.buffer
+    assert [g[0].group_index for g in buffered] == [2, 3]
+    for s in (s for g in buffered for s in g):
+        assert s.status is Status.PENDING and s.response_length == 1 and s.loss_mask == [0]
+    # Continued next time: the old token stays masked, the new ones train.
+    state.generator = FakeGenerator()
+    samples2, _ = run_loop(state, 1)
+    continued = [s for s in samples2 if s.group_index in (2, 3)]
+    assert len(continued) == 8
+    for s in continued:
+        assert s.loss_mask == [0, 1, 1] and s.response_tokens == [7, 5, EOS]
+        assert s.weight_versions == [WeightSpan(1, 0, 3)]
+
+
+def test_without_partial_rollout_aborted_samples_are_dropped(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_batch_size=2, over_sampling_batch_size=4, custom_rm_path=f"{THIS}:index_reward")
+    gen = FakeGenerator(slow=lambda session: int(session.split("-")[-2]) >= 2)
+    state = make_state(cfg, tokenizer, gen)
+    samples, metrics = run_loop(state)
+    assert len(samples) == 8 and metrics["rollout/aborted_count"] == 8 and metrics["rollout/requeued_count"] == 0
+    assert state.data_source.buffer == []
+
+
+def test_a_failing_group_raises_and_cancels_the_rest(make_cfg, tokenizer):
+    cfg = make_cfg(n_samples_per_prompt=2)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+
+    async def broken_generate(ctx, sample, params):
+        raise RuntimeError("custom generate bug")
+
+    state.generate_fn = broken_generate
+    with pytest.raises(RuntimeError, match="custom generate bug"):
+        run_loop(state)
