@@ -48,6 +48,33 @@ class UpdateStats:
         }
 
 
+def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run weight post-processing of layers whose weight is tied to another layer's.
+
+    Why: on CPU, linear-like layers keep a pre-packed copy of their weight for the GEMM kernels
+    (`dispatch_cpu_unquantized_gemm`, built in `process_weights_after_loading`). A tied
+    `lm_head` receives no tensor of its own during a reload, so vLLM's layerwise reload puts its
+    (shared, updated) weight back without re-packing, and logits keep using the old embedding.
+    Seen with vLLM CPU 0.32.0 for both the weight-update session and `reload_weights`.
+    Returns the names of the layers refreshed.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append((name, module))
+    refreshed = []
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for name, module in modules:
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                quant_method.process_weights_after_loading(module)
+                refreshed.append(name)
+    return refreshed
+
+
 class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
     """Loads `ShmBucketInfo` buckets into the worker's model."""
 
@@ -103,7 +130,9 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
 
         t0 = time.perf_counter()
         try:
-            finalize_layerwise_reload(self.model, self.model_config)
+            with torch.no_grad():
+                finalize_layerwise_reload(self.model, self.model_config)
+                refresh_tied_layers(self.model)
         finally:
             self._release()
         self.stats.finish_seconds = time.perf_counter() - t0

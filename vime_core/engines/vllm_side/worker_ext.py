@@ -8,6 +8,7 @@ works on CPU. The class adds methods callable through `POST /collective_rpc`:
 - `vime_weight_spec()`: the HF-named tensors the model's `load_weights` expects (name, shape,
   dtype on the wire), read from the checkpoint the server started from. The trainer validates a
   publish against it before any byte moves, because a half-applied update breaks the server.
+- `vime_reload_weights(weights_path)`: vLLM's disk reload, fixed for tied embeddings on CPU.
 - `vime_update_stats()`: where this worker's time went in the last `vime_shm` session.
 
 Runs inside the vLLM worker: imports only vllm, torch and the standard library.
@@ -88,6 +89,17 @@ class VimeWorkerExtension:
         spec = {"source": source, "served_dtype": served, "tensors": tensors}
         self._vime_weight_spec = spec
         return spec
+
+    def vime_reload_weights(self, weights_path: str) -> None:
+        """vLLM's `reload_weights(weights_path=...)` plus the tied-layer refresh it lacks on CPU
+        (see `shm_backend.refresh_tied_layers`)."""
+        import torch
+
+        from vime_core.engines.vllm_side.shm_backend import refresh_tied_layers
+
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            refresh_tied_layers(self.get_model())  # type: ignore[attr-defined]
 
     def vime_update_stats(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -1,0 +1,126 @@
+"""publish_weights against a real vLLM CPU server: versions, flushes, log-probs after the
+update, refused updates that leave the old weights serving, and the disk fallback.
+
+The tests share one server and run in file order: the first publish must find version 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.publish.conftest import (
+    LOGPROB_ATOL, PROMPT, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def publish(engine, weights: dict, version: int, **cfg_overrides) -> dict:
+    from vime_core.trainer.publish import publish_weights
+
+    cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, **cfg_overrides)
+    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0)
+
+
+def assert_serves(engine, model_dir, weights: dict, version: int) -> None:
+    """The engine's log-probs equal a transformers forward of `weights`, and it reports `version`."""
+    tokens, logprobs, spans = engine_sample(engine.url)
+    expected = hf_logprobs(model_dir, weights, PROMPT, tokens)
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL), (logprobs, expected.tolist())
+    assert engine_call(engine.url, "weight_version") == version
+    from vime_core.engines.client import parse_weight_version
+
+    assert [(parse_weight_version(s["version"]), s["start"], s["end"]) for s in spans] == [(version, 0, len(tokens))]
+
+
+def test_first_publish_is_version_1_flushes_and_serves_new_weights(publish_engine, tiny_model_dir, base_weights):
+    assert engine_call(publish_engine.url, "weight_version") == 0
+    assert_serves(publish_engine, tiny_model_dir, base_weights, 0)  # also fills the prefix cache
+    new = perturbed(base_weights, seed=1)
+    tokens, _, _ = engine_sample(publish_engine.url)
+    moved = (hf_logprobs(tiny_model_dir, new, PROMPT, tokens) - hf_logprobs(tiny_model_dir, base_weights, PROMPT, tokens)).abs().max()
+    assert moved > 10 * LOGPROB_ATOL  # the noise is visible in the log-probs
+
+    stats = publish(publish_engine, new, 1)
+
+    assert stats["version"] == 1 and stats["flushed"] is True and stats["transport"] == "shm"
+    total_bytes = sum(t.numel() * 4 for t in new.values())  # fp32 engine: fp32 on the wire
+    assert stats["bytes"] == total_bytes
+    assert stats["buckets"] >= -(-total_bytes // (64 * 1024))  # 64 KiB buckets (make_cfg)
+    assert set(stats["seconds"]) >= {"validate", "pause", "transfer", "finish", "resume", "verify", "total"}
+    assert_serves(publish_engine, tiny_model_dir, new, 1)  # the cached prompt prefix was flushed
+
+
+def test_publish_without_flush_keeps_requests_and_updates(publish_engine, tiny_model_dir, base_weights):
+    new = perturbed(base_weights, seed=2)
+    # interval 2: version 2 is not a flush version ((2 - 0 - 1) % 2 == 1)
+    stats = publish(publish_engine, new, 2, flush_cache_interval=2)
+    assert stats["flushed"] is False
+    assert engine_call(publish_engine.url, "weight_version") == 2
+    engine_call(publish_engine.url, "reset_prefix_cache")  # not flushed above, by design
+    assert_serves(publish_engine, tiny_model_dir, new, 2)
+
+
+def _shape_mismatch(w):
+    name = "model.layers.0.mlp.up_proj.weight"
+    return {**w, name: w[name][:-1]}, name
+
+
+def _unknown_name(w):
+    return {**w, "model.layers.99.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"]}, "model.layers.99.mlp.up_proj.weight"
+
+
+def _missing(w):
+    name = "model.layers.1.self_attn.o_proj.weight"
+    return {k: v for k, v in w.items() if k != name}, name
+
+
+def _int_dtype(w):
+    name = "model.norm.weight"
+    return {**w, name: w[name].to(torch.int32)}, name
+
+
+@pytest.mark.parametrize("corrupt", [_shape_mismatch, _unknown_name, _missing, _int_dtype], ids=lambda f: f.__name__.strip("_"))
+def test_bad_publish_is_refused_and_old_weights_keep_serving(publish_engine, base_weights, corrupt):
+    from vime_core.trainer.weight_spec import WeightSpecError
+
+    version = engine_call(publish_engine.url, "weight_version")
+    before = engine_sample(publish_engine.url, seed=7)
+    bad, culprit = corrupt(perturbed(base_weights, seed=3))
+    with pytest.raises(WeightSpecError, match=culprit.replace(".", r"\.")) as err:
+        publish(publish_engine, bad, version + 1)
+    assert publish_engine.url in str(err.value)
+    assert engine_call(publish_engine.url, "is_paused") is False
+    assert engine_call(publish_engine.url, "weight_version") == version
+    assert engine_sample(publish_engine.url, seed=7) == before  # same weights: same tokens, same log-probs
+
+
+def test_failure_after_session_start_restores_old_weights(publish_engine, base_weights, monkeypatch):
+    """A bucket that fails to pack after the engine opened its session: nothing loaded, the
+    empty session is closed (vLLM restores every layer) and generation resumes on the old weights."""
+    import vime_core.trainer.transport.shm as shm
+
+    def broken_write(*args, **kwargs):
+        raise OSError("no space left on the shared-memory device (simulated)")
+
+    monkeypatch.setattr(shm, "write_bucket_file", broken_write)
+    version = engine_call(publish_engine.url, "weight_version")
+    before = engine_sample(publish_engine.url, seed=11)
+    with pytest.raises(OSError, match="simulated"):
+        publish(publish_engine, perturbed(base_weights, seed=4), version + 1)
+    assert engine_call(publish_engine.url, "is_paused") is False
+    assert engine_call(publish_engine.url, "weight_version") == version
+    assert engine_sample(publish_engine.url, seed=11) == before
+
+
+def test_disk_fallback_publishes_a_new_version(publish_engine, tiny_model_dir, base_weights):
+    version = engine_call(publish_engine.url, "weight_version")
+    new = perturbed(base_weights, seed=5)
+    stats = publish(publish_engine, new, version + 1, weight_transport="disk")
+    assert stats["transport"] == "disk" and stats["flushed"] is True
+    assert_serves(publish_engine, tiny_model_dir, new, version + 1)
+    # and the session backend still works after a disk reload
+    newer = perturbed(base_weights, seed=6)
+    publish(publish_engine, newer, version + 2)
+    assert_serves(publish_engine, tiny_model_dir, newer, version + 2)

@@ -1,0 +1,82 @@
+"""Group HF-named tensors into weight-update buckets of a bounded byte size.
+
+A bucket is what one `/update_weights` call carries. Sizes count bytes *on the wire*, i.e. in
+the dtype the engine wants (`wire_dtypes`), which may differ from the trainer's (fp32 master
+weights sent as bf16 take half the room).
+
+Rule, in the order tensors arrive: a tensor joins the open bucket if the bucket's bytes plus its
+own stay <= `bucket_bytes`; otherwise the open bucket is closed and a new one starts with it. A
+tensor larger than `bucket_bytes` therefore travels alone, and no bucket is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Bucket:
+    """Tensors sent together; `dtypes[i]` is tensor i's wire dtype, `nbytes` their wire bytes."""
+
+    index: int
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.names.append(name)
+        self.tensors.append(tensor)
+        self.dtypes.append(dtype)
+        self.nbytes += wire_nbytes(tensor, dtype)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def wire_nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    return tensor.numel() * dtype.itemsize
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    wire_dtypes: Mapping[str, torch.dtype] | None = None,
+) -> Iterator[Bucket]:
+    """Yield buckets in arrival order (see the module docstring for the rule)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (cfg.update_weight_buffer_size)")
+    bucket = Bucket(index=0)
+    for name, tensor in named_tensors:
+        dtype = wire_dtypes[name] if wire_dtypes is not None else tensor.dtype
+        size = wire_nbytes(tensor, dtype)
+        if len(bucket) and bucket.nbytes + size > bucket_bytes:
+            yield bucket
+            bucket = Bucket(index=bucket.index + 1)
+        bucket.add(name, tensor, dtype)
+    if len(bucket):
+        yield bucket
+
+
+def packed_layout(bucket: Bucket, alignment: int = 1) -> tuple[list[int], int]:
+    """Byte offsets of the bucket's tensors in one flat buffer, each rounded up to a multiple
+    of `alignment`, and the buffer's total size: offset_i = align(offset_{i-1} + bytes_{i-1})."""
+    offsets: list[int] = []
+    end = 0
+    for tensor, dtype in zip(bucket.tensors, bucket.dtypes):
+        start = (end + alignment - 1) // alignment * alignment
+        offsets.append(start)
+        end = start + wire_nbytes(tensor, dtype)
+    return offsets, end
+
+
+def copy_into(flat: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write `tensor`, cast to `dtype`, C-contiguous into the uint8 buffer `flat` at `offset`
+    (one pass over the bytes: the cast and the gather of a non-contiguous tensor happen in the
+    same copy)."""
+    n = wire_nbytes(tensor, dtype)
+    dest = flat[offset : offset + n].view(dtype).view(tensor.shape)
+    dest.copy_(tensor.detach())

@@ -1,0 +1,192 @@
+"""Publish the trainer's HF-named weights into running vLLM engines as version `new_version`
+(walkthrough steps 45-52; the first publish at startup is version 1).
+
+    gather    materialise the (name, tensor) stream (TP gathers happen here, in the caller's
+              iterator); everything is checked before anything moves, so it is held whole
+    validate  names, shapes, dtypes against every engine's model (`weight_spec`); a mismatch
+              raises here and the engines never notice
+    pause     flush = should_flush_cache(interval, v, v0): pause every engine with mode
+              abort + reset the prefix cache when flushing (KV computed by the old weights must
+              not be reused), else mode keep (in-flight requests freeze and continue afterwards)
+    start     open the engines' weight-update session (transport-specific)
+    transfer  pack into buckets of cfg.update_weight_buffer_size bytes and send each
+    finish    close the session with the new version
+    resume    resume generation on every engine
+    verify    every engine reports `new_version`
+
+Failure before the first tensor byte reached an engine: the session is closed empty (vLLM
+restores the old weights), the engines resume and keep serving the old version, and the error
+names the tensor or engine. Failure after that: the engines may hold a half-applied update, so
+they stay paused and `PublishError` says so (republish or restart them).
+
+Control calls go to each engine directly, never through the router (it drops query strings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from vime_core.trainer.transport.base import call_all as _on_all
+from vime_core.trainer.weight_spec import check_against_spec, fetch_spec
+
+if TYPE_CHECKING:
+    import torch
+
+    from vime_core.config.schema import VimeConfig
+    from vime_core.engines.client import EngineClient
+    from vime_core.trainer.transport.base import WeightTransport
+
+
+class PublishError(RuntimeError):
+    """A publish that failed; `bytes_moved` says whether engines may hold a partial update."""
+
+    def __init__(self, message: str, bytes_moved: bool) -> None:
+        super().__init__(message)
+        self.bytes_moved = bytes_moved
+
+
+class PhaseClock:
+    """Wall-clock seconds per named phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def total(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+def publish_weights(
+    named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+    engine_urls: Sequence[str],
+    new_version: int,
+    cfg: "VimeConfig",
+    initial_version: int = 0,
+    *,
+    transport: "WeightTransport | None" = None,
+    shm_dir: str = "/dev/shm",
+) -> dict[str, Any]:
+    """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
+    engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
+    transport's own split (e.g. pack vs. waiting for the engines to load)."""
+    from vime_core.engines.client import run_blocking
+
+    return run_blocking(
+        lambda: publish_weights_async(
+            named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport, shm_dir=shm_dir
+        )
+    )
+
+
+async def publish_weights_async(
+    named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+    engine_urls: Sequence[str],
+    new_version: int,
+    cfg: "VimeConfig",
+    initial_version: int = 0,
+    *,
+    transport: "WeightTransport | None" = None,
+    shm_dir: str = "/dev/shm",
+) -> dict[str, Any]:
+    from vime_core.algo.gates import should_flush_cache
+    from vime_core.engines.client import EngineClient
+    from vime_core.trainer.transport import make_transport
+
+    if not engine_urls:
+        raise ValueError("publish_weights: engine_urls is empty")
+    flush = should_flush_cache(cfg.flush_cache_interval, new_version, initial_version)
+    clock = PhaseClock()
+    with clock("gather"):
+        tensors = list(named_tensors)
+    engines = [EngineClient(url) for url in engine_urls]
+    transport = transport if transport is not None else make_transport(cfg, shm_dir)
+    try:
+        with clock("validate"):
+            wire = await _validate(tensors, engines)
+        with clock("prepare"):
+            await transport.prepare(engines)
+        with clock("pause"):
+            await _on_all(engines, "pause", "abort" if flush else "keep")
+            if flush:
+                await _on_all(engines, "reset_prefix_cache")
+        buckets, nbytes = await _transfer(transport, tensors, wire, new_version, cfg, clock)
+        with clock("resume"):
+            await _on_all(engines, "resume")
+        with clock("verify"):
+            versions = await _on_all(engines, "weight_version")
+        wrong = [f"{e.name} reports {v}" for e, v in zip(engines, versions) if v != new_version]
+        if wrong:
+            raise PublishError(f"publish v{new_version}: {', '.join(wrong)}", bytes_moved=True)
+    finally:
+        await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
+    total = clock.total()
+    return {
+        "version": new_version,
+        "flushed": flush,
+        "transport": transport.name,
+        "engines": len(engines),
+        "tensors": len(tensors),
+        "buckets": buckets,
+        "bytes": nbytes,
+        "bytes_per_s": nbytes / total if total > 0 else 0.0,
+        "seconds": {**clock.seconds, "total": total},
+        "transport_seconds": dict(transport.timings),
+    }
+
+
+async def _validate(tensors: list, engines: list["EngineClient"]) -> dict:
+    """Wire dtypes after checking against every engine; all engines must agree."""
+    specs = await asyncio.gather(*(fetch_spec(e) for e in engines))
+    wire: dict | None = None
+    for engine, spec in zip(engines, specs):
+        this = check_against_spec(tensors, spec, engine.name)
+        if wire is not None and this != wire:
+            raise PublishError(f"engine {engine.name} serves other dtypes than {engines[0].name}", bytes_moved=False)
+        wire = this
+    assert wire is not None
+    return wire
+
+
+async def _transfer(transport, tensors, wire, new_version, cfg, clock) -> tuple[int, int]:
+    """start -> buckets -> finish; on failure undo what can be undone (see module docstring)."""
+    from vime_core.trainer.buckets import iter_buckets
+
+    buckets = nbytes = 0
+    try:
+        with clock("start"):
+            await transport.start()
+        with clock("transfer"):
+            for bucket in iter_buckets(tensors, cfg.update_weight_buffer_size, wire):
+                await transport.send_bucket(bucket)
+                buckets += 1
+                nbytes += bucket.nbytes
+        with clock("finish"):
+            await transport.finish(new_version)
+    except BaseException as err:
+        if transport.bytes_moved:
+            raise PublishError(
+                f"publish v{new_version} failed after weights reached the engines ({err}); they may hold a "
+                "half-applied update and stay paused: publish again or restart them",
+                bytes_moved=True,
+            ) from err
+        try:
+            await transport.abort()
+            await _on_all(transport.engines, "resume")
+        except Exception as undo_err:  # keep the original error; say the undo failed too
+            err.add_note(f"undoing the publish failed as well: {undo_err}")
+        raise
+    finally:
+        await transport.close()
+    return buckets, nbytes

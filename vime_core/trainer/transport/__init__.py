@@ -1,0 +1,40 @@
+"""Weight transports behind one interface (`base.WeightTransport`), picked by placement.
+
+    shm   CPU engines: tmpfs buckets through the `vime_shm` vLLM backend
+    ipc   engines colocated on the trainer's GPUs: CUDA IPC handles (vLLM's `ipc` backend)
+    disk  anywhere: safetensors files + the engines' own `reload_weights`
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vime_core.trainer.transport.base import WeightTransport
+
+if TYPE_CHECKING:
+    from vime_core.config.schema import VimeConfig
+
+__all__ = ["WeightTransport", "make_transport"]
+
+
+def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm") -> WeightTransport:
+    """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`."""
+    from vime_core.config import weight_transport
+
+    kind = weight_transport(cfg)
+    if kind == "shm":
+        from vime_core.trainer.transport.shm import ShmTransport
+
+        return ShmTransport(shm_dir)
+    if kind == "disk":
+        from vime_core.trainer.transport.disk import DiskTransport
+
+        return DiskTransport(shm_dir)
+    if kind == "ipc":
+        from vime_core.trainer.transport.ipc import IpcTransport
+
+        return IpcTransport()
+    raise NotImplementedError(
+        f"weight_transport={kind!r} has no implementation yet (available: shm, ipc, disk); "
+        "set cfg.weight_transport explicitly"
+    )

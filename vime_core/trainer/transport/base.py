@@ -1,0 +1,72 @@
+"""The one interface every weight transport implements.
+
+`publish_weights` drives a transport through one versioned update:
+
+    await t.prepare(engines)      once per publish: backend handshake (idempotent on the engine)
+    await t.start()               open the engines' update session
+    await t.send_bucket(b)        for each bucket, in order; may return before the engines have
+                                  loaded it (a transport may pipeline packing with delivery)
+    await t.finish(version)       deliver what is pending, close the session, set the version
+    await t.abort()               after a failure while `bytes_moved` is False: close an open
+                                  session without loading anything (vLLM puts the old weights back)
+    await t.close()               always (also after a failure): free buffers, files, handles
+
+After `finish` returns, every engine has loaded every bucket and reports `version`.
+`bytes_moved` says whether any tensor byte reached an engine yet: before that, a failure leaves
+the engines on their old weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vime_core.engines.client import EngineClient
+    from vime_core.trainer.buckets import Bucket
+
+
+class WeightTransport(ABC):
+    """Moves buckets of HF-named tensors into running vLLM engines."""
+
+    name: str = "base"
+
+    def __init__(self) -> None:
+        self.engines: list["EngineClient"] = []
+        self.bytes_moved = False
+        self.session_open = False
+        self.timings: dict[str, float] = {}
+
+    async def prepare(self, engines: list["EngineClient"]) -> None:
+        self.engines = list(engines)
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def send_bucket(self, bucket: "Bucket") -> None: ...
+
+    @abstractmethod
+    async def finish(self, version: int) -> None: ...
+
+    async def abort(self) -> None:
+        """Close the engines' session with no weights loaded; layerwise reload then restores
+        every layer's previous tensors. No version is set."""
+        if self.session_open:
+            await self.on_every_engine("request", "POST", "/finish_weight_update", json={})
+            self.session_open = False
+
+    async def close(self) -> None:
+        return None
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    async def on_every_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return await call_all(self.engines, method, *args, **kwargs)
+
+
+async def call_all(engines: list["EngineClient"], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """Call `EngineClient.<method>` on every engine at once; the first failure raises."""
+    return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))

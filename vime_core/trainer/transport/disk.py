@@ -1,0 +1,67 @@
+"""Fallback transport: safetensors files in a folder, which every engine reloads by itself.
+
+No weight-transfer backend is needed on the server: each bucket becomes one
+`model-<index>.safetensors` in a fresh folder (on `/dev/shm` by default, so "disk" is memory),
+and `finish` asks every engine to reload from it through `/collective_rpc` (the worker
+extension's `vime_reload_weights`: vLLM's `reload_weights` plus a fix for tied embeddings), then sets the version with `/update_weight_version`. Nothing reaches an
+engine before `finish`, so a failure while writing leaves the engines untouched.
+
+Trap: vLLM's reload repoints the engine's `model_config.model` at the folder, which is deleted
+afterwards; a later reload *without* a path would fail (publishes always pass one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+from vime_core.trainer.buckets import Bucket
+from vime_core.trainer.transport.base import WeightTransport
+
+
+def write_bucket_safetensors(bucket: Bucket, folder: str) -> str:
+    """Write the bucket (tensors cast to their wire dtypes) as one safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.detach().to(d).contiguous() for n, t, d in zip(bucket.names, bucket.tensors, bucket.dtypes)}
+    path = os.path.join(folder, f"model-{bucket.index:05d}.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+class DiskTransport(WeightTransport):
+    name = "disk"
+
+    def __init__(self, root: str = "/dev/shm") -> None:
+        super().__init__()
+        self.root = root
+        self.folder: str | None = None
+
+    async def start(self) -> None:
+        if not os.path.isdir(self.root):
+            raise FileNotFoundError(f"disk transport: folder {self.root!r} does not exist")
+        self.folder = tempfile.mkdtemp(prefix="vime-weights-", dir=self.root)
+
+    async def send_bucket(self, bucket: Bucket) -> None:
+        assert self.folder is not None, "start() first"
+        t0 = time.perf_counter()
+        await asyncio.to_thread(write_bucket_safetensors, bucket, self.folder)
+        self.add_time("write", time.perf_counter() - t0)
+
+    async def finish(self, version: int) -> None:
+        assert self.folder is not None, "start() first"
+        t0 = time.perf_counter()
+        self.bytes_moved = True
+        await self.on_every_engine("collective_rpc", "vime_reload_weights", {"weights_path": self.folder})
+        t1 = time.perf_counter()
+        await self.on_every_engine("update_weight_version", version)
+        self.add_time("reload", t1 - t0)
+        self.add_time("finish", time.perf_counter() - t1)
+
+    async def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
