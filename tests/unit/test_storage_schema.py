@@ -205,3 +205,32 @@ def test_layout_refuses_unsafe_run_names(run):
 def test_describe_schema_lists_every_column():
     text = describe_schema()
     assert all(f"| {c} |" in text for c in COLUMNS)
+
+
+def test_lineage_doc_schema_section_is_current():
+    from pathlib import Path
+
+    from vime_core.storage.docs import render_into
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "lineage.md"
+    text = doc.read_text()
+    assert render_into(text) == text, "run: python -m vime_core.storage.docs --write docs/lineage.md"
+
+
+def test_the_real_batch_builder_output_round_trips():
+    """build_batch (vime_core.data.batch) produces exactly the columns the schema stores."""
+    from vime_core.config import load_config
+    from vime_core.data.batch import build_batch
+    from vime_core.data.sample import Sample
+
+    samples = []
+    for g in range(2):
+        for i in range(3):
+            s = Sample(prompt_id=f"p{g}", tokens=[1, 2, 3], prompt_length=3, group_index=g, index=i, session_id=f"s{g}")
+            s.append_response_tokens([4, 5, 6][: i + 1], [-0.5, -0.25, -2.0][: i + 1])
+            s.reward, s.status, s.finish_reason = float(i % 2), Status.COMPLETED, "stop"
+            s.weight_versions = [WeightSpan(1, 0, i + 1)]
+            samples.append(s)
+    batch = build_batch(samples, load_config())
+    back, _ = table_to_batch(_parquet_round_trip(batch_to_table(batch, LINEAGE)))
+    assert back == batch
