@@ -1,7 +1,8 @@
 """Lineage questions answered from the index alone (index.INDEX_SCHEMA), never by reading batches.
 
-Each function takes the index table (`BatchStore(uri).index()`) so callers read it once and
-ask several questions. The same queries work on the Parquet files directly, without vime:
+Each function takes the index table (`BatchStore(uri).index()`, so callers read it once and ask
+several questions) or a BatchStore (its index is read), and returns a pyarrow.Table
+(`.to_pylist()` for JSON). The same queries work on the Parquet files directly, without vime:
 
     import pyarrow.dataset as ds, pyarrow.compute as pc
     index = ds.dataset("runs/index", format="parquet").to_table()       # local store
@@ -15,15 +16,23 @@ the latest created_at per (run, rollout_id), as `index.latest_per_batch` does.)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
+if TYPE_CHECKING:
+    from vime_core.storage.store import BatchStore
 
-def _of_run(index: pa.Table, run: str | None) -> pa.Table:
+IndexSource = Union[pa.Table, "BatchStore"]
+
+
+def _of_run(source: IndexSource, run: str | None) -> pa.Table:
+    index = source if isinstance(source, pa.Table) else source.index()
     return index if run is None else index.filter(pc.equal(index.column("run"), run))
 
 
-def batches_by_weight_version(index: pa.Table, version: int, run: str | None = None) -> pa.Table:
+def batches_by_weight_version(index: IndexSource, version: int, run: str | None = None) -> pa.Table:
     """Index rows of the batches that some weights `version` generated tokens of."""
     index = _of_run(index, run)
     versions = index.column("weight_versions").combine_chunks()
@@ -34,7 +43,7 @@ def batches_by_weight_version(index: pa.Table, version: int, run: str | None = N
     return index.take(rows)
 
 
-def prompt_use_counts(index: pa.Table, run: str | None = None, min_count: int = 2) -> pa.Table:
+def prompt_use_counts(index: IndexSource, run: str | None = None, min_count: int = 2) -> pa.Table:
     """Prompts used by at least `min_count` groups: columns prompt_id, count, rollout_ids.
 
     A "use" is one group (a prompt copied n_samples_per_prompt times); the index stores the
@@ -56,15 +65,21 @@ def prompt_use_counts(index: pa.Table, run: str | None = None, min_count: int = 
     return counts.sort_by([("count", "descending"), ("prompt_id", "ascending")])
 
 
-def reward_by_iteration(index: pa.Table, run: str) -> pa.Table:
-    """Per rollout id of `run`: reward_mean (raw reward), response_length_mean, num_rows and
-    the weight versions that generated it; sorted by rollout_id."""
+def prompts_seen_twice(index: IndexSource, run: str | None = None) -> pa.Table:
+    """Prompts used by two or more groups (prompt_use_counts with min_count=2)."""
+    return prompt_use_counts(index, run=run, min_count=2)
+
+
+def reward_by_iteration(index: IndexSource, run: str | None = None) -> pa.Table:
+    """Per (run, rollout id): reward_mean (raw reward), response_length_mean, num_rows and the
+    weight versions that generated it; sorted by run, then rollout_id."""
     rows = _of_run(index, run).select(
-        ["rollout_id", "reward_mean", "response_length_mean", "num_rows", "weight_version_min", "weight_version_max", "created_at"]
+        ["run", "rollout_id", "reward_mean", "response_length_mean", "num_rows", "weight_version_min", "weight_version_max", "created_at"]
     )
-    return rows.sort_by("rollout_id")
+    return rows.sort_by([("run", "ascending"), ("rollout_id", "ascending")])
 
 
-def batches_of_config(index: pa.Table, config_hash: str) -> pa.Table:
+def batches_of_config(index: IndexSource, config_hash: str) -> pa.Table:
     """Index rows of the batches made under the configuration with this config_hash."""
+    index = _of_run(index, None)
     return index.filter(pc.equal(index.column("config_hash"), config_hash))

@@ -73,6 +73,9 @@ def test_lineage_queries_answer_from_the_index_alone(store_uri):
         assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
         assert row["num_rows"] == len(rewards)
     assert lineage.batches_of_config(index, "c2").column("rollout_id").to_pylist() == [2, 3]
+    # A store works as the source too (its index is read once per call).
+    assert lineage.prompts_seen_twice(store, run="lin").equals(seen)
+    assert lineage.batches_by_weight_version(store, 2).equals(lineage.batches_by_weight_version(index, 2))
     with pytest.raises(BatchNotFoundError):
         store.read("lin", 0)  # the object really is gone
 
