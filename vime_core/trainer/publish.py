@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,7 @@ def publish_weights(
     *,
     transport: "WeightTransport | None" = None,
     shm_dir: str = "/dev/shm",
+    client_factory: "Callable[[str], EngineClient] | None" = None,
 ) -> dict[str, Any]:
     """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
     engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
@@ -85,7 +86,8 @@ def publish_weights(
 
     return run_blocking(
         lambda: publish_weights_async(
-            named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport, shm_dir=shm_dir
+            named_tensors, engine_urls, new_version, cfg, initial_version,
+            transport=transport, shm_dir=shm_dir, client_factory=client_factory,
         )
     )
 
@@ -99,6 +101,7 @@ async def publish_weights_async(
     *,
     transport: "WeightTransport | None" = None,
     shm_dir: str = "/dev/shm",
+    client_factory: "Callable[[str], EngineClient] | None" = None,
 ) -> dict[str, Any]:
     from vime_core.algo.gates import should_flush_cache
     from vime_core.engines.client import EngineClient
@@ -110,7 +113,7 @@ async def publish_weights_async(
     clock = PhaseClock()
     with clock("gather"):
         tensors = list(named_tensors)
-    engines = [EngineClient(url) for url in engine_urls]
+    engines = [(client_factory or EngineClient)(url) for url in engine_urls]
     transport = transport if transport is not None else make_transport(cfg, shm_dir)
     try:
         with clock("validate"):

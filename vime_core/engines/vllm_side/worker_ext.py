@@ -16,12 +16,10 @@ Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import struct
 from typing import Any
 
+from vime_core.engines.vllm_side.checkpoint_layout import read_safetensors_layout
 from vime_core.engines.vllm_side.shm_format import BACKEND_NAME, FLOATING
 
 
@@ -37,34 +35,6 @@ def _register_backend() -> None:
 
 
 _register_backend()
-
-# safetensors header dtype codes -> torch dtype names
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
-
-
-def read_safetensors_layout(model_dir: str) -> dict[str, dict[str, Any]]:
-    """{name: {"shape": [...], "dtype": torch dtype name}} over every *.safetensors file in
-    `model_dir`, read from the file headers only (8-byte little-endian length + JSON)."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
-    layout: dict[str, dict[str, Any]] = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            code = entry["dtype"]
-            if code not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {code!r}")
-            layout[name] = {"shape": list(entry["shape"]), "dtype": _SAFETENSORS_DTYPES[code]}
-    return layout
 
 
 class VimeWorkerExtension:

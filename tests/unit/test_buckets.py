@@ -1,0 +1,57 @@
+"""Bucketing of HF-named tensors for weight updates (vime_core.trainer.buckets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vime_core.trainer.buckets import copy_into, iter_buckets, packed_layout, wire_nbytes
+
+
+def named(sizes: list[int], dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(f"t{i}", torch.randn(n, generator=g).to(dtype)) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("limit", [16, 64, 100, 400, 10_000])
+def test_buckets_keep_order_stay_under_the_limit_and_oversized_tensors_go_alone(limit):
+    tensors = named([3, 10, 1, 50, 7, 7, 2, 30])
+    buckets = list(iter_buckets(tensors, limit))
+    assert [n for b in buckets for n in b.names] == [n for n, _ in tensors]
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    for b in buckets:
+        assert b.nbytes == sum(t.numel() * 4 for t in b.tensors)
+        assert b.nbytes <= limit or len(b) == 1  # only a lone tensor may exceed the limit
+    # greedy: a bucket was closed only because the next tensor did not fit
+    for b, nxt in zip(buckets, buckets[1:]):
+        assert b.nbytes + nxt.tensors[0].numel() * 4 > limit
+
+
+def test_wire_dtype_decides_the_size():
+    tensors = named([8, 8, 8, 8])
+    as_fp32 = list(iter_buckets(tensors, 64))
+    as_bf16 = list(iter_buckets(tensors, 64, {n: torch.bfloat16 for n, _ in tensors}))
+    assert [len(b) for b in as_fp32] == [2, 2]
+    assert [len(b) for b in as_bf16] == [4]
+    assert as_bf16[0].dtypes == [torch.bfloat16] * 4 and as_bf16[0].nbytes == 64
+
+
+def test_empty_input_gives_no_bucket_and_bad_limit_is_refused():
+    assert list(iter_buckets([], 10)) == []
+    with pytest.raises(ValueError, match="update_weight_buffer_size"):
+        list(iter_buckets(named([1]), 0))
+
+
+def test_layout_aligns_offsets_and_copy_into_casts_and_gathers():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = [("a", torch.ones(3)), ("b", base.t()), ("c", torch.tensor(5.0))]  # b is non-contiguous
+    (bucket,) = iter_buckets(tensors, 1 << 20, {"a": torch.float32, "b": torch.bfloat16, "c": torch.float32})
+    offsets, total = packed_layout(bucket, alignment=64)
+    assert offsets == [0, 64, 128] and total == 128 + 4
+    flat = torch.zeros(total, dtype=torch.uint8)
+    for t, d, off in zip(bucket.tensors, bucket.dtypes, offsets):
+        copy_into(flat, off, t, d)
+    got_b = flat[64 : 64 + wire_nbytes(base, torch.bfloat16)].view(torch.bfloat16).view(4, 3)
+    assert torch.equal(got_b, base.t().to(torch.bfloat16))
+    assert float(flat[128:132].view(torch.float32)[0]) == 5.0
+    assert packed_layout(bucket, alignment=1) == ([0, 12, 36], 40)
