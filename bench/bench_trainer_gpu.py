@@ -1,0 +1,367 @@
+"""Megatron trainer step and old-log-prob recompute on GPUs (issue 7; issue 8's shape too).
+
+Runs vime's own trainer code — ``MegatronTrainer.init`` (model, HF load, DDP, Megatron optimizer),
+``build_dp_schedule``, ``forward_log_probs``, ``step_advantages`` and ``train_step`` with the
+registered policy loss — on a synthetic rollout batch with random advantages, for a Qwen-style
+model built from a config (``gpu_common.SHAPES``, random bf16 weights, no hub). One process per
+GPU; under ``torchrun`` the ranks form TP x DP (``--tp``).
+
+Each ``--variants`` entry is measured in the same run, the first one being the baseline
+(``speedup`` = baseline step time / variant step time). A variant is a batching choice plus
+options joined with ``+``:
+
+    mbsN          fixed micro-batches of N samples per DP rank (cfg.micro_batch_size)
+    packT         micro-batches packed by a token budget T (use_dynamic_batch_size, max_tokens_per_gpu)
+    +fused        torch's fused AdamW kernel inside Megatron's optimizer (default: foreach AdamW,
+                  the fallback Megatron takes without Transformer Engine / apex)
+    +recompute    full activation recompute of every layer (Megatron: granularity full, uniform, 1)
+    +compile      torch.compile of the loss head (log_probs_and_entropy over the 152k vocabulary)
+
+Per variant: median step time (forward + backward + optimizer over the step's micro-batches, one
+optimizer step), tokens/s, MFU without and with the attention term (formulas in gpu_common),
+the old-log-prob recompute (forward only, vocabulary-split log-probs) tokens/s, and peak memory.
+``check`` holds log-probs of the initial weights and the first steps' losses/grad norms, to
+compare layouts (``--compare a.json b.json``).
+
+    python bench/bench_trainer_gpu.py --shape 0.5b --variants mbs4,mbs16,mbs16+fused --out r.json
+    torchrun --nproc_per_node 2 bench/bench_trainer_gpu.py --shape 0.5b --tp 2 --out tp2.json
+    python bench/bench_trainer_gpu.py --compare tp1.json tp2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu_common as common  # noqa: E402
+
+CHECK_TOKENS = 2048  # initial log-probs kept in the JSON for layout comparisons
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # ---- model and layout
+    p.add_argument("--shape", default="0.5b", help=f"model shape: {', '.join(common.SHAPES)}")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP = world size / tp)")
+    p.add_argument("--checkpoint-root", default="/tmp/vime_bench_ckpt", help="where random HF checkpoints are written")
+    p.add_argument("--seed", type=int, default=1234)
+    # ---- batch
+    p.add_argument("--samples", type=int, default=16, help="samples per rollout = per optimizer step (all DP ranks)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (the maximum with --vary)")
+    p.add_argument("--response-len", type=int, default=256, help="response tokens (the maximum with --vary)")
+    p.add_argument("--vary", action="store_true", help="draw lengths uniformly from [16, max] instead of fixed")
+    p.add_argument("--lr", type=float, default=1e-5)
+    # ---- what to measure
+    p.add_argument("--variants", default="mbs4", help="comma-separated variants (module docstring); the first is the baseline")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--check-steps", type=int, default=3, help="training steps recorded in 'check' (0: none)")
+    p.add_argument("--out", default=None, help="JSON result file (rank 0)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare the 'check' sections of two result files")
+    return p.parse_args(argv)
+
+
+# ---- synthetic rollout batch ---------------------------------------------------------------------
+
+
+def synthetic_batch(args: argparse.Namespace, vocab: int) -> dict[str, list]:
+    """Random token ids and advantages; the same on every rank (seeded)."""
+    rng = random.Random(args.seed)
+    batch: dict[str, list] = {k: [] for k in ("tokens", "response_length", "total_length", "loss_mask", "advantage", "reward")}
+    for _ in range(args.samples):
+        prompt = rng.randint(16, args.prompt_len) if args.vary else args.prompt_len
+        response = rng.randint(16, args.response_len) if args.vary else args.response_len
+        adv = rng.gauss(0.0, 1.0)
+        batch["tokens"].append([rng.randrange(vocab) for _ in range(prompt + response)])
+        batch["response_length"].append(response)
+        batch["total_length"].append(prompt + response)
+        batch["loss_mask"].append([1] * response)
+        batch["advantage"].append(adv)
+        batch["reward"].append(adv)
+    return batch
+
+
+# ---- variants ----------------------------------------------------------------------------------------
+
+
+class Options:
+    """Switches the bench options on the live trainer and back off (so variants share one model)."""
+
+    def __init__(self, trainer: Any, base_cfg: Any) -> None:
+        import vime_core.trainer.logprobs as logprobs
+
+        self.trainer, self.base_cfg = trainer, base_cfg
+        self.logprobs = logprobs
+        self.loss_head = logprobs.log_probs_and_entropy
+        self.compiled_loss_head: Any = None
+
+    def apply(self, spec: str) -> None:
+        batching, *flags = spec.split("+")
+        unknown = set(flags) - {"fused", "recompute", "compile"}
+        if unknown:
+            raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
+        if batching.startswith("mbs"):
+            update = dict(micro_batch_size=int(batching[3:]), use_dynamic_batch_size=False, max_tokens_per_gpu=None)
+        elif batching.startswith("pack"):
+            update = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=int(batching[4:]))
+        else:
+            raise ValueError(f"variant {spec!r}: batching must be mbsN or packT")
+        self.trainer.cfg = self.base_cfg.model_copy(update=update)
+        self.set_fused_adam("fused" in flags)
+        self.set_recompute("recompute" in flags)
+        self.set_compiled_loss_head("compile" in flags)
+
+    def set_fused_adam(self, on: bool) -> None:
+        inner = self.trainer.optimizer.optimizer  # torch AdamW inside Megatron's mixed-precision wrapper
+        for group in inner.param_groups:
+            group["fused"] = on or None
+            group["foreach"] = None if on else group.get("foreach")
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if step is not None:  # fused keeps the step counter on the device, the others on the CPU
+                    inner.state[p]["step"] = step.to(p.device if on else "cpu", torch.float32)
+
+    def set_recompute(self, on: bool) -> None:
+        from vime_core.trainer.hf_convert import unwrap
+
+        config = unwrap(self.trainer.model).config
+        if on and self.trainer.device.type != "cuda":
+            raise ValueError("+recompute needs CUDA (Megatron's checkpoint saves the CUDA RNG state)")
+        config.recompute_granularity = "full" if on else None
+        config.recompute_method = "uniform" if on else None
+        config.recompute_num_layers = 1 if on else None
+
+    def set_compiled_loss_head(self, on: bool) -> None:
+        if on and self.compiled_loss_head is None:
+            self.compiled_loss_head = torch.compile(self.loss_head, dynamic=True)
+        self.logprobs.log_probs_and_entropy = self.compiled_loss_head if on else self.loss_head
+
+
+# ---- one rollout's training, phase by phase (the steps of rollout_training.train_on_rollout) ----------
+
+
+def schedule_for(trainer: Any, batch: dict[str, list]) -> list[list[list[int]]]:
+    from vime_core.data.schedule import build_dp_schedule
+
+    cfg, lay = trainer.cfg, trainer.layout
+    budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
+    lengths = [len(t) for t in batch["tokens"]]
+    sched = build_dp_schedule(lengths, cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
+    return sched.micro_batches[lay.dp_rank]
+
+
+def recompute_old(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]]) -> dict[int, torch.Tensor]:
+    from vime_core.trainer.train_step import forward_log_probs
+
+    flat = [mb for step in mine for mb in step]
+    return forward_log_probs(trainer.model, batch, flat, trainer.arch.vocab_size, trainer.cfg.rollout_temperature, trainer.device)
+
+
+def one_step(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], old: dict[int, torch.Tensor]) -> dict[str, float]:
+    from megatron.core import parallel_state
+
+    from vime_core.trainer.rollout_training import step_advantages
+    from vime_core.trainer.train_step import StepDenominators, StepInputs, train_step
+
+    cfg, lay = trainer.cfg, trainer.layout
+    micro_batches = mine[0]
+    step_indices = list(range(cfg.global_batch_size))
+    inputs = StepInputs(
+        batch=batch,
+        micro_batches=micro_batches,
+        denominators=StepDenominators.of(batch, step_indices),
+        advantages=step_advantages(cfg, batch, [i for mb in micro_batches for i in mb], old, None),
+        old_log_probs=old,
+        step_tokens=sum(len(batch["tokens"][i]) for i in step_indices),
+    )
+    dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
+    return train_step(trainer.model, trainer.optimizer, inputs, cfg, trainer.arch.vocab_size, lay.dp_size, dp_group, trainer.device)
+
+
+def measure_variant(trainer: Any, batch: dict[str, list], spec: str, opts: Options, args: argparse.Namespace,
+                    cfg_json: dict[str, Any]) -> dict[str, Any]:
+    from vime_core.trainer.rollout_training import train_on_rollout
+
+    dev = trainer.device.type
+    opts.apply(spec)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    mine = schedule_for(trainer, batch)
+    lengths = [len(t) for t in batch["tokens"]]
+    # Warm-up through the actors' own entry point (schedule, old log-probs, advantages, step).
+    # Then the timed phases once more, so that compilation (per graph) stays out of the numbers.
+    for _ in range(args.warmup):
+        train_on_rollout(trainer, batch)
+        recompute_old(trainer, batch, mine)
+    step_s, lp_s, losses, norms = [], [], [], []
+    for _ in range(args.repeats):
+        t_lp, old = common.timed(lambda: recompute_old(trainer, batch, mine), dev)
+        t_step, metrics = common.timed(lambda: one_step(trainer, batch, mine, old), dev)
+        lp_s.append(t_lp)
+        step_s.append(t_step)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    step, lp = common.median(step_s), common.median(lp_s)
+    world = trainer.layout.world_size
+    train_flops = common.step_flops(cfg_json, lengths, passes=3)
+    fwd_flops = common.step_flops(cfg_json, lengths, passes=1)
+    tokens = sum(lengths)
+    return {
+        "variant": spec,
+        "micro_batches_per_step_per_rank": len(mine[0]),
+        "step_time_s": step,
+        "step_times_s": step_s,
+        "tokens_per_s": tokens / step,
+        "mfu_6N": common.mfu(train_flops["dense"], step) / world,
+        "mfu_with_attention": common.mfu(train_flops["dense"] + train_flops["attention"], step) / world,
+        "logprob_time_s": lp,
+        "logprob_tokens_per_s": tokens / lp,
+        "logprob_mfu_with_attention": common.mfu(fwd_flops["dense"] + fwd_flops["attention"], lp) / world,
+        "peak_memory_gib_per_rank": gather_peak_memory(dev),
+        "loss_last": losses[-1],
+        "grad_norm_last": norms[-1],
+    }
+
+
+def gather_peak_memory(dev: str) -> list[float]:
+    if dev != "cuda":
+        return []
+    mine = torch.cuda.max_memory_allocated() / 2.0**30
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, mine)
+    return [round(float(x), 3) for x in out]
+
+
+def layout_check(trainer: Any, batch: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
+    """Numbers that must agree across layouts: initial log-probs, then a few steps' metrics."""
+    from vime_core.trainer.rollout_training import train_on_rollout
+
+    mine = schedule_for(trainer, batch)
+    old = recompute_old(trainer, batch, mine)
+    # At DP > 1 each rank holds only its samples; gather them so rank 0 sees every sample.
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, {i: t.cpu() for i, t in old.items()})
+    merged = {i: t for part in parts for i, t in part.items()}
+    flat = torch.cat([merged[i] for i in sorted(merged)])
+    steps = [train_on_rollout(trainer, batch) for _ in range(args.check_steps)]
+    return {
+        "initial_log_probs_head": [round(float(x), 5) for x in flat[:CHECK_TOKENS]],
+        "initial_log_prob_mean": float(flat.mean()),
+        "losses": [s["loss"] for s in steps],
+        "grad_norms": [s["grad_norm"] for s in steps],
+        "entropies": [s.get("entropy") for s in steps],
+    }
+
+
+def compare(a_path: str, b_path: str) -> dict[str, Any]:
+    import json
+
+    a, b = (json.loads(Path(p).read_text())["check"] for p in (a_path, b_path))
+    la, lb = torch.tensor(a["initial_log_probs_head"]), torch.tensor(b["initial_log_probs_head"])
+    rel = lambda x, y: [abs(p - q) / max(abs(p), 1e-12) for p, q in zip(x, y)]  # noqa: E731
+    return {
+        "a": a_path, "b": b_path,
+        "initial_log_probs_max_abs_diff": float((la - lb).abs().max()),
+        "initial_log_probs_mean_abs_diff": float((la - lb).abs().mean()),
+        "loss_rel_diff": rel(a["losses"], b["losses"]),
+        "grad_norm_rel_diff": rel(a["grad_norms"], b["grad_norms"]),
+        "entropy_rel_diff": rel(a["entropies"], b["entropies"]),
+    }
+
+
+# ---- main ----------------------------------------------------------------------------------------------
+
+
+def build_trainer(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    trainer = common.build_trainer(
+        args.shape, args.device, args.tp, args.seed, Path(args.checkpoint_root),
+        rollout_batch_size=args.samples, rollout_max_prompt_len=args.prompt_len,
+        rollout_max_response_len=args.response_len, lr=args.lr,
+    )
+    return trainer, common.hf_config(args.shape)
+
+
+def add_speedups(result: dict[str, Any]) -> None:
+    """Each variant's ratio to the baseline (the first variant that ran)."""
+    variants = result["variants"]
+    base = next((v for v in variants if "step_time_s" in v), None)
+    result["baseline"] = base["variant"] if base else None
+    for v in variants:
+        if base is not None and "step_time_s" in v:
+            v["speedup_vs_baseline"] = base["step_time_s"] / v["step_time_s"]
+            v["logprob_speedup_vs_baseline"] = base["logprob_time_s"] / v["logprob_time_s"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.compare:
+        common.write_json(compare(*args.compare), None)
+        return
+    warnings.filterwarnings("ignore")
+    t0 = time.perf_counter()
+    trainer, cfg_json = build_trainer(args)
+    setup_s = time.perf_counter() - t0
+    batch = synthetic_batch(args, cfg_json["vocab_size"])
+    lengths = [len(t) for t in batch["tokens"]]
+    lay = trainer.layout
+    result: dict[str, Any] = {
+        "bench": "trainer_gpu",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "shape": args.shape,
+        "params": common.parameter_counts(cfg_json),
+        "layout": {"world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size},
+        "batch": {"samples": args.samples, "tokens_per_step": sum(lengths), "min_len": min(lengths),
+                  "max_len": max(lengths), "vary": args.vary},
+        "dtype": "bf16" if args.device == "cuda" else "fp32",
+        "setup_s": setup_s,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "formula": {
+            "mfu_6N": "6 * N_matmul * tokens / step_time / 989e12 / gpus",
+            "mfu_with_attention": "(6 * N_matmul * tokens + sum_i 6 * layers * heads * head_dim * len_i^2) "
+                                  "/ step_time / 989e12 / gpus   (causal: half of QK^T and PV)",
+            "logprob_mfu_with_attention": "one third of the training FLOPs (forward only) / logprob_time / 989e12 / gpus",
+        },
+        "argv": sys.argv[1:],
+    }
+    if args.check_steps:
+        opts0 = Options(trainer, trainer.cfg)
+        opts0.apply(args.variants.split(",")[0])
+        result["check"] = layout_check(trainer, batch, args)
+    base_cfg = trainer.cfg
+    opts = Options(trainer, base_cfg)
+    variants: list[dict[str, Any]] = []
+    result["variants"] = variants
+    for spec in [v for v in args.variants.split(",") if v]:
+        try:
+            variants.append(measure_variant(trainer, batch, spec, opts, args, cfg_json))
+        except Exception as err:  # a failed option is a result too; the next variant still runs
+            variants.append({"variant": spec, "error": f"{type(err).__name__}: {err}"[:2000]})
+            if torch.distributed.get_world_size() > 1:
+                raise  # ranks may be out of step: stop rather than hang
+        print(f"[rank {lay.rank}] {variants[-1]}", file=sys.stderr, flush=True)
+        add_speedups(result)
+        if lay.rank == 0 and args.out:  # after every variant, so a run cut short keeps its results
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if lay.rank == 0:
+        common.write_json(result, args.out)
+    from vime_core.trainer.parallel import destroy_parallel
+
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Shared pieces of the GPU benchmarks: model shapes, random HF checkpoints, FLOP counts, timing.
+
+Shapes are Qwen-style HF configs built here (no hub): ``0.5b`` is Qwen2.5-0.5B's shape, ``1.5b``
+Qwen2.5-1.5B's, ``4b`` Qwen3-4B's (issue 8), ``tiny`` a small Qwen3 for CPU dry runs.
+
+FLOPs of one training step over samples of lengths s_i (T = sum_i s_i tokens):
+
+    dense     = 6 * N * T                        N = parameters that take part in a matmul
+                                                 (all but the input embedding when it is not tied;
+                                                 a tied embedding is the LM head's matmul)
+    attention = sum_i 6 * L * (heads * head_dim) * s_i^2
+                (QK^T and PV: 4 * s^2 * d_attn per layer forward, halved by the causal mask,
+                 times 3 for forward + backward)
+    MFU       = flops / step_time / 989e12        (H200 dense bf16 peak, datasheet)
+
+A forward-only pass (log-prob recompute) is a third of that: 2 * N * T + sum_i 2 * L * d_attn * s_i^2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PEAK_BF16_FLOPS = 989e12
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
+                 tie_word_embeddings=True),
+    "0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+               tie_word_embeddings=True),
+}
+
+
+def hf_config(shape: str) -> dict[str, Any]:
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r}: known shapes are {sorted(SHAPES)}")
+    return {
+        **SHAPES[shape],
+        "architectures": ["Qwen3ForCausalLM" if SHAPES[shape]["model_type"] == "qwen3" else "Qwen2ForCausalLM"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+
+
+def hf_tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the checkpoint and its shape."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    n, g, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        shapes.update({a + "q_proj.weight": (n * d, h), a + "k_proj.weight": (g * d, h), a + "v_proj.weight": (g * d, h)})
+        if cfg["model_type"] == "qwen2":
+            shapes.update({a + "q_proj.bias": (n * d,), a + "k_proj.bias": (g * d,), a + "v_proj.bias": (g * d,)})
+        if cfg["model_type"] == "qwen3":
+            shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        shapes.update({
+            a + "o_proj.weight": (h, n * d),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def parameter_counts(cfg: dict[str, Any]) -> dict[str, int]:
+    """Total parameters and the matmul parameters N of the FLOP count (module docstring)."""
+    shapes = hf_tensor_shapes(cfg)
+    total = sum(_numel(s) for s in shapes.values())
+    embedding = _numel(shapes["model.embed_tokens.weight"])
+    matmul = total if cfg["tie_word_embeddings"] else total - embedding
+    return {"total": total, "matmul": matmul, "embedding": embedding}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for x in shape:
+        out *= x
+    return out
+
+
+def step_flops(cfg: dict[str, Any], lengths: list[int], passes: int = 3) -> dict[str, float]:
+    """``passes=3`` for forward + backward, 1 for a forward (module docstring)."""
+    n = parameter_counts(cfg)["matmul"]
+    d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
+    dense = 2.0 * passes * n * sum(lengths)
+    attention = 2.0 * passes * cfg["num_hidden_layers"] * d_attn * sum(s * s for s in lengths)
+    return {"dense": dense, "attention": attention}
+
+
+def mfu(flops: float, seconds: float) -> float:
+    return flops / seconds / PEAK_BF16_FLOPS if seconds > 0 else 0.0
+
+
+def write_random_checkpoint(path: Path, shape: str, seed: int, device: str) -> Path:
+    """An HF checkpoint folder (config.json + model.safetensors, bf16) with N(0, 0.02) weights and
+    unit norms, reproducible from ``seed``; written once and renamed into place (atomic)."""
+    from safetensors.torch import save_file
+
+    if (path / "model.safetensors").is_file():
+        return path
+    cfg = hf_config(shape)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, dims in hf_tensor_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+        tensors[name] = t
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race; its folder is the same checkpoint
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def shared_checkpoint(root: Path, shape: str, seed: int, device: str, local_rank: int, timeout_s: float = 900) -> Path:
+    """Local rank 0 writes the checkpoint; the other ranks of the machine wait for it."""
+    path = root / f"{shape}-seed{seed}"
+    if local_rank == 0:
+        return write_random_checkpoint(path, shape, seed, device)
+    deadline = time.monotonic() + timeout_s
+    while not (path / "model.safetensors").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: checkpoint not written by local rank 0 within {timeout_s} s")
+        time.sleep(0.5)
+    return path
+
+
+def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: Path, **cfg_fields: Any) -> Any:
+    """A ``MegatronTrainer`` (initialised: process group, model, HF load, DDP, optimizer) for this
+    process, over a random checkpoint of ``shape``; rank and world from torchrun's variables."""
+    from vime_core.config import VimeConfig
+    from vime_core.trainer.parallel import free_port
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    ckpt = shared_checkpoint(checkpoint_root, shape, seed, device, local_rank)
+    fields: dict[str, Any] = dict(
+        hf_checkpoint=str(ckpt), device=device, bf16=device == "cuda", tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=world, colocate=False, rollout_num_gpus=1, n_samples_per_prompt=1,
+        num_steps_per_rollout=1, clip_grad=1.0, seed=seed, storage_uri="/tmp/vime_bench_runs",
+    )
+    fields.update(cfg_fields)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
+    trainer = MegatronTrainer(VimeConfig(**fields), rank, world, addr, port)
+    trainer.init()
+    return trainer
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    """Seconds of ``fn()`` with the device synchronised on both ends, and its result."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def device_memory(device: str) -> dict[str, float]:
+    """Allocated / reserved / peak (GiB) and the driver's free and total memory."""
+    if device != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    gib = 2.0**30
+    return {
+        "allocated_gib": torch.cuda.memory_allocated() / gib,
+        "reserved_gib": torch.cuda.memory_reserved() / gib,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+        "driver_used_gib": (total - free) / gib,
+    }
+
+
+def write_json(result: dict[str, Any], out: str | None) -> None:
+    text = json.dumps(result, indent=1, sort_keys=False)
+    print(text, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+
+
+def summary_lines(path: str) -> list[str]:
+    """One line per variant / shape of a result file (for the end of a device run's output)."""
+    r = json.loads(Path(path).read_text())
+    lines = [f"== {Path(path).name}: {r.get('bench')} {r.get('shape', '')} {r.get('layout', '')}"]
+    for v in r.get("variants", []):
+        if "error" in v:
+            lines.append(f"  {v['variant']:<28} ERROR {v['error'][:300]}")
+            continue
+        lines.append(
+            f"  {v['variant']:<28} step {v['step_time_s']*1e3:8.1f} ms  {v['tokens_per_s']:9.0f} tok/s  "
+            f"mfu {v['mfu_6N']*100:5.1f}% (+attn {v['mfu_with_attention']*100:5.1f}%)  x{v.get('speedup_vs_baseline', 0):.2f}  "
+            f"logprob {v['logprob_tokens_per_s']:9.0f} tok/s  peak {v['peak_memory_gib_per_rank']} GiB"
+        )
+    for s in r.get("shapes", []):
+        lines.append(
+            f"  {s['shape']}: {s['bytes']/1e9:.2f} GB in {s['buckets']} buckets; median s {s['median_s']}; "
+            f"receive {s['receive_GBps']:.0f} GB/s vs d2d {s['d2d_GBps']:.0f} GB/s; e2e {s['end_to_end_GBps']:.0f} GB/s; "
+            f"mismatched {s['checksums_mismatched']}; sleep_wake {s['sleep_wake']}"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    for p in sys.argv[1:]:
+        try:
+            print("\n".join(summary_lines(p)))
+        except Exception as err:  # a missing or partial file: say so and go on
+            print(f"== {p}: {type(err).__name__}: {err}")
