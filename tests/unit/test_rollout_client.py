@@ -261,3 +261,17 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     assert env["PYTHONPATH"].split(":")[0] == str(Path(__file__).resolve().parents[2])
     assert cpu_bind(0, 2, cores=[0, 1]) == "0" and cpu_bind(1, 2, cores=[0, 1]) == "1"
     assert cpu_bind(0, 1, cores=[0, 1, 2, 3]) == "0-3" and cpu_bind(1, 1, 2, cores=[0, 1, 2, 3]) == "0-1|2-3"
+
+
+def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):
+    import time
+
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer, EngineStartError, free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "engine_urls": [url]})
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError, match=r"engine_urls\[0\]=http://127.0.0.1:\d+ does not answer /health"):
+        EngineServer(cfg, 0, attach_url=url).start()
+    assert time.monotonic() - t0 < 15

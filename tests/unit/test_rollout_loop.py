@@ -259,3 +259,25 @@ def test_a_failing_group_raises_and_cancels_the_rest(make_cfg, tokenizer):
     state.generate_fn = broken_generate
     with pytest.raises(RuntimeError, match="custom generate bug"):
         run_loop(state)
+
+
+async def tool_use_generate(ctx, sample, params):
+    """Two turns: model tokens, then a 2-token tool answer (not generated: loss mask 0, log-prob
+    0.0), then model tokens again."""
+    await generate_sample(ctx, sample, dict(params))
+    sample.append_response_tokens([17, 17], [0.0, 0.0], loss_mask_value=0)
+    sample.status = Status.PENDING
+    return await generate_sample(ctx, sample, dict(params))
+
+
+def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", custom_generate_function_path=f"{THIS}:tool_use_generate")
+    from vime_core.utils.imports import load_function
+
+    state = make_state(cfg, tokenizer, FakeGenerator(response=(5, 6)))
+    state.generate_fn = load_function(cfg.custom_generate_function_path)
+    samples, _ = run_loop(state)
+    for s in samples:
+        assert s.response_tokens == [5, 6, 17, 17, 5, 6]
+        assert s.loss_mask == [1, 1, 0, 0, 1, 1]
+        assert s.rollout_log_probs == [-0.25, -0.25, 0.0, 0.0, -0.25, -0.25]

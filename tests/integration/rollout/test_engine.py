@@ -169,3 +169,17 @@ def test_router_spreads_load_and_keeps_sessions(healthy_engines, cache_dir, poli
                 assert counts == [0, 6], f"session {session} split over engines: {counts}"
     finally:
         router.shutdown()
+
+
+def test_attach_checks_parallel_size(healthy_engines, tiny_model_dir, vllm_python):
+    from tests.integration.rollout.conftest import make_cfg
+    from vime_core.engines.server import EngineServer
+
+    url = healthy_engines[0].url
+    ok = EngineServer(make_cfg(tiny_model_dir, vllm_python, engine_urls=[url]), 0, attach_url=url)
+    assert ok.start() == url
+    ok.shutdown()  # attached: must leave the server running
+    assert healthy_engines[0].is_alive()
+    cfg = make_cfg(tiny_model_dir, vllm_python, engine_urls=[url], rollout_num_gpus_per_engine=2)
+    with pytest.raises(ValueError, match=r"TP x PP = 1, but rollout_num_gpus_per_engine=2"):
+        EngineServer(cfg, 0, attach_url=url).start()
