@@ -46,7 +46,6 @@ def bootstrap(config: VimeConfig) -> dict:
                 ray.get(manager.load_data_source_state.remote(extra["data_source"]))
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
     state = trainers.rank0("state")
-    ray.get(manager.wait_ready.remote())
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
     if not versions or any(v != target for v in versions):  # step 8: first publish is v1

@@ -4,6 +4,7 @@ artifacts (a metrics table, the reward curve, a link to the stored batch)."""
 from __future__ import annotations
 
 import base64
+import sys
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -26,7 +27,9 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict) -> str:
     records = read_records(config.storage_uri, config.run_name)
     line = console_line(record)
     get_run_logger().info(line)
-    print(line, flush=True)
+    # the console line is for the person running the job, whatever Prefect's log level is
+    sys.__stdout__.write(line + "\n")
+    sys.__stdout__.flush()
     write_reward_curve(config.storage_uri, config.run_name, records)
     create_table_artifact(
         key=_artifact_key(config.run_name, "metrics"),

@@ -5,6 +5,7 @@ configuration names none (the default job on a fresh machine)."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from vime_core.config import VimeConfig
@@ -22,7 +23,8 @@ def _abs(path: str, base: Path) -> str:
     if not path or _is_remote(path):
         return path
     p = Path(path.removeprefix("file://")).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
+    # abspath, not resolve(): a venv's bin/python is a symlink whose target is not the venv
+    return os.path.abspath(p if p.is_absolute() else base / p)
 
 
 def assets_dir(cfg: VimeConfig) -> Path:

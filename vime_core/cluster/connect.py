@@ -10,6 +10,7 @@ log = logging.getLogger(__name__)
 # Ray picks a non-loopback address unless this is set in the head and in every driver
 # (see shared ENVIRONMENT.md, "Ray on one machine").
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+DRIVER_NAMESPACE = "vime"
 
 
 def actor_env() -> dict[str, str]:
@@ -39,6 +40,9 @@ def ensure_ray(address: str = "auto"):
     try:
         ray.init(
             address=address,
+            # named placement groups live in the driver's namespace: one fixed namespace lets
+            # every flow run find a run's group (actors carry their run's own namespace)
+            namespace=DRIVER_NAMESPACE,
             log_to_driver=True,
             logging_level=logging.WARNING,
             runtime_env={"env_vars": actor_env()},

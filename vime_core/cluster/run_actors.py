@@ -9,6 +9,7 @@ takes a fraction of its bundle's device and the engines share the rest.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,7 @@ def get_or_create_rollout_manager(cfg: VimeConfig):
     from vime_core.rollout.manager import RolloutManager
 
     actor_cls = ray.remote(RolloutManager)
+    restarted = functools.partial(republish_to_engine, cfg)
     return actor_cls.options(
         name=names.ROLLOUT_MANAGER,
         namespace=names.namespace(cfg.run_name),
@@ -70,7 +72,16 @@ def get_or_create_rollout_manager(cfg: VimeConfig):
         num_cpus=0,
         max_concurrency=8,
         runtime_env={"env_vars": actor_env()},
-    ).remote(cfg)
+    ).remote(cfg, on_engine_restarted=restarted)
+
+
+def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:
+    """Give a restarted engine the trainer's current weights (at the current version) before it
+    serves again. Runs inside the RolloutManager actor; every TP rank takes part in the gather."""
+    _, trainers = attach(cfg)
+    version = trainers.rank0("state")["weight_version"]
+    log.info("engine %d restarted at %s: publishing v%d to it", index, url, version)
+    trainers.call("update_weights", [url], version)
 
 
 @dataclass
@@ -173,7 +184,7 @@ def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
     """Stop the run's engines, kill its actors and remove its placement group. Returns what was
     removed. Safe to call when nothing exists."""
     import ray
-    from ray.util.placement_group import get_placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
     removed = []
     manager = _get_actor(names.ROLLOUT_MANAGER, run_name)
@@ -194,9 +205,12 @@ def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
             ray.kill(a)
             removed.append(names.trainer(rank))
         rank += 1
-    try:
-        remove_placement_group(get_placement_group(names.placement_group(run_name)))
-        removed.append(names.placement_group(run_name))
-    except ValueError:
-        pass
+    # by the placement-group table, so a group created from any driver namespace goes too
+    from ray.util import placement_group_table
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id, info in placement_group_table().items():
+        if info.get("name") == names.placement_group(run_name) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            removed.append(names.placement_group(run_name))
     return removed
