@@ -18,18 +18,17 @@ import itertools
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Optional, Sequence
 
 import httpx
 
 from vime_core.engines.client import EngineClient, redact_url
-from vime_core.engines.server import REPO_ROOT, free_port
+from vime_core.engines.process import free_port, log_tail, terminate_group
+from vime_core.engines.server import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +121,7 @@ class Router:
         raise RouterError(f"vllm-router not live after {self.startup_timeout_s} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        with open(self.log_path, "r", errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
+        return log_tail(self.log_path, lines)
 
     def _post(self, path: str, url: str, timeout_s: float) -> None:
         try:
@@ -150,14 +146,7 @@ class Router:
         proc = self._proc
         if proc is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if proc.poll() is not None:
-                break
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        terminate_group(proc, grace_s, "vllm-router")
         self._proc = None
         if self._log_file is not None:
             self._log_file.close()

@@ -27,11 +27,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
+from vime_core.engines.process import free_port, log_tail, terminate_group
 
 if TYPE_CHECKING:
     from vime_core.config import VimeConfig
@@ -52,13 +52,6 @@ TCMALLOC_CANDIDATES = (
 
 class EngineStartError(RuntimeError):
     """The server did not become healthy; the message ends with its last log lines."""
-
-
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def resolve_python(vllm_python: str) -> Path:
@@ -293,10 +286,7 @@ class EngineServer:
         return self.url  # type: ignore[return-value]
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        with open(self.log_path, "r", errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
+        return log_tail(self.log_path, lines)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -346,22 +336,7 @@ class EngineServer:
         proc = self._proc
         if proc is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            if proc.poll() is not None:
-                break
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s: still running %.0f s after %s", self.name, wait_s, sig.name)
-        # Children may outlive the leader; make sure the group is gone.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        terminate_group(proc, grace_s, self.name)
         self._proc = None
         if self._log_file is not None:
             self._log_file.close()
