@@ -25,33 +25,19 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from bench_math import median_seconds  # interleaved repeats, medians (bench/ is on sys.path)
 from vime_core.storage import BatchStore
 from vime_core.storage.schema import batch_to_table
 from vime_core.storage.store import _parquet_bytes
 from vime_core.storage.synthetic import synthetic_batch
 
 GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 32, 8, 64, 960
-
-
-def median_seconds(*fns, repeats: int) -> list[float]:
-    """Median wall time of each fn; interleaved per repeat so load drift hits all alike."""
-    for fn in fns:
-        fn()  # warm-up
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def measure(store: BatchStore, batch: dict, repeats: int) -> dict:

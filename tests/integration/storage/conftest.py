@@ -4,7 +4,6 @@ the credentials and endpoint only inside the test (monkeypatched environment).""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import uuid
@@ -44,7 +43,7 @@ def s3_env(s3_server, monkeypatch) -> S3Server:
     return s3_server
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
 def store_uri(request, tmp_path) -> str:
     """A fresh, empty store: a local folder, and a prefix on the real S3 server."""
     if request.param == "local":
@@ -52,6 +51,3 @@ def store_uri(request, tmp_path) -> str:
     server = request.getfixturevalue("s3_env")
     return server.storage_uri(f"t-{uuid.uuid4().hex[:12]}")
 
-
-def credential_values() -> list[str]:
-    return [TEST_SECRET_KEY, os.environ.get("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)]

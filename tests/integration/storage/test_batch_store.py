@@ -236,7 +236,8 @@ def test_older_schema_version_is_refused_clearly_or_upgraded(store_uri, monkeypa
     assert batch["tokens"] == current.column("tokens").to_pylist()
 
 
-def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd):
+@pytest.mark.slow
+def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd, monkeypatch):
     uri = s3_env.storage_uri("creds")
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="vime_core")
@@ -252,7 +253,7 @@ def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd)
     with pytest.raises(ValueError) as in_uri:
         BatchStore(f"s3://{TEST_ACCESS_KEY}:{TEST_SECRET_KEY}@vime-test/x")
     messages.append(str(in_uri.value))
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "a-wrong-secret-value"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "a-wrong-secret-value")
     with pytest.raises(PermissionError) as denied:
         BatchStore(uri, storage_options={"skip_instance_cache": True}).read("creds", 0)
     messages.append(str(denied.value))
