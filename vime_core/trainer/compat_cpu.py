@@ -18,7 +18,11 @@ What megatron-core assumes about CUDA, and what this layer does about it (only w
    ``local_multi_tensor_l2_norm`` in ``megatron.core.utils``). In exactly those
    modules the module-global name ``torch`` is replaced by a proxy whose tensor factories map
    ``"cuda"`` to ``"cpu"``; everything else is the real torch.
-4. ``model_parallel_cuda_manual_seed`` needs CUDA; ``seed_everything`` below seeds torch and
+4. ``clip_grad_by_total_norm_fp32`` asserts its grads are ``torch.cuda.FloatTensor``; it is
+   replaced (in ``clip_grads`` and in ``optimizer``, which imported it by name) by the same
+   scaling without the type assertion: ``g *= max_norm / (total_norm + 1e-6)`` when that
+   factor is < 1.
+5. ``model_parallel_cuda_manual_seed`` needs CUDA; ``seed_everything`` below seeds torch and
    creates Megatron's RNG tracker without touching CUDA (dropout is 0 in our configs, so the
    tracker's forked streams are never drawn from).
 
@@ -72,6 +76,8 @@ def activate() -> bool:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuTorchProxy):
             module.torch = _CpuTorchProxy(torch)
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        importlib.import_module(name).clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32_cpu
     _ACTIVE = True
     log.info("megatron-core CPU compatibility layer active (gloo, fp32, explicit masks)")
     return True
@@ -89,6 +95,19 @@ def seed_everything(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         tensor_parallel.random.initialize_rng_tracker(force_reset=True)
+
+
+def clip_grad_by_total_norm_fp32_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 def _triton_available() -> bool:

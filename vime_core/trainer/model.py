@@ -199,5 +199,34 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  (a float is fine: it is only exponentiated)
     )
+    mark_tensor_parallel_params(model)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
     return model.to(device=device)
+
+
+def mark_tensor_parallel_params(model: Any) -> None:
+    """Tag TP-split parameters the way Megatron's weight initialisers do.
+
+    With ``perform_initialization=False`` (we load weights right after building) Megatron's
+    layers skip ``set_tensor_model_parallel_attributes``, so every parameter looks replicated and
+    the grad-norm computation (which counts replicated parameters on TP rank 0 only) drops the
+    other ranks' shards. Column-parallel weights/biases and vocabulary-parallel embeddings are
+    split on dim 0, row-parallel weights on dim 1 (their biases are replicated).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            splits = [(getattr(module, "weight", None), 0), (getattr(module, "bias", None), 0)]
+        elif isinstance(module, RowParallelLinear):
+            splits = [(getattr(module, "weight", None), 1)]
+        else:
+            continue
+        for param, dim in splits:
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)

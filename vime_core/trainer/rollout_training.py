@@ -1,0 +1,103 @@
+"""Train one rollout on this rank (walkthrough steps 37-40): DP partition, old/reference
+log-probs, advantages, then ``num_steps`` optimizer steps.
+
+    schedule    build_dp_schedule(total_lengths, global_batch_size, dp, micro_batch_size,
+                max_tokens_per_gpu if use_dynamic_batch_size) -> this rank's micro-batches per step
+    old         recomputed once, before the first step, for all of this rank's samples, unless
+                can_reuse_log_probs_in_loss (then each step uses its own detached log-probs);
+                skipped when use_rollout_logprobs without get_mismatch_metrics
+    reference   a forward of the frozen initial weights when kl_coef > 0
+    advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
+                kl = KL(old || ref) when both exist) over this rank's samples of each step
+                (estimators that whiten do so over the rank's share of the step)
+
+Metrics: the per-step metrics averaged over the steps, plus num_steps and tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def advantage_column(batch: Mapping[str, Sequence[Any]]) -> Sequence[float]:
+    for name in ("advantage", "reward"):
+        if name in batch:
+            return batch[name]
+    raise ValueError(f"rollout batch has neither 'advantage' nor 'reward'; it has {sorted(batch)}")
+
+
+def step_advantages(
+    cfg: Any,
+    batch: Mapping[str, Sequence[Any]],
+    indices: Sequence[int],
+    old: Mapping[int, torch.Tensor] | None,
+    ref: Mapping[int, torch.Tensor] | None,
+) -> dict[int, torch.Tensor]:
+    from vime_core.algo.advantages import compute_advantages
+    from vime_core.algo.kl import compute_approx_kl
+
+    scalars = advantage_column(batch)
+    kl = None
+    if old is not None and ref is not None:
+        kl = [compute_approx_kl(old[i], ref[i], cfg.kl_loss_type) for i in indices]
+    advantages, _ = compute_advantages(
+        cfg.advantage_estimator,
+        [float(scalars[i]) for i in indices],
+        [batch["loss_mask"][i] for i in indices],
+        kl=kl, gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
+    )
+    return dict(zip(indices, advantages))
+
+
+def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from vime_core.algo.gates import can_reuse_log_probs_in_loss
+    from vime_core.data.schedule import build_dp_schedule
+    from vime_core.trainer.train_step import (
+        StepDenominators,
+        StepInputs,
+        check_batch,
+        forward_log_probs,
+        train_step,
+    )
+
+    cfg, lay = trainer.cfg, trainer.layout
+    n = check_batch(batch)
+    lengths = [len(t) for t in batch["tokens"]]
+    budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
+    schedule = build_dp_schedule(lengths, cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
+    mine = schedule.micro_batches[lay.dp_rank]
+    all_mine = [mb for step in mine for mb in step]
+    vocab, temp, device = trainer.arch.vocab_size, cfg.rollout_temperature, trainer.device
+
+    reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
+    need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse
+    old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
+    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if trainer.ref_model is not None else None
+
+    dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
+    per_step: list[dict[str, float]] = []
+    gbs = cfg.global_batch_size
+    for step, micro_batches in enumerate(mine):
+        step_indices = list(range(step * gbs, (step + 1) * gbs))
+        my_indices = [i for mb in micro_batches for i in mb]
+        inputs = StepInputs(
+            batch=batch,
+            micro_batches=micro_batches,
+            denominators=StepDenominators.of(batch, step_indices),
+            advantages=step_advantages(cfg, batch, my_indices, old, ref) if cfg.loss_type == "policy_loss" else {},
+            old_log_probs=old,
+            ref_log_probs=ref,
+            step_tokens=sum(lengths[i] for i in step_indices),
+        )
+        per_step.append(train_step(trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device))
+    keys = sorted({k for m in per_step for k in m})
+    metrics: dict[str, Any] = {k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
+    metrics["num_steps"] = len(per_step)
+    metrics["num_samples"] = n
+    metrics["tokens"] = sum(lengths)
+    metrics["reused_log_probs"] = reuse
+    return metrics

@@ -1,0 +1,260 @@
+"""One training step over this DP rank's micro-batches (walkthrough steps 38-40).
+
+For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
+
+    old log-probs  = engine log-probs             when use_rollout_logprobs
+                   = current log-probs, detached  when can_reuse_log_probs_in_loss (computed
+                                                  inside the step: the policy has not moved yet)
+                   = a no-grad forward beforehand otherwise (``forward_log_probs``)
+    per-token loss = registered policy loss for the advantage estimator (PPO clip / GSPO / CISPO),
+                     or -log p for sft_loss; times the TIS weight when use_tis
+    L(B_m)         = agg(pg) + kl_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
+
+with ``agg = aggregate_loss(., loss_mask, loss_agg_mode)`` inside the micro-batch. So that the
+step's loss is the same whatever the TP/DP layout and micro-batch split, each micro-batch's loss
+is weighted by its share of the step-wide denominator D (tokens for token_mean, sequences with
+a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum):
+
+    backward( L(B_m) * d(B_m) / D(S) * dp_size )          (DDP averages gradients over DP)
+
+Gradients accumulate over the M micro-batches in Megatron's DDP grad buffers (``main_grad``);
+then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/k-norm grads
+that each TP rank only sees for its own heads), gradient clipping to ``clip_grad`` and one optimizer step.
+Metrics are token means over the whole step (all-reduced over DP) except grad_norm.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from vime_core.trainer.logprobs import packed_response_log_probs
+from vime_core.trainer.packing import PackedMicroBatch, pack_samples
+
+REQUIRED_COLUMNS = ("tokens", "response_length", "loss_mask")
+METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff")
+
+
+def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
+    """Number of samples; raises naming the column that is missing or inconsistent."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in batch]
+    if missing:
+        raise ValueError(f"rollout batch lacks column(s) {missing}; it has {sorted(batch)}")
+    n = len(batch["tokens"])
+    for name, column in batch.items():
+        if isinstance(column, (list, tuple)) and len(column) != n:
+            raise ValueError(f"rollout batch column {name!r} has {len(column)} rows, 'tokens' has {n}")
+    for i in range(n):
+        r = int(batch["response_length"][i])
+        if len(batch["loss_mask"][i]) != r:
+            raise ValueError(f"sample {i}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}")
+        rollout = batch.get("rollout_log_probs")
+        if rollout is not None and rollout[i] is not None and len(rollout[i]) not in (0, r):
+            raise ValueError(f"sample {i}: rollout_log_probs has {len(rollout[i])} entries, response_length={r}")
+    return n
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs and per-token columns of one micro-batch (flat over response tokens)."""
+
+    indices: list[int]
+    packed: PackedMicroBatch
+    loss_mask: torch.Tensor
+    rollout_log_probs: Optional[torch.Tensor]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return self.packed.response_lengths
+
+
+def make_micro_batch(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], device: Any) -> MicroBatch:
+    responses = [int(batch["response_length"][i]) for i in indices]
+    packed = pack_samples([batch["tokens"][i] for i in indices], responses, device=device)
+    mask = torch.tensor([float(m) for i in indices for m in batch["loss_mask"][i]], device=device)
+    rollout = batch.get("rollout_log_probs")
+    has_rollout = rollout is not None and all(rollout[i] is not None and len(rollout[i]) == r for i, r in zip(indices, responses))
+    rollout_lp = (
+        torch.tensor([float(x) for i in indices for x in rollout[i]], dtype=torch.float32, device=device)
+        if has_rollout
+        else None
+    )
+    return MicroBatch(list(indices), packed, mask, rollout_lp)
+
+
+def split_per_sample(flat: torch.Tensor, indices: Sequence[int], lengths: Sequence[int]) -> dict[int, torch.Tensor]:
+    return dict(zip(indices, torch.split(flat, list(lengths))))
+
+
+def gather_per_token(values: Mapping[int, torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    return torch.cat([values[i] for i in indices])
+
+
+@torch.no_grad()
+def forward_log_probs(
+    model: torch.nn.Module,
+    batch: Mapping[str, Sequence[Any]],
+    micro_batches: Sequence[Sequence[int]],
+    vocab_size: int,
+    temperature: float,
+    device: Any,
+) -> dict[int, torch.Tensor]:
+    """Response-token log-probs of every sample in ``micro_batches`` under the current weights."""
+    out: dict[int, torch.Tensor] = {}
+    for indices in micro_batches:
+        mb = make_micro_batch(batch, indices, device)
+        lp, _ = packed_response_log_probs(model, mb.packed, vocab_size, temperature)
+        out.update(split_per_sample(lp.float(), mb.indices, mb.response_lengths))
+    return out
+
+
+@dataclass(frozen=True)
+class StepDenominators:
+    """Step-wide denominators of the loss aggregation (over every DP rank's samples)."""
+
+    tokens: float
+    valid_sequences: float
+    sequences: float
+
+    @classmethod
+    def of(cls, batch: Mapping[str, Sequence[Any]], step_indices: Sequence[int]) -> "StepDenominators":
+        masks = [sum(float(m) for m in batch["loss_mask"][i]) for i in step_indices]
+        return cls(sum(masks), float(sum(1 for m in masks if m > 0)), float(len(masks)))
+
+    def share(self, mode: str, mb: MicroBatch) -> float:
+        """d(B) / D(S): the micro-batch's weight in the step's mean."""
+        counts = torch.split(mb.loss_mask, mb.response_lengths)
+        if mode == "token_mean":
+            return float(mb.loss_mask.sum()) / max(self.tokens, 1.0)
+        if mode == "seq_mean_token_mean":
+            return sum(1 for c in counts if float(c.sum()) > 0) / max(self.valid_sequences, 1.0)
+        return len(counts) / max(self.sequences, 1.0)
+
+
+@dataclass
+class StepInputs:
+    """Everything about the data of one step on this rank, besides the model."""
+
+    batch: Mapping[str, Sequence[Any]]
+    micro_batches: Sequence[Sequence[int]]
+    denominators: StepDenominators
+    advantages: Mapping[int, torch.Tensor]
+    old_log_probs: Optional[Mapping[int, torch.Tensor]]  # None: reuse the current ones (detached)
+    ref_log_probs: Optional[Mapping[int, torch.Tensor]] = None
+    step_tokens: int = 0  # prompt + response tokens of the whole step (all DP ranks)
+
+
+@dataclass
+class _Accumulator:
+    sums: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
+    counts: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
+    loss: float = 0.0
+    pg_loss: float = 0.0
+
+    def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
+        self.sums[name] += float((per_token.detach() * mask).sum())
+        self.counts[name] += float(mask.sum())
+
+    def all_reduced(self, dp_group: Any, dp_size: int, device: Any = "cpu") -> dict[str, float]:
+        keys = list(METRIC_SUMS)
+        # On the trainer's device: NCCL (the GPU backend) cannot reduce CPU tensors.
+        t = torch.tensor(
+            [self.sums[k] for k in keys] + [self.counts[k] for k in keys] + [self.loss, self.pg_loss],
+            dtype=torch.float64,
+            device=device,
+        )
+        if dp_size > 1:
+            torch.distributed.all_reduce(t, group=dp_group)
+        n = len(keys)
+        out = {k: float(t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
+        out["loss"], out["pg_loss"] = float(t[2 * n]), float(t[2 * n + 1])
+        return out
+
+
+def micro_batch_loss(
+    model: torch.nn.Module, mb: MicroBatch, inputs: StepInputs, cfg: Any, vocab_size: int, acc: _Accumulator
+) -> torch.Tensor:
+    """L(B_m) of the module docstring (unweighted), recording metrics in ``acc``."""
+    from vime_core.algo import get_policy_loss_fn
+    from vime_core.algo.kl import compute_approx_kl
+    from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, tis_weights
+
+    log_probs, entropy = packed_response_log_probs(
+        model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True
+    )
+    mask, lengths = mb.loss_mask, mb.response_lengths
+
+    def agg(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(per_token, mask, cfg.loss_agg_mode, lengths)
+
+    # The trainer's log-probs of the sampled tokens before this rollout's updates: recomputed
+    # beforehand, or (reuse) the current ones, since the policy has not moved yet.
+    recomputed = log_probs.detach() if inputs.old_log_probs is None else gather_per_token(inputs.old_log_probs, mb.indices)
+    if mb.rollout_log_probs is not None:
+        acc.add("train_rollout_logprob_abs_diff", (recomputed - mb.rollout_log_probs).abs(), mask)
+    if cfg.use_rollout_logprobs:
+        if mb.rollout_log_probs is None:
+            raise ValueError("use_rollout_logprobs is set but the batch has no rollout_log_probs")
+        old = mb.rollout_log_probs
+    else:
+        old = recomputed
+    acc.add("entropy", entropy, mask)
+
+    if cfg.loss_type == "sft_loss":
+        per_token = -log_probs
+        clipfrac = torch.zeros_like(log_probs)
+    else:
+        advantages = gather_per_token(inputs.advantages, mb.indices)
+        loss_fn = get_policy_loss_fn(policy_loss_name(cfg.advantage_estimator))
+        per_token, clipfrac = loss_fn(log_probs, old, advantages, mask, lengths, PolicyLossParams.from_config(cfg))
+        if cfg.use_tis:
+            if mb.rollout_log_probs is None:
+                raise ValueError("use_tis is set but the batch has no rollout_log_probs")
+            per_token = per_token * tis_weights(old, mb.rollout_log_probs, cfg.tis_clip)
+    acc.add("pg_clipfrac", clipfrac, mask)
+    pg_loss = agg(per_token)
+    loss = pg_loss
+    if cfg.kl_coef > 0:
+        if inputs.ref_log_probs is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs")
+        kl = compute_approx_kl(log_probs, gather_per_token(inputs.ref_log_probs, mb.indices), cfg.kl_loss_type)
+        acc.add("kl", kl, mask)
+        loss = loss + cfg.kl_coef * agg(kl)
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * agg(entropy)
+    share = inputs.denominators.share(cfg.loss_agg_mode, mb)
+    acc.loss += float(loss.detach()) * share
+    acc.pg_loss += float(pg_loss.detach()) * share
+    return loss * share
+
+
+def train_step(
+    model: Any, optimizer: Any, inputs: StepInputs, cfg: Any, vocab_size: int, dp_size: int, dp_group: Any, device: Any
+) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches, one optimizer step; returns the metrics."""
+    start = time.perf_counter()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    acc = _Accumulator()
+    for indices in inputs.micro_batches:
+        mb = make_micro_batch(inputs.batch, indices, device)
+        loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
+        (loss * dp_size).backward()
+    # Average the accumulated grads over DP, and sum over TP the grads of parameters that each
+    # TP rank only sees part of (Qwen3's per-head q/k norms).
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    finalize_model_grads([model])
+    grad_norm = None if cfg.clip_grad > 0 else optimizer.get_grad_norm()
+    ok, clipped_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("optimizer step failed (non-finite gradients)")
+    metrics = acc.all_reduced(dp_group, dp_size, device)
+    elapsed = time.perf_counter() - start
+    metrics["grad_norm"] = float(clipped_norm if clipped_norm is not None else grad_norm)
+    metrics["step_time_s"] = elapsed
+    metrics["tokens_per_s"] = inputs.step_tokens / elapsed if elapsed > 0 else 0.0
+    return metrics

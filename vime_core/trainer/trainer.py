@@ -1,0 +1,253 @@
+"""``MegatronTrainer``: one trainer rank (a plain class; the cluster module wraps it as a Ray actor).
+
+Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
+builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
+Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
+``bf16``). Then per rollout: ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``;
+on demand: ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``.
+
+Every method is called on every rank at once (collectives over TP/DP), except ``state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+
+from vime_core.config import VimeConfig
+from vime_core.trainer.parallel import layout_for
+
+log = logging.getLogger(__name__)
+
+# Metrics of the last few trained rollouts, returned again when a retried train call is skipped.
+KEEP_METRICS = 8
+
+
+class MegatronTrainer:
+    """One TP x DP rank of the trainer (interface in docs/interfaces.md, "Trainer side")."""
+
+    def __init__(self, cfg: VimeConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        self.cfg = cfg
+        self.layout = layout_for(rank, world_size, cfg.tensor_model_parallel_size)
+        self.master_addr, self.master_port = master_addr, int(master_port)
+        self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+        self.weight_version = 0
+        self.last_trained_rollout_id: Optional[int] = None
+        self.hf_checkpoint: Optional[str] = None
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.ref_model: Any = None
+        self.arch: Any = None
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._asleep = False
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def init(self, hf_checkpoint: Optional[str] = None) -> dict[str, Any]:
+        """Build model + optimizer from an HF checkpoint (idempotent: a second call is a no-op)."""
+        if self.model is not None:
+            return self.state()
+        from vime_core.trainer.compat_cpu import seed_everything
+        from vime_core.trainer.hf_convert import load_hf_into_model
+        from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
+        from vime_core.trainer.parallel import init_parallel
+
+        path = hf_checkpoint or self.cfg.hf_checkpoint
+        if not path:
+            raise ValueError("hf_checkpoint is empty: pass the HF checkpoint folder to init()")
+        if self.cfg.bf16 and self.device.type != "cuda":
+            raise ValueError("bf16=true needs device=cuda (Megatron's mixed-precision optimizer checks CUDA tensor types)")
+        lay = self.layout
+        init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
+        seed_everything(self.cfg.seed)
+        self.arch = architecture_from_hf(read_hf_config(path))
+        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
+
+        def load_model() -> Any:
+            model = build_gpt_model(self.arch, lay.tp_size, dtype, self.device)
+            load_hf_into_model(model, path, self.arch, lay.tp_size, lay.tp_rank)
+            return model
+
+        self.model = self._wrap_ddp(load_model())
+        self.optimizer = self._build_optimizer(dtype)
+        if self.cfg.kl_coef > 0:  # the reference policy is the initial weights, frozen
+            self.ref_model = load_model().eval().requires_grad_(False)
+        self.hf_checkpoint = str(path)
+        log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
+        return self.state()
+
+    def _wrap_ddp(self, model: Any) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _build_optimizer(self, dtype: torch.dtype) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        c = self.cfg
+        config = OptimizerConfig(
+            optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+            adam_beta2=c.adam_beta2, clip_grad=c.clip_grad, bf16=dtype == torch.bfloat16,
+            params_dtype=dtype, use_distributed_optimizer=False,
+        )
+        return get_megatron_optimizer(config, [self.model], use_gloo_process_groups=False)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "rank": self.layout.rank,
+            "weight_version": self.weight_version,
+            "last_trained_rollout_id": self.last_trained_rollout_id,
+            "hf_checkpoint": self.hf_checkpoint,
+            "initialised": self.model is not None,
+        }
+
+    def _require_init(self) -> None:
+        if self.model is None:
+            raise RuntimeError("MegatronTrainer.init(hf_checkpoint) has not been called")
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def train(self, rollout_id: int, batch: dict[str, list]) -> dict[str, Any]:
+        """Train on this rank's DP partition of rollout ``rollout_id`` (idempotent per id)."""
+        self._require_init()
+        if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
+            return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
+        from vime_core.trainer.rollout_training import train_on_rollout
+
+        self.wake()
+        start = time.perf_counter()
+        metrics = train_on_rollout(self, batch)
+        metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False)
+        self.last_trained_rollout_id = rollout_id
+        self._metrics[rollout_id] = metrics
+        for old in sorted(self._metrics)[:-KEEP_METRICS]:
+            del self._metrics[old]
+        return metrics
+
+    def compute_log_probs(self, batch: dict[str, list]) -> list[list[float]]:
+        """Response-token log-probs of every sample under the current weights (sample order)."""
+        self._require_init()
+        from vime_core.trainer.train_step import check_batch, forward_log_probs
+
+        n = check_batch(batch)
+        size = self.cfg.micro_batch_size
+        mbs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        lps = forward_log_probs(self.model, batch, mbs, self.arch.vocab_size, self.cfg.rollout_temperature, self.device)
+        return [lps[i].tolist() for i in range(n)]
+
+    # ---- weights out ---------------------------------------------------------------------------
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (a collective over this rank's TP group)."""
+        self._require_init()
+        from vime_core.trainer.hf_convert import iter_hf_weights
+
+        return iter_hf_weights(self.model, self.arch)
+
+    def update_weights(self, engine_urls: list[str], target_version: Optional[int] = None) -> Any:
+        """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
+
+        Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
+        replicas hold the same weights and only advance their version counter."""
+        self._require_init()
+        new_version = self.weight_version + 1 if target_version is None else int(target_version)
+        result: Any = new_version
+        if self.layout.dp_rank == 0:
+            weights = self.iter_hf_weights()
+            try:
+                if self.layout.rank == 0:
+                    from vime_core.trainer.publish import publish_weights
+
+                    result = publish_weights(weights, engine_urls, new_version, self.cfg)
+            finally:
+                for _ in weights:  # finish the TP gathers so the other ranks are not left waiting
+                    pass
+        self.weight_version = new_version
+        return result
+
+    def export_hf(self, path: str) -> str:
+        """Write an HF checkpoint folder (safetensors + config + tokenizer) at ``path``."""
+        self._require_init()
+        from vime_core.trainer.hf_export import write_hf_folder
+
+        if self.layout.dp_rank == 0:
+            weights = self.iter_hf_weights()
+            if self.layout.rank == 0:
+                write_hf_folder(weights, self.hf_checkpoint, path)
+            else:
+                for _ in weights:
+                    pass
+        torch.distributed.barrier()
+        return str(path)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, rollout_id: int, extra_state: Optional[dict[str, Any]] = None) -> str:
+        """Checkpoint weights, optimizer, RNG, counters and ``extra_state``; returns the folder."""
+        self._require_init()
+        from vime_core.trainer import checkpoint as ckpt
+
+        path = ckpt.checkpoint_dir(self.cfg, rollout_id)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+            "weight_version": self.weight_version,
+            "last_trained_rollout_id": self.last_trained_rollout_id,
+            "metrics": self._metrics,
+            "extra_state": dict(extra_state or {}),
+        }
+        ckpt.save_rank_state(path, self.layout.rank, state)
+        torch.distributed.barrier()
+        if self.layout.rank == 0:
+            lay = self.layout
+            ckpt.write_manifest(path, {
+                "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
+                "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
+                "files": [ckpt.rank_file(path, r).name for r in range(lay.world_size)],
+            })
+        torch.distributed.barrier()
+        return str(path)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""
+        self._require_init()
+        from vime_core.trainer import checkpoint as ckpt
+
+        state = ckpt.load_rank_state(path, self.layout.rank, self.layout.world_size, self.layout.tp_size)
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.restore_rng_state(state["rng"])
+        self.weight_version = int(state["weight_version"])
+        self.last_trained_rollout_id = state["last_trained_rollout_id"]
+        self._metrics = dict(state.get("metrics") or {})
+        return dict(state["extra_state"])
+
+    # ---- memory between phases ---------------------------------------------------------------
+
+    def sleep(self) -> dict[str, Any]:
+        """Free device memory for the engines (GPU); a logged no-op on CPU."""
+        self._require_init()
+        from vime_core.trainer.offload import offload
+
+        if self._asleep:
+            return {"freed_bytes": 0, "asleep": True}
+        freed = offload(self.model, self.optimizer)
+        self._asleep = self.device.type == "cuda"
+        return {"freed_bytes": freed, "asleep": self._asleep}
+
+    def wake(self) -> dict[str, Any]:
+        self._require_init()
+        from vime_core.trainer.offload import onload
+
+        if not self._asleep:
+            return {"allocated_bytes": 0, "asleep": False}
+        allocated = onload(self.model, self.optimizer)
+        self._asleep = False
+        return {"allocated_bytes": allocated, "asleep": False}
