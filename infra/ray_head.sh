@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A local Ray head on loopback with device slots declared, for one machine.
 #
-#   infra/ray_head.sh start [--num-gpus N] [--num-cpus N] [--temp-dir DIR]   # prints the address
+#   infra/ray_head.sh start [--num-gpus N] [--num-cpus N] [--port P] [--temp-dir DIR]   # prints the address
 #   infra/ray_head.sh status                                                 # address, or exit 3
 #   infra/ray_head.sh stop
 #

@@ -116,8 +116,11 @@ def start_local_head(
     temp_dir: str | Path | None = None,
     object_store_memory: int = 1 << 30,
     timeout: float = 180.0,
+    port: int | None = None,
 ) -> str:
     """Start a Ray head on loopback with `num_gpus` device slots; return its address.
+
+    `port` fixes the GCS port (the address drivers use); by default a free one is taken.
 
     Idempotent: if a head for this temp dir runs, its address is returned (a different
     num_gpus is reported in the log, not changed: stop the head to change it).
@@ -130,7 +133,7 @@ def start_local_head(
                         running["address"], running.get("num_gpus"), running.get("num_cpus"), num_gpus, num_cpus)
         return running["address"]
     temp.mkdir(parents=True, exist_ok=True)
-    gcs_port = _free_port()
+    gcs_port = port or _free_port()
     env = {
         **os.environ,
         **LOOPBACK_ENV,
@@ -221,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs to declare (default: all)")
     parser.add_argument("--temp-dir", default=None, help=f"Ray temp dir (default {DEFAULT_TEMP_DIR}, or $VIME_RAY_TEMP_DIR)")
     parser.add_argument("--object-store-memory", type=int, default=1 << 30, help="object store bytes (default 1 GiB)")
+    parser.add_argument("--port", type=int, default=None, help="GCS port, i.e. the address's port (default: a free one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "start":
-        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory))
+        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory, port=args.port))
         return 0
     if args.command == "stop":
         print("stopped" if stop_local_head(args.temp_dir) else "not running")

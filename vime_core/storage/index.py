@@ -179,6 +179,8 @@ class BatchIndex:
         Rows whose batch `key` is in `drop_keys` are left out (used by retention).
         """
         read_keys, rows = self.snapshot()
+        if not drop_keys and all(k.startswith(layout.COMPACTED) for k in read_keys) and len(read_keys) <= 1:
+            return latest_per_batch(rows)  # already one compacted file: nothing to fold
         rows = latest_per_batch(rows)
         if drop_keys:
             rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), pa.array(sorted(drop_keys), pa.string()))))

@@ -165,7 +165,12 @@ class BatchStore:
             data = self.location.get(entry["key"])
         except FileNotFoundError:
             raise BatchNotFoundError(f"batch {run}/{rollout_id} is in the index but its object {entry['key']} is gone (pruned?)") from None
-        return upgrade_table(verify_table(data, entry["key"], entry["checksum"]), source=f"stored batch {entry['key']}")
+        try:
+            table = verify_table(data, entry["key"], entry["checksum"])
+        except CorruptBatchError as exc:
+            log.error("%s; it will not be used (replace it with write(..., overwrite=True) or prune it)", exc)
+            raise
+        return upgrade_table(table, source=f"stored batch {entry['key']}")
 
     def read(self, run: str, rollout_id: int) -> tuple[dict[str, list], dict]:
         """(batch dict, lineage) of a published batch, verified (see module docstring)."""
