@@ -75,3 +75,9 @@ def test_local_head_start_attach_stop():
     finally:
         stop_local_head(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_head_script_status_without_head(tmp_path):
+    status = subprocess.run(["bash", str(REPO / "infra" / "ray_head.sh"), "status", "--temp-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 3 and "not running" in status.stdout
