@@ -1,7 +1,7 @@
 """Shared pieces of the GPU benchmarks: model shapes, random HF checkpoints, FLOP counts, timing.
 
 Shapes are Qwen-style HF configs built here (no hub): ``0.5b`` is Qwen2.5-0.5B's shape, ``1.5b``
-Qwen2.5-1.5B's, ``4b`` Qwen3-4B's (issue 8), ``tiny`` a small Qwen3 for CPU dry runs.
+Qwen2.5-1.5B's, ``4b`` Qwen3-4B's (issue 8), ``tiny`` / ``tiny-qwen2`` small Qwen3 / Qwen2 models for CPU dry runs.
 
 FLOPs of one training step over samples of lengths s_i (T = sum_i s_i tokens):
 
@@ -33,6 +33,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
                  tie_word_embeddings=True),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
+                       tie_word_embeddings=True),
     "0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
                  tie_word_embeddings=True),

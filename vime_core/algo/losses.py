@@ -131,10 +131,12 @@ def _per_sequence_sums(
     values: torch.Tensor, mask: torch.Tensor, response_lengths: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence id of each flat token, sum_t m*v per sequence, sum_t m per sequence)."""
-    lengths = torch.as_tensor(list(response_lengths))
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    sums = torch.zeros(len(lengths), dtype=values.dtype).index_add(0, seq_ids, values * mask)
-    counts = torch.zeros(len(lengths), dtype=values.dtype).index_add(0, seq_ids, mask)
+    # Built on the values' device (the GPU in training); output_size spares a device sync.
+    device = values.device
+    lengths = torch.as_tensor(list(response_lengths), device=device)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=values.numel())
+    sums = torch.zeros(len(lengths), dtype=values.dtype, device=device).index_add(0, seq_ids, values * mask)
+    counts = torch.zeros(len(lengths), dtype=values.dtype, device=device).index_add(0, seq_ids, mask)
     return seq_ids, sums, counts
 
 
