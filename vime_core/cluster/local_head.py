@@ -14,7 +14,8 @@ What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
   GPU colocation behave as on a GPU node;
 - no dashboard; the object store is capped (default 1 GiB) on a shared machine;
 - the temp dir (sessions, logs, sockets) is under the repository's .cache/ray by default;
-  its path must stay short (Unix socket paths are limited to ~107 bytes);
+  its path must stay short (Unix socket paths are limited to ~107 bytes): a longer one is
+  replaced by /tmp/vime-ray-<hash of the path>;
 - start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
   processes of this head: the process group `ray start` created and their descendants (actor
   workers get their own process groups). Never `ray stop`, which ends every Ray on the machine.
@@ -23,6 +24,7 @@ What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,8 +55,20 @@ def _ray_binary() -> str:
     return str(beside) if beside.exists() else "ray"
 
 
+# Ray puts Unix sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: with a
+# ~42-character session name that leaves about 40 characters for the temp dir within the
+# 107-byte socket path limit.
+_MAX_TEMP_DIR_LEN = 40
+
+
 def _temp_dir(temp_dir: str | Path | None) -> Path:
-    return Path(temp_dir or os.environ.get("VIME_RAY_TEMP_DIR") or DEFAULT_TEMP_DIR).resolve()
+    """The temp dir asked for, or (when its path is too long for Ray's sockets) a short one
+    under /tmp derived from it, so every caller naming the same folder gets the same head."""
+    wanted = Path(temp_dir or os.environ.get("VIME_RAY_TEMP_DIR") or DEFAULT_TEMP_DIR).resolve()
+    if len(str(wanted)) <= _MAX_TEMP_DIR_LEN:
+        return wanted
+    digest = hashlib.sha256(str(wanted).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"vime-ray-{digest}"
 
 
 def _read_state(temp_dir: Path) -> dict | None:
