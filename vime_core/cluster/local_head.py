@@ -193,8 +193,12 @@ def start_local_head(
     return address
 
 
-def _end_processes(pgid: int, grace: float = 10.0) -> int:
-    """SIGTERM the head's processes, SIGKILL what is left after `grace` s; returns how many."""
+def _end_processes(pgid: int, grace: float = 3.0) -> int:
+    """SIGTERM the head's processes, SIGKILL what is left after `grace` s; returns how many.
+
+    gcs_server and the autoscaler monitor ignore SIGTERM for 15 s and more and the raylet takes
+    ~10 s; a local head keeps nothing worth that wait (its detached actors end with it anyway).
+    """
     pids = _head_processes(pgid)
     for pid in pids:
         try:
@@ -220,7 +224,7 @@ def _alive(pid: int) -> bool:
     return state is not None and state[2] != "Z"
 
 
-def stop_local_head(temp_dir: str | Path | None = None, grace: float = 10.0) -> bool:
+def stop_local_head(temp_dir: str | Path | None = None, grace: float = 3.0) -> bool:
     """Stop the head started for `temp_dir` and everything it started; False if none ran."""
     temp = _temp_dir(temp_dir)
     state = _read_state(temp)
