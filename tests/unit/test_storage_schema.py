@@ -234,3 +234,8 @@ def test_the_real_batch_builder_output_round_trips():
     batch = build_batch(samples, load_config())
     back, _ = table_to_batch(_parquet_round_trip(batch_to_table(batch, LINEAGE)))
     assert back == batch
+
+
+def test_numpy_integer_rollout_ids_are_accepted():
+    lineage = lineage_of(batch_to_table(synthetic_batch(), {"run": "r", "rollout_id": np.int64(4)}))
+    assert lineage["rollout_id"] == 4 and layout.check_rollout_id(np.int32(4)) == 4

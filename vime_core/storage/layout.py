@@ -14,6 +14,7 @@ be reading, and a compaction never deletes a manifest it did not read.
 from __future__ import annotations
 
 import datetime as dt
+import numbers
 import re
 import uuid
 
@@ -33,9 +34,9 @@ def check_run(run: str) -> str:
 
 
 def check_rollout_id(rollout_id: int) -> int:
-    if isinstance(rollout_id, bool) or not isinstance(rollout_id, int) or rollout_id < 0:
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, numbers.Integral) or rollout_id < 0:
         raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
-    return rollout_id
+    return int(rollout_id)
 
 
 def _stem(rollout_id: int, checksum: str) -> str:

@@ -32,6 +32,7 @@ import enum
 import functools
 import hashlib
 import json
+import numbers
 import subprocess
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -176,7 +177,7 @@ def _group_prompt_ids(prompt_ids: pa.Array, group_index: pa.Array) -> list[str]:
     if len(group_index) == 0:
         return []
     starts = pc.not_equal(group_index[1:], group_index[:-1])
-    mask = pa.concat_arrays([pa.array([True]), starts.combine_chunks() if isinstance(starts, pa.ChunkedArray) else starts])
+    mask = pa.concat_arrays([pa.array([True]), starts])
     return pc.filter(prompt_ids, mask).to_pylist()
 
 
@@ -194,8 +195,9 @@ def complete_lineage(lineage: dict, table: pa.Table) -> dict:
         if key not in lineage:
             raise SchemaError(f"lineage is missing required key {key!r}")
     rollout_id = lineage["rollout_id"]
-    if isinstance(rollout_id, bool) or not isinstance(rollout_id, int) or rollout_id < 0:
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, numbers.Integral) or rollout_id < 0:
         raise SchemaError(f"lineage rollout_id must be an int >= 0, got {rollout_id!r}")
+    rollout_id = int(rollout_id)
     if not isinstance(lineage["run"], str) or not lineage["run"]:
         raise SchemaError(f"lineage run must be a non-empty string, got {lineage['run']!r}")
     config = lineage.get("config", {})
