@@ -93,6 +93,14 @@ class StubEngine:
         return [c[0] if c[0] != "collective_rpc" else f"rpc:{c[1]}" for c in self.calls]
 
 
+@pytest.fixture(autouse=True)
+def release_pools():
+    from vime_core.trainer.transport.shm_pool import release_shared_pools
+
+    yield
+    release_shared_pools()
+
+
 def make_cfg(**overrides):
     from vime_core.config import make_config
 
@@ -122,7 +130,12 @@ def test_first_publish_flushes_and_every_engine_gets_bf16_copies_of_every_tensor
     total = sum(t.numel() * 2 for t in w.values())
     assert stats["bytes"] == total and stats["flushed"] is True and stats["version"] == 1
     assert stats["buckets"] > 1  # 2 KiB buckets
-    assert os.listdir(tmp_path) == []  # every bucket file is gone
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == stats["buckets"]  # one pool file per bucket slot, kept for the next publish
+    inodes = {f: os.stat(tmp_path / f).st_ino for f in files}
+    run_publish(weights(1), engines, 2, tmp_path)
+    assert {f: os.stat(tmp_path / f).st_ino for f in os.listdir(tmp_path)} == inodes  # reused, not re-made
+    assert all(torch.equal(engines[0].loaded[n], t.to(torch.bfloat16)) for n, t in weights(1).items())
 
 
 def test_a_version_between_flushes_pauses_with_keep_and_keeps_the_cache(tmp_path):
@@ -149,7 +162,6 @@ def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path):
         run_publish(w, [engine], 1, tmp_path)
     assert err.value.bytes_moved is True
     assert ("resume",) not in engine.calls
-    assert os.listdir(tmp_path) == []
 
 
 def test_failure_before_bytes_moved_closes_the_empty_session_and_resumes(tmp_path, monkeypatch):

@@ -24,15 +24,46 @@ TENSORS = {"w": torch.randn(5, 3), "b": torch.randn(7), "s": torch.tensor(2.5)}
 
 def test_shm_bucket_file_holds_each_tensor_at_its_aligned_offset(tmp_path):
     from vime_core.trainer.transport.shm import write_bucket_file
+    from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
-    info = write_bucket_file(bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS}), str(tmp_path), "t")
+    pool = ShmBufferPool(str(tmp_path))
+    info = write_bucket_file(bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS}), pool)
     assert all(off % ALIGNMENT == 0 for off in info.offsets)
-    assert os.path.basename(info.path).startswith("vime-wb-") and os.path.getsize(info.path) == info.nbytes
+    assert os.path.basename(info.path) == f"vime-wb-{os.getpid()}-00000" and os.path.getsize(info.path) == info.nbytes
     raw = torch.frombuffer(bytearray(open(info.path, "rb").read()), dtype=torch.uint8)
     for name, shape, off in zip(info.names, info.shapes, info.offsets):
         n = torch.Size(shape).numel() * 2
         assert torch.equal(raw[off : off + n].view(torch.bfloat16).view(shape), TENSORS[name].to(torch.bfloat16))
     assert ShmBucketInfo(**info.to_dict()) == info  # survives the JSON round trip as a dict
+    pool.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_processes(tmp_path):
+    import subprocess
+    import sys
+
+    from vime_core.trainer.transport.shm_pool import ShmBufferPool
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"vime-wb-{int(dead.stdout)}-00000"
+    stale.write_bytes(b"old")
+    other = tmp_path / "unrelated-file"
+    other.write_bytes(b"keep")
+    pool = ShmBufferPool(str(tmp_path))
+    assert not stale.exists() and other.exists()
+
+    path, flat = pool.buffer(0, 100)
+    flat.fill_(7)
+    inode = os.stat(path).st_ino
+    path_again, small = pool.buffer(0, 50)  # fits: same file, same pages
+    assert path_again == path and os.stat(path).st_ino == inode and int(small[0]) == 7
+    _, big = pool.buffer(0, 4096)  # grows in place
+    assert big.numel() == 4096 and os.path.getsize(path) == 4096 and pool.nbytes() == 4096
+    pool.buffer(1, 10)
+    assert pool.paths() == [path, str(tmp_path / f"vime-wb-{os.getpid()}-00001")]
+    pool.release()
+    assert sorted(os.listdir(tmp_path)) == ["unrelated-file"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,161 @@
+"""Benchmark of publish_weights into a real vLLM CPU engine, against two floors measured in the
+same run on the same weights:
+
+    memcpy   (a) copying the same bytes (wire dtype) into a preallocated buffer: the physical floor
+    reload   (b) the engine loading the same weights as safetensors from /dev/shm by itself
+             (`/collective_rpc reload_weights`, files written beforehand, not timed): the
+             engine's own floor
+    publish  the whole publish_weights (validate, pause + flush, session start, pack, transfer,
+             load, finish with version, resume, verify), transport shm, per bucket size
+    disk     publish_weights with the disk fallback (write safetensors + reload), for reference
+
+Models: build_tiny_model Qwen3 shapes (head_dim 64, 4 kv heads, untied vocab of 19 tokens,
+so nearly every parameter is in the layers); the exact parameter counts are in the output.
+One engine at a time, served in the trainer's precision (fp32 by default; --bf16 for bf16).
+
+Prints JSON (medians over repeats; ratio = publish / reload) and writes
+bench/results/bench_publish.json. Run: .venv/bin/python bench/bench_publish.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {
+    # name: build_tiny_model shape
+    "qwen3-104m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=3072),
+    "qwen3-243m": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=4096),
+}
+MiB = 1024**2
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def memcpy_seconds(weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats: int) -> float:
+    """(a) Copy every tensor, cast to the wire dtype, into one preallocated, already touched buffer."""
+    total = sum(t.numel() for t in weights.values()) * dtype.itemsize
+    dest = torch.zeros(total, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        off = 0
+        for t in weights.values():
+            n = t.numel() * dtype.itemsize
+            dest[off : off + n].view(dtype).view(t.shape).copy_(t)
+            off += n
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
+def engine_rpc(url: str, method: str, *args, **kwargs):
+    from vime_core.engines.client import SyncEngineClient
+
+    return getattr(SyncEngineClient(url), method)(*args, **kwargs)
+
+
+def bench_model(name: str, shape: dict, args) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer
+    from vime_core.models.tiny import build_tiny_model
+    from vime_core.trainer.publish import publish_weights
+
+    model_dir = build_tiny_model(REPO / ".cache" / "bench" / "models" / name, family="qwen3", seed=0,
+                                 tie_word_embeddings=False, max_position_embeddings=512, **shape)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    params = sum(t.numel() for t in weights.values())
+    wire = torch.bfloat16 if args.bf16 else torch.float32
+    nbytes = params * wire.itemsize
+    base_cfg = {"hf_checkpoint": str(model_dir), "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
+                "device": "cpu", "bf16": args.bf16, "rollout_max_context_len": 256, "vllm_cpu_kvcache_gb": 1}
+    cfgs = {f"publish_shm_{mib}MiB": make_config({**base_cfg, "update_weight_buffer_size": mib * MiB})
+            for mib in args.bucket_mib}
+    cfgs["publish_disk_512MiB"] = make_config({**base_cfg, "weight_transport": "disk"})
+
+    result: dict = {"parameters": params, "wire_dtype": str(wire).removeprefix("torch."), "bytes": nbytes}
+    result["memcpy_s"] = memcpy_seconds(weights, wire, args.repeats)
+
+    server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
+    t0 = time.perf_counter()
+    server.start()
+    result["engine_start_s"] = time.perf_counter() - t0
+    floor_dir = tempfile.mkdtemp(prefix="vime-bench-floor-", dir="/dev/shm")
+    try:
+        save_file({n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors"))
+        version = 0
+        runs: dict[str, list[dict]] = {k: [] for k in cfgs}
+        reload_times: list[float] = []
+        for rep in range(args.repeats + 1):  # round 0 warms up (and caches the engine's spec first)
+            for key, cfg in cfgs.items():
+                version += 1
+                stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0)
+                if key.startswith("publish_shm"):
+                    stats["engine"] = engine_rpc(server.url, "collective_rpc", "vime_update_stats")[0]
+                if rep:
+                    runs[key].append(stats)
+            t0 = time.perf_counter()
+            engine_rpc(server.url, "collective_rpc", "reload_weights", {"weights_path": floor_dir})
+            if rep:
+                reload_times.append(time.perf_counter() - t0)
+        result["reload_s"] = median(reload_times)
+        for key, stats_list in runs.items():
+            total = median([s["seconds"]["total"] for s in stats_list])
+            phases = {p: round(median([s["seconds"].get(p, 0.0) for s in stats_list]), 4) for p in stats_list[0]["seconds"]}
+            entry = {
+                "seconds": total,
+                "bytes_per_s": nbytes / total,
+                "ratio_to_reload": total / result["reload_s"],
+                "ratio_to_memcpy": total / result["memcpy_s"],
+                "buckets": stats_list[0]["buckets"],
+                "phases_s": phases,
+                "transport_s": {p: round(median([s["transport_seconds"].get(p, 0.0) for s in stats_list]), 4)
+                                for p in stats_list[0]["transport_seconds"]},
+            }
+            if "engine" in stats_list[0]:
+                entry["engine_s"] = {p: round(median([s["engine"][p] for s in stats_list]), 4)
+                                     for p in ("map_seconds", "load_seconds", "finish_seconds")}
+            result[key] = entry
+        result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
+        result["reload_bytes_per_s"] = nbytes / result["reload_s"]
+    finally:
+        shutil.rmtree(floor_dir, ignore_errors=True)
+        server.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--bucket-mib", type=int, nargs="*", default=[512, 64])
+    parser.add_argument("--bf16", action="store_true", help="serve and send bf16 (default: fp32, the CPU default)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_publish.json"))
+    args = parser.parse_args()
+    out = {
+        "bench": "publish",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "repeats": args.repeats,
+        "models": {name: bench_model(name, MODELS[name], args) for name in args.models},
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
