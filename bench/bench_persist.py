@@ -84,7 +84,8 @@ def main() -> None:
         "batch": {"samples": GROUPS * GROUP_SIZE, "tokens_per_sample": PROMPT_LEN + RESPONSE_LEN},
         "repeats": args.repeats,
         "statistic": "median seconds; ratio = vime / baseline (raw write/read of the same bytes)",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_average_1m_at_start": round(os.getloadavg()[0], 1)},
     }
     work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
     try:
@@ -103,6 +104,7 @@ def main() -> None:
                 stop_s3_server(work / "s3")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 1)
     text = json.dumps(result, indent=2)
     print(text)
     out = Path(__file__).parent / "results" / "bench_persist.json"
