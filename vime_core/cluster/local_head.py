@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vime_core.utils.processes import pid_alive, proc_stat
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,22 +81,12 @@ def _read_state(temp_dir: Path) -> dict | None:
 
 
 # ---- processes ----------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, pgid, state) of a live process, or None."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[2]), fields[0]
-
-
 def _head_processes(pgid: int) -> list[int]:
     """Live processes of the head's process group and all their descendants."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            info = _stat(int(entry))
+            info = proc_stat(int(entry))
             if info and info[2] != "Z":
                 table[int(entry)] = info
     members = {pid for pid, (_, group, _) in table.items() if group == pgid}
@@ -206,22 +198,17 @@ def _end_processes(pgid: int, grace: float = 3.0) -> int:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.2)
-    for pid in _head_processes(pgid) + [p for p in pids if _alive(p)]:
+    for pid in _head_processes(pgid) + [p for p in pids if pid_alive(p)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.1)  # SIGKILLed processes take a moment to become zombies
     return len(pids)
-
-
-def _alive(pid: int) -> bool:
-    state = _stat(pid)
-    return state is not None and state[2] != "Z"
 
 
 def stop_local_head(temp_dir: str | Path | None = None, grace: float = 3.0) -> bool:

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vime_core.utils.processes import pid_alive
+
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
 PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "volume.port.public",
@@ -92,20 +94,6 @@ def _credentials() -> dict[str, str]:
     return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def _is_our_weed(pid: int, data_dir: str) -> bool:
     """The process `pid` is a `weed mini` serving `data_dir`/data (guards against pid reuse)."""
     try:
@@ -122,7 +110,7 @@ def server_status(data_dir: str | Path) -> S3Server | None:
     if not state.exists():
         return None
     server = S3Server(**json.loads(state.read_text()))
-    return server if _pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir) else None
+    return server if pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir) else None
 
 
 def _ready(endpoint: str, bucket: str) -> bool:
@@ -184,13 +172,13 @@ def stop_s3_server(data_dir: str | Path, timeout: float = 20.0) -> bool:
         return False
     server = S3Server(**json.loads(state.read_text()))
     stopped = False
-    if _pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir):
+    if pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir):
         os.kill(server.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _pid_alive(server.pid) and time.monotonic() < deadline:
+        while pid_alive(server.pid) and time.monotonic() < deadline:
             _reap(server.pid)
             time.sleep(0.1)
-        if _pid_alive(server.pid):
+        if pid_alive(server.pid):
             os.kill(server.pid, signal.SIGKILL)
         _reap(server.pid)
         stopped = True

@@ -1,0 +1,22 @@
+"""Process liveness from /proc (Linux), shared by the helpers that start and stop servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def proc_stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, process group id, state letter) of process `pid`, or None if there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after its last ")".
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; an exited process not yet reaped (a zombie) counts as gone."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[2] != "Z"
