@@ -16,6 +16,8 @@ options joined with ``+``:
                   the fallback Megatron takes without Transformer Engine / apex)
     +recompute    full activation recompute of every layer (Megatron: granularity full, uniform, 1)
     +compile      torch.compile of the loss head (log_probs_and_entropy over the 152k vocabulary)
+    +devseq       the packed segment offsets (cu_seqlens) on the device, as before the fix in
+                  packing.py (3 device syncs per layer), to measure that fix in the same run
 
 Per variant: median step time (forward + backward + optimizer over the step's micro-batches, one
 optimizer step), tokens/s, MFU without and with the attention term (formulas in gpu_common),
@@ -106,10 +108,13 @@ class Options:
         self.logprobs = logprobs
         self.loss_head = logprobs.log_probs_and_entropy
         self.compiled_loss_head: Any = None
+        from vime_core.trainer.packing import PackedMicroBatch
+
+        self.packed_seq_params = PackedMicroBatch.packed_seq_params
 
     def apply(self, spec: str) -> None:
         batching, *flags = spec.split("+")
-        unknown = set(flags) - {"fused", "recompute", "compile"}
+        unknown = set(flags) - {"fused", "recompute", "compile", "devseq"}
         if unknown:
             raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
         if batching.startswith("mbs"):
@@ -122,6 +127,17 @@ class Options:
         self.set_fused_adam("fused" in flags)
         self.set_recompute("recompute" in flags)
         self.set_compiled_loss_head("compile" in flags)
+        self.set_device_offsets("devseq" in flags)
+
+    def set_device_offsets(self, on: bool) -> None:
+        from vime_core.trainer.packing import PackedMicroBatch
+
+        def on_device(mb: PackedMicroBatch) -> Any:
+            params = self.packed_seq_params(mb)
+            params.cu_seqlens_q = params.cu_seqlens_kv = mb.cu_seqlens.to(mb.input_ids.device)
+            return params
+
+        PackedMicroBatch.packed_seq_params = on_device if on else self.packed_seq_params  # type: ignore[method-assign]
 
     def set_fused_adam(self, on: bool) -> None:
         inner = self.trainer.optimizer.optimizer  # torch AdamW inside Megatron's mixed-precision wrapper

@@ -259,18 +259,26 @@ def sleep_wake(trainer: Any) -> dict[str, Any]:
     dev = trainer.device.type
     if dev == "cuda":
         torch.cuda.empty_cache()
-    before = common.device_memory(dev)
-    t_sleep, slept = common.timed(trainer.sleep, dev)
-    asleep = common.device_memory(dev)
-    t_wake, woke = common.timed(trainer.wake, dev)
-    awake = common.device_memory(dev)
+    weights_before = sum(checksum(t) for _, t in trainer.iter_hf_weights())
+    cycles = []
+    for _ in range(2):  # the first sleep pins host memory; the second finds it in torch's pinned cache
+        before = common.device_memory(dev)
+        t_sleep, slept = common.timed(trainer.sleep, dev)
+        asleep = common.device_memory(dev)
+        t_wake, woke = common.timed(trainer.wake, dev)
+        awake = common.device_memory(dev)
+        cycles.append({
+            "memory_before_gib": before, "memory_asleep_gib": asleep, "memory_awake_gib": awake,
+            "sleep_s": t_sleep, "wake_s": t_wake,
+            "freed_gib": slept["freed_bytes"] / 2**30, "restored_gib": woke["allocated_bytes"] / 2**30,
+        })
+    weights_after = sum(checksum(t) for _, t in trainer.iter_hf_weights())
     second = train_on_rollout(trainer, batch)
     return {
-        "memory_before_gib": before, "memory_asleep_gib": asleep, "memory_awake_gib": awake,
-        "sleep_s": t_sleep, "wake_s": t_wake,
-        "freed_gib": slept["freed_bytes"] / 2**30, "restored_gib": woke["allocated_bytes"] / 2**30,
+        "cycles": cycles,
+        "weights_unchanged_by_sleep_wake": weights_before == weights_after,
         "loss_before_sleep": first["loss"], "loss_after_wake": second["loss"],
-        "grad_norm_after_wake": second["grad_norm"],
+        "grad_norm_before_sleep": first["grad_norm"], "grad_norm_after_wake": second["grad_norm"],
         "train_after_wake_finite": math.isfinite(second["loss"]) and math.isfinite(second["grad_norm"]),
     }
 

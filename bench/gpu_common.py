@@ -241,8 +241,16 @@ def summary_lines(path: str) -> list[str]:
         lines.append(
             f"  {s['shape']}: {s['bytes']/1e9:.2f} GB in {s['buckets']} buckets; median s {s['median_s']}; "
             f"receive {s['receive_GBps']:.0f} GB/s vs d2d {s['d2d_GBps']:.0f} GB/s; e2e {s['end_to_end_GBps']:.0f} GB/s; "
-            f"mismatched {s['checksums_mismatched']}; sleep_wake {s['sleep_wake']}"
+            f"mismatched {s['checksums_mismatched']}"
         )
+        sw = s.get("sleep_wake", {})
+        for c in sw.get("cycles", []):
+            lines.append(
+                f"    sleep {c['sleep_s']:.2f} s frees {c['freed_gib']:.2f} GiB (allocated {c['memory_before_gib'].get('allocated_gib', 0):.2f}"
+                f" -> {c['memory_asleep_gib'].get('allocated_gib', 0):.2f} GiB, driver {c['memory_before_gib'].get('driver_used_gib', 0):.2f}"
+                f" -> {c['memory_asleep_gib'].get('driver_used_gib', 0):.2f} GiB); wake {c['wake_s']:.3f} s"
+            )
+        lines.append(f"    {({k: v for k, v in sw.items() if k != 'cycles'})}")
     return lines
 
 

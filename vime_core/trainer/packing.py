@@ -31,7 +31,7 @@ class PackedMicroBatch:
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
-    cu_seqlens: torch.Tensor  # [n + 1] int32
+    cu_seqlens: torch.Tensor  # [n + 1] int32, on the CPU whatever the device (see pack_samples)
     max_seqlen: int
     logit_index: torch.Tensor  # [N] packed positions whose logits predict response tokens
     targets: torch.Tensor  # [N] the response token ids they predict
@@ -81,7 +81,9 @@ def pack_samples(
     return PackedMicroBatch(
         input_ids=flat.unsqueeze(0).to(device),
         position_ids=positions.unsqueeze(0).to(device),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        # Host-side on purpose: every reader (Megatron's THD RoPE, SDPACoreAttention) turns it into
+        # Python ints, 3x per layer; on a GPU each of those reads was a device sync.
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max(lengths),
         logit_index=logit_index.to(device),
         targets=flat[logit_index + 1].to(device),

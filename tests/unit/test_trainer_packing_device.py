@@ -1,0 +1,19 @@
+"""Packed micro-batches keep their segment offsets on the host, whatever the model's device.
+
+Megatron's THD RoPE and SDPACoreAttention read ``cu_seqlens`` as Python ints three times per
+layer; on an H200 each read of a device tensor was a sync. The "meta" device stands in for CUDA.
+"""
+
+from __future__ import annotations
+
+from vime_core.trainer.packing import pack_samples
+
+
+def test_offsets_stay_on_the_host_when_the_inputs_go_to_the_device():
+    packed = pack_samples([[5, 6, 7, 8], [9, 10, 11]], [2, 1], device="meta")
+    assert packed.input_ids.device.type == "meta"
+    assert packed.targets.device.type == "meta"
+    assert packed.cu_seqlens.device.type == "cpu"
+    assert packed.cu_seqlens.tolist() == [0, 4, 7]
+    params = packed.packed_seq_params()
+    assert params.cu_seqlens_q.device.type == "cpu" and params.cu_seqlens_kv.device.type == "cpu"
