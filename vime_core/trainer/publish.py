@@ -82,14 +82,26 @@ def publish_weights(
     """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
     engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
     transport's own split (e.g. pack vs. waiting for the engines to load)."""
-    from vime_core.engines.client import run_blocking
+    from vime_core.trainer.publish_loop import publish_loop
+    from vime_core.trainer.transport import make_transport
 
-    return run_blocking(
-        lambda: publish_weights_async(
-            named_tensors, engine_urls, new_version, cfg, initial_version,
-            transport=transport, shm_dir=shm_dir, client_factory=client_factory,
+    # Gather and build the transport in the caller's thread: the iterator may run collectives
+    # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
+    t0 = time.perf_counter()
+    tensors = list(named_tensors)
+    gather_s = time.perf_counter() - t0
+    loop = publish_loop()
+    stats = loop.run(
+        publish_weights_async(
+            tensors, engine_urls, new_version, cfg, initial_version,
+            transport=transport if transport is not None else make_transport(cfg, shm_dir),
+            shm_dir=shm_dir, client_factory=client_factory or loop.client,
         )
     )
+    stats["seconds"]["gather"] += gather_s
+    stats["seconds"]["total"] += gather_s
+    stats["bytes_per_s"] = stats["bytes"] / stats["seconds"]["total"]
+    return stats
 
 
 async def publish_weights_async(
@@ -114,12 +126,11 @@ async def publish_weights_async(
     with clock("gather"):
         tensors = list(named_tensors)
     engines = [(client_factory or EngineClient)(url) for url in engine_urls]
+    owns_clients = client_factory is None
     transport = transport if transport is not None else make_transport(cfg, shm_dir)
     try:
-        with clock("validate"):
-            wire = await _validate(tensors, engines)
-        with clock("prepare"):
-            await transport.prepare(engines)
+        with clock("validate"):  # and the transport's handshake, which changes nothing yet
+            wire, _ = await asyncio.gather(_validate(tensors, engines), transport.prepare(engines))
         with clock("pause"):
             await _on_all(engines, "pause", "abort" if flush else "keep")
             if flush:
@@ -133,7 +144,8 @@ async def publish_weights_async(
         if wrong:
             raise PublishError(f"publish v{new_version}: {', '.join(wrong)}", bytes_moved=True)
     finally:
-        await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
+        if owns_clients:
+            await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
     total = clock.total()
     return {
         "version": new_version,

@@ -28,6 +28,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vime_core.engines.vllm_side.shm_format import DEFAULT_SHM_DIR, ShmBucketInfo, ShmInitInfo
 
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # value from linux/mman.h
+
 
 @dataclass
 class UpdateStats:
@@ -151,9 +153,16 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
             size = os.fstat(f.fileno()).st_size
             if size < info.nbytes:
                 raise ValueError(f"vime_shm: bucket {info.path!r} has {size} bytes, descriptor says {info.nbytes}")
-            # ACCESS_COPY: a private, writable mapping (torch wants a writable buffer); pages are
-            # shared with the page cache until written, and nothing here writes them.
+            # ACCESS_COPY: private and writable (torch wants a writable buffer, and a loader that
+            # wrote into its input would only touch its own copy); shared with the page cache
+            # until written.
             mapped = mmap.mmap(f.fileno(), info.nbytes, access=mmap.ACCESS_COPY)
+        try:
+            # Map every page now, in one call, instead of one fault per page during the copy
+            # (~2x faster on the project's VM). Linux >= 5.14; older kernels just fault.
+            mapped.madvise(MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            pass
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes)
         self._mapped.append((mapped, flat))
         weights = []
