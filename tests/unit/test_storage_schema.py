@@ -239,3 +239,19 @@ def test_the_real_batch_builder_output_round_trips():
 def test_numpy_integer_rollout_ids_are_accepted():
     lineage = lineage_of(batch_to_table(synthetic_batch(), {"run": "r", "rollout_id": np.int64(4)}))
     assert lineage["rollout_id"] == 4 and layout.check_rollout_id(np.int32(4)) == 4
+
+
+def test_a_batch_stored_by_schema_version_1_still_verifies_and_reads():
+    """tests/unit/data/rollout_batch_v1.parquet was written by this code at schema version 1
+    (synthetic_batch(num_groups=2, group_size=2, seed=123)). It keeps the checksum definition
+    honest across pyarrow upgrades (the IPC bytes must not drift) and, once SCHEMA_VERSION moves
+    on, proves that UPGRADES still read version 1."""
+    from pathlib import Path
+
+    from vime_core.storage.store import verify_table
+
+    path = Path(__file__).parent / "data" / "rollout_batch_v1.parquet"
+    table = upgrade_table(verify_table(path.read_bytes(), str(path)), source=str(path))
+    batch, lineage = table_to_batch(table)
+    assert lineage["run"] == "golden" and lineage["rollout_id"] == 1
+    assert batch == synthetic_batch(num_groups=2, group_size=2, seed=123)

@@ -15,7 +15,8 @@ key; `IPC_stream` is the Arrow IPC streaming format as written by `pyarrow.ipc.n
 default options (no compression, one record batch, none for an empty table, end-of-stream
 marker). Field types include the list item name `element` (Parquet's compliant naming) so a
 Parquet round trip leaves the bytes unchanged. This definition is part of the stored format:
-changing it needs a SCHEMA_VERSION bump. The checksum therefore covers every value, every type and all lineage, so a flipped
+changing it needs a SCHEMA_VERSION bump. A batch stored at version 1
+(tests/unit/data/rollout_batch_v1.parquet) must keep verifying after any pyarrow upgrade. The checksum therefore covers every value, every type and all lineage, so a flipped
 byte in the data or an edited lineage field is detected, while the Parquet encoding (page
 sizes, compression) does not matter.
 
