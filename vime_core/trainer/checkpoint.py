@@ -7,19 +7,19 @@
                            {format, version, rollout_id, world_size, tp, dp, weight_version,
                             files, hf_checkpoint, created_at}
 
-Every file is written to a temporary name and renamed into place (atomic on a local file
-system), and a checkpoint counts only once its manifest exists, so a reader never sees a
-partial one. Paths are local folders (trainer checkpoints are per-rank files on the trainer's
-node; an object-store copy is a separate concern).
+Every file is written to a temporary name and moved into place (atomic on a local file system;
+an object store's PUT is atomic per object), and a checkpoint counts only once its manifest
+exists, so a reader never sees a partial one. Paths are local folders or fsspec URIs
+(``s3://...`` through s3fs, like the batch store).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,49 +33,62 @@ class CheckpointError(ValueError):
     """A checkpoint folder is incomplete or was written by a different layout."""
 
 
-def checkpoint_root(cfg: Any) -> Path:
+def checkpoint_root(cfg: Any) -> str:
     from vime_core.report.records import run_dir
 
-    return Path(run_dir(cfg.storage_uri, cfg.run_name, "checkpoints").removeprefix("file://"))
+    return run_dir(cfg.storage_uri, cfg.run_name, "checkpoints")
 
 
-def checkpoint_dir(cfg: Any, rollout_id: int) -> Path:
-    return checkpoint_root(cfg) / f"rollout_{rollout_id:06d}"
+def checkpoint_dir(cfg: Any, rollout_id: int) -> str:
+    return f"{checkpoint_root(cfg)}/rollout_{rollout_id:06d}"
 
 
-def rank_file(path: Path, rank: int) -> Path:
-    return path / f"rank_{rank}.pt"
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank}.pt"
 
 
-def _atomic_write(target: Path, write: Any) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, target)
+def _fs(uri: str) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(uri)
 
 
-def save_rank_state(path: Path, rank: int, state: dict[str, Any]) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    target = rank_file(path, rank)
-    _atomic_write(target, lambda tmp: torch.save(state, tmp))
+def _put(uri: str, data: bytes) -> None:
+    """Write ``data`` under a temporary name, then move it to ``uri``."""
+    fs, path = _fs(uri)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def save_rank_state(path: str, rank: int, state: dict[str, Any]) -> str:
+    fs, folder = _fs(path)
+    fs.makedirs(folder, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    target = f"{path.rstrip('/')}/{rank_file_name(rank)}"
+    _put(target, buffer.getvalue())
     return target
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(path: str, manifest: dict[str, Any]) -> None:
     body = {"format": FORMAT, "version": FORMAT_VERSION, "created_at": time.time(), **manifest}
-    _atomic_write(path / MANIFEST, lambda tmp: tmp.write_text(json.dumps(body, indent=2)))
+    _put(f"{path.rstrip('/')}/{MANIFEST}", json.dumps(body, indent=2).encode())
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / MANIFEST
-    if not file.is_file():
+def read_manifest(path: str) -> dict[str, Any]:
+    fs, folder = _fs(path)
+    file = f"{folder.rstrip('/')}/{MANIFEST}"
+    if not fs.isfile(file):
         raise CheckpointError(f"{path}: no {MANIFEST} (not a checkpoint, or one that was never finished)")
-    manifest = json.loads(file.read_text())
+    manifest = json.loads(fs.cat_file(file))
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
+        raise CheckpointError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
     return manifest
 
 
-def load_rank_state(path: str | Path, rank: int, world_size: int, tp_size: int) -> dict[str, Any]:
+def load_rank_state(path: str, rank: int, world_size: int, tp_size: int) -> dict[str, Any]:
     """This rank's state dict, after checking the manifest matches the current layout."""
     manifest = read_manifest(path)
     if manifest["world_size"] != world_size or manifest["tp"] != tp_size:
@@ -83,19 +96,25 @@ def load_rank_state(path: str | Path, rank: int, world_size: int, tp_size: int) 
             f"{path}: written with world_size={manifest['world_size']}, tp={manifest['tp']}; "
             f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
         )
-    file = rank_file(Path(path), rank)
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing although the manifest lists it")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    fs, folder = _fs(path)
+    file = f"{folder.rstrip('/')}/{rank_file_name(rank)}"
+    if not fs.isfile(file):
+        raise CheckpointError(f"{path}: {rank_file_name(rank)} is missing although the manifest lists it")
+    return torch.load(io.BytesIO(fs.cat_file(file)), map_location="cpu", weights_only=False)
 
 
 def latest_checkpoint(cfg: Any) -> Optional[str]:
     """The finished checkpoint of the run with the highest rollout id, or None."""
     root = checkpoint_root(cfg)
-    if not root.is_dir():
+    fs, folder = _fs(root)
+    if not fs.isdir(folder):
         return None
-    done = sorted(p for p in root.glob("rollout_*") if (p / MANIFEST).is_file())
-    return str(done[-1]) if done else None
+    done = sorted(
+        p.rstrip("/").rsplit("/", 1)[-1]
+        for p in fs.ls(folder, detail=False)
+        if p.rstrip("/").rsplit("/", 1)[-1].startswith("rollout_") and fs.isfile(f"{p.rstrip('/')}/{MANIFEST}")
+    )
+    return f"{root.rstrip('/')}/{done[-1]}" if done else None
 
 
 def capture_rng_state() -> dict[str, Any]:

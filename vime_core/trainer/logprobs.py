@@ -39,22 +39,34 @@ def log_probs_and_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``logits`` [N, V/tp] (this rank's slice), ``targets`` [N] global ids -> (log_probs [N],
-    entropy [N] or None), both float32 and differentiable."""
+    entropy [N] or None), float32; the entropy is differentiable only when ``entropy_grad``
+    (a metric-only entropy skips building its backward graph)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     y = logits.float()
     if temperature != 1.0:
         y = y / temperature
     y = mask_vocab_padding(y, vocab_size, tp_rank).contiguous()
-    # vocab_parallel_cross_entropy works in place on its input (subtracts the max, exponentiates).
-    log_probs = -vocab_parallel_cross_entropy(y.clone() if with_entropy else y, targets)
-    if not with_entropy:
-        return log_probs, None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = _vocab_parallel_entropy(y if entropy_grad else y.detach())
+    # vocab_parallel_cross_entropy works in place on its input (subtracts the max, exponentiates):
+    # give it a copy when the entropy's backward graph still needs y.
+    log_probs = -vocab_parallel_cross_entropy(y.clone() if with_entropy and entropy_grad else y, targets)
+    return log_probs, entropy
+
+
+def _vocab_parallel_entropy(y: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(y) - sum p y over the TP-split last dimension (formula in the docstring)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
     y_max = y.detach().max(dim=-1, keepdim=True).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(
@@ -65,7 +77,7 @@ def log_probs_and_entropy(
     sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
     probs = exp / sum_exp.unsqueeze(-1)
     expected = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1))
-    return log_probs, sum_exp.log() - expected
+    return sum_exp.log() - expected
 
 
 def packed_response_log_probs(
@@ -74,6 +86,7 @@ def packed_response_log_probs(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward a packed micro-batch and return its response tokens' log-probs (and entropy),
     flat over the samples in order (``sum(response_lengths)`` long)."""
@@ -84,4 +97,4 @@ def packed_response_log_probs(
         packed_seq_params=packed.packed_seq_params(),
     )
     response_logits = logits[0].index_select(0, packed.logit_index)
-    return log_probs_and_entropy(response_logits, packed.targets, vocab_size, temperature, with_entropy)
+    return log_probs_and_entropy(response_logits, packed.targets, vocab_size, temperature, with_entropy, entropy_grad)

@@ -183,7 +183,7 @@ def micro_batch_loss(
     from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, tis_weights
 
     log_probs, entropy = packed_response_log_probs(
-        model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True
+        model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
     )
     mask, lengths = mb.loss_mask, mb.response_lengths
 
@@ -207,7 +207,8 @@ def micro_batch_loss(
         per_token = -log_probs
         clipfrac = torch.zeros_like(log_probs)
     else:
-        advantages = gather_per_token(inputs.advantages, mb.indices)
+        # Advantages are computed on the CPU (small per-sample math); the loss runs on the model's device.
+        advantages = gather_per_token(inputs.advantages, mb.indices).to(log_probs.device)
         loss_fn = get_policy_loss_fn(policy_loss_name(cfg.advantage_estimator))
         per_token, clipfrac = loss_fn(log_probs, old, advantages, mask, lengths, PolicyLossParams.from_config(cfg))
         if cfg.use_tis:

@@ -210,10 +210,10 @@ class MegatronTrainer:
             ckpt.write_manifest(path, {
                 "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
                 "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
-                "files": [ckpt.rank_file(path, r).name for r in range(lay.world_size)],
+                "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
             })
         torch.distributed.barrier()
-        return str(path)
+        return path
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""

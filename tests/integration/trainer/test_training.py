@@ -123,3 +123,17 @@ def test_export_hf_loads_in_transformers_with_trained_weights(single_rank, ckpt,
     source = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(model.state_dict()[name], source.state_dict()[name])  # trained, not copied
+
+
+def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
+    """kl_coef > 0 builds the frozen reference; at the first step the policy is the reference,
+    so KL = 0; the entropy bonus and TIS weights enter the loss without breaking the step."""
+    cfg = hand_config(ckpt, tmp_path, kl_coef=0.1, entropy_coef=0.01, use_tis=True, num_steps_per_rollout=1)
+    trainer = _trainer(cfg)
+    assert trainer.ref_model is not None
+    first = trainer.train(0, hand_batch())
+    assert first["reused_log_probs"] is False  # KL needs the recomputed old log-probs
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert first["loss"] < first["pg_loss"]  # the entropy bonus (H > 0) lowers the loss
+    second = trainer.train(1, hand_batch())
+    assert second["kl"] > 0  # the policy has moved away from the reference
