@@ -187,12 +187,13 @@ def test_index_row_summarises_the_batch():
     assert row["prompt_ids"] == ["p0", "p1"] and row["size_bytes"] == 123
 
 
-def test_latest_per_batch_keeps_the_newest_row():
+def test_latest_per_batch_keeps_the_row_published_last():
+    """Even when the newer batch claims an older created_at (a caller may set it)."""
     table = batch_to_table(synthetic_batch(), LINEAGE)
-    a = index_row(table, "old", 1)
-    newer = table.replace_schema_metadata({**table.schema.metadata, b"created_at": b'"2999-01-01T00:00:00+00:00"'})
-    b = index_row(newer, "new", 1)
-    kept = latest_per_batch(pa.concat_tables([b, a, a]))
+    old = index_row(table.replace_schema_metadata({**table.schema.metadata, b"created_at": b'"2999-01-01T00:00:00+00:00"'}), "old", 1)
+    new = index_row(table, "new", 1)
+    assert new["published_at"][0].as_py() > old["published_at"][0].as_py()
+    kept = latest_per_batch(pa.concat_tables([new, old, old]))
     assert kept.column("key").to_pylist() == ["new"]
 
 

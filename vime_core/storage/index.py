@@ -8,8 +8,8 @@ reads it consistently while writers and compactions run:
    its output before deleting what it folded, so anything deleted after step 1 is already in a
    compacted file listed in step 2 or in a manifest read in step 3);
 2. read them all; if any listed file vanished meanwhile, start again;
-3. keep one row per (run, rollout_id): the latest `created_at` (duplicates exist only while a
-   compaction runs, or after an overwrite).
+3. keep one row per (run, rollout_id): the latest `published_at` (duplicates exist only while
+   a compaction runs, or after an overwrite).
 
 Compactions may run concurrently with writers and with each other (each folds what it read into a
 new file and deletes only what it read; union semantics make the result complete). `prune`
@@ -40,6 +40,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("rollout_id", pa.int64(), nullable=False),
         pa.field("key", pa.string(), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("num_rows", pa.int64(), nullable=False),
         pa.field("size_bytes", pa.int64(), nullable=False),
         pa.field("checksum", pa.string(), nullable=False),
@@ -81,6 +82,9 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
         "rollout_id": int(lineage["rollout_id"]),
         "key": key,
         "created_at": dt.datetime.fromisoformat(lineage["created_at"]).astimezone(dt.timezone.utc),
+        # When this row was made: decides between two rows of one batch (an overwrite), whatever
+        # created_at the caller put in the lineage.
+        "published_at": dt.datetime.now(dt.timezone.utc),
         "num_rows": table.num_rows,
         "size_bytes": size_bytes,
         "checksum": lineage["checksum"],
@@ -108,10 +112,10 @@ def _to_parquet(table: pa.Table) -> bytes:
 
 
 def latest_per_batch(table: pa.Table) -> pa.Table:
-    """One row per (run, rollout_id): the one created last; sorted by run, rollout_id."""
+    """One row per (run, rollout_id): the one published last; sorted by run, rollout_id."""
     if table.num_rows == 0:
         return table
-    table = table.sort_by([("run", "ascending"), ("rollout_id", "ascending"), ("created_at", "ascending")])
+    table = table.sort_by([("run", "ascending"), ("rollout_id", "ascending"), ("published_at", "ascending")])
     runs, ids = table.column("run").combine_chunks(), table.column("rollout_id").combine_chunks()
     # A row is kept when the next row belongs to another batch (or it is the last row).
     differs = pc.or_(pc.not_equal(runs[1:], runs[:-1]), pc.not_equal(ids[1:], ids[:-1]))

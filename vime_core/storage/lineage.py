@@ -11,7 +11,7 @@ several questions) or a BatchStore (its index is read), and returns a pyarrow.Ta
                               pc.greater_equal(index["weight_version_max"], 7)))
 
 (Reading the folder directly can show a batch twice while a compaction runs; keep the row with
-the latest created_at per (run, rollout_id), as `index.latest_per_batch` does.)
+the last published_at per (run, rollout_id), as `index.latest_per_batch` does.)
 """
 
 from __future__ import annotations
