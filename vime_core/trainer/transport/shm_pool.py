@@ -23,6 +23,7 @@ import threading
 import torch
 
 from vime_core.engines.vllm_side.shm_format import FILE_PREFIX
+from vime_core.utils.processes import pid_alive
 
 
 class ShmBufferPool:
@@ -88,23 +89,13 @@ def remove_stale_files(shm_dir: str) -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(shm_dir, FILE_PREFIX + "*")):
         match = _STALE.match(os.path.basename(path))
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             try:
                 os.unlink(path)
                 removed.append(path)
             except FileNotFoundError:
                 pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _POOLS: dict[tuple[int, str], ShmBufferPool] = {}
