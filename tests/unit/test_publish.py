@@ -34,7 +34,8 @@ def spec_of(w: dict) -> dict:
 class StubEngine:
     """Records control calls; loads shm buckets by reading the files as the vLLM side does."""
 
-    def __init__(self, url: str, spec: dict, fail_on_update: int | None = None, sets_version: bool = True) -> None:
+    def __init__(self, url: str, spec: dict, fail_on_update: int | None = None, sets_version: bool = True,
+                 fail_pause: bool = False) -> None:
         self.name = url
         self.spec = spec
         self.calls: list[tuple] = []
@@ -43,6 +44,7 @@ class StubEngine:
         self.fail_on_update = fail_on_update
         self.sets_version = sets_version
         self.updates = 0
+        self.fail_pause = fail_pause
 
     async def collective_rpc(self, method, kwargs=None, args=None, timeout_s=None):
         self.calls.append(("collective_rpc", method))
@@ -50,6 +52,8 @@ class StubEngine:
 
     async def pause(self, mode):
         self.calls.append(("pause", mode))
+        if self.fail_pause:
+            raise RuntimeError("pause refused")
 
     async def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -179,6 +183,15 @@ def test_failure_before_bytes_moved_closes_the_empty_session_and_resumes(tmp_pat
     assert engine.names()[-2:] == ["request", "resume"]
     assert ("request", "/finish_weight_update", {}) in engine.calls  # no version set
     assert engine.version == 0
+
+
+def test_an_engine_failing_to_pause_leaves_no_engine_paused(tmp_path):
+    w = weights()
+    engines = [StubEngine("http://e0", spec_of(w)), StubEngine("http://e1", spec_of(w), fail_pause=True)]
+    with pytest.raises(RuntimeError, match="pause refused"):
+        run_publish(w, engines, 1, tmp_path)
+    for e in engines:
+        assert e.names()[-1] == "resume" and "start_weight_update" not in e.names()
 
 
 def test_an_engine_that_does_not_report_the_new_version_is_an_error(tmp_path):

@@ -131,11 +131,7 @@ async def publish_weights_async(
     try:
         with clock("validate"):  # and the transport's handshake, which changes nothing yet
             wire, _ = await asyncio.gather(_validate(tensors, engines), transport.prepare(engines))
-        with clock("pause"):
-            await _on_all(engines, "pause", "abort" if flush else "keep")
-            if flush:
-                await _on_all(engines, "reset_prefix_cache")
-        buckets, nbytes = await _transfer(transport, tensors, wire, new_version, cfg, clock)
+        buckets, nbytes = await _apply(transport, tensors, wire, new_version, flush, cfg, clock)
         with clock("resume"):
             await _on_all(engines, "resume")
         with clock("verify"):
@@ -161,10 +157,10 @@ async def publish_weights_async(
     }
 
 
-async def _validate(tensors: list, engines: list["EngineClient"]) -> dict:
+async def _validate(tensors: list[tuple[str, "torch.Tensor"]], engines: list["EngineClient"]) -> dict[str, "torch.dtype"]:
     """Wire dtypes after checking against every engine; all engines must agree."""
     specs = await asyncio.gather(*(fetch_spec(e) for e in engines))
-    wire: dict | None = None
+    wire: dict[str, "torch.dtype"] | None = None
     for engine, spec in zip(engines, specs):
         this = check_against_spec(tensors, spec, engine.name)
         if wire is not None and this != wire:
@@ -174,12 +170,26 @@ async def _validate(tensors: list, engines: list["EngineClient"]) -> dict:
     return wire
 
 
-async def _transfer(transport, tensors, wire, new_version, cfg, clock) -> tuple[int, int]:
-    """start -> buckets -> finish; on failure undo what can be undone (see module docstring)."""
+async def _apply(
+    transport: "WeightTransport",
+    tensors: list[tuple[str, "torch.Tensor"]],
+    wire: dict[str, "torch.dtype"],
+    new_version: int,
+    flush: bool,
+    cfg: "VimeConfig",
+    clock: PhaseClock,
+) -> tuple[int, int]:
+    """pause -> start -> buckets -> finish; on failure undo what can be undone (see the module
+    docstring). Returns (buckets, bytes)."""
     from vime_core.trainer.buckets import iter_buckets
 
+    engines = transport.engines
     buckets = nbytes = 0
     try:
+        with clock("pause"):
+            await _on_all(engines, "pause", "abort" if flush else "keep")
+            if flush:
+                await _on_all(engines, "reset_prefix_cache")
         with clock("start"):
             await transport.start()
         with clock("transfer"):
@@ -198,7 +208,7 @@ async def _transfer(transport, tensors, wire, new_version, cfg, clock) -> tuple[
             ) from err
         try:
             await transport.abort()
-            await _on_all(transport.engines, "resume")
+            await _on_all(engines, "resume")
         except Exception as undo_err:  # keep the original error; say the undo failed too
             err.add_note(f"undoing the publish failed as well: {undo_err}")
         raise
