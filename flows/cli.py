@@ -81,8 +81,9 @@ def cmd_lineage(argv: list[str]) -> int:
     elif args.reward_by_iteration:
         result = lineage.reward_by_iteration(store, run=args.run)
     else:
-        result = store.index().to_pylist()
-    print(json.dumps(result, indent=2, default=str))
+        result = store.index()
+    rows = result.to_pylist() if hasattr(result, "to_pylist") else result
+    print(json.dumps(rows, indent=2, default=str))
     return 0
 
 

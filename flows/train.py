@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from flows.iteration import iteration
 from flows.settings import without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
-from tasks.checkpoint import export_hf
+from tasks.checkpoint import compact_index, export_hf
 from vime_core.config import VimeConfig
 from vime_core.config.loader import describe, dump_config
 from vime_core.report.records import read_records, reward_gain, run_dir
@@ -33,6 +33,7 @@ def train(config: VimeConfig) -> dict:
     with without_heartbeats():
         for rollout_id in range(start, config.num_rollout):
             iteration(config, rollout_id)
+    compact_index(config)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
     export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports"))

@@ -26,3 +26,11 @@ def export_hf(config: VimeConfig, path: str) -> str:
     _, trainers = run_handles(config)
     trainers.call("export_hf", path)
     return path
+
+
+@task(name="compact-index", retries=2, **TASK_DEFAULTS)
+def compact_index(config: VimeConfig) -> int:
+    """Fold the run's per-batch manifests into one Parquet index file (lineage queries stay fast)."""
+    from vime_core.storage import BatchStore
+
+    return BatchStore(config.storage_uri).compact()

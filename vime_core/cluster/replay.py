@@ -17,7 +17,8 @@ def select_batches(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | No
     if rollout_ids is None:
         from vime_core.storage.lineage import batches_by_weight_version
 
-        rollout_ids = [int(k) for k in batches_by_weight_version(store, weight_version, run=source_run)]
+        table = batches_by_weight_version(store, weight_version, run=source_run)
+        rollout_ids = [int(k) for k in table.column("rollout_id").to_pylist()]
     missing = [k for k in rollout_ids if not store.exists(source_run, k)]
     if missing:
         raise ValueError(f"run {source_run!r} has no stored batch for rollout ids {missing} in {cfg.storage_uri}")

@@ -36,7 +36,7 @@ class VimeConfig(BaseModel):
     seed: int = Field(1234, description="Seed for data shuffling, sampling and model initialisation.")
     num_rollout: int = Field(80, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
     start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
-    save_interval: Optional[int] = Field(None, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
+    save_interval: Optional[int] = Field(20, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
 
     # ---- model and data ----------------------------------------------------------------------
