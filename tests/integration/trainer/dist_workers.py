@@ -15,8 +15,15 @@ def spawn(worker: Callable, world_size: int, *args) -> None:
 
     from vime_core.trainer.parallel import free_port
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks on a 2-core machine
-    mp.spawn(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # two ranks on a 2-core machine; children inherit it
+    try:
+        mp.spawn(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str) -> None:
@@ -35,7 +42,8 @@ def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: s
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     source = read_hf_safetensors(checkpoint)
-    round_trip_exact = all(torch.equal(t, source[n]) for n, t in trainer.iter_hf_weights()) 
+    gathered = list(trainer.iter_hf_weights())  # whole: a short-circuit would desync the TP gathers
+    round_trip_exact = all(torch.equal(t, source[n]) for n, t in gathered)
     losses = [trainer.train(k, hand_batch())["loss"] for k in range(2)]
     result = {
         "round_trip_exact": round_trip_exact,
