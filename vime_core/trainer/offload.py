@@ -21,41 +21,44 @@ log = logging.getLogger(__name__)
 def _tensors(model: Any, optimizer: Any) -> Iterator[torch.Tensor]:
     """Parameters, the optimizer's params (fp32 main copies under bf16) and its state tensors."""
     seen: set[int] = set()
-    inner = getattr(optimizer, "optimizer", optimizer)
-    groups = [p for g in inner.param_groups for p in g["params"]]
-    states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # Megatron returns a ChainedOptimizer of Megatron optimizers, each wrapping a torch one.
+    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
+    torch_optimizers = [getattr(w, "optimizer", w) for w in wrappers]
+    groups = [p for o in torch_optimizers for g in o.param_groups for p in g["params"]]
+    states = [v for o in torch_optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     for t in [*model.parameters(), *groups, *states]:
         if id(t) not in seen:
             seen.add(id(t))
             yield t
 
 
-def offload(model: Any, optimizer: Any) -> int:
-    """Move training state to CPU; returns the device bytes freed (0 on CPU)."""
+def offload(model: Any, optimizer: Any) -> tuple[int, list[torch.Tensor]]:
+    """Move training state to CPU; returns (device bytes freed, the tensors moved). Tensors that
+    already live on the CPU (torch Adam keeps its ``step`` counters there) are left alone, and
+    only the moved ones go back in ``onload``."""
     if not torch.cuda.is_available():
         log.info("sleep: CPU trainer, nothing to free (no-op)")
-        return 0
+        return 0, []
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    for t in _tensors(model, optimizer):
-        if t.device.type == "cuda":
-            t.data = t.data.to("cpu", non_blocking=False).pin_memory()
+    moved = [t for t in _tensors(model, optimizer) if t.device.type == "cuda"]
+    for t in moved:
+        t.data = t.data.to("cpu", non_blocking=False).pin_memory()
     model.offload_grad_buffers(synchronize=True, empty_cache=False)
     torch.cuda.empty_cache()
     freed = before - torch.cuda.memory_allocated()
     log.info("sleep: freed %.1f MiB of device memory", freed / 2**20)
-    return freed
+    return freed, moved
 
 
-def onload(model: Any, optimizer: Any) -> int:
-    """Bring training state back to the device; returns the bytes allocated (0 on CPU)."""
+def onload(model: Any, moved: list[torch.Tensor]) -> int:
+    """Bring the tensors ``offload`` moved back to the device; returns the bytes allocated."""
     if not torch.cuda.is_available():
         log.info("wake: CPU trainer, nothing to restore (no-op)")
         return 0
     before = torch.cuda.memory_allocated()
     device = torch.device("cuda", torch.cuda.current_device())
-    for t in _tensors(model, optimizer):
-        if t.device.type == "cpu":
-            t.data = t.data.to(device, non_blocking=True)
+    for t in moved:
+        t.data = t.data.to(device, non_blocking=True)
     model.restore_grad_buffers(synchronize=True)
     return torch.cuda.memory_allocated() - before

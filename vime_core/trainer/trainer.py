@@ -43,6 +43,7 @@ class MegatronTrainer:
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._asleep = False
+        self._offloaded: list[torch.Tensor] = []  # what sleep() moved to the CPU, for wake()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class MegatronTrainer:
 
         if self._asleep:
             return {"freed_bytes": 0, "asleep": True}
-        freed = offload(self.model, self.optimizer)
+        freed, self._offloaded = offload(self.model, self.optimizer)
         self._asleep = self.device.type == "cuda"
         return {"freed_bytes": freed, "asleep": self._asleep}
 
@@ -248,6 +249,7 @@ class MegatronTrainer:
 
         if not self._asleep:
             return {"allocated_bytes": 0, "asleep": False}
-        allocated = onload(self.model, self.optimizer)
+        allocated = onload(self.model, self._offloaded)
+        self._offloaded = []
         self._asleep = False
         return {"allocated_bytes": allocated, "asleep": False}

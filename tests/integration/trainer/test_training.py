@@ -137,3 +137,18 @@ def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
     assert first["loss"] < first["pg_loss"]  # the entropy bonus (H > 0) lowers the loss
     second = trainer.train(1, hand_batch())
     assert second["kl"] > 0  # the policy has moved away from the reference
+
+
+def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, tmp_path):
+    """On CPU sleep/wake free nothing; the tensors a GPU sleep considers are every parameter plus
+    Adam's state of each (exp_avg, exp_avg_sq and the step counter), found through Megatron's
+    ChainedOptimizer."""
+    from vime_core.trainer.offload import _tensors
+
+    trainer = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
+    trainer.train(0, hand_batch())
+    assert trainer.sleep() == {"freed_bytes": 0, "asleep": False}
+    assert trainer.wake() == {"allocated_bytes": 0, "asleep": False}
+    params = list(trainer.model.parameters())
+    moved = list(_tensors(trainer.model, trainer.optimizer))
+    assert len(moved) == 4 * len(params)  # fp32 on CPU: the params are the optimizer's own
