@@ -57,3 +57,13 @@ def test_tp_must_divide_kv_heads():
     arch = architecture_from_hf(tiny_config("llama", num_heads=4, num_kv_heads=1))
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
         check_tp_divides(arch, 2)
+
+
+def test_llama3_rope_scaling_is_read_and_other_constants_refused():
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    arch = architecture_from_hf(tiny_config("llama") | {"rope_scaling": scaling})
+    assert arch.rope_scaling_factor == 32.0
+    assert architecture_from_hf(tiny_config("llama")).rope_scaling_factor is None
+    with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings=4096"):
+        architecture_from_hf(tiny_config("llama") | {"rope_scaling": scaling | {"original_max_position_embeddings": 4096}})

@@ -11,8 +11,8 @@ and are masked to a very negative value before any softmax (see ``logprobs.py``)
 weights are exported (``hf_convert.py``).
 
 Anything the mapping cannot express exactly (another ``model_type``, biases on the output or MLP
-projections, sliding-window attention, RoPE scaling, a non-SiLU activation) is refused with an
-error naming the config field.
+projections, sliding-window attention, RoPE scaling other than Llama 3.1's with its standard
+constants, a non-SiLU activation) is refused with an error naming the config field.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class HFArchitecture:
     ffn_hidden_size: int
     rms_norm_eps: float
     rope_theta: float
+    rope_scaling_factor: float | None  # Llama 3.1-style scaling (None: plain RoPE)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -58,16 +59,27 @@ def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """transformers 5 keeps RoPE settings in ``rope_parameters``; older configs at the top level."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedModelError(
-            f"rope_scaling/rope_parameters.rope_type={rope_type!r} is not supported (only 'default')"
-        )
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+# Megatron's RoPE scaling is Llama 3.1's with these constants fixed (RotaryEmbedding._apply_scaling).
+LLAMA3_SCALING_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float | None]:
+    """(rope_theta, llama3 scaling factor or None). transformers 5 keeps RoPE settings in
+    ``rope_parameters``; older configs use ``rope_theta`` and ``rope_scaling`` at the top level."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        for key, fixed in LLAMA3_SCALING_FIXED.items():
+            if float(params.get(key, fixed)) != fixed:
+                raise UnsupportedModelError(f"llama3 rope scaling with {key}={params.get(key)} (only {fixed}) is not supported")
+        return theta, float(params.get("factor", 8.0))
+    raise UnsupportedModelError(
+        f"rope_scaling/rope_parameters.rope_type={rope_type!r} is not supported (only 'default' and 'llama3')"
+    )
 
 
 def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
@@ -100,7 +112,8 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         ffn_hidden_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope(cfg)[0],
+        rope_scaling_factor=_rope(cfg)[1],
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases
@@ -198,6 +211,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  (a float is fine: it is only exponentiated)
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     mark_tensor_parallel_params(model)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights

@@ -98,3 +98,33 @@ def test_vocab_padding_is_masked_and_cut(single_rank, cache_dir):
     torch.testing.assert_close(lp, ref[torch.arange(4), targets])
     torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))
     assert pad_vocab(torch.ones(19, 3), 20)[19].abs().sum() == 0
+
+
+def test_llama3_rope_scaling_matches_transformers(single_rank, cache_dir, tmp_path):
+    """Llama 3.1-style RoPE scaling (long wavelengths stretched by `factor`): visible only at
+    positions far enough apart, hence a 400-token sequence and a large rope_theta."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "llama3"
+    shutil.copytree(tiny_checkpoint(cache_dir, "llama", False), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 500000.0
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    model, arch = _megatron_model(ckpt)
+    assert arch.rope_scaling_factor == 8.0
+    ids = torch.randint(0, arch.vocab_size, (1, 400), generator=torch.Generator().manual_seed(4))
+    causal = torch.triu(torch.ones(400, 400, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        ours = model(ids, torch.arange(400)[None], causal)
+        ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()(ids).logits
+        config.pop("rope_scaling")
+        (ckpt / "config.json").write_text(json.dumps(config))
+        unscaled = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()(ids).logits
+    assert (unscaled - ref).abs().max() > 10 * LOGITS_ATOL  # the scaling matters at this length
+    torch.testing.assert_close(ours, ref, atol=LOGITS_ATOL, rtol=0)
