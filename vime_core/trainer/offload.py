@@ -1,9 +1,16 @@
 """Sleep/wake of the trainer's device memory between phases (offload_train).
 
-On a GPU, ``offload`` moves every parameter, the optimizer's state and main (fp32) parameters
-to pinned CPU memory and frees DDP's gradient buffers, then returns the allocator's cache to the
-driver; ``onload`` reverses it. The bytes freed are measured as the drop of
-``torch.cuda.memory_allocated()`` (what the engines can now use) and reported.
+On a GPU, ``offload`` copies every parameter, the optimizer's state and main (fp32) parameters
+to pinned CPU memory and frees their device storage, frees DDP's gradient buffers, then returns
+the allocator's cache to the driver; ``onload`` reverses it. The bytes freed are measured as the
+drop of ``torch.cuda.memory_allocated()`` (what the engines can now use) and reported.
+
+Tensors keep their device while asleep: only their storage is resized to 0 bytes and back (as
+Megatron does with its grad buffers). Moving them with ``t.data = t.data.to("cpu")`` instead
+changes a parameter's device, which makes autograd drop its gradient accumulator, and with it
+the hook through which Megatron's DDP adds each gradient into ``main_grad``: after the first
+wake every gradient went to ``param.grad``, the optimizer saw zeros (grad norm 0, measured on
+an H200) and training silently stopped.
 
 On CPU there is nothing to free: both are logged no-ops.
 """
@@ -11,7 +18,8 @@ On CPU there is nothing to free: both are logged no-ops.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -32,33 +40,65 @@ def _tensors(model: Any, optimizer: Any) -> Iterator[torch.Tensor]:
             yield t
 
 
-def offload(model: Any, optimizer: Any) -> tuple[int, list[torch.Tensor]]:
-    """Move training state to CPU; returns (device bytes freed, the tensors moved). Tensors that
-    already live on the CPU (torch Adam keeps its ``step`` counters there) are left alone, and
-    only the moved ones go back in ``onload``."""
+@dataclass
+class HostCopy:
+    """The bytes of one device storage, kept on the host while the storage is freed."""
+
+    tensor: torch.Tensor  # any tensor on the storage: it keeps the storage object alive
+    host: torch.Tensor  # uint8, pinned when the storage is on a GPU
+
+
+def _bytes_of(storage: Any, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def release_to_host(tensors: Iterable[torch.Tensor]) -> list[HostCopy]:
+    """Copy each distinct storage of ``tensors`` to the host and resize it to 0 bytes."""
+    copies: list[HostCopy] = []
+    seen: set[int] = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+        host.copy_(_bytes_of(storage, t.device))
+        storage.resize_(0)
+        copies.append(HostCopy(t, host))
+    return copies
+
+
+def restore_from_host(copies: Iterable[HostCopy]) -> None:
+    """Give each storage its bytes back (asynchronous on a GPU: synchronise before use)."""
+    for c in copies:
+        storage = c.tensor.untyped_storage()
+        storage.resize_(c.host.numel())
+        _bytes_of(storage, c.tensor.device).copy_(c.host, non_blocking=True)
+
+
+def offload(model: Any, optimizer: Any) -> tuple[int, list[HostCopy]]:
+    """Free the training state's device memory; returns (device bytes freed, the host copies
+    ``onload`` needs). Tensors that live on the CPU (torch Adam keeps its ``step`` counters
+    there) are left alone."""
     if not torch.cuda.is_available():
         log.info("sleep: CPU trainer, nothing to free (no-op)")
         return 0, []
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    moved = [t for t in _tensors(model, optimizer) if t.device.type == "cuda"]
-    for t in moved:
-        t.data = t.data.to("cpu", non_blocking=False).pin_memory()
+    copies = release_to_host(t for t in _tensors(model, optimizer) if t.device.type == "cuda")
     model.offload_grad_buffers(synchronize=True, empty_cache=False)
     torch.cuda.empty_cache()
     freed = before - torch.cuda.memory_allocated()
     log.info("sleep: freed %.1f MiB of device memory", freed / 2**20)
-    return freed, moved
+    return freed, copies
 
 
-def onload(model: Any, moved: list[torch.Tensor]) -> int:
-    """Bring the tensors ``offload`` moved back to the device; returns the bytes allocated."""
+def onload(model: Any, copies: list[HostCopy]) -> int:
+    """Bring back what ``offload`` freed; returns the bytes allocated."""
     if not torch.cuda.is_available():
         log.info("wake: CPU trainer, nothing to restore (no-op)")
         return 0
     before = torch.cuda.memory_allocated()
-    device = torch.device("cuda", torch.cuda.current_device())
-    for t in moved:
-        t.data = t.data.to(device, non_blocking=True)
+    restore_from_host(copies)
     model.restore_grad_buffers(synchronize=True)
     return torch.cuda.memory_allocated() - before

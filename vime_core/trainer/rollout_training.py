@@ -41,7 +41,8 @@ def step_advantages(
     scalars = advantage_column(batch)
     kl = None
     if old is not None and ref is not None:
-        kl = [compute_approx_kl(old[i], ref[i], cfg.kl_loss_type) for i in indices]
+        # On the CPU, where the advantage estimators build their tensors (old/ref live on the device).
+        kl = [compute_approx_kl(old[i], ref[i], cfg.kl_loss_type).cpu() for i in indices]
     advantages, _ = compute_advantages(
         cfg.advantage_estimator,
         [float(scalars[i]) for i in indices],
