@@ -57,6 +57,8 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         **{f"train_{k}" if k in ("loss",) else k: val for k, val in train_metrics.items() if not isinstance(val, (dict, list))},
         "clip_fraction": train_metrics.get("pg_clipfrac", train_metrics.get("clip_fraction")),
         "t_persist": stored.get("t_persist", 0.0),
+        "t_write_s": stored.get("t_write_s", 0.0),
+        "publish_s": (sync.get("seconds") or {}).get("total", 0.0),
         "t_offload": t_offload,
         "t_onload": t_onload_w + t_onload_kv,
         "t_sync": sync.get("t_sync"),

@@ -19,10 +19,13 @@ def _remote_functions():
 
     @ray.remote(num_cpus=0)
     def write(uri: str, batch: dict, lineage: dict) -> dict:
+        import time
+
         from vime_core.storage import BatchStore
 
+        t0 = time.perf_counter()
         ref = BatchStore(uri).write(batch, lineage)
-        return _ref_dict(ref)
+        return {**_ref_dict(ref), "t_write_s": time.perf_counter() - t0}
 
     @ray.remote(num_cpus=0)
     def read(uri: str, run: str, rollout_id: int) -> dict:

@@ -36,6 +36,7 @@ class MegatronTrainer:
         self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
         self.weight_version = 0
         self.last_trained_rollout_id: Optional[int] = None
+        self.optimizer_steps = 0  # a retried rollout id must not add any (tests check it)
         self.hf_checkpoint: Optional[str] = None
         self.model: Any = None
         self.optimizer: Any = None
@@ -104,6 +105,7 @@ class MegatronTrainer:
             "rank": self.layout.rank,
             "weight_version": self.weight_version,
             "last_trained_rollout_id": self.last_trained_rollout_id,
+            "optimizer_steps": self.optimizer_steps,
             "hf_checkpoint": self.hf_checkpoint,
             "initialised": self.model is not None,
         }
@@ -126,6 +128,7 @@ class MegatronTrainer:
         metrics = train_on_rollout(self, batch)
         metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False)
         self.last_trained_rollout_id = rollout_id
+        self.optimizer_steps += int(metrics.get("num_steps", 0))
         self._metrics[rollout_id] = metrics
         for old in sorted(self._metrics)[:-KEEP_METRICS]:
             del self._metrics[old]
@@ -201,6 +204,7 @@ class MegatronTrainer:
             "rng": ckpt.capture_rng_state(),
             "weight_version": self.weight_version,
             "last_trained_rollout_id": self.last_trained_rollout_id,
+            "optimizer_steps": self.optimizer_steps,
             "metrics": self._metrics,
             "extra_state": dict(extra_state or {}),
         }
@@ -227,6 +231,7 @@ class MegatronTrainer:
         ckpt.restore_rng_state(state["rng"])
         self.weight_version = int(state["weight_version"])
         self.last_trained_rollout_id = state["last_trained_rollout_id"]
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self._metrics = dict(state.get("metrics") or {})
         return dict(state["extra_state"])
 
