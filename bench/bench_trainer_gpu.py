@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--check-steps", type=int, default=3, help="training steps recorded in 'check' (0: none)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
+    p.add_argument("--profile", default=None, help="after the variants, profile one step of the first variant into this text file")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare the 'check' sections of two result files")
     return p.parse_args(argv)
 
@@ -310,6 +311,28 @@ def build_trainer(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return trainer, common.hf_config(args.shape)
 
 
+def profile_step(trainer: Any, batch: dict[str, list], opts: Options, spec: str, path: str) -> None:
+    """torch.profiler tables (by CPU time and by device time) of one old-log-prob pass + step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opts.apply(spec)
+    mine = schedule_for(trainer, batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    common.synchronize(trainer.device.type)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        old = recompute_old(trainer, batch, mine)
+        one_step(trainer, batch, mine, old)
+        common.synchronize(trainer.device.type)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    sort_device = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+    text = [f"variant {spec}: wall {wall * 1e3:.1f} ms (profiled)",
+            events.table(sort_by="self_cpu_time_total", row_limit=45),
+            events.table(sort_by=sort_device, row_limit=30)]
+    Path(path).write_text("\n\n".join(text))
+
+
 def add_speedups(result: dict[str, Any]) -> None:
     """Each variant's ratio to the baseline (the first variant that ran)."""
     variants = result["variants"]
@@ -374,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if lay.rank == 0:
         common.write_json(result, args.out)
+    if args.profile and lay.rank == 0 and lay.world_size == 1:
+        profile_step(trainer, batch, opts, args.variants.split(",")[0], args.profile)
     from vime_core.trainer.parallel import destroy_parallel
 
     destroy_parallel()
