@@ -208,8 +208,11 @@ def test_filter_drops_constant_groups_and_oversampling_refills(make_cfg, tokeniz
     samples, metrics = run_loop(make_state(cfg, tokenizer, FakeGenerator()))
     groups = sorted({s.group_index for s in samples})
     assert len(groups) == 4 and all(g % 2 == 1 for g in groups)
-    # One group at a time, so groups complete in order: 0 1 2 3 4 5 6 7 -> 4 dropped, 4 kept.
-    assert metrics["rollout/dropped_groups"] == 4 and metrics["rollout/filter_drop_rate"] == 0.5
+    # Groups finish in a random order; every even one that finished before the 4th odd one was
+    # dropped, and each drop was refilled by a new submission.
+    dropped = metrics["rollout/dropped_groups"]
+    assert dropped >= 1 and metrics["rollout/submitted_groups"] >= 4 + dropped
+    assert metrics["rollout/filter_drop_rate"] == dropped / (dropped + 4)
 
 
 def test_group_rm_scores_each_group_once(make_cfg, tokenizer):
@@ -231,7 +234,9 @@ def test_partial_rollout_aborts_and_requeues_with_masked_tokens(make_cfg, tokeni
     for s in (s for g in buffered for s in g):
         assert s.status is Status.PENDING and s.response_length == 1 and s.loss_mask == [0]
     # Continued next time: the old token stays masked, the new ones train.
-    state.generator = FakeGenerator()
+    # New groups (4, 5) never finish on their own, so the batch is exactly the continued ones.
+    state.generator = FakeGenerator(slow=lambda session: int(session.split("-")[-2]) >= 4)
+    state.engines = [state.generator]
     samples2, _ = run_loop(state, 1)
     continued = [s for s in samples2 if s.group_index in (2, 3)]
     assert len(continued) == 8
