@@ -145,12 +145,15 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="serve and send bf16 (default: fp32, the CPU default)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_publish.json"))
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     out = {
         "bench": "publish",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "repeats": args.repeats,
         "models": {name: bench_model(name, MODELS[name], args) for name in args.models},
     }
+    # The box is shared: the 1-minute load average says how much else ran meanwhile.
+    out["machine"]["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
     text = json.dumps(out, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
