@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
 from tasks.placement import offload_rollout, onload_kv, onload_weights
-from tasks.report import report_iteration
+from tasks.report import CURVE_EVERY, report_iteration
 from tasks.rollout import persist, rollout
 from tasks.sync import sync_weights
 from tasks.train import train
@@ -71,5 +71,5 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     if _due(config.save_interval, rollout_id, last):
         record["checkpoint"] = save_checkpoint(config, rollout_id)["path"]
     record["t_step"] = time.perf_counter() - t0
-    report_iteration(config, rollout_id, record)
+    report_iteration(config, rollout_id, record, draw_curve=(rollout_id + 1) % CURVE_EVERY == 0 or rollout_id == last)
     return record

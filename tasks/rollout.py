@@ -37,6 +37,8 @@ def rollout(config: VimeConfig, rollout_id: int) -> RolloutOutput:
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = time.perf_counter() - t0
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key)
+    # admission stays closed after a run's last sync; a rollout (a resumed or extended run) reopens it
+    ray.get(manager.resume_admission.remote())
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id)
     metrics = dict(ray.get(metrics_ref))
     metrics.setdefault("t_rollout", time.perf_counter() - t0)

@@ -30,7 +30,7 @@ def reward_curve_png(records: list[dict], title: str) -> bytes:
     return buf.getvalue()
 
 
-def write_reward_curve(storage_uri: str, run_name: str, records: list[dict]) -> str:
+def write_reward_curve(storage_uri: str, run_name: str, png: bytes) -> str:
     import fsspec
 
     from vime_core.report.records import run_dir
@@ -39,5 +39,5 @@ def write_reward_curve(storage_uri: str, run_name: str, records: list[dict]) -> 
     fs.makedirs(root, exist_ok=True)
     path = f"{root}/reward_curve.png"
     with fs.open(path, "wb") as f:
-        f.write(reward_curve_png(records, f"vime run {run_name}"))
+        f.write(png)
     return path
