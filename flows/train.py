@@ -51,8 +51,19 @@ def train(config: VimeConfig) -> dict:
         "metrics": f"{root}/metrics.jsonl",
         "reward_curve": f"{root}/reward_curve.png",
     }
+    summary["summary"] = write_summary(config, summary)
     log.info("summary:\n%s", json.dumps(summary, indent=2))
     return summary
+
+
+def write_summary(config: VimeConfig, summary: dict) -> str:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(run_dir(config.storage_uri, config.run_name))
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/summary.json", "w") as f:
+        f.write(json.dumps(summary, indent=2, default=str) + "\n")
+    return f"{run_dir(config.storage_uri, config.run_name)}/summary.json"
 
 
 def _mean(xs):
