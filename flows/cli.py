@@ -24,14 +24,9 @@ def _config_parser(prog: str):
 
 
 def _config_from(ns: dict, parser):
-    from vime_core.config.loader import ConfigError, _from_cli_string, load_config
+    from vime_core.config.loader import config_from_namespace
 
-    path = ns.pop("config_file", None)
-    overrides = {k: (_from_cli_string(k, v) if isinstance(v, str) else v) for k, v in ns.items()}
-    try:
-        return load_config(path, overrides)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    return config_from_namespace(ns, parser)
 
 
 def cmd_train(argv: list[str]) -> int:

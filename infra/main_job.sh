@@ -9,11 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/setup_env.sh
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect}"
-export PREFECT_LOGGING_LEVEL="${PREFECT_LOGGING_LEVEL:-WARNING}"
-# a loaded 2-core machine can take longer than the default 20 s to start the temporary server
-export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-120}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+source infra/env.sh
 mkdir -p "$PREFECT_HOME"
 
 run_name=vime-default

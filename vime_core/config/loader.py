@@ -107,9 +107,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     return make_config(values, source=f"configuration ({path})" if path else "configuration")
 
 
-def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> VimeConfig:
-    parser = build_parser(prog)
-    ns = vars(parser.parse_args(list(argv) if argv is not None else None))
+def config_from_namespace(ns: dict, parser: argparse.ArgumentParser) -> VimeConfig:
+    """The configuration from parsed flags (`--config FILE` plus overrides); a bad value ends
+    the program through `parser.error` with the field named."""
+    ns = dict(ns)
     path = ns.pop("config_file", None)
     overrides = {k: (_from_cli_string(k, v) if isinstance(v, str) else v) for k, v in ns.items()}
     try:
@@ -117,6 +118,11 @@ def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> V
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> VimeConfig:
+    parser = build_parser(prog)
+    return config_from_namespace(vars(parser.parse_args(list(argv) if argv is not None else None)), parser)
 
 
 def config_dict(cfg: VimeConfig) -> dict:

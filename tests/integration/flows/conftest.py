@@ -4,7 +4,6 @@ flow tests. The head is shared by the whole folder; each test uses its own run n
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
@@ -23,36 +22,3 @@ def ray_head(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     local_head.stop_local_head(temp_dir=temp_dir)
-
-
-@pytest.fixture()
-def small_config(tmp_path, ray_head, tiny_model_dir):
-    """The default job, shrunk: 4 prompts x 4 samples, 3 iterations, a checkpoint each."""
-    from vime_core.config import VimeConfig
-
-    return VimeConfig(
-        run_name=f"t-{uuid.uuid4().hex[:8]}",
-        storage_uri=str(tmp_path / "store"),
-        hf_checkpoint=str(tiny_model_dir),
-        ray_address=ray_head,
-        num_rollout=3,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
-        save_interval=1,
-        vllm_server_concurrency=64,
-    )
-
-
-@pytest.fixture()
-def teardown_run():
-    """Removes the runs a test created, even when it fails."""
-    runs = []
-    yield runs.append
-    from vime_core.cluster.run_actors import teardown
-
-    for cfg in runs:
-        try:
-            teardown(cfg.run_name)
-        except Exception:  # a test that failed before Ray came up
-            pass
