@@ -158,7 +158,7 @@ class BatchIndex:
 
     def _read(self, keys: list[str]) -> pa.Table:
         blobs = self.location.get_many(keys)
-        tables = [pq.read_table(io.BytesIO(blobs[k])).cast(INDEX_SCHEMA) for k in keys]
+        tables = [_as_index_table(pq.read_table(io.BytesIO(blobs[k])), k) for k in keys]
         return pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
 
     def snapshot(self) -> tuple[list[str], pa.Table]:
@@ -194,3 +194,15 @@ class BatchIndex:
             self.location.delete(key)
         log.info("compacted %d index files into %d rows at %s", len(read_keys), rows.num_rows, self.location.describe())
         return rows
+
+
+def _as_index_table(table: pa.Table, key: str) -> pa.Table:
+    """One index file as INDEX_SCHEMA, or an error naming the file when its fields differ (an
+    index file written by another index version is refused, never half-read)."""
+    if table.schema.names != INDEX_SCHEMA.names:
+        raise ValueError(
+            f"index file {key} has fields {table.schema.names}, but this index version expects "
+            f"{INDEX_SCHEMA.names}; it was written by another vime version: move it away "
+            f"(its batch stays readable by key) or rebuild the index"
+        )
+    return table.cast(INDEX_SCHEMA)
