@@ -158,6 +158,7 @@ def test_validation_failure_touches_no_engine(tmp_path):
         run_publish(bad, [engine], 1, tmp_path)
     # only the spec was read (and the transport's handshake, which changes nothing)
     assert set(engine.names()) <= {"rpc:vime_weight_spec", "init_weight_transfer"}
+    assert run_publish(w, [engine], 1, tmp_path)["version"] == 1  # nothing left locked or half-done
 
 
 def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path):
@@ -167,6 +168,13 @@ def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path):
         run_publish(w, [engine], 1, tmp_path)
     assert err.value.bytes_moved is True
     assert ("resume",) not in engine.calls
+    # the engine may still map pool files: the next publish packs only after its session starts
+    from vime_core.trainer.transport.shm_pool import shared_pool
+
+    assert shared_pool(str(tmp_path)).clean is False
+    healthy = StubEngine("http://e0", spec_of(w))
+    run_publish(w, [healthy], 2, tmp_path)
+    assert shared_pool(str(tmp_path)).clean is True and set(healthy.loaded) == set(w)
 
 
 def test_failure_before_bytes_moved_closes_the_empty_session_and_resumes(tmp_path, monkeypatch):

@@ -6,9 +6,10 @@
     validate  names, shapes, dtypes against every engine's model (`weight_spec`); a mismatch
               raises here and the engines never notice
     pause     flush = should_flush_cache(interval, v, v0): pause every engine with mode
-              abort + reset the prefix cache when flushing (KV computed by the old weights must
-              not be reused), else mode keep (in-flight requests freeze and continue afterwards)
-    start     open the engines' weight-update session (transport-specific)
+              abort when flushing, else mode keep (in-flight requests freeze and continue
+              afterwards); the first bucket starts packing meanwhile
+    start     open the engines' weight-update session (transport-specific) and, when
+              flushing, reset the prefix cache (KV computed by the old weights must not be reused)
     transfer  pack into buckets of cfg.update_weight_buffer_size bytes and send each
     finish    close the session with the new version
     resume    resume generation on every engine
@@ -25,6 +26,7 @@ Control calls go to each engine directly, never through the router (it drops que
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -140,6 +142,7 @@ async def publish_weights_async(
         if wrong:
             raise PublishError(f"publish v{new_version}: {', '.join(wrong)}", bytes_moved=True)
     finally:
+        await transport.close()
         if owns_clients:
             await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
     total = clock.total()
@@ -185,15 +188,17 @@ async def _apply(
 
     engines = transport.engines
     buckets = nbytes = 0
+    to_send = iter_buckets(tensors, cfg.update_weight_buffer_size, wire)
+    first = next(to_send, None)
     try:
+        if first is not None:
+            transport.stage(first)  # packing overlaps the pause and the session start
         with clock("pause"):
             await _on_all(engines, "pause", "abort" if flush else "keep")
-            if flush:
-                await _on_all(engines, "reset_prefix_cache")
-        with clock("start"):
-            await transport.start()
+        with clock("start"):  # with the prefix-cache flush: both only need the engines paused
+            await asyncio.gather(_on_all(engines, "reset_prefix_cache") if flush else asyncio.sleep(0), transport.start())
         with clock("transfer"):
-            for bucket in iter_buckets(tensors, cfg.update_weight_buffer_size, wire):
+            for bucket in itertools.chain([first] if first is not None else [], to_send):
                 await transport.send_bucket(bucket)
                 buckets += 1
                 nbytes += bucket.nbytes
@@ -212,6 +217,4 @@ async def _apply(
         except Exception as undo_err:  # keep the original error; say the undo failed too
             err.add_note(f"undoing the publish failed as well: {undo_err}")
         raise
-    finally:
-        await transport.close()
     return buckets, nbytes

@@ -3,6 +3,7 @@
 `publish_weights` drives a transport through one versioned update:
 
     await t.prepare(engines)      once per publish: backend handshake (idempotent on the engine)
+    t.stage(first_bucket)         optional head start on packing, before the engines pause
     await t.start()               open the engines' update session
     await t.send_bucket(b)        for each bucket, in order; may return before the engines have
                                   loaded it (a transport may pipeline packing with delivery)
@@ -40,6 +41,10 @@ class WeightTransport(ABC):
 
     async def prepare(self, engines: list["EngineClient"]) -> None:
         self.engines = list(engines)
+
+    def stage(self, bucket: "Bucket") -> None:
+        """Optionally start preparing the first bucket while the engines are being paused; the
+        same bucket then comes to `send_bucket` as usual. Default: nothing."""
 
     @abstractmethod
     async def start(self) -> None: ...

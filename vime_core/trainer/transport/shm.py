@@ -48,42 +48,68 @@ class ShmTransport(WeightTransport):
         self.pool = pool
         self._locked = False
         self._in_flight: asyncio.Task | None = None
+        self._staged: tuple[int, asyncio.Task] | None = None
 
     async def prepare(self, engines) -> None:
         await super().prepare(engines)
         if self.pool is None:
             self.pool = shared_pool(self.shm_dir)
-        await self.on_every_engine("init_weight_transfer", asdict(ShmInitInfo(shm_dir=self.pool.shm_dir)))
-
-    async def start(self) -> None:
-        assert self.pool is not None, "prepare() first"
         if not self.pool.lock.acquire(blocking=False):
             raise RuntimeError(f"another publish in this process is writing the shared-memory pool in {self.shm_dir}")
         self._locked = True
+        await self.on_every_engine("init_weight_transfer", asdict(ShmInitInfo(shm_dir=self.pool.shm_dir)))
+
+    def stage(self, bucket: Bucket) -> None:
+        """Start packing `bucket` now, while the engines are still being paused. Only when every
+        engine let go of the pool at the end of the last session (`pool.clean`); otherwise the
+        bucket is packed in `send_bucket`, after `start` made the engines drop their mappings."""
+        assert self.pool is not None, "prepare() first"
+        if self.pool.clean and self._staged is None:
+            self._staged = (bucket.index, asyncio.create_task(self._pack(bucket)))
+
+    async def start(self) -> None:
+        assert self.pool is not None, "prepare() first"
+        self.pool.clean = False
         # Engines drop their mappings of the previous publish here, before any slot is rewritten.
         await self.on_every_engine("start_weight_update")
         self.session_open = True
 
     async def send_bucket(self, bucket: Bucket) -> None:
-        t0 = time.perf_counter()
-        info = await asyncio.to_thread(write_bucket_file, bucket, self.pool)
-        self.add_time("pack", time.perf_counter() - t0)
+        if self._staged is not None and self._staged[0] == bucket.index:
+            info = await self._staged[1]
+            self._staged = None
+        else:
+            info = await self._pack(bucket)
         await self._drain()
         self.bytes_moved = True
         self._in_flight = asyncio.create_task(self.on_every_engine("update_weights", info.to_dict()))
+
+    async def _pack(self, bucket: Bucket) -> ShmBucketInfo:
+        t0 = time.perf_counter()
+        info = await asyncio.to_thread(write_bucket_file, bucket, self.pool)
+        self.add_time("pack", time.perf_counter() - t0)
+        return info
 
     async def finish(self, version: int) -> None:
         await self._drain()
         t0 = time.perf_counter()
         await self.on_every_engine("finish_weight_update", version)
         self.session_open = False
+        self.pool.clean = True
         self.add_time("finish", time.perf_counter() - t0)
 
+    async def abort(self) -> None:
+        was_open = self.session_open
+        await super().abort()
+        if was_open and self.pool is not None:
+            self.pool.clean = True  # the empty session closed: engines dropped their mappings
+
     async def close(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight.cancel()
-            await asyncio.gather(self._in_flight, return_exceptions=True)
-            self._in_flight = None
+        for task in (self._in_flight, self._staged[1] if self._staged else None):
+            if task is not None:  # a packing thread cannot be cancelled: wait for it to end
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._in_flight = self._staged = None
         if self._locked and self.pool is not None:
             self.pool.lock.release()
             self._locked = False

@@ -34,6 +34,9 @@ class ShmBufferPool:
             raise FileNotFoundError(f"shm transport: {shm_dir!r} (shared-memory folder) does not exist")
         self.shm_dir = shm_dir
         self.lock = threading.Lock()  # one publish at a time writes the pool
+        # True while no engine maps a slot: after a session finished or closed empty. A bucket
+        # may be written before the next session starts only then.
+        self.clean = True
         self._slots: dict[int, tuple[str, mmap.mmap, torch.Tensor]] = {}
         remove_stale_files(shm_dir)
 
