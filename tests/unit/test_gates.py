@@ -15,13 +15,13 @@ def _num_microbatches(cfg) -> list[int]:
 
 
 def test_default_grpo_reuses_log_probs():
-    cfg = load_config(overrides={"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8})
+    cfg = load_config(overrides={"n_samples_per_prompt": 8, "actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8})
     assert _num_microbatches(cfg) == [8]
     assert can_reuse_log_probs_in_loss([8], cfg) is True
 
 
 def test_four_steps_per_rollout_recomputes():
-    cfg = load_config(overrides={"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8, "num_steps_per_rollout": 4})
+    cfg = load_config(overrides={"n_samples_per_prompt": 8, "actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8, "num_steps_per_rollout": 4})
     nmb = _num_microbatches(cfg)
     assert nmb == [2, 2, 2, 2]
     assert can_reuse_log_probs_in_loss(nmb, cfg) is False

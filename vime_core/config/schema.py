@@ -64,7 +64,7 @@ class VimeConfig(BaseModel):
 
     # ---- rollout -------------------------------------------------------------------------------
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")
-    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    n_samples_per_prompt: int = Field(16, ge=1, description="Samples per prompt (the GRPO group size). The default job uses 16: with 8 the tiny model sometimes settled on wrong answers (reward stuck near 0.2 for one seed).")
     over_sampling_batch_size: Optional[int] = Field(None, ge=1, description="Groups submitted at a time while filling the rollout; default: rollout_batch_size.")
     rollout_max_prompt_len: int = Field(16, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
     rollout_max_response_len: int = Field(4, ge=1, description="Maximum generated tokens per sample.")
@@ -109,7 +109,7 @@ class VimeConfig(BaseModel):
     eps_clip_c: Optional[float] = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (Ye et al. 2020); must be > 1. None: off.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term.")
     kl_loss_type: KLLossType = Field("low_var_kl", description="KL estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).")
-    entropy_coef: float = Field(0.01, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy). The default job uses 0.01: in a plain GRPO probe it kept the tiny model exploring and lifted the 80-iteration reward gain from 0.19/0.36/0.38 to 0.47/0.61/0.50 (seeds 1-3). Set 0 for the usual GRPO.")
+    entropy_coef: float = Field(0.01, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy). The default job uses 0.01 to keep the tiny model exploring (a plain GRPO probe: 100-iteration gains 0.84/0.84/0.85 over seeds 1-3 with 16 samples per prompt). Set 0 for the usual GRPO.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     use_rollout_logprobs: bool = Field(False, description="Use the engine's log-probs as the old policy instead of recomputing them.")
