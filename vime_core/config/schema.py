@@ -34,7 +34,7 @@ class VimeConfig(BaseModel):
     run_name: str = Field("vime-default", description="Name of the run. Actors are detached and namespaced by it; a new flow run with the same name attaches to them and resumes.", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     storage_uri: str = Field("runs", description="Where batches, checkpoints and exports go: a local folder or `s3://bucket/prefix` (credentials from the usual AWS variables/profile, never logged).")
     seed: int = Field(1234, description="Seed for data shuffling, sampling and model initialisation.")
-    num_rollout: int = Field(100, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
+    num_rollout: int = Field(60, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
     start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
     save_interval: Optional[int] = Field(20, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
