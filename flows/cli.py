@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -34,7 +35,16 @@ def cmd_train(argv: list[str]) -> int:
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
     from flows.train import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except KeyboardInterrupt:
+        # Ctrl-C also reached Prefect's temporary server (same process group): exit now instead of
+        # letting Prefect's exit hooks retry a server that is gone. Stored batches and checkpoints
+        # are complete files (atomic writes); the caller's cleanup stops engines and actors.
+        sys.stderr.write(f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
+                         f"run again with --run-name {cfg.run_name} to resume\n")
+        sys.stderr.flush()
+        os._exit(130)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

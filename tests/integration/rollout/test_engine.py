@@ -103,10 +103,18 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
             return await request
 
     try:
-        answer = run(straddle())
-        spans = answer["choices"][0]["weight_versions"]
+        # The pause lands "about a third" into the request by timing alone; on a loaded machine
+        # it can miss the request (one span). Such a miss is retried with the weights put back;
+        # a server that never reports two spans still fails.
+        for _attempt in range(3):
+            answer = run(straddle())
+            spans = answer["choices"][0]["weight_versions"]
+            if len(spans) == 2:
+                break
+            _swap_weights(sync, tiny_model_dir, 0)
         assert len(answer["choices"][0]["token_ids"]) == max_tokens
-        assert [s["version"] for s in spans] == ["default", "1"], spans
+        # a fresh server says "default"; after a retry's swap back it says "0"
+        assert len(spans) == 2 and spans[0]["version"] in ("default", "0") and spans[1]["version"] == "1", spans
         assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == max_tokens
         assert sync.weight_version() == 1
     finally:
