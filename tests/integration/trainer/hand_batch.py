@@ -30,6 +30,7 @@ def hand_config(checkpoint: Path, storage: Path, **overrides):
         rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=2, micro_batch_size=1,
         lr=1e-3, clip_grad=1.0,
         hf_checkpoint=str(checkpoint), storage_uri=str(storage), rollout_temperature=1.0,
+        entropy_coef=0.0,  # the plain GRPO loss; the default job's entropy bonus is not under test here
     )
     fields.update(overrides)
     return VimeConfig(**fields)
