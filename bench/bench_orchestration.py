@@ -13,7 +13,6 @@ and writes bench/results/bench_orchestration.json.
     .venv/bin/python bench/bench_orchestration.py --iterations 12
 """
 
-from __future__ import annotations
 
 import argparse
 import json
