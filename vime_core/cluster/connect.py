@@ -9,7 +9,14 @@ log = logging.getLogger(__name__)
 
 # Ray picks a non-loopback address unless this is set in the head and in every driver
 # (see shared ENVIRONMENT.md, "Ray on one machine").
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    # Ray 2.60 turns token auth on for `ray start` and drivers as soon as ~/.ray/auth_token exists
+    # (any bare `ray.init()` on the machine writes one); a head and a driver that disagree then
+    # refuse each other ("InvalidAuthToken"). The local head binds only 127.0.0.1: auth off,
+    # unless the user set RAY_AUTH_MODE.
+    "RAY_AUTH_MODE": "disabled",
+}
 DRIVER_NAMESPACE = "vime"
 
 

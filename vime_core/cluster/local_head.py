@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEMP_DIR = REPO / ".cache" / "ray"
 STATE_FILE = "vime_head.json"
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
 
 
 def _free_port() -> int:
@@ -142,8 +142,8 @@ def start_local_head(
     temp.mkdir(parents=True, exist_ok=True)
     gcs_port = port or _free_port()
     env = {
-        **os.environ,
         **LOOPBACK_ENV,
+        **os.environ,
         "AUTOSCALER_METRIC_PORT": str(_free_port()),
         "DASHBOARD_METRIC_PORT": str(_free_port()),
     }
