@@ -27,11 +27,18 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
+def replace_section(text: str, start: str, end: str, body: str) -> str:
+    """`text` with the part between the `start` and `end` markers replaced by `body` (generated
+    documentation sections: the README's configuration table, docs/lineage.md's schema)."""
+    if start not in text or end not in text:
+        raise ValueError(f"markers {start!r} / {end!r} not found")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def render_into(text: str) -> str:
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"no {START} ... {END} section to fill")
-    return pattern.sub(lambda _: f"{START}\n{config_table()}\n{END}", text)
+    return replace_section(text, START, END, config_table())
 
 
 def main() -> None:

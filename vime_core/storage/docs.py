@@ -24,11 +24,9 @@ def schema_section() -> str:
 
 def render_into(text: str) -> str:
     """`text` with the part between the BEGIN and END markers replaced by schema_section()."""
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"markers {BEGIN!r} / {END!r} not found")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{schema_section()}\n{END}{tail}"
+    from vime_core.config.docs import replace_section
+
+    return replace_section(text, BEGIN, END, schema_section())
 
 
 def main() -> None:
