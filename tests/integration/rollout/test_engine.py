@@ -5,6 +5,7 @@ and session affinity."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ import httpx
 import pytest
 
 from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient
+
+from tests.integration.rollout.conftest import ENGINE_CONTEXT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -82,46 +85,55 @@ def _swap_weights(client: SyncEngineClient, weights_dir: Path, version: int) -> 
     client.reset_prefix_cache()
 
 
-@pytest.mark.skip(reason="timing-dependent: the pause must land while a 200-token request is mid-decode; on the "
-                         "shared 2-core box it missed the request 4 times in a row under load (passed when quiet). "
-                         "Needs a deterministic trigger (a streaming request paused after its first tokens).")
+async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, **params) -> dict:
+    """Stream `/inference/v1/generate` (SSE) and await `on_first_tokens()` as soon as the first
+    chunk with tokens arrives; returns the concatenated tokens and the final chunk's
+    weight_versions (vLLM sets them on the last chunk only)."""
+    body = {"token_ids": token_ids, "stream": True,
+            "sampling_params": {"temperature": TEMPERATURE, "top_k": -1, "top_p": 1.0, **params}}
+    tokens: list[int] = []
+    spans = None
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", f"{url}/inference/v1/generate", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                first = not tokens
+                tokens += choice.get("token_ids") or []
+                spans = choice.get("weight_versions") or spans
+                if first and tokens:
+                    await on_first_tokens()
+    return {"token_ids": tokens, "weight_versions": spans}
+
+
 def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, tiny_model_dir, tmp_path):
+    """The trigger is the request's own first streamed tokens, not a timer: the pause lands
+    after token 1 and, with ~250 tokens still to decode, long before the last one."""
     server = healthy_engines[0]
     sync = SyncEngineClient(server.url)
     new_weights = _perturbed_checkpoint(tiny_model_dir, tmp_path / "v1")
-    max_tokens = 200
+    max_tokens = ENGINE_CONTEXT - len(PROMPT) - 1
+    frozen_at: list[int] = []
 
-    def timed_request() -> float:
-        t0 = time.perf_counter()
-        run(generate(server.url, PROMPT, max_tokens=max_tokens, ignore_eos=True))
-        return time.perf_counter() - t0
-
-    async def straddle(delay_s: float) -> dict:
+    async def swap_while_frozen() -> None:
         async with EngineClient(server.url) as client:
-            request = asyncio.create_task(generate(server.url, PROMPT, max_tokens=max_tokens, ignore_eos=True))
-            await asyncio.sleep(delay_s)  # about a third of the tokens with version 0
             await client.pause("keep")
             assert await client.is_paused()
             await asyncio.to_thread(_swap_weights, sync, new_weights, 1)
+            frozen_at.append(1)
             await client.resume()
-            return await request
 
     try:
-        # The pause lands "about a third" into the request by timing alone; on a loaded machine
-        # it can miss the request (one span). Such a miss is retried with the weights put back;
-        # a server that never reports two spans still fails.
-        for attempt in range(4):
-            # timed right before each try (the first request after start is the slowest), and
-            # earlier on each retry
-            answer = run(straddle(timed_request() / (3 * 2**attempt)))
-            spans = answer["choices"][0]["weight_versions"]
-            if len(spans) == 2:
-                break
-            _swap_weights(sync, tiny_model_dir, 0)
-        assert len(answer["choices"][0]["token_ids"]) == max_tokens
-        # a fresh server says "default"; after a retry's swap back it says "0"
+        answer = run(_stream_generate(server.url, PROMPT, swap_while_frozen, max_tokens=max_tokens, ignore_eos=True))
+        spans = answer["weight_versions"]
+        print(f"weight-version spans of a {max_tokens}-token request paused after its first chunk: {spans}")
+        assert frozen_at and len(answer["token_ids"]) == max_tokens
+        # a fresh server says "default"; one an earlier test swapped says "0"
         assert len(spans) == 2 and spans[0]["version"] in ("default", "0") and spans[1]["version"] == "1", spans
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == max_tokens
+        assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < max_tokens, spans
+        assert spans[1]["end"] == max_tokens
         assert sync.weight_version() == 1
     finally:
         _swap_weights(sync, tiny_model_dir, 0)
