@@ -169,6 +169,9 @@ class EngineServer:
             "--logprobs-mode", str(args.pop("logprobs_mode", "processed_logprobs")),
             "--tensor-parallel-size", str(args.pop("tensor_parallel_size", cfg.rollout_num_gpus_per_engine)),
             "--seed", str(cfg.seed + self.engine_index),
+            # one access-log line per generate request is CPU the rollout needs, and a log that
+            # grows by rollout_batch_size * n_samples_per_prompt lines every iteration
+            "--disable-uvicorn-access-log",
         ]
         if cfg.vllm_enforce_eager:
             cmd.append("--enforce-eager")

@@ -1,6 +1,7 @@
 """RolloutManager: the rollout half of a run in one plain class (the cluster module makes it a
 detached Ray actor). It owns the engines (or attaches to `engine_urls`), the router, the data
-source and the reward hub, and runs one rollout per `generate(rollout_id)` in its own event loop.
+source and the reward hub, and runs every rollout on one long-lived event loop (its own thread),
+so the HTTP connections to the engines and the router stay open between rollouts.
 
 Phases it serves (design section 1): rollout (`generate`, `eval`), offload rollout (`offload`),
 the engine side of sync (`pause_admission`, `onload_weights`, `resume_admission`, `onload_kv`).
@@ -15,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from vime_core.engines.client import EngineClient, run_blocking
+from vime_core.engines.client import EngineClient
+from vime_core.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class RolloutManager:
         self.admission_open.set()
 
         self._owns_servers = servers is None
+        self._loop = LoopThread("rollout-loop")
         if servers is not None:
             self.servers = list(servers)
         elif cfg.engine_urls:
@@ -136,6 +139,7 @@ class RolloutManager:
         for i, client in enumerate(self._engine_clients):
             if client.base_url == old_url:
                 self._engine_clients[i] = fresh = self._client(new_url, client.name)
+                self._loop.submit(client.aclose())
                 if self.router is None:
                     self._generator.add(fresh)
                     self._generator.remove(old_url)
@@ -152,13 +156,9 @@ class RolloutManager:
     def _each_engine(self, method: str, *args: Any) -> list[Any]:
         """A control call on every engine directly, concurrently."""
         async def all_engines() -> list[Any]:
-            clients = [EngineClient(u, f"engine-{i}", supports_sleep=self.supports_sleep) for i, u in enumerate(self.engine_urls())]
-            try:
-                return list(await asyncio.gather(*(getattr(c, method)(*args) for c in clients)))
-            finally:
-                await asyncio.gather(*(c.aclose() for c in clients))
+            return list(await asyncio.gather(*(getattr(c, method)(*args) for c in self._engine_clients)))
 
-        return run_blocking(all_engines)
+        return self._loop.run(all_engines())
 
     # ---- rollout -----------------------------------------------------------------------------
 
@@ -176,15 +176,12 @@ class RolloutManager:
     def generate_samples(self, rollout_id: int) -> tuple[list, dict]:
         """The rollout function's raw output (samples, metrics), for tests and custom drivers."""
         self.health.resume()
-        return run_blocking(lambda: self._in_loop(self.rollout_fn(self.state, rollout_id)))
+        return self._loop.run(self.rollout_fn(self.state, rollout_id))
 
-    async def _in_loop(self, work: Any) -> Any:
-        """Await `work`, then close the HTTP connections this event loop opened."""
-        try:
-            return await work
-        finally:
-            clients = [*self._engine_clients, *getattr(self._generator, "clients", [self._generator])]
-            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+    async def _close_clients(self) -> None:
+        generators = getattr(self, "_generator", None)
+        clients = [*getattr(self, "_engine_clients", []), *getattr(generators, "clients", [generators] if generators else [])]
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
     def eval(self, rollout_id: int) -> dict:
         """Eval rollout over cfg.eval_prompt_data; metrics only. The training data is untouched."""
@@ -195,7 +192,7 @@ class RolloutManager:
             raise ValueError("eval_prompt_data is empty: nothing to evaluate")
         rows = load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer)
         self.health.resume()
-        _, metrics = run_blocking(lambda: self._in_loop(run_eval(self.state, rows, rollout_id)))
+        _, metrics = self._loop.run(run_eval(self.state, rows, rollout_id))
         return metrics
 
     # ---- offload / onload / admission ----------------------------------------------------------
@@ -234,6 +231,13 @@ class RolloutManager:
         health = getattr(self, "health", None)
         if health is not None:
             health.stop()
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            try:
+                loop.run(self._close_clients())
+            except Exception as exc:
+                logger.info("closing engine connections: %s", exc)
+            loop.close()
         if getattr(self, "router", None) is not None:
             self.router.shutdown()
             self.router = None
