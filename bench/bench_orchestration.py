@@ -15,6 +15,7 @@ and writes bench/results/bench_orchestration.json.
 
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--profile", default="", help="write cProfile stats of the iterations after the first here")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
     args = p.parse_args()
 
@@ -57,11 +59,17 @@ def main() -> None:
         config = prepare_assets(config)
         bootstrap(config)
         walls = []
+        profiler = cProfile.Profile() if args.profile else None
         with without_heartbeats():
             for k in range(config.num_rollout):
+                if profiler is not None and k == 1:
+                    profiler.enable()
                 t0 = time.perf_counter()
                 iteration(config, k)
                 walls.append(time.perf_counter() - t0)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
         return walls
 
     try:
@@ -89,7 +97,7 @@ def main() -> None:
     result = {
         "bench": "orchestration_overhead",
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy)",
-        "config": "default job (32 prompts x 8 samples, tiny model), one engine + one Megatron actor colocated",
+        "config": f"default job ({cfg.rollout_batch_size} prompts x {cfg.n_samples_per_prompt} samples, tiny model), one engine + one Megatron actor colocated",
         "iterations": len(rows),
         "median_t_iteration_s": med("t_iteration"),
         "median_overhead_s": med("overhead_s"),

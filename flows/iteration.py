@@ -1,8 +1,10 @@
 """One RL iteration as one Prefect flow run: `iter-k vV->vV+1`.
 
 rollout -> build -> persist -> offload rollout -> train -> onload weights -> sync -> onload KV,
-then eval and save when their intervals say so. Every task is idempotent per rollout id, so a
-retried or re-run iteration picks up where it failed.
+then eval and save when their intervals say so, then (rollout_prefetch) the start of rollout k+1
+on the new weights, which runs while this flow run reports and ends and the next one starts.
+Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
+failed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
 from tasks.placement import offload_rollout, onload_kv, onload_weights
 from tasks.report import CURVE_EVERY, report_iteration
-from tasks.rollout import persist, rollout
+from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
@@ -40,7 +42,7 @@ def _due(interval: int | None, rollout_id: int, last: int) -> bool:
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
     t0 = time.perf_counter()
     v = version_before(rollout_id)
-    out = rollout(config, rollout_id)
+    out = rollout(config, rollout_id, v)
     stored = persist(config, rollout_id, out, str(flow_run.id or ""))
     t_offload = offload_rollout(config, rollout_id)
     train_metrics = train(config, rollout_id, out.batch_ref)
@@ -70,6 +72,8 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         record["eval_reward_mean"] = ev.get("reward_mean")
     if _due(config.save_interval, rollout_id, last):
         record["checkpoint"] = save_checkpoint(config, rollout_id)["path"]
+    if rollout_id != last:
+        start_next_rollout(config, rollout_id + 1, v + 1)
     record["t_step"] = time.perf_counter() - t0
     report_iteration(config, rollout_id, record, draw_curve=(rollout_id + 1) % CURVE_EVERY == 0 or rollout_id == last)
     return record

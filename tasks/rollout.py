@@ -21,9 +21,11 @@ class RolloutOutput:
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
-def rollout(config: VimeConfig, rollout_id: int) -> RolloutOutput:
-    """Design phases rollout + build. Idempotent: a batch already stored for this rollout id is
-    loaded (checksum verified) instead of regenerated."""
+def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> RolloutOutput:
+    """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
+    already stored for this rollout id is loaded (checksum verified) instead of regenerated; a
+    rollout the previous iteration started for this id and version (start_next_rollout) is
+    claimed instead of started."""
     import ray
 
     from vime_core.cluster import batch_io
@@ -39,10 +41,25 @@ def rollout(config: VimeConfig, rollout_id: int) -> RolloutOutput:
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key)
     # admission stays closed after a run's last sync; a rollout (a resumed or extended run) reopens it
     ray.get(manager.resume_admission.remote())
-    batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id)
+    batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
     metrics = dict(ray.get(metrics_ref))
     metrics.setdefault("t_rollout", time.perf_counter() - t0)
     return RolloutOutput(batch_ref, metrics)
+
+
+@task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
+def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> bool:
+    """Start rollout `rollout_id` on the engines now that they hold weights `version`, so it runs
+    while this flow run ends and the next one starts (config.rollout_prefetch). Nothing is
+    started when its batch is already stored. True when started."""
+    import ray
+
+    from vime_core.cluster import batch_io
+
+    if not config.rollout_prefetch or batch_io.stored(config, rollout_id):
+        return False
+    manager, _ = run_handles(config)
+    return bool(ray.get(manager.start_generate.remote(rollout_id, version)))
 
 
 @task(name="persist", task_run_name="persist-{rollout_id}", retries=3, retry_delay_seconds=2, **TASK_DEFAULTS)

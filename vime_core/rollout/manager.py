@@ -6,20 +6,38 @@ so the HTTP connections to the engines and the router stay open between rollouts
 Phases it serves (design section 1): rollout (`generate`, `eval`), offload rollout (`offload`),
 the engine side of sync (`pause_admission`, `onload_weights`, `resume_admission`, `onload_kv`).
 Weight pushes themselves go from the trainer straight to `engine_urls()`.
+
+Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
+weights v, and `generate(k, v)` returns that result. The iteration flow starts rollout k+1 as
+soon as iteration k has synced (and saved), so the rollout runs while Prefect closes flow run k
+and opens k+1 instead of after it. A prefetched rollout is used only for the same rollout id
+and weight version; anything else waits for it, puts the data source back to where it was
+before it, and generates afresh. A checkpoint taken while one is pending records that earlier
+data-source state, so resuming from it repeats the prefetched prompts, never skips them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from vime_core.engines.client import EngineClient
 from vime_core.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefetched:
+    rollout_id: int
+    version: Optional[int]
+    future: concurrent.futures.Future
+    data_source_before: dict
 
 
 class RolloutManager:
@@ -66,6 +84,9 @@ class RolloutManager:
 
         self._owns_servers = servers is None
         self._loop = LoopThread("rollout-loop")
+        self._prefetch_lock = threading.Lock()
+        self._prefetched: Optional[_Prefetched] = None
+        self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         if servers is not None:
             self.servers = list(servers)
         elif cfg.engine_urls:
@@ -162,8 +183,48 @@ class RolloutManager:
 
     # ---- rollout -----------------------------------------------------------------------------
 
-    def generate(self, rollout_id: int) -> tuple[dict, dict]:
-        """One rollout: `(build_batch(samples), metrics)`."""
+    def generate(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
+        """One rollout: `(build_batch(samples), metrics)`; the prefetched one when it was started
+        for this rollout id and weight version (module docstring)."""
+        with self._prefetch_lock:
+            pending, self._prefetched = self._prefetched, None
+        if pending is not None:
+            if pending.rollout_id == rollout_id and pending.version == version:
+                t0 = time.perf_counter()
+                batch, metrics = pending.future.result()
+                metrics["rollout/prefetched"] = 1.0
+                metrics["rollout/time_prefetch_wait_s"] = time.perf_counter() - t0
+                return batch, metrics
+            self._drop(pending, restore=True)
+        return self._generate_now(rollout_id)
+
+    def start_generate(self, rollout_id: int, version: Optional[int] = None) -> bool:
+        """Start rollout `rollout_id` in the background with the engines' current weights
+        (`version`); False when another prefetched rollout is still unclaimed."""
+        with self._prefetch_lock:
+            if self._prefetched is not None:
+                return False
+            before = self.data_source.state_dict()
+            future = self._prefetch_pool.submit(self._generate_now, rollout_id)
+            self._prefetched = _Prefetched(rollout_id, version, future, before)
+            return True
+
+    def discard_prefetch(self, restore_data_source: bool = True) -> None:
+        with self._prefetch_lock:
+            pending, self._prefetched = self._prefetched, None
+        if pending is not None:
+            self._drop(pending, restore_data_source)
+
+    def _drop(self, pending: _Prefetched, restore: bool) -> None:
+        try:  # it uses the data source and the engines: let it end first
+            pending.future.result()
+        except Exception as exc:
+            logger.info("prefetched rollout %d ended with %s", pending.rollout_id, exc)
+        if restore:
+            self.data_source.load_state_dict(pending.data_source_before)
+        logger.warning("discarded the prefetched rollout %d (weights v%s)", pending.rollout_id, pending.version)
+
+    def _generate_now(self, rollout_id: int) -> tuple[dict, dict]:
         from vime_core.data.batch import build_batch
 
         samples, metrics = self.generate_samples(rollout_id)
@@ -222,15 +283,22 @@ class RolloutManager:
     # ---- state -------------------------------------------------------------------------------
 
     def data_source_state(self) -> dict:
-        return self.data_source.state_dict()
+        """The data source's state; while a prefetched rollout is unclaimed, the state before it."""
+        with self._prefetch_lock:
+            pending = self._prefetched
+        return pending.data_source_before if pending is not None else self.data_source.state_dict()
 
     def load_data_source_state(self, state: dict) -> None:
+        self.discard_prefetch(restore_data_source=False)
         self.data_source.load_state_dict(state)
 
     def shutdown(self) -> None:
         health = getattr(self, "health", None)
         if health is not None:
             health.stop()
+        pool = getattr(self, "_prefetch_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         loop = getattr(self, "_loop", None)
         if loop is not None:
             try:

@@ -46,6 +46,30 @@ def check_batch_shape(batch: dict, groups: int, n: int) -> None:
         assert len(batch["loss_mask"][i]) == len(batch["rollout_log_probs"][i]) == batch["response_length"][i]
 
 
+def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_back(make_manager):
+    manager = make_manager(router_policy="round_robin")
+    before = manager.data_source_state()
+    assert manager.start_generate(0, 1)
+    assert not manager.start_generate(1, 1), "one prefetched rollout at a time"
+    # a checkpoint taken while it is unclaimed records the state before it
+    assert manager.data_source_state() == before
+    batch, metrics = manager.generate(0, 1)
+    assert metrics["rollout/prefetched"] == 1.0
+    check_batch_shape(batch, 4, 4)
+    after_first = manager.data_source_state()
+    assert after_first != before
+
+    # started at weights v2 but asked for at v3: waited for, data source put back, generated afresh
+    assert manager.start_generate(1, 2)
+    batch2, metrics2 = manager.generate(1, 3)
+    assert "rollout/prefetched" not in metrics2
+    # the afresh rollout drew the same prompts the discarded one had drawn: none skipped
+    manager.load_data_source_state(after_first)
+    batch3, _ = manager.generate(1)
+    assert sorted(set(batch2["prompt_id"])) == sorted(set(batch3["prompt_id"]))
+    assert set(batch2["prompt_id"]).isdisjoint(batch["prompt_id"])
+
+
 def test_full_loop_router_arith_reward(make_manager):
     manager = make_manager(router_policy="consistent_hash")
     batch, metrics = manager.generate(0)
