@@ -1,16 +1,23 @@
 """Orchestration overhead per iteration on the default configuration.
 
-    overhead = T_iteration (wall time of the iteration flow run, measured by its caller)
+    overhead = sum over steady iterations of T_iteration (wall time of the iteration flow run,
+               measured by its caller, the train-like parent flow)
              - sum of the phases' compute measured inside the actors:
                rollout generate + build (RolloutManager), batch write (Ray task next to the data),
                train (MegatronTrainer), weight publish (rank 0's publish_weights total)
+    overhead_frac = overhead / sum of T_iteration
 
 So the overhead is everything vime adds around the work: Prefect flow/task runs, Ray actor
-calls and object transfers, the report. Target: < 2% of T_step. Also reported: the same split
-per phase. Prints JSON (medians over the iterations after the first, which includes warm-up)
-and writes bench/results/bench_orchestration.json.
+calls and object transfers, the report, and the persist bookkeeping around the write. Target:
+< 2% of T_step. Sums rather than per-iteration medians because with rollout_prefetch part of
+rollout k+1 runs inside iteration k's wall time: over a window of iterations the part entering
+at the end and the part leaving at the start cancel.
 
-    .venv/bin/python bench/bench_orchestration.py --iterations 12
+Both modes run in one invocation, same machine, one after the other: rollout_prefetch on (the
+default) and off (every phase in series: the serial cost of Prefect + Ray per iteration).
+Prints JSON and writes bench/results/bench_orchestration.json.
+
+    .venv/bin/python bench/bench_orchestration.py --iterations 16
 """
 
 
@@ -28,17 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--profile", default="", help="write cProfile stats of the iterations after the first here")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
-    args = p.parse_args()
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="vime-bench-prefect-"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
     from prefect import flow
 
     from flows.iteration import iteration
@@ -47,19 +44,20 @@ def main() -> None:
     from vime_core.cluster import local_head
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import VimeConfig
+    from vime_core.report.overhead import overhead
     from vime_core.report.records import read_records
 
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
-    cfg = VimeConfig(run_name="bench-orch", storage_uri=str(work / "store"), ray_address=address,
-                     num_rollout=args.iterations, save_interval=10**6)
+    cfg = VimeConfig(run_name=f"bench-orch-{'prefetch' if prefetch else 'serial'}", storage_uri=str(work / "store"),
+                     ray_address=address, num_rollout=iterations, save_interval=10**6, rollout_prefetch=prefetch)
 
     @flow(name="bench-orchestration")
     def run(config: VimeConfig) -> list[float]:
         config = prepare_assets(config)
         bootstrap(config)
         walls = []
-        profiler = cProfile.Profile() if args.profile else None
+        profiler = cProfile.Profile() if profile else None
         with without_heartbeats():
             for k in range(config.num_rollout):
                 if profiler is not None and k == 1:
@@ -69,46 +67,79 @@ def main() -> None:
                 walls.append(time.perf_counter() - t0)
         if profiler is not None:
             profiler.disable()
-            profiler.dump_stats(args.profile)
+            profiler.dump_stats(profile)
         return walls
 
     try:
         walls = run(cfg)
-        records = read_records(cfg.storage_uri if "://" in cfg.storage_uri else str(work / "store"), cfg.run_name)
+        records = read_records(str(work / "store"), cfg.run_name)
     finally:
         try:
             teardown(cfg.run_name)
         finally:
+            import ray
+
+            ray.shutdown()  # the next mode starts another head; this driver must not keep the old one
             local_head.stop_local_head(temp_dir=work / "ray")
 
     rows = []
     for wall, rec in zip(walls, records):
-        compute = {
+        compute = {  # the split of overhead.compute_seconds
             "rollout": rec.get("time_total_s", 0.0) + rec.get("time_build_s", 0.0),
-            "persist": rec.get("t_write_s", 0.0),
+            "persist_write": rec.get("t_write_s", 0.0),
             "train": rec.get("train_time_s", 0.0),
             "sync": rec.get("publish_s", 0.0),
         }
-        total = sum(compute.values())
-        rows.append({"rollout_id": rec["rollout_id"], "t_iteration": wall, "t_step": rec.get("t_step"),
-                     "compute": compute, "overhead_s": wall - total, "overhead_frac": (wall - total) / wall})
-    steady = rows[1:] or rows
-    med = lambda key: statistics.median(r[key] for r in steady)
-    result = {
-        "bench": "orchestration_overhead",
-        "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy)",
-        "config": f"default job ({cfg.rollout_batch_size} prompts x {cfg.n_samples_per_prompt} samples, tiny model), one engine + one Megatron actor colocated",
-        "iterations": len(rows),
-        "median_t_iteration_s": med("t_iteration"),
-        "median_overhead_s": med("overhead_s"),
-        "median_overhead_frac": med("overhead_frac"),
+        rows.append({"rollout_id": rec["rollout_id"], "t_iteration": wall, "t_step_in_flow": rec.get("t_step"),
+                     "t_persist": rec.get("t_persist", 0.0), "compute": compute, "prefetched": bool(rec.get("prefetched"))})
+    # the first iteration warms up; the last one starts no next rollout
+    steady = rows[1:-1] if len(rows) > 3 else rows
+    split = overhead(walls, records)
+    return {
+        "rollout_prefetch": prefetch,
+        "iterations_in_window": split["window"],
+        "mean_t_iteration_s": split["mean_wall_s"],
+        "median_t_iteration_s": statistics.median(r["t_iteration"] for r in steady),
+        "mean_compute_s": split["mean_compute_s"],
+        "mean_overhead_s": split["mean_overhead_s"],
+        "overhead_frac": split["fraction"],
         "median_compute_s": {k: statistics.median(r["compute"][k] for r in steady) for k in steady[0]["compute"]},
-        "target_overhead_frac": 0.02,
+        "median_t_persist_s": statistics.median(r["t_persist"] for r in steady),
         "rows": rows,
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iterations", type=int, default=16)
+    p.add_argument("--modes", default="prefetch,serial", help="comma list of prefetch / serial")
+    p.add_argument("--profile", default="", help="write cProfile stats (iterations after the first) to PATH.<mode>")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
+    args = p.parse_args()
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="vime-bench-prefect-"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+    load_start = os.getloadavg()[0]
+    modes = {}
+    for mode in args.modes.split(","):
+        modes[mode] = run_mode(args.iterations, mode == "prefetch", f"{args.profile}.{mode}" if args.profile else "")
+    result = {
+        "bench": "orchestration_overhead",
+        "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+        "config": "default job (32 prompts x 16 samples, tiny model), one engine + one Megatron actor colocated",
+        "definition": "vime_core/report/overhead.py: (sum of T_iteration - sum of actor compute) / sum of T_iteration over iterations 1..N-2",
+        "target_overhead_frac": 0.02,
+        "modes": {m: {k: v for k, v in r.items() if k != "rows"} for m, r in modes.items()},
+    }
+    if "prefetch" in modes and "serial" in modes:
+        result["t_iteration_ratio_prefetch_over_serial"] = modes["prefetch"]["mean_t_iteration_s"] / modes["serial"]["mean_t_iteration_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    Path(args.out).write_text(json.dumps({**result, "rows": {m: r["rows"] for m, r in modes.items()}}, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vime_core.report.overhead import overhead  # noqa: E402
 from vime_core.report.records import PHASES, read_records, reward_gain, run_dir  # noqa: E402
 
 
@@ -33,13 +34,10 @@ def summarise(storage: str, run: str) -> dict:
         "t_step_median_s": statistics.median(r["t_step"] for r in steady),
         "phase_median_s": {p: statistics.median(r.get("t_" + p, 0.0) for r in steady) for p in PHASES},
         "train_flow_wall_s": summary.get("wall_seconds"),
-        # T_step minus the work measured inside the actors (rollout generate + build, batch
-        # write, train, publish): Prefect task runs, Ray calls and transfers inside the
-        # iteration. The iteration flow run's own start/finish (~0.33 s) is outside T_step.
-        "in_flow_overhead_frac_median": statistics.median(
-            (r["t_step"] - sum(r.get(k, 0.0) for k in ("time_total_s", "time_build_s", "t_write_s", "train_time_s", "publish_s"))) / r["t_step"]
-            for r in steady
-        ),
+        # the loop's period, flow-run start/end included: the honest seconds per iteration
+        "iteration_wall_median_s": summary.get("iteration_wall_median"),
+        # (sum of iteration walls - sum of actor compute) / sum of walls: vime_core/report/overhead.py
+        "orchestration_overhead": overhead(summary.get("iteration_walls") or [], records[-len(summary.get("iteration_walls") or []):] if summary.get("iteration_walls") else []),
     }
 
 

@@ -44,12 +44,15 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     v = version_before(rollout_id)
     out = rollout(config, rollout_id, v)
     stored = persist(config, rollout_id, out, str(flow_run.id or ""))
-    t_offload = offload_rollout(config, rollout_id)
+    # offload/onload tasks run only where engines sleep: on the CPU default they would be no-op
+    # task runs, ~12 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
+    moves = config.offload_rollout
+    t_offload = offload_rollout(config, rollout_id) if moves else 0.0
     train_metrics = train(config, rollout_id, out.batch_ref)
-    t_onload_w = onload_weights(config, rollout_id)
+    t_onload_w = onload_weights(config, rollout_id) if moves else 0.0
     last = config.num_rollout - 1
     sync = sync_weights(config, v + 1, resume_admission=rollout_id != last)
-    t_onload_kv = onload_kv(config, rollout_id)
+    t_onload_kv = onload_kv(config, rollout_id) if moves else 0.0
     record = {
         "rollout_id": rollout_id,
         "version_before": v,

@@ -30,9 +30,12 @@ def train(config: VimeConfig) -> dict:
         dump_config(config, f"{run_dir(config.storage_uri, config.run_name)}/config.json")
     boot = bootstrap(config)
     start = config.start_rollout_id if config.start_rollout_id is not None else boot["next_rollout_id"]
+    iteration_walls = []  # each iteration flow run, start to end, as this flow sees it
     with without_heartbeats():
         for rollout_id in range(start, config.num_rollout):
+            t_iter = time.perf_counter()
             iteration(config, rollout_id)
+            iteration_walls.append(time.perf_counter() - t_iter)
     compact_index(config)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
@@ -44,6 +47,9 @@ def train(config: VimeConfig) -> dict:
         "reward_last3": _mean([r.get("reward_mean") for r in records[-3:]]),
         "reward_gain": reward_gain(records),
         "t_step_median": _median([r.get("t_step") for r in records]),
+        # the period of the loop: T_step plus the flow run's own start and end (what a user waits)
+        "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
+        "iteration_walls": iteration_walls,
         "wall_seconds": time.perf_counter() - t0,
         "batches": run_dir(config.storage_uri, config.run_name, "batches"),
         "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),

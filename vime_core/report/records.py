@@ -69,10 +69,12 @@ def _fmt(x, spec=".3f") -> str:
 def console_line(rec: dict) -> str:
     """`iter 7 v8->v9 reward 0.531 len 2.1 clip 0.012 T_step 2.41s [rollout 0.62 build 0.01 ...]`"""
     phases = " ".join(f"{p} {_fmt(rec.get('t_' + p), '.2f')}" for p in PHASES)
+    # a prefetched rollout started in the previous iteration: its T_rollout is the wait for it
+    early = f" (started early, {_fmt(rec.get('time_total_s'), '.2f')} generating)" if rec.get("prefetched") else ""
     return (
         f"iter {rec['rollout_id']:>3} v{rec.get('version_before', '?')}->v{rec.get('version_after', '?')} "
         f"reward {_fmt(rec.get('reward_mean'))} len {_fmt(rec.get('response_len_mean'), '.2f')} "
-        f"clip {_fmt(rec.get('clip_fraction'))} T_step {_fmt(rec.get('t_step'), '.2f')}s [{phases}]"
+        f"clip {_fmt(rec.get('clip_fraction'))} T_step {_fmt(rec.get('t_step'), '.2f')}s [{phases}]{early}"
     )
 
 
