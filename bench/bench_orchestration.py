@@ -13,11 +13,12 @@ calls and object transfers, the report, and the persist bookkeeping around the w
 rollout k+1 runs inside iteration k's wall time: over a window of iterations the part entering
 at the end and the part leaving at the start cancel.
 
-Both modes run in one invocation, same machine, one after the other: rollout_prefetch on (the
-default) and off (every phase in series: the serial cost of Prefect + Ray per iteration).
-Prints JSON and writes bench/results/bench_orchestration.json.
+Both modes run in one invocation, same machine, interleaved `--repeats` times: rollout_prefetch
+on (the default) and off (every phase in series: the serial cost of Prefect + Ray per
+iteration). Each run is its own Ray head + bootstrap. Reports the median over runs of each
+mode and the per-repeat wall ratio. Prints JSON and writes bench/results/bench_orchestration.json.
 
-    .venv/bin/python bench/bench_orchestration.py --iterations 16
+    .venv/bin/python bench/bench_orchestration.py --iterations 16 --repeats 3
 """
 
 
@@ -113,6 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--modes", default="prefetch,serial", help="comma list of prefetch / serial")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)")
     p.add_argument("--profile", default="", help="write cProfile stats (iterations after the first) to PATH.<mode>")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
     args = p.parse_args()
@@ -124,21 +126,34 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
     load_start = os.getloadavg()[0]
-    modes = {}
-    for mode in args.modes.split(","):
-        modes[mode] = run_mode(args.iterations, mode == "prefetch", f"{args.profile}.{mode}" if args.profile else "")
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for mode in args.modes.split(","):
+            runs.setdefault(mode, []).append(run_mode(args.iterations, mode == "prefetch", f"{args.profile}.{mode}" if args.profile else ""))
+    summary_keys = ("mean_t_iteration_s", "mean_compute_s", "mean_overhead_s", "overhead_frac")
+    modes = {
+        mode: {
+            **{f"median_of_runs_{k}": statistics.median(r[k] for r in rs) for k in summary_keys},
+            "runs": [{k: v for k, v in r.items() if k != "rows"} for r in rs],
+        }
+        for mode, rs in runs.items()
+    }
     result = {
         "bench": "orchestration_overhead",
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end",
         "config": "default job (32 prompts x 16 samples, tiny model), one engine + one Megatron actor colocated",
         "definition": "vime_core/report/overhead.py: (sum of T_iteration - sum of actor compute) / sum of T_iteration over iterations 1..N-2",
+        "iterations_per_run": args.iterations,
+        "repeats": args.repeats,
         "target_overhead_frac": 0.02,
-        "modes": {m: {k: v for k, v in r.items() if k != "rows"} for m, r in modes.items()},
+        "modes": modes,
     }
     if "prefetch" in modes and "serial" in modes:
-        result["t_iteration_ratio_prefetch_over_serial"] = modes["prefetch"]["mean_t_iteration_s"] / modes["serial"]["mean_t_iteration_s"]
+        result["t_iteration_ratio_prefetch_over_serial"] = (
+            modes["prefetch"]["median_of_runs_mean_t_iteration_s"] / modes["serial"]["median_of_runs_mean_t_iteration_s"])
+        result["per_repeat_ratio"] = [a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({**result, "rows": {m: r["rows"] for m, r in modes.items()}}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

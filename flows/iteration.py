@@ -22,6 +22,7 @@ from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
+from vime_core.engines.server import platform_supports_sleep
 
 
 def version_before(rollout_id: int) -> int:
@@ -44,9 +45,9 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     v = version_before(rollout_id)
     out = rollout(config, rollout_id, v)
     stored = persist(config, rollout_id, out, str(flow_run.id or ""))
-    # offload/onload tasks run only where engines sleep: on the CPU default they would be no-op
-    # task runs, ~12 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
-    moves = config.offload_rollout
+    # offload/onload tasks run only where engines can sleep: on CPU they would be no-op task
+    # runs, ~12 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
+    moves = config.offload_rollout and platform_supports_sleep(config)
     t_offload = offload_rollout(config, rollout_id) if moves else 0.0
     train_metrics = train(config, rollout_id, out.batch_ref)
     t_onload_w = onload_weights(config, rollout_id) if moves else 0.0

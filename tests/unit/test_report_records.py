@@ -28,6 +28,28 @@ def test_console_line_names_versions_and_phases():
     assert "iter   7 v8->v9" in line and "reward 0.500" in line and "rollout 1.00" in line and "sync -" in line
 
 
+def test_console_line_says_when_the_rollout_started_early():
+    base = {"rollout_id": 3, "t_rollout": 0.4, "time_total_s": 1.3}
+    assert "started early, 1.30 generating" in console_line({**base, "prefetched": 1.0})
+    assert "started early" not in console_line(base)
+
+
+def test_overhead_is_wall_minus_actor_compute_over_the_steady_window():
+    from vime_core.report.overhead import compute_seconds, overhead
+
+    records = [{"time_total_s": 1.0 + i, "time_build_s": 0.1, "t_write_s": 0.2, "train_time_s": 0.5, "publish_s": 0.1}
+               for i in range(6)]
+    walls = [2.5 + i for i in range(6)]  # 0.6 s more than the compute of each iteration
+    assert abs(compute_seconds(records[0]) - 1.9) < 1e-12
+    split = overhead(walls, records)
+    window = range(1, 5)  # first (warm-up) and last (starts no next rollout) left out
+    wall = sum(walls[i] for i in window)
+    assert split["window"] == 4
+    assert abs(split["mean_overhead_s"] - 0.6) < 1e-9
+    assert abs(split["fraction"] - 4 * 0.6 / wall) < 1e-12
+    assert overhead([], [])["fraction"] is None
+
+
 def test_reward_curve_is_a_png():
     png = reward_curve_png([{"rollout_id": i, "reward_mean": i / 4} for i in range(5)], "t")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
