@@ -1,7 +1,7 @@
 """Orchestration overhead per iteration on the default configuration.
 
     overhead = sum over steady iterations of T_iteration (wall time of the iteration flow run,
-               measured by its caller, the train-like parent flow)
+               measured by its caller, the train flow)
              - sum of the phases' compute measured inside the actors:
                rollout generate + build (RolloutManager), batch write (Ray task next to the data),
                train (MegatronTrainer), weight publish (rank 0's publish_weights total)
@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,42 +36,27 @@ sys.path.insert(0, str(REPO))
 
 
 def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
-    from prefect import flow
-
-    from flows.iteration import iteration
-    from flows.settings import without_heartbeats
-    from tasks.bootstrap import bootstrap, prepare_assets
+    """One run of the real `train` flow on its own local Ray head; its summary has the wall time
+    of every iteration flow run as the train flow saw it."""
+    from flows.train import train
     from vime_core.cluster import local_head
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import VimeConfig
-    from vime_core.report.overhead import overhead
+    from vime_core.report.overhead import compute_split, overhead, steady_window
     from vime_core.report.records import read_records
 
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
     cfg = VimeConfig(run_name=f"bench-orch-{'prefetch' if prefetch else 'serial'}", storage_uri=str(work / "store"),
                      ray_address=address, num_rollout=iterations, save_interval=10**6, rollout_prefetch=prefetch)
-
-    @flow(name="bench-orchestration")
-    def run(config: VimeConfig) -> list[float]:
-        config = prepare_assets(config)
-        bootstrap(config)
-        walls = []
-        profiler = cProfile.Profile() if profile else None
-        with without_heartbeats():
-            for k in range(config.num_rollout):
-                if profiler is not None and k == 1:
-                    profiler.enable()
-                t0 = time.perf_counter()
-                iteration(config, k)
-                walls.append(time.perf_counter() - t0)
+    profiler = cProfile.Profile() if profile else None
+    try:
+        if profiler is not None:
+            profiler.enable()
+        walls = train(cfg)["iteration_walls"]
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(profile)
-        return walls
-
-    try:
-        walls = run(cfg)
         records = read_records(str(work / "store"), cfg.run_name)
     finally:
         try:
@@ -83,18 +67,10 @@ def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
             ray.shutdown()  # the next mode starts another head; this driver must not keep the old one
             local_head.stop_local_head(temp_dir=work / "ray")
 
-    rows = []
-    for wall, rec in zip(walls, records):
-        compute = {  # the split of overhead.compute_seconds
-            "rollout": rec.get("time_total_s", 0.0) + rec.get("time_build_s", 0.0),
-            "persist_write": rec.get("t_write_s", 0.0),
-            "train": rec.get("train_time_s", 0.0),
-            "sync": rec.get("publish_s", 0.0),
-        }
-        rows.append({"rollout_id": rec["rollout_id"], "t_iteration": wall, "t_step_in_flow": rec.get("t_step"),
-                     "t_persist": rec.get("t_persist", 0.0), "compute": compute, "prefetched": bool(rec.get("prefetched"))})
-    # the first iteration warms up; the last one starts no next rollout
-    steady = rows[1:-1] if len(rows) > 3 else rows
+    rows = [{"rollout_id": rec["rollout_id"], "t_iteration": wall, "t_step_in_flow": rec.get("t_step"),
+             "t_persist": rec.get("t_persist", 0.0), "compute": compute_split(rec), "prefetched": bool(rec.get("prefetched"))}
+            for wall, rec in zip(walls, records)]
+    steady = steady_window(rows)
     split = overhead(walls, records)
     return {
         "rollout_prefetch": prefetch,
@@ -115,7 +91,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--modes", default="prefetch,serial", help="comma list of prefetch / serial")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)")
-    p.add_argument("--profile", default="", help="write cProfile stats (iterations after the first) to PATH.<mode>")
+    p.add_argument("--profile", default="", help="write cProfile stats of each train flow run to PATH.<mode>")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
     args = p.parse_args()
 

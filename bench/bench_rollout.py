@@ -37,10 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vime_core.config import make_config  # noqa: E402
-from vime_core.data.sample import Sample  # noqa: E402
-from vime_core.models.tiny import CHARACTERS, build_tiny_model  # noqa: E402
+from vime_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, VOCAB, build_tiny_model  # noqa: E402
 
 PROMPT_CHARS, NEW_TOKENS, GROUP_SIZE = 31, 64, 4
+OVERHEAD_SAMPLES = 256  # the reference implementation's figure is per 256 samples
+OVERHEAD_GROUPS = OVERHEAD_SAMPLES // GROUP_SIZE
 SHAPE = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64, intermediate_size=2048)
 
 
@@ -125,9 +126,9 @@ def overhead_per_256(model_dir: Path, data: Path) -> dict:
     from vime_core.rewards.hub import RewardHub
     from vime_core.rollout.loop import RolloutState, generate_rollout
 
-    cfg = make_cfg(model_dir, data, 64, custom_generate_function_path="")
+    cfg = make_cfg(model_dir, data, OVERHEAD_GROUPS, custom_generate_function_path="")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokens = list(range(3, 19)) * 4
+    tokens = [len(SPECIAL_TOKENS) + i % len(CHARACTERS) for i in range(NEW_TOKENS)]  # character ids
     answer = {"choices": [{"token_ids": tokens, "finish_reason": "length",
                            "logprobs": {"content": [{"token_id": t, "logprob": -1.5} for t in tokens]},
                            "weight_versions": [{"version": "1", "start": 0, "end": NEW_TOKENS}]}],
@@ -146,12 +147,12 @@ def overhead_per_256(model_dir: Path, data: Path) -> dict:
     for _ in range(5):
         state = RolloutState(cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg),
                              generator=InstantEngine(), engines=[], tokenizer=tokenizer, group_filter=keep_all,
-                             eos_token_id=tokenizer.eos_token_id, concurrency=256)
+                             eos_token_id=tokenizer.eos_token_id, concurrency=OVERHEAD_SAMPLES)
         t0 = time.perf_counter()
         samples, _ = asyncio.run(generate_rollout(state, 0))
         build_batch(samples, cfg)
         times.append(time.perf_counter() - t0)
-    assert len(samples) == 256
+    assert len(samples) == OVERHEAD_SAMPLES
     return {"framework_s_per_256": statistics.median(times), "repeats": len(times)}
 
 
@@ -167,14 +168,14 @@ def main() -> None:
     cache = REPO / ".cache" / "bench"
     model_dir = build_tiny_model(cache / "models" / "rollout-85m", family="qwen3", seed=0, **SHAPE)
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    data = write_prompts(work / "prompts.jsonl", max(args.groups, 64))
+    data = write_prompts(work / "prompts.jsonl", max(args.groups, OVERHEAD_GROUPS))
     cfg = make_cfg(model_dir, data, args.groups)
     out = Path(args.out)
     result: dict = {
         "bench": "bench_rollout",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_at_start": os.getloadavg()},
-        "model": {"params_m": round(model_params(model_dir) / 1e6, 1), "vocab": 19, **SHAPE},
+        "model": {"params_m": round(model_params(model_dir) / 1e6, 1), "vocab": len(VOCAB), **SHAPE},
         "targets": {"vime_vs_direct": 0.95, "vime_vs_transformers": 1.5, "overhead_pct_per_256": 1.0},
     }
 
@@ -224,7 +225,7 @@ def main() -> None:
         })
         save("vllm")
         # Framework overhead at 256 samples: the real rollout time of 256 samples, once.
-        manager.cfg.rollout_batch_size = 64
+        manager.cfg.rollout_batch_size = OVERHEAD_GROUPS
         wall_256, tokens_256, metrics_256 = vime_rollout(manager, 100)
     finally:
         manager.shutdown()

@@ -25,6 +25,7 @@ def summarise(storage: str, run: str) -> dict:
     steady = records[1:] or records
     summary_path = Path(run_dir(storage, run)) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    walls = summary.get("iteration_walls") or []  # one per iteration flow run of the last train flow
     return {
         "run": run,
         "iterations": len(records),
@@ -37,7 +38,7 @@ def summarise(storage: str, run: str) -> dict:
         # the loop's period, flow-run start/end included: the honest seconds per iteration
         "iteration_wall_median_s": summary.get("iteration_wall_median"),
         # (sum of iteration walls - sum of actor compute) / sum of walls: vime_core/report/overhead.py
-        "orchestration_overhead": overhead(summary.get("iteration_walls") or [], records[-len(summary.get("iteration_walls") or []):] if summary.get("iteration_walls") else []),
+        "orchestration_overhead": overhead(walls, records[-len(walls):]),
     }
 
 

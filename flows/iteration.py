@@ -16,13 +16,12 @@ from prefect.runtime import flow_run
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
-from tasks.placement import offload_rollout, onload_kv, onload_weights
+from tasks.placement import engines_sleep, offload_rollout, onload_kv, onload_weights
 from tasks.report import CURVE_EVERY, report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
-from vime_core.engines.server import platform_supports_sleep
 
 
 def version_before(rollout_id: int) -> int:
@@ -47,7 +46,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     stored = persist(config, rollout_id, out, str(flow_run.id or ""))
     # offload/onload tasks run only where engines can sleep: on CPU they would be no-op task
     # runs, ~12 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
-    moves = config.offload_rollout and platform_supports_sleep(config)
+    moves = engines_sleep(config)
     t_offload = offload_rollout(config, rollout_id) if moves else 0.0
     train_metrics = train(config, rollout_id, out.batch_ref)
     t_onload_w = onload_weights(config, rollout_id) if moves else 0.0
@@ -76,8 +75,8 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         record["eval_reward_mean"] = ev.get("reward_mean")
     if _due(config.save_interval, rollout_id, last):
         record["checkpoint"] = save_checkpoint(config, rollout_id)["path"]
-    if rollout_id != last:
+    if config.rollout_prefetch and rollout_id != last:
         start_next_rollout(config, rollout_id + 1, v + 1)
     record["t_step"] = time.perf_counter() - t0
-    report_iteration(config, rollout_id, record, draw_curve=(rollout_id + 1) % CURVE_EVERY == 0 or rollout_id == last)
+    report_iteration(config, rollout_id, record, draw_curve=_due(CURVE_EVERY, rollout_id, last))
     return record

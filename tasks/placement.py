@@ -11,12 +11,20 @@ from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
 
 
+def engines_sleep(config: VimeConfig) -> bool:
+    """Whether offload/onload do anything: engines offload and the platform can put them to
+    sleep (not on CPU). Where not, the iteration flow does not even start these task runs."""
+    from vime_core.engines.server import platform_supports_sleep
+
+    return config.offload_rollout and platform_supports_sleep(config)
+
+
 def _engines(config: VimeConfig, method: str) -> float:
-    """One RolloutManager call that is a no-op unless engines offload; returns its seconds."""
+    """One RolloutManager call (the flow calls these tasks only when `engines_sleep`); returns
+    its seconds."""
     t0 = time.perf_counter()
-    if config.offload_rollout:
-        manager, _ = run_handles(config)
-        ray.get(getattr(manager, method).remote())
+    manager, _ = run_handles(config)
+    ray.get(getattr(manager, method).remote())
     return time.perf_counter() - t0
 
 

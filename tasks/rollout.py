@@ -50,13 +50,14 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
 @task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
 def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> bool:
     """Start rollout `rollout_id` on the engines now that they hold weights `version`, so it runs
-    while this flow run ends and the next one starts (config.rollout_prefetch). Nothing is
-    started when its batch is already stored. True when started."""
+    while this flow run ends and the next one starts (the iteration flow calls it when
+    config.rollout_prefetch). Nothing is started when its batch is already stored. True when
+    started."""
     import ray
 
     from vime_core.cluster import batch_io
 
-    if not config.rollout_prefetch or batch_io.stored(config, rollout_id):
+    if batch_io.stored(config, rollout_id):
         return False
     manager, _ = run_handles(config)
     return bool(ray.get(manager.start_generate.remote(rollout_id, version)))

@@ -39,14 +39,15 @@ def test_overhead_is_wall_minus_actor_compute_over_the_steady_window():
 
     records = [{"time_total_s": 1.0 + i, "time_build_s": 0.1, "t_write_s": 0.2, "train_time_s": 0.5, "publish_s": 0.1}
                for i in range(6)]
-    walls = [2.5 + i for i in range(6)]  # 0.6 s more than the compute of each iteration
-    assert abs(compute_seconds(records[0]) - 1.9) < 1e-12
+    extra = 0.6  # what each iteration's wall adds to its compute
+    walls = [sum(r.values()) + extra for r in records]
+    assert abs(compute_seconds(records[0]) - sum(records[0].values())) < 1e-12
     split = overhead(walls, records)
     window = range(1, 5)  # first (warm-up) and last (starts no next rollout) left out
     wall = sum(walls[i] for i in window)
-    assert split["window"] == 4
-    assert abs(split["mean_overhead_s"] - 0.6) < 1e-9
-    assert abs(split["fraction"] - 4 * 0.6 / wall) < 1e-12
+    assert split["window"] == len(window)
+    assert abs(split["mean_overhead_s"] - extra) < 1e-9
+    assert abs(split["fraction"] - len(window) * extra / wall) < 1e-12
     assert overhead([], [])["fraction"] is None
 
 

@@ -208,11 +208,13 @@ def test_filter_drops_constant_groups_and_oversampling_refills(make_cfg, tokeniz
     samples, metrics = run_loop(make_state(cfg, tokenizer, FakeGenerator()))
     groups = sorted({s.group_index for s in samples})
     assert len(groups) == 4 and all(g % 2 == 1 for g in groups)
-    # Groups finish in a random order; every even one that finished before the 4th odd one was
-    # dropped, and each drop was refilled by a new submission.
-    dropped = metrics["rollout/dropped_groups"]
-    assert dropped >= 1 and metrics["rollout/submitted_groups"] >= 4 + dropped
-    assert metrics["rollout/filter_drop_rate"] == dropped / (dropped + 4)
+    # Whatever order groups finish in: a new group (index +1) is submitted only to refill a drop,
+    # only odd groups are kept, so keeping `target` of them takes groups 0 .. 2*target-1 and
+    # drops exactly the `target` even ones.
+    target = cfg.rollout_batch_size
+    assert metrics["rollout/dropped_groups"] == target
+    assert metrics["rollout/submitted_groups"] == 2 * target
+    assert metrics["rollout/filter_drop_rate"] == 0.5
 
 
 def test_group_rm_scores_each_group_once(make_cfg, tokenizer):

@@ -197,6 +197,18 @@ def test_latest_per_batch_keeps_the_row_published_last():
     assert kept.column("key").to_pylist() == ["new"]
 
 
+def test_an_index_file_of_another_index_version_is_refused_naming_it():
+    from vime_core.storage.index import INDEX_VERSION, _as_index_table
+
+    row = index_row(batch_to_table(synthetic_batch(), LINEAGE), "k", 1)
+    assert _as_index_table(row, "index/ok.parquet").num_rows == 1
+    older = row.replace_schema_metadata({b"index_version": str(INDEX_VERSION - 1).encode()})
+    with pytest.raises(ValueError, match=f"index/old.parquet is index version {INDEX_VERSION - 1}"):
+        _as_index_table(older, "index/old.parquet")
+    with pytest.raises(ValueError, match="index/fields.parquet"):
+        _as_index_table(row.drop_columns(["published_at"]), "index/fields.parquet")
+
+
 @pytest.mark.parametrize("run", ["", "../x", "a/b", "-x", "a" * 64])
 def test_layout_refuses_unsafe_run_names(run):
     with pytest.raises(ValueError, match="run name"):

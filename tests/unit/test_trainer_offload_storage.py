@@ -9,14 +9,15 @@ replacement: storages freed and restored in place, values intact, the hook still
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vime_core.trainer.offload import release_to_host, restore_from_host
 
 
-def _hooked_parameter() -> tuple[torch.nn.Parameter, list[int], object]:
+def _hooked_parameter(device: str = "cpu") -> tuple[torch.nn.Parameter, list[int], object]:
     """A parameter with a hook on its gradient accumulator, registered the way Megatron's DDP does."""
-    param = torch.nn.Parameter(torch.randn(4, 3))
+    param = torch.nn.Parameter(torch.randn(4, 3, device=device))
     fired: list[int] = []
     accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
     accumulator.register_hook(lambda *_: fired.append(1))
@@ -36,10 +37,15 @@ def test_release_and_restore_keep_values_and_free_the_storage():
     torch.testing.assert_close(view, before[0][1:3])
 
 
-def test_gradient_hook_still_fires_after_release_and_restore():
-    param, fired, _accumulator = _hooked_parameter()
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # only a device change through .data drops the accumulator, so only CUDA can catch a regression
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CPU case cannot change device")),
+])
+def test_gradient_hook_still_fires_after_release_and_restore(device):
+    param, fired, _accumulator = _hooked_parameter(device)
     restore_from_host(release_to_host([param]))
     (param * 2).sum().backward()
     assert fired == [1]
-    torch.testing.assert_close(param.grad, torch.full((4, 3), 2.0))
+    torch.testing.assert_close(param.grad, torch.full((4, 3), 2.0, device=device))
 

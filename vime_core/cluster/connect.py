@@ -31,7 +31,8 @@ def actor_env() -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in [repo, os.environ.get("PYTHONPATH", "")] if p),
-        **LOOPBACK_ENV,
+        # as the driver has them (ensure_ray: setdefault), so a user's RAY_AUTH_MODE reaches actors too
+        **{k: os.environ.get(k, v) for k, v in LOOPBACK_ENV.items()},
     }
     return env
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vime_core.utils.processes import pid_alive, proc_stat
+from vime_core.utils.processes import free_port, pid_alive, proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEMP_DIR = REPO / ".cache" / "ray"
 STATE_FILE = "vime_head.json"
 from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_binary() -> str:
@@ -140,20 +134,20 @@ def start_local_head(
                         running["address"], running.get("num_gpus"), running.get("num_cpus"), num_gpus, num_cpus)
         return running["address"]
     temp.mkdir(parents=True, exist_ok=True)
-    gcs_port = port or _free_port()
+    gcs_port = port or free_port()
     env = {
         **LOOPBACK_ENV,
         **os.environ,
-        "AUTOSCALER_METRIC_PORT": str(_free_port()),
-        "DASHBOARD_METRIC_PORT": str(_free_port()),
+        "AUTOSCALER_METRIC_PORT": str(free_port()),
+        "DASHBOARD_METRIC_PORT": str(free_port()),
     }
     args = [
         _ray_binary(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-        f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
         "--min-worker-port=0", "--max-worker-port=0",
-        f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
+        f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
         "--include-dashboard=false", "--disable-usage-stats",
         f"--num-gpus={int(num_gpus)}", f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
     ]

@@ -18,7 +18,7 @@ def select_batches(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | No
         from vime_core.storage.lineage import batches_by_weight_version
 
         table = batches_by_weight_version(store, weight_version, run=source_run)
-        rollout_ids = [int(k) for k in table.column("rollout_id").to_pylist()]
+        return sorted(int(k) for k in table.column("rollout_id").to_pylist())  # published, by the index
     missing = [k for k in rollout_ids if not store.exists(source_run, k)]
     if missing:
         raise ValueError(f"run {source_run!r} has no stored batch for rollout ids {missing} in {cfg.storage_uri}")

@@ -6,20 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 from collections import deque
 from pathlib import Path
 from typing import Optional
 
+from vime_core.utils.processes import free_port  # noqa: F401  (re-exported for the launchers)
+
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def log_tail(path: Optional[Path], lines: int = 40) -> str:

@@ -14,18 +14,32 @@ cancel. The window drops the first iteration (warm-up) and the last (it starts n
 
 from __future__ import annotations
 
-COMPUTE_KEYS = ("time_total_s", "time_build_s", "t_write_s", "train_time_s", "publish_s")
+# phase -> the record keys (measured inside the actors) that make up its compute
+COMPUTE_SPLIT = {
+    "rollout": ("time_total_s", "time_build_s"),
+    "persist_write": ("t_write_s",),
+    "train": ("train_time_s",),
+    "sync": ("publish_s",),
+}
+
+
+def compute_split(record: dict) -> dict[str, float]:
+    return {phase: sum(float(record.get(k) or 0.0) for k in keys) for phase, keys in COMPUTE_SPLIT.items()}
 
 
 def compute_seconds(record: dict) -> float:
-    return sum(float(record.get(k) or 0.0) for k in COMPUTE_KEYS)
+    return sum(compute_split(record).values())
+
+
+def steady_window(items: list) -> list:
+    """Iterations 1..N-2 (all of them for 3 or fewer)."""
+    return items[1:-1] if len(items) > 3 else items
 
 
 def overhead(walls: list[float], records: list[dict]) -> dict:
     """{"window", "mean_wall_s", "mean_compute_s", "mean_overhead_s", "fraction"} over the
     steady window of paired (wall, record) iterations."""
-    pairs = list(zip(walls, records))
-    window = pairs[1:-1] if len(pairs) > 3 else pairs
+    window = steady_window(list(zip(walls, records)))
     if not window:
         return {"window": 0, "mean_wall_s": None, "mean_compute_s": None, "mean_overhead_s": None, "fraction": None}
     wall = sum(w for w, _ in window)

@@ -33,7 +33,7 @@ from vime_core.storage.schema import lineage_of
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: published_at
 INDEX_SCHEMA = pa.schema(
     [
         pa.field("run", pa.string(), nullable=False),
@@ -197,12 +197,13 @@ class BatchIndex:
 
 
 def _as_index_table(table: pa.Table, key: str) -> pa.Table:
-    """One index file as INDEX_SCHEMA, or an error naming the file when its fields differ (an
-    index file written by another index version is refused, never half-read)."""
-    if table.schema.names != INDEX_SCHEMA.names:
+    """One index file as INDEX_SCHEMA, or an error naming the file when it was written by another
+    index version (its stamp, or its fields for a file without one): refused, never half-read."""
+    stamp = (table.schema.metadata or {}).get(b"index_version", b"?").decode()
+    if stamp != str(INDEX_VERSION) or table.schema.names != INDEX_SCHEMA.names:
         raise ValueError(
-            f"index file {key} has fields {table.schema.names}, but this index version expects "
-            f"{INDEX_SCHEMA.names}; it was written by another vime version: move it away "
+            f"index file {key} is index version {stamp} with fields {table.schema.names}; this vime "
+            f"reads index version {INDEX_VERSION} ({INDEX_SCHEMA.names}): move it away "
             f"(its batch stays readable by key) or rebuild the index"
         )
     return table.cast(INDEX_SCHEMA)

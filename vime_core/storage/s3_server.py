@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vime_core.utils.processes import pid_alive
+from vime_core.utils.processes import free_port, pid_alive
 
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
 PORT_FLAGS = (
@@ -62,12 +62,6 @@ def weed_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -81,7 +75,7 @@ def _admin_ports() -> tuple[int, int]:
     """(http, grpc) with grpc = http + 10000: the embedded maintenance worker dials admin
     http + 10000 whatever -admin.port.grpc says, so the pair must line up."""
     for _ in range(200):
-        http = _free_port()
+        http = free_port()
         if http + 10000 < 65536 and _port_is_free(http + 10000):
             return http, http + 10000
     raise RuntimeError("no free pair of loopback ports (p, p + 10000) for the SeaweedFS admin server")
@@ -138,7 +132,7 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
         return S3Server(running.endpoint, bucket, running.data_dir, running.pid)
     env = {**os.environ, **_credentials()}
     (data_dir / "data").mkdir(parents=True, exist_ok=True)
-    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    ports = {flag: free_port() for flag in PORT_FLAGS}
     ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
     args = [
         weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",

@@ -7,17 +7,16 @@
                            {format, version, rollout_id, world_size, tp, dp, weight_version,
                             files, hf_checkpoint, created_at}
 
-Every file is written to a temporary name and moved into place (atomic on a local file system;
-an object store's PUT is atomic per object), and a checkpoint counts only once its manifest
-exists, so a reader never sees a partial one. Paths are local folders or fsspec URIs
-(``s3://...`` through s3fs, like the batch store).
+Every file is written atomically (`StorageLocation.put_atomic`: beside and renamed on a local
+file system, one PUT on an object store), and a checkpoint counts only once its manifest
+exists, so a reader never sees a partial one. Paths are local folders or ``s3://...`` URIs,
+opened like the batch store (`vime_core.storage.fs.open_location`).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import time
 from typing import Any, Optional
@@ -47,42 +46,34 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def _fs(uri: str) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(uri)
-
-
-def _put(uri: str, data: bytes) -> None:
-    """Write ``data`` under a temporary name, then move it to ``uri``."""
-    fs, path = _fs(uri)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
-
-
 def save_rank_state(path: str, rank: int, state: dict[str, Any]) -> str:
-    fs, folder = _fs(path)
-    fs.makedirs(folder, exist_ok=True)
+    from vime_core.storage.fs import open_location
+
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    target = f"{path.rstrip('/')}/{rank_file_name(rank)}"
-    _put(target, buffer.getvalue())
-    return target
+    open_location(path).put_atomic(rank_file_name(rank), buffer.getvalue())
+    return f"{path.rstrip('/')}/{rank_file_name(rank)}"
 
 
 def write_manifest(path: str, manifest: dict[str, Any]) -> None:
+    from vime_core.storage.fs import open_location
+
     body = {"format": FORMAT, "version": FORMAT_VERSION, "created_at": time.time(), **manifest}
-    _put(f"{path.rstrip('/')}/{MANIFEST}", json.dumps(body, indent=2).encode())
+    open_location(path).put_atomic(MANIFEST, json.dumps(body, indent=2).encode())
+
+
+def _read(path: str, name: str, missing: str) -> bytes:
+    """The bytes of `name` in the checkpoint folder `path`; CheckpointError(`missing`) if absent."""
+    from vime_core.storage.fs import open_location
+
+    try:
+        return open_location(path).get(name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {missing}") from None
 
 
 def read_manifest(path: str) -> dict[str, Any]:
-    fs, folder = _fs(path)
-    file = f"{folder.rstrip('/')}/{MANIFEST}"
-    if not fs.isfile(file):
-        raise CheckpointError(f"{path}: no {MANIFEST} (not a checkpoint, or one that was never finished)")
-    manifest = json.loads(fs.cat_file(file))
+    manifest = json.loads(_read(path, MANIFEST, f"no {MANIFEST} (not a checkpoint, or one that was never finished)"))
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
     return manifest
@@ -96,24 +87,21 @@ def load_rank_state(path: str, rank: int, world_size: int, tp_size: int) -> dict
             f"{path}: written with world_size={manifest['world_size']}, tp={manifest['tp']}; "
             f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
         )
-    fs, folder = _fs(path)
-    file = f"{folder.rstrip('/')}/{rank_file_name(rank)}"
-    if not fs.isfile(file):
-        raise CheckpointError(f"{path}: {rank_file_name(rank)} is missing although the manifest lists it")
-    return torch.load(io.BytesIO(fs.cat_file(file)), map_location="cpu", weights_only=False)
+    data = _read(path, rank_file_name(rank), f"{rank_file_name(rank)} is missing although the manifest lists it")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def latest_checkpoint(cfg: Any) -> Optional[str]:
     """The finished checkpoint of the run with the highest rollout id, or None."""
+    from vime_core.storage.fs import open_location
+
     root = checkpoint_root(cfg)
-    fs, folder = _fs(root)
-    if not fs.isdir(folder):
+    location = open_location(root)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in location.fs.ls(location.path(""), detail=False)]
+    except FileNotFoundError:
         return None
-    done = sorted(
-        p.rstrip("/").rsplit("/", 1)[-1]
-        for p in fs.ls(folder, detail=False)
-        if p.rstrip("/").rsplit("/", 1)[-1].startswith("rollout_") and fs.isfile(f"{p.rstrip('/')}/{MANIFEST}")
-    )
+    done = sorted(n for n in names if n.startswith("rollout_") and location.fs.isfile(location.path(f"{n}/{MANIFEST}")))
     return f"{root.rstrip('/')}/{done[-1]}" if done else None
 
 

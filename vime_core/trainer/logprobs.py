@@ -54,8 +54,7 @@ def log_probs_and_entropy(
     y = mask_vocab_padding(y, vocab_size, tp_rank).contiguous()
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = _vocab_parallel_entropy(y if entropy_grad else y.detach())
+        entropy = _vocab_parallel_entropy(y if entropy_grad else y.detach())
     # vocab_parallel_cross_entropy works in place on its input (subtracts the max, exponentiates):
     # give it a copy when the entropy's backward graph still needs y.
     log_probs = -vocab_parallel_cross_entropy(y.clone() if with_entropy and entropy_grad else y, targets)

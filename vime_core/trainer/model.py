@@ -102,6 +102,7 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
         raise UnsupportedModelError("use_sliding_window=true is not supported")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    rope_theta, rope_scaling_factor = _rope(cfg)
     return HFArchitecture(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -112,8 +113,8 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         ffn_hidden_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope(cfg)[0],
-        rope_scaling_factor=_rope(cfg)[1],
+        rope_theta=rope_theta,
+        rope_scaling_factor=rope_scaling_factor,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases

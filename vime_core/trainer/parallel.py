@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vime_core.utils.processes import free_port  # noqa: F401  (re-exported: single-machine process groups)
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -83,10 +85,3 @@ def destroy_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for single-machine process groups)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

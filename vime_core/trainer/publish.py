@@ -89,47 +89,36 @@ def publish_weights(
 
     # Gather and build the transport in the caller's thread: the iterator may run collectives
     # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
-    t0 = time.perf_counter()
-    tensors = list(named_tensors)
-    gather_s = time.perf_counter() - t0
+    clock = PhaseClock()
+    with clock("gather"):
+        tensors = list(named_tensors)
     loop = publish_loop()
-    stats = loop.run(
+    return loop.run(
         publish_weights_async(
             tensors, engine_urls, new_version, cfg, initial_version,
             transport=transport if transport is not None else make_transport(cfg, shm_dir),
-            shm_dir=shm_dir, client_factory=client_factory or loop.client,
+            client_factory=client_factory or loop.client, clock=clock,
         )
     )
-    stats["seconds"]["gather"] += gather_s
-    stats["seconds"]["total"] += gather_s
-    stats["bytes_per_s"] = stats["bytes"] / stats["seconds"]["total"]
-    return stats
 
 
 async def publish_weights_async(
-    named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+    tensors: list[tuple[str, "torch.Tensor"]],
     engine_urls: Sequence[str],
     new_version: int,
     cfg: "VimeConfig",
-    initial_version: int = 0,
+    initial_version: int,
     *,
-    transport: "WeightTransport | None" = None,
-    shm_dir: str = "/dev/shm",
-    client_factory: "Callable[[str], EngineClient] | None" = None,
+    transport: "WeightTransport",
+    client_factory: "Callable[[str], EngineClient]",
+    clock: PhaseClock,
 ) -> dict[str, Any]:
     from vime_core.algo.gates import should_flush_cache
-    from vime_core.engines.client import EngineClient
-    from vime_core.trainer.transport import make_transport
 
     if not engine_urls:
         raise ValueError("publish_weights: engine_urls is empty")
     flush = should_flush_cache(cfg.flush_cache_interval, new_version, initial_version)
-    clock = PhaseClock()
-    with clock("gather"):
-        tensors = list(named_tensors)
-    engines = [(client_factory or EngineClient)(url) for url in engine_urls]
-    owns_clients = client_factory is None
-    transport = transport if transport is not None else make_transport(cfg, shm_dir)
+    engines = [client_factory(url) for url in engine_urls]
     try:
         with clock("validate"):  # and the transport's handshake, which changes nothing yet
             wire, _ = await asyncio.gather(_validate(tensors, engines), transport.prepare(engines))
@@ -143,8 +132,6 @@ async def publish_weights_async(
             raise PublishError(f"publish v{new_version}: {', '.join(wrong)}", bytes_moved=True)
     finally:
         await transport.close()
-        if owns_clients:
-            await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
     total = clock.total()
     return {
         "version": new_version,

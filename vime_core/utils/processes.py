@@ -1,8 +1,17 @@
-"""Process liveness from /proc (Linux), shared by the helpers that start and stop servers."""
+"""Process liveness from /proc (Linux) and free loopback ports, shared by the helpers that
+start and stop servers."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def proc_stat(pid: int) -> tuple[int, int, str] | None:

@@ -1,4 +1,4 @@
-"""A real local Ray head (loopback, one device slot) and Prefect in ephemeral mode for the
+"""A real local Ray head (loopback, four device slots) and Prefect in ephemeral mode for the
 flow tests. The head is shared by the whole folder; each test uses its own run name."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import pytest
 def ray_head(tmp_path_factory):
     from vime_core.cluster import local_head
 
+    # before anything in this process imports ray: it reads this at import, not at ray.init
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     temp_dir = tmp_path_factory.mktemp("ray")  # this folder's own head, not a shared one
     # device slots for the trained run, a replay trainer beside it, and headroom (a CI run once
-    # could not place the replay group with two slots; cause not found, see the closing note)
+    # could not place the replay group with two slots; its cause was not found)
     address = local_head.start_local_head(num_gpus=4, temp_dir=temp_dir)
     yield address
     import ray

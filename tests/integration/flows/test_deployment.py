@@ -14,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from vime_core.config import VimeConfig
+from vime_core.engines.process import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[3]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, timeout: float) -> None:
@@ -50,7 +45,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture()
 def prefect_server(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VIME_REPO_DIR": str(REPO)}
     log = open(tmp_path / "server.log", "w")
@@ -80,7 +75,8 @@ def test_teardown_deployment_runs_through_a_process_worker(prefect_server, ray_h
         deployments = {d["name"]: d for d in json.load(resp)}
     schema = deployments["vime-train"]["parameter_openapi_schema"]
     fields = schema["definitions"]["VimeConfig"]["properties"]
-    assert fields["rollout_batch_size"]["description"] and fields["rollout_batch_size"]["default"] == 32
+    assert fields["rollout_batch_size"]["description"]
+    assert fields["rollout_batch_size"]["default"] == VimeConfig.model_fields["rollout_batch_size"].default
 
     worker_log = open(tmp_path / "worker.log", "w")
     worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "vime-process"], env=env, cwd=REPO,

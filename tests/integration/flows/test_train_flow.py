@@ -9,7 +9,6 @@ run in file order.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -21,7 +20,7 @@ LOGPROB_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
-def trained(request, tmp_path_factory, ray_head, tiny_model_dir):
+def trained(tmp_path_factory, ray_head, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import VimeConfig
@@ -58,8 +57,8 @@ def test_three_batches_stored_with_lineage(trained):
 
     cfg, summary = trained
     store = BatchStore(cfg.storage_uri)
-    assert summary["iterations"] == 3
-    for k in range(3):
+    assert summary["iterations"] == cfg.num_rollout
+    for k in range(cfg.num_rollout):
         batch, lineage = store.read(cfg.run_name, k)
         assert len(batch["tokens"]) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
         assert int(lineage["rollout_id"]) == k and lineage["run"] == cfg.run_name
@@ -73,8 +72,9 @@ def test_engine_reports_version_4(trained):
 
     cfg, _ = trained
     manager, trainers = _handles(cfg)
-    assert ray.get(manager.weight_versions.remote()) == [4]
-    assert trainers.rank0("state")["weight_version"] == 4
+    final = 1 + cfg.num_rollout  # v1 after bootstrap, one more per iteration (the spec's 1 -> 4)
+    assert ray.get(manager.weight_versions.remote()) == [final]
+    assert trainers.rank0("state")["weight_version"] == final
 
 
 def test_trainer_and_engine_logprobs_agree(trained):
@@ -147,7 +147,7 @@ def test_failed_task_is_retried_and_trains_once(trained, monkeypatch):
     assert failures["left"] == 0
     assert trainers.rank0("state")["last_trained_rollout_id"] == 3
     assert trainers.rank0("state")["optimizer_steps"] == steps_before + cfg4.num_steps_per_rollout
-    assert record["version_after"] == 5
+    assert record["version_after"] == 5  # rollout 3 samples v4 and trains it into v5
 
 
 def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
@@ -162,12 +162,12 @@ def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
         raise RuntimeError("simulated crash during train-4")
 
     monkeypatch.setattr(train_task, "run_handles", killed)
-    with pytest.raises(BaseException):
+    with pytest.raises(RuntimeError, match="simulated crash during train-4"):
         iteration(cfg5, 4)
     assert BatchStore(cfg.storage_uri).exists(cfg.run_name, 4)
     monkeypatch.undo()
     record = iteration(cfg5, 4)
-    assert record["from_store"] is True and record["version_after"] == 6
+    assert record["from_store"] is True and record["version_after"] == 6  # rollout 4: v5 -> v6
 
 
 def test_replay_is_bit_identical(trained):

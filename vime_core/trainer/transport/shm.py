@@ -105,10 +105,13 @@ class ShmTransport(WeightTransport):
             self.pool.clean = True  # the empty session closed: engines dropped their mappings
 
     async def close(self) -> None:
-        for task in (self._in_flight, self._staged[1] if self._staged else None):
-            if task is not None:  # a packing thread cannot be cancelled: wait for it to end
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self._in_flight is not None:
+            self._in_flight.cancel()
+            await asyncio.gather(self._in_flight, return_exceptions=True)
+        if self._staged is not None:
+            # a packing thread cannot be cancelled (cancelling the task would return while the
+            # thread still writes into the pool's slot): wait for it to end
+            await asyncio.gather(self._staged[1], return_exceptions=True)
         self._in_flight = self._staged = None
         if self._locked and self.pool is not None:
             self.pool.lock.release()
