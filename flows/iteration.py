@@ -1,10 +1,16 @@
 """One RL iteration as one Prefect flow run: `iter-k vV->vV+1`.
 
 rollout -> build -> persist -> offload rollout -> train -> onload weights -> sync -> onload KV,
-then eval and save when their intervals say so, then (rollout_prefetch) the start of rollout k+1
-on the new weights, which runs while this flow run reports and ends and the next one starts.
+then eval and save when their intervals say so. With rollout_prefetch, sync's last actor call
+starts rollout k+1 on the new weights (after eval when one is due), so it runs while this flow
+run saves, reports and ends and the next one starts.
 Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
 failed.
+
+Persist runs beside offload + train (both only read the batch), and sync waits for it: the
+engines never get weights trained on a batch that is not stored. If the store fails after the
+trainer trained, a re-run gets the same batch from the RolloutManager (it keeps its last result)
+and the trainer does not train it again, so the stored batch is the one trained on.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
@@ -42,17 +49,29 @@ def _due(interval: int | None, rollout_id: int, last: int) -> bool:
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
     t0 = time.perf_counter()
     v = version_before(rollout_id)
-    out = rollout(config, rollout_id, v)
-    stored = persist(config, rollout_id, out, str(flow_run.id or ""))
-    # offload/onload tasks run only where engines can sleep: on CPU they would be no-op task
-    # runs, ~12 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
-    moves = engines_sleep(config)
-    t_offload = offload_rollout(config, rollout_id) if moves else 0.0
-    train_metrics = train(config, rollout_id, out.batch_ref)
-    t_onload_w = onload_weights(config, rollout_id) if moves else 0.0
+    # every task gets the configuration quoted: Prefect then does not walk its fields looking
+    # for futures on each task run (~2 ms per task run on the 2-core machine)
+    cfg = quote(config)
+    out = rollout(cfg, rollout_id, v)
+    persisting = persist.submit(cfg, rollout_id, out, str(flow_run.id or ""))
+    try:
+        # offload/onload tasks run only where engines can sleep: on CPU they would be no-op
+        # task runs, ~4-10 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
+        moves = engines_sleep(config)
+        t_offload = offload_rollout(cfg, rollout_id) if moves else 0.0
+        train_metrics = train(cfg, rollout_id, out.batch_ref)
+    finally:
+        persisting.wait()  # stored even when training fails: a re-run loads it
+    stored = persisting.result()
+    t_onload_w = onload_weights(cfg, rollout_id) if moves else 0.0
     last = config.num_rollout - 1
-    sync = sync_weights(config, v + 1, resume_admission=rollout_id != last)
-    t_onload_kv = onload_kv(config, rollout_id) if moves else 0.0
+    prefetch = config.rollout_prefetch and rollout_id != last and not out.next_stored
+    eval_due = bool(config.eval_interval) and _due(config.eval_interval, rollout_id, last)
+    # sync starts rollout k+1 itself (one actor call, no task run of its own) unless an
+    # evaluation comes first; a checkpoint taken meanwhile records the data source from before it
+    sync = sync_weights(cfg, v + 1, resume_admission=rollout_id != last,
+                        start_rollout_id=rollout_id + 1 if prefetch and not eval_due else None)
+    t_onload_kv = onload_kv(cfg, rollout_id) if moves else 0.0
     record = {
         "rollout_id": rollout_id,
         "version_before": v,
@@ -70,13 +89,13 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         "batch_key": stored.get("key", ""),
         "from_store": out.from_store,
     }
-    if config.eval_interval and _due(config.eval_interval, rollout_id, last):
-        ev = evaluate(config, rollout_id)
+    if eval_due:
+        ev = evaluate(cfg, rollout_id)
         record["eval_reward_mean"] = ev.get("reward_mean")
     if _due(config.save_interval, rollout_id, last):
-        record["checkpoint"] = save_checkpoint(config, rollout_id)["path"]
-    if config.rollout_prefetch and rollout_id != last:
-        start_next_rollout(config, rollout_id + 1, v + 1)
+        record["checkpoint"] = save_checkpoint(cfg, rollout_id)["path"]
+    if prefetch and eval_due:
+        start_next_rollout(cfg, rollout_id + 1, v + 1)
     record["t_step"] = time.perf_counter() - t0
-    report_iteration(config, rollout_id, record, draw_curve=_due(CURVE_EVERY, rollout_id, last))
+    report_iteration(cfg, rollout_id, record, draw_curve=_due(CURVE_EVERY, rollout_id, last))
     return record

@@ -25,6 +25,10 @@ from contextlib import contextmanager
 SERVER_ENV_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1000",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
+    # the event persister is the other writer: by default a transaction per 20 events, which
+    # still hit about one subflow in two with a 503 (probe: 20-task subflows, 8 of 8 clean after)
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "1000",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "5",
     # no network here, and no reason to send any from a training job
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 }

@@ -25,6 +25,7 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
     from vime_core.cluster.run_actors import (
+        forget_attached,
         get_or_create_placement_group,
         get_or_create_rollout_manager,
         get_or_create_trainer_group,
@@ -34,6 +35,7 @@ def bootstrap(config: VimeConfig) -> dict:
     log = get_run_logger()
     t0 = time.perf_counter()
     ensure_ray(config.ray_address)
+    forget_attached(config.run_name)  # actors may be created now: no handle from before is reused
     pg = get_or_create_placement_group(config)
     manager = get_or_create_rollout_manager(config)  # starts engines + router (steps 2, 4-7)
     trainers, created = get_or_create_trainer_group(config, pg)  # step 3

@@ -15,11 +15,15 @@ TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 def run_handles(cfg: VimeConfig):
-    """(rollout_manager, trainer_group) of the run, attaching the driver to Ray if needed."""
+    """(rollout_manager, trainer_group) of the run, attaching the driver to Ray if needed. The
+    handles are looked up once per process and reused; a retried task looks them up afresh
+    (an actor may have been replaced)."""
+    from prefect.runtime import task_run
+
     ensure_ray(cfg.ray_address)
     from vime_core.cluster.run_actors import attach
 
-    return attach(cfg)
+    return attach(cfg, cached=(task_run.run_count or 1) <= 1)
 
 
 @contextmanager

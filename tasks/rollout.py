@@ -18,6 +18,7 @@ class RolloutOutput:
     metrics: dict = field(default_factory=dict)
     from_store: bool = False
     storage_key: str = ""
+    next_stored: bool = False  # rollout k+1's batch is already stored (a resumed run): not prefetched
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
@@ -38,21 +39,21 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = time.perf_counter() - t0
-        return RolloutOutput(ref, metrics, from_store=True, storage_key=key)
-    # admission stays closed after a run's last sync; a rollout (a resumed or extended run) reopens it
-    ray.get(manager.resume_admission.remote())
+        return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
+                             next_stored=batch_io.stored(config, rollout_id + 1))
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
+    next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
     metrics = dict(ray.get(metrics_ref))
     metrics.setdefault("t_rollout", time.perf_counter() - t0)
-    return RolloutOutput(batch_ref, metrics)
+    return RolloutOutput(batch_ref, metrics, next_stored=next_stored)
 
 
 @task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
 def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> bool:
     """Start rollout `rollout_id` on the engines now that they hold weights `version`, so it runs
     while this flow run ends and the next one starts (the iteration flow calls it when
-    config.rollout_prefetch). Nothing is started when its batch is already stored. True when
-    started."""
+    config.rollout_prefetch and an evaluation ran after sync; otherwise sync starts it).
+    Nothing is started when its batch is already stored. True when started."""
     import ray
 
     from vime_core.cluster import batch_io

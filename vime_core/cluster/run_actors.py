@@ -164,10 +164,29 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     return TrainerGroup(cfg, actors), True
 
 
-def attach(cfg: VimeConfig):
-    """(rollout_manager, trainer_group) of a bootstrapped run, or raise naming what is missing."""
-    manager = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
+# (Ray job of this driver, run, trainer world size) -> (manager handle, trainer handles). Every
+# phase task attaches; looking the actors up by name is one GCS round trip per actor, several
+# per iteration on the critical path. Forgotten by bootstrap and teardown (they create and kill
+# the actors); a task's retry looks them up afresh (run_handles).
+_ATTACHED: dict[tuple, tuple] = {}
+
+
+def forget_attached(run_name: str) -> None:
+    for key in [k for k in _ATTACHED if k[1] == run_name]:
+        del _ATTACHED[key]
+
+
+def attach(cfg: VimeConfig, cached: bool = False):
+    """(rollout_manager, trainer_group) of a bootstrapped run, or raise naming what is missing.
+    `cached`: reuse the handles this process looked up before for the same Ray job and run."""
+    import ray
+
     world = trainer_num_devices(cfg)
+    key = (ray.get_runtime_context().get_job_id(), cfg.run_name, world)
+    if cached and key in _ATTACHED:
+        manager, trainers = _ATTACHED[key]
+        return manager, TrainerGroup(cfg, trainers)
+    manager = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
     trainers = [_get_actor(names.trainer(r), cfg.run_name) for r in range(world)]
     missing = ([names.ROLLOUT_MANAGER] if manager is None else []) + [
         names.trainer(r) for r, a in enumerate(trainers) if a is None
@@ -177,6 +196,7 @@ def attach(cfg: VimeConfig):
             f"run {cfg.run_name!r} is not bootstrapped (missing actors: {', '.join(missing)} in "
             f"namespace {names.namespace(cfg.run_name)}); run the bootstrap flow first"
         )
+    _ATTACHED[key] = (manager, trainers)
     return manager, TrainerGroup(cfg, trainers)
 
 
@@ -186,6 +206,7 @@ def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    forget_attached(run_name)
     removed = []
     manager = _get_actor(names.ROLLOUT_MANAGER, run_name)
     if manager is not None:

@@ -80,7 +80,7 @@ class VimeConfig(BaseModel):
     use_router: bool = Field(True, description="Route generate requests through the real vllm-router (False: the rollout client routes with the same policy).")
     rollout_function_path: str = Field("vime_core.rollout.loop:generate_rollout", description="Rollout function, `module:function`.")
     custom_generate_function_path: str = Field("", description="Per-sample generate function, `module:function` (multi-turn / tool use). Empty: single-turn token-in/token-out.")
-    rollout_prefetch: bool = Field(True, description="Start rollout k+1 as soon as iteration k has synced (and saved), so it runs while Prefect ends flow run k and starts k+1; same weights, same prompts as without it.")
+    rollout_prefetch: bool = Field(True, description="Start rollout k+1 as soon as iteration k has synced (in sync's last actor call; after the evaluation when one is due), so it runs while the checkpoint is saved and Prefect ends flow run k and starts k+1; same weights, same prompts as without it.")
     partial_rollout: bool = Field(False, description="Aborted samples keep their partial responses and go back to the data source to be continued.")
     dynamic_sampling_filter_path: str = Field("", description="Group filter, `module:function` (e.g. vime_core.rewards.filters:check_reward_nonzero_std). Empty: keep every group.")
 

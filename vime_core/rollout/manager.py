@@ -4,7 +4,8 @@ source and the reward hub, and runs every rollout on one long-lived event loop (
 so the HTTP connections to the engines and the router stay open between rollouts.
 
 Phases it serves (design section 1): rollout (`generate`, `eval`), offload rollout (`offload`),
-the engine side of sync (`pause_admission`, `onload_weights`, `resume_admission`, `onload_kv`).
+the engine side of sync (`begin_sync` = versions + pause admission + URLs, `onload_weights`,
+`end_sync` = resume admission + start the next rollout, `onload_kv`).
 Weight pushes themselves go from the trainer straight to `engine_urls()`.
 
 Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
@@ -14,6 +15,12 @@ and opens k+1 instead of after it. A prefetched rollout is used only for the sam
 and weight version; anything else waits for it, puts the data source back to where it was
 before it, and generates afresh. A checkpoint taken while one is pending records that earlier
 data-source state, so resuming from it repeats the prefetched prompts, never skips them.
+
+Re-asked: the last rollout's result is kept until another rollout starts, and `generate(k, v)`
+for that same id and version returns it again instead of generating new samples. The iteration
+flow stores a batch while the trainer trains on it; if the store fails and the iteration is
+re-run, the trainer (which already trained rollout k) skips it and the batch stored is the one
+it trained on.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class RolloutManager:
         self._loop = LoopThread("rollout-loop")
         self._prefetch_lock = threading.Lock()
         self._prefetched: Optional[_Prefetched] = None
+        self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         if servers is not None:
             self.servers = list(servers)
@@ -185,7 +193,13 @@ class RolloutManager:
 
     def generate(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
         """One rollout: `(build_batch(samples), metrics)`; the prefetched one when it was started
-        for this rollout id and weight version (module docstring)."""
+        for this rollout id and weight version, or the last one again when it is asked for twice
+        (module docstring). Opens admission (it stays closed after a run's last sync)."""
+        self.resume_admission()
+        last = self._last
+        if last is not None and version is not None and last[:2] == (rollout_id, version):
+            batch, metrics = last[2]
+            return batch, {**metrics, "rollout/reused": 1.0}
         with self._prefetch_lock:
             pending, self._prefetched = self._prefetched, None
         if pending is not None:
@@ -194,13 +208,17 @@ class RolloutManager:
                 batch, metrics = pending.future.result()
                 metrics["rollout/prefetched"] = 1.0
                 metrics["rollout/time_prefetch_wait_s"] = time.perf_counter() - t0
+                self._last = (rollout_id, version, (batch, metrics))
                 return batch, metrics
             self._drop(pending, restore=True)
-        return self._generate_now(rollout_id)
+        result = self._generate_now(rollout_id)
+        self._last = (rollout_id, version, result)
+        return result
 
     def start_generate(self, rollout_id: int, version: Optional[int] = None) -> bool:
         """Start rollout `rollout_id` in the background with the engines' current weights
-        (`version`); False when another prefetched rollout is still unclaimed."""
+        (`version`); False when another prefetched rollout is still unclaimed. Opens admission."""
+        self.resume_admission()
         with self._prefetch_lock:
             if self._prefetched is not None:
                 return False
@@ -226,6 +244,8 @@ class RolloutManager:
 
     def _generate_now(self, rollout_id: int) -> tuple[dict, dict]:
         from vime_core.data.batch import build_batch
+
+        self._last = None  # a new rollout: the previous result is no longer asked for
 
         samples, metrics = self.generate_samples(rollout_id)
         t0 = time.perf_counter()
@@ -276,6 +296,25 @@ class RolloutManager:
 
     def resume_admission(self) -> None:
         self.admission_open.set()
+
+    def begin_sync(self, target_version: int) -> Optional[list[str]]:
+        """The engine side of sync's start, in one actor call: None when every engine already
+        reports `target_version` (nothing to publish), else admission paused and the engines'
+        URLs to publish to."""
+        versions = self.weight_versions()
+        if versions and all(v == target_version for v in versions):
+            return None
+        self.pause_admission()
+        return self.engine_urls()
+
+    def end_sync(self, resume: bool = True, start_rollout_id: Optional[int] = None,
+                 version: Optional[int] = None) -> bool:
+        """Sync's end, in one actor call: admission resumed (unless `resume` is False: after a
+        run's last sync) and, when `start_rollout_id` is given, that rollout started on weights
+        `version` (start_generate). True when a rollout was started."""
+        if resume:
+            self.resume_admission()
+        return self.start_generate(start_rollout_id, version) if start_rollout_id is not None else False
 
     def weight_versions(self) -> list[int]:
         return self._each_engine("weight_version")

@@ -77,6 +77,17 @@ def test_engine_reports_version_4(trained):
     assert trainers.rank0("state")["weight_version"] == final
 
 
+def test_sync_to_the_version_the_engines_hold_publishes_nothing(trained):
+    from tasks.sync import sync_weights
+
+    cfg, _ = trained
+    _, trainers = _handles(cfg)
+    final = 1 + cfg.num_rollout
+    out = sync_weights(cfg, final)  # a task run of its own, outside any flow
+    assert out["skipped"] is True and out["started_rollout"] is False
+    assert trainers.rank0("state")["weight_version"] == final
+
+
 def test_trainer_and_engine_logprobs_agree(trained):
     import ray
 
@@ -168,6 +179,37 @@ def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
     monkeypatch.undo()
     record = iteration(cfg5, 4)
     assert record["from_store"] is True and record["version_after"] == 6  # rollout 4: v5 -> v6
+
+
+def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(trained, monkeypatch):
+    """persist-5 fails on every try while train-5 trains beside it: the iteration fails with
+    nothing published; the re-run stores the very batch the trainer trained on (the
+    RolloutManager hands it out again) and does not train a second time."""
+    import tasks.rollout as rollout_task
+    from flows.iteration import iteration
+    from vime_core.cluster import batch_io
+    from vime_core.storage import BatchStore
+
+    cfg, _ = trained
+    cfg6 = cfg.model_copy(update={"num_rollout": 6})
+    _, trainers = _handles(cfg6)
+
+    def store_down(*args, **kwargs):
+        raise OSError("simulated object store outage")
+
+    monkeypatch.setattr(batch_io, "save", store_down)
+    monkeypatch.setattr(rollout_task.persist, "retry_delay_seconds", 0)
+    with pytest.raises(OSError, match="simulated object store outage"):
+        iteration(cfg6, 5)
+    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
+    assert trainers.rank0("state")["last_trained_rollout_id"] == 5
+    steps = trainers.rank0("state")["optimizer_steps"]
+    monkeypatch.undo()
+    record = iteration(cfg6, 5)
+    assert record["reused"] == 1.0 and not record["from_store"]
+    assert BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
+    assert trainers.rank0("state")["optimizer_steps"] == steps  # not trained again
+    assert record["version_after"] == 7
 
 
 def test_replay_is_bit_identical(trained):

@@ -58,6 +58,11 @@ def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_bac
     check_batch_shape(batch, 4, 4)
     after_first = manager.data_source_state()
     assert after_first != before
+    # asked again for the same id and version (a re-run iteration whose batch was not stored):
+    # the same batch, no new prompts drawn
+    again, again_metrics = manager.generate(0, 1)
+    assert again_metrics["rollout/reused"] == 1.0 and again["prompt_id"] == batch["prompt_id"]
+    assert manager.data_source_state() == after_first
 
     # started at weights v2 but asked for at v3: waited for, data source put back, generated afresh
     assert manager.start_generate(1, 2)
@@ -68,6 +73,16 @@ def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_bac
     batch3, _ = manager.generate(1)
     assert sorted(set(batch2["prompt_id"])) == sorted(set(batch3["prompt_id"]))
     assert set(batch2["prompt_id"]).isdisjoint(batch["prompt_id"])
+
+    # sync's two actor calls: nothing to do at the engines' own version; otherwise admission
+    # paused and the URLs returned, then resumed with rollout 2 started on the new weights
+    current = manager.weight_versions()[0]
+    assert manager.begin_sync(current) is None and manager.admission_open.is_set()
+    assert manager.begin_sync(current + 1) == manager.engine_urls()
+    assert not manager.admission_open.is_set()
+    assert manager.end_sync(True, 2, current + 1) and manager.admission_open.is_set()
+    _, metrics4 = manager.generate(2, current + 1)
+    assert metrics4["rollout/prefetched"] == 1.0
 
 
 def test_full_loop_router_arith_reward(make_manager):
