@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
 from vime_core.report.curve import reward_curve_png, write_reward_curve
-from vime_core.report.records import append_record, console_line, read_records, sparkline
+from vime_core.report.records import append_record, console_line, read_records, run_dir, sparkline
 
 
 def _artifact_key(run_name: str, what: str) -> str:
@@ -24,6 +24,10 @@ def _artifact_key(run_name: str, what: str) -> str:
 # Drawing the picture costs ~0.4 s on the 2-core machine and the markdown artifact one more API
 # call: both every 10th iteration and the last one; the metrics table every iteration.
 CURVE_EVERY = 10
+# The metrics table holds the latest iterations only: Prefect keeps every version of an artifact,
+# so a table of the whole history would store O(N^2) rows over a run of N iterations (all of
+# them stay in metrics.jsonl, and in the reward curve).
+TABLE_ROWS = 20
 
 
 @task(name="report", task_run_name="report-{rollout_id}", retries=2, **TASK_DEFAULTS)
@@ -37,8 +41,9 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_cur
     sys.__stdout__.flush()
     create_table_artifact(
         key=_artifact_key(config.run_name, "metrics"),
-        table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records],
-        description=f"vime run {config.run_name}: one row per iteration (T_* in seconds)",
+        table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records[-TABLE_ROWS:]],
+        description=(f"vime run {config.run_name}: one row per iteration, the latest {TABLE_ROWS} (T_* in "
+                     f"seconds); every iteration is in {run_dir(config.storage_uri, config.run_name)}/metrics.jsonl"),
     )
     if draw_curve:
         rewards = [r.get("reward_mean") or 0.0 for r in records]

@@ -55,3 +55,21 @@ def test_overhead_is_wall_minus_actor_compute_over_the_steady_window():
 def test_reward_curve_is_a_png():
     png = reward_curve_png([{"rollout_id": i, "reward_mean": i / 4} for i in range(5)], "t")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_report_table_artifact_holds_the_latest_iterations_and_the_file_all(tmp_path, monkeypatch):
+    import logging
+
+    import tasks.report as report
+    from vime_core.config import VimeConfig
+
+    tables = []
+    monkeypatch.setattr(report, "get_run_logger", lambda: logging.getLogger("test-report"))
+    monkeypatch.setattr(report, "create_table_artifact", lambda **kw: tables.append(kw))
+    cfg = VimeConfig(run_name="rep", storage_uri=str(tmp_path))
+    n = report.TABLE_ROWS + 5
+    for k in range(n):
+        report.report_iteration.fn(cfg, k, {"rollout_id": k, "reward_mean": k / n, "t_step": 1.0}, draw_curve=False)
+    assert [row["rollout_id"] for row in tables[-1]["table"]] == list(range(n - report.TABLE_ROWS, n))
+    assert [r["rollout_id"] for r in read_records(str(tmp_path), "rep")] == list(range(n))
+    assert f"{tmp_path}/reports/rep/metrics.jsonl" in tables[-1]["description"]

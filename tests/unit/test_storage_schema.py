@@ -197,16 +197,27 @@ def test_latest_per_batch_keeps_the_row_published_last():
     assert kept.column("key").to_pylist() == ["new"]
 
 
-def test_an_index_file_of_another_index_version_is_refused_naming_it():
-    from vime_core.storage.index import INDEX_VERSION, _as_index_table
+def test_an_index_file_of_version_1_is_read_and_other_versions_refused_naming_it():
+    import pyarrow.compute as pc
+
+    from vime_core.storage.index import INDEX_SCHEMA, INDEX_VERSION, _as_index_table
 
     row = index_row(batch_to_table(synthetic_batch(), LINEAGE), "k", 1)
     assert _as_index_table(row, "index/ok.parquet").num_rows == 1
-    older = row.replace_schema_metadata({b"index_version": str(INDEX_VERSION - 1).encode()})
-    with pytest.raises(ValueError, match=f"index/old.parquet is index version {INDEX_VERSION - 1}"):
-        _as_index_table(older, "index/old.parquet")
-    with pytest.raises(ValueError, match="index/fields.parquet"):
-        _as_index_table(row.drop_columns(["published_at"]), "index/fields.parquet")
+    # stamped 1 by the vime that had already added published_at: read as it is
+    stamped_1 = row.replace_schema_metadata({b"index_version": b"1"})
+    assert _as_index_table(stamped_1, "index/v1.parquet").equals(row.cast(INDEX_SCHEMA))
+    # version 1 proper (no published_at, no stamp or stamp 1): published_at is the creation time
+    for metadata in ({b"index_version": b"1"}, None):
+        v1 = row.drop_columns(["published_at"]).replace_schema_metadata(metadata)
+        upgraded = _as_index_table(v1, "index/v1.parquet")
+        assert upgraded.schema.names == INDEX_SCHEMA.names
+        assert pc.all(pc.equal(upgraded["published_at"], upgraded["created_at"])).as_py()
+    newer = row.replace_schema_metadata({b"index_version": str(INDEX_VERSION + 1).encode()})
+    with pytest.raises(ValueError, match=f"index/new.parquet was written by a newer vime \\(index version {INDEX_VERSION + 1}\\)"):
+        _as_index_table(newer, "index/new.parquet")
+    with pytest.raises(ValueError, match="index/fields.parquet was written by index version"):
+        _as_index_table(row.drop_columns(["prompt_ids"]), "index/fields.parquet")
 
 
 @pytest.mark.parametrize("run", ["", "../x", "a/b", "-x", "a" * 64])

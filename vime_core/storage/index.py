@@ -197,13 +197,27 @@ class BatchIndex:
 
 
 def _as_index_table(table: pa.Table, key: str) -> pa.Table:
-    """One index file as INDEX_SCHEMA, or an error naming the file when it was written by another
-    index version (its stamp, or its fields for a file without one): refused, never half-read."""
+    """One index file as INDEX_SCHEMA, upgraded when an older vime wrote it, or an error naming
+    the file: never half-read.
+
+    Index version 1 (and files without a stamp) had the same fields without `published_at`;
+    files stamped 1 after that field was added carry it. A version-1 file is read with its
+    `published_at` when it has one, else `created_at` (the batch's creation time: the order in
+    which re-published batches replaced each other is kept, as a re-publish is always of a newer
+    batch). Any other layout or a newer version is refused; the next compaction rewrites what
+    was upgraded in the current version.
+    """
     stamp = (table.schema.metadata or {}).get(b"index_version", b"?").decode()
-    if stamp != str(INDEX_VERSION) or table.schema.names != INDEX_SCHEMA.names:
-        raise ValueError(
-            f"index file {key} is index version {stamp} with fields {table.schema.names}; this vime "
-            f"reads index version {INDEX_VERSION} ({INDEX_SCHEMA.names}): move it away "
-            f"(its batch stays readable by key) or rebuild the index"
-        )
-    return table.cast(INDEX_SCHEMA)
+    names = table.schema.names
+    if stamp in ("1", "?") and "published_at" not in names and "created_at" in names:
+        table = table.add_column(names.index("created_at") + 1, "published_at", table.column("created_at"))
+        names = table.schema.names
+    if stamp in ("1", "?", str(INDEX_VERSION)) and names == INDEX_SCHEMA.names:
+        return table.cast(INDEX_SCHEMA)
+    why = (f"a newer vime (index version {stamp})" if stamp.isdigit() and int(stamp) > INDEX_VERSION
+           else f"index version {stamp} with fields {table.schema.names}")
+    raise ValueError(
+        f"index file {key} was written by {why}; this vime reads index version {INDEX_VERSION} "
+        f"({INDEX_SCHEMA.names}) and version 1: read it with the vime that wrote it, or move it "
+        f"away (the batches it lists then leave the index; their objects stay readable by key)"
+    )
