@@ -18,11 +18,12 @@ def _env_after_import(extra: dict) -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_importing_flows_batches_the_task_run_recorder():
+def test_importing_flows_batches_the_task_run_recorder_and_turns_the_event_persister_off():
     from flows.settings import SERVER_ENV_DEFAULTS
 
     assert _env_after_import({}) == SERVER_ENV_DEFAULTS[BATCH]
     assert int(SERVER_ENV_DEFAULTS[BATCH]) > 1  # 1 is Prefect's default: one SQLite transaction per event
+    assert SERVER_ENV_DEFAULTS["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED"] == "false"
 
 
 def test_a_value_already_in_the_environment_wins():
