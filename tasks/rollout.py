@@ -25,7 +25,7 @@ class RolloutOutput:
 def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> RolloutOutput:
     """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
     already stored for this rollout id is loaded (checksum verified) instead of regenerated; a
-    rollout the previous iteration started for this id and version (start_next_rollout) is
+    rollout the previous iteration started for this id and version (sync or start_next_rollout) is
     claimed instead of started."""
     import ray
 
@@ -52,14 +52,11 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
 def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> bool:
     """Start rollout `rollout_id` on the engines now that they hold weights `version`, so it runs
     while this flow run ends and the next one starts (the iteration flow calls it when
-    config.rollout_prefetch and an evaluation ran after sync; otherwise sync starts it).
-    Nothing is started when its batch is already stored. True when started."""
+    config.rollout_prefetch and an evaluation ran after sync; otherwise sync starts it), once
+    the rollout task has found its batch not stored (`RolloutOutput.next_stored`). True when
+    started."""
     import ray
 
-    from vime_core.cluster import batch_io
-
-    if batch_io.stored(config, rollout_id):
-        return False
     manager, _ = run_handles(config)
     return bool(ray.get(manager.start_generate.remote(rollout_id, version)))
 

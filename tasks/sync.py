@@ -20,18 +20,18 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
     re-synced. Two RolloutManager calls around the publish (begin_sync, end_sync)."""
     manager, trainers = run_handles(config)
     t0 = time.perf_counter()
-    urls = ray.get(manager.begin_sync.remote(target_version))
-    if urls is None:
-        get_run_logger().info("sync: engines already at v%d", target_version)
-        started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
-        return {"t_sync": time.perf_counter() - t0, "version": target_version, "skipped": True, "started_rollout": started}
+    urls = ray.get(manager.begin_sync.remote(target_version))  # None: engines already there
     try:
-        result = trainers.call("update_weights", urls, target_version)
+        result = trainers.call("update_weights", urls, target_version) if urls is not None else None
     except BaseException:
         ray.get(manager.end_sync.remote(resume_admission))
         raise
     started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
-    stats = dict(result[0] or {}) if isinstance(result[0], dict) else {"version": result[0]}
+    if result is None:
+        get_run_logger().info("sync: engines already at v%d", target_version)
+        stats = {"version": target_version, "skipped": True}
+    else:
+        stats = dict(result[0] or {}) if isinstance(result[0], dict) else {"version": result[0]}
     stats["t_sync"] = time.perf_counter() - t0
     stats["started_rollout"] = started
     return stats

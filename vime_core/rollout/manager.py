@@ -202,16 +202,16 @@ class RolloutManager:
             return batch, {**metrics, "rollout/reused": 1.0}
         with self._prefetch_lock:
             pending, self._prefetched = self._prefetched, None
-        if pending is not None:
-            if pending.rollout_id == rollout_id and pending.version == version:
-                t0 = time.perf_counter()
-                batch, metrics = pending.future.result()
-                metrics["rollout/prefetched"] = 1.0
-                metrics["rollout/time_prefetch_wait_s"] = time.perf_counter() - t0
-                self._last = (rollout_id, version, (batch, metrics))
-                return batch, metrics
+        result = None
+        if pending is not None and (pending.rollout_id, pending.version) == (rollout_id, version):
+            t0 = time.perf_counter()
+            result = pending.future.result()
+            result[1]["rollout/prefetched"] = 1.0
+            result[1]["rollout/time_prefetch_wait_s"] = time.perf_counter() - t0
+        elif pending is not None:
             self._drop(pending, restore=True)
-        result = self._generate_now(rollout_id)
+        if result is None:
+            result = self._generate_now(rollout_id)
         self._last = (rollout_id, version, result)
         return result
 
@@ -309,12 +309,14 @@ class RolloutManager:
 
     def end_sync(self, resume: bool = True, start_rollout_id: Optional[int] = None,
                  version: Optional[int] = None) -> bool:
-        """Sync's end, in one actor call: admission resumed (unless `resume` is False: after a
-        run's last sync) and, when `start_rollout_id` is given, that rollout started on weights
-        `version` (start_generate). True when a rollout was started."""
+        """Sync's end, in one actor call: when `start_rollout_id` is given, that rollout started
+        on weights `version` (start_generate, which opens admission); else admission resumed
+        unless `resume` is False (after a run's last sync). True when a rollout was started."""
+        if start_rollout_id is not None:
+            return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:
             self.resume_admission()
-        return self.start_generate(start_rollout_id, version) if start_rollout_id is not None else False
+        return False
 
     def weight_versions(self) -> list[int]:
         return self._each_engine("weight_version")
