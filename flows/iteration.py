@@ -7,10 +7,16 @@ run saves, reports and ends and the next one starts.
 Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
 failed.
 
-Persist runs beside offload + train (both only read the batch), and sync waits for it: the
-engines never get weights trained on a batch that is not stored. If the store fails after the
-trainer trained, a re-run gets the same batch from the RolloutManager (it keeps its last result)
-and the trainer does not train it again, so the stored batch is the one trained on.
+Where engines do not sleep, the rollout task also submits this rollout's training and publish
+to Ray, chained on the batch's reference (tasks.dispatch): training starts the moment the batch
+exists and the publish the moment training ends, while Prefect is still ending and starting
+task runs; the train and sync tasks wait for them.
+
+Persist runs beside offload + train (both only read the batch), and sync ends only after it:
+no rollout is started on weights trained on a batch that is not stored. If the store fails
+after the trainer trained, a re-run gets the same batch from the RolloutManager (it keeps its
+last result until another rollout starts), the trainer does not train it again and engines
+already at v+1 are not published to again, so the stored batch is the one trained on.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         # task runs, ~4-10 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
         moves = engines_sleep(config)
         t_offload = offload_rollout(cfg, rollout_id) if moves else 0.0
-        train_metrics = train(cfg, rollout_id, out.batch_ref)
+        train_metrics = train(cfg, rollout_id, out.batch_ref, out.dispatched)
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     stored = persisting.result()
@@ -70,7 +76,8 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     # sync starts rollout k+1 itself (one actor call, no task run of its own) unless an
     # evaluation comes first; a checkpoint taken meanwhile records the data source from before it
     sync = sync_weights(cfg, v + 1, resume_admission=rollout_id != last,
-                        start_rollout_id=rollout_id + 1 if prefetch and not eval_due else None)
+                        start_rollout_id=rollout_id + 1 if prefetch and not eval_due else None,
+                        dispatched=out.dispatched)
     t_onload_kv = onload_kv(cfg, rollout_id) if moves else 0.0
     record = {
         "rollout_id": rollout_id,

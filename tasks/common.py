@@ -14,16 +14,21 @@ from vime_core.config import VimeConfig
 TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
+def first_try() -> bool:
+    """Whether the running task run is on its first try (Prefect counts from 1; 0 outside a run)."""
+    from prefect.runtime import task_run
+
+    return (task_run.run_count or 1) <= 1
+
+
 def run_handles(cfg: VimeConfig):
     """(rollout_manager, trainer_group) of the run, attaching the driver to Ray if needed. The
     handles are looked up once per process and reused; a retried task looks them up afresh
     (an actor may have been replaced)."""
-    from prefect.runtime import task_run
-
     ensure_ray(cfg.ray_address)
     from vime_core.cluster.run_actors import attach
 
-    return attach(cfg, cached=(task_run.run_count or 1) <= 1)
+    return attach(cfg, cached=first_try())
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, run_handles
+from tasks.dispatch import Dispatched, dispatch, settle
 from vime_core.config import VimeConfig
 
 
@@ -19,6 +20,7 @@ class RolloutOutput:
     from_store: bool = False
     storage_key: str = ""
     next_stored: bool = False  # rollout k+1's batch is already stored (a resumed run): not prefetched
+    dispatched: Dispatched | None = None  # this rollout's training and publish (tasks.dispatch)
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
@@ -26,26 +28,34 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
     already stored for this rollout id is loaded (checksum verified) instead of regenerated; a
     rollout the previous iteration started for this id and version (sync or start_next_rollout) is
-    claimed instead of started."""
+    claimed instead of started. Training on the batch and publishing the result as `version + 1`
+    are submitted right after the rollout (tasks.dispatch); the train and sync tasks wait for them."""
     import ray
 
     from vime_core.cluster import batch_io
 
     log = get_run_logger()
-    manager, _ = run_handles(config)
+    manager, trainers = run_handles(config)
+    target = None if version is None else version + 1
     t0 = time.perf_counter()
     if batch_io.stored(config, rollout_id):
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
+        dispatched = dispatch(config, manager, trainers, rollout_id, target, ref) if target else None
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = time.perf_counter() - t0
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
-                             next_stored=batch_io.stored(config, rollout_id + 1))
+                             next_stored=batch_io.stored(config, rollout_id + 1), dispatched=dispatched)
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
-    next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
-    metrics = dict(ray.get(metrics_ref))
+    dispatched = dispatch(config, manager, trainers, rollout_id, target, batch_ref, metrics_ref) if target else None
+    try:
+        next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
+        metrics = dict(ray.get(metrics_ref))
+    except BaseException:
+        settle(dispatched)
+        raise
     metrics.setdefault("t_rollout", time.perf_counter() - t0)
-    return RolloutOutput(batch_ref, metrics, next_stored=next_stored)
+    return RolloutOutput(batch_ref, metrics, next_stored=next_stored, dispatched=dispatched)
 
 
 @task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)

@@ -7,31 +7,58 @@ import time
 import ray
 from prefect import get_run_logger, task
 
-from tasks.common import TASK_DEFAULTS, run_handles
+from tasks.common import TASK_DEFAULTS, first_try, run_handles
+from tasks.dispatch import Dispatched
 from vime_core.config import VimeConfig
 
 
 @task(name="sync", task_run_name="sync-v{target_version}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool = True,
-                 start_rollout_id: int | None = None) -> dict:
+                 start_rollout_id: int | None = None, dispatched: Dispatched | None = None) -> dict:
     """Pause admission, publish (v -> target_version), resume admission and, when
     `start_rollout_id` is given (rollout_prefetch), start that rollout on the new weights in the
     same actor call. Idempotent: engines that already report `target_version` are not
-    re-synced. Two RolloutManager calls around the publish (begin_sync, end_sync)."""
+    re-synced.
+
+    `dispatched`: the publish the rollout task already submitted (tasks.dispatch); the first try
+    waits for it and then only ends the sync. Otherwise (a retry, engines that sleep, or that
+    publish failed) the three calls are submitted here, chained inside Ray by their object
+    references (begin_sync's URLs -> every rank's update_weights -> end_sync), so no step waits
+    for a round trip through this process."""
     manager, trainers = run_handles(config)
+    log = get_run_logger()
     t0 = time.perf_counter()
-    urls = ray.get(manager.begin_sync.remote(target_version))  # None: engines already there
-    try:
-        result = trainers.call("update_weights", urls, target_version) if urls is not None else None
-    except BaseException:
-        ray.get(manager.end_sync.remote(resume_admission))
-        raise
-    started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
-    if result is None:
-        get_run_logger().info("sync: engines already at v%d", target_version)
+    per_rank = None
+    if dispatched is not None and first_try():
+        try:
+            per_rank = trainers.wait(dispatched.publish)
+        except Exception as exc:  # e.g. training failed and was retried: publish what it trained
+            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if per_rank is not None:
+        started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
+    else:
+        per_rank, started = _publish_chained(manager, trainers, target_version, resume_admission, start_rollout_id)
+    if per_rank[0] is None:
+        log.info("sync: engines already at v%d", target_version)
         stats = {"version": target_version, "skipped": True}
     else:
-        stats = dict(result[0] or {}) if isinstance(result[0], dict) else {"version": result[0]}
+        stats = dict(per_rank[0]) if isinstance(per_rank[0], dict) else {"version": per_rank[0]}
     stats["t_sync"] = time.perf_counter() - t0
     stats["started_rollout"] = started
     return stats
+
+
+def _publish_chained(manager, trainers, target_version: int, resume_admission: bool,
+                     start_rollout_id: int | None) -> tuple[list, bool]:
+    """(every rank's update_weights result, whether a rollout was started)."""
+    urls = manager.begin_sync.remote(target_version)  # None: engines already there
+    published = trainers.call_async("update_weights", urls, target_version)
+    ended = manager.end_sync.remote(resume_admission, start_rollout_id, target_version, *published)
+    try:
+        per_rank = trainers.wait(published)
+    except BaseException:
+        # the chained end_sync does not run when a publish failed: open admission again
+        ray.get(manager.end_sync.remote(resume_admission))
+        raise
+    return per_rank, ray.get(ended)

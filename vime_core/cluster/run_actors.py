@@ -98,7 +98,16 @@ class TrainerGroup:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def call_async(self, method: str, *args, **kwargs) -> list:
+        """Submit `method` on every rank; the object references, rank order. An ObjectRef among
+        the arguments is resolved by Ray before the call runs: the call waits for it in the
+        actor's queue, not in the driver."""
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def wait(self, refs: list) -> list:
+        """The results of a `call_async`, rank order."""
+        import ray
+
+        return ray.get(refs)
 
     def rank0(self, method: str, *args, **kwargs):
         import ray

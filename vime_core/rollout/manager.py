@@ -20,7 +20,10 @@ Re-asked: the last rollout's result is kept until another rollout starts, and `g
 for that same id and version returns it again instead of generating new samples. The iteration
 flow stores a batch while the trainer trains on it; if the store fails and the iteration is
 re-run, the trainer (which already trained rollout k) skips it and the batch stored is the one
-it trained on.
+it trained on. Calls of `generate` run one at a time (a lock): a retried rollout task that asks
+while its first try's call still runs gets that call's result, not a second rollout; the
+trainer may already be training on the first (the rollout task dispatches training on the
+batch's reference).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class RolloutManager:
         self._owns_servers = servers is None
         self._loop = LoopThread("rollout-loop")
         self._prefetch_lock = threading.Lock()
+        self._generate_lock = threading.Lock()  # generate calls one at a time (module docstring)
         self._prefetched: Optional[_Prefetched] = None
         self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
@@ -195,6 +199,10 @@ class RolloutManager:
         """One rollout: `(build_batch(samples), metrics)`; the prefetched one when it was started
         for this rollout id and weight version, or the last one again when it is asked for twice
         (module docstring). Opens admission (it stays closed after a run's last sync)."""
+        with self._generate_lock:
+            return self._generate_once(rollout_id, version)
+
+    def _generate_once(self, rollout_id: int, version: Optional[int]) -> tuple[dict, dict]:
         self.resume_admission()
         last = self._last
         if last is not None and version is not None and last[:2] == (rollout_id, version):
@@ -226,6 +234,12 @@ class RolloutManager:
             future = self._prefetch_pool.submit(self._generate_now, rollout_id)
             self._prefetched = _Prefetched(rollout_id, version, future, before)
             return True
+
+    def prefetched(self) -> Optional[tuple[int, Optional[int]]]:
+        """(rollout id, weight version) of the started and not yet claimed rollout, or None."""
+        with self._prefetch_lock:
+            pending = self._prefetched
+        return None if pending is None else (pending.rollout_id, pending.version)
 
     def discard_prefetch(self, restore_data_source: bool = True) -> None:
         with self._prefetch_lock:
@@ -297,10 +311,11 @@ class RolloutManager:
     def resume_admission(self) -> None:
         self.admission_open.set()
 
-    def begin_sync(self, target_version: int) -> Optional[list[str]]:
+    def begin_sync(self, target_version: int, *after: Any) -> Optional[list[str]]:
         """The engine side of sync's start, in one actor call: None when every engine already
         reports `target_version` (nothing to publish), else admission paused and the engines'
-        URLs to publish to."""
+        URLs to publish to. `after` is ignored: a reference passed there (the rollout's metrics,
+        tasks.dispatch) makes Ray run this call only once the rollout has ended."""
         versions = self.weight_versions()
         if versions and all(v == target_version for v in versions):
             return None
@@ -308,10 +323,13 @@ class RolloutManager:
         return self.engine_urls()
 
     def end_sync(self, resume: bool = True, start_rollout_id: Optional[int] = None,
-                 version: Optional[int] = None) -> bool:
+                 version: Optional[int] = None, *published: Any) -> bool:
         """Sync's end, in one actor call: when `start_rollout_id` is given, that rollout started
         on weights `version` (start_generate, which opens admission); else admission resumed
-        unless `resume` is False (after a run's last sync). True when a rollout was started."""
+        unless `resume` is False (after a run's last sync). True when a rollout was started.
+
+        `published` is ignored: sync passes the trainer ranks' `update_weights` references there
+        so that Ray runs this call the moment the publish ends (and not at all when it fails)."""
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:

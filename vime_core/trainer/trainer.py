@@ -154,11 +154,19 @@ class MegatronTrainer:
 
         return iter_hf_weights(self.model, self.arch)
 
-    def update_weights(self, engine_urls: list[str], target_version: Optional[int] = None) -> Any:
+    def update_weights(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
         Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
-        replicas hold the same weights and only advance their version counter."""
+        replicas hold the same weights and only advance their version counter.
+
+        ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
+        target version) publishes nothing and returns None: sync chains this call on that
+        answer inside Ray, without a round trip through the driver. ``after`` is ignored:
+        references passed there (every rank's train call, tasks.dispatch) make Ray run the
+        publish only once they succeeded."""
+        if engine_urls is None:
+            return None
         self._require_init()
         new_version = self.weight_version + 1 if target_version is None else int(target_version)
         result: Any = new_version

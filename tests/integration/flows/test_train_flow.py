@@ -88,6 +88,37 @@ def test_sync_to_the_version_the_engines_hold_publishes_nothing(trained):
     assert trainers.rank0("state")["weight_version"] == final
 
 
+def test_sync_whose_publish_fails_changes_nothing_and_starts_no_rollout(trained, monkeypatch):
+    """The chained end_sync does not run when a rank's publish fails: the task fails, engines
+    and trainer keep their version, and the rollout it was to start is not started."""
+    import ray
+
+    import tasks.sync as sync_task
+
+    cfg, _ = trained
+    manager, trainers = _handles(cfg)
+    final = 1 + cfg.num_rollout
+    real = sync_task.run_handles
+
+    class PublishToNoEngine:  # publish_weights refuses an empty engine list
+        def __init__(self, group):
+            self.group = group
+
+        def call_async(self, method, urls, version):
+            return self.group.call_async(method, [], version)
+
+        def wait(self, refs):
+            return self.group.wait(refs)
+
+    monkeypatch.setattr(sync_task, "run_handles", lambda c: (real(c)[0], PublishToNoEngine(real(c)[1])))
+    monkeypatch.setattr(sync_task.sync_weights, "retry_delay_seconds", 0)
+    with pytest.raises(Exception, match="engine_urls is empty"):
+        sync_task.sync_weights(cfg, final + 1, start_rollout_id=cfg.num_rollout)
+    assert ray.get(manager.weight_versions.remote()) == [final]
+    assert trainers.rank0("state")["weight_version"] == final
+    assert ray.get(manager.prefetched.remote()) is None
+
+
 def test_trainer_and_engine_logprobs_agree(trained):
     import ray
 
@@ -146,12 +177,17 @@ def test_failed_task_is_retried_and_trains_once(trained, monkeypatch):
         def __init__(self, group):
             self.group = group
 
-        def call(self, method, *args):
-            result = self.group.call(method, *args)
+        def _fail_once(self, result):
             if failures["left"]:
                 failures["left"] -= 1
                 raise RuntimeError("injected failure after training")
             return result
+
+        def call(self, method, *args):  # a retry calls the trainer afresh
+            return self._fail_once(self.group.call(method, *args))
+
+        def wait(self, refs):  # the first try waits for the training the rollout task dispatched
+            return self._fail_once(self.group.wait(refs))
 
     monkeypatch.setattr(train_task, "run_handles", lambda c: (real(c)[0], FailAfterTrain(real(c)[1])))
     record = iteration(cfg4, 3)
@@ -182,17 +218,20 @@ def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
 
 
 def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(trained, monkeypatch):
-    """persist-5 fails on every try while train-5 trains beside it: the iteration fails with
-    nothing published; the re-run stores the very batch the trainer trained on (the
-    RolloutManager hands it out again) and does not train a second time."""
+    """persist-5 fails on every try while train-5 trains beside it: the iteration fails and no
+    rollout is started on the weights trained on the unstored batch; the re-run stores the very
+    batch the trainer trained on (the RolloutManager hands it out again) and does not train a
+    second time."""
+    import ray
+
     import tasks.rollout as rollout_task
     from flows.iteration import iteration
     from vime_core.cluster import batch_io
     from vime_core.storage import BatchStore
 
     cfg, _ = trained
-    cfg6 = cfg.model_copy(update={"num_rollout": 6})
-    _, trainers = _handles(cfg6)
+    cfg6 = cfg.model_copy(update={"num_rollout": 7})  # not the last iteration: sync would start rollout 6
+    manager, trainers = _handles(cfg6)
 
     def store_down(*args, **kwargs):
         raise OSError("simulated object store outage")
@@ -204,12 +243,15 @@ def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(traine
     assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
     assert trainers.rank0("state")["last_trained_rollout_id"] == 5
     steps = trainers.rank0("state")["optimizer_steps"]
+    assert ray.get(manager.prefetched.remote()) is None  # rollout 6 not started
     monkeypatch.undo()
     record = iteration(cfg6, 5)
     assert record["reused"] == 1.0 and not record["from_store"]
     assert BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
     assert trainers.rank0("state")["optimizer_steps"] == steps  # not trained again
     assert record["version_after"] == 7
+    assert ray.get(manager.prefetched.remote()) == (6, 7)  # the re-run's sync started it
+    ray.get(manager.discard_prefetch.remote())
 
 
 def test_replay_is_bit_identical(trained):

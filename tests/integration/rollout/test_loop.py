@@ -84,6 +84,17 @@ def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_bac
     _, metrics4 = manager.generate(2, current + 1)
     assert metrics4["rollout/prefetched"] == 1.0
 
+    # a retried rollout task asking while its first try's call still runs gets that rollout,
+    # not a second one (the trainer may already be training on the first)
+    answers = []
+    askers = [threading.Thread(target=lambda: answers.append(manager.generate(3, current + 1))) for _ in range(2)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join()
+    assert answers[0][0]["prompt_id"] == answers[1][0]["prompt_id"]
+    assert sorted(m.get("rollout/reused", 0.0) for _, m in answers) == [0.0, 1.0]
+
 
 def test_full_loop_router_arith_reward(make_manager):
     manager = make_manager(router_policy="consistent_hash")
