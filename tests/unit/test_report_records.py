@@ -73,3 +73,23 @@ def test_report_table_artifact_holds_the_latest_iterations_and_the_file_all(tmp_
     assert [row["rollout_id"] for row in tables[-1]["table"]] == list(range(n - report.TABLE_ROWS, n))
     assert [r["rollout_id"] for r in read_records(str(tmp_path), "rep")] == list(range(n))
     assert f"{tmp_path}/reports/rep/metrics.jsonl" in tables[-1]["description"]
+
+
+def test_preload_imports_pyplot_in_the_background():
+    """A fresh interpreter: pyplot is not imported until preload's thread has run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from vime_core.report.curve import preload\n"
+        "assert 'matplotlib.pyplot' not in sys.modules\n"
+        "thread = preload()\n"
+        "assert thread.daemon\n"
+        "thread.join()\n"
+        "assert 'matplotlib.pyplot' in sys.modules\n"
+    )
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120)

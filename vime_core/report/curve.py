@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import io
+import threading
 
 
-def reward_curve_png(records: list[dict], title: str) -> bytes:
+def _import_pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+def preload() -> threading.Thread:
+    """Import matplotlib in the background (~0.9 s on the 2-core machine, once per process), so
+    the first reward curve an iteration draws costs only the drawing (~0.13 s): the report
+    ends an iteration flow run, and with rollout_prefetch its time is hidden only while it is
+    shorter than the next rollout."""
+    thread = threading.Thread(target=_import_pyplot, name="vime-preload-matplotlib", daemon=True)
+    thread.start()
+    return thread
+
+
+def reward_curve_png(records: list[dict], title: str) -> bytes:
+    _import_pyplot()
     import matplotlib.pyplot as plt
 
     ids = [r["rollout_id"] for r in records]
