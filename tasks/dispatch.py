@@ -34,17 +34,19 @@ class Dispatched:
     publish: list = field(default_factory=list)  # every rank's update_weights call, rank order
 
 
-def dispatch(config: VimeConfig, manager, trainers, rollout_id: int, target_version: int,
+def dispatch(config: VimeConfig, manager, trainers, rollout_id: int, version: int | None,
              batch_ref: Any, rollout_ended: Any = None) -> Dispatched | None:
-    """Submit training on `batch_ref` and the publish of its result as `target_version`;
-    `rollout_ended` is a reference that exists once the rollout has ended (its metrics), None
-    for a batch loaded from the store. None where engines sleep. Every call is idempotent (a
-    trained rollout id is not trained again; engines at `target_version` are not re-published),
-    so a retried rollout task may dispatch again."""
+    """Submit training on `batch_ref` (sampled by weights `version`) and the publish of its
+    result as `version + 1`; `rollout_ended` is a reference that exists once the rollout has
+    ended (its metrics), None for a batch loaded from the store. None where engines sleep or
+    the version is not known. Every call is idempotent (a trained rollout id is not trained
+    again; engines at the target version are not re-published), so a retried rollout task may
+    dispatch again."""
     from tasks.placement import engines_sleep
 
-    if engines_sleep(config):
+    if version is None or engines_sleep(config):
         return None
+    target_version = version + 1
     trained = trainers.call_async("train", rollout_id, batch_ref)
     ended = () if rollout_ended is None else (rollout_ended,)
     urls = manager.begin_sync.remote(target_version, *ended)

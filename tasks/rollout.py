@@ -36,18 +36,17 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
 
     log = get_run_logger()
     manager, trainers = run_handles(config)
-    target = None if version is None else version + 1
     t0 = time.perf_counter()
     if batch_io.stored(config, rollout_id):
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
-        dispatched = dispatch(config, manager, trainers, rollout_id, target, ref) if target else None
+        dispatched = dispatch(config, manager, trainers, rollout_id, version, ref)
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = time.perf_counter() - t0
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
                              next_stored=batch_io.stored(config, rollout_id + 1), dispatched=dispatched)
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
-    dispatched = dispatch(config, manager, trainers, rollout_id, target, batch_ref, metrics_ref) if target else None
+    dispatched = dispatch(config, manager, trainers, rollout_id, version, batch_ref, metrics_ref)
     try:
         next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
         metrics = dict(ray.get(metrics_ref))

@@ -33,8 +33,8 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
         try:
             per_rank = trainers.wait(dispatched.publish)
         except Exception as exc:  # e.g. training failed and was retried: publish what it trained
-            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again",
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            first_line = next(iter(str(exc).splitlines()), "") or type(exc).__name__
+            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again", first_line)
     if per_rank is not None:
         started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
     else:

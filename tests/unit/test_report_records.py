@@ -79,6 +79,7 @@ def test_preload_imports_pyplot_in_the_background():
     """A fresh interpreter: pyplot is not imported until preload's thread has run."""
     import subprocess
     import sys
+    from pathlib import Path
 
     code = (
         "import sys\n"
@@ -89,7 +90,5 @@ def test_preload_imports_pyplot_in_the_background():
         "thread.join()\n"
         "assert 'matplotlib.pyplot' in sys.modules\n"
     )
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120)

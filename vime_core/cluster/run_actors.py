@@ -93,9 +93,7 @@ class TrainerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank concurrently (collectives need all ranks) and wait."""
-        import ray
-
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self.wait(self.call_async(method, *args, **kwargs))
 
     def call_async(self, method: str, *args, **kwargs) -> list:
         """Submit `method` on every rank; the object references, rank order. An ObjectRef among

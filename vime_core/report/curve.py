@@ -6,11 +6,13 @@ import io
 import threading
 
 
-def _import_pyplot():
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def preload() -> threading.Thread:
@@ -18,14 +20,13 @@ def preload() -> threading.Thread:
     the first reward curve an iteration draws costs only the drawing (~0.13 s): the report
     ends an iteration flow run, and with rollout_prefetch its time is hidden only while it is
     shorter than the next rollout."""
-    thread = threading.Thread(target=_import_pyplot, name="vime-preload-matplotlib", daemon=True)
+    thread = threading.Thread(target=_pyplot, name="vime-preload-matplotlib", daemon=True)
     thread.start()
     return thread
 
 
 def reward_curve_png(records: list[dict], title: str) -> bytes:
-    _import_pyplot()
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ids = [r["rollout_id"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
