@@ -171,6 +171,13 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vime_core.cluster.connect import LOOPBACK_ENV
+
+    # Before anything imports Ray: without these a driver resolved the loopback head's address
+    # to the machine's other interface and waited for it forever (measured on the H200 host,
+    # where nothing had sourced infra/env.sh).
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__)

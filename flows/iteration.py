@@ -1,7 +1,9 @@
 """One RL iteration as one Prefect flow run: `iter-k vV->vV+1`.
 
-rollout -> build -> persist -> offload rollout -> train -> onload weights -> sync -> onload KV,
-then eval and save when their intervals say so. With rollout_prefetch, sync's last actor call
+rollout -> build -> persist -> offload rollout -> train -> offload train -> onload weights ->
+sync -> onload KV, then eval and save when their intervals say so. Offload train frees the
+trainer's optimizer state and gradients; its weights stay until the publish in sync has copied
+them out (CUDA IPC reads the trainer's memory) and are freed at its end. With rollout_prefetch, sync's last actor call
 starts rollout k+1 on the new weights (after eval when one is due), so it runs while this flow
 run saves, reports and ends and the next one starts.
 Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
@@ -29,10 +31,10 @@ from prefect.utilities.annotations import quote
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
-from tasks.placement import engines_sleep, offload_rollout, onload_kv, onload_weights
+from tasks.placement import engines_sleep, offload_rollout, offload_train, onload_kv, onload_weights, trainer_sleeps
 from tasks.report import CURVE_EVERY, report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
-from tasks.sync import sync_weights
+from tasks.sync import check_weight_update, sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
 
@@ -64,21 +66,24 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         # offload/onload tasks run only where engines can sleep: on CPU they would be no-op
         # task runs, ~4-10 ms of Prefect bookkeeping each (bench/bench_orchestration.py)
         moves = engines_sleep(config)
-        t_offload = offload_rollout(cfg, rollout_id) if moves else 0.0
+        offloaded = offload_rollout(cfg, rollout_id) if moves else {}
         train_metrics = train(cfg, rollout_id, out.batch_ref, out.dispatched)
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     stored = persisting.result()
-    t_onload_w = onload_weights(cfg, rollout_id) if moves else 0.0
+    trainer_slept = offload_train(cfg, rollout_id) if trainer_sleeps(config) else {}
+    onloaded_w = onload_weights(cfg, rollout_id) if moves else {}
     last = config.num_rollout - 1
-    prefetch = config.rollout_prefetch and rollout_id != last and not out.next_stored
+    # no prefetch where engines sleep: their KV cache wakes only after sync
+    prefetch = config.rollout_prefetch and rollout_id != last and not out.next_stored and not moves
     eval_due = bool(config.eval_interval) and _due(config.eval_interval, rollout_id, last)
     # sync starts rollout k+1 itself (one actor call, no task run of its own) unless an
     # evaluation comes first; a checkpoint taken meanwhile records the data source from before it
     sync = sync_weights(cfg, v + 1, resume_admission=rollout_id != last,
                         start_rollout_id=rollout_id + 1 if prefetch and not eval_due else None,
                         dispatched=out.dispatched)
-    t_onload_kv = onload_kv(cfg, rollout_id) if moves else 0.0
+    onloaded_kv = onload_kv(cfg, rollout_id) if moves else {}
+    checked = check_weight_update(cfg, v + 1, sync) if config.check_weight_update_equal else {}
     record = {
         "rollout_id": rollout_id,
         "version_before": v,
@@ -90,12 +95,26 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
         "t_persist": stored.get("t_persist", 0.0),
         "t_write_s": stored.get("t_write_s", 0.0),
         "publish_s": (sync.get("seconds") or {}).get("total", 0.0),
-        "t_offload": t_offload,
-        "t_onload": t_onload_w + t_onload_kv,
+        "t_offload": offloaded.get("seconds", 0.0) + trainer_slept.get("seconds", 0.0),
+        "t_offload_rollout": offloaded.get("seconds", 0.0),
+        "t_offload_train": trainer_slept.get("seconds", 0.0),
+        "t_onload": onloaded_w.get("seconds", 0.0) + onloaded_kv.get("seconds", 0.0),
+        "t_wake_train": train_metrics.get("wake_time_s", 0.0),
         "t_sync": sync.get("t_sync"),
         "batch_key": stored.get("key", ""),
         "from_store": out.from_store,
     }
+    if moves or trainer_slept:  # device memory after each move (bytes), on GPUs
+        record["memory"] = {
+            "engines_after_offload_rollout": offloaded.get("memory"),
+            "trainer_after_wake": train_metrics.get("memory_after_wake"),
+            "trainer_after_offload_train": trainer_slept.get("memory"),
+            "engines_after_onload_weights": onloaded_w.get("memory"),
+            "trainer_after_publish": sync.get("trainer_memory_after_publish"),
+            "engines_after_onload_kv": onloaded_kv.get("memory"),
+        }
+    if checked:
+        record["weight_check"] = checked
     if eval_due:
         ev = evaluate(cfg, rollout_id)
         record["eval_reward_mean"] = ev.get("reward_mean")

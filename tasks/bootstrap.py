@@ -24,8 +24,10 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
+    from tasks.placement import trainer_sleeps
     from vime_core.cluster.run_actors import (
         forget_attached,
+        get_or_create_engines,
         get_or_create_placement_group,
         get_or_create_rollout_manager,
         get_or_create_trainer_group,
@@ -37,7 +39,8 @@ def bootstrap(config: VimeConfig) -> dict:
     ensure_ray(config.ray_address)
     forget_attached(config.run_name)  # actors may be created now: no handle from before is reused
     pg = get_or_create_placement_group(config)
-    manager = get_or_create_rollout_manager(config)  # starts engines + router (steps 2, 4-7)
+    engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
+    manager = get_or_create_rollout_manager(config, engines)  # starts engines + router (steps 2, 4-7)
     trainers, created = get_or_create_trainer_group(config, pg)  # step 3
     if created:
         trainers.call("init", config.hf_checkpoint)
@@ -53,6 +56,8 @@ def bootstrap(config: VimeConfig) -> dict:
     if not versions or any(v != target for v in versions):  # step 8: first publish is v1
         urls = ray.get(manager.engine_urls.remote())
         trainers.call("update_weights", urls, target)
+    if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
+        trainers.call("sleep")
     ray.get(manager.onload_kv.remote())  # steps 10-13
     last = state.get("last_trained_rollout_id")
     out = {

@@ -19,28 +19,43 @@ def engines_sleep(config: VimeConfig) -> bool:
     return config.offload_rollout and platform_supports_sleep(config)
 
 
-def _engines(config: VimeConfig, method: str) -> float:
-    """One RolloutManager call (the flow calls these tasks only when `engines_sleep`); returns
-    its seconds."""
+def trainer_sleeps(config: VimeConfig) -> bool:
+    """Whether offload_train frees anything: asked for, and the trainer is on a GPU."""
+    return config.offload_train and config.device == "cuda"
+
+
+def _engines(config: VimeConfig, method: str) -> dict:
+    """One RolloutManager call (the flow calls these tasks only when `engines_sleep`); its
+    seconds and the engines' device memory afterwards."""
     t0 = time.perf_counter()
     manager, _ = run_handles(config)
-    ray.get(getattr(manager, method).remote())
-    return time.perf_counter() - t0
+    memory = ray.get(getattr(manager, method).remote())
+    return {"seconds": time.perf_counter() - t0, "memory": memory}
 
 
 @task(name="offload-rollout", task_run_name="offload-rollout-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
-def offload_rollout(config: VimeConfig, rollout_id: int) -> float:
+def offload_rollout(config: VimeConfig, rollout_id: int) -> dict:
     """Engines sleep (level 2 when they receive weight updates, else 1)."""
     return _engines(config, "offload")
 
 
+@task(name="offload-train", task_run_name="offload-train-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
+def offload_train(config: VimeConfig, rollout_id: int) -> dict:
+    """Every trainer rank moves its optimizer state and gradient buffers to host memory; the
+    weights follow once the publish has copied them (MegatronTrainer.sleep)."""
+    t0 = time.perf_counter()
+    _, trainers = run_handles(config)
+    per_rank = trainers.call("sleep", keep_weights=True)
+    return {"seconds": time.perf_counter() - t0, "memory": per_rank}
+
+
 @task(name="onload-weights", task_run_name="onload-weights-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
-def onload_weights(config: VimeConfig, rollout_id: int) -> float:
+def onload_weights(config: VimeConfig, rollout_id: int) -> dict:
     """Wake the engines' weight memory before new weights are written into it."""
     return _engines(config, "onload_weights")
 
 
 @task(name="onload-kv", task_run_name="onload-kv-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
-def onload_kv(config: VimeConfig, rollout_id: int) -> float:
+def onload_kv(config: VimeConfig, rollout_id: int) -> dict:
     """Wake the engines' KV cache before the next rollout."""
     return _engines(config, "onload_kv")

@@ -62,3 +62,22 @@ def _publish_chained(manager, trainers, target_version: int, resume_admission: b
         ray.get(manager.end_sync.remote(resume_admission))
         raise
     return per_rank, ray.get(ended)
+
+
+@task(name="check-weights", task_run_name="check-weights-v{target_version}", retries=1, retry_delay_seconds=2, **TASK_DEFAULTS)
+def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -> dict:
+    """check_weight_update_equal: the engines' log-probs of the probe sequence against the
+    trainer's (computed by the publish, before its weights were released), and against the
+    engines' previous version (vime_core/trainer/weight_check). Runs once the engines'
+    KV cache is awake. Logs and returns the comparison; it does not fail the iteration."""
+    from vime_core.trainer.weight_check import compare
+
+    probe = synced.get("probe")
+    if not probe:
+        return {}
+    manager, _ = run_handles(config)
+    engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"]))
+    result = {"version": target_version, **compare(probe["log_probs"], engines, previous)}
+    get_run_logger().info("check weights v%d: max |engine - trainer| = %.4g%s", target_version, result["max_abs_diff"],
+                          f", changed by up to {result['changed_max']:.4g} since the previous version" if "changed_max" in result else "")
+    return result

@@ -96,7 +96,7 @@ def test_engine_error_names_engine_endpoint_status_and_body():
 def test_control_calls_reach_the_right_endpoints():
     def handler(method, path, body):
         answers = {
-            "/is_paused": {"is_paused": True}, "/weight_info": {"weight_version": "12"},
+            "/is_paused": {"is_paused": True}, "/weight_info": {"weight_version": "12"}, "/version": {"version": "0.32.0"},
             "/abort_requests": {"status": "aborted", "aborted": 3}, "/get_world_size?include_dp=false": {"world_size": 2},
         }
         return 200, answers.get(path, {"ok": True})
@@ -126,6 +126,46 @@ def test_control_calls_reach_the_right_endpoints():
     assert ("POST", "/finish_weight_update", {"weight_version": "4"}) in seen
     assert ("POST", "/update_weight_version", {"new_version": "5"}) in seen
     assert ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}, "args": []}) in seen
+
+
+def test_vllm_026_versions_live_in_the_workers():
+    """vLLM 0.26 has no /weight_info or versioned finish: the version goes to and comes from
+    vime's worker extension over /collective_rpc (engines/vllm_api.py)."""
+    stored: dict = {}
+
+    def handler(method, path, body):
+        if path == "/version":
+            return 200, {"version": "0.26.0"}
+        if path == "/collective_rpc" and body["method"] == "vime_set_weight_version":
+            stored["v"] = body["kwargs"]["version"]
+            return 200, {"results": [None, None]}
+        if path == "/collective_rpc" and body["method"] == "vime_weight_version":
+            return 200, {"results": [stored.get("v"), stored.get("v")]}
+        if path in ("/weight_info", "/update_weight_version"):
+            return 404, "not here in 0.26"
+        return 200, {"ok": True}
+
+    with FakeEngine(handler) as fake:
+        c = SyncEngineClient(fake.url)
+        assert c.weight_version() == 0  # a fresh engine: the checkpoint's weights
+        c.finish_weight_update(7)
+        assert c.weight_version() == 7
+        c.update_weight_version(8)
+        assert c.weight_version() == 8
+    seen = [(m, p, b) for m, p, b, _ in fake.requests]
+    assert ("POST", "/finish_weight_update", {}) in seen
+    assert not any(p in ("/weight_info", "/update_weight_version") for _, p, _ in seen)
+
+
+def test_vllm_api_by_release():
+    from vime_core.engines.vllm_api import VllmApi, parse_release
+
+    old, new = VllmApi.for_version("0.26.0"), VllmApi.for_version("0.32.0+cpu")
+    assert (old.scale_out_flag, old.server_versions, old.ipc_packed_in_update) == (False, False, True)
+    assert (new.scale_out_flag, new.server_versions, new.ipc_packed_in_update) == (True, True, False)
+    assert parse_release("0.27.0rc1.dev3") == (0, 27)
+    with pytest.raises(ValueError, match="not of the form"):
+        parse_release("main")
 
 
 def test_sleep_and_wake_skip_without_platform_support():

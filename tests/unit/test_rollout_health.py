@@ -17,8 +17,10 @@ class StubServer:
         self.restart_url = restart_url or url
         self.fail_restart = fail_restart
         self.attach_url = None
-        self._proc = None  # a process that is gone
         self.restarts = 0
+
+    def process_exited(self) -> bool:
+        return not self.alive  # a dead stub's process is gone
 
     def is_alive(self) -> bool:
         return self.alive

@@ -46,9 +46,14 @@ STATE_FILE = "vime_head.json"
 from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
 
 
-def _ray_binary() -> str:
+def _ray_command() -> list[str]:
+    """The `ray` CLI of this interpreter: its console script when installed beside it, else the
+    CLI's module run by this interpreter (a site folder unpacked with `pip --target` has no
+    usable console script: its shebang names the machine that built it)."""
     beside = Path(sys.executable).parent / "ray"
-    return str(beside) if beside.exists() else "ray"
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"]
 
 
 # Ray puts Unix sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: with a
@@ -142,7 +147,7 @@ def start_local_head(
         "DASHBOARD_METRIC_PORT": str(free_port()),
     }
     args = [
-        _ray_binary(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+        *_ray_command(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
         f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
         "--min-worker-port=0", "--max-worker-port=0",
         f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",

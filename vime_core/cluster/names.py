@@ -16,5 +16,9 @@ def trainer(rank: int) -> str:
     return f"trainer-{rank}"
 
 
+def engine(index: int) -> str:
+    return f"engine-{index}"
+
+
 def placement_group(run_name: str) -> str:
     return f"vime-{run_name}-{PLACEMENT_GROUP}"

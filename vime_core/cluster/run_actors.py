@@ -1,10 +1,12 @@
-"""A run's long-lived actors: the device placement group, the RolloutManager and the trainer
-group (TP x DP Megatron actors). All detached and named under the run's namespace, so bootstrap
-is idempotent: it attaches to what exists and creates what is missing.
+"""A run's long-lived actors: the device placement group, the engine actors (one vLLM server
+each), the RolloutManager and the trainer group (TP x DP Megatron actors). All detached and
+named under the run's namespace, so bootstrap is idempotent: it attaches to what exists and
+creates what is missing.
 
-Placement: one bundle per trainer device ({"GPU": 1}; on CPU machines the Ray head declares
-device slots with --num-gpus so the same placement works). When `colocate`, a trainer actor
-takes a fraction of its bundle's device and the engines share the rest.
+Placement (`vime_core/cluster/placement.py`): one bundle per device ({"GPU": 1}; on CPU
+machines the Ray head declares device slots with --num-gpus so the same placement works).
+Trainer rank i takes a share of bundle i; each engine actor sits in the first bundle of its
+range and gives its server the device ids Ray assigned to all of them.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from vime_core.cluster import names
+from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, engine_devices, plan_for
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 
 log = logging.getLogger(__name__)
 
-TRAINER_DEVICE_SHARE_COLOCATED = 0.5
 
 
 def _get_actor(name: str, run_name: str):
@@ -37,22 +39,80 @@ def get_or_create_placement_group(cfg: VimeConfig):
     from ray.util.placement_group import get_placement_group, placement_group
 
     pg_name = names.placement_group(cfg.run_name)
+    num_bundles = plan_for(cfg).num_bundles
     try:
         pg = get_placement_group(pg_name)
     except ValueError:
-        bundles = [{"GPU": 1} for _ in range(trainer_num_devices(cfg))]
+        bundles = [{"GPU": 1} for _ in range(num_bundles)]
         pg = placement_group(bundles, strategy="PACK", name=pg_name, lifetime="detached")
     ready, _ = ray.wait([pg.ready()], timeout=120)
     if not ready:
         raise RuntimeError(
-            f"placement group {pg_name} ({trainer_num_devices(cfg)} device bundles) could not be "
+            f"placement group {pg_name} ({num_bundles} device bundles) could not be "
             f"placed in 120 s: does the cluster declare enough GPUs/device slots? "
             f"(`vime cluster up --num-gpus N`)"
         )
     return pg
 
 
-def get_or_create_rollout_manager(cfg: VimeConfig):
+def _in_bundle(pg, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def bundle_devices(pg, num_bundles: int) -> list[BundleDevice]:
+    """The node and device id Ray assigned to each bundle (one tiny task per bundle)."""
+    import ray
+
+    @ray.remote(num_cpus=0, num_gpus=PROBE_SHARE)
+    def probe() -> tuple[str, str]:
+        ids = ray.get_gpu_ids()
+        return ray.util.get_node_ip_address(), str(ids[0]) if ids else ""
+
+    refs = [probe.options(scheduling_strategy=_in_bundle(pg, b)).remote() for b in range(num_bundles)]
+    return [BundleDevice(ip, dev) for ip, dev in ray.get(refs)]
+
+
+def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
+    """The run's engine actors (not yet started: the RolloutManager starts them). External
+    servers (`engine_urls`) need none: returns []."""
+    import ray
+
+    from vime_core.cluster.connect import actor_env
+    from vime_core.engines.server import EngineServer
+
+    if cfg.engine_urls:
+        return []
+    plan = plan_for(cfg)
+    found = [_get_actor(names.engine(e), cfg.run_name) for e in range(len(plan.engine_bundles))]
+    if all(a is not None for a in found):
+        return found
+    devices = engine_devices(plan, bundle_devices(pg, plan.num_bundles))
+    actor_cls = ray.remote(EngineServer)
+    actors = []
+    for e, existing in enumerate(found):
+        if existing is not None:
+            actors.append(existing)
+            continue
+        node_ip, device_ids = devices[e]
+        log.info("engine %d: bundles %s on %s, devices %s", e, plan.engine_bundles[e], node_ip, device_ids)
+        actors.append(actor_cls.options(
+            name=names.engine(e),
+            namespace=names.namespace(cfg.run_name),
+            lifetime="detached",
+            num_cpus=0,
+            num_gpus=plan.engine_share,
+            max_concurrency=4,  # health checks and memory reads while a start or restart runs
+            scheduling_strategy=_in_bundle(pg, plan.engine_bundles[e][0]),
+            runtime_env={"env_vars": actor_env()},
+        ).remote(cfg, e, device_ids=device_ids))
+    return actors
+
+
+def get_or_create_rollout_manager(cfg: VimeConfig, engines: Optional[list[Any]] = None):
+    """The RolloutManager; `engines`: the engine actors it starts and watches (None: it starts
+    engine processes itself, or attaches to cfg.engine_urls)."""
     import ray
 
     from vime_core.cluster.connect import actor_env
@@ -72,7 +132,7 @@ def get_or_create_rollout_manager(cfg: VimeConfig):
         num_cpus=0,
         max_concurrency=8,
         runtime_env={"env_vars": actor_env()},
-    ).remote(cfg, on_engine_restarted=restarted)
+    ).remote(cfg, engine_actors=engines or None, on_engine_restarted=restarted)
 
 
 def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:
@@ -134,7 +194,6 @@ def _master_endpoint(pg) -> tuple[str, int]:
 def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:
     """Returns (group, created). A created group still needs `init`."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from vime_core.cluster.connect import actor_env
 
@@ -150,7 +209,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     from vime_core.trainer.trainer import MegatronTrainer
 
     master_addr, master_port = _master_endpoint(pg)
-    share = TRAINER_DEVICE_SHARE_COLOCATED if cfg.colocate else 1.0
+    share = plan_for(cfg).trainer_share
     actor_cls = ray.remote(MegatronTrainer)
     actors = []
     for rank in range(world):
@@ -162,9 +221,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
                 num_cpus=0,
                 num_gpus=share,
                 max_concurrency=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=_in_bundle(pg, plan_for(cfg).trainer_bundles[rank]),
                 runtime_env={"env_vars": actor_env()},
             ).remote(cfg, rank, world, master_addr, master_port)
         )
@@ -223,6 +280,15 @@ def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
             log.warning("rollout manager shutdown failed: %s", exc)
         ray.kill(manager)
         removed.append(names.ROLLOUT_MANAGER)
+    index = 0
+    while (engine := _get_actor(names.engine(index), run_name)) is not None:
+        try:  # the manager shut its server down; an engine it never started has none
+            ray.get(engine.shutdown.remote(), timeout=60)
+        except Exception as exc:
+            log.warning("engine %d shutdown failed: %s", index, exc)
+        ray.kill(engine)
+        removed.append(names.engine(index))
+        index += 1
     rank = 0
     while num_trainers is None or rank < num_trainers:
         a = _get_actor(names.trainer(rank), run_name)

@@ -98,6 +98,8 @@ class VimeConfig(BaseModel):
     vllm_enforce_eager: bool = Field(True, description="Start engines without compilation/CUDA graphs (faster start, ~10% less throughput).")
     vllm_extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server.")
     engine_urls: list[str] = Field(default_factory=list, description="Attach to external vLLM servers at these URLs instead of starting engines.")
+    engine_bind_host: str = Field("127.0.0.1", description="Address the engines' vLLM servers bind to. Loopback (the default) keeps them private to one machine; 0.0.0.0 (or a node address) lets trainer ranks and the router on other Ray nodes reach them (a wildcard bind is advertised as the node's Ray address).")
+    check_weight_update_equal: bool = Field(False, description="After every publish, compare the engines' log-probs of a fixed probe sequence with the trainer's (max |diff| recorded in the iteration record, with the change from the previous version); as slime's --check-weight-update-equal. Costs one short forward on each side.")
     engine_startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine's health before failing with its log.")
 
     # ---- algorithm -----------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
+
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -100,6 +102,7 @@ class EngineClient:
         supports_sleep: bool = True,
         model: Optional[str] = None,
         max_connections: int = 1024,
+        api: Optional[VllmApi] = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or redact_url(self.base_url)
@@ -110,6 +113,7 @@ class EngineClient:
         self.max_connections = max_connections
         self._http: Optional[aiohttp.ClientSession] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._api: Optional[VllmApi] = api
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -254,14 +258,29 @@ class EngineClient:
         return await self.request("POST", "/update_weights", json={"update_info": update_info})
 
     async def finish_weight_update(self, version: int | str) -> dict:
-        return await self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        """Close the update session; the engine reports `version` from now on (vllm_api: on
+        releases without server-side versions vime sets it in the engine's workers)."""
+        if (await self.api()).server_versions:
+            return await self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        answer = await self.request("POST", "/finish_weight_update", json={})
+        await self.collective_rpc(VERSION_RPC_SET, {"version": str(version)})
+        return answer
 
     async def update_weight_version(self, version: int | str) -> dict:
         """Set the version label only (after weights were reloaded another way, e.g. from disk)."""
-        return await self.request("POST", "/update_weight_version", json={"new_version": str(version)})
+        if (await self.api()).server_versions:
+            return await self.request("POST", "/update_weight_version", json={"new_version": str(version)})
+        await self.collective_rpc(VERSION_RPC_SET, {"version": str(version)})
+        return {"weight_version": str(version)}
 
     async def weight_version(self) -> int:
-        return parse_weight_version((await self.request("GET", "/weight_info"))["weight_version"])
+        if (await self.api()).server_versions:
+            return parse_weight_version((await self.request("GET", "/weight_info"))["weight_version"])
+        per_worker = await self.collective_rpc(VERSION_RPC_GET) or [None]
+        versions = {parse_weight_version(v) for v in per_worker}
+        if len(versions) != 1:
+            raise EngineError(self.name, f"POST /collective_rpc {VERSION_RPC_GET}", 200, f"workers disagree: {sorted(versions)}")
+        return versions.pop()
 
     async def collective_rpc(
         self, method: str, kwargs: Optional[dict] = None, args: Optional[list] = None, timeout_s: Optional[float] = None
@@ -285,6 +304,12 @@ class EngineClient:
         except EngineError:
             return False
 
+    async def api(self) -> VllmApi:
+        """What this server's vLLM release supports (`GET /version`, asked once)."""
+        if self._api is None:
+            self._api = VllmApi.for_version((await self.request("GET", "/version"))["version"])
+        return self._api
+
     async def world_size(self) -> int:
         """TP x PP of the server (data parallelism excluded)."""
         answer = await self.request("GET", "/get_world_size", params={"include_dp": "false"})
@@ -306,74 +331,26 @@ def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 class SyncEngineClient:
-    """Blocking twins of `EngineClient`'s control calls; each call opens and closes its own
-    connection, which costs ~1 ms and keeps the object free of event-loop state."""
+    """Blocking versions of `EngineClient`'s calls (`SyncEngineClient(url).pause("keep")`); each
+    call opens and closes its own connection, which costs ~1 ms and keeps the object free of
+    event-loop state."""
 
     def __init__(self, base_url: str, name: Optional[str] = None, **client_kwargs: Any) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or redact_url(self.base_url)
         self._client_kwargs = client_kwargs
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        async def one_call() -> Any:
-            async with EngineClient(self.base_url, self.name, **self._client_kwargs) as client:
-                return await getattr(client, method)(*args, **kwargs)
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_") or not asyncio.iscoroutinefunction(getattr(EngineClient, method, None)):
+            raise AttributeError(f"SyncEngineClient has no attribute {method!r}")
 
-        return run_blocking(one_call)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            async def one_call() -> Any:
+                async with EngineClient(self.base_url, self.name, **self._client_kwargs) as client:
+                    return await getattr(client, method)(*args, **kwargs)
 
-    def pause(self, mode: PauseMode = "abort") -> dict:
-        return self._call("pause", mode)
+            return run_blocking(one_call)
 
-    def resume(self) -> dict:
-        return self._call("resume")
-
-    def is_paused(self) -> bool:
-        return self._call("is_paused")
-
-    def abort_requests(self, request_ids: Optional[list[str]] = None) -> int:
-        return self._call("abort_requests", request_ids)
-
-    def sleep(self, level: int = 1, mode: PauseMode = "keep") -> dict:
-        return self._call("sleep", level, mode)
-
-    def wake_up(self, tags: Optional[Iterable[str]] = None) -> dict:
-        return self._call("wake_up", None if tags is None else list(tags))
-
-    def is_sleeping(self) -> bool:
-        return self._call("is_sleeping")
-
-    def reset_prefix_cache(self, attempts: int = 20, backoff_s: float = 0.05) -> None:
-        return self._call("reset_prefix_cache", attempts, backoff_s)
-
-    def init_weight_transfer(self, init_info: dict) -> dict:
-        return self._call("init_weight_transfer", init_info)
-
-    def start_weight_update(self) -> dict:
-        return self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> dict:
-        return self._call("update_weights", update_info)
-
-    def finish_weight_update(self, version: int | str) -> dict:
-        return self._call("finish_weight_update", version)
-
-    def update_weight_version(self, version: int | str) -> dict:
-        return self._call("update_weight_version", version)
-
-    def weight_version(self) -> int:
-        return self._call("weight_version")
-
-    def collective_rpc(self, method: str, kwargs: Optional[dict] = None, args: Optional[list] = None, timeout_s: Optional[float] = None) -> Any:
-        return self._call("collective_rpc", method, kwargs, args, timeout_s)
-
-    def health(self, timeout_s: float = 5.0) -> bool:
-        return self._call("health", timeout_s)
-
-    def is_healthy(self, timeout_s: float = 5.0) -> bool:
-        return self._call("is_healthy", timeout_s)
-
-    def world_size(self) -> int:
-        return self._call("world_size")
-
-    def served_models(self) -> list[dict]:
-        return self._call("served_models")
+        blocking.__name__ = blocking.__qualname__ = method
+        blocking.__doc__ = getattr(EngineClient, method).__doc__
+        return blocking

@@ -86,10 +86,17 @@ class HealthMonitor:
                     self._failures[i] = 0
                     continue
                 self._failures[i] += 1
-                process_gone = getattr(server, "_proc", None) is None or server._proc.poll() is not None  # type: ignore[attr-defined]
+                process_gone = self._exited(server)
                 if process_gone or self._failures[i] >= self.failures_to_restart:
                     restarted += self._restart(i, server)
         return restarted
+
+    @staticmethod
+    def _exited(server: object) -> bool:
+        try:
+            return bool(server.process_exited())  # type: ignore[attr-defined]
+        except Exception:  # an engine actor that cannot answer is as good as gone
+            return True
 
     @staticmethod
     def _alive(server: object) -> bool:

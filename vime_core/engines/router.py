@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import importlib.util
 import logging
 import os
 import random
@@ -42,14 +43,18 @@ FAST_HEALTH_ARGS = (
 )
 
 
-def router_executable() -> str:
-    """`vllm-router` beside the running interpreter (the trainer environment's bin/)."""
+def router_command() -> list[str]:
+    """`vllm-router` beside the running interpreter (the trainer environment's bin/), else its
+    entry point run by this interpreter (a site folder unpacked with `pip --target`, as on the
+    GPU host, has no usable console script: its shebang names the machine that built it)."""
     candidate = Path(sys.executable).parent / "vllm-router"
     if candidate.exists():
-        return str(candidate)
+        return [str(candidate)]
     fallback = REPO_ROOT / ".venv" / "bin" / "vllm-router"
     if fallback.exists():
-        return str(fallback)
+        return [str(fallback)]
+    if importlib.util.find_spec("vllm_router") is not None:
+        return [sys.executable, "-c", "import sys; from vllm_router.launch_router import main; sys.argv[0] = 'vllm-router'; sys.exit(main())"]
     raise FileNotFoundError(f"vllm-router not found next to {sys.executable} nor at {fallback} (pip install vllm-router)")
 
 
@@ -84,7 +89,7 @@ class Router:
 
     def command(self) -> list[str]:
         cmd = [
-            router_executable(),
+            *router_command(),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
             "--policy", self.policy,

@@ -3,16 +3,21 @@
 The server runs in the vLLM environment's interpreter (`cfg.vllm_python`), so the trainer's
 environment never imports vllm:
 
-    <vllm_python> -m vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P
-        --enable-scale-out                        # POST /inference/v1/generate (token ids in/out)
+    <vllm_python> -m vllm.entrypoints.openai.api_server --model M --host H --port P
+        [--enable-scale-out]                      # POST /inference/v1/generate (vLLM >= 0.27)
         --max-model-len rollout_max_context_len
         --logprobs-mode processed_logprobs        # log-probs after temperature, what training needs
-        [--enable-sleep-mode] [--weight-transfer-config JSON] [--worker-extension-cls CLS] ...
+        --dtype bfloat16|float32                  # the trainer's precision
+        --worker-extension-cls VimeWorkerExtension  # weight spec, versions, CPU transfer backend
+        [--enable-sleep-mode] [--weight-transfer-config JSON] [--gpu-memory-utilization F] ...
 
 with VLLM_SERVER_DEV_MODE=1 (pause/resume, weight session, collective_rpc, reset cache),
 VLLM_CPU_KVCACHE_SPACE (else vLLM CPU asks for ~92% of RAM), HF_HUB_OFFLINE=1, a CPU core set
-per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core, and the
-repository root on PYTHONPATH so modules under vime_core/engines/vllm_side load inside vLLM.
+per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core, the
+devices Ray gave the engine's placement bundles (`device_ids` -> CUDA_VISIBLE_DEVICES, so the
+engine's TP workers land on distinct GPUs), and the repository root on PYTHONPATH so modules
+under vime_core/engines/vllm_side load inside vLLM. Which vLLM release runs decides a few flags
+(`vllm_api`).
 
 `EngineActor = ray.remote(EngineServer)` is built lazily (this module does not import ray).
 """
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.process import free_port, log_tail, terminate_group
+from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 
 if TYPE_CHECKING:
     from vime_core.config import VimeConfig
@@ -101,6 +107,24 @@ def _module_file(dotted_class: str) -> Optional[Path]:
     return REPO_ROOT / (module.replace(".", "/") + ".py")
 
 
+def advertised_host(bind_host: str) -> str:
+    """The address other processes reach a server bound to `bind_host` at: loopback stays
+    loopback; a wildcard bind is advertised as this node's address (Ray's view of it when
+    this process is part of a Ray cluster)."""
+    if bind_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if bind_host != "::1" else "[::1]"
+    if bind_host not in ("0.0.0.0", "", "::"):
+        return bind_host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
 def platform_supports_sleep(cfg: "VimeConfig") -> bool:
     """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none."""
     return cfg.device == "cuda"
@@ -128,6 +152,8 @@ class EngineServer:
         extra_env: Optional[dict[str, str]] = None,
         log_dir: Optional[str] = None,
         warmup: bool = True,
+        device_ids: Optional[list[str]] = None,
+        api: Optional[VllmApi] = None,
     ) -> None:
         from vime_core.config import engine_server_args, num_engines
 
@@ -145,6 +171,8 @@ class EngineServer:
         if worker_extension_cls is not None:
             self.server_args["worker_extension_cls"] = worker_extension_cls
         self.extra_env = dict(extra_env or {})
+        self.device_ids = [str(d) for d in device_ids] if device_ids is not None else None
+        self._api = api
         self.log_dir = Path(log_dir) if log_dir else REPO_ROOT / ".cache" / "engine-logs"
         self.warmup = warmup
         self.port: Optional[int] = None
@@ -163,8 +191,8 @@ class EngineServer:
         cmd = [
             str(resolve_python(cfg.vllm_python)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_path),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--enable-scale-out",
+            "--host", cfg.engine_bind_host, "--port", str(port),
+            *(["--enable-scale-out"] if self.api().scale_out_flag else []),
             "--max-model-len", str(args.pop("max_model_len", cfg.rollout_max_context_len)),
             "--logprobs-mode", str(args.pop("logprobs_mode", "processed_logprobs")),
             "--tensor-parallel-size", str(args.pop("tensor_parallel_size", cfg.rollout_num_gpus_per_engine)),
@@ -175,10 +203,9 @@ class EngineServer:
         ]
         if cfg.vllm_enforce_eager:
             cmd.append("--enforce-eager")
-        if cfg.device == "cpu":
-            # Serve in the trainer's precision so rollout log-probs match its recompute.
-            cmd += ["--dtype", "bfloat16" if cfg.bf16 else "float32"]
-        else:
+        # Serve in the trainer's precision so rollout log-probs match its recompute.
+        cmd += ["--dtype", "bfloat16" if cfg.bf16 else "float32"]
+        if cfg.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
 
         if args.pop("enable_sleep_mode", False):
@@ -187,15 +214,15 @@ class EngineServer:
             else:
                 logger.info("%s: device=%s has no vLLM sleep mode; starting without it (offload is a no-op)", self.name, cfg.device)
 
-        extension = args.pop("worker_extension_cls", None)
+        # vime's extension always: publishes are validated against its weight spec, and on
+        # vLLM 0.26 it keeps the weight version
+        extension = args.pop("worker_extension_cls", None) or VIME_WORKER_EXTENSION
         transfer = args.pop("weight_transfer_config", None)
         backend = (transfer or {}).get("backend")
-        if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and not extension:
-            extension = VIME_WORKER_EXTENSION
         if extension and (path := _module_file(extension)) is not None and not path.exists():
             logger.warning("%s: worker extension %s not found (%s); starting without it", self.name, extension, path)
             extension = None
-        if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and not extension:
+        if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and extension != VIME_WORKER_EXTENSION:
             logger.warning("%s: weight-transfer backend %r has no worker extension loaded; starting without it", self.name, backend)
             transfer = None
         if transfer and backend in BUILTIN_WEIGHT_BACKENDS and cfg.device == "cpu":
@@ -213,6 +240,19 @@ class EngineServer:
             cmd += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
         cmd += list(cfg.vllm_extra_args)
         return cmd
+
+    def api(self) -> VllmApi:
+        """The launched release's differences, from the vLLM environment's package metadata.
+        When that cannot be read the newest API is assumed (the server's own log then says
+        what is wrong with the environment)."""
+        if self._api is None:
+            try:
+                version = installed_version(resolve_python(self.cfg.vllm_python))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                logger.warning("%s: cannot tell the vLLM release (%s); assuming >= 0.27", self.name, exc)
+                version = ".".join(map(str, VERSIONED_API_SINCE))
+            self._api = VllmApi.for_version(version)
+        return self._api
 
     def environment(self) -> dict[str, str]:
         cfg = self.cfg
@@ -234,6 +274,8 @@ class EngineServer:
                 preload.append(str(iomp))
             if preload:
                 env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        if self.device_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
         env.update(self.extra_env)
         return env
 
@@ -247,6 +289,22 @@ class EngineServer:
     def get_url(self) -> Optional[str]:
         """`url` for Ray actor handles (attributes are not remote)."""
         return self.url
+
+    def get_device_ids(self) -> Optional[list[str]]:
+        return self.device_ids
+
+    def process_exited(self) -> bool:
+        """True when the server this object launched has exited (attached servers: False)."""
+        return self._proc is not None and self._proc.poll() is not None
+
+    def memory(self) -> dict[str, Any]:
+        """Device memory the server's processes hold and its devices' used memory, in bytes
+        (`vime_core/utils/device_memory`); empty on CPU or without nvidia-smi."""
+        from vime_core.utils.device_memory import group_device_memory
+
+        if self.cfg.device != "cuda" or self._proc is None:
+            return {}
+        return group_device_memory(self._proc.pid, self.device_ids)
 
     def is_alive(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
@@ -270,7 +328,7 @@ class EngineServer:
             cmd, env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT),
         )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{advertised_host(self.cfg.engine_bind_host)}:{self.port}"
         self._wait_healthy(self.cfg.engine_startup_timeout_s)
         if self.warmup:
             self._warm_up()
@@ -362,7 +420,7 @@ class EngineServer:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", self.port or 0))
+                sock.bind((self.cfg.engine_bind_host, self.port or 0))
         except OSError:
             self.port = None
         return self.start()

@@ -35,6 +35,8 @@ def tiny_config(
     intermediate_size: int = 256,
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 512,
+    vocab_size: int | None = None,
+    torch_dtype: str = "float32",
 ) -> dict:
     """config.json contents. The default shape (0.33M parameters) is the embedded default job's
     model: a plain GRPO loop measured here lifts its "a+b=" reward from ~0.0 to ~0.49 in 100
@@ -45,7 +47,7 @@ def tiny_config(
     cfg = {
         "architectures": [arch],
         "model_type": model_type,
-        "vocab_size": len(VOCAB),
+        "vocab_size": vocab_size or len(VOCAB),
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
@@ -60,7 +62,7 @@ def tiny_config(
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": True,
@@ -71,12 +73,16 @@ def tiny_config(
     return cfg
 
 
-def build_tokenizer(out_dir: str | Path):
-    """A character-level WordLevel tokenizer saved as tokenizer.json + tokenizer_config.json."""
+def build_tokenizer(out_dir: str | Path, vocab_size: int | None = None):
+    """A character-level WordLevel tokenizer saved as tokenizer.json + tokenizer_config.json.
+    `vocab_size` beyond the alphabet adds filler tokens `<|fN|>` that no text encodes to, so a
+    model with a real-sized vocabulary (e.g. Qwen's 151936) decodes every id it samples."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    for i in range(len(VOCAB), vocab_size or len(VOCAB)):
+        vocab[f"<|f{i}|>"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -93,7 +99,9 @@ def build_tokenizer(out_dir: str | Path):
 
 
 def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, **shape) -> Path:
-    """Build (or reuse) a randomly initialised tiny model and its tokenizer in `out_dir`."""
+    """Build (or reuse) a randomly initialised model and its tokenizer in `out_dir`. `shape`:
+    `tiny_config`'s arguments (a larger shape and vocab_size give e.g. a Qwen2-0.5B-shaped
+    model on the same task alphabet); weights are written in `torch_dtype`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -107,8 +115,8 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     config = AutoConfig.from_pretrained(str(out))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg_dict["torch_dtype"]))
     model.save_pretrained(str(out), safe_serialization=True)
-    build_tokenizer(out)
+    build_tokenizer(out, cfg_dict["vocab_size"])
     marker.write_text(json.dumps(want, indent=2))
     return out

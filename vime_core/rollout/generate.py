@@ -55,6 +55,9 @@ class GenerateContext:
     eos_token_id: Optional[int] = None
     # Set when the rollout has what it needs: samples not yet sent are returned ABORTED.
     aborting: asyncio.Event = field(default_factory=asyncio.Event)
+    # The version the engines serve when a request is admitted; recorded as the sample's span
+    # where the engine reports no per-request spans (vLLM 0.26, engines/vllm_api.py).
+    weight_version: Optional[int] = None
     # Cleared by pause_admission: new requests wait until it is set again.
     admission_open: Optional[Any] = None
     # Retries of a request whose engine did not answer (dead engine, restart in progress).
@@ -176,6 +179,8 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         token_ids, log_probs, missing, finish, spans = parse_choice(answer)
     except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
         return fail_sample(sample, f"malformed engine response: {exc}")
+    if not spans and ctx.weight_version is not None and token_ids:
+        spans = [WeightSpan(ctx.weight_version, 0, len(token_ids))]
     offset = sample.response_length
     sample.append_response_tokens(token_ids, log_probs)
     extend_spans(sample, spans, offset)

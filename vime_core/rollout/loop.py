@@ -55,6 +55,9 @@ class RolloutState:
     concurrency: int = 1
     # Rollout sample hook: called on each sample after generation and reward.
     sample_hook: Optional[Callable[[Sample], None]] = None
+    # Weights the engines serve while this rollout is admitted (set by the RolloutManager); the
+    # samples' version where the engine reports none per request (vLLM 0.26).
+    weight_version: Optional[int] = None
 
 
 @dataclass
@@ -169,7 +172,8 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     cfg = state.cfg
     target = cfg.rollout_batch_size
     t_start = time.perf_counter()
-    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open)
+    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open,
+                          weight_version=state.weight_version)
     sem = asyncio.Semaphore(state.concurrency)
     params = base_sampling_params(cfg)
     progress = _Progress()

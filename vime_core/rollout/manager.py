@@ -56,14 +56,16 @@ class RolloutManager:
         cfg: Any,
         *,
         servers: Optional[Sequence[Any]] = None,
+        engine_actors: Optional[Sequence[Any]] = None,
         receives_weight_updates: bool = True,
         on_engine_restarted: Optional[Callable[[int, str], None]] = None,
         health_interval_s: float = 2.0,
         log_dir: Optional[str] = None,
     ) -> None:
         """`servers`: EngineServer objects already started by the caller (tests share them; the
-        caller shuts them down). Otherwise engines are started here, or attached when
-        cfg.engine_urls is set. `on_engine_restarted(index, url)` must give a restarted engine
+        caller shuts them down). `engine_actors`: EngineServer actors placed on their devices
+        (`cluster.run_actors`), started and watched here. Otherwise engine processes are
+        started here, or attached when cfg.engine_urls is set. `on_engine_restarted(index, url)` must give a restarted engine
         the current weights (the trainer's publisher); without it a restarted engine serves the
         checkpoint's weights, and a warning says so."""
         from vime_core.config import num_engines
@@ -101,6 +103,10 @@ class RolloutManager:
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         if servers is not None:
             self.servers = list(servers)
+        elif engine_actors:
+            from vime_core.engines.remote import RemoteEngine
+
+            self.servers = [RemoteEngine(a, i) for i, a in enumerate(engine_actors)]
         elif cfg.engine_urls:
             if len(cfg.engine_urls) != num_engines(cfg):
                 logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs", len(cfg.engine_urls), num_engines(cfg))
@@ -219,7 +225,7 @@ class RolloutManager:
         elif pending is not None:
             self._drop(pending, restore=True)
         if result is None:
-            result = self._generate_now(rollout_id)
+            result = self._generate_now(rollout_id, version)
         self._last = (rollout_id, version, result)
         return result
 
@@ -231,7 +237,7 @@ class RolloutManager:
             if self._prefetched is not None:
                 return False
             before = self.data_source.state_dict()
-            future = self._prefetch_pool.submit(self._generate_now, rollout_id)
+            future = self._prefetch_pool.submit(self._generate_now, rollout_id, version)
             self._prefetched = _Prefetched(rollout_id, version, future, before)
             return True
 
@@ -256,10 +262,11 @@ class RolloutManager:
             self.data_source.load_state_dict(pending.data_source_before)
         logger.warning("discarded the prefetched rollout %d (weights v%s)", pending.rollout_id, pending.version)
 
-    def _generate_now(self, rollout_id: int) -> tuple[dict, dict]:
+    def _generate_now(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
         from vime_core.data.batch import build_batch
 
         self._last = None  # a new rollout: the previous result is no longer asked for
+        self.state.weight_version = version
 
         samples, metrics = self.generate_samples(rollout_id)
         t0 = time.perf_counter()
@@ -292,17 +299,39 @@ class RolloutManager:
 
     # ---- offload / onload / admission ----------------------------------------------------------
 
-    def offload(self) -> None:
-        """Engines sleep: level 2 (drop weights too) when the trainer will push new ones, else 1."""
+    def offload(self) -> list[dict]:
+        """Engines sleep: level 2 (drop weights too) when the trainer will push new ones, else 1.
+        Returns each engine's device memory afterwards (as the wake calls do)."""
         self.health.pause()
         self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")
+        return self.engine_memory()
 
-    def onload_weights(self) -> None:
+    def onload_weights(self) -> list[dict]:
         self._each_engine("wake_up", ["weights"])
+        return self.engine_memory()
 
-    def onload_kv(self) -> None:
+    def onload_kv(self) -> list[dict]:
         self._each_engine("wake_up", ["kv_cache"])
         self.health.resume()
+        return self.engine_memory()
+
+    def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
+        """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
+        the previous call's answer (check_weight_update_equal; vime_core/trainer/weight_check)."""
+        from vime_core.trainer.weight_check import prompt_logprobs_of
+
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+
+        async def all_engines() -> list[dict]:
+            return list(await asyncio.gather(*(c.generate(tokens, params) for c in self._engine_clients)))
+
+        now = [prompt_logprobs_of(answer, tokens) for answer in self._loop.run(all_engines())]
+        previous, self._last_probe = getattr(self, "_last_probe", None), now
+        return now, previous
+
+    def engine_memory(self) -> list[dict]:
+        """Device memory of every engine (`EngineServer.memory`); empty dicts on CPU."""
+        return [s.memory() if hasattr(s, "memory") else {} for s in self.servers]
 
     def pause_admission(self) -> None:
         """Hold new generate requests (those in flight continue) until resume_admission."""

@@ -12,6 +12,12 @@ the hook through which Megatron's DDP adds each gradient into ``main_grad``: aft
 wake every gradient went to ``param.grad``, the optimizer saw zeros (grad norm 0, measured on
 an H200) and training silently stopped.
 
+The parameters can stay behind (`keep_params`) and follow later (`offload_params`): in a
+colocated step the trainer sleeps right after training, but the engines copy the new weights out
+of the trainer's parameters over CUDA IPC afterwards, so those are released once the publish is
+done. The optimizer's state, fp32 main parameters and gradient buffers (7x the bf16 weights
+under Adam) go at once.
+
 On CPU there is nothing to free: both are logged no-ops.
 """
 
@@ -26,18 +32,23 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _tensors(model: Any, optimizer: Any) -> Iterator[torch.Tensor]:
-    """Parameters, the optimizer's params (fp32 main copies under bf16) and its state tensors."""
+def _tensors(model: Any, optimizer: Any, keep_params: bool = False) -> Iterator[torch.Tensor]:
+    """Parameters, the optimizer's params (fp32 main copies under bf16) and its state tensors;
+    with `keep_params`, nothing that shares storage with a model parameter."""
     seen: set[int] = set()
+    if keep_params:
+        seen = {id(p) for p in model.parameters()}
+        kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
     # Megatron returns a ChainedOptimizer of Megatron optimizers, each wrapping a torch one.
     wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
     torch_optimizers = [getattr(w, "optimizer", w) for w in wrappers]
     groups = [p for o in torch_optimizers for g in o.param_groups for p in g["params"]]
     states = [v for o in torch_optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     for t in [*model.parameters(), *groups, *states]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield t
+        if id(t) in seen or (keep_params and t.untyped_storage().data_ptr() in kept):
+            continue
+        seen.add(id(t))
+        yield t
 
 
 @dataclass
@@ -76,21 +87,39 @@ def restore_from_host(copies: Iterable[HostCopy]) -> None:
         _bytes_of(storage, c.tensor.device).copy_(c.host, non_blocking=True)
 
 
-def offload(model: Any, optimizer: Any) -> tuple[int, list[HostCopy]]:
+def offload(model: Any, optimizer: Any, keep_params: bool = False) -> tuple[int, list[HostCopy]]:
     """Free the training state's device memory; returns (device bytes freed, the host copies
     ``onload`` needs). Tensors that live on the CPU (torch Adam keeps its ``step`` counters
-    there) are left alone."""
+    there) are left alone. `keep_params`: the model's parameters stay (module docstring)."""
     if not torch.cuda.is_available():
         log.info("sleep: CPU trainer, nothing to free (no-op)")
         return 0, []
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    copies = release_to_host(t for t in _tensors(model, optimizer) if t.device.type == "cuda")
+    copies = release_to_host(t for t in _tensors(model, optimizer, keep_params) if t.device.type == "cuda")
     model.offload_grad_buffers(synchronize=True, empty_cache=False)
     torch.cuda.empty_cache()
     freed = before - torch.cuda.memory_allocated()
-    log.info("sleep: freed %.1f MiB of device memory", freed / 2**20)
+    log.info("sleep: freed %.1f MiB of device memory%s", freed / 2**20, " (parameters kept)" if keep_params else "")
     return freed, copies
+
+
+def offload_params(model: Any) -> tuple[int, list[HostCopy]]:
+    """The parameters an ``offload(keep_params=True)`` left behind; (bytes freed, copies)."""
+    if not torch.cuda.is_available():
+        return 0, []
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    copies = release_to_host(p for p in model.parameters() if p.device.type == "cuda")
+    torch.cuda.empty_cache()
+    return before - torch.cuda.memory_allocated(), copies
+
+
+def device_memory() -> dict[str, int]:
+    """This process's allocator: bytes allocated and reserved; empty on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
 
 
 def onload(model: Any, copies: list[HostCopy]) -> int:

@@ -43,8 +43,9 @@ class MegatronTrainer:
         self.ref_model: Any = None
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
-        self._asleep = False
-        self._offloaded: list[torch.Tensor] = []  # what sleep() moved to the CPU, for wake()
+        self._asleep = False  # optimizer state and gradient buffers are on the host
+        self._params_asleep = False  # so are the parameters
+        self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -123,10 +124,12 @@ class MegatronTrainer:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
         from vime_core.trainer.rollout_training import train_on_rollout
 
-        self.wake()
+        t_wake = time.perf_counter()
+        woke = self.wake()
         start = time.perf_counter()
         metrics = train_on_rollout(self, batch)
-        metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False)
+        metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
+                       wake_time_s=start - t_wake, memory_after_wake=woke)
         self.last_trained_rollout_id = rollout_id
         self.optimizer_steps += int(metrics.get("num_steps", 0))
         self._metrics[rollout_id] = metrics
@@ -170,6 +173,8 @@ class MegatronTrainer:
         self._require_init()
         new_version = self.weight_version + 1 if target_version is None else int(target_version)
         result: Any = new_version
+        if self._params_asleep:
+            self.wake()
         if self.layout.dp_rank == 0:
             weights = self.iter_hf_weights()
             try:
@@ -181,7 +186,29 @@ class MegatronTrainer:
                 for _ in weights:  # finish the TP gathers so the other ranks are not left waiting
                     pass
         self.weight_version = new_version
+        probe = self.probe_log_probs() if self.cfg.check_weight_update_equal else None
+        if self._asleep:  # put to sleep with its weights kept for this publish: they go now
+            self._release_params()
+        if isinstance(result, dict):
+            from vime_core.trainer.offload import device_memory
+
+            result["trainer_memory_after_publish"] = device_memory()
+            if probe is not None:
+                result["probe"] = probe
         return result
+
+    def probe_log_probs(self) -> dict[str, Any]:
+        """The trainer's half of `check_weight_update_equal` (vime_core/trainer/weight_check):
+        the probe's tokens and their log-probs under the current weights (every TP rank
+        takes part)."""
+        from vime_core.trainer.train_step import forward_log_probs
+        from vime_core.trainer.weight_check import probe_batch, probe_tokens
+
+        tokens = probe_tokens(self.arch.vocab_size, self.cfg.seed)
+        batch = probe_batch(tokens)
+        with torch.no_grad():
+            lps = forward_log_probs(self.model, batch, [[0]], self.arch.vocab_size, 1.0, self.device)
+        return {"tokens": tokens, "log_probs": lps[0].tolist()}
 
     def export_hf(self, path: str) -> str:
         """Write an HF checkpoint folder (safetensors + config + tokenizer) at ``path``."""
@@ -205,6 +232,8 @@ class MegatronTrainer:
         self._require_init()
         from vime_core.trainer import checkpoint as ckpt
 
+        was_asleep = self._asleep
+        self.wake()  # the state dicts read the device tensors
         path = ckpt.checkpoint_dir(self.cfg, rollout_id)
         state = {
             "model": self.model.state_dict(),
@@ -226,6 +255,8 @@ class MegatronTrainer:
                 "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
             })
         torch.distributed.barrier()
+        if was_asleep:
+            self.sleep()
         return path
 
     def load(self, path: str) -> dict[str, Any]:
@@ -245,24 +276,46 @@ class MegatronTrainer:
 
     # ---- memory between phases ---------------------------------------------------------------
 
-    def sleep(self) -> dict[str, Any]:
-        """Free device memory for the engines (GPU); a logged no-op on CPU."""
+    def sleep(self, keep_weights: bool = False) -> dict[str, Any]:
+        """Free device memory for the engines (offload_train): optimizer state, fp32 main
+        parameters and gradient buffers to pinned host memory; the parameters too unless
+        `keep_weights` (a publish reads them next and releases them when done). A logged no-op
+        on CPU. Returns the bytes freed and this rank's allocator afterwards."""
         self._require_init()
-        from vime_core.trainer.offload import offload
+        from vime_core.trainer.offload import device_memory, offload
 
-        if self._asleep:
-            return {"freed_bytes": 0, "asleep": True}
-        freed, self._offloaded = offload(self.model, self.optimizer)
-        self._asleep = self.device.type == "cuda"
-        return {"freed_bytes": freed, "asleep": self._asleep}
+        freed = 0
+        if self.device.type == "cuda" and not self._asleep:
+            freed, copies = offload(self.model, self.optimizer, keep_params=True)
+            self._offloaded += copies
+            self._asleep = True
+        if not keep_weights:
+            freed += self._release_params()
+        return {"freed_bytes": freed, "asleep": self._asleep, "weights_asleep": self._params_asleep, **device_memory()}
+
+    def _release_params(self) -> int:
+        from vime_core.trainer.offload import offload_params
+
+        if self.device.type != "cuda" or self._params_asleep:
+            return 0
+        freed, copies = offload_params(self.model)
+        self._offloaded += copies
+        self._params_asleep = True
+        return freed
 
     def wake(self) -> dict[str, Any]:
         self._require_init()
-        from vime_core.trainer.offload import onload
+        from vime_core.trainer.offload import device_memory, onload
 
-        if not self._asleep:
-            return {"allocated_bytes": 0, "asleep": False}
+        if not self._asleep and not self._params_asleep:
+            return {"allocated_bytes": 0, "asleep": False, **device_memory()}
         allocated = onload(self.model, self._offloaded)
         self._offloaded = []
-        self._asleep = False
-        return {"allocated_bytes": allocated, "asleep": False}
+        self._asleep = self._params_asleep = False
+        return {"woken_bytes": allocated, "asleep": False, **device_memory()}
+
+    def memory(self) -> dict[str, Any]:
+        """This rank's allocator (allocated/reserved bytes); empty on CPU."""
+        from vime_core.trainer.offload import device_memory
+
+        return {"rank": self.layout.rank, **device_memory()}

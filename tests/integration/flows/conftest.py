@@ -15,9 +15,10 @@ def ray_head(tmp_path_factory):
     # before anything in this process imports ray: it reads this at import, not at ray.init
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     temp_dir = tmp_path_factory.mktemp("ray")  # this folder's own head, not a shared one
-    # device slots for the trained run, a replay trainer beside it, and headroom (a CI run once
+    # device slots for the trained run, a replay trainer beside it, the 8-slot disaggregated
+    # placement test, and headroom (a CI run once
     # could not place the replay group with two slots; its cause was not found)
-    address = local_head.start_local_head(num_gpus=4, temp_dir=temp_dir)
+    address = local_head.start_local_head(num_gpus=8, temp_dir=temp_dir)
     yield address
     import ray
 

@@ -147,7 +147,7 @@ def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, 
 
     trainer = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
     trainer.train(0, hand_batch())
-    assert trainer.sleep() == {"freed_bytes": 0, "asleep": False}
+    assert trainer.sleep() == {"freed_bytes": 0, "asleep": False, "weights_asleep": False}
     assert trainer.wake() == {"allocated_bytes": 0, "asleep": False}
     params = list(trainer.model.parameters())
     moved = list(_tensors(trainer.model, trainer.optimizer))

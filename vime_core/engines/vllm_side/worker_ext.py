@@ -10,6 +10,9 @@ works on CPU. The class adds methods callable through `POST /collective_rpc`:
   publish against it before any byte moves, because a half-applied update breaks the server.
 - `vime_reload_weights(weights_path)`: vLLM's disk reload, fixed for tied embeddings on CPU.
 - `vime_update_stats()`: where this worker's time went in the last `vime_shm` session.
+- `vime_weight_version()` / `vime_set_weight_version(version)`: the weight version on releases
+  whose server keeps none (vLLM 0.26, see `vime_core/engines/vllm_api.py`); a restarted engine
+  reports None (the checkpoint's weights, version 0), as `/weight_info` would.
 
 Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 """
@@ -75,3 +78,9 @@ class VimeWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         stats = getattr(engine, "stats", None)
         return stats.as_dict() if stats is not None else {}
+
+    def vime_weight_version(self) -> Any:
+        return getattr(self, "_vime_weight_version", None)
+
+    def vime_set_weight_version(self, version: str) -> None:
+        self._vime_weight_version = str(version)

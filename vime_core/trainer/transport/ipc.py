@@ -8,7 +8,8 @@ out of it (~2 TB/s on an H200), so the bytes never cross PCIe or HTTP. Per bucke
     payload  {"names", "dtype_names", "shapes", "tensor_sizes",
               "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1]}))}
 
-`init_weight_transfer {"packed": true}` tells the engine to expect that; the server needs
+The `packed` flag goes in `init_weight_transfer`'s info on vLLM >= 0.27 and in each bucket's
+`update_info` on 0.26 (`vime_core/engines/vllm_api.py`); the server needs
 `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to unpickle the handle. vLLM may keep views of a buffer
 until its layer is complete (layerwise reload), so buffers live until `finish` returns.
 
@@ -56,15 +57,19 @@ def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, lis
     return buffer, sizes
 
 
-def ipc_update_info(bucket: Bucket, sizes: list[int], handle: dict[str, tuple]) -> dict[str, Any]:
-    """The `update_info` vLLM's `IPCWeightTransferUpdateInfo` accepts over HTTP (packed)."""
-    return {
+def ipc_update_info(bucket: Bucket, sizes: list[int], handle: dict[str, tuple], packed_flag: bool = False) -> dict[str, Any]:
+    """The `update_info` vLLM's `IPCWeightTransferUpdateInfo` accepts over HTTP (packed);
+    `packed_flag` adds `"packed": true` (vLLM 0.26 reads it there)."""
+    info = {
         "names": list(bucket.names),
         "dtype_names": [str(d).removeprefix("torch.") for d in bucket.dtypes],
         "shapes": [list(t.shape) for t in bucket.tensors],
         "tensor_sizes": sizes,
         "ipc_handles_pickled": base64.b64encode(pickle.dumps(handle)).decode("ascii"),
     }
+    if packed_flag:
+        info["packed"] = True
+    return info
 
 
 class IpcTransport(WeightTransport):
@@ -81,12 +86,17 @@ class IpcTransport(WeightTransport):
         self.reduce_fn = reduce_fn
         self.device_uuid = device_uuid
         self._buffers: list[torch.Tensor] = []
+        self._packed_in_update = False
 
     async def prepare(self, engines) -> None:
         await super().prepare(engines)
         if self.device_uuid is None:
             self.device_uuid = cuda_device_uuid(self.device)
-        await self.on_every_engine("init_weight_transfer", {"packed": True})
+        apis = {api.ipc_packed_in_update for api in await self.on_every_engine("api")}
+        if len(apis) != 1:
+            raise ValueError("ipc transport: the engines run vLLM releases that expect the packed flag in different places")
+        self._packed_in_update = apis.pop()
+        await self.on_every_engine("init_weight_transfer", {} if self._packed_in_update else {"packed": True})
 
     async def start(self) -> None:
         await self.on_every_engine("start_weight_update")
@@ -98,7 +108,7 @@ class IpcTransport(WeightTransport):
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
         self._buffers.append(buffer)
-        info = ipc_update_info(bucket, sizes, {self.device_uuid: self.reduce_fn(buffer)})
+        info = ipc_update_info(bucket, sizes, {self.device_uuid: self.reduce_fn(buffer)}, self._packed_in_update)
         t1 = time.perf_counter()
         self.add_time("pack", t1 - t0)
         self.bytes_moved = True

@@ -1,0 +1,61 @@
+"""A random Qwen-shaped model on the arithmetic task's alphabet, and a prompt set, for GPU runs
+without a hub (issue 14): the layers of `bench/gpu_common.SHAPES[shape]`, its vocabulary size
+(Qwen's 151936: the task's 19 characters plus filler tokens, `vime_core/models/tiny.py`), bf16.
+
+    python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500
+
+`--prompt-noise LO,HI` puts a random run of LO..HI task characters before each "a+b=" so the
+prompt lengths spread up to the run's `--rollout-max-prompt-len`; the label is unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import gpu_common
+
+    from vime_core.models.tiny import build_tiny_model
+    from vime_core.tasks.arith import make_rows
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.5b", choices=sorted(gpu_common.SHAPES))
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", default="")
+    p.add_argument("--prompt-noise", default="", help="LO,HI characters of noise before each prompt")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    s = gpu_common.SHAPES[a.shape]
+    family = s["model_type"]
+    path = build_tiny_model(
+        a.out, family=family, seed=a.seed, hidden_size=s["hidden_size"], num_layers=s["num_hidden_layers"],
+        num_heads=s["num_attention_heads"], num_kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+        intermediate_size=s["intermediate_size"], tie_word_embeddings=s["tie_word_embeddings"],
+        max_position_embeddings=32768, vocab_size=s["vocab_size"], torch_dtype="bfloat16",
+    )
+    print(json.dumps({"model": str(path)}))
+    if a.prompts:
+        rng = random.Random(a.seed)
+        lo, hi = (int(x) for x in a.prompt_noise.split(",")) if a.prompt_noise else (0, 0)
+        rows = []
+        for row in make_rows():
+            noise = "".join(rng.choice("0123456789+-*> ") for _ in range(rng.randint(lo, hi)))
+            rows.append({**row, "prompt": noise + row["prompt"]})
+        Path(a.prompts).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.prompts).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(json.dumps({"prompts": a.prompts, "rows": len(rows)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

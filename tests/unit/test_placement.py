@@ -1,0 +1,57 @@
+"""The placement plan: which bundles trainer ranks and engines get, and which device ids each
+engine's server receives (colocated and disaggregated), without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from vime_core.cluster.placement import BundleDevice, engine_devices, plan_placement
+
+
+def _devices(n: int, nodes: int = 1) -> list[BundleDevice]:
+    per_node = n // nodes
+    return [BundleDevice(f"10.0.0.{b // per_node}", str(b % per_node)) for b in range(n)]
+
+
+def test_colocated_engines_share_the_devices_of_their_trainer_ranks():
+    # 4 device slots: trainer TP=2 x DP=2, two engines of TP=2
+    plan = plan_placement(trainer_devices=4, rollout_devices=4, devices_per_engine=2, colocate=True)
+    assert plan.num_bundles == 4 and plan.trainer_bundles == [0, 1, 2, 3]
+    assert plan.engine_bundles == [[0, 1], [2, 3]]
+    assert plan.trainer_share + plan.engine_share <= 1.0
+    devices = engine_devices(plan, _devices(4))
+    assert devices == [("10.0.0.0", ["0", "1"]), ("10.0.0.0", ["2", "3"])]
+
+
+def test_disaggregated_engines_get_their_own_devices():
+    plan = plan_placement(trainer_devices=4, rollout_devices=4, devices_per_engine=2, colocate=False)
+    assert plan.num_bundles == 8 and plan.trainer_bundles == [0, 1, 2, 3]
+    assert plan.engine_bundles == [[4, 5], [6, 7]] and plan.trainer_share == 1.0
+    devices = engine_devices(plan, _devices(8))
+    assert [ids for _, ids in devices] == [["4", "5"], ["6", "7"]]
+
+
+def test_an_engine_split_across_nodes_is_refused():
+    plan = plan_placement(trainer_devices=2, rollout_devices=2, devices_per_engine=2, colocate=True)
+    with pytest.raises(RuntimeError, match="several nodes"):
+        engine_devices(plan, _devices(2, nodes=2))
+    with pytest.raises(ValueError, match="equal to the trainer"):
+        plan_placement(trainer_devices=2, rollout_devices=4, devices_per_engine=2, colocate=True)
+
+
+def test_engine_command_follows_the_vllm_release_and_gets_its_devices(tiny_model_dir):
+    from vime_core.config import make_config
+    from vime_core.engines.server import VIME_WORKER_EXTENSION, EngineServer
+    from vime_core.engines.vllm_api import VllmApi
+
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "bf16": True, "weight_transport": "ipc",
+                       "engine_bind_host": "0.0.0.0"})
+    old = EngineServer(cfg, 0, device_ids=["2", "3"], api=VllmApi.for_version("0.26.0"))
+    cmd = old.command(4321)
+    assert "--enable-scale-out" not in cmd and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and "--gpu-memory-utilization" in cmd
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == VIME_WORKER_EXTENSION
+    assert '"backend": "ipc"' in cmd[cmd.index("--weight-transfer-config") + 1]
+    assert old.environment()["CUDA_VISIBLE_DEVICES"] == "2,3"
+    new = EngineServer(cfg, 0, api=VllmApi.for_version("0.32.0"))
+    assert "--enable-scale-out" in new.command(4321)

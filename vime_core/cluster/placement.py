@@ -1,0 +1,84 @@
+"""Where a run's actors go: one placement group, one bundle per device (`{"GPU": 1}`; on CPU
+machines the Ray head declares device slots, so the same plan runs there).
+
+    trainer devices   T = actor_num_nodes * actor_num_gpus_per_node
+    engine devices    R = rollout_num_gpus, G = rollout_num_gpus_per_engine, E = R // G engines
+    colocated         bundles 0..T-1; trainer rank i in bundle i; engine e's TP workers on the
+                      devices of bundles e*G .. e*G+G-1 (the trainer ranks it shares GPUs with)
+    disaggregated     bundles 0..T+R-1; trainer rank i in bundle i; engine e on bundles
+                      T+e*G .. T+e*G+G-1
+
+Each engine is one Ray actor scheduled in the first bundle of its range with a fraction of a
+device (as slime does); it starts its vLLM server with CUDA_VISIBLE_DEVICES set to the devices
+Ray assigned to all bundles of its range, so the engine's G TP workers land on distinct GPUs.
+Shares of a device (they must fit in 1 with room for the one-off device probes):
+
+    colocated:      trainer 0.5 + engine 0.2
+    disaggregated:  trainer 1.0 / engine 0.2 (the rest of an engine's bundles stay reserved)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAINER_SHARE_COLOCATED = 0.5
+ENGINE_SHARE = 0.2
+PROBE_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    num_bundles: int
+    trainer_bundles: list[int]  # rank i -> bundle
+    engine_bundles: list[list[int]]  # engine e -> its bundles, TP rank order
+    trainer_share: float
+    engine_share: float = ENGINE_SHARE
+
+
+def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> PlacementPlan:
+    if rollout_devices % devices_per_engine:
+        raise ValueError(f"rollout_num_gpus_per_engine={devices_per_engine} does not divide rollout_num_gpus={rollout_devices}")
+    engines = rollout_devices // devices_per_engine
+    if colocate:
+        if rollout_devices != trainer_devices:
+            raise ValueError(f"colocate needs rollout_num_gpus ({rollout_devices}) equal to the trainer's devices ({trainer_devices})")
+        first = 0
+        total = trainer_devices
+    else:
+        first = trainer_devices
+        total = trainer_devices + rollout_devices
+    return PlacementPlan(
+        num_bundles=total,
+        trainer_bundles=list(range(trainer_devices)),
+        engine_bundles=[list(range(first + e * devices_per_engine, first + (e + 1) * devices_per_engine)) for e in range(engines)],
+        trainer_share=TRAINER_SHARE_COLOCATED if colocate else 1.0,
+    )
+
+
+def plan_for(cfg) -> PlacementPlan:
+    from vime_core.config.derive import trainer_num_devices
+
+    return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
+
+
+@dataclass(frozen=True)
+class BundleDevice:
+    """What Ray assigned to one bundle: the node it is on and the device id there."""
+
+    node_ip: str
+    device_id: str
+
+
+def engine_devices(plan: PlacementPlan, bundles: list[BundleDevice]) -> list[tuple[str, list[str]]]:
+    """For each engine: (node ip, device ids for CUDA_VISIBLE_DEVICES). An engine's bundles must
+    sit on one node (vLLM's TP workers of one server share a host) on distinct devices."""
+    out = []
+    for e, ids in enumerate(plan.engine_bundles):
+        nodes = {bundles[b].node_ip for b in ids}
+        devices = [bundles[b].device_id for b in ids]
+        if len(nodes) != 1:
+            raise RuntimeError(f"engine {e}: its bundles {ids} are on several nodes {sorted(nodes)}; an engine's TP workers need one node")
+        if len(set(devices)) != len(devices):
+            raise RuntimeError(f"engine {e}: its bundles {ids} share devices {devices}")
+        out.append((nodes.pop(), devices))
+    return out

@@ -1,0 +1,60 @@
+"""Did the publish arrive? (`check_weight_update_equal`, as slime's --check-weight-update-equal)
+
+After weights v are published, the trainer and every engine score one fixed probe sequence
+x_0 .. x_{n-1} (temperature 1, so both sides compute plain log-softmax):
+
+    trainer   l_j = log p_theta(x_j | x_<j)            j = 1 .. n-1 (Megatron forward)
+    engine    e_j = the same from vLLM's prompt log-probs (`prompt_logprobs: 0`)
+
+    max_abs_diff   = max_j |e_j - l_j|                   small: the engine serves the trainer's weights
+    changed_max    = max_j |e_j(v) - e_j(v-1)|           > 0: the weights did change
+
+The probe is a fixed pseudo-random token sequence (seeded), the same for every version, so the
+two versions' log-probs compare position by position. The tolerance is a bf16 one: both sides
+round weights and activations to bf16 but run different kernels; what was measured is reported
+in bench/results (not asserted here).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional, Sequence
+
+PROBE_LENGTH = 64
+
+
+def probe_tokens(vocab_size: int, seed: int, length: int = PROBE_LENGTH) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + 17)
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def probe_batch(tokens: Sequence[int]) -> dict[str, list]:
+    """The probe as a one-sample batch whose 'response' is every token after the first."""
+    n = len(tokens) - 1
+    return {"tokens": [list(tokens)], "response_length": [n], "loss_mask": [[1] * n]}
+
+
+def prompt_logprobs_of(answer: dict, tokens: Sequence[int]) -> list[float]:
+    """e_1 .. e_{n-1} from a `/inference/v1/generate` answer with `prompt_logprobs: 0`: entry j
+    maps token ids (as strings in JSON) to {"logprob": ...}; entry 0 is None."""
+    entries = answer.get("prompt_logprobs")
+    if not entries or len(entries) != len(tokens):
+        raise ValueError(f"expected {len(tokens)} prompt log-prob entries, got {len(entries or [])}")
+    out = []
+    for j in range(1, len(tokens)):
+        entry = entries[j] or {}
+        value = entry.get(str(tokens[j]), entry.get(tokens[j]))  # type: ignore[call-overload]
+        if value is None:
+            raise ValueError(f"prompt log-prob entry {j} lacks token {tokens[j]} (has {list(entry)[:5]})")
+        out.append(float(value["logprob"] if isinstance(value, dict) else value))
+    return out
+
+
+def compare(trainer: Sequence[float], engines: Sequence[Sequence[float]], previous: Optional[Sequence[Sequence[float]]] = None) -> dict[str, Any]:
+    """max_abs_diff per engine and overall; changed_max per engine when `previous` is given."""
+    diffs = [max(abs(e - t) for e, t in zip(eng, trainer)) for eng in engines]
+    out: dict[str, Any] = {"max_abs_diff": max(diffs), "per_engine_max_abs_diff": diffs,
+                           "mean_abs_diff": sum(abs(e - t) for eng in engines for e, t in zip(eng, trainer)) / (len(trainer) * len(engines))}
+    if previous is not None and len(previous) == len(engines):
+        out["changed_max"] = min(max(abs(a - b) for a, b in zip(now, before)) for now, before in zip(engines, previous))
+    return out

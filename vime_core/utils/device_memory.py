@@ -1,0 +1,57 @@
+"""Device memory seen from outside a process, through `nvidia-smi` (no CUDA context is opened:
+an engine actor that imported torch.cuda to ask would itself hold ~0.5 GB on the GPU).
+
+    process_bytes   sum of `used_memory` of the compute apps whose pid is in the process group
+                    (a vLLM server and its engine-core workers share one session/group)
+    device_used_bytes  `memory.used` of each listed device (everything on it: trainer included)
+
+Inside some containers nvidia-smi lists no pids; `process_bytes` is then None and only the
+devices' totals are known.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Any, Optional
+
+MIB = 2**20
+
+
+def _query(args: list[str]) -> list[list[str]]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Pids of the live processes in process group `pgid` (from /proc)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.add(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def group_device_memory(pgid: int, device_ids: Optional[list[str]] = None) -> dict[str, Any]:
+    """{"process_bytes": int | None, "device_used_bytes": {device id: bytes}} (module docstring)."""
+    pids = group_pids(pgid)
+    apps = _query(["--query-compute-apps=pid,used_memory"])
+    own = [int(float(mib)) * MIB for pid, mib in apps if pid.isdigit() and int(pid) in pids]
+    devices = {}
+    for index, used in _query(["--query-gpu=index,memory.used"]):
+        if device_ids is None or index in device_ids:
+            devices[index] = int(float(used)) * MIB
+    return {"process_bytes": sum(own) if own else None, "device_used_bytes": devices}
