@@ -317,6 +317,8 @@ class EngineServer:
             return self._attach()
         if self._proc is not None and self._proc.poll() is None:
             return self.url  # type: ignore[return-value]
+        if self.cfg.device == "cuda":
+            self._check_device_memory()
         self.port = self.port or free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{self.name}-{os.getpid()}-{self.port}.log"
@@ -333,6 +335,21 @@ class EngineServer:
         if self.warmup:
             self._warm_up()
         return self.url
+
+    def _check_device_memory(self) -> None:
+        """vLLM claims vllm_gpu_memory_utilization of each device's total memory; refuse before
+        launching when another process (a trainer awake beside it) leaves less than that free."""
+        from vime_core.utils.device_memory import free_and_total
+
+        wanted = self.cfg.vllm_gpu_memory_utilization
+        short = [f"device {i}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+                 for i, (free, total) in free_and_total(self.device_ids).items() if free < wanted * total]
+        if short:
+            raise EngineStartError(
+                f"{self.name}: vllm_gpu_memory_utilization={wanted} asks for {wanted:.0%} of each device, but "
+                f"{'; '.join(short)} (other processes hold the rest: lower the setting, or start engines "
+                f"before the trainer / with the trainer asleep)"
+            )
 
     def _attach(self) -> str:
         client = self.client()

@@ -202,9 +202,9 @@ class MegatronTrainer:
         the probe's tokens and their log-probs under the current weights (every TP rank
         takes part)."""
         from vime_core.trainer.train_step import forward_log_probs
-        from vime_core.trainer.weight_check import probe_batch, probe_tokens
+        from vime_core.trainer.weight_check import probe_batch, probe_length, probe_tokens
 
-        tokens = probe_tokens(self.arch.vocab_size, self.cfg.seed)
+        tokens = probe_tokens(self.arch.vocab_size, self.cfg.seed, probe_length(self.cfg.rollout_max_context_len))
         batch = probe_batch(tokens)
         with torch.no_grad():
             lps = forward_log_probs(self.model, batch, [[0]], self.arch.vocab_size, 1.0, self.device)

@@ -23,6 +23,12 @@ from typing import Any, Optional, Sequence
 PROBE_LENGTH = 64
 
 
+def probe_length(max_context_len: int) -> int:
+    """PROBE_LENGTH, or less where the engine's max_model_len leaves no room for it and the
+    one token the request must generate."""
+    return max(2, min(PROBE_LENGTH, max_context_len - 1))
+
+
 def probe_tokens(vocab_size: int, seed: int, length: int = PROBE_LENGTH) -> list[int]:
     rng = random.Random(seed * 1_000_003 + 17)
     return [rng.randrange(vocab_size) for _ in range(length)]

@@ -55,3 +55,13 @@ def group_device_memory(pgid: int, device_ids: Optional[list[str]] = None) -> di
         if device_ids is None or index in device_ids:
             devices[index] = int(float(used)) * MIB
     return {"process_bytes": sum(own) if own else None, "device_used_bytes": devices}
+
+
+def free_and_total(device_ids: Optional[list[str]] = None) -> dict[str, tuple[int, int]]:
+    """{device index: (free bytes, total bytes)} as nvidia-smi reports them; {} without it."""
+    out = {}
+    for index, total, used in _query(["--query-gpu=index,memory.total,memory.used"]):
+        if device_ids is None or index in device_ids:
+            total_b, used_b = int(float(total)) * MIB, int(float(used)) * MIB
+            out[index] = (total_b - used_b, total_b)
+    return out

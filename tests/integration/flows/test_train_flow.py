@@ -36,6 +36,7 @@ def trained(tmp_path_factory, ray_head, tiny_model_dir):
         micro_batch_size=8,
         save_interval=1,
         vllm_server_concurrency=64,
+        check_weight_update_equal=True,
     )
     summary = train(cfg)
     yield cfg, summary
@@ -65,6 +66,18 @@ def test_three_batches_stored_with_lineage(trained):
         assert lineage["config_hash"] == config_hash(resolve_run_config(cfg))
         versions = {span["version"] for spans in batch["weight_versions"] for span in spans}
         assert versions == {k + 1}, f"batch {k} was sampled by weights {versions}, expected v{k + 1}"
+
+
+def test_every_publish_is_checked_against_the_trainer(trained):
+    """check_weight_update_equal: after each publish the engine scores the probe as the trainer
+    does, and its scores moved since the previous version (the update arrived)."""
+    from vime_core.report.records import read_records
+
+    cfg, _ = trained
+    checks = [r["weight_check"] for r in read_records(cfg.storage_uri, cfg.run_name)]
+    assert [c["version"] for c in checks] == [k + 2 for k in range(cfg.num_rollout)]
+    assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
+    assert all(c["changed_max"] > LOGPROB_TOLERANCE for c in checks[1:]), checks
 
 
 def test_engine_reports_version_4(trained):
