@@ -19,7 +19,8 @@ engine's TP workers land on distinct GPUs), and the repository root on PYTHONPAT
 under vime_core/engines/vllm_side load inside vLLM. Which vLLM release runs decides a few flags
 (`vllm_api`).
 
-`EngineActor = ray.remote(EngineServer)` is built lazily (this module does not import ray).
+A run's engines are `EngineServer` Ray actors placed in their device bundles
+(`vime_core/cluster/run_actors.py`); this module does not import ray.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def platform_supports_sleep(cfg: "VimeConfig") -> bool:
 
 
 class EngineServer:
-    """Starts (or attaches to) one vLLM server. Plain class; a Ray actor by `EngineActor`.
+    """Starts (or attaches to) one vLLM server. Plain class; a run makes it a Ray actor (run_actors).
 
     `url` is the server's base URL once started. `start()` blocks until /health answers (or
     raises `EngineStartError` with the last log lines), `shutdown()` pauses with abort then
@@ -441,11 +442,3 @@ class EngineServer:
         except OSError:
             self.port = None
         return self.start()
-
-
-def __getattr__(name: str) -> Any:
-    if name == "EngineActor":
-        import ray
-
-        return ray.remote(EngineServer)
-    raise AttributeError(name)
