@@ -152,3 +152,9 @@ def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, 
     params = list(trainer.model.parameters())
     moved = list(_tensors(trainer.model, trainer.optimizer))
     assert len(moved) == 4 * len(params)  # fp32 on CPU: the params are the optimizer's own
+    # offload_train keeps the weights for the publish: only Adam's state goes, nothing that
+    # shares storage with a parameter
+    kept = {p.untyped_storage().data_ptr() for p in params}
+    optimizer_only = list(_tensors(trainer.model, trainer.optimizer, keep_params=True))
+    assert len(optimizer_only) == 3 * len(params)
+    assert not any(t.untyped_storage().data_ptr() in kept for t in optimizer_only)
