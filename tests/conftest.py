@@ -18,6 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Prefect's temporary server can take more than its default 20 s to start on a loaded 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Ray reads these when it is imported, and any test may import it first: set them before any
+# test module loads, or a driver looks for the loopback head at another address and hangs
+# (seen when tests/unit ran before tests/integration/flows).
+from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402
+
+for _key, _value in LOOPBACK_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 @pytest.fixture(scope="session")
