@@ -33,8 +33,7 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
         try:
             per_rank = trainers.wait(dispatched.publish)
         except Exception as exc:  # e.g. training failed and was retried: publish what it trained
-            first_line = next(iter(str(exc).splitlines()), "") or type(exc).__name__
-            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again", first_line)
+            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again", _first_line(exc))
     if per_rank is not None:
         started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
     else:
@@ -47,6 +46,10 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
     stats["t_sync"] = time.perf_counter() - t0
     stats["started_rollout"] = started
     return stats
+
+
+def _first_line(exc: BaseException) -> str:
+    return next(iter(str(exc).splitlines()), "") or type(exc).__name__
 
 
 def _publish_chained(manager, trainers, target_version: int, resume_admission: bool,
@@ -79,7 +82,7 @@ def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -
     try:
         engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"]))
     except Exception as exc:  # a diagnostic: say so, do not fail the iteration
-        first_line = next(iter(str(exc).splitlines()), "") or type(exc).__name__
+        first_line = _first_line(exc)
         get_run_logger().warning("check weights v%d: the engines could not score the probe: %s", target_version, first_line)
         return {"version": target_version, "error": first_line[:500]}
     result = {"version": target_version, **compare(probe["log_probs"], engines, previous)}

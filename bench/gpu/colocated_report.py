@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         table = store.read_table(a.run_name, r["rollout_id"])
         batches.append({"rollout_id": r["rollout_id"], "rows": table.num_rows,
-                        "mean_response_length": _median([sum(table.column("response_length").to_pylist()) / max(1, table.num_rows)])})
+                        "mean_response_length": sum(table.column("response_length").to_pylist()) / max(1, table.num_rows)})
     steady = records[1:] or records
     out = {
         "iterations": len(records),

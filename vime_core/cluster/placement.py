@@ -35,13 +35,24 @@ class PlacementPlan:
     engine_share: float = ENGINE_SHARE
 
 
-def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> PlacementPlan:
+def check_layout(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> None:
+    """Raise naming the fields when the engines' devices cannot be laid out (config derive
+    and the plan both call it)."""
     if rollout_devices % devices_per_engine:
-        raise ValueError(f"rollout_num_gpus_per_engine={devices_per_engine} does not divide rollout_num_gpus={rollout_devices}")
+        raise ValueError(
+            f"rollout_num_gpus_per_engine={devices_per_engine} does not divide rollout_num_gpus={rollout_devices}"
+        )
+    if colocate and rollout_devices != trainer_devices:
+        raise ValueError(
+            f"colocate needs rollout_num_gpus ({rollout_devices}) equal to the trainer's "
+            f"devices ({trainer_devices}); set colocate=false to place engines elsewhere"
+        )
+
+
+def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> PlacementPlan:
+    check_layout(trainer_devices, rollout_devices, devices_per_engine, colocate)
     engines = rollout_devices // devices_per_engine
     if colocate:
-        if rollout_devices != trainer_devices:
-            raise ValueError(f"colocate needs rollout_num_gpus ({rollout_devices}) equal to the trainer's devices ({trainer_devices})")
         first = 0
         total = trainer_devices
     else:

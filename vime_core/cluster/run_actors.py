@@ -176,7 +176,6 @@ class TrainerGroup:
 def _master_endpoint(pg) -> tuple[str, int]:
     """Address and a free port on the node of bundle 0, where rank 0 runs."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     @ray.remote(num_cpus=0)
     def free_port() -> tuple[str, int]:
@@ -187,8 +186,7 @@ def _master_endpoint(pg) -> tuple[str, int]:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
-    return ray.get(free_port.options(scheduling_strategy=strategy).remote())
+    return ray.get(free_port.options(scheduling_strategy=_in_bundle(pg, 0)).remote())
 
 
 def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:
@@ -209,7 +207,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     from vime_core.trainer.trainer import MegatronTrainer
 
     master_addr, master_port = _master_endpoint(pg)
-    share = plan_for(cfg).trainer_share
+    plan = plan_for(cfg)
     actor_cls = ray.remote(MegatronTrainer)
     actors = []
     for rank in range(world):
@@ -219,9 +217,9 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
                 namespace=names.namespace(cfg.run_name),
                 lifetime="detached",
                 num_cpus=0,
-                num_gpus=share,
+                num_gpus=plan.trainer_share,
                 max_concurrency=1,
-                scheduling_strategy=_in_bundle(pg, plan_for(cfg).trainer_bundles[rank]),
+                scheduling_strategy=_in_bundle(pg, plan.trainer_bundles[rank]),
                 runtime_env={"env_vars": actor_env()},
             ).remote(cfg, rank, world, master_addr, master_port)
         )

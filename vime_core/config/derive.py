@@ -86,16 +86,9 @@ def derive_in_place(cfg: "VimeConfig") -> None:
         )
     if cfg.rollout_num_gpus is None:
         cfg.rollout_num_gpus = devices if cfg.colocate else 1
-    if cfg.rollout_num_gpus % cfg.rollout_num_gpus_per_engine:
-        raise ValueError(
-            f"rollout_num_gpus_per_engine={cfg.rollout_num_gpus_per_engine} does not divide "
-            f"rollout_num_gpus={cfg.rollout_num_gpus}"
-        )
-    if cfg.colocate and cfg.rollout_num_gpus != devices:
-        raise ValueError(
-            f"colocate needs rollout_num_gpus ({cfg.rollout_num_gpus}) equal to the trainer's "
-            f"devices ({devices}); set colocate=false to place engines elsewhere"
-        )
+    from vime_core.cluster.placement import check_layout
+
+    check_layout(devices, cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
     if cfg.global_batch_size % dp_size(cfg):
         raise ValueError(
             f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "

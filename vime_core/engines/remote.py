@@ -46,9 +46,3 @@ class RemoteEngine:
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         self._call("shutdown", grace_s)
-
-    def kill(self) -> None:
-        self._call("kill")
-
-    def device_ids(self) -> Optional[list[str]]:
-        return self._call("get_device_ids")

@@ -331,7 +331,7 @@ class RolloutManager:
 
     def engine_memory(self) -> list[dict]:
         """Device memory of every engine (`EngineServer.memory`); empty dicts on CPU."""
-        return [s.memory() if hasattr(s, "memory") else {} for s in self.servers]
+        return [s.memory() for s in self.servers]
 
     def pause_admission(self) -> None:
         """Hold new generate requests (those in flight continue) until resume_admission."""

@@ -50,10 +50,7 @@ def group_device_memory(pgid: int, device_ids: Optional[list[str]] = None) -> di
     pids = group_pids(pgid)
     apps = _query(["--query-compute-apps=pid,used_memory"])
     own = [int(float(mib)) * MIB for pid, mib in apps if pid.isdigit() and int(pid) in pids]
-    devices = {}
-    for index, used in _query(["--query-gpu=index,memory.used"]):
-        if device_ids is None or index in device_ids:
-            devices[index] = int(float(used)) * MIB
+    devices = {index: total - free for index, (free, total) in free_and_total(device_ids).items()}
     return {"process_bytes": sum(own) if own else None, "device_used_bytes": devices}
 
 
