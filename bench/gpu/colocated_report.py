@@ -39,7 +39,8 @@ def memory_row(memory: dict) -> dict:
                           "device_used_gib": sum((e.get("device_used_bytes") or {}).values()) / GIB}
         else:
             t = value[0] if isinstance(value, list) else value
-            row[phase] = {"allocated_gib": t.get("allocated_bytes", 0) / GIB, "reserved_gib": t.get("reserved_bytes", 0) / GIB}
+            row[phase] = {"allocated_gib": t.get("allocated_bytes", 0) / GIB, "reserved_gib": t.get("reserved_bytes", 0) / GIB,
+                          "process_gib": t["process_bytes"] / GIB if t.get("process_bytes") is not None else None}
     return row
 
 

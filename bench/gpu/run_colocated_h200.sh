@@ -3,6 +3,7 @@
 # vLLM 0.26 CUDA engine and a Megatron bf16 actor colocated on the one GPU, both sleeping between
 # phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
+#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N: see below)
 # Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh):
 # they are unpacked once into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
@@ -16,12 +17,12 @@ export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 run=${RUN_NAME:-gpu-colocated-0.5b}
 t0=$(date +%s)
-python3 bench/gpu/build_model.py --shape 0.5b --out "$work/model-0.5b" --prompts "$work/prompts-long.jsonl" --prompt-noise 16,500
+[ -f "$work/model-0.5b/config.json" ] || python3 bench/gpu/build_model.py --shape 0.5b --out "$work/model-0.5b" --prompts "$work/prompts-long.jsonl" --prompt-noise 16,500
 # the head's loopback address, passed explicitly: `auto` resolved to the host's other address
 address=$(python3 -m flows.cli cluster up --num-gpus 1 | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
-timeout "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
+timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
     --storage-uri "$work/runs" --hf-checkpoint "$work/model-0.5b" --prompt-data "$work/prompts-long.jsonl" \
     --eval-prompt-data "$work/prompts-long.jsonl" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
@@ -30,4 +31,14 @@ python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$ru
 cp -r "$work/runs/reports/$run" "$out/reports" 2>/dev/null || true
 mkdir -p "$out/engine-logs" && for f in .cache/engine-logs/*.log; do grep -v "it/s]" "$f" | tail -n 300 > "$out/engine-logs/$(basename $f)"; done 2>/dev/null || true
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true
+# the actors' own errors (a trainer or engine actor that died says why only in its worker log)
+mkdir -p "$out/ray-logs" && for f in $(ls -d /tmp/vime-ray-*/session_latest/logs .cache/ray/session_latest/logs 2>/dev/null); do
+  grep -l -E "Traceback|Error" "$f"/*.err "$f"/*.out 2>/dev/null | head -n 20 | while read -r g; do grep -v "it/s]" "$g" | tail -n 150 > "$out/ray-logs/$(basename "$g")"; done
+done || true
+# BASELINES_FROM=N: what the framework adds, against the iterations from rollout N (the run's engine still up)
+if [ -n "${BASELINES_FROM:-}" ]; then
+  timeout -k 15 "${BASELINES_TIMEOUT:-200}" python3 bench/gpu/colocated_baselines.py --ray-address "$address" --storage-uri "$work/runs" \
+      --run-name "$run" --from-rollout "$BASELINES_FROM" --out "$out/baselines.json" 2>&1 | grep -v "it/s\]$" | tail -n 40 || true
+fi
+# KEEP_ACTORS=1: the engines and the trainer stay up; the same command with a larger ITERATIONS attaches to them
+[ "${KEEP_ACTORS:-0}" = 1 ] || python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true

@@ -24,6 +24,7 @@ On CPU there is nothing to free: both are logged no-ops.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -111,15 +112,23 @@ def offload_params(model: Any) -> tuple[int, list[HostCopy]]:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     copies = release_to_host(p for p in model.parameters() if p.device.type == "cuda")
+    # Blocks that were shared with the engines by CUDA IPC (the publish's buckets) stay reserved
+    # until collected, even once the engines closed them: empty_cache alone leaves them.
+    torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
     return before - torch.cuda.memory_allocated(), copies
 
 
 def device_memory() -> dict[str, int]:
-    """This process's allocator: bytes allocated and reserved; empty on CPU."""
+    """This process's allocator (bytes allocated and reserved) and what the device attributes to
+    the process (`process_bytes`, nvidia-smi: allocator, CUDA context, NCCL and library
+    workspaces); empty on CPU."""
     if not torch.cuda.is_available():
         return {}
-    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
+    from vime_core.utils.device_memory import processes_bytes
+
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved(),
+            "process_bytes": processes_bytes({os.getpid()})}
 
 
 def onload(model: Any, copies: list[HostCopy]) -> int:

@@ -11,6 +11,8 @@ Every method is called on every rank at once (collectives over TP/DP), except ``
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from typing import Any, Iterator, Optional
@@ -215,15 +217,28 @@ class MegatronTrainer:
         self._require_init()
         from vime_core.trainer.hf_export import write_hf_folder
 
-        if self.layout.dp_rank == 0:
-            weights = self.iter_hf_weights()
-            if self.layout.rank == 0:
-                write_hf_folder(weights, self.hf_checkpoint, path)
-            else:
-                for _ in weights:
-                    pass
-        torch.distributed.barrier()
+        with self._awake():
+            if self.layout.dp_rank == 0:
+                weights = self.iter_hf_weights()
+                if self.layout.rank == 0:
+                    write_hf_folder(weights, self.hf_checkpoint, path)
+                else:
+                    for _ in weights:
+                        pass
+            torch.distributed.barrier()
         return str(path)
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """Wake for a read of the device state (checkpoint, export); back to sleep afterwards
+        if it slept (offload_train), with its weights too if they were released."""
+        was_asleep, weights_asleep = self._asleep, self._params_asleep
+        self.wake()
+        try:
+            yield
+        finally:
+            if was_asleep or weights_asleep:
+                self.sleep(keep_weights=not weights_asleep)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -232,9 +247,14 @@ class MegatronTrainer:
         self._require_init()
         from vime_core.trainer import checkpoint as ckpt
 
-        was_asleep = self._asleep
-        self.wake()  # the state dicts read the device tensors
         path = ckpt.checkpoint_dir(self.cfg, rollout_id)
+        with self._awake():  # the state dicts read the device tensors
+            self._save_state(path, rollout_id, extra_state)
+        return path
+
+    def _save_state(self, path: str, rollout_id: int, extra_state: Optional[dict[str, Any]]) -> None:
+        from vime_core.trainer import checkpoint as ckpt
+
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -255,9 +275,6 @@ class MegatronTrainer:
                 "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
             })
         torch.distributed.barrier()
-        if was_asleep:
-            self.sleep()
-        return path
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""

@@ -47,11 +47,16 @@ def group_pids(pgid: int) -> set[int]:
 
 def group_device_memory(pgid: int, device_ids: Optional[list[str]] = None) -> dict[str, Any]:
     """{"process_bytes": int | None, "device_used_bytes": {device id: bytes}} (module docstring)."""
-    pids = group_pids(pgid)
+    devices = {index: total - free for index, (free, total) in free_and_total(device_ids).items()}
+    return {"process_bytes": processes_bytes(group_pids(pgid)), "device_used_bytes": devices}
+
+
+def processes_bytes(pids: set[int]) -> Optional[int]:
+    """Device memory nvidia-smi attributes to `pids` (all devices), in bytes; None when it lists
+    none of them (no nvidia-smi, no GPU use yet, or a container that hides pids)."""
     apps = _query(["--query-compute-apps=pid,used_memory"])
     own = [int(float(mib)) * MIB for pid, mib in apps if pid.isdigit() and int(pid) in pids]
-    devices = {index: total - free for index, (free, total) in free_and_total(device_ids).items()}
-    return {"process_bytes": sum(own) if own else None, "device_used_bytes": devices}
+    return sum(own) if own else None
 
 
 def free_and_total(device_ids: Optional[list[str]] = None) -> dict[str, tuple[int, int]]:

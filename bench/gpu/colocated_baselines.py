@@ -1,0 +1,157 @@
+"""What vime adds to the colocated step (issue 14's performance section), measured on the same GPU
+right after a run of bench/gpu/run_colocated_h200.sh, while the run's engine is still up:
+
+- direct rollout: the prompts of the run's last stored batch sent straight to the run's vLLM
+  server (its own URL, no router, no RolloutManager, no reward), with the run's sampling params
+  and as many requests in flight as the run allows; wall time and output tokens/s, median over
+  `--repeats` (prefix cache reset before each);
+- trainer alone: bench/bench_trainer_gpu.py on a batch of the same shape (samples, mean prompt
+  length, mean response length, token-budget packing): old-log-prob recompute + one step;
+- device-to-device copy of the published bytes (the bf16 weights), the limit of a publish.
+
+Ratios (the run's medians over the iterations given by --from-rollout):
+
+    framework_ratio   = T_step / (direct rollout s + trainer alone s)     target <= 1.10
+    rollout_tps_ratio = vime output tokens/s / direct output tokens/s     target >= 0.95
+    publish_vs_copy   = publish s / D2D copy s
+
+    python bench/gpu/colocated_baselines.py --ray-address A --storage-uri S --run-name R \
+        --from-rollout 8 --out baselines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def _median(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: int) -> dict:
+    """Every prompt once, straight to the server; the same budget rule as rollout/generate."""
+    from vime_core.engines.client import EngineClient
+    from vime_core.rollout.generate import base_sampling_params
+
+    base = base_sampling_params(cfg)
+    gate = asyncio.Semaphore(concurrency)
+    async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2)) as client:
+        await client.reset_prefix_cache()
+
+        async def one(tokens: list[int]) -> int:
+            room = cfg.rollout_max_context_len - len(tokens)
+            params = dict(base, max_tokens=min(cfg.rollout_max_response_len, room))
+            async with gate:
+                answer = await client.generate(tokens, params)
+            return len(answer["choices"][0]["token_ids"])
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / wall}
+
+
+def device_copy_s(nbytes: int, repeats: int = 20) -> float:
+    """Median seconds of one device-to-device copy of `nbytes` on the current GPU."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times[2:])
+
+
+def trainer_alone(samples: int, prompt_len: int, response_len: int, cfg, out: Path) -> dict:
+    cmd = [sys.executable, str(REPO / "bench" / "bench_trainer_gpu.py"), "--shape", "0.5b",
+           "--samples", str(samples), "--prompt-len", str(prompt_len), "--response-len", str(response_len),
+           "--lr", str(cfg.lr), "--variants", f"pack{cfg.max_tokens_per_gpu}", "--warmup", "1",
+           "--repeats", "3", "--check-steps", "0", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=REPO)
+    result = json.loads(out.read_text())
+    variant = next(v for v in result["variants"] if "step_time_s" in v)
+    return {"step_time_s": variant["step_time_s"], "logprob_time_s": variant["logprob_time_s"],
+            "total_s": variant["step_time_s"] + variant["logprob_time_s"], "command": " ".join(cmd[1:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from vime_core.cluster import names
+    from vime_core.config.loader import make_config
+    from vime_core.report.records import read_records, run_dir
+    from vime_core.storage.store import BatchStore
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ray-address", required=True)
+    p.add_argument("--storage-uri", required=True)
+    p.add_argument("--run-name", required=True)
+    p.add_argument("--from-rollout", type=int, default=1, help="the run's iterations compared: rollout ids >= this")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+
+    cfg = make_config(json.loads(Path(run_dir(a.storage_uri, a.run_name), "config.json").read_text()))
+    records = [r for r in read_records(a.storage_uri, a.run_name) if r["rollout_id"] >= a.from_rollout]
+    last = max(r["rollout_id"] for r in records)
+    batch, _ = BatchStore(a.storage_uri).read(a.run_name, last)
+    prompts = [list(t[:pl]) for t, pl in zip(batch["tokens"], batch["prompt_length"])]
+
+    ray.init(address=a.ray_address, namespace=names.namespace(a.run_name), logging_level="ERROR")
+    url = ray.get(ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name)).get_url.remote())
+    direct = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency)) for _ in range(a.repeats)]
+    direct_s = _median([d["wall_s"] for d in direct])
+    direct_tps = _median([d["tokens_per_s"] for d in direct])
+
+    weight_bytes = sum(f.stat().st_size for f in Path(cfg.hf_checkpoint).glob("*.safetensors"))
+    copy_s = device_copy_s(weight_bytes)
+
+    mean_prompt = round(statistics.fmean(batch["prompt_length"]))
+    mean_response = round(statistics.fmean(batch["response_length"]))
+    alone = trainer_alone(len(prompts), mean_prompt, mean_response, cfg, Path(a.out).with_name("trainer_alone.json"))
+
+    t_step = _median([r["t_step"] for r in records])
+    vime_tps = _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")])
+    publish_s = _median([r.get("publish_s") for r in records])
+    phases = {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")}
+    result = {
+        "bench": "colocated_baselines",
+        "run": a.run_name, "rollout_ids": [r["rollout_id"] for r in records],
+        "shape": {"samples": len(prompts), "mean_prompt_len": mean_prompt, "mean_response_len": mean_response},
+        "vime": {"t_step_median_s": t_step, "phases_median_s": phases, "rollout_tokens_per_s": vime_tps,
+                 "publish_median_s": publish_s,
+                 "sleep_wake_median_s": {
+                     "engine_sleep": phases.get("t_offload_rollout"), "trainer_sleep": phases.get("t_offload_train"),
+                     "engine_wake_weights_and_kv": phases.get("t_onload"), "trainer_wake": phases.get("t_wake_train")}},
+        "direct_rollout": {"runs": direct, "wall_median_s": direct_s, "tokens_per_s_median": direct_tps},
+        "trainer_alone": alone,
+        "device_copy": {"bytes": weight_bytes, "median_s": copy_s, "gb_per_s": weight_bytes / copy_s / 1e9},
+        "framework_ratio": t_step / (direct_s + alone["total_s"]),
+        "rollout_tps_ratio": vime_tps / direct_tps,
+        "publish_vs_copy": publish_s / copy_s if publish_s else None,
+    }
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("framework_ratio", "rollout_tps_ratio", "publish_vs_copy")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
