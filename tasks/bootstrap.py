@@ -24,7 +24,7 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
-    from tasks.placement import trainer_sleeps
+    from vime_core.step_protocol import trainer_sleeps
     from vime_core.cluster.run_actors import (
         forget_attached,
         get_or_create_engines,

@@ -42,7 +42,7 @@ def dispatch(config: VimeConfig, manager, trainers, rollout_id: int, version: in
     the version is not known. Every call is idempotent (a trained rollout id is not trained
     again; engines at the target version are not re-published), so a retried rollout task may
     dispatch again."""
-    from tasks.placement import engines_sleep
+    from vime_core.step_protocol import engines_sleep
 
     if version is None or engines_sleep(config):
         return None

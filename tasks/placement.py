@@ -11,21 +11,9 @@ from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
 
 
-def engines_sleep(config: VimeConfig) -> bool:
-    """Whether offload/onload do anything: engines offload and the platform can put them to
-    sleep (not on CPU). Where not, the iteration flow does not even start these task runs."""
-    from vime_core.engines.server import platform_supports_sleep
-
-    return config.offload_rollout and platform_supports_sleep(config)
-
-
-def trainer_sleeps(config: VimeConfig) -> bool:
-    """Whether offload_train frees anything: asked for, and the trainer is on a GPU."""
-    return config.offload_train and config.device == "cuda"
-
-
 def _engines(config: VimeConfig, method: str) -> dict:
-    """One RolloutManager call (the flow calls these tasks only when `engines_sleep`); its
+    """One RolloutManager call (the flow calls these tasks only where engines sleep:
+    vime_core.step_protocol); its
     seconds and the engines' device memory afterwards."""
     t0 = time.perf_counter()
     manager, _ = run_handles(config)

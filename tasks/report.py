@@ -21,9 +21,6 @@ def _artifact_key(run_name: str, what: str) -> str:
     return f"{safe}-{what}"
 
 
-# Drawing the picture costs ~0.4 s on the 2-core machine and the markdown artifact one more API
-# call: both every 10th iteration and the last one; the metrics table every iteration.
-CURVE_EVERY = 10
 # The metrics table holds the latest iterations only: Prefect keeps every version of an artifact,
 # so a table of the whole history would store O(N^2) rows over a run of N iterations (all of
 # them stay in metrics.jsonl, and in the reward curve).

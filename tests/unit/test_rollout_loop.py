@@ -288,3 +288,87 @@ def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer):
         assert s.response_tokens == [5, 6, 17, 17, 5, 6]
         assert s.loss_mask == [1, 1, 0, 0, 1, 1]
         assert s.rollout_log_probs == [-0.25, -0.25, 0.0, 0.0, -0.25, -0.25]
+
+
+# ---- failed generations: retried on a live engine, dropped, or the rollout fails ----------------
+
+
+class HealthyFake(FakeGenerator):
+    def __init__(self, healthy=True, **kw):
+        super().__init__(**kw)
+        self.healthy = healthy
+        self.health_checks = 0
+
+    async def is_healthy(self, timeout_s=5.0):
+        self.health_checks += 1
+        return self.healthy
+
+
+def failing_generate(should_fail, retryable):
+    """A generate_fn that fails the samples `should_fail(sample)` picks, as an engine error would."""
+    from vime_core.rollout.generate import fail_sample
+
+    async def generate(ctx, sample, params):
+        if should_fail(sample):
+            return fail_sample(sample, "no engine answered after 8 attempts: connection reset", retryable=retryable)
+        return await generate_sample(ctx, sample, params)
+
+    return generate
+
+
+def test_an_infrastructure_failure_is_generated_again_on_a_live_engine(make_cfg, tokenizer):
+    from vime_core.data.validation import validate_trainable
+    from vime_core.data.batch import build_batch
+
+    cfg = make_cfg(rollout_group_max_attempts=3)
+    gen = HealthyFake()
+    state = make_state(cfg, tokenizer, gen)
+    first_try = lambda s: s.group_index == 1 and s.index == 0 and "group_attempts" not in s.metadata  # noqa: E731
+    state.generate_fn = failing_generate(first_try, retryable=True)
+    samples, metrics = run_loop(state)
+    assert sorted({s.group_index for s in samples}) == [0, 1, 2, 3]  # group 1 came back, no new prompt took its place
+    assert all(s.status is Status.COMPLETED and s.response_length == 2 for s in samples)
+    assert [s.metadata.get("group_attempts") for s in samples if s.group_index == 1] == [2] * 4
+    assert metrics["rollout/retried_groups"] == 1 and metrics["rollout/failed_groups"] == 0
+    assert gen.health_checks >= 1
+    validate_trainable(build_batch(samples, cfg))
+
+
+def test_a_group_that_keeps_failing_is_dropped_and_refilled(make_cfg, tokenizer):
+    cfg = make_cfg(rollout_group_max_attempts=2)
+    state = make_state(cfg, tokenizer, HealthyFake())
+    state.generate_fn = failing_generate(lambda s: s.group_index == 1, retryable=True)
+    samples, metrics = run_loop(state)
+    assert len(samples) == 16 and 1 not in {s.group_index for s in samples}
+    assert all(s.response_length >= 1 and "generate_error" not in s.metadata for s in samples)
+    assert metrics["rollout/retried_groups"] == 1 and metrics["rollout/failed_groups"] == 1
+
+
+def test_a_bad_request_is_dropped_without_a_retry(make_cfg, tokenizer):
+    cfg = make_cfg()
+    state = make_state(cfg, tokenizer, HealthyFake())
+    state.generate_fn = failing_generate(lambda s: s.group_index == 2, retryable=False)
+    samples, metrics = run_loop(state)
+    assert 2 not in {s.group_index for s in samples} and len(samples) == 16
+    assert metrics["rollout/retried_groups"] == 0 and metrics["rollout/failed_groups"] == 1
+
+
+def test_a_rollout_that_cannot_be_filled_fails_naming_engines_and_reasons(make_cfg, tokenizer):
+    from vime_core.rollout.loop import RolloutFailedError
+
+    cfg = make_cfg()
+    state = make_state(cfg, tokenizer, HealthyFake())
+    state.generate_fn = failing_generate(lambda s: True, retryable=False)
+    with pytest.raises(RolloutFailedError, match=r"could not be generated.*engines: fake.*connection reset"):
+        run_loop(state)
+
+
+def test_no_live_engine_within_the_wait_fails_the_rollout(make_cfg, tokenizer):
+    from vime_core.rollout.loop import RolloutFailedError
+
+    cfg = make_cfg(rollout_engine_wait_s=0.3)
+    gen = HealthyFake(healthy=False)
+    state = make_state(cfg, tokenizer, gen)
+    state.generate_fn = failing_generate(lambda s: True, retryable=True)
+    with pytest.raises(RolloutFailedError, match=r"no engine answered /health within rollout_engine_wait_s=0.3 s \(engines: fake\)"):
+        run_loop(state)

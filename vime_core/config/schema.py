@@ -81,6 +81,8 @@ class VimeConfig(BaseModel):
     rollout_function_path: str = Field("vime_core.rollout.loop:generate_rollout", description="Rollout function, `module:function`.")
     custom_generate_function_path: str = Field("", description="Per-sample generate function, `module:function` (multi-turn / tool use). Empty: single-turn token-in/token-out.")
     rollout_prefetch: bool = Field(True, description="Start rollout k+1 as soon as iteration k has synced (in sync's last actor call; after the evaluation when one is due), so it runs while the checkpoint is saved and Prefect ends flow run k and starts k+1; same weights, same prompts as without it.")
+    rollout_group_max_attempts: int = Field(3, ge=1, description="A group with a sample the engines failed to generate (engine died, connection reset, timeout) is generated again on a live engine, up to this many attempts in all; then it is dropped and a new prompt group takes its place.")
+    rollout_engine_wait_s: float = Field(600.0, gt=0, description="After a generate failure, how long the rollout waits for a live engine (a restarting one comes back) before it fails naming the engines.")
     partial_rollout: bool = Field(False, description="Aborted samples keep their partial responses and go back to the data source to be continued.")
     dynamic_sampling_filter_path: str = Field("", description="Group filter, `module:function` (e.g. vime_core.rewards.filters:check_reward_nonzero_std). Empty: keep every group.")
 

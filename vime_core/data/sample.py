@@ -78,6 +78,16 @@ class Sample:
         self.loss_mask.extend([loss_mask_value] * len(token_ids))
         self.rollout_log_probs.extend(float(x) for x in log_probs)
 
+    def clear_response(self) -> None:
+        """Back to the prompt alone, as before generation (a retry on another engine); the
+        metadata of the failed try goes, the rest (e.g. attempt counters) stays."""
+        self.tokens = list(self.tokens[: self.prompt_length])
+        self.response_length, self.response, self.finish_reason = 0, "", ""
+        self.loss_mask, self.rollout_log_probs, self.weight_versions = [], [], []
+        self.reward, self.status = None, Status.PENDING
+        for key in ("generate_error", "retryable", "reward_error", "completion_tokens", "missing_logprobs"):
+            self.metadata.pop(key, None)
+
     def copy(self) -> "Sample":
         return copy.deepcopy(self)
 

@@ -130,9 +130,13 @@ def decode_response(tokenizer: Any, sample: Sample, skip_special_tokens: bool, e
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def fail_sample(sample: Sample, reason: str) -> Sample:
+def fail_sample(sample: Sample, reason: str, retryable: bool = False) -> Sample:
+    """Mark a sample the engines did not generate. `retryable`: the cause was the infrastructure
+    (no engine answered, a dropped connection, a garbled answer), not the request, so the same
+    prompt on a live engine can succeed (the rollout loop generates its group again)."""
     sample.status = Status.FAILED
     sample.metadata["generate_error"] = reason
+    sample.metadata["retryable"] = retryable
     return sample
 
 
@@ -170,7 +174,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
             if exc.status is not None and exc.status < 500:
                 return fail_sample(sample, str(exc))  # the request itself is bad: retrying cannot help
             if attempt == ctx.max_attempts:
-                return fail_sample(sample, f"no engine answered after {attempt} attempts: {exc}")
+                return fail_sample(sample, f"no engine answered after {attempt} attempts: {exc}", retryable=True)
             logger.info("sample %s: attempt %d failed (%s); retrying", sample.session_id, attempt, exc)
             await asyncio.sleep(min(ctx.retry_backoff_s * 2 ** (attempt - 1), 5.0))
     assert answer is not None
@@ -178,7 +182,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     try:
         token_ids, log_probs, missing, finish, spans = parse_choice(answer)
     except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
-        return fail_sample(sample, f"malformed engine response: {exc}")
+        return fail_sample(sample, f"malformed engine response: {exc}", retryable=True)
     if not spans and ctx.weight_version is not None and token_ids:
         spans = [WeightSpan(ctx.weight_version, 0, len(token_ids))]
     offset = sample.response_length

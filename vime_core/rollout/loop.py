@@ -7,11 +7,18 @@
              vllm_server_concurrency * engines bounds the requests in flight)
         take the first group that completes: check its size, score it (group_rm; otherwise each
         sample was scored right after its generation), apply the dynamic filter -> kept / dropped
+        a group with a sample the engines did not generate is not kept: when the cause was the
+        infrastructure (engine died, connection reset) it is generated again once an engine
+        answers /health, up to rollout_group_max_attempts in all; then (or at once, for a bad
+        request) it is dropped and a new group refills its place. More dropped groups than the
+        batch holds, or no live engine within rollout_engine_wait_s: RolloutFailedError, naming
+        the engines and the reasons, and nothing is handed on.
     abort what is still running (abort_requests on every engine), wait for it to come back;
     partial_rollout: unfinished groups return to the data source with their partial responses,
     the off-policy part masked (loss_mask 0); otherwise they are dropped.
 
-Exactly `rollout_batch_size` groups come back, groups contiguous, samples in index order.
+Exactly `rollout_batch_size` groups come back, groups contiguous, samples in index order, every
+sample with a response (the trainer's check, vime_core/data/validation.py, holds).
 
 The rollout function is loaded by path (`rollout_function_path`), default
 `vime_core.rollout.loop:generate_rollout`, called as `await fn(state, rollout_id)` and returning
@@ -21,6 +28,7 @@ The rollout function is loaded by path (`rollout_function_path`), default
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import statistics
 import time
@@ -68,6 +76,66 @@ class _Progress:
     submitted_groups: int = 0
     output_tokens: int = 0
     time_reward_s: float = 0.0
+    retried_groups: int = 0
+    failed_groups: int = 0  # dropped because the engines did not generate them
+    failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+
+class RolloutFailedError(RuntimeError):
+    """The rollout could not be filled with groups the trainer can train on."""
+
+
+def generate_failure(group: list[Sample]) -> Optional[tuple[str, bool]]:
+    """(the first generate error, whether every failure in the group was the infrastructure's),
+    or None when the engines generated every sample (a reward function's failure is not one)."""
+    failed = [s for s in group if s.status is Status.FAILED and "generate_error" in s.metadata]
+    if not failed:
+        return None
+    return str(failed[0].metadata["generate_error"]), all(s.metadata.get("retryable") for s in failed)
+
+
+def _reason_key(reason: str) -> str:
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s: float = 1.0) -> None:
+    """Return once any engine answers /health; RolloutFailedError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = await asyncio.gather(*(e.is_healthy(timeout_s=5.0) for e in engines), return_exceptions=True)
+        if any(a is True for a in answers):
+            return
+        if time.monotonic() >= deadline:
+            names = ", ".join(str(getattr(e, "name", e)) for e in engines)
+            raise RolloutFailedError(f"no engine answered /health within rollout_engine_wait_s={timeout_s:g} s (engines: {names})")
+        await asyncio.sleep(poll_s)
+
+
+async def _handle_failed_group(state: "RolloutState", rollout_id: int, group: list[Sample], failure: tuple[str, bool], progress: _Progress) -> None:
+    """Generate the group again on a live engine, or drop it (module docstring)."""
+    cfg = state.cfg
+    reason, retryable = failure
+    progress.failure_reasons[_reason_key(reason)] += 1
+    attempts = int(group[0].metadata.get("group_attempts", 1))
+    if retryable and attempts < cfg.rollout_group_max_attempts:
+        logger.warning("rollout %d: group %d failed (%s); generating it again (attempt %d of %d)",
+                       rollout_id, group[0].group_index, reason, attempts + 1, cfg.rollout_group_max_attempts)
+        await wait_for_live_engine(state.engines, cfg.rollout_engine_wait_s)
+        for sample in group:
+            sample.clear_response()
+            sample.metadata["group_attempts"] = attempts + 1
+        state.data_source.add_back([group])
+        progress.retried_groups += 1
+        return
+    progress.failed_groups += 1
+    logger.warning("rollout %d: group %d dropped after %d attempt(s): %s", rollout_id, group[0].group_index, attempts, reason)
+    if progress.failed_groups > cfg.rollout_batch_size:
+        names = ", ".join(str(getattr(e, "name", e)) for e in state.engines)
+        reasons = "; ".join(f"{n} x {r}" for r, n in progress.failure_reasons.most_common(3))
+        raise RolloutFailedError(
+            f"rollout {rollout_id}: {progress.failed_groups} groups could not be generated, more than the batch's "
+            f"{cfg.rollout_batch_size} (engines: {names}; reasons: {reasons})"
+        )
 
 
 async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Semaphore, sample: Sample, params: dict, progress: _Progress, bar: Any) -> Sample:
@@ -154,6 +222,8 @@ def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: in
         "rollout/filter_drop_rate": progress.dropped_groups / max(1, completed_groups),
         "rollout/dropped_groups": float(progress.dropped_groups),
         "rollout/surplus_groups": float(progress.surplus_groups),
+        "rollout/retried_groups": float(progress.retried_groups),
+        "rollout/failed_groups": float(progress.failed_groups),
         "rollout/submitted_groups": float(progress.submitted_groups),
         "rollout/aborted_count": float(aborted),
         "rollout/requeued_count": float(requeued),
@@ -194,6 +264,11 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                 group = task.result()
                 if len(group) != cfg.n_samples_per_prompt:
                     raise RuntimeError(f"group {group[0].group_index if group else '?'} has {len(group)} samples; n_samples_per_prompt={cfg.n_samples_per_prompt}")
+                failure = generate_failure(group)
+                if failure is not None:
+                    if len(progress.kept) < target:
+                        await _handle_failed_group(state, rollout_id, group, failure, progress)
+                    continue
                 if len(progress.kept) >= target:
                     progress.surplus_groups += 1
                 elif state.group_filter(group):

@@ -264,6 +264,7 @@ class RolloutManager:
 
     def _generate_now(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
         from vime_core.data.batch import build_batch
+        from vime_core.data.validation import validate_trainable
 
         self._last = None  # a new rollout: the previous result is no longer asked for
         self.state.weight_version = version
@@ -271,6 +272,9 @@ class RolloutManager:
         samples, metrics = self.generate_samples(rollout_id)
         t0 = time.perf_counter()
         batch = build_batch(samples, self.cfg)
+        # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
+        # (a custom rollout function may hand on samples the default loop would have retried)
+        validate_trainable(batch)
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = float(self.health.restarts)
         return batch, metrics

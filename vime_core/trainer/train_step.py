@@ -34,27 +34,15 @@ import torch
 from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples
 
-REQUIRED_COLUMNS = ("tokens", "response_length", "loss_mask")
 METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff")
 
 
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
-    """Number of samples; raises naming the column that is missing or inconsistent."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in batch]
-    if missing:
-        raise ValueError(f"rollout batch lacks column(s) {missing}; it has {sorted(batch)}")
-    n = len(batch["tokens"])
-    for name, column in batch.items():
-        if isinstance(column, (list, tuple)) and len(column) != n:
-            raise ValueError(f"rollout batch column {name!r} has {len(column)} rows, 'tokens' has {n}")
-    for i in range(n):
-        r = int(batch["response_length"][i])
-        if len(batch["loss_mask"][i]) != r:
-            raise ValueError(f"sample {i}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}")
-        rollout = batch.get("rollout_log_probs")
-        if rollout is not None and rollout[i] is not None and len(rollout[i]) not in (0, r):
-            raise ValueError(f"sample {i}: rollout_log_probs has {len(rollout[i])} entries, response_length={r}")
-    return n
+    """Number of samples; raises naming the column and row that the trainer cannot train on
+    (the one check the rollout side applies too: vime_core/data/validation.py)."""
+    from vime_core.data.validation import validate_trainable
+
+    return validate_trainable(batch)
 
 
 @dataclass

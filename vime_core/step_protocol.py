@@ -1,0 +1,163 @@
+"""The step's protocol: the phases of one RL iteration, in slime's `train.py` order, and what
+differs between CPU and GPU, colocated and disaggregated runs (walkthrough steps 33-54).
+
+    generate        rollout k on weights v = k + 1 (engines awake); persist runs beside the next two
+    offload_rollout engines sleep: level 2 when they receive weight updates, else 1; mode keep
+    train           the trainer wakes (when it slept) and trains on the batch
+    offload_train   the trainer frees optimizer state and gradient buffers; its weights stay on the
+                    device until the publish has copied them (CUDA IPC reads the trainer's memory)
+    onload_weights  engines wake `weights`, so new weights can be written into that memory
+    publish         v -> v + 1 (sync); the trainer releases its weights once engines copied them
+    onload_kv       engines wake `kv_cache`
+    check_weights   engines' log-probs of a probe == the trainer's (check_weight_update_equal)
+    eval, save      at their intervals (and on the last rollout)
+
+Where engines cannot sleep (CPU; engines on their own GPUs) the three engine moves are not run
+at all (each would be a no-op task run costing Prefect bookkeeping), and the overlaps apply:
+the rollout task dispatches training and the publish to Ray chained on the batch
+(tasks/dispatch.py), and with `rollout_prefetch` the publish itself starts rollout k + 1 on the
+new weights, unless an evaluation is due first (then the flow starts it after the evaluation).
+Where engines sleep, nothing is prefetched: their KV cache is awake only after onload_kv.
+
+The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing
+(flows/iteration.py runs the phases as Prefect tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+PHASES = ("generate", "offload_rollout", "train", "offload_train", "onload_weights", "publish", "onload_kv",
+          "check_weights", "eval", "save")
+# The reward curve and its artifact every 10th iteration and on the last (drawing costs ~0.4 s
+# on the 2-core machine, the artifact one more API call); the metrics table every iteration.
+CURVE_EVERY = 10
+
+
+def engines_sleep(cfg: Any) -> bool:
+    """Engines offload and the platform can put them to sleep (not vLLM's CPU build)."""
+    from vime_core.engines.server import platform_supports_sleep
+
+    return bool(cfg.offload_rollout) and platform_supports_sleep(cfg)
+
+
+def trainer_sleeps(cfg: Any) -> bool:
+    """offload_train asked for, and the trainer is on a GPU (on CPU there is nothing to free)."""
+    return bool(cfg.offload_train) and cfg.device == "cuda"
+
+
+def version_before(rollout_id: int) -> int:
+    """Weights are v1 after bootstrap and one version per trained rollout: rollout k samples v(k+1)."""
+    return rollout_id + 1
+
+
+def due(interval: Optional[int], rollout_id: int, last: int) -> bool:
+    """Every `interval` rollouts (ids interval-1, 2*interval-1, ...) and on the last one."""
+    return rollout_id == last or (bool(interval) and (rollout_id + 1) % interval == 0)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one iteration runs, decided before it starts (module docstring)."""
+
+    rollout_id: int
+    version: int  # the weights rollout_id samples with; the publish makes version + 1
+    last: bool
+    engines_sleep: bool
+    trainer_sleeps: bool
+    check_weights: bool
+    eval_due: bool
+    save_due: bool
+    draw_curve: bool
+    prefetch_wanted: bool
+
+    @property
+    def next_version(self) -> int:
+        return self.version + 1
+
+    def prefetch(self, next_stored: bool) -> bool:
+        """Start rollout k + 1 early: asked for, not the last rollout, engines awake after the
+        publish, and not already stored (a resumed run replays a stored batch instead)."""
+        return self.prefetch_wanted and not next_stored
+
+    def publish_starts_next(self, next_stored: bool) -> Optional[int]:
+        """The rollout id the publish's last actor call starts, or None."""
+        return self.rollout_id + 1 if self.prefetch(next_stored) and not self.eval_due else None
+
+    def flow_starts_next(self, next_stored: bool) -> bool:
+        """The evaluation came first: the flow starts rollout k + 1 after it."""
+        return self.prefetch(next_stored) and self.eval_due
+
+
+def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
+    last_id = cfg.num_rollout - 1
+    sleeping = engines_sleep(cfg)
+    return StepPlan(
+        rollout_id=rollout_id,
+        version=version_before(rollout_id),
+        last=rollout_id == last_id,
+        engines_sleep=sleeping,
+        trainer_sleeps=trainer_sleeps(cfg),
+        check_weights=bool(cfg.check_weight_update_equal),
+        eval_due=bool(cfg.eval_interval) and due(cfg.eval_interval, rollout_id, last_id),
+        save_due=due(cfg.save_interval, rollout_id, last_id),
+        draw_curve=due(CURVE_EVERY, rollout_id, last_id),
+        prefetch_wanted=bool(cfg.rollout_prefetch) and rollout_id != last_id and not sleeping,
+    )
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict:
+    return {k.removeprefix(prefix): v for k, v in metrics.items() if not isinstance(v, (dict, list))}
+
+
+def iteration_record(
+    plan: StepPlan,
+    rollout_metrics: dict,
+    from_store: bool,
+    phases: dict[str, dict],
+    t_step: float,
+) -> dict:
+    """The iteration's record (metrics.jsonl, the Prefect artifact, the console line) from
+    what each phase returned; `phases` maps a name of PHASES (plus "persist") to that phase's
+    result ({} when it did not run). Times are seconds; memory is bytes, per engine / rank."""
+    get = lambda name: phases.get(name) or {}  # noqa: E731
+    trained, stored, synced = get("train"), get("persist"), get("publish")
+    off_r, off_t, on_w, on_kv = get("offload_rollout"), get("offload_train"), get("onload_weights"), get("onload_kv")
+    record = {
+        "rollout_id": plan.rollout_id,
+        "version_before": plan.version,
+        "version_after": plan.next_version,
+        **_scalars(rollout_metrics, "rollout/"),
+        "t_build": rollout_metrics.get("rollout/time_build_s", 0.0),
+        **{("train_" + k if k == "loss" else k): v for k, v in _scalars(trained).items()},
+        "clip_fraction": trained.get("pg_clipfrac", trained.get("clip_fraction")),
+        "t_persist": stored.get("t_persist", 0.0),
+        "t_write_s": stored.get("t_write_s", 0.0),
+        "publish_s": (synced.get("seconds") or {}).get("total", 0.0),
+        "t_offload": off_r.get("seconds", 0.0) + off_t.get("seconds", 0.0),
+        "t_offload_rollout": off_r.get("seconds", 0.0),
+        "t_offload_train": off_t.get("seconds", 0.0),
+        "t_onload": on_w.get("seconds", 0.0) + on_kv.get("seconds", 0.0),
+        "t_wake_train": trained.get("wake_time_s", 0.0),
+        "t_sync": synced.get("t_sync"),
+        "batch_key": stored.get("key", ""),
+        "from_store": from_store,
+    }
+    if plan.engines_sleep or plan.trainer_sleeps:  # device memory after each move
+        record["memory"] = {
+            "engines_after_offload_rollout": off_r.get("memory"),
+            "trainer_after_wake": trained.get("memory_after_wake"),
+            "trainer_after_offload_train": off_t.get("memory"),
+            "engines_after_onload_weights": on_w.get("memory"),
+            "trainer_after_publish": synced.get("trainer_memory_after_publish"),
+            "engines_after_onload_kv": on_kv.get("memory"),
+        }
+    if get("check_weights"):
+        record["weight_check"] = get("check_weights")
+    if plan.eval_due:
+        record["eval_reward_mean"] = get("eval").get("reward_mean")
+    if plan.save_due:
+        record["checkpoint"] = get("save").get("path")
+    record["t_step"] = t_step
+    return record
