@@ -2,7 +2,7 @@
 
     vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
     vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
-    vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches)
+    vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches | --quarantined)
     vime cluster up [--num-gpus N] | down | status       a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
     vime prune   [--run RUN] [--older-than-days D] [--yes]
@@ -95,6 +95,7 @@ def cmd_lineage(argv: list[str]) -> int:
     q.add_argument("--prompts-seen-twice", action="store_true", help="Prompt ids seen in two or more batches.")
     q.add_argument("--reward-by-iteration", action="store_true", help="Mean reward per rollout id.")
     q.add_argument("--batches", action="store_true", help="The index itself.")
+    q.add_argument("--quarantined", action="store_true", help="Stored batches set aside because they could not be trained on, with the reason.")
     args = parser.parse_args(argv)
     from vime_core.storage import BatchStore
     from vime_core.storage import lineage
@@ -106,6 +107,8 @@ def cmd_lineage(argv: list[str]) -> int:
         result = lineage.prompts_seen_twice(store, run=args.run)
     elif args.reward_by_iteration:
         result = lineage.reward_by_iteration(store, run=args.run)
+    elif args.quarantined:
+        result = store.quarantined(run=args.run)
     else:
         result = store.index()
     rows = result.to_pylist() if hasattr(result, "to_pylist") else result

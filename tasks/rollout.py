@@ -21,12 +21,14 @@ class RolloutOutput:
     storage_key: str = ""
     next_stored: bool = False  # rollout k+1's batch is already stored (a resumed run): not prefetched
     dispatched: Dispatched | None = None  # this rollout's training and publish (tasks.dispatch)
+    replaces_quarantined: bool = False  # the stored batch could not be trained on: persist overwrites it
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> RolloutOutput:
     """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
-    already stored for this rollout id is loaded (checksum verified) instead of regenerated; a
+    already stored for this rollout id is loaded (checksum verified) instead of regenerated, unless
+    the trainer could not train on it (it is then quarantined and generated again); a
     rollout the previous iteration started for this id and version (sync or start_next_rollout) is
     claimed instead of started. Training on the batch and publishing the result as `version + 1`
     are submitted right after the rollout (tasks.dispatch); the train and sync tasks wait for them."""
@@ -37,7 +39,11 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     log = get_run_logger()
     manager, trainers = run_handles(config)
     t0 = time.perf_counter()
-    if batch_io.stored(config, rollout_id):
+    usable, quarantined = batch_io.usable_stored(config, rollout_id)
+    if quarantined is not None:
+        log.warning("rollout %d: the stored batch cannot be trained on (%s); quarantined at %s, generating rollout %d again",
+                    rollout_id, quarantined["reason"], quarantined["quarantined_key"], rollout_id)
+    if usable:
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
         dispatched = dispatch(config, manager, trainers, rollout_id, version, ref)
@@ -54,7 +60,8 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
         settle(dispatched)
         raise
     metrics.setdefault("t_rollout", time.perf_counter() - t0)
-    return RolloutOutput(batch_ref, metrics, next_stored=next_stored, dispatched=dispatched)
+    return RolloutOutput(batch_ref, metrics, next_stored=next_stored, dispatched=dispatched,
+                         replaces_quarantined=quarantined is not None)
 
 
 @task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
@@ -78,7 +85,7 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
     if out.from_store:
         return {"key": out.storage_key, "t_persist": 0.0, "skipped": True}
     t0 = time.perf_counter()
-    info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id)
+    info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id, overwrite=out.replaces_quarantined)
     info["t_persist"] = time.perf_counter() - t0
     get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))
     return info

@@ -18,13 +18,13 @@ def _remote_functions():
     import ray
 
     @ray.remote(num_cpus=0)
-    def write(uri: str, batch: dict, lineage: dict) -> dict:
+    def write(uri: str, batch: dict, lineage: dict, overwrite: bool = False) -> dict:
         import time
 
         from vime_core.storage import BatchStore
 
         t0 = time.perf_counter()
-        ref = BatchStore(uri).write(batch, lineage)
+        ref = BatchStore(uri).write(batch, lineage, overwrite=overwrite)
         return {**_ref_dict(ref), "t_write_s": time.perf_counter() - t0}
 
     @ray.remote(num_cpus=0)
@@ -78,11 +78,32 @@ def stored(cfg: VimeConfig, rollout_id: int) -> bool:
     return BatchStore(cfg.storage_uri).exists(cfg.run_name, rollout_id)
 
 
-def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "") -> dict:
+def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", overwrite: bool = False) -> dict:
+    """Store the batch; `overwrite` replaces a quarantined one (usable_stored)."""
     import ray
 
     write, _, _ = _remote_functions()
-    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage_for(cfg, rollout_id, flow_run_id)))
+    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage_for(cfg, rollout_id, flow_run_id), overwrite))
+
+
+def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
+    """(whether rollout_id's stored batch can be trained on, the quarantine record when it could
+    not). A stored batch that fails its checksum or the trainer's check (batches stored before
+    that check existed) is quarantined (BatchStore.quarantine): kept, recorded with the reason,
+    and replaced when the rollout is generated again."""
+    from vime_core.data.validation import UntrainableBatchError, validate_trainable
+    from vime_core.storage import BatchStore
+    from vime_core.storage.store import CorruptBatchError
+
+    store = BatchStore(cfg.storage_uri)
+    if not store.exists(cfg.run_name, rollout_id):
+        return False, None
+    try:
+        batch, _ = store.read(cfg.run_name, rollout_id)
+        validate_trainable(batch)
+    except (UntrainableBatchError, CorruptBatchError) as exc:
+        return False, store.quarantine(cfg.run_name, rollout_id, f"{type(exc).__name__}: {exc}")
+    return True, None
 
 
 def load(cfg: VimeConfig, rollout_id: int):

@@ -22,6 +22,7 @@ BATCHES = "batches"
 MANIFESTS = "index/manifests"
 COMPACTED = "index/compacted"
 TMP = "tmp"
+QUARANTINE = "quarantine"
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -49,6 +50,11 @@ def batch_key(run: str, rollout_id: int, checksum: str) -> str:
 
 def manifest_key(run: str, rollout_id: int, checksum: str) -> str:
     return f"{MANIFESTS}/{check_run(run)}/{_stem(rollout_id, checksum)}.parquet"
+
+
+def quarantine_key(run: str, rollout_id: int, checksum: str) -> str:
+    """Where a stored batch the trainer cannot use is kept aside (with a `.json` record beside it)."""
+    return f"{QUARANTINE}/{check_run(run)}/{_stem(rollout_id, checksum)}.parquet"
 
 
 def manifest_prefix(run: str, rollout_id: int) -> str:

@@ -13,10 +13,11 @@ key; the batch is never returned.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
+import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,9 +32,6 @@ from vime_core.storage.schema import (
     table_to_batch,
     upgrade_table,
 )
-
-if TYPE_CHECKING:
-    import datetime as dt
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +185,36 @@ class BatchStore:
             entry["run"], entry["rollout_id"], entry["key"], self.location.url(entry["key"]),
             entry["checksum"], entry["num_rows"], entry["created_at"].isoformat(),
         )
+
+    # ---- quarantine ---------------------------------------------------------------------------
+    def quarantine(self, run: str, rollout_id: int, reason: str) -> dict:
+        """Keep the published batch (run, rollout_id) aside under `quarantine/`, with a record of
+        `reason`; it stays published until a new batch for the id is written with
+        overwrite=True (so a crash in between finds it again and quarantines it again).
+        Returns the record."""
+        entry = self._entry(run, rollout_id)
+        dst = layout.quarantine_key(run, rollout_id, entry["checksum"])
+        try:
+            data = self.location.get(entry["key"])
+        except FileNotFoundError:
+            data = None  # the object is gone: the record alone says what was wrong
+        if data is not None:
+            self.location.put(dst, data)
+        record = {
+            "run": run, "rollout_id": int(rollout_id), "key": entry["key"], "checksum": entry["checksum"],
+            "quarantined_key": dst if data is not None else None, "reason": reason,
+            "quarantined_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        }
+        self.location.put(dst.removesuffix(".parquet") + ".json", json.dumps(record, sort_keys=True).encode())
+        log.warning("quarantined batch %s/%d (%s) at %s: %s", run, rollout_id, entry["key"], dst, reason)
+        return record
+
+    def quarantined(self, run: str | None = None) -> list[dict]:
+        """The quarantine records (of `run`, or all), by run then rollout id."""
+        prefix = f"{layout.QUARANTINE}/{layout.check_run(run)}" if run else layout.QUARANTINE
+        keys = [k for k in self.location.list_keys(prefix) if k.endswith(".json")]
+        records = [json.loads(self.location.get(k)) for k in keys]
+        return sorted(records, key=lambda r: (r["run"], r["rollout_id"], r["quarantined_at"]))
 
     # ---- the index --------------------------------------------------------------------------
     def index(self) -> pa.Table:

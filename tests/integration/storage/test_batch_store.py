@@ -298,3 +298,46 @@ def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd,
         assert secret not in out + err
         assert all(secret not in m for m in messages)
     assert TEST_SECRET_KEY.encode() not in raw_object and TEST_ACCESS_KEY.encode() not in raw_object
+
+
+def _untrainable(batch: dict, row: int) -> dict:
+    """`batch` with row `row` as an engine that died left it: no response (stored before the
+    trainability check existed)."""
+    bad = {k: list(v) for k, v in batch.items()}
+    p = bad["prompt_length"][row]
+    bad["tokens"][row] = bad["tokens"][row][:p]
+    bad["response_length"][row], bad["total_length"][row] = 0, p
+    bad["loss_mask"][row], bad["rollout_log_probs"][row] = [], []
+    bad["status"][row] = "failed"
+    return bad
+
+
+def test_an_untrainable_stored_batch_is_quarantined_then_replaced(store_uri, capsys):
+    from types import SimpleNamespace
+
+    from flows.cli import cmd_lineage
+    from vime_core.cluster.batch_io import usable_stored
+
+    store = BatchStore(store_uri)
+    cfg = SimpleNamespace(storage_uri=store_uri, run_name="run-q")
+    good = synthetic_batch(num_groups=2, group_size=4, seed=3)
+    store.write(_untrainable(good, 5), lineage("run-q", 9))
+    store.write(good, lineage("run-q", 10))
+    old = store.ref("run-q", 9)
+
+    assert usable_stored(cfg, 10) == (True, None)
+    assert usable_stored(cfg, 11) == (False, None)  # nothing stored: generated, nothing quarantined
+    usable, record = usable_stored(cfg, 9)
+    assert not usable and "UntrainableBatchError" in record["reason"] and "sample 5" in record["reason"]
+    assert record["key"] == old.key and record["checksum"] == old.checksum
+    # kept aside byte for byte, and still published until the regenerated batch replaces it
+    assert store.location.get(record["quarantined_key"]) == store.location.get(old.key)
+    assert store.exists("run-q", 9)
+    assert [(r["run"], r["rollout_id"]) for r in store.quarantined("run-q")] == [("run-q", 9)]
+
+    store.write(good, lineage("run-q", 9), overwrite=True)
+    assert usable_stored(cfg, 9) == (True, None)
+    assert store.location.get(record["quarantined_key"]) is not None  # the quarantined copy stays
+    assert cmd_lineage(["--storage-uri", store_uri, "--run", "run-q", "--quarantined"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [r["rollout_id"] for r in shown] == [9] and "response_length=0" in shown[0]["reason"]
