@@ -320,7 +320,8 @@ def test_an_infrastructure_failure_is_generated_again_on_a_live_engine(make_cfg,
     from vime_core.data.validation import validate_trainable
     from vime_core.data.batch import build_batch
 
-    cfg = make_cfg(rollout_group_max_attempts=3)
+    # one group per refill: the retried group is the only one submitted in its place
+    cfg = make_cfg(rollout_group_max_attempts=3, over_sampling_batch_size=1)
     gen = HealthyFake()
     state = make_state(cfg, tokenizer, gen)
     first_try = lambda s: s.group_index == 1 and s.index == 0 and "group_attempts" not in s.metadata  # noqa: E731

@@ -230,3 +230,38 @@ def test_killing_an_engine_mid_rollout_still_returns_a_full_batch(make_manager, 
         time.sleep(1)
     assert manager.health.restarts >= 1, manager.health.errors
     assert victim.is_alive()
+
+
+def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(healthy_engines, tiny_model_dir, vllm_python, arith_data, cache_dir):
+    """Issue 15's first fault: the run's only vLLM server SIGKILLed during a rollout. Its samples
+    fail until the health monitor has it back; their groups are generated again on it, and the
+    batch is full, trainable and without a duplicate (nothing failed is handed on)."""
+    import time
+
+    from vime_core.data.validation import validate_trainable
+    from vime_core.rollout.manager import RolloutManager
+
+    victim = healthy_engines[0]
+    cfg = make_cfg(tiny_model_dir, vllm_python, arith_data, rollout_batch_size=4, rollout_max_response_len=32, vllm_server_concurrency=4)
+    manager = RolloutManager(cfg, servers=[victim], log_dir=str(cache_dir / "engine-logs"))
+    killed = threading.Event()
+
+    def kill_after_first_sample(sample):
+        if not killed.is_set():
+            killed.set()
+            victim.kill()
+
+    try:
+        manager.state.sample_hook = kill_after_first_sample
+        t0 = time.monotonic()
+        batch, metrics = manager.generate(0)
+        assert killed.is_set() and manager.health.restarts >= 1, manager.health.errors
+        check_batch_shape(batch, 4, 4)
+        assert validate_trainable(batch) == 16
+        assert set(batch["status"]) <= {"completed", "truncated"}, [m for m in batch["metadata"] if "generate_error" in m]
+        assert len(set(batch["session_id"])) == 16, "a sample was duplicated"
+        assert metrics["rollout/retried_groups"] >= 1 and metrics["rollout/failed_groups"] == 0
+        print(f"rollout across the restart: {time.monotonic() - t0:.1f} s, {metrics['rollout/retried_groups']:.0f} groups generated again")
+    finally:
+        manager.shutdown()
+    assert victim.is_alive()
