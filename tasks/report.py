@@ -1,5 +1,6 @@
-"""report-k: the iteration's record in metrics.jsonl, the console line, and the Prefect
-artifacts (a metrics table, the reward curve, a link to the stored batch)."""
+"""report-k: the iteration's record in metrics.jsonl, the console line, the Prefect artifacts
+(a metrics table, the reward curve, a link to the stored batch), and W&B / TensorBoard when
+asked for (vime_core/report/tracking.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
 from vime_core.report.curve import reward_curve_png, write_reward_curve
 from vime_core.report.records import append_record, console_line, read_records, run_dir, sparkline
+from vime_core.report.tracking import track
 
 
 def _artifact_key(run_name: str, what: str) -> str:
@@ -56,4 +58,8 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_cur
             ),
             description="reward mean per iteration",
         )
+    # after everything that can fail and retry this task, so no step is sent twice; a tracker that
+    # fails is turned off with one warning and the run goes on
+    for warning in track(config, record, rollout_id, last=rollout_id == config.num_rollout - 1):
+        get_run_logger().warning(warning)
     return line

@@ -8,6 +8,7 @@
     num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
     rollout_concurrency    = vllm_server_concurrency * num_engines
     dp_size                = trainer devices // tensor_model_parallel_size
+    lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
 
 Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
 """
@@ -100,6 +101,9 @@ def derive_in_place(cfg: "VimeConfig") -> None:
         raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
     if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
         raise ValueError("rm_type=remote_rm needs rm_url")
+    from vime_core.config.optimizer import derive_optimizer
+
+    derive_optimizer(cfg)
     if cfg.advantage_estimator == "ppo":
         raise ValueError(
             "advantage_estimator=ppo needs a critic, which the trainer does not build yet; "

@@ -21,6 +21,9 @@ KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 RouterPolicy = Literal["round_robin", "random", "consistent_hash", "power_of_two", "cache_aware"]
 WeightTransport = Literal["auto", "ipc", "shm", "disk", "nccl"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+LRDecayStyle = Literal["constant", "linear", "cosine"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
 
 
 class VimeConfig(BaseModel):
@@ -38,6 +41,17 @@ class VimeConfig(BaseModel):
     start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
     save_interval: Optional[int] = Field(20, ge=1, description="Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end.")
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
+    iteration_retries: int = Field(2, ge=0, description="Times the train flow runs an iteration again after an infrastructure failure (an engine or trainer actor died, a connection failed: vime_core/faults.py); dead actors are rebuilt first and a rebuilt trainer retrains the stored batches since its checkpoint. Configuration and data errors are never retried.")
+    iteration_retry_delay_s: float = Field(5.0, ge=0, description="Seconds before the first retry of a failed iteration; doubled for each further retry.")
+
+    # ---- experiment tracking (vime_core/report/tracking.py) --------------------------------------
+    use_wandb: bool = Field(False, description="Log the resolved configuration once and every iteration's record (the numbers of metrics.jsonl: rewards, lengths, training metrics, phase times) to Weights & Biases, step = rollout id; a resumed run logs into the same W&B run. The key comes from WANDB_API_KEY or `wandb login`, never from the configuration.")
+    wandb_project: str = Field("vime", description="W&B project.", pattern=r"^[^/\\#?%:]{1,128}$")
+    wandb_group: str = Field("", description="W&B run group. Empty: none.")
+    wandb_run_name: str = Field("", description="W&B display name. Empty: run_name. The W&B run id is run_name plus a hash of the storage, so the same run resumes into the same W&B run.")
+    wandb_mode: Literal["online", "offline"] = Field("online", description="online: upload as the run goes; offline: write only the local run folder (upload later with `wandb sync`).")
+    wandb_dir: str = Field("", description="Local folder where W&B keeps its files (a wandb/ folder inside it). Empty: the run's report folder `<storage_uri>/reports/<run_name>` when storage is local, else W&B's default (`./wandb`).")
+    use_tensorboard: bool = Field(False, description="Write every iteration's record as TensorBoard scalars (step = rollout id) to `<storage_uri>/reports/<run_name>/tensorboard`; a resumed run adds an event file there.")
 
     # ---- model and data ----------------------------------------------------------------------
     hf_checkpoint: str = Field("", description="Hugging Face checkpoint folder (config.json, safetensors, tokenizer). Empty: the embedded tiny model is built under storage_uri.")
@@ -128,12 +142,23 @@ class VimeConfig(BaseModel):
     micro_batch_size: int = Field(32, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
     use_dynamic_batch_size: bool = Field(False, description="Pack micro-batches by a token budget (max_tokens_per_gpu) instead of a fixed sample count.")
     max_tokens_per_gpu: Optional[int] = Field(None, ge=1, description="Token budget of one packed micro-batch (with use_dynamic_batch_size).")
-    lr: float = Field(1e-3, gt=0, description="Adam learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
-    adam_beta2: float = Field(0.98, ge=0, lt=1, description="Adam beta2.")
-    clip_grad: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+    lr: float = Field(1e-3, gt=0, description="Adam learning rate; under a schedule its peak: warmup rises to it, decay falls from it to min_lr (Megatron/slime --lr).")
+    lr_decay_style: LRDecayStyle = Field("constant", description="Learning-rate schedule after warmup, applied by Megatron's OptimizerParamScheduler once per optimizer step: constant (lr), linear or cosine (from lr down to min_lr over lr_decay_iters). Default constant, as slime's example scripts set (Megatron's own default is linear) (Megatron/slime --lr-decay-style).")
+    lr_decay_iters: Optional[int] = Field(None, ge=1, description="Optimizer steps over which the learning rate decays to min_lr (warmup included); min_lr afterwards. Default: the run's optimizer steps, num_rollout * num_steps_per_rollout (Megatron/slime --lr-decay-iters).")
+    lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of linear warmup from lr_warmup_init to lr; must be fewer than lr_decay_iters. Default 0: no warmup (Megatron/slime --lr-warmup-iters).")
+    lr_warmup_fraction: Optional[float] = Field(None, ge=0, le=1, description="Warmup as a fraction of lr_decay_iters, instead of lr_warmup_iters (set only one). Default None: lr_warmup_iters applies (Megatron/slime --lr-warmup-fraction).")
+    lr_warmup_init: float = Field(0.0, ge=0, description="Learning rate of the first warmup step; warmup rises linearly from it to lr. Default 0.0 (Megatron/slime --lr-warmup-init).")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of a linear or cosine decay, kept after lr_decay_iters; at most lr. Default 0.0 (Megatron/slime --min-lr).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW (decoupled) weight decay; not applied to biases and 1-D parameters such as norms, as in Megatron. Default 0.0 (Megatron/slime --weight-decay).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1 (Megatron/slime --adam-beta1).")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="Adam beta2. Default 0.98, as slime's example scripts set (Megatron's own default is 0.999) (Megatron/slime --adam-beta2).")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon, added to the denominator. Default 1e-8 (Megatron/slime --adam-eps).")
+    clip_grad: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0: off). Default 1.0 (Megatron/slime --clip-grad).")
     bf16: bool = Field(False, description="Train in bf16 (GPUs); fp32 otherwise.")
+    recompute_granularity: Optional[RecomputeGranularity] = Field(None, description="Activation recompute (GPU only): full recomputes whole transformer layers in the backward pass, selective only their core attention. Default None: keep all activations (Megatron/slime --recompute-granularity).")
+    recompute_method: Optional[RecomputeMethod] = Field(None, description="With recompute_granularity=full: uniform recomputes every layer in units of recompute_num_layers, block only the first recompute_num_layers layers. Default: uniform when full (Megatron/slime --recompute-method).")
+    recompute_num_layers: Optional[int] = Field(None, ge=1, description="With recompute_granularity=full: layers per recompute unit (uniform) or layers recomputed (block). Default: 1 when full (Megatron/slime --recompute-num-layers).")
+    use_distributed_optimizer: bool = Field(False, description="Shard Adam's state and fp32 main parameters over the data-parallel ranks (GPU only; ZeRO-1 style, Megatron's DistributedOptimizer). Default False (Megatron/slime --use-distributed-optimizer).")
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1024, description="Bytes per weight-update bucket.")
     weight_transport: WeightTransport = Field("auto", description="auto picks by placement: ipc (CUDA, colocated), shm (CPU), nccl (engines elsewhere), disk (fallback).")
     flush_cache_interval: int = Field(1, ge=1, description="Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish always flushes.")

@@ -139,9 +139,12 @@ def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
             )
 
 
-def transformer_config(arch: HFArchitecture, tp_size: int, dtype: torch.dtype) -> Any:
+def transformer_config(
+    arch: HFArchitecture, tp_size: int, dtype: torch.dtype, recompute: dict[str, Any] | None = None
+) -> Any:
     """Megatron's ``TransformerConfig`` for ``arch``: no dropout, no fused kernels (they need TE
-    or apex), weights created on the CPU and left uninitialised (a checkpoint is loaded next)."""
+    or apex), weights created on the CPU and left uninitialised (a checkpoint is loaded next).
+    ``recompute``: Megatron's activation-recompute fields (``recompute_settings(cfg)``)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -175,7 +178,17 @@ def transformer_config(arch: HFArchitecture, tp_size: int, dtype: torch.dtype) -
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        **(recompute or {}),
     )
+
+
+def recompute_settings(cfg: Any) -> dict[str, Any]:
+    """The run's activation-recompute fields, named as in Megatron's ``TransformerConfig``."""
+    return {
+        "recompute_granularity": cfg.recompute_granularity,
+        "recompute_method": cfg.recompute_method,
+        "recompute_num_layers": cfg.recompute_num_layers,
+    }
 
 
 def layer_spec(arch: HFArchitecture) -> Any:
@@ -190,7 +203,11 @@ def layer_spec(arch: HFArchitecture) -> Any:
 
 
 def build_gpt_model(
-    arch: HFArchitecture, tp_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    arch: HFArchitecture,
+    tp_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    recompute: dict[str, Any] | None = None,
 ) -> Any:
     """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
 
@@ -202,7 +219,7 @@ def build_gpt_model(
 
     compat_cpu.activate()
     model = GPTModel(
-        config=transformer_config(arch, tp_size, dtype),
+        config=transformer_config(arch, tp_size, dtype, recompute),
         transformer_layer_spec=layer_spec(arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,

@@ -11,7 +11,8 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 kl = KL(old || ref) when both exist) over this rank's samples of each step
                 (estimators that whiten do so over the rank's share of the step)
 
-Metrics: the per-step metrics averaged over the steps, plus num_steps and tokens.
+Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
+num_steps and tokens.
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
             ref_log_probs=ref,
             step_tokens=sum(lengths[i] for i in step_indices),
         )
-        per_step.append(train_step(trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device))
+        per_step.append(train_step(
+            trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler
+        ))
     keys = sorted({k for m in per_step for k in m})
     metrics: dict[str, Any] = {k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
+    metrics["lr"] = per_step[-1]["lr"] if per_step else None
     metrics["num_steps"] = len(per_step)
     metrics["num_samples"] = n
     metrics["tokens"] = sum(lengths)

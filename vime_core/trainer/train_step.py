@@ -19,8 +19,10 @@ a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum):
 
 Gradients accumulate over the M micro-batches in Megatron's DDP grad buffers (``main_grad``);
 then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/k-norm grads
-that each TP rank only sees for its own heads), gradient clipping to ``clip_grad`` and one optimizer step.
-Metrics are token means over the whole step (all-reduced over DP) except grad_norm.
+that each TP rank only sees for its own heads), gradient clipping to ``clip_grad``, one optimizer
+step at the schedule's learning rate, and one step of the schedule (vime_core/trainer/optimizer.py).
+Metrics are token means over the whole step (all-reduced over DP) except grad_norm and lr (the
+step's learning rate).
 """
 
 from __future__ import annotations
@@ -221,9 +223,20 @@ def micro_batch_loss(
 
 
 def train_step(
-    model: Any, optimizer: Any, inputs: StepInputs, cfg: Any, vocab_size: int, dp_size: int, dp_group: Any, device: Any
+    model: Any,
+    optimizer: Any,
+    inputs: StepInputs,
+    cfg: Any,
+    vocab_size: int,
+    dp_size: int,
+    dp_group: Any,
+    device: Any,
+    scheduler: Any = None,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches, one optimizer step; returns the metrics."""
+    """Forward/backward over this rank's micro-batches, one optimizer step (then one step of
+    Megatron's lr ``scheduler``, when given); returns the metrics."""
+    from vime_core.trainer.optimizer import current_lr
+
     start = time.perf_counter()
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -238,12 +251,16 @@ def train_step(
 
     finalize_model_grads([model])
     grad_norm = None if cfg.clip_grad > 0 else optimizer.get_grad_norm()
+    lr = current_lr(optimizer)
     ok, clipped_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError("optimizer step failed (non-finite gradients)")
+    if scheduler is not None:
+        scheduler.step(increment=1)
     metrics = acc.all_reduced(dp_group, dp_size, device)
     elapsed = time.perf_counter() - start
     metrics["grad_norm"] = float(clipped_norm if clipped_norm is not None else grad_norm)
+    metrics["lr"] = lr
     metrics["step_time_s"] = elapsed
     metrics["tokens_per_s"] = inputs.step_tokens / elapsed if elapsed > 0 else 0.0
     return metrics

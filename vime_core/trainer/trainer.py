@@ -3,8 +3,9 @@
 Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
 builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
-``bf16``). Then per rollout: ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``;
-on demand: ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``.
+``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py). Then per rollout:
+``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
+``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``.
 
 Every method is called on every rank at once (collectives over TP/DP), except ``state``.
 """
@@ -42,6 +43,7 @@ class MegatronTrainer:
         self.hf_checkpoint: Optional[str] = None
         self.model: Any = None
         self.optimizer: Any = None
+        self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
         self.ref_model: Any = None
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
@@ -57,7 +59,8 @@ class MegatronTrainer:
             return self.state()
         from vime_core.trainer.compat_cpu import seed_everything
         from vime_core.trainer.hf_convert import load_hf_into_model
-        from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
+        from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config, recompute_settings
+        from vime_core.trainer.optimizer import build_optimizer, build_scheduler
         from vime_core.trainer.parallel import init_parallel
 
         path = hf_checkpoint or self.cfg.hf_checkpoint
@@ -72,12 +75,13 @@ class MegatronTrainer:
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
         def load_model() -> Any:
-            model = build_gpt_model(self.arch, lay.tp_size, dtype, self.device)
+            model = build_gpt_model(self.arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
             load_hf_into_model(model, path, self.arch, lay.tp_size, lay.tp_rank)
             return model
 
         self.model = self._wrap_ddp(load_model())
-        self.optimizer = self._build_optimizer(dtype)
+        self.optimizer = build_optimizer(self.cfg, self.model, dtype)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer)
         if self.cfg.kl_coef > 0:  # the reference policy is the initial weights, frozen
             self.ref_model = load_model().eval().requires_grad_(False)
         self.hf_checkpoint = str(path)
@@ -85,23 +89,11 @@ class MegatronTrainer:
         return self.state()
 
     def _wrap_ddp(self, model: Any) -> Any:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        from vime_core.trainer.optimizer import ddp_config
 
-    def _build_optimizer(self, dtype: torch.dtype) -> Any:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        c = self.cfg
-        config = OptimizerConfig(
-            optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
-            adam_beta2=c.adam_beta2, clip_grad=c.clip_grad, bf16=dtype == torch.bfloat16,
-            params_dtype=dtype, use_distributed_optimizer=False,
-        )
-        return get_megatron_optimizer(config, [self.model], use_gloo_process_groups=False)
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.cfg), module=model)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -254,10 +246,11 @@ class MegatronTrainer:
 
     def _save_state(self, path: str, rollout_id: int, extra_state: Optional[dict[str, Any]]) -> None:
         from vime_core.trainer import checkpoint as ckpt
+        from vime_core.trainer.optimizer import optimizer_state
 
         state = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **optimizer_state(self.optimizer, self.scheduler),  # optimizer, scheduler (, shards)
             "rng": ckpt.capture_rng_state(),
             "weight_version": self.weight_version,
             "last_trained_rollout_id": self.last_trained_rollout_id,
@@ -280,14 +273,17 @@ class MegatronTrainer:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""
         self._require_init()
         from vime_core.trainer import checkpoint as ckpt
+        from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
 
         state = ckpt.load_rank_state(path, self.layout.rank, self.layout.world_size, self.layout.tp_size)
         self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])
         self.weight_version = int(state["weight_version"])
         self.last_trained_rollout_id = state["last_trained_rollout_id"]
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.scheduler = build_scheduler(self.cfg, self.optimizer)
+        restore_scheduler(self.scheduler, state.get("scheduler"), self.optimizer_steps, path)
         self._metrics = dict(state.get("metrics") or {})
         return dict(state["extra_state"])
 

@@ -1,0 +1,174 @@
+"""Megatron's optimizer and learning-rate schedule for one trainer rank, and their checkpoint state.
+
+    DDP        DistributedDataParallelConfig(grad_reduce_in_fp32, use_distributed_optimizer)
+    optimizer  get_megatron_optimizer(OptimizerConfig(adam, lr, min_lr, weight_decay, adam_beta1,
+               adam_beta2, adam_eps, clip_grad, bf16, use_distributed_optimizer)): AdamW over
+               Megatron's standard parameter groups (no weight decay on biases and 1-D parameters)
+    schedule   Megatron's OptimizerParamScheduler, in optimizer steps:
+                 lr(n) = lr_warmup_init + (lr - lr_warmup_init) * n / W        n <= W (W > 0)
+                       = lr                                                    n > W, constant
+                       = min_lr + (lr - min_lr) * c(r),  r = (n - W) / (D - W)  W < n <= D
+                       = min_lr                                                n > D
+               with c(r) = 1 - r (linear) or (1 + cos(pi r)) / 2 (cosine), W the warmup steps and D
+               = lr_decay_iters (vime_core/config/optimizer.py). Optimizer step n (counting from 0)
+               runs at lr(n): the scheduler is stepped once after each successful optimizer step,
+               as Megatron's training loop does.
+
+In a checkpoint (one rank's file): the optimizer's state dict (as before), the scheduler's state
+dict, and under the distributed optimizer this rank's shard of the fp32 main parameters and Adam's
+moments, which Megatron's `DistributedOptimizer.state_dict()` leaves out. A checkpoint is read back
+by the same layout (vime_core/trainer/checkpoint.py), so each rank restores its own shard.
+
+On resume this run's settings win over the checkpoint's (Megatron's override_opt_param_scheduler,
+so a longer run may extend the decay); the step count comes from the checkpoint, and a setting that
+changed is logged. A checkpoint written before schedules were saved starts the schedule at its
+optimizer step count.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Keys of Megatron's parameter groups that its scheduler reads, set from this run's configuration
+# (torch's load_state_dict would bring back the checkpoint's).
+GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
+
+
+def ddp_config(cfg: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
+    )
+
+
+def optimizer_config(cfg: Any, dtype: torch.dtype) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+
+
+def build_optimizer(cfg: Any, model: Any, dtype: torch.dtype) -> Any:
+    """Megatron's optimizer over the DDP-wrapped ``model`` (a ChainedOptimizer of its parts)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config(cfg, dtype), [model], use_gloo_process_groups=False)
+
+
+def build_scheduler(cfg: Any, optimizer: Any) -> Any:
+    """Megatron's scheduler at step 0 (it sets the first step's lr on the parameter groups)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from vime_core.config.optimizer import lr_warmup_steps
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=cfg.lr_warmup_init,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=lr_warmup_steps(cfg),
+        lr_decay_steps=cfg.lr_decay_iters,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=cfg.lr_decay_iters,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(optimizer: Any) -> float:
+    """The learning rate the next optimizer step uses (the schedule's, on the default groups)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(lr if lr is not None else optimizer.param_groups[0]["lr"])
+
+
+# ---- checkpoint state ----------------------------------------------------------------------------
+
+
+def _distributed_parts(optimizer: Any) -> list[Any]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p for p in parts if isinstance(p, DistributedOptimizer)]
+
+
+def _shard_params(part: Any) -> list[Any]:
+    """The model parameters that own a shard on this rank, in the distributed optimizer's order."""
+    return [
+        param
+        for buffer_ranges in part.gbuf_ranges
+        for bucket_ranges in buffer_ranges.values()
+        for bucket in bucket_ranges
+        for param in bucket["param_map"]
+    ]
+
+
+def optimizer_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """What a rank's checkpoint keeps of the optimizer and its schedule."""
+    state: dict[str, Any] = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    parts = _distributed_parts(optimizer)
+    if parts:
+        state["optimizer_shards"] = [
+            [
+                {k: v.detach().to("cpu", copy=True) for k, v in part._get_main_param_and_optimizer_states(p).items()}
+                for p in _shard_params(part)
+            ]
+            for part in parts
+        ]
+    return state
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> None:
+    """Restore what ``optimizer_state`` kept (not the scheduler: ``restore_scheduler``)."""
+    kept = [{k: g[k] for k in GROUP_SCHEDULE_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    for group, values in zip(optimizer.param_groups, kept):
+        group.update(values)
+    parts = _distributed_parts(optimizer)
+    shards = state.get("optimizer_shards")
+    if not parts:
+        return
+    if shards is None or len(shards) != len(parts):
+        raise ValueError(f"{where}: no distributed-optimizer shards for this rank (saved without use_distributed_optimizer?)")
+    for part, saved in zip(parts, shards):
+        params = _shard_params(part)
+        if len(saved) != len(params):
+            raise ValueError(f"{where}: {len(saved)} distributed-optimizer shards, this rank owns {len(params)}")
+        for param, tensors in zip(params, saved):
+            if set(tensors) == {"param"}:  # saved before the first step: Adam had no state yet
+                part._get_main_param_and_optimizer_states(param)["param"].copy_(tensors["param"])
+            else:
+                part._set_main_param_and_optimizer_states(param, tensors)
+
+
+def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer_steps: int, where: str) -> None:
+    """Bring a freshly built scheduler to the checkpoint's step (see the module docstring)."""
+    if state is None:
+        log.info(
+            "%s holds no learning-rate schedule (written before it was saved): the schedule starts at "
+            "the checkpoint's optimizer step count, %d", where, optimizer_steps,
+        )
+        scheduler.step(optimizer_steps)
+        return
+    mine = scheduler.state_dict()
+    changed = {k: (state[k], v) for k, v in mine.items() if k != "num_steps" and k in state and state[k] != v}
+    if changed:
+        log.warning(
+            "%s: this run's learning-rate schedule differs from the checkpoint's (%s); continuing from "
+            "step %d with this run's settings", where,
+            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()), state["num_steps"],
+        )
+    scheduler.load_state_dict(state)
