@@ -57,15 +57,20 @@ def _exit_soon_after_interrupt(message: str, grace_s: float = INTERRUPT_GRACE_S)
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("vime train")
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
-    from flows.train import train
+    from flows.train import RunStoppedError, one_line_failures, train
 
     _exit_soon_after_interrupt(f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
                                f"run again with --run-name {cfg.run_name} to resume\n")
     try:
-        summary = train(cfg)
+        with one_line_failures():  # the flow run's own failure line, without a page of traceback
+            summary = train(cfg)
     except KeyboardInterrupt:
         # the caller's cleanup (infra/main_job.sh) stops engines, actors and the Ray head
         os._exit(130)
+    except RunStoppedError as exc:
+        # the flow already logged why; the user's last line says it once more, without a traceback
+        sys.stderr.write(f"[vime] run {cfg.run_name!r} stopped: {exc}\n")
+        return 1
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -2,12 +2,21 @@
 
 Resumable: bootstrap restores the run's latest checkpoint and iterations whose batch is already
 stored load it instead of generating it again.
+
+An iteration that fails for an infrastructure reason (an engine or trainer actor died, a
+connection failed: vime_core/faults.py) is run again after a back-off, up to
+`iteration_retries` times: bootstrap runs first and rebuilds what died the way a resumed run
+does. A rebuilt trainer stands at its latest checkpoint, so the loop goes back to the rollout
+after it and trains the stored batches since then again, in order: no rollout id is skipped or
+trained twice. Configuration and data errors are not retried.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
 
@@ -30,14 +39,14 @@ def train(config: VimeConfig) -> dict:
     log.info("resolved configuration:\n%s", describe(config))
     if "://" not in config.storage_uri:
         dump_config(config, f"{run_dir(config.storage_uri, config.run_name)}/config.json")
-    boot = bootstrap(config)
-    start = config.start_rollout_id if config.start_rollout_id is not None else boot["next_rollout_id"]
-    iteration_walls = []  # each iteration flow run, start to end, as this flow sees it
-    with without_heartbeats():
-        for rollout_id in range(start, config.num_rollout):
-            t_iter = time.perf_counter()
-            iteration(config, rollout_id)
-            iteration_walls.append(time.perf_counter() - t_iter)
+    with one_line_failures():
+        try:
+            boot = bootstrap(config)
+        except Exception as exc:
+            raise start_failed(exc) from exc
+    start = config.start_rollout_id if config.start_rollout_id is not None else first_unfinished(config, boot)
+    with without_heartbeats(), one_line_failures():
+        iteration_walls, failed_attempts = run_iterations(config, start)
     compact_index(config)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
@@ -52,6 +61,7 @@ def train(config: VimeConfig) -> dict:
         # the period of the loop: T_step plus the flow run's own start and end (what a user waits)
         "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
         "iteration_walls": iteration_walls,
+        "failed_attempts": failed_attempts,  # rollout id -> failed tries that were retried
         "wall_seconds": time.perf_counter() - t0,
         "batches": run_dir(config.storage_uri, config.run_name, "batches"),
         "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),
@@ -63,6 +73,143 @@ def train(config: VimeConfig) -> dict:
     printed = {k: v for k, v in summary.items() if k != "iteration_walls"}  # the file has them all
     log.info("summary:\n%s", json.dumps(printed, indent=2))
     return summary
+
+
+def first_unfinished(config: VimeConfig, boot: dict) -> int:
+    """The rollout id a resumed run starts at: the one after the trainer's last trained rollout,
+    or an earlier one whose iteration did not end (no record: a driver killed after training,
+    before the sync). Running that iteration again trains nothing twice (the trainer skips a
+    rollout id it trained) and publishes what the engines lack."""
+    records = read_records(config.storage_uri, config.run_name)
+    reported = max((r["rollout_id"] for r in records), default=-1) + 1
+    return min(boot["next_rollout_id"], reported)
+
+
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+class _KnownFailureWithoutTraceback(logging.Filter):
+    """Prefect logs every failed task and flow run with its traceback, a page each, and repeats
+    the exception's text (a remote traceback, for an error raised in a Ray actor) in the message.
+    For a failure the train flow explains in one line (an infrastructure failure it retries, a
+    configuration or data error) the traceback is dropped; other failures (bugs) keep it. A
+    traceback inside a message is cut off. Full tracebacks still reach the debug log
+    (retry_or_raise)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from vime_core.faults import UNKNOWN, classify
+
+        exc = record.exc_info[1] if record.exc_info and record.levelno >= logging.WARNING else None
+        if exc is not None and classify(exc).kind != UNKNOWN:
+            record.exc_info, record.exc_text = None, None
+        message = record.getMessage()
+        if _TRACEBACK in message:
+            record.msg, record.args = message[: message.index(_TRACEBACK)] + "... (traceback in the debug log)", None
+        return True
+
+
+@contextmanager
+def one_line_failures():
+    """Install _KnownFailureWithoutTraceback on Prefect's run loggers while the iterations run."""
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    quiet = _KnownFailureWithoutTraceback()
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
+class RunStoppedError(RuntimeError):
+    """The run stopped; the message says why and what to do, in one line."""
+
+
+class IterationFailedError(RunStoppedError):
+    """An iteration failed and is not run again."""
+
+
+class StartFailedError(RunStoppedError):
+    """Bootstrap (placement, engines, trainer, checkpoint restore) failed after its retries."""
+
+
+def start_failed(exc: Exception) -> StartFailedError:
+    """The one-line error for a bootstrap that failed (logged, and returned to be raised)."""
+    from vime_core.faults import CONFIGURATION, classify
+
+    get_run_logger().debug("bootstrap failed", exc_info=exc)
+    fault = classify(exc)
+    if fault.kind == CONFIGURATION:
+        why = "a configuration or data error; fix it and run the same command again"
+    else:
+        why = "run the same command again to retry (stored batches and checkpoints are kept)"
+    message = f"the run could not start: {fault.what} ({fault.error_type}); {why}"
+    get_run_logger().error(message)
+    return StartFailedError(message)
+
+
+def run_iterations(config: VimeConfig, start: int) -> tuple[list[float], dict[int, int]]:
+    """Iterations `start` .. num_rollout-1, each failed one retried when the failure allows
+    (module docstring). Returns each successful iteration flow run's seconds (start to end, as
+    this flow sees it) and the failed attempts per rollout id."""
+    walls: list[float] = []
+    failures: dict[int, int] = {}  # failed attempts per rollout id
+    rollout_id, rebuild = start, False
+    while rollout_id < config.num_rollout:
+        t0 = time.perf_counter()
+        try:
+            if rebuild:
+                rollout_id = resume_point(config, start, rollout_id, bootstrap(config))
+                rebuild = False
+            iteration(config, rollout_id)
+        except Exception as exc:
+            failures[rollout_id] = failures.get(rollout_id, 0) + 1
+            time.sleep(retry_or_raise(config, rollout_id, exc, failures[rollout_id]))
+            rebuild = True
+            continue
+        walls.append(time.perf_counter() - t0)
+        rollout_id += 1
+    return walls, failures
+
+
+def retry_or_raise(config: VimeConfig, rollout_id: int, exc: Exception, failed: int) -> float:
+    """After the `failed`-th failure of iteration `rollout_id`: the seconds to wait before the
+    next attempt, or IterationFailedError when there is none. Says so in one line; the full
+    traceback goes to the debug log."""
+    from vime_core.faults import CONFIGURATION, classify, retry_delay
+
+    log = get_run_logger()
+    log.debug("iteration %d failed", rollout_id, exc_info=exc)
+    fault = classify(exc)
+    attempts = config.iteration_retries + 1
+    what = f"iteration {rollout_id} failed: {fault.what} ({fault.error_type})"
+    if fault.retryable and failed < attempts:
+        delay = retry_delay(config.iteration_retry_delay_s, failed + 1)
+        log.warning("%s; retrying in %g s (attempt %d of %d)", what, delay, failed + 1, attempts)
+        return delay
+    if fault.retryable:
+        why = (f"giving up after {attempts} attempts (iteration_retries={config.iteration_retries}); "
+               f"run the same command again to resume")
+    elif fault.kind == CONFIGURATION:
+        why = ("a configuration or data error, not retried; fix it and run the same command again to "
+               "resume from the last checkpoint")
+    else:
+        why = "not an infrastructure failure, not retried"
+    log.error("%s; %s", what, why)
+    raise IterationFailedError(f"{what}; {why}") from exc
+
+
+def resume_point(config: VimeConfig, start: int, failed_id: int, boot: dict) -> int:
+    """Where the loop goes on after bootstrap rebuilt what had died: the failed iteration again,
+    or, when the trainer was rebuilt from an older checkpoint, the rollout after that checkpoint
+    (its stored batches are trained again, in order)."""
+    resume = max(start, min(failed_id, boot["next_rollout_id"]))
+    if resume < failed_id:
+        get_run_logger().warning(
+            "trainer rebuilt from its checkpoint: training the stored batches of rollouts %d-%d again, "
+            "then iteration %d", resume, failed_id - 1, failed_id)
+    return resume
 
 
 def write_summary(config: VimeConfig, summary: dict) -> str:

@@ -31,6 +31,7 @@ def bootstrap(config: VimeConfig) -> dict:
         get_or_create_placement_group,
         get_or_create_rollout_manager,
         get_or_create_trainer_group,
+        rollout_manager_exists,
     )
     from vime_core.trainer.checkpoint import latest_checkpoint
 
@@ -40,15 +41,15 @@ def bootstrap(config: VimeConfig) -> dict:
     forget_attached(config.run_name)  # actors may be created now: no handle from before is reused
     pg = get_or_create_placement_group(config)
     engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
+    new_manager = not rollout_manager_exists(config)
     manager = get_or_create_rollout_manager(config, engines)  # starts engines + router (steps 2, 4-7)
     trainers, created = get_or_create_trainer_group(config, pg)  # step 3
     if created:
         trainers.call("init", config.hf_checkpoint)
         ckpt = latest_checkpoint(config)
+        extra = (trainers.call("load", ckpt)[0] or {}) if ckpt is not None else {}
+        _restore_data_source(manager, extra.get("data_source"), new_manager)
         if ckpt is not None:
-            extra = trainers.call("load", ckpt)[0] or {}
-            if extra.get("data_source") is not None:
-                ray.get(manager.load_data_source_state.remote(extra["data_source"]))
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
@@ -68,3 +69,19 @@ def bootstrap(config: VimeConfig) -> dict:
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d", out["t_bootstrap"], target, out["next_rollout_id"])
     return out
+
+
+def _restore_data_source(manager, state: dict | None, new_manager: bool) -> None:
+    """The data source's position after a trainer was rebuilt from its checkpoint.
+
+    A new RolloutManager starts at the dataset's beginning: it takes the checkpoint's position.
+    A RolloutManager that lived on (only the trainer died) already stands after the last batch
+    it generated, and every batch since the checkpoint is stored and is trained again from the
+    store, so rewinding it would give rollouts to come the prompts of rollouts already made. A
+    rollout it started ahead (prefetch) ran on weights the rebuilt trainer publishes again: it
+    is dropped and its prompts go back to the data source."""
+    if new_manager:
+        if state is not None:
+            ray.get(manager.load_data_source_state.remote(state))
+    else:
+        ray.get(manager.discard_prefetch.remote(True))

@@ -10,8 +10,18 @@ from prefect.cache_policies import NO_CACHE
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
 
+
+def retry_unless_configuration(task, task_run, state) -> bool:
+    """Prefect's retry condition for every phase task: a configuration or data error fails the
+    same way on every try (vime_core/faults.py), so it is not retried; anything else is."""
+    from vime_core.faults import CONFIGURATION, classify
+
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return exc is None or classify(exc).kind != CONFIGURATION
+
+
 # Phase tasks take actor handles and object references: nothing to hash or cache.
-TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False)
+TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=retry_unless_configuration)
 
 
 def first_try() -> bool:

@@ -61,7 +61,7 @@ def test_an_engine_refuses_to_start_without_the_memory_it_is_set_to_take(tiny_mo
     """Before launching: the error names vllm_gpu_memory_utilization and the free memory seen;
     no server process is started."""
     from vime_core.config import make_config
-    from vime_core.engines.server import EngineServer, EngineStartError
+    from vime_core.engines.server import DeviceMemoryError, EngineServer
     from vime_core.engines.vllm_api import VllmApi
     from vime_core.utils import device_memory
 
@@ -69,7 +69,7 @@ def test_an_engine_refuses_to_start_without_the_memory_it_is_set_to_take(tiny_mo
     monkeypatch.setattr(device_memory, "_query", lambda args: [["0", str(140 * 1024), str(100 * 1024)], ["1", str(140 * 1024), "0"]])
     cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "vllm_gpu_memory_utilization": 0.5})
     server = EngineServer(cfg, 0, device_ids=["0"], api=VllmApi.for_version("0.26.0"), log_dir=str(tmp_path))
-    with pytest.raises(EngineStartError, match=r"vllm_gpu_memory_utilization=0.5 .* device 0: 40.0 GiB free of 140.0 GiB"):
+    with pytest.raises(DeviceMemoryError, match=r"vllm_gpu_memory_utilization=0.5 .* device 0: 40.0 GiB free of 140.0 GiB"):
         server.start()
     assert server._proc is None and not list(tmp_path.iterdir())
     assert device_memory.free_and_total(["1"]) == {"1": (140 * gib, 140 * gib)}

@@ -23,6 +23,17 @@ from vime_core.config.derive import trainer_num_devices
 
 log = logging.getLogger(__name__)
 
+# How long a liveness ping may wait for an actor that is busy with another call.
+PING_TIMEOUT_S = 10.0
+
+
+class ActorsMissingError(RuntimeError):
+    """The run's actors named in `missing` are not there (never created, or dead: Ray frees a
+    dead actor's name)."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 def _get_actor(name: str, run_name: str):
@@ -32,6 +43,27 @@ def _get_actor(name: str, run_name: str):
         return ray.get_actor(name, namespace=names.namespace(run_name))
     except ValueError:
         return None
+
+
+def is_alive(actor) -> bool:
+    """False when the actor's process is dead (a call fails with RayActorError). An actor busy
+    with another call for longer than PING_TIMEOUT_S counts as alive: a dead one fails at once."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    ping = actor.__ray_ready__.remote()
+    ready, _ = ray.wait([ping], timeout=PING_TIMEOUT_S)
+    if not ready:
+        return True
+    try:
+        ray.get(ping)
+    except RayActorError:
+        return False
+    return True
+
+
+def rollout_manager_exists(cfg: VimeConfig) -> bool:
+    return _get_actor(names.ROLLOUT_MANAGER, cfg.run_name) is not None
 
 
 def get_or_create_placement_group(cfg: VimeConfig):
@@ -196,7 +228,9 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     from vime_core.cluster.connect import actor_env
 
     world = trainer_num_devices(cfg)
-    found = [_get_actor(names.trainer(r), cfg.run_name) for r in range(world)]
+    # a rank whose process died may still be found by name for a moment: ask it
+    found = [a if a is not None and is_alive(a) else None
+             for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))]
     if all(a is not None for a in found):
         return TrainerGroup(cfg, found), False
     if any(a is not None for a in found):
@@ -254,9 +288,10 @@ def attach(cfg: VimeConfig, cached: bool = False):
         names.trainer(r) for r, a in enumerate(trainers) if a is None
     ]
     if missing:
-        raise RuntimeError(
-            f"run {cfg.run_name!r} is not bootstrapped (missing actors: {', '.join(missing)} in "
-            f"namespace {names.namespace(cfg.run_name)}); run the bootstrap flow first"
+        raise ActorsMissingError(
+            f"run {cfg.run_name!r} has no {', '.join(missing)} in namespace {names.namespace(cfg.run_name)} "
+            f"(not bootstrapped yet, or the actor's process died); bootstrap (re)creates them",
+            tuple(missing),
         )
     _ATTACHED[key] = (manager, trainers)
     return manager, TrainerGroup(cfg, trainers)

@@ -61,6 +61,11 @@ class EngineStartError(RuntimeError):
     """The server did not become healthy; the message ends with its last log lines."""
 
 
+class DeviceMemoryError(ValueError):
+    """The engine's memory setting asks for more device memory than is free: a setting to change
+    (a ValueError, so the run does not retry it), found before vLLM is launched."""
+
+
 def resolve_python(vllm_python: str) -> Path:
     """`cfg.vllm_python`, relative paths taken from the repository root."""
     path = Path(vllm_python)
@@ -346,7 +351,7 @@ class EngineServer:
         short = [f"device {i}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
                  for i, (free, total) in free_and_total(self.device_ids).items() if free < wanted * total]
         if short:
-            raise EngineStartError(
+            raise DeviceMemoryError(
                 f"{self.name}: vllm_gpu_memory_utilization={wanted} asks for {wanted:.0%} of each device, but "
                 f"{'; '.join(short)} (other processes hold the rest: lower the setting, or start engines "
                 f"before the trainer / with the trainer asleep)"

@@ -1,0 +1,246 @@
+"""A run survives its processes being killed (issue 15), on real actors: a Ray head, one vLLM CPU
+engine behind vllm-router, one Megatron actor, Prefect.
+
+One run is shared by the module (engines take ~40 s to start on 2 cores); its tests run in file
+order, each extending it:
+- the trainer actor's process is SIGKILLed as train-3 starts (training was dispatched with the
+  rollout: the trainer is training rollout 3 or has just trained it, and what it trained since
+  its checkpoint is lost either way): the train flow retries the iteration, bootstrap rebuilds
+  the trainer from the checkpoint of rollout 1, and rollouts 2-3 are trained again from their
+  stored batches;
+- the trainer refuses a batch (a data error): the iteration is not retried and the error says so;
+- the driver (`vime train`) is SIGKILLed once batch 6 is stored; the same command finishes the run.
+After each: every rollout id has one trainable batch, the optimizer made one step per rollout id,
+and the engines hold the trainer's weights after every sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_train_flow.py
+KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint is of rollout 1
+
+
+def _config(store, model, ray_address, **over):
+    from vime_core.config import VimeConfig
+
+    base = dict(
+        run_name="fault-kill",
+        storage_uri=str(store),
+        hf_checkpoint=str(model),
+        ray_address=ray_address,
+        num_rollout=5,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        save_interval=2,  # checkpoints of rollouts 1, 3 and the last
+        vllm_server_concurrency=64,
+        check_weight_update_equal=True,  # every record then says whether engines == trainer
+        iteration_retry_delay_s=0.5,
+    )
+    return VimeConfig(**{**base, **over})
+
+
+def _handles(cfg):
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+
+    ensure_ray(cfg.ray_address)
+    return attach(cfg)
+
+
+def _trainer_pid(trainers) -> int:
+    import ray
+
+    return ray.get(trainers.actors[0].__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _raw_records(cfg) -> list[dict]:
+    """Every record metrics.jsonl holds, in the order written (read_records keeps the last per id)."""
+    from vime_core.report.records import run_dir
+
+    with open(f"{run_dir(cfg.storage_uri, cfg.run_name)}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def killed_trainer(tmp_path_factory, ray_head, tiny_model_dir):
+    """The run, trained to the end while its trainer's process is SIGKILLed during train-3."""
+    import tasks.train as train_task
+    from flows.train import train
+    from vime_core.cluster.run_actors import teardown
+
+    cfg = _config(tmp_path_factory.mktemp("store"), tiny_model_dir, ray_head)
+    real = train_task.train.fn
+    seen = {"pid": None, "killed": False}
+
+    @functools.wraps(real)
+    def kill_during_train_3(config, rollout_id, batch_ref, dispatched=None):
+        if rollout_id == KILLED_ROLLOUT and not seen["killed"]:
+            # training was dispatched with the rollout: the trainer is training or has just trained
+            os.kill(seen["pid"], signal.SIGKILL)
+            seen["killed"] = True
+        out = real(config, rollout_id, batch_ref, dispatched)
+        if seen["pid"] is None:  # asked while the trainer is idle: a call waits behind training
+            seen["pid"] = _trainer_pid(_handles(config)[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_task.train, "fn", kill_during_train_3)
+        mp.setattr(train_task.train, "retry_delay_seconds", 0)
+        summary = train(cfg)
+    assert seen["killed"]
+    yield cfg, summary, seen["pid"]
+    teardown(cfg.run_name)
+
+
+def _check_run(cfg, num_rollout: int, resumed: frozenset = frozenset()) -> list[dict]:
+    """The invariants of a finished run: one trainable batch per rollout id, sampled by the
+    weights of that iteration; one optimizer step per rollout id; engines == trainer after every
+    sync. `resumed`: iterations run again after a driver died, whose sync may have found the
+    engines already at its version (it then publishes and checks nothing). Returns the records
+    (the last per rollout id)."""
+    import ray
+
+    from vime_core.data.validation import validate_trainable
+    from vime_core.report.records import read_records
+    from vime_core.storage import BatchStore
+
+    store = BatchStore(cfg.storage_uri)
+    assert [b.rollout_id for b in store.list_batches(cfg.run_name)] == list(range(num_rollout))
+    assert store.quarantined(cfg.run_name) == []
+    for k in range(num_rollout):
+        batch, lineage = store.read(cfg.run_name, k)  # checksum verified
+        assert validate_trainable(batch) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        versions = {span["version"] for spans in batch["weight_versions"] for span in spans}
+        assert versions == {k + 1}, f"batch {k} was sampled by weights {versions}, expected v{k + 1}"
+
+    manager, trainers = _handles(cfg)
+    state = trainers.rank0("state")
+    assert state["last_trained_rollout_id"] == num_rollout - 1
+    assert state["optimizer_steps"] == num_rollout * cfg.num_steps_per_rollout
+    assert state["weight_version"] == num_rollout + 1
+    assert ray.get(manager.weight_versions.remote()) == [num_rollout + 1]
+
+    records = read_records(cfg.storage_uri, cfg.run_name)
+    assert [r["rollout_id"] for r in records] == list(range(num_rollout))
+    for r in records:
+        if "weight_check" not in r and r["rollout_id"] in resumed:
+            continue
+        check = r["weight_check"]  # the engine scores the probe as the trainer that published it
+        assert check["version"] == r["rollout_id"] + 2 and check["max_abs_diff"] < LOGPROB_TOLERANCE, r
+    return records
+
+
+def test_killed_trainer_is_rebuilt_and_the_run_continues_exactly(killed_trainer):
+    cfg, summary, old_pid = killed_trainer
+    _, trainers = _handles(cfg)
+    assert _trainer_pid(trainers) != old_pid  # a new process
+    assert summary["failed_attempts"] == {KILLED_ROLLOUT: 1}
+    _check_run(cfg, cfg.num_rollout)
+
+    raw = _raw_records(cfg)
+    # the dead trainer finished 0-2; the rebuilt one (checkpoint of rollout 1) trained 2, 3, 4
+    assert [r["rollout_id"] for r in raw] == [0, 1, 2, 2, 3, 4]
+    first, again = raw[2], raw[3]
+    assert again["from_store"] is True and raw[4]["from_store"] is True
+    # the same checkpoint and the same stored batch give the same training step, bit for bit
+    for key in ("train_loss", "grad_norm", "lr"):
+        if key in first:
+            assert again[key] == first[key], (key, first[key], again[key])
+
+
+def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
+    """The trainer refuses rollout 5's batch (a response of length 0): the iteration runs once,
+    the train flow fails with one line naming the error and what to do, and nothing moved."""
+    import ray
+
+    import flows.iteration as iteration_flow
+    import flows.train as train_flow
+    import tasks.train as train_task
+    from tasks.rollout import RolloutOutput
+    from vime_core.storage import BatchStore
+
+    cfg, _, _ = killed_trainer
+    cfg6 = cfg.model_copy(update={"num_rollout": 6})
+    _, trainers = _handles(cfg6)
+    before = trainers.rank0("state")
+    batch, _ = BatchStore(cfg.storage_uri).read(cfg.run_name, 4)
+    batch["response_length"][0] = 0
+    bad = ray.put(batch)
+    attempts = []
+    real_iteration = train_flow.iteration
+
+    def rollout_giving_an_untrainable_batch(config, rollout_id, version=None):
+        return RolloutOutput(bad, {}, from_store=True, storage_key="untrainable")
+
+    def counted(config, rollout_id):
+        attempts.append(rollout_id)
+        return real_iteration(config, rollout_id)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(iteration_flow, "rollout", rollout_giving_an_untrainable_batch)
+        mp.setattr(train_flow, "iteration", counted)
+        mp.setattr(train_task.train, "retry_delay_seconds", 0)
+        with pytest.raises(train_flow.IterationFailedError) as info:
+            train_flow.train(cfg6)
+    assert attempts == [5]
+    message = str(info.value)
+    assert message.startswith("iteration 5 failed: sample 0"), message
+    assert "response_length=0" in message and "(UntrainableBatchError)" in message
+    assert "a configuration or data error, not retried; fix it" in message and "\n" not in message
+    after = trainers.rank0("state")
+    assert (after["last_trained_rollout_id"], after["optimizer_steps"]) == (before["last_trained_rollout_id"], before["optimizer_steps"])
+    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
+
+
+def _vime_train(cfg, repo_root, prefect_home, log_path) -> subprocess.Popen:
+    """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too)."""
+    args = [sys.executable, "-m", "flows.cli", "train"]
+    for name in ("run_name", "storage_uri", "hf_checkpoint", "ray_address", "num_rollout", "rollout_batch_size",
+                 "n_samples_per_prompt", "micro_batch_size", "save_interval", "vllm_server_concurrency",
+                 "iteration_retry_delay_s"):
+        args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
+    args.append("--check-weight-update-equal")
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home)}
+    return subprocess.Popen(args, cwd=repo_root, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_killed_driver_resumes_with_the_same_command(killed_trainer, repo_root, tmp_path):
+    """SIGKILL of `vime train` (and everything it started) once batch 6 is stored, while it
+    trains and syncs rollout 6; the same command then runs the run to its end."""
+    from vime_core.storage import BatchStore
+
+    cfg, _, _ = killed_trainer
+    cfg8 = cfg.model_copy(update={"num_rollout": 8})
+    store = BatchStore(cfg.storage_uri)
+    trainer_pid = _trainer_pid(_handles(cfg8)[1])
+    driver = _vime_train(cfg8, repo_root, tmp_path / "prefect", tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 600
+        while not store.exists(cfg.run_name, 6) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert store.exists(cfg.run_name, 6), "batch 6 not stored in time"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    again = _vime_train(cfg8, repo_root, tmp_path / "prefect", tmp_path / "second.log")
+    rc = again.wait(timeout=900)
+    log = (tmp_path / "second.log").read_text()
+    assert rc == 0, log[-5000:]
+    _check_run(cfg8, cfg8.num_rollout, resumed=frozenset({6}))
+    # the first driver finished iteration 5; the second resumed at 6, on the same actors
+    assert [r["rollout_id"] for r in _raw_records(cfg)][6:] == [5, 6, 7]
+    assert _trainer_pid(_handles(cfg8)[1]) == trainer_pid

@@ -1,0 +1,304 @@
+"""Which failures the train flow retries (vime_core/faults.py), and its retry loop
+(flows.train.run_iterations) with the iteration flow and bootstrap replaced by fakes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from vime_core.faults import CONFIGURATION, INFRASTRUCTURE, UNKNOWN, classify, retry_delay
+
+
+def _remote(cause: BaseException):
+    """How an exception raised inside a Ray actor reaches the caller."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError("train", "Traceback (most recent call last):\n  ...", cause).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("exc", [
+    ConnectionResetError("connection reset by peer"),
+    TimeoutError("read timed out"),
+])
+def test_connection_errors_are_infrastructure(exc):
+    fault = classify(exc)
+    assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True)
+
+
+def test_a_dead_actor_is_named():
+    from ray.exceptions import ActorDiedError
+
+    fault = classify(ActorDiedError())
+    assert fault.kind == INFRASTRUCTURE and fault.retryable and fault.error_type == "ActorDiedError"
+    assert fault.what == "an actor died"  # Ray's message names the actor: "trainer-0 died"
+
+
+def test_rollout_and_engine_failures_raised_in_an_actor_are_infrastructure():
+    from vime_core.engines.server import EngineStartError
+    from vime_core.rollout.loop import RolloutFailedError
+
+    for cause in (RolloutFailedError("no engine answered /health within 600 s (engines: e0)"),
+                  EngineStartError("server did not become healthy")):
+        fault = classify(_remote(cause))
+        assert (fault.kind, fault.retryable, fault.error_type) == (INFRASTRUCTURE, True, type(cause).__name__)
+        assert "\n" not in fault.what and "Traceback" not in fault.what
+
+
+def test_an_actor_whose_constructor_raised_is_judged_by_what_it_raised():
+    """ActorDiedError of a failed creation task carries the constructor's error: a RolloutManager
+    whose engine refused its memory setting is a setting to fix, one whose engine crashed at start
+    is infrastructure."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from vime_core.engines.server import DeviceMemoryError, EngineStartError
+
+    def died_in_init(cause):
+        return ActorDiedError(RayTaskError("__init__", "Traceback ...", _remote(cause)))
+
+    refused = classify(died_in_init(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%")))
+    assert (refused.kind, refused.retryable, refused.error_type) == (CONFIGURATION, False, "DeviceMemoryError")
+    assert refused.what == "engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%"
+    crashed = classify(died_in_init(EngineStartError("engine-0: vLLM server exited with code 1")))
+    assert (crashed.kind, crashed.error_type) == (INFRASTRUCTURE, "EngineStartError")
+
+
+def test_prefect_retries_a_task_unless_the_error_is_configuration_or_data():
+    from types import SimpleNamespace
+
+    from tasks.common import retry_unless_configuration
+    from vime_core.data.validation import UntrainableBatchError
+
+    def retried(exc):
+        return retry_unless_configuration(None, None, SimpleNamespace(data=exc))
+
+    assert retried(ConnectionResetError("reset")) and retried(RuntimeError("a bug, maybe flaky"))
+    assert not retried(UntrainableBatchError("sample 0: response_length=0 must be >= 1"))
+    assert retried(None)  # a failed state without an exception: Prefect's default
+
+
+def test_missing_actors_are_infrastructure():
+    from vime_core.cluster.run_actors import ActorsMissingError
+
+    fault = classify(ActorsMissingError("run 'x' has no trainer-0 in namespace vime-x ...", ("trainer-0",)))
+    assert fault.retryable and fault.what == "trainer-0 gone (its process died)"
+
+
+def test_configuration_and_data_errors_are_not_retried():
+    from vime_core.config import VimeConfig
+    from vime_core.data.validation import UntrainableBatchError
+
+    try:
+        VimeConfig(num_rollout=0)
+    except Exception as exc:  # pydantic's ValidationError is a ValueError
+        config_error = exc
+    for exc in (config_error, _remote(UntrainableBatchError("sample 0: response_length=0 must be >= 1"))):
+        fault = classify(exc)
+        assert (fault.kind, fault.retryable) == (CONFIGURATION, False)
+    assert classify(_remote(UntrainableBatchError("sample 0: response_length=0"))).what == "sample 0: response_length=0"
+
+
+def test_an_infrastructure_cause_decides_over_its_wrapper():
+    """A task that failed on a dead actor and re-raised it as something else."""
+    from ray.exceptions import WorkerCrashedError
+
+    try:
+        try:
+            raise WorkerCrashedError()
+        except WorkerCrashedError as inner:
+            raise RuntimeError("train-3 failed") from inner
+    except RuntimeError as exc:
+        fault = classify(exc)
+    assert fault.kind == INFRASTRUCTURE and fault.error_type == "WorkerCrashedError"
+
+
+def test_anything_else_is_not_retried():
+    fault = classify(RuntimeError("assertion in the loss"))
+    assert (fault.kind, fault.retryable, fault.what) == (UNKNOWN, False, "assertion in the loss")
+
+
+def test_back_off_doubles():
+    assert [retry_delay(5.0, a) for a in (2, 3, 4)] == [5.0, 10.0, 20.0]
+
+
+# ---- the train flow's retry loop --------------------------------------------------------------
+
+
+class _Log:
+    def __init__(self):
+        self.lines: list[tuple[int, str]] = []
+
+    def _add(self, level, msg, *args, **kwargs):
+        self.lines.append((level, msg % args))
+
+    def debug(self, msg, *args, **kwargs):
+        self._add(logging.DEBUG, msg, *args)
+
+    def warning(self, msg, *args, **kwargs):
+        self._add(logging.WARNING, msg, *args)
+
+    def error(self, msg, *args, **kwargs):
+        self._add(logging.ERROR, msg, *args)
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    """flows.train with its iteration flow, bootstrap, logger and sleep replaced: returns
+    (config, calls, fail_plan, log, sleeps). fail_plan maps (rollout_id, attempt) to the
+    exception that attempt raises; bootstrap reports `next_rollout_id` = boot['next']."""
+    import flows.train as train_flow
+    from vime_core.config import VimeConfig
+
+    cfg = VimeConfig(num_rollout=6, iteration_retries=2, iteration_retry_delay_s=3.0)
+    calls: list[int] = []
+    fail_plan: dict[tuple[int, int], BaseException] = {}
+    boot = {"next": 0, "calls": 0}
+    log, sleeps = _Log(), []
+
+    def iteration(config, rollout_id):
+        calls.append(rollout_id)
+        exc = fail_plan.get((rollout_id, calls.count(rollout_id)))
+        if exc is not None:
+            raise exc
+        return {}
+
+    def bootstrap(config):
+        boot["calls"] += 1
+        return {"next_rollout_id": boot["next"]}
+
+    monkeypatch.setattr(train_flow, "iteration", iteration)
+    monkeypatch.setattr(train_flow, "bootstrap", bootstrap)
+    monkeypatch.setattr(train_flow, "get_run_logger", lambda: log)
+    monkeypatch.setattr(train_flow.time, "sleep", sleeps.append)
+    return cfg, calls, fail_plan, boot, log, sleeps
+
+
+def test_infrastructure_failure_is_retried_with_back_off_in_one_line(loop):
+    from ray.exceptions import ActorDiedError
+
+    import flows.train as train_flow
+
+    cfg, calls, fail_plan, boot, log, sleeps = loop
+    fail_plan[(3, 1)] = fail_plan[(3, 2)] = ActorDiedError()
+    boot["next"] = 4  # the trainer lived and trained 3: the retry runs iteration 3 again
+    walls, failures = train_flow.run_iterations(cfg, 0)
+    assert calls == [0, 1, 2, 3, 3, 3, 4, 5] and failures == {3: 2} and len(walls) == 6
+    assert sleeps == [3.0, 6.0] and boot["calls"] == 2
+    warnings = [m for lvl, m in log.lines if lvl == logging.WARNING]
+    assert warnings[0].startswith("iteration 3 failed: ") and "(ActorDiedError); retrying in 3 s (attempt 2 of 3)" in warnings[0]
+    assert "retrying in 6 s (attempt 3 of 3)" in warnings[1]
+    assert all("\n" not in m for m in warnings)
+
+
+def test_a_rebuilt_trainer_retrains_the_stored_batches_since_its_checkpoint(loop):
+    from ray.exceptions import ActorDiedError
+
+    import flows.train as train_flow
+
+    cfg, calls, fail_plan, boot, log, _ = loop
+    fail_plan[(4, 1)] = ActorDiedError()
+    boot["next"] = 2  # the new trainer restored the checkpoint of rollout 1
+    train_flow.run_iterations(cfg, 0)
+    assert calls == [0, 1, 2, 3, 4, 2, 3, 4, 5]
+    assert any("rollouts 2-3 again, then iteration 4" in m for _, m in log.lines)
+
+
+def test_gives_up_after_the_configured_attempts(loop):
+    import flows.train as train_flow
+
+    cfg, calls, fail_plan, boot, _, _ = loop
+    boot["next"] = 2  # the trainer lived: the loop goes on at the failed iteration
+    for attempt in (1, 2, 3):
+        fail_plan[(2, attempt)] = ConnectionRefusedError("router refused")
+    with pytest.raises(train_flow.IterationFailedError, match=r"iteration 2 failed: router refused \(ConnectionRefusedError\); giving up after 3 attempts"):
+        train_flow.run_iterations(cfg, 0)
+    assert calls == [0, 1, 2, 2, 2]
+
+
+def test_a_data_error_is_not_retried_and_says_what_to_fix(loop):
+    from vime_core.data.validation import UntrainableBatchError
+
+    import flows.train as train_flow
+
+    cfg, calls, fail_plan, boot, log, sleeps = loop
+    fail_plan[(1, 1)] = _remote(UntrainableBatchError("sample 0: response_length=0 must be >= 1"))
+    with pytest.raises(train_flow.IterationFailedError) as info:
+        train_flow.run_iterations(cfg, 0)
+    assert calls == [0, 1] and sleeps == [] and boot["calls"] == 0
+    message = str(info.value)
+    assert message.startswith("iteration 1 failed: sample 0: response_length=0 must be >= 1 (UntrainableBatchError)")
+    assert "configuration or data error, not retried; fix it" in message and "\n" not in message
+
+
+def test_prefect_logs_known_failures_without_their_traceback():
+    """A retried or explained failure: one line; a bug keeps its traceback; debug keeps all."""
+    from ray.exceptions import ActorDiedError
+
+    from flows.train import _KnownFailureWithoutTraceback
+
+    def record(exc, level=logging.ERROR):
+        try:
+            raise exc
+        except Exception:
+            import sys
+
+            return logging.LogRecord("prefect.task_runs", level, __file__, 1, "failed", None, sys.exc_info())
+
+    quiet = _KnownFailureWithoutTraceback()
+    for exc, keeps in ((ActorDiedError(), False), (ValueError("lr must be > 0"), False), (RuntimeError("bug"), True)):
+        r = record(exc)
+        assert quiet.filter(r) and (r.exc_info is not None) == keeps, exc
+    debug = record(ActorDiedError(), logging.DEBUG)
+    assert quiet.filter(debug) and debug.exc_info is not None
+
+
+def test_vime_train_ends_a_run_it_gives_up_on_with_one_line_and_exit_code_1(monkeypatch, capsys):
+    import signal
+
+    import flows.train as train_flow
+    from flows import cli
+
+    def fails(cfg):
+        raise train_flow.IterationFailedError("iteration 3 failed: trainer-0 died (ActorDiedError); giving up")
+
+    monkeypatch.setattr(train_flow, "train", fails)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        rc = cli.cmd_train(["--run-name", "gave-up"])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err == ["[vime] run 'gave-up' stopped: iteration 3 failed: trainer-0 died (ActorDiedError); giving up"]
+
+
+def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
+    import flows.train as train_flow
+
+    from vime_core.engines.server import DeviceMemoryError
+
+    err = DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90% of each device")
+    record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1,
+                               "Task run failed with exception: %r - Retries are exhausted",
+                               (RuntimeError("ActorDiedError('Traceback (most recent call last):\n  File ...')"),),
+                               (type(err), err, None))
+    assert train_flow._KnownFailureWithoutTraceback().filter(record)
+    assert record.exc_info is None
+    assert record.getMessage().startswith("Task run failed with exception: RuntimeError(\"ActorDiedError('")
+    assert "File" not in record.getMessage() and record.getMessage().endswith("(traceback in the debug log)")
+
+
+def test_a_run_that_cannot_start_for_a_setting_says_so_in_one_line(monkeypatch):
+    import flows.train as train_flow
+
+    from vime_core.engines.server import DeviceMemoryError
+
+    lines = []
+    log = logging.getLogger("test-start-failed")
+    monkeypatch.setattr(log, "error", lambda msg, *a: lines.append(msg % a if a else msg))
+    monkeypatch.setattr(train_flow, "get_run_logger", lambda: log)
+    err = train_flow.start_failed(_remote(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for more")))
+    assert isinstance(err, train_flow.RunStoppedError)
+    assert lines == [str(err)] == [
+        "the run could not start: engine-0: vllm_gpu_memory_utilization=0.9 asks for more (DeviceMemoryError); "
+        "a configuration or data error; fix it and run the same command again"]

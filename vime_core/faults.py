@@ -1,0 +1,141 @@
+"""What kind of failure ended an iteration, and whether running it again can help.
+
+The train flow retries an iteration flow run only when the failure came from the
+infrastructure: a process that died or could not be reached is replaced or comes back, so the
+same iteration can succeed on a second try. A configuration or data error fails the same way
+every time: retrying only hides it, so the run stops and says what to fix.
+
+    infrastructure (retried)
+        ray.exceptions.RayActorError    an actor died or is unreachable (ActorDiedError,
+                                        ActorUnavailableError): an engine or trainer process
+        ray.exceptions.WorkerCrashedError, NodeDiedError, ObjectLostError (and its subclasses
+                                        OwnerDiedError, ObjectReconstructionFailedError...),
+                                        ObjectFetchTimedOutError, RaySystemError, GetTimeoutError
+        ConnectionError, TimeoutError   connection refused / reset, a call that timed out
+        httpx.TransportError            an HTTP call to an engine or the router that got no answer
+        RolloutFailedError              the rollout could not be filled (engines down)
+        EngineStartError, EngineError,  an engine did not start or a call to it failed; the
+        RouterError, PublishError       router failed; a weight publish failed
+        ActorsMissingError              the run's actors are gone (a dead actor's name is freed)
+    configuration or data (not retried)
+        ValueError                      a bad setting (ConfigError, pydantic's ValidationError)
+                                        or data (UntrainableBatchError, SchemaError,
+                                        CheckpointError, HookLoadError: all ValueErrors)
+        TypeError, KeyError, LookupError, ImportError, FileNotFoundError, NotADirectoryError,
+        PermissionError
+    anything else (not retried)         most likely a bug: a second try would fail the same way
+
+An exception raised inside a Ray task or actor arrives as RayTaskError; its `cause` is what the
+remote code raised and decides. An actor whose constructor raised arrives as ActorDiedError
+carrying that RayTaskError: the constructor's error decides (a RolloutManager that could not
+start its engines because of a setting is a configuration error, not a crash). Chained exceptions (`raise ... from`, or raised while handling
+another) are searched outermost first for the first one of a listed class.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+INFRASTRUCTURE = "infrastructure"
+CONFIGURATION = "configuration or data"
+UNKNOWN = "unknown"
+
+# Ray's message for a dead actor carries its name on a line "name: trainer-0".
+_ACTOR_NAME = re.compile(r"^\s*name:\s*(\S+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A classified failure: `kind` (module docstring), whether a retry can help, and one line
+    saying what happened (no traceback)."""
+
+    kind: str
+    retryable: bool
+    what: str
+    error_type: str
+
+
+def _infrastructure_types() -> tuple[type, ...]:
+    import ray.exceptions as rx
+
+    from vime_core.cluster.run_actors import ActorsMissingError
+    from vime_core.engines.client import EngineError
+    from vime_core.engines.router import RouterError
+    from vime_core.engines.server import EngineStartError
+    from vime_core.rollout.loop import RolloutFailedError
+    from vime_core.trainer.publish import PublishError
+
+    types = [rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.ObjectLostError,
+             rx.ObjectFetchTimedOutError, rx.RaySystemError, rx.GetTimeoutError,
+             ConnectionError, TimeoutError, RolloutFailedError, EngineStartError, EngineError,
+             RouterError, PublishError, ActorsMissingError]
+    try:
+        import httpx
+
+        types.append(httpx.TransportError)
+    except ImportError:  # the engine client is not installed: no HTTP errors to expect
+        pass
+    return tuple(types)
+
+
+_CONFIGURATION_TYPES = (ValueError, TypeError, LookupError, ImportError, FileNotFoundError,
+                        NotADirectoryError, PermissionError)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """What the remote code raised, for an exception that crossed Ray as RayTaskError, or that
+    an actor's constructor raised (ActorDiedError of a failed creation task)."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    while True:
+        if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
+            exc = exc.cause
+        elif (isinstance(exc, RayActorError) and getattr(exc, "actor_init_failed", False)
+              and exc.args and isinstance(exc.args[0], RayTaskError)):
+            exc = exc.args[0]
+        else:
+            return exc
+
+
+def _chain(exc: BaseException):
+    """The exception, then what it was raised from or while handling, outermost first."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield _unwrap(current)
+        current = current.__cause__ or current.__context__
+
+
+def classify(exc: BaseException) -> Fault:
+    """The Fault of `exc` (module docstring: which classes are retried and why)."""
+    infrastructure = _infrastructure_types()
+    for err in _chain(exc):
+        # infrastructure first: a dead actor's error must not read as a data error because some
+        # wrapper subclasses ValueError (RayTaskError takes on the class of its cause)
+        if isinstance(err, infrastructure):
+            return Fault(INFRASTRUCTURE, True, describe(err), type(err).__name__)
+        if isinstance(err, _CONFIGURATION_TYPES):
+            return Fault(CONFIGURATION, False, describe(err), type(err).__name__)
+    err = _unwrap(exc)
+    return Fault(UNKNOWN, False, describe(err), type(err).__name__)
+
+
+def describe(err: BaseException) -> str:
+    """One line: `trainer-0 died` for a dead actor, else the message's first line."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(err, RayActorError):
+        name = _ACTOR_NAME.search(str(err))
+        return f"{name.group(1) if name else 'an actor'} died"
+    if getattr(err, "missing", None):  # ActorsMissingError: a retried task found the actor gone
+        return f"{', '.join(err.missing)} gone (its process died)"
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return first[:300] if first else type(err).__name__
+
+
+def retry_delay(base_s: float, attempt: int) -> float:
+    """Seconds before attempt `attempt` (2, 3, ...): `base_s`, then doubled for each further try."""
+    return base_s * 2 ** max(0, attempt - 2)
