@@ -13,10 +13,18 @@ Ratios (the run's medians over the iterations given by --from-rollout):
 
     framework_ratio   = T_step / (direct rollout s + trainer alone s)     target <= 1.10
     rollout_tps_ratio = vime output tokens/s / direct output tokens/s     target >= 0.95
+                        (vime's: output tokens / the rollout phase's seconds; meaningful when the
+                        rollout is not prefetched, as with sleeping colocated engines)
     publish_vs_copy   = publish s / D2D copy s
 
     python bench/gpu/colocated_baselines.py --ray-address A --storage-uri S --run-name R \
         --from-rollout 8 --out baselines.json
+
+The ratios for another range of the run's iterations, with the baselines already measured
+(no GPU, no engine: the records and an earlier output of this script):
+
+    python bench/gpu/colocated_baselines.py --storage-uri S --run-name R --from-rollout 1 \
+        --to-rollout 6 --measured baselines.json --out baselines_1-6.json
 """
 
 from __future__ import annotations
@@ -101,54 +109,84 @@ def main(argv: list[str] | None = None) -> int:
     from vime_core.storage.store import BatchStore
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ray-address", required=True)
+    p.add_argument("--ray-address", help="the run's Ray head (not needed with --measured)")
     p.add_argument("--storage-uri", required=True)
     p.add_argument("--run-name", required=True)
     p.add_argument("--from-rollout", type=int, default=1, help="the run's iterations compared: rollout ids >= this")
+    p.add_argument("--to-rollout", type=int, default=None, help="and rollout ids <= this")
+    p.add_argument("--measured", default=None, help="take the baselines from this earlier output instead of measuring")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    records = [r for r in read_records(a.storage_uri, a.run_name)
+               if a.from_rollout <= r["rollout_id"] <= (a.to_rollout if a.to_rollout is not None else r["rollout_id"])]
+
+    vime = {"t_step_median_s": _median([r["t_step"] for r in records]),
+            "phases_median_s": {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")},
+            "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")]),
+            # the rollout loop's own count over its generation time (excludes reward and batch build)
+            "generation_tokens_per_s": _median([r.get("tokens_per_s") for r in records]),
+            "publish_median_s": _median([r.get("publish_s") for r in records])}
+    phases = vime["phases_median_s"]
+    vime["sleep_wake_median_s"] = {
+        "engine_sleep": phases.get("t_offload_rollout"), "trainer_sleep": phases.get("t_offload_train"),
+        "engine_wake_weights_and_kv": phases.get("t_onload"), "trainer_wake": phases.get("t_wake_train")}
+    result = {"bench": "colocated_baselines", "run": a.run_name, "rollout_ids": [r["rollout_id"] for r in records],
+              "vime": vime}
+    if a.measured:
+        measured = json.loads(Path(a.measured).read_text())
+        result.update({k: measured[k] for k in ("shape", "direct_rollout", "device_copy", "trainer_alone")},
+                      measured_in=a.measured)
+        straight, limit, alone = (measured[k] for k in ("direct_rollout", "device_copy", "trainer_alone"))
+        return _write_ratios(result, vime, straight, limit, alone, a.out)
+
     cfg = make_config(json.loads(Path(run_dir(a.storage_uri, a.run_name), "config.json").read_text()))
-    records = [r for r in read_records(a.storage_uri, a.run_name) if r["rollout_id"] >= a.from_rollout]
-    last = max(r["rollout_id"] for r in records)
-    batch, _ = BatchStore(a.storage_uri).read(a.run_name, last)
+    batch, _ = BatchStore(a.storage_uri).read(a.run_name, max(r["rollout_id"] for r in records))
     prompts = [list(t[:pl]) for t, pl in zip(batch["tokens"], batch["prompt_length"])]
-
-    ray.init(address=a.ray_address, namespace=names.namespace(a.run_name), logging_level="ERROR")
-    url = ray.get(ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name)).get_url.remote())
-    direct = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency)) for _ in range(a.repeats)]
-    direct_s = _median([d["wall_s"] for d in direct])
-    direct_tps = _median([d["tokens_per_s"] for d in direct])
-
-    weight_bytes = sum(f.stat().st_size for f in Path(cfg.hf_checkpoint).glob("*.safetensors"))
-    copy_s = device_copy_s(weight_bytes)
-
     mean_prompt = round(statistics.fmean(batch["prompt_length"]))
     mean_response = round(statistics.fmean(batch["response_length"]))
-    alone = trainer_alone(len(prompts), mean_prompt, mean_response, cfg, Path(a.out).with_name("trainer_alone.json"))
+    result["shape"] = {"samples": len(prompts), "mean_prompt_len": mean_prompt, "mean_response_len": mean_response}
 
-    t_step = _median([r["t_step"] for r in records])
-    vime_tps = _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")])
-    publish_s = _median([r.get("publish_s") for r in records])
-    phases = {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")}
-    result = {
-        "bench": "colocated_baselines",
-        "run": a.run_name, "rollout_ids": [r["rollout_id"] for r in records],
-        "shape": {"samples": len(prompts), "mean_prompt_len": mean_prompt, "mean_response_len": mean_response},
-        "vime": {"t_step_median_s": t_step, "phases_median_s": phases, "rollout_tokens_per_s": vime_tps,
-                 "publish_median_s": publish_s,
-                 "sleep_wake_median_s": {
-                     "engine_sleep": phases.get("t_offload_rollout"), "trainer_sleep": phases.get("t_offload_train"),
-                     "engine_wake_weights_and_kv": phases.get("t_onload"), "trainer_wake": phases.get("t_wake_train")}},
-        "direct_rollout": {"runs": direct, "wall_median_s": direct_s, "tokens_per_s_median": direct_tps},
-        "trainer_alone": alone,
-        "device_copy": {"bytes": weight_bytes, "median_s": copy_s, "gb_per_s": weight_bytes / copy_s / 1e9},
-        "framework_ratio": t_step / (direct_s + alone["total_s"]),
-        "rollout_tps_ratio": vime_tps / direct_tps,
-        "publish_vs_copy": publish_s / copy_s if publish_s else None,
-    }
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    def section(name: str, measure) -> dict | None:
+        """One baseline; a failure is recorded (and the others still run) instead of losing all."""
+        try:
+            result[name] = measure()
+        except Exception as exc:  # noqa: BLE001 - a benchmark keeps what it measured
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        return None if "error" in result[name] else result[name]
+
+    def direct() -> dict:
+        ray.init(address=a.ray_address, namespace=names.namespace(a.run_name), logging_level="ERROR")
+        url = ray.get(ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name)).get_url.remote())
+        runs = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency)) for _ in range(a.repeats)]
+        return {"runs": runs, "wall_median_s": _median([d["wall_s"] for d in runs]),
+                "tokens_per_s_median": _median([d["tokens_per_s"] for d in runs])}
+
+    def copy() -> dict:
+        weight_bytes = sum(f.stat().st_size for f in Path(cfg.hf_checkpoint).glob("*.safetensors"))
+        median_s = device_copy_s(weight_bytes)
+        return {"bytes": weight_bytes, "median_s": median_s, "gb_per_s": weight_bytes / median_s / 1e9}
+
+    straight = section("direct_rollout", direct)
+    limit = section("device_copy", copy)
+    alone = section("trainer_alone", lambda: trainer_alone(len(prompts), mean_prompt, mean_response, cfg,
+                                                             Path(a.out).with_name("trainer_alone.json")))
+    return _write_ratios(result, vime, straight, limit, alone, a.out)
+
+
+def _write_ratios(result: dict, vime: dict, straight: dict | None, limit: dict | None, alone: dict | None,
+                  out: str) -> int:
+    """The module docstring's ratios (None where a baseline failed), written with the rest."""
+    ok = lambda part: part if part and "error" not in part else None  # noqa: E731
+    straight, limit, alone = ok(straight), ok(limit), ok(alone)
+    result["framework_ratio"] = (vime["t_step_median_s"] / (straight["wall_median_s"] + alone["total_s"])
+                                 if straight and alone else None)
+    result["rollout_tps_ratio"] = vime["rollout_tokens_per_s"] / straight["tokens_per_s_median"] if straight else None
+    result["publish_vs_copy"] = vime["publish_median_s"] / limit["median_s"] if limit and vime["publish_median_s"] else None
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("framework_ratio", "rollout_tps_ratio", "publish_vs_copy")}, indent=2))
     return 0
 

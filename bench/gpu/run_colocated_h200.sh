@@ -3,7 +3,7 @@
 # vLLM 0.26 CUDA engine and a Megatron bf16 actor colocated on the one GPU, both sleeping between
 # phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
-#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N: see below)
+#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below)
 # Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh):
 # they are unpacked once into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
@@ -40,5 +40,7 @@ if [ -n "${BASELINES_FROM:-}" ]; then
   timeout -k 15 "${BASELINES_TIMEOUT:-200}" python3 bench/gpu/colocated_baselines.py --ray-address "$address" --storage-uri "$work/runs" \
       --run-name "$run" --from-rollout "$BASELINES_FROM" --out "$out/baselines.json" 2>&1 | grep -v "it/s\]$" | tail -n 40 || true
 fi
+# MEMORY_REFUSAL=1: a second run asking for more GPU memory than the awake engine leaves (bad input)
+[ -z "${MEMORY_REFUSAL:-}" ] || bash bench/gpu/check_memory_refusal.sh || true
 # KEEP_ACTORS=1: the engines and the trainer stay up; the same command with a larger ITERATIONS attaches to them
 [ "${KEEP_ACTORS:-0}" = 1 ] || python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true
