@@ -30,7 +30,8 @@ def test_four_steps_per_rollout_recomputes():
 @pytest.mark.parametrize(
     "override",
     [
-        {"kl_coef": 0.01},
+        {"use_kl_loss": True, "kl_loss_coef": 0.01},
+        {"kl_coef": 0.01, "advantage_estimator": "reinforce_plus_plus"},
         {"use_rollout_logprobs": True},
         {"get_mismatch_metrics": True},
         {"advantage_estimator": "gspo"},
@@ -56,3 +57,18 @@ def test_should_flush_cache_interval():
         should_flush_cache(0, 1)
     with pytest.raises(ValueError, match="new_version"):
         should_flush_cache(1, 0, 0)
+
+
+def test_kl_settings_mean_what_they_mean_in_slime():
+    """kl_coef is the reward's KL penalty: an estimator without token rewards refuses it and says
+    which flags give the loss term; a loss coefficient without use_kl_loss, or a reference
+    checkpoint nothing uses, would silently do nothing and is refused."""
+    with pytest.raises(ValueError, match=r"kl_coef=0.05 is the KL penalty in the token rewards .* advantage_estimator=grpo .* use_kl_loss=true and kl_loss_coef=0.05"):
+        load_config(overrides={"kl_coef": 0.05})
+    with pytest.raises(ValueError, match=r"kl_loss_coef=0.1 has no effect without use_kl_loss=true"):
+        load_config(overrides={"kl_loss_coef": 0.1})
+    with pytest.raises(ValueError, match=r"ref_load='ref' is set but no KL term uses the reference"):
+        load_config(overrides={"ref_load": "ref"})
+    cfg = load_config(overrides={"use_kl_loss": True, "kl_loss_coef": 0.1, "ref_load": "some/ref"})
+    assert cfg.ref_load.startswith("/") and cfg.ref_load.endswith("some/ref")
+    assert load_config(overrides={"kl_coef": 0.05, "advantage_estimator": "reinforce_plus_plus_baseline"}).kl_coef == 0.05

@@ -6,12 +6,16 @@ be skipped when ALL of these hold:
 
     len(num_microbatches) == 1            one optimizer step per rollout (the policy has not moved)
     loss_type == "policy_loss"
-    kl_coef == 0                          no reference-model term needs its own forward
+    not needs_reference(cfg)              no KL term needs the reference model's forward
     not use_rollout_logprobs              old = engine log-probs is a different choice
     not get_mismatch_metrics              train-vs-rollout metrics need the recomputed ones
     no critic                             (advantage_estimator == "ppo" trains one)
     no on-policy distillation             (cfg.use_opd, when that field exists)
     advantage_estimator != "gspo"         GSPO's sequence ratio needs the old log-probs as input
+
+needs_reference(cfg): a KL term uses the reference policy's log-probs:
+
+    use_kl_loss  or  kl_coef > 0          (the loss's KL term; the token rewards' KL penalty)
 
 should_flush_cache(interval, v, v0): the engines' prefix cache holds KV of the old weights, so it
 is flushed on the first publish after v0 and then every `interval` versions:
@@ -24,11 +28,15 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def needs_reference(cfg) -> bool:
+    return bool(cfg.use_kl_loss) or cfg.kl_coef > 0
+
+
 def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:
     return (
         len(num_microbatches) == 1
         and cfg.loss_type == "policy_loss"
-        and cfg.kl_coef == 0
+        and not needs_reference(cfg)
         and not cfg.use_rollout_logprobs
         and not cfg.get_mismatch_metrics
         and cfg.advantage_estimator != "ppo"

@@ -15,6 +15,8 @@ Contradictions raise `ValueError` naming the fields; pydantic reports them at pa
 
 from __future__ import annotations
 
+import os
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -104,11 +106,36 @@ def derive_in_place(cfg: "VimeConfig") -> None:
     from vime_core.config.optimizer import derive_optimizer
 
     derive_optimizer(cfg)
+    _check_kl(cfg)
     if cfg.advantage_estimator == "ppo":
         raise ValueError(
             "advantage_estimator=ppo needs a critic, which the trainer does not build yet; "
             "its GAE math is in vime_core.algo.advantages"
         )
+
+
+# Estimators whose advantage is one number per sample, broadcast over its tokens: no token
+# rewards to put a KL penalty in.
+_NO_TOKEN_REWARDS = ("grpo", "gspo", "cispo")
+
+
+def _check_kl(cfg: "VimeConfig") -> None:
+    """slime's meaning of the KL settings: kl_coef is the penalty in the token rewards, the loss
+    term is use_kl_loss + kl_loss_coef. A setting that would silently do nothing is refused."""
+    if cfg.kl_coef > 0 and cfg.advantage_estimator in _NO_TOKEN_REWARDS:
+        raise ValueError(
+            f"kl_coef={cfg.kl_coef} is the KL penalty in the token rewards (as in slime), which "
+            f"advantage_estimator={cfg.advantage_estimator} does not have; for a KL term in the loss "
+            f"set use_kl_loss=true and kl_loss_coef={cfg.kl_coef} instead"
+        )
+    if cfg.kl_loss_coef > 0 and not cfg.use_kl_loss:
+        raise ValueError(f"kl_loss_coef={cfg.kl_loss_coef} has no effect without use_kl_loss=true")
+    if cfg.ref_load and not (cfg.use_kl_loss or cfg.kl_coef > 0):
+        raise ValueError(f"ref_load={cfg.ref_load!r} is set but no KL term uses the reference "
+                         f"(set use_kl_loss=true or kl_coef > 0)")
+    if cfg.ref_load and "://" not in cfg.ref_load:
+        # relative to where the run was started: the trainer actors run elsewhere
+        cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
 
 
 def weight_transport(cfg: "VimeConfig") -> str:

@@ -6,7 +6,8 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
     old         recomputed once, before the first step, for all of this rank's samples, unless
                 can_reuse_log_probs_in_loss (then each step uses its own detached log-probs);
                 skipped when use_rollout_logprobs without get_mismatch_metrics
-    reference   a forward of the frozen initial weights when kl_coef > 0
+    reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
+                term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
                 kl = KL(old || ref) when both exist) over this rank's samples of each step
                 (estimators that whiten do so over the rank's share of the step)

@@ -8,7 +8,7 @@ For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
                    = a no-grad forward beforehand otherwise (``forward_log_probs``)
     per-token loss = registered policy loss for the advantage estimator (PPO clip / GSPO / CISPO),
                      or -log p for sft_loss; times the TIS weight when use_tis
-    L(B_m)         = agg(pg) + kl_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
+    L(B_m)         = agg(pg) + [use_kl_loss] kl_loss_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
 
 with ``agg = aggregate_loss(., loss_mask, loss_agg_mode)`` inside the micro-batch. So that the
 step's loss is the same whatever the TP/DP layout and micro-batch split, each micro-batch's loss
@@ -208,12 +208,12 @@ def micro_batch_loss(
     acc.add("pg_clipfrac", clipfrac, mask)
     pg_loss = agg(per_token)
     loss = pg_loss
-    if cfg.kl_coef > 0:
+    if cfg.use_kl_loss:
         if inputs.ref_log_probs is None:
-            raise ValueError("kl_coef > 0 needs reference log-probs")
+            raise ValueError("use_kl_loss needs reference log-probs")
         kl = compute_approx_kl(log_probs, gather_per_token(inputs.ref_log_probs, mb.indices), cfg.kl_loss_type)
         acc.add("kl", kl, mask)
-        loss = loss + cfg.kl_coef * agg(kl)
+        loss = loss + cfg.kl_loss_coef * agg(kl)
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * agg(entropy)
     share = inputs.denominators.share(cfg.loss_agg_mode, mb)

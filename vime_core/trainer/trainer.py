@@ -74,19 +74,39 @@ class MegatronTrainer:
         self.arch = architecture_from_hf(read_hf_config(path))
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
-        def load_model() -> Any:
+        def load_model(checkpoint) -> Any:
             model = build_gpt_model(self.arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
-            load_hf_into_model(model, path, self.arch, lay.tp_size, lay.tp_rank)
+            load_hf_into_model(model, checkpoint, self.arch, lay.tp_size, lay.tp_rank)
             return model
 
-        self.model = self._wrap_ddp(load_model())
+        self.model = self._wrap_ddp(load_model(path))
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        if self.cfg.kl_coef > 0:  # the reference policy is the initial weights, frozen
-            self.ref_model = load_model().eval().requires_grad_(False)
+        from vime_core.algo.gates import needs_reference
+
+        if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
+            self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
         self.hf_checkpoint = str(path)
         log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
         return self.state()
+
+    def _reference_checkpoint(self, policy_path: Any) -> Any:
+        """The reference policy's HF folder: ref_load when set (checked to be the policy's
+        architecture, since the KL compares their log-probs token by token), else the policy's."""
+        if not self.cfg.ref_load:
+            return policy_path
+        from pathlib import Path
+
+        from vime_core.trainer.model import architecture_from_hf, read_hf_config
+
+        ref = Path(self.cfg.ref_load)
+        if not (ref / "config.json").is_file():
+            raise FileNotFoundError(f"ref_load={self.cfg.ref_load!r}: no HF checkpoint there (config.json missing)")
+        ref_arch = architecture_from_hf(read_hf_config(ref))
+        if ref_arch != self.arch:
+            raise ValueError(f"ref_load={self.cfg.ref_load!r} is not the architecture of hf_checkpoint "
+                             f"({ref_arch} vs {self.arch})")
+        return ref
 
     def _wrap_ddp(self, model: Any) -> Any:
         from megatron.core.distributed import DistributedDataParallel
@@ -295,11 +315,14 @@ class MegatronTrainer:
         `keep_weights` (a publish reads them next and releases them when done). A logged no-op
         on CPU. Returns the bytes freed and this rank's allocator afterwards."""
         self._require_init()
-        from vime_core.trainer.offload import device_memory, offload
+        from vime_core.trainer.offload import device_memory, offload, offload_params
 
         freed = 0
         if self.device.type == "cuda" and not self._asleep:
             freed, copies = offload(self.model, self.optimizer, keep_params=True)
+            if self.ref_model is not None:  # the reference sleeps with the policy; wake restores both
+                ref_freed, ref_copies = offload_params(self.ref_model)
+                freed, copies = freed + ref_freed, copies + ref_copies
             self._offloaded += copies
             self._asleep = True
         if not keep_weights:

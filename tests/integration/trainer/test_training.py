@@ -126,9 +126,10 @@ def test_export_hf_loads_in_transformers_with_trained_weights(single_rank, ckpt,
 
 
 def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
-    """kl_coef > 0 builds the frozen reference; at the first step the policy is the reference,
+    """use_kl_loss builds the frozen reference; at the first step the policy is the reference,
     so KL = 0; the entropy bonus and TIS weights enter the loss without breaking the step."""
-    cfg = hand_config(ckpt, tmp_path, kl_coef=0.1, entropy_coef=0.01, use_tis=True, num_steps_per_rollout=1)
+    cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
+                      num_steps_per_rollout=1)
     trainer = _trainer(cfg)
     assert trainer.ref_model is not None
     first = trainer.train(0, hand_batch())
@@ -137,6 +138,32 @@ def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
     assert first["loss"] < first["pg_loss"]  # the entropy bonus (H > 0) lowers the loss
     second = trainer.train(1, hand_batch())
     assert second["kl"] > 0  # the policy has moved away from the reference
+
+
+def test_ref_load_is_the_reference_of_the_kl_loss(single_rank, ckpt, tmp_path):
+    """ref_load: the reference is that checkpoint, not the starting weights: at the first step the
+    KL to a perturbed copy is > 0 (to the starting weights it is 0, test above), and the loss holds
+    kl_loss_coef times it. A checkpoint of another architecture is refused, naming ref_load."""
+    from transformers import AutoModelForCausalLM
+
+    perturbed = tmp_path / "ref"
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(perturbed))
+    cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.5, ref_load=str(perturbed), num_steps_per_rollout=1)
+    first = _trainer(cfg).train(0, hand_batch())
+    assert first["kl"] > 1e-4
+    assert first["loss"] == pytest.approx(first["pg_loss"] + 0.5 * first["kl"], rel=1e-4, abs=1e-6)
+
+    from vime_core.models.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=1, tie_word_embeddings=True,
+                             num_heads=4, num_kv_heads=2, num_layers=3)
+    with pytest.raises(ValueError, match=r"ref_load=.* is not the architecture of hf_checkpoint"):
+        _trainer(hand_config(ckpt, tmp_path, use_kl_loss=True, ref_load=str(other), num_steps_per_rollout=1))
 
 
 def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, tmp_path):
