@@ -1,9 +1,6 @@
-"""What every phase task shares: attaching to the run's actors and timing the phase."""
+"""What every phase task shares: attaching to the run's actors, and when a failed task is retried."""
 
 from __future__ import annotations
-
-import time
-from contextlib import contextmanager
 
 from prefect.cache_policies import NO_CACHE
 
@@ -39,12 +36,3 @@ def run_handles(cfg: VimeConfig):
     from vime_core.cluster.run_actors import attach
 
     return attach(cfg, cached=first_try())
-
-
-@contextmanager
-def timed(out: dict, key: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        out[key] = time.perf_counter() - t0

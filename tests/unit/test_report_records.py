@@ -14,6 +14,40 @@ def test_records_keep_last_per_rollout_id(tmp_path):
     assert recs[0]["reward_mean"] == 0.3
 
 
+def test_a_local_metrics_file_is_appended_to_not_rewritten(tmp_path):
+    """One write of one line per iteration (a whole-file rewrite is quadratic in the run's length):
+    the file is the same file (inode) and the earlier bytes are untouched."""
+    import os
+
+    path = append_record(str(tmp_path), "r", {"rollout_id": 0, "reward_mean": 0.1})
+    inode, before = os.stat(path).st_ino, open(path, "rb").read()
+    append_record(str(tmp_path), "r", {"rollout_id": 1, "reward_mean": 0.2})
+    after = open(path, "rb").read()
+    assert os.stat(path).st_ino == inode and after.startswith(before) and after.count(b"\n") == 2
+
+
+def test_a_line_cut_short_by_a_killed_writer_is_skipped_and_the_next_record_is_whole(tmp_path):
+    path = append_record(str(tmp_path), "r", {"rollout_id": 0, "reward_mean": 0.1})
+    with open(path, "a") as f:
+        f.write('{"rollout_id": 1, "rewa')  # killed mid-write
+    assert [r["rollout_id"] for r in read_records(str(tmp_path), "r")] == [0]
+    append_record(str(tmp_path), "r", {"rollout_id": 1, "reward_mean": 0.2})  # the iteration, run again
+    assert [(r["rollout_id"], r["reward_mean"]) for r in read_records(str(tmp_path), "r")] == [(0, 0.1), (1, 0.2)]
+
+
+def test_an_object_store_metrics_file_is_replaced_whole():
+    import uuid
+
+    import fsspec
+
+    uri = f"memory://vime-records-{uuid.uuid4().hex}"
+    append_record(uri, "r", {"rollout_id": 0, "reward_mean": 0.1})
+    path = append_record(uri, "r", {"rollout_id": 1, "reward_mean": 0.2})
+    fs = fsspec.filesystem("memory")
+    assert not fs.exists(path + ".tmp") and fs.cat_file(path).decode().count("\n") == 2
+    assert [r["rollout_id"] for r in read_records(uri, "r")] == [0, 1]
+
+
 def test_reward_gain_is_last3_minus_first3():
     recs = [{"rollout_id": i, "reward_mean": i / 10} for i in range(8)]
     first = sum(r["reward_mean"] for r in recs[:3]) / 3

@@ -10,7 +10,6 @@ be skipped when ALL of these hold:
     not use_rollout_logprobs              old = engine log-probs is a different choice
     not get_mismatch_metrics              train-vs-rollout metrics need the recomputed ones
     no critic                             (advantage_estimator == "ppo" trains one)
-    no on-policy distillation             (cfg.use_opd, when that field exists)
     advantage_estimator != "gspo"         GSPO's sequence ratio needs the old log-probs as input
 
 needs_reference(cfg): a KL term uses the reference policy's log-probs:
@@ -40,7 +39,6 @@ def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:
         and not cfg.use_rollout_logprobs
         and not cfg.get_mismatch_metrics
         and cfg.advantage_estimator != "ppo"
-        and not getattr(cfg, "use_opd", False)
         and cfg.advantage_estimator != "gspo"
     )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import statistics
 from functools import lru_cache
-from typing import Any
 
 from vime_core.config import VimeConfig, config_hash
 from vime_core.config.loader import config_dict
@@ -23,9 +22,11 @@ def _remote_functions():
 
         from vime_core.storage import BatchStore
 
+        from dataclasses import asdict
+
         t0 = time.perf_counter()
         ref = BatchStore(uri).write(batch, lineage, overwrite=overwrite)
-        return {**_ref_dict(ref), "t_write_s": time.perf_counter() - t0}
+        return {**asdict(ref), "t_write_s": time.perf_counter() - t0}
 
     @ray.remote(num_cpus=0)
     def read(uri: str, run: str, rollout_id: int) -> dict:
@@ -39,16 +40,6 @@ def _remote_functions():
         return batch_summary(batch)
 
     return write, read, summarize
-
-
-def _ref_dict(ref: Any) -> dict:
-    if isinstance(ref, dict):
-        return ref
-    if hasattr(ref, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(ref)
-    return {"key": str(ref)}
 
 
 def summarize(batch_ref) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Iterable
 
 PHASES = ("rollout", "build", "persist", "offload", "train", "onload", "sync")
@@ -29,28 +30,48 @@ def _fs_and_path(uri: str):
 
 
 def append_record(storage_uri: str, run_name: str, record: dict) -> str:
-    """Append one record to the run's metrics.jsonl (read-modify-write: object stores have no
-    append; the file is small)."""
+    """Append one record to the run's metrics.jsonl. A local file is appended to (one write of
+    one line); an object store has no append, so there the file is read, extended and replaced
+    whole (atomic, linear in the run's length)."""
     fs, root = _fs_and_path(run_dir(storage_uri, run_name))
     fs.makedirs(root, exist_ok=True)
     path = f"{root}/metrics.jsonl"
+    line = json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
+    if _is_local(fs):
+        with open(path, "a+b") as f:
+            if f.tell() > 0:  # a line cut short by a killed writer stays on its own line
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())
+        return path
     old = fs.cat_file(path).decode() if fs.exists(path) else ""
     with fs.open(path + ".tmp", "w") as f:
-        f.write(old + json.dumps(record, sort_keys=True, default=_jsonable) + "\n")
+        f.write(old + line)
     fs.mv(path + ".tmp", path)
     return path
 
 
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
 def read_records(storage_uri: str, run_name: str) -> list[dict]:
+    """The last record of each rollout id, in rollout order. A line cut short (a process killed
+    while appending) is skipped: its iteration is run again and appends it whole."""
     fs, root = _fs_and_path(run_dir(storage_uri, run_name))
     path = f"{root}/metrics.jsonl"
     if not fs.exists(path):
         return []
     by_id: dict[int, dict] = {}
-    for line in fs.cat_file(path).decode().splitlines():
-        if line.strip():
+    lines = [line for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+    for line in lines:
+        try:
             rec = json.loads(line)
-            by_id[rec["rollout_id"]] = rec
+        except json.JSONDecodeError:
+            continue
+        by_id[rec["rollout_id"]] = rec
     return [by_id[k] for k in sorted(by_id)]
 
 
