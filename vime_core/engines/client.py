@@ -319,6 +319,11 @@ class EngineClient:
         return list((await self.request("GET", "/v1/models"))["data"])
 
 
+async def call_all(engines: Iterable["EngineClient"], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """Call `EngineClient.<method>` on every engine at once; the first failure raises."""
+    return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))
+
+
 def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a coroutine to completion from sync code, also when this thread already runs a loop
     (a Ray async actor): then in a helper thread with its own loop."""

@@ -194,10 +194,9 @@ class RolloutManager:
 
     def _each_engine(self, method: str, *args: Any) -> list[Any]:
         """A control call on every engine directly, concurrently."""
-        async def all_engines() -> list[Any]:
-            return list(await asyncio.gather(*(getattr(c, method)(*args) for c in self._engine_clients)))
+        from vime_core.engines.client import call_all
 
-        return self._loop.run(all_engines())
+        return self._loop.run(call_all(self._engine_clients, method, *args))
 
     # ---- rollout -----------------------------------------------------------------------------
 
@@ -296,9 +295,18 @@ class RolloutManager:
 
         if not self.cfg.eval_prompt_data:
             raise ValueError("eval_prompt_data is empty: nothing to evaluate")
-        rows = load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer)
+        split = self.cfg.eval_prompt_data_split or self.cfg.prompt_data_split
+        rows = load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer, split)
         self.health.resume()
-        _, metrics = self._loop.run(run_eval(self.state, rows, rollout_id))
+        # The last iteration's sync leaves admission held (no rollout follows it), and its eval
+        # comes after that sync: the eval's own requests go through, and the hold is restored.
+        held = not self.admission_open.is_set()
+        self.admission_open.set()
+        try:
+            _, metrics = self._loop.run(run_eval(self.state, rows, rollout_id))
+        finally:
+            if held:
+                self.admission_open.clear()
         return metrics
 
     # ---- offload / onload / admission ----------------------------------------------------------

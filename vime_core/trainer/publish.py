@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from vime_core.trainer.transport.base import call_all as _on_all
+from vime_core.engines.client import call_all as _on_all
 from vime_core.trainer.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:

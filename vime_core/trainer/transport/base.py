@@ -19,7 +19,6 @@ the engines on their old weights.
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +68,6 @@ class WeightTransport(ABC):
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     async def on_every_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        from vime_core.engines.client import call_all
+
         return await call_all(self.engines, method, *args, **kwargs)
-
-
-async def call_all(engines: list["EngineClient"], method: str, *args: Any, **kwargs: Any) -> list[Any]:
-    """Call `EngineClient.<method>` on every engine at once; the first failure raises."""
-    return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))
