@@ -8,7 +8,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks.common import TASK_DEFAULTS, run_handles
+from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from tasks.dispatch import Dispatched, dispatch, settle
 from vime_core.config import VimeConfig
 
@@ -77,14 +77,28 @@ def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> boo
     return bool(ray.get(manager.start_generate.remote(rollout_id, version)))
 
 
-@task(name="persist", task_run_name="persist-{rollout_id}", retries=3, retry_delay_seconds=2, **TASK_DEFAULTS)
+# An object store that does not answer (server down or restarting) fails a try after s3fs's own
+# retries (~6-8 s); the tries after it wait longer each time: ~40 s of outage in all.
+PERSIST_RETRY_DELAYS_S = [2, 5, 10]
+
+
+@task(name="persist", task_run_name="persist-{rollout_id}", retries=len(PERSIST_RETRY_DELAYS_S),
+      retry_delay_seconds=PERSIST_RETRY_DELAYS_S, **TASK_DEFAULTS)
 def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
-    """Design phase persist: the batch as an Arrow table with its lineage, written atomically."""
+    """Design phase persist: the batch as an Arrow table with its lineage, written atomically
+    (a try cut short leaves nothing visible). A retry that finds the batch published keeps it:
+    the try before stored it and lost the answer."""
     from vime_core.cluster import batch_io
 
     if out.from_store:
         return {"key": out.storage_key, "t_persist": 0.0, "skipped": True}
     t0 = time.perf_counter()
+    if not first_try() and not out.replaces_quarantined and batch_io.stored(config, rollout_id):
+        from vime_core.storage import BatchStore
+
+        key = BatchStore(config.storage_uri).ref(config.run_name, rollout_id).key
+        get_run_logger().info("rollout %d: stored by an earlier try at %s", rollout_id, key)
+        return {"key": key, "t_persist": time.perf_counter() - t0, "stored_by_earlier_try": True}
     info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id, overwrite=out.replaces_quarantined)
     info["t_persist"] = time.perf_counter() - t0
     get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))

@@ -13,6 +13,8 @@ every time: retrying only hides it, so the run stops and says what to fix.
                                         ObjectFetchTimedOutError, RaySystemError, GetTimeoutError
         ConnectionError, TimeoutError   connection refused / reset, a call that timed out
         httpx.TransportError            an HTTP call to an engine or the router that got no answer
+        botocore ConnectionError,       the object store did not answer (S3 server down or
+        HTTPClientError                 restarting; s3fs raises EndpointConnectionError)
         RolloutFailedError              the rollout could not be filled (engines down)
         EngineStartError, EngineError,  an engine did not start or a call to it failed; the
         RouterError, PublishError       router failed; a weight publish failed
@@ -76,6 +78,13 @@ def _infrastructure_types() -> tuple[type, ...]:
 
         types.append(httpx.TransportError)
     except ImportError:  # the engine client is not installed: no HTTP errors to expect
+        pass
+    try:  # an S3 store that did not answer; the ConnectionRefusedError beneath it is lost when
+        # the error crosses Ray (its __context__ is not pickled), so the botocore class decides
+        import botocore.exceptions as bx
+
+        types += [bx.ConnectionError, bx.HTTPClientError]
+    except ImportError:  # no s3fs: local storage only
         pass
     return tuple(types)
 

@@ -302,3 +302,25 @@ def test_a_run_that_cannot_start_for_a_setting_says_so_in_one_line(monkeypatch):
     assert lines == [str(err)] == [
         "the run could not start: engine-0: vllm_gpu_memory_utilization=0.9 asks for more (DeviceMemoryError); "
         "a configuration or data error; fix it and run the same command again"]
+
+
+def test_an_unreachable_object_store_is_infrastructure():
+    """s3fs raises botocore's EndpointConnectionError when the S3 server is down; crossing Ray
+    drops the ConnectionRefusedError beneath it (__context__ is not pickled), so botocore's own
+    class must decide. A read timeout (HTTPClientError) is infrastructure too."""
+    import botocore.exceptions as bx
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed")
+        except ConnectionRefusedError:
+            raise bx.EndpointConnectionError(endpoint_url="http://127.0.0.1:8333/vime/runs") from None
+    except bx.EndpointConnectionError as exc:
+        down = cloudpickle.loads(cloudpickle.dumps(exc))  # as a Ray task's error carries it
+    assert down.__context__ is None and down.__cause__ is None
+    for exc in (down, _remote(down), bx.ReadTimeoutError(endpoint_url="http://127.0.0.1:8333/vime")):
+        fault = classify(exc)
+        assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True), exc
+        assert "\n" not in fault.what
+    assert classify(down).what == 'Could not connect to the endpoint URL: "http://127.0.0.1:8333/vime/runs"'
