@@ -1,6 +1,7 @@
 """Resolving a configuration for the actors of a run: absolute paths (actors do not share the
-driver's working directory), and the embedded default model and task data when the
-configuration names none (the default job on a fresh machine)."""
+driver's working directory), a hub id in ``hf_checkpoint`` replaced by its local snapshot folder
+(vime_core/models/hub.py), and the embedded default model and task data when the configuration
+names none (the default job on a fresh machine)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from pathlib import Path
 
 from vime_core.config import VimeConfig
+from vime_core.data.sources import check_source, resolve_local
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,14 @@ def _abs(path: str, base: Path) -> str:
     return os.path.abspath(p if p.is_absolute() else base / p)
 
 
+def _checkpoint_folder(value: str, base: Path) -> str:
+    if not value or _is_remote(value):
+        return value
+    from vime_core.models.hub import resolve_hf_checkpoint
+
+    return resolve_hf_checkpoint(value, base)
+
+
 def assets_dir(cfg: VimeConfig) -> Path:
     """Local folder for built models and generated data: beside local storage, else in .cache."""
     root = Path(cfg.storage_uri) if not _is_remote(cfg.storage_uri) else REPO / ".cache"
@@ -37,9 +47,9 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
     base = base or Path.cwd()
     updates = {
         "storage_uri": _abs(cfg.storage_uri, base),
-        "hf_checkpoint": _abs(cfg.hf_checkpoint, base),
-        "prompt_data": _abs(cfg.prompt_data, base),
-        "eval_prompt_data": _abs(cfg.eval_prompt_data, base),
+        "hf_checkpoint": _checkpoint_folder(cfg.hf_checkpoint, base),
+        "prompt_data": resolve_local(cfg.prompt_data, base),
+        "eval_prompt_data": resolve_local(cfg.eval_prompt_data, base),
         "vllm_python": _abs(cfg.vllm_python, REPO) if not Path(cfg.vllm_python).is_absolute() else cfg.vllm_python,
     }
     resolved = cfg.model_copy(update=updates)
@@ -57,4 +67,8 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
         resolved = resolved.model_copy(update={"prompt_data": str(path)})
         if not resolved.eval_prompt_data:
             resolved = resolved.model_copy(update={"eval_prompt_data": str(path)})
+    check_source(resolved.prompt_data, resolved.prompt_data_split, resolved.input_key)
+    if resolved.eval_prompt_data:
+        eval_split = resolved.eval_prompt_data_split or resolved.prompt_data_split
+        check_source(resolved.eval_prompt_data, eval_split, resolved.input_key, field="eval_prompt_data")
     return resolved

@@ -160,7 +160,7 @@ def iteration_record(
     if get("check_weights"):
         record["weight_check"] = get("check_weights")
     if plan.eval_due:
-        record["eval_reward_mean"] = get("eval").get("reward_mean")
+        record["eval_reward_mean"] = get("eval").get("eval/reward_mean")  # RolloutManager.eval's keys
     if plan.save_due:
         record["checkpoint"] = get("save").get("path")
     record["t_step"] = t_step

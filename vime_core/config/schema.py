@@ -9,9 +9,9 @@ in `tests/unit/test_config.py`.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AdvantageEstimator = Literal[
     "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
@@ -54,13 +54,16 @@ class VimeConfig(BaseModel):
     use_tensorboard: bool = Field(False, description="Write every iteration's record as TensorBoard scalars (step = rollout id) to `<storage_uri>/reports/<run_name>/tensorboard`; a resumed run adds an event file there.")
 
     # ---- model and data ----------------------------------------------------------------------
-    hf_checkpoint: str = Field("", description="Hugging Face checkpoint folder (config.json, safetensors, tokenizer). Empty: the embedded tiny model is built under storage_uri.")
-    prompt_data: str = Field("", description="Prompt dataset (JSONL or Parquet, local path or fsspec URI). Empty: the embedded synthetic task.")
+    hf_checkpoint: str = Field("", description="Hugging Face checkpoint: a local folder (config.json, safetensors, tokenizer) or a hub id org/name[@revision], downloaded into the HF cache, or taken from it with HF_HUB_OFFLINE=1. Empty: the embedded tiny model is built under storage_uri.")
+    prompt_data: str = Field("", description="Prompt dataset, one of: a .jsonl/.json/.parquet file (local path or fsspec URI such as s3://...); a local folder written by `Dataset.save_to_disk` or holding data files that `datasets.load_dataset` reads; a hub dataset `namespace/name` or `namespace/name:config` (when no local path of that name exists), loaded with `datasets.load_dataset`, from the HF datasets cache when HF_HUB_OFFLINE=1. A value containing :// or ending in .jsonl/.json/.parquet is always a file. Empty: the embedded synthetic task.")
+    prompt_data_split: str = Field("train", description="Split read from a dataset folder or hub dataset in prompt_data (a `save_to_disk` folder of one Dataset has no splits).")
     input_key: str = Field("prompt", description="Field of a dataset row holding the prompt text.")
     label_key: str = Field("label", description="Field of a dataset row holding the reference answer given to the reward function.")
     apply_chat_template: bool = Field(False, description="Wrap each prompt in the tokenizer's chat template before tokenising.")
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description='Extra keyword arguments for the tokenizer\'s chat template wherever it is applied (training and eval prompts), a JSON object, e.g. \'{"enable_thinking": false}\'.')
     rollout_shuffle: bool = Field(True, description="Shuffle the prompt dataset each epoch (seeded).")
     eval_prompt_data: str = Field("", description="Eval dataset (same format as prompt_data). Empty: the embedded task's eval split.")
+    eval_prompt_data_split: Optional[str] = Field(None, description="Split read from a dataset folder or hub dataset in eval_prompt_data. Default: prompt_data_split.")
     n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per eval prompt.")
     eval_temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of eval rollouts (0 = greedy).")
 
@@ -74,11 +77,13 @@ class VimeConfig(BaseModel):
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor-parallel size; DP = trainer devices // TP.")
     rollout_num_gpus: Optional[int] = Field(None, ge=1, description="Devices for inference engines. Default: the trainer's devices when colocated, else 1.")
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="Devices per vLLM engine (its TP size).")
+    trainer_node_resource: Optional[str] = Field(None, description="A custom Ray resource (declared by `ray start --resources='{\"NAME\": 1}'` on the nodes trainer ranks may use) that each trainer rank's device bundle asks a share of, so trainer ranks land only on those nodes. None: any node with devices.")
+    engine_node_resource: Optional[str] = Field(None, description="The same for the engines' device bundles (with colocate=false: engines on other nodes than the trainer, e.g. inference nodes). None: any node with devices.")
     ray_address: str = Field("auto", description="Ray cluster address; `auto` attaches to the running local head (infra/ray_head.sh).")
 
     # ---- rollout -------------------------------------------------------------------------------
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")
-    n_samples_per_prompt: int = Field(16, ge=1, description="Samples per prompt (the GRPO group size). The default job uses 16: with 8 the tiny model sometimes settled on wrong answers (reward stuck near 0.2 for one seed).")
+    n_samples_per_prompt: int = Field(16, ge=1, description="Samples per prompt (the GRPO group size).")
     over_sampling_batch_size: Optional[int] = Field(None, ge=1, description="Groups submitted at a time while filling the rollout; default: rollout_batch_size.")
     rollout_max_prompt_len: int = Field(16, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
     rollout_max_response_len: int = Field(4, ge=1, description="Maximum generated tokens per sample.")
@@ -131,7 +136,7 @@ class VimeConfig(BaseModel):
     kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL loss term when use_kl_loss (slime's --kl-loss-coef).")
     kl_loss_type: KLLossType = Field("low_var_kl", description="KL estimator of both KL terms: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).")
     ref_load: Optional[str] = Field(None, description="HF checkpoint folder of the reference policy of the KL terms, same architecture as hf_checkpoint. Default: hf_checkpoint (the starting weights).")
-    entropy_coef: float = Field(0.01, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy). The default job uses 0.01 to keep the tiny model exploring (a plain GRPO probe: 100-iteration gains 0.84/0.84/0.85 over seeds 1-3 with 16 samples per prompt). Set 0 for the usual GRPO.")
+    entropy_coef: float = Field(0.01, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy); 0 is the usual GRPO. The default 0.01 is the default job's (it keeps the tiny model exploring).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     use_rollout_logprobs: bool = Field(False, description="Use the engine's log-probs as the old policy instead of recomputing them.")
@@ -165,6 +170,13 @@ class VimeConfig(BaseModel):
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1024, description="Bytes per weight-update bucket.")
     weight_transport: WeightTransport = Field("auto", description="auto picks by placement: ipc (CUDA, colocated), shm (CPU), nccl (engines elsewhere), disk (fallback).")
     flush_cache_interval: int = Field(1, ge=1, description="Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish always flushes.")
+
+    @field_validator("apply_chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value: Any) -> Any:
+        from vime_core.data.sources import parse_chat_template_kwargs
+
+        return parse_chat_template_kwargs(value)
 
     # ---- derived (filled in model_post_init; do not set) ----------------------------------------
 

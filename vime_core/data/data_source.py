@@ -1,11 +1,13 @@
-"""The prompt data source: rows from JSONL/Parquet -> groups of Samples, with exact resume.
+"""The prompt data source: rows of a prompt source -> groups of Samples, with exact resume.
 
-Loading (once): every row of `path` (a local path or any fsspec URI; `.jsonl`/`.json` or
-`.parquet`) gives prompt = row[cfg.input_key] (text, or a list of chat messages), label =
-row[cfg.label_key] (None when absent), prompt_id = row["prompt_id"] when present else
-"row-<i>", and the other columns in metadata. The prompt is tokenised (through the chat template
-when cfg.apply_chat_template or when it is a message list); prompts longer than
-cfg.rollout_max_prompt_len tokens are dropped, and the count is logged.
+Loading (once): every row of `path` (a JSONL/JSON/Parquet file, local or any fsspec URI; a local
+dataset folder; or a hub dataset: vime_core/data/sources.py says which is which) gives
+prompt = row[cfg.input_key] (text, or a list of chat messages), label = row[cfg.label_key]
+(None when absent), prompt_id = row["prompt_id"] when present else "row-<i>", and the other
+columns in metadata. The prompt is tokenised (through the chat template when
+cfg.apply_chat_template or when it is a message list, with cfg.apply_chat_template_kwargs passed
+to the template); prompts longer than cfg.rollout_max_prompt_len tokens are dropped, and the
+count is logged.
 
 Handing out: `get_groups(k)` returns k groups, first those returned by `add_back` (oldest first,
 exactly as they came back, partial responses included), then new ones: for the next prompt of
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from vime_core.data.sample import Sample
+from vime_core.data.sources import read_records
 
 log = logging.getLogger(__name__)
 
@@ -50,44 +53,11 @@ class PromptRow:
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def _read_records(path: str) -> list[dict]:
-    import fsspec
-
-    lower = path.lower()
-    try:
-        if lower.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            with fsspec.open(path, "rb") as f:
-                return pq.read_table(f).to_pylist()
-        if lower.endswith((".jsonl", ".json")):
-            with fsspec.open(path, "rt", encoding="utf-8") as f:
-                text = f.read()
-        else:
-            raise ValueError(f"prompt data {path}: unknown format; use .jsonl, .json or .parquet")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"prompt data {path} does not exist") from None
-    if lower.endswith(".json") and text.lstrip().startswith("["):
-        records = json.loads(text)
-    else:
-        records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"prompt data {path}, line {lineno}: not JSON ({exc.msg})") from None
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            raise ValueError(f"prompt data {path}, record {i}: expected an object, got {type(r).__name__}")
-    return records
-
-
-def load_prompt_rows(path: str, cfg, tokenizer: Any = None) -> list[PromptRow]:
-    """Rows of a prompt file (also the eval set); tokenised and length-filtered when a
-    tokenizer is given (module docstring)."""
-    records = _read_records(path)
+def load_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str] = None) -> list[PromptRow]:
+    """Rows of a prompt source (also the eval set; `split` of a folder or hub dataset, default
+    cfg.prompt_data_split); tokenised and length-filtered when a tokenizer is given (module
+    docstring)."""
+    records = read_records(path, split or cfg.prompt_data_split)
     rows: list[PromptRow] = []
     for i, record in enumerate(records):
         if cfg.input_key not in record:
@@ -98,7 +68,7 @@ def load_prompt_rows(path: str, cfg, tokenizer: Any = None) -> list[PromptRow]:
     if tokenizer is None:
         return rows
     for row in rows:
-        row.tokens = tokenize_prompt(tokenizer, row.prompt, cfg.apply_chat_template)
+        row.tokens = tokenize_prompt(tokenizer, row.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs)
     kept = [r for r in rows if len(r.tokens) <= cfg.rollout_max_prompt_len]
     if len(kept) < len(rows):
         log.info("prompt data %s: dropped %d of %d prompts longer than rollout_max_prompt_len=%d tokens",
@@ -106,12 +76,15 @@ def load_prompt_rows(path: str, cfg, tokenizer: Any = None) -> list[PromptRow]:
     return kept
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
-    """Token ids of a prompt; chat-formatted (with the generation prompt) when asked or when the
+def tokenize_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool, chat_template_kwargs: Optional[dict] = None) -> list[int]:
+    """Token ids of a prompt; chat-formatted (with the generation prompt, and
+    `chat_template_kwargs` passed to the template, e.g. enable_thinking) when asked or when the
     prompt is a message list."""
     if isinstance(prompt, list) or apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(str(prompt)))
 
@@ -130,13 +103,14 @@ def load_tokenizer(cfg) -> Any:
 class DataSource:
     def __init__(self, cfg, path: Optional[str] = None, tokenizer: Any = None) -> None:
         self.path = path or cfg.prompt_data
+        self.split = cfg.prompt_data_split
         if not self.path:
             raise ValueError("prompt_data is empty: give the prompt dataset (run_assets fills in the embedded task)")
         self.n_samples_per_prompt = cfg.n_samples_per_prompt
         self.run_name = cfg.run_name
         self.shuffle = cfg.rollout_shuffle
         self.seed = cfg.seed
-        self.rows = load_prompt_rows(self.path, cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg))
+        self.rows = load_prompt_rows(self.path, cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg), self.split)
         if not self.rows:
             raise ValueError(f"prompt data {self.path}: no prompt fits rollout_max_prompt_len={cfg.rollout_max_prompt_len}")
         self.fingerprint = hashlib.sha256(
@@ -218,6 +192,7 @@ class DataSource:
         return {
             "version": STATE_VERSION,
             "path": self.path,
+            "split": self.split,
             "fingerprint": self.fingerprint,
             "num_rows": len(self.rows),
             "seed": self.seed,

@@ -18,15 +18,21 @@ Layouts (``tp`` ranks, ``g`` KV groups, ``n`` query heads, ``d`` head dim):
   then dim-0 chunks; the padding is cut on the way back.
 * norms (and Qwen3's per-head q/k norms) are replicated.
 
+Each split is one contiguous range of each HF tensor (``rank_range``), so loading
+(``load_hf_into_model`` -> ``iter_megatron_shard``) reads a checkpoint shard file by shard file
+(``model.safetensors.index.json``, or one ``model.safetensors``) and takes only this rank's
+rows/columns through safetensors' ``get_slice``: no rank materialises a TP-split tensor whole.
+
 ``iter_hf_weights`` is a collective over the TP group (``all_gather``): every TP rank of the
 group must iterate it in step, even if only one of them uses the tensors.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -85,9 +91,13 @@ def conversion_rules(arch: HFArchitecture) -> list[Rule]:
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArchitecture) -> torch.Tensor:
-    """[q; k; v] (HF, head-major) -> Megatron's per-KV-group layout [q_g.., k_g, v_g] x groups."""
-    g, d = arch.num_kv_heads, arch.head_dim
-    per_group = arch.num_heads // g
+    """[q; k; v] (HF, head-major) -> Megatron's per-KV-group layout [q_g.., k_g, v_g] x groups.
+
+    The number of groups is read from ``k`` (``k.shape[0] / head_dim``), so the same call fuses
+    the full tensors or one TP rank's consecutive groups."""
+    d = arch.head_dim
+    g = k.shape[0] // d
+    per_group = arch.num_heads // arch.num_kv_heads
     rest = q.shape[1:]
     fused = torch.cat(
         [q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1
@@ -119,31 +129,66 @@ def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])], dim=0)
 
 
-def shard_for_rank(rule: Rule, hf: list[torch.Tensor], arch: HFArchitecture, tp: int, rank: int) -> torch.Tensor:
-    """This TP rank's slice of the Megatron parameter ``rule.megatron``."""
+def chunk_bounds(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of ``torch.chunk(range(n), tp)[rank]`` (chunks of ``ceil(n / tp)``)."""
+    size = -(-n // tp)
+    start = min(n, rank * size)
+    return start, min(n, start + size)
+
+
+def rank_range(rule: Rule, j: int, shape: tuple[int, ...], arch: HFArchitecture, tp: int,
+               rank: int) -> tuple[int, int, int] | None:
+    """``(dim, start, end)``: the part of HF tensor ``rule.hf[j]`` (of ``shape``) that TP rank
+    ``rank`` holds; None when it holds all of it. Every split is one contiguous range, so a
+    reader can fetch just that part (``safe_open(...).get_slice``)."""
     if rule.kind == "replicated":
-        return hf[0]
-    if rule.kind == "vocab":
-        return pad_vocab(hf[0], padded_vocab_size(arch.vocab_size, tp)).chunk(tp, dim=0)[rank]
+        return None
+    if rule.kind == "vocab":  # the padded vocabulary's chunk, less the padding rows
+        start, end = chunk_bounds(padded_vocab_size(arch.vocab_size, tp), tp, rank)
+        return 0, min(start, shape[0]), min(end, shape[0])
     if rule.kind == "row":
-        return hf[0].chunk(tp, dim=1)[rank]
-    if rule.kind == "qkv":
-        return fuse_qkv(*hf, arch).chunk(tp, dim=0)[rank]
+        return (1, *chunk_bounds(shape[1], tp, rank))
+    if rule.kind == "qkv":  # whole KV groups: rows of n/g query heads (q) or of one head (k, v)
+        if arch.num_kv_heads % tp:
+            raise CheckpointMismatchError(f"{arch.num_kv_heads} KV heads cannot be split over TP={tp} ranks")
+        g0, g1 = chunk_bounds(arch.num_kv_heads, tp, rank)
+        rows = arch.head_dim * (arch.num_heads // arch.num_kv_heads if j == 0 else 1)
+        return 0, g0 * rows, g1 * rows
     if rule.kind == "gate_up":
-        gate, up = hf
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+        return (0, *chunk_bounds(shape[0], tp, rank))
     raise AssertionError(rule.kind)
 
 
-def hf_to_megatron_shard(
-    hf_tensors: Mapping[str, torch.Tensor], arch: HFArchitecture, tp: int, rank: int, source: str = "checkpoint"
-) -> dict[str, torch.Tensor]:
-    """Megatron-named tensors for TP rank ``rank``; raises ``CheckpointMismatchError`` naming every
-    missing and unexpected HF tensor of ``source``."""
+def assemble_shard(rule: Rule, parts: list[torch.Tensor], arch: HFArchitecture, tp: int, rank: int) -> torch.Tensor:
+    """This rank's Megatron parameter from the parts ``rank_range`` selected of each HF tensor."""
+    if rule.kind in ("replicated", "row"):
+        return parts[0]
+    if rule.kind == "vocab":
+        start, end = chunk_bounds(padded_vocab_size(arch.vocab_size, tp), tp, rank)
+        return pad_vocab(parts[0], end - start)
+    if rule.kind == "qkv":
+        return fuse_qkv(*parts, arch)
+    if rule.kind == "gate_up":
+        return torch.cat(parts, dim=0)
+    raise AssertionError(rule.kind)
+
+
+def narrow_to(tensor: torch.Tensor, part: tuple[int, int, int] | None) -> torch.Tensor:
+    return tensor if part is None else tensor.narrow(part[0], part[1], part[2] - part[1])
+
+
+def shard_for_rank(rule: Rule, hf: list[torch.Tensor], arch: HFArchitecture, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's slice of the Megatron parameter ``rule.megatron`` (from full HF tensors)."""
+    parts = [narrow_to(t, rank_range(rule, j, tuple(t.shape), arch, tp, rank)) for j, t in enumerate(hf)]
+    return assemble_shard(rule, parts, arch, tp, rank)
+
+
+def check_hf_names(names: Iterable[str], arch: HFArchitecture, source: str) -> None:
+    """Raise ``CheckpointMismatchError`` naming every missing and unexpected HF tensor."""
     rules = conversion_rules(arch)
     wanted = {name for rule in rules for name in rule.hf}
     allowed_extra = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-    present = {n for n in hf_tensors if not n.endswith(IGNORED_HF_SUFFIXES)}
+    present = {n for n in names if not n.endswith(IGNORED_HF_SUFFIXES)}
     missing = sorted(wanted - present)
     extra = sorted(present - wanted - allowed_extra)
     if missing or extra:
@@ -152,20 +197,101 @@ def hf_to_megatron_shard(
             f"layers (tie_word_embeddings={arch.tie_word_embeddings}); "
             f"missing: {missing or 'none'}; unexpected: {extra or 'none'}"
         )
-    return {rule.megatron: shard_for_rank(rule, [hf_tensors[n] for n in rule.hf], arch, tp, rank) for rule in rules}
+
+
+def hf_to_megatron_shard(
+    hf_tensors: Mapping[str, torch.Tensor], arch: HFArchitecture, tp: int, rank: int, source: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
+    """Megatron-named tensors for TP rank ``rank`` from full HF tensors in memory; raises
+    ``CheckpointMismatchError`` naming every missing and unexpected HF tensor of ``source``."""
+    check_hf_names(hf_tensors, arch, source)
+    return {rule.megatron: shard_for_rank(rule, [hf_tensors[n] for n in rule.hf], arch, tp, rank)
+            for rule in conversion_rules(arch)}
+
+
+# ---- reading safetensors checkpoints -----------------------------------------------------------
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def tensor_files(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """Which file holds each tensor: the index's ``weight_map`` when the folder has
+    ``model.safetensors.index.json``, else the headers of its ``*.safetensors`` files (one file
+    is the unsharded case)."""
+    from safetensors import safe_open
+
+    folder = Path(checkpoint_dir)
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointMismatchError(f"{index}: no 'weight_map' (tensor name -> shard file)")
+        located = {name: folder / file for name, file in weight_map.items()}
+        absent = sorted({str(f.name) for f in located.values() if not f.is_file()})
+        if absent:
+            raise FileNotFoundError(f"{index} names shard files that are not in the folder: {absent}")
+        return located
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors files in the HF checkpoint folder")
+    located = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            located.update((name, f) for name in handle.keys())
+    return located
 
 
 def read_hf_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's ``*.safetensors`` files (single file or sharded)."""
+    """Every tensor of the checkpoint, whole (single file or sharded): for tests and tools; the
+    trainer reads its TP slices with ``iter_megatron_shard``."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors files in the HF checkpoint folder")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(set(tensor_files(checkpoint_dir).values())):
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def iter_megatron_shard(checkpoint_dir: str | Path, arch: HFArchitecture, tp: int,
+                        rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(megatron_name, tensor)`` of TP rank ``rank``, reading the checkpoint shard file by
+    shard file.
+
+    Each file is opened once (``safe_open``, memory-mapped) and each HF tensor is read through
+    ``get_slice`` as just the range this rank holds (``rank_range``): a rank never materialises
+    a TP-split tensor whole. A parameter is yielded as soon as its last HF tensor is read; only
+    the parts of parameters whose tensors span files wait (a few layers' worth at most)."""
+    from safetensors import safe_open
+
+    source = str(checkpoint_dir)
+    located = tensor_files(checkpoint_dir)
+    check_hf_names(located, arch, source)
+    rules = conversion_rules(arch)
+    by_file: dict[Path, list[tuple[int, int]]] = {}
+    for i, rule in enumerate(rules):
+        for j, name in enumerate(rule.hf):
+            by_file.setdefault(located[name], []).append((i, j))
+    waiting: dict[int, list[torch.Tensor | None]] = {}
+    for path in sorted(by_file):
+        with safe_open(str(path), framework="pt") as handle:
+            for i, j in by_file[path]:
+                rule = rules[i]
+                view = handle.get_slice(rule.hf[j])
+                shape = tuple(view.get_shape())
+                if rule.kind == "vocab" and shape[0] != arch.vocab_size:
+                    raise CheckpointMismatchError(
+                        f"{source}: {rule.hf[j]} has {shape[0]} rows, config.json says vocab_size={arch.vocab_size}")
+                part = rank_range(rule, j, shape, arch, tp, rank)
+                if part is None:
+                    tensor = view[:]
+                else:
+                    dim, start, end = part
+                    tensor = view[start:end] if dim == 0 else view[:, start:end]
+                parts = waiting.setdefault(i, [None] * len(rule.hf))
+                parts[j] = tensor
+                if all(t is not None for t in parts):
+                    del waiting[i]
+                    yield rule.megatron, assemble_shard(rule, parts, arch, tp, rank)
 
 
 def unwrap(model: Any) -> Any:
@@ -176,25 +302,37 @@ def unwrap(model: Any) -> Any:
 
 
 def load_hf_into_model(model: Any, checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int) -> None:
-    """Copy an HF checkpoint into this rank's Megatron parameters (in place, under no_grad)."""
-    shard = hf_to_megatron_shard(read_hf_safetensors(checkpoint_dir), arch, tp, rank, source=str(checkpoint_dir))
-    copy_shard_into_model(model, shard, source=str(checkpoint_dir))
+    """Copy an HF checkpoint into this rank's Megatron parameters (in place, under no_grad),
+    one parameter at a time as ``iter_megatron_shard`` reads it."""
+    source = str(checkpoint_dir)
+    params = _checked_params(model, {rule.megatron for rule in conversion_rules(arch)}, source)
+    with torch.no_grad():
+        for name, value in iter_megatron_shard(checkpoint_dir, arch, tp, rank):
+            _copy_param(params[name], name, value, source)
 
 
 def copy_shard_into_model(model: Any, shard: Mapping[str, torch.Tensor], source: str) -> None:
-    params = dict(unwrap(model).named_parameters())
-    missing = sorted(set(params) - set(shard))
-    extra = sorted(set(shard) - set(params))
-    if missing or extra:
-        raise CheckpointMismatchError(f"{source}: Megatron parameters missing: {missing or 'none'}; unexpected: {extra or 'none'}")
+    params = _checked_params(model, set(shard), source)
     with torch.no_grad():
         for name, param in params.items():
-            value = shard[name]
-            if tuple(value.shape) != tuple(param.shape):
-                raise CheckpointMismatchError(
-                    f"{source}: {name} has shape {tuple(value.shape)}, the model expects {tuple(param.shape)}"
-                )
-            param.copy_(value.to(dtype=param.dtype, device=param.device))
+            _copy_param(param, name, shard[name], source)
+
+
+def _checked_params(model: Any, names: set[str], source: str) -> dict[str, torch.nn.Parameter]:
+    params = dict(unwrap(model).named_parameters())
+    missing = sorted(set(params) - names)
+    extra = sorted(names - set(params))
+    if missing or extra:
+        raise CheckpointMismatchError(f"{source}: Megatron parameters missing: {missing or 'none'}; unexpected: {extra or 'none'}")
+    return params
+
+
+def _copy_param(param: torch.nn.Parameter, name: str, value: torch.Tensor, source: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise CheckpointMismatchError(
+            f"{source}: {name} has shape {tuple(value.shape)}, the model expects {tuple(param.shape)}"
+        )
+    param.copy_(value.to(dtype=param.dtype, device=param.device))
 
 
 # ---- Megatron shards -> HF -----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """End to end: the train flow on real actors (Ray head, one vLLM CPU engine behind vllm-router,
 one Megatron actor), then what a user does with the run: read its batches and lineage, check
 the engine's version and log-probs against the trainer, load the checkpoint and the HF export,
-retry a failed task, re-run a killed iteration, and replay a stored batch bit for bit.
+retry a failed task, re-run a killed iteration, and replay a stored batch bit for bit. The model
+is given as a hub id (``--hf-checkpoint vime-test/tiny-qwen3``) resolved from a prepared HF cache.
 
 One run is shared by the module (engines take ~40 s to start on 2 cores); tests that extend it
 run in file order.
@@ -20,7 +21,27 @@ LOGPROB_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_head, tiny_model_dir):
+def hub_model_id(tmp_path_factory, tiny_model_dir):
+    """The tiny model as the hub id ``vime-test/tiny-qwen3``, from a prepared HF cache (offline):
+    the run resolves it to the snapshot folder when it starts (vime_core/models/hub.py)."""
+    import os
+
+    from tests.unit.test_hub_checkpoint import cache_snapshot
+
+    cache = tmp_path_factory.mktemp("hf-hub")
+    cache_snapshot(cache, "vime-test/tiny-qwen3", tiny_model_dir)
+    saved = {key: os.environ.get(key) for key in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
+    os.environ.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    yield "vime-test/tiny-qwen3"
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ray_head, hub_model_id):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import VimeConfig
@@ -28,7 +49,7 @@ def trained(tmp_path_factory, ray_head, tiny_model_dir):
     cfg = VimeConfig(
         run_name="e2e-flows",
         storage_uri=str(tmp_path_factory.mktemp("store")),
-        hf_checkpoint=str(tiny_model_dir),
+        hf_checkpoint=hub_model_id,  # a hub id, from the prepared cache
         ray_address=ray_head,
         num_rollout=3,
         rollout_batch_size=4,
@@ -64,6 +85,8 @@ def test_three_batches_stored_with_lineage(trained):
         assert len(batch["tokens"]) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
         assert int(lineage["rollout_id"]) == k and lineage["run"] == cfg.run_name
         assert lineage["config_hash"] == config_hash(resolve_run_config(cfg))
+        # the hub id ran from its cached snapshot folder
+        assert lineage["model_id"] == resolve_run_config(cfg).hf_checkpoint and "/snapshots/" in lineage["model_id"]
         versions = {span["version"] for spans in batch["weight_versions"] for span in spans}
         assert versions == {k + 1}, f"batch {k} was sampled by weights {versions}, expected v{k + 1}"
 

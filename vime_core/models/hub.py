@@ -1,0 +1,95 @@
+"""``hf_checkpoint`` -> a local folder, once, on the driver when the run's configuration is
+resolved (vime_core/run_assets.py).
+
+It accepts a local folder or a Hugging Face hub id (``org/name``, optionally ``org/name@revision``
+with a branch, tag or commit). A hub id is fetched with ``huggingface_hub.snapshot_download``
+into the usual cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
+with ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached, the cached snapshot is used. The
+resolved value is the snapshot folder, so trainer actors and engines (which run with
+``HF_HUB_OFFLINE=1``) only ever see a local path. A hub id with no cached snapshot and no way to
+download it fails here, before any actor or server starts, naming the id and the cache folder.
+
+Only what training and serving read is downloaded: configs, safetensors, tokenizer files and the
+chat template. The hub token (``HF_TOKEN``) is read by huggingface_hub itself and never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# What the trainer, vLLM and the tokenizer read; not *.bin/*.pth/onnx/gguf copies of the weights.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+
+# huggingface_hub's repo id rule: one optional namespace, names of letters, digits, '-', '_', '.'.
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+
+
+class HubCheckpointError(FileNotFoundError):
+    """``hf_checkpoint`` names neither a local folder nor a hub snapshot that can be had."""
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache as huggingface_hub lays it out, from the environment at call time (its own
+    constant is read once at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_hub_id(value: str) -> tuple[str, str | None] | None:
+    """``(repo_id, revision)`` for ``org/name[@revision]``, None when ``value`` is not one."""
+    repo_id, _, revision = value.partition("@")
+    if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or repo_id.endswith((".", "-")) or "@" in revision:
+        return None
+    return repo_id, revision or None
+
+
+def resolve_hf_checkpoint(value: str, base: Path) -> str:
+    """The local folder of ``hf_checkpoint=value``: itself (absolute) when it is a folder, else
+    the hub snapshot of ``org/name[@revision]`` (downloaded, or from the cache offline)."""
+    local = Path(value.removeprefix("file://")).expanduser()
+    local = local if local.is_absolute() else base / local
+    if local.is_dir():
+        return os.path.abspath(local)
+    parsed = parse_hub_id(value)
+    if parsed is None or value.startswith(("/", ".", "~", "file://")):
+        raise HubCheckpointError(f"hf_checkpoint: {value!r} is not a folder ({local} does not exist) and not a hub id (org/name)")
+    return str(snapshot_folder(*parsed, note=f"; no folder {local} either" if "/" in value else ""))
+
+
+def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "") -> Path:
+    """The snapshot folder of a hub model, downloaded when online, from the cache offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    cache, offline = hub_cache_dir(), hub_offline()
+    shown = repo_id + (f"@{revision}" if revision else "")
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline,
+                                        allow_patterns=ALLOW_PATTERNS))
+    except LocalEntryNotFoundError:
+        how = "HF_HUB_OFFLINE=1" if offline else "the hub could not be reached"
+        raise HubCheckpointError(
+            f"hf_checkpoint: hub model {shown!r} has no cached snapshot in {cache} and {how}{note}; download it where "
+            f"there is network (`hf download {repo_id}` with the same HF_HUB_CACHE/HF_HOME) or pass a local folder"
+        ) from None
+    except (HfHubHTTPError, ValueError) as error:  # not found, gated (needs HF_TOKEN), bad revision
+        raise HubCheckpointError(f"hf_checkpoint: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}") from None
+    if not (folder / "config.json").is_file():
+        raise HubCheckpointError(f"hf_checkpoint: the snapshot of {shown!r} at {folder} has no config.json")
+    log.info("hf_checkpoint %s -> %s", shown, folder)
+    return folder
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
