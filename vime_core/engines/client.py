@@ -48,6 +48,9 @@ class EngineError(RuntimeError):
         answer = f"HTTP {status}" if status is not None else "no answer"
         super().__init__(f"engine {engine}: {endpoint} failed ({answer}): {self.body}")
 
+    def __reduce__(self):  # crosses Ray (pickle) with its own arguments, not the message
+        return type(self), (self.engine, self.endpoint, self.status, self.body)
+
 
 def redact_url(url: str) -> str:
     """The URL without user:password, so it can go into logs and errors."""

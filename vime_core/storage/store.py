@@ -42,6 +42,10 @@ class CorruptBatchError(RuntimeError):
     def __init__(self, key: str, detail: str):
         super().__init__(f"stored batch {key} is corrupt: {detail}")
         self.key = key
+        self.detail = detail
+
+    def __reduce__(self):  # crosses Ray (pickle) with its own arguments, not the message
+        return type(self), (self.key, self.detail)
 
 
 class BatchNotFoundError(LookupError):

@@ -50,6 +50,9 @@ class PublishError(RuntimeError):
         super().__init__(message)
         self.bytes_moved = bytes_moved
 
+    def __reduce__(self):  # crosses Ray (pickle) with its own arguments
+        return type(self), (str(self), self.bytes_moved)
+
 
 class PhaseClock:
     """Wall-clock seconds per named phase."""
