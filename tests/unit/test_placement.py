@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_core.cluster.placement import BundleDevice, engine_devices, plan_placement
+from vime_core.cluster.placement import NODE_RESOURCE_SHARE, BundleDevice, bundle_resources, engine_devices, plan_placement
 
 
 def _devices(n: int, nodes: int = 1) -> list[BundleDevice]:
@@ -37,6 +37,19 @@ def test_an_engine_split_across_nodes_is_refused():
         engine_devices(plan, _devices(2, nodes=2))
     with pytest.raises(ValueError, match="equal to the trainer"):
         plan_placement(trainer_devices=2, rollout_devices=4, devices_per_engine=2, colocate=True)
+
+
+def test_node_resources_pin_each_side_to_its_nodes():
+    plan = plan_placement(trainer_devices=2, rollout_devices=2, devices_per_engine=1, colocate=False)
+    assert bundle_resources(plan) == [{"GPU": 1}] * 4  # the default: any node with devices
+    share = NODE_RESOURCE_SHARE
+    assert bundle_resources(plan, "trainers", "engines") == [
+        {"GPU": 1, "trainers": share}, {"GPU": 1, "trainers": share},
+        {"GPU": 1, "engines": share}, {"GPU": 1, "engines": share},
+    ]
+    assert bundle_resources(plan, engine_resource="engines")[:2] == [{"GPU": 1}] * 2
+    colocated = plan_placement(trainer_devices=2, rollout_devices=2, devices_per_engine=1, colocate=True)
+    assert bundle_resources(colocated, "trainers", "engines") == [{"GPU": 1, "trainers": share, "engines": share}] * 2
 
 
 def test_engine_command_follows_the_vllm_release_and_gets_its_devices(tiny_model_dir):

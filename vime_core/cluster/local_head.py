@@ -4,6 +4,11 @@
     python -m vime_core.cluster.local_head status
     python -m vime_core.cluster.local_head stop
 
+    # a second Ray node on the same machine, joined to that head (a two-node cluster on one box)
+    python -m vime_core.cluster.local_head join --address 127.0.0.1:PORT --node-ip-address 127.0.0.2 \
+        --num-gpus 1 --resources '{"vime_engine": 1}' --temp-dir /tmp/vime-ray-w
+    python -m vime_core.cluster.local_head leave --temp-dir /tmp/vime-ray-w
+
 What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
 - loopback only: `--node-ip-address=127.0.0.1` plus RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (without
   it Ray silently picks a non-loopback address); drivers need the same variable
@@ -19,6 +24,14 @@ What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
 - start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
   processes of this head: the process group `ray start` created and their descendants (actor
   workers get their own process groups). Never `ray stop`, which ends every Ray on the machine.
+
+A worker node on the same machine (`start_local_worker`) needs an address of its own: any
+127.x.y.z reaches loopback on Linux, and Ray keeps one other than 127.0.0.1 as given (it
+replaces only "127.0.0.1"/"localhost"). `ray start --address` refuses to join a head while
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its guard against multi-node clusters on Windows/macOS),
+and with the variable on it rewrites the head's 127.0.0.1 to the machine's public address, which
+the loopback head does not listen on. So the worker runs Ray's own `ray start` with the variable
+off and only that guard lifted (WORKER_LAUNCHER); everything else is the CLI's code.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEMP_DIR = REPO / ".cache" / "ray"
 STATE_FILE = "vime_head.json"
+WORKER_STATE_FILE = "vime_worker.json"
 from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
 
 
@@ -72,9 +86,9 @@ def _temp_dir(temp_dir: str | Path | None) -> Path:
     return Path(tempfile.gettempdir()) / f"vime-ray-{digest}"
 
 
-def _read_state(temp_dir: Path) -> dict | None:
+def _read_state(temp_dir: Path, name: str = STATE_FILE) -> dict | None:
     try:
-        return json.loads((temp_dir / STATE_FILE).read_text())
+        return json.loads((temp_dir / name).read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -123,20 +137,24 @@ def start_local_head(
     object_store_memory: int = 1 << 30,
     timeout: float = 180.0,
     port: int | None = None,
+    resources: dict[str, float] | None = None,
 ) -> str:
     """Start a Ray head on loopback with `num_gpus` device slots; return its address.
 
     `port` fixes the GCS port (the address drivers use); by default a free one is taken.
+    `resources`: custom node resources to declare (e.g. `{"vime_trainer": 1}`, see
+    trainer_node_resource).
 
     Idempotent: if a head for this temp dir runs, its address is returned (a different
-    num_gpus is reported in the log, not changed: stop the head to change it).
+    num_gpus or resources is reported in the log, not changed: stop the head to change it).
     """
     temp = _temp_dir(temp_dir)
     running = _read_state(temp)
     if running and _gcs_alive(running):
-        if running.get("num_gpus") != num_gpus or running.get("num_cpus") != num_cpus:
-            log.warning("Ray head at %s runs with num_gpus=%s num_cpus=%s (asked %s/%s); reusing it",
-                        running["address"], running.get("num_gpus"), running.get("num_cpus"), num_gpus, num_cpus)
+        if (running.get("num_gpus"), running.get("num_cpus"), running.get("resources") or {}) != (num_gpus, num_cpus, resources or {}):
+            log.warning("Ray head at %s runs with num_gpus=%s num_cpus=%s resources=%s (asked %s/%s/%s); reusing it",
+                        running["address"], running.get("num_gpus"), running.get("num_cpus"), running.get("resources"),
+                        num_gpus, num_cpus, resources)
         return running["address"]
     temp.mkdir(parents=True, exist_ok=True)
     gcs_port = port or free_port()
@@ -158,6 +176,8 @@ def start_local_head(
     ]
     if num_cpus is not None:
         args.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        args.append(f"--resources={json.dumps(resources)}")
     # A new session makes `ray start` the leader of a process group its daemons inherit:
     # that group (plus descendants) is exactly what stop_local_head ends.
     process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -169,7 +189,7 @@ def start_local_head(
         raise TimeoutError(f"`ray start --head` did not finish in {timeout:.0f} s") from None
     address = f"127.0.0.1:{gcs_port}"
     state = {"address": address, "gcs_port": gcs_port, "pgid": process.pid, "temp_dir": str(temp),
-             "num_gpus": num_gpus, "num_cpus": num_cpus}
+             "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
     if process.returncode != 0:
         _end_processes(process.pid)
         raise RuntimeError(f"`ray start --head` failed (exit {process.returncode}):\n" + "\n".join(output.splitlines()[-15:]))
@@ -222,18 +242,138 @@ def stop_local_head(temp_dir: str | Path | None = None, grace: float = 3.0) -> b
     return ended > 0
 
 
+# `ray start` with its Windows/macOS multi-node guard lifted and nothing else changed (module
+# docstring): run with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Ray's address handling stays on loopback.
+WORKER_LAUNCHER = """
+import sys, types
+import ray._private.ray_constants as constants
+from ray.scripts import scripts
+scripts.ray_constants = types.SimpleNamespace(**{**vars(constants), "ENABLE_RAY_CLUSTER": True})
+sys.argv[0] = "ray"
+sys.exit(scripts.main())
+"""
+
+
+def _raylet_alive(state: dict) -> bool:
+    return any(
+        b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        for pid in _head_processes(int(state["pgid"])) if Path(f"/proc/{pid}/cmdline").exists()
+    )
+
+
+def worker_running(temp_dir: str | Path) -> dict | None:
+    """The state (node ip, head address, pgid, ...) of the worker node started for `temp_dir`,
+    if its raylet runs."""
+    state = _read_state(_temp_dir(temp_dir), WORKER_STATE_FILE)
+    return state if state and _raylet_alive(state) else None
+
+
+def start_local_worker(
+    head_address: str,
+    temp_dir: str | Path,
+    node_ip: str = "127.0.0.2",
+    num_gpus: int = 0,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    object_store_memory: int = 256 << 20,
+    timeout: float = 180.0,
+) -> dict:
+    """Start a Ray worker node on this machine joined to the head at `head_address`, with its own
+    loopback address `node_ip` (not 127.0.0.1, the head's), free ports, `num_gpus` device slots,
+    custom `resources` and its own `temp_dir`; returns its state (`node_ip`, `pgid`, ...).
+
+    Idempotent for a temp dir whose worker runs. `stop_local_worker(temp_dir)` ends it (stopping
+    the head does not: the worker's processes are not the head's).
+    """
+    if node_ip in ("127.0.0.1", "localhost") or not node_ip.startswith("127."):
+        raise ValueError(f"node_ip={node_ip!r}: a local worker needs a loopback address of its own (127.0.0.2 ...)")
+    temp = _temp_dir(temp_dir)
+    running = worker_running(temp)
+    if running:
+        return running
+    temp.mkdir(parents=True, exist_ok=True)
+    env = {
+        **LOOPBACK_ENV,
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # WORKER_LAUNCHER relies on it
+        "AUTOSCALER_METRIC_PORT": str(free_port()),
+        "DASHBOARD_METRIC_PORT": str(free_port()),
+    }
+    args = [
+        sys.executable, "-c", WORKER_LAUNCHER, "start", f"--address={head_address}", f"--node-ip-address={node_ip}",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        "--min-worker-port=0", "--max-worker-port=0",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats", f"--num-gpus={int(num_gpus)}",
+        f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
+    ]
+    if num_cpus is not None:
+        args.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        args.append(f"--resources={json.dumps(resources)}")
+    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_processes(process.pid)
+        raise TimeoutError(f"`ray start --address={head_address}` did not finish in {timeout:.0f} s") from None
+    state = {"head_address": head_address, "node_ip": node_ip, "pgid": process.pid, "temp_dir": str(temp),
+             "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
+    if process.returncode != 0 or not _raylet_alive(state):
+        _end_processes(process.pid)
+        raise RuntimeError(f"`ray start --address={head_address}` failed (exit {process.returncode}):\n"
+                           + "\n".join(output.splitlines()[-15:]))
+    (temp / WORKER_STATE_FILE).write_text(json.dumps(state))
+    log.info("Ray worker node %s joined %s (num_gpus=%s, resources=%s, temp dir %s)",
+             node_ip, head_address, num_gpus, resources or {}, temp)
+    return state
+
+
+def stop_local_worker(temp_dir: str | Path, grace: float = 3.0) -> bool:
+    """Stop the worker node started for `temp_dir` and everything it started; False if none ran.
+    The head marks the node dead by itself (after its health-check timeout)."""
+    temp = _temp_dir(temp_dir)
+    state = _read_state(temp, WORKER_STATE_FILE)
+    if state is None:
+        return False
+    ended = _end_processes(int(state["pgid"]), grace)
+    (temp / WORKER_STATE_FILE).unlink(missing_ok=True)
+    log.info("stopped Ray worker node %s (%d processes)", state["node_ip"], ended)
+    return ended > 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime_core.cluster.local_head", description="A local Ray head on loopback.")
-    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("command", choices=["start", "stop", "status", "join", "leave"],
+                        help="start/stop/status: the head; join/leave: a worker node on this machine")
     parser.add_argument("--num-gpus", type=int, default=int(os.environ.get("VIME_NUM_GPUS", "1")), help="device slots to declare (default 1, or $VIME_NUM_GPUS)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs to declare (default: all)")
     parser.add_argument("--temp-dir", default=None, help=f"Ray temp dir (default {DEFAULT_TEMP_DIR}, or $VIME_RAY_TEMP_DIR)")
     parser.add_argument("--object-store-memory", type=int, default=1 << 30, help="object store bytes (default 1 GiB)")
     parser.add_argument("--port", type=int, default=None, help="GCS port, i.e. the address's port (default: a free one)")
+    parser.add_argument("--resources", type=json.loads, default=None, help='custom node resources, JSON (e.g. \'{"vime_engine": 1}\')')
+    parser.add_argument("--address", default=None, help="join: the head's address (default: the local head's)")
+    parser.add_argument("--node-ip-address", default="127.0.0.2", help="join: the worker's own loopback address (default 127.0.0.2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "start":
-        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory, port=args.port))
+        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory, port=args.port,
+                               resources=args.resources))
+        return 0
+    if args.command in ("join", "leave"):
+        if not args.temp_dir:
+            parser.error(f"{args.command} needs --temp-dir (the worker node's own; not the head's)")
+        if args.command == "leave":
+            print("stopped" if stop_local_worker(args.temp_dir) else "not running")
+            return 0
+        head = args.address or head_running()
+        if not head:
+            parser.error("join: no local head running; pass --address")
+        state = start_local_worker(head, args.temp_dir, args.node_ip_address, args.num_gpus, args.num_cpus,
+                                   args.resources, args.object_store_memory)
+        print(state["node_ip"])
         return 0
     if args.command == "stop":
         print("stopped" if stop_local_head(args.temp_dir) else "not running")

@@ -11,6 +11,11 @@ machines the Ray head declares device slots, so the same plan runs there).
 Each engine is one Ray actor scheduled in the first bundle of its range with a fraction of a
 device (as slime does); it starts its vLLM server with CUDA_VISIBLE_DEVICES set to the devices
 Ray assigned to all bundles of its range, so the engine's G TP workers land on distinct GPUs.
+Across Ray nodes: with `trainer_node_resource` / `engine_node_resource` set, the trainer's and
+the engines' bundles also ask a share (NODE_RESOURCE_SHARE) of that custom resource, so Ray puts
+them only on the nodes that declare it (`ray start --resources='{"NAME": 1}'`); a colocated
+bundle asks for both. Unset (the default), a bundle is `{"GPU": 1}` and fits any node.
+
 Shares of a device (they must fit in 1 with room for the one-off device probes):
 
     colocated:      trainer 0.5 + engine 0.2
@@ -24,6 +29,9 @@ from dataclasses import dataclass
 TRAINER_SHARE_COLOCATED = 0.5
 ENGINE_SHARE = 0.2
 PROBE_SHARE = 0.01
+# of a custom node resource (trainer_node_resource / engine_node_resource) per bundle: a node
+# declaring 1 of it holds up to 1000 bundles
+NODE_RESOURCE_SHARE = 0.001
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,18 @@ def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engin
         engine_bundles=[list(range(first + e * devices_per_engine, first + (e + 1) * devices_per_engine)) for e in range(engines)],
         trainer_share=TRAINER_SHARE_COLOCATED if colocate else 1.0,
     )
+
+
+def bundle_resources(plan: PlacementPlan, trainer_resource: str | None = None, engine_resource: str | None = None) -> list[dict[str, float]]:
+    """The resources of each bundle of `plan`: one device, plus a share of the custom node
+    resource of whoever uses the bundle (trainer ranks, engines, or both when colocated)."""
+    wanted: list[dict[str, float]] = [{"GPU": 1} for _ in range(plan.num_bundles)]
+    users = [(trainer_resource, plan.trainer_bundles), (engine_resource, [b for e in plan.engine_bundles for b in e])]
+    for resource, indices in users:
+        if resource:
+            for b in indices:
+                wanted[b][resource] = NODE_RESOURCE_SHARE
+    return wanted
 
 
 def plan_for(cfg) -> PlacementPlan:

@@ -6,7 +6,8 @@ creates what is missing.
 Placement (`vime_core/cluster/placement.py`): one bundle per device ({"GPU": 1}; on CPU
 machines the Ray head declares device slots with --num-gpus so the same placement works).
 Trainer rank i takes a share of bundle i; each engine actor sits in the first bundle of its
-range and gives its server the device ids Ray assigned to all of them.
+range and gives its server the device ids Ray assigned to all of them. Custom node resources
+(`trainer_node_resource`, `engine_node_resource`) pin either side's bundles to chosen nodes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vime_core.cluster import names
-from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, engine_devices, plan_for
+from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, bundle_resources, engine_devices, plan_for
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 
@@ -34,6 +35,9 @@ class ActorsMissingError(RuntimeError):
     def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.missing = tuple(missing)
+
+    def __reduce__(self):  # crosses Ray (pickle) with its own arguments
+        return type(self), (str(self), self.missing)
 
 
 def _get_actor(name: str, run_name: str):
@@ -71,18 +75,22 @@ def get_or_create_placement_group(cfg: VimeConfig):
     from ray.util.placement_group import get_placement_group, placement_group
 
     pg_name = names.placement_group(cfg.run_name)
-    num_bundles = plan_for(cfg).num_bundles
+    plan = plan_for(cfg)
+    num_bundles = plan.num_bundles
+    bundles = bundle_resources(plan, cfg.trainer_node_resource, cfg.engine_node_resource)
     try:
         pg = get_placement_group(pg_name)
     except ValueError:
-        bundles = [{"GPU": 1} for _ in range(num_bundles)]
         pg = placement_group(bundles, strategy="PACK", name=pg_name, lifetime="detached")
     ready, _ = ray.wait([pg.ready()], timeout=120)
     if not ready:
+        node_resources = [r for r in (cfg.trainer_node_resource, cfg.engine_node_resource) if r]
         raise RuntimeError(
             f"placement group {pg_name} ({num_bundles} device bundles) could not be "
             f"placed in 120 s: does the cluster declare enough GPUs/device slots? "
             f"(`vime cluster up --num-gpus N`)"
+            + (f"; do the nodes declare the custom resources {node_resources} "
+               f"(`ray start --resources`)?" if node_resources else "")
         )
     return pg
 

@@ -1,0 +1,155 @@
+"""Placement across Ray nodes, on one machine: the test starts a Ray head (127.0.0.1, one device
+slot and the custom resource `vime_trainer`) and a worker node joined to it (127.0.0.2, one
+device slot and `vime_engine`), then runs the real train flow disaggregated (colocate=false)
+with trainer_node_resource / engine_node_resource, so the trainer rank lands on the head and
+the engine (a real vLLM CPU server) on the worker. The engine binds engine_bind_host=127.0.0.2
+(the worker's address; loopback, so the test talks only to loopback), advertises that URL, and
+the real vllm-router registers it. After 2 iterations: where each actor ran, the URL the router
+holds, the weights published (engine version == trainer version, log-probs checked after each
+publish), and the stored batches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+WORKER_IP = "127.0.0.2"
+LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_train_flow.py
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """(head address, worker state); both nodes' processes end after the module."""
+    import os
+
+    import ray
+
+    from vime_core.cluster import local_head
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if ray.is_initialized():  # a driver of another folder's head (one pytest session)
+        ray.shutdown()
+    head_dir, worker_dir = tmp_path_factory.mktemp("ray-head"), tmp_path_factory.mktemp("ray-worker")
+    t0 = time.monotonic()
+    try:
+        address = local_head.start_local_head(num_gpus=1, temp_dir=head_dir, resources={"vime_trainer": 1})
+        worker = local_head.start_local_worker(address, worker_dir, node_ip=WORKER_IP, num_gpus=1,
+                                               resources={"vime_engine": 1})
+        print(f"two-node cluster up in {time.monotonic() - t0:.1f} s")
+        yield address, worker
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        worker_pgid = (local_head.worker_running(worker_dir) or {}).get("pgid")
+        local_head.stop_local_worker(worker_dir)
+        local_head.stop_local_head(temp_dir=head_dir)
+    # the worker node's processes are its own group's (and descendants), not the head's
+    assert worker_pgid is None or local_head._head_processes(worker_pgid) == []
+    assert local_head.worker_running(worker_dir) is None and local_head.head_running(head_dir) is None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, two_nodes, tiny_model_dir):
+    from flows.train import train
+    from vime_core.cluster.run_actors import teardown
+    from vime_core.config import VimeConfig
+
+    address, _ = two_nodes
+    cfg = VimeConfig(
+        run_name="two-nodes",
+        storage_uri=str(tmp_path_factory.mktemp("store")),
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=address,
+        colocate=False,
+        trainer_node_resource="vime_trainer",
+        engine_node_resource="vime_engine",
+        engine_bind_host=WORKER_IP,
+        num_rollout=2,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        vllm_server_concurrency=64,
+        check_weight_update_equal=True,
+    )
+    t0 = time.monotonic()
+    try:
+        summary = train(cfg)
+        print(f"train flow: {time.monotonic() - t0:.1f} s")
+        yield cfg, summary
+    finally:
+        teardown(cfg.run_name, num_trainers=1)
+
+
+def _node_of(actor) -> str:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+
+
+def test_trainer_and_engine_run_on_different_nodes(trained, two_nodes):
+    import ray
+
+    from vime_core.cluster import names
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+
+    cfg, _ = trained
+    ensure_ray(cfg.ray_address)
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert sorted(nodes.values()) == ["127.0.0.1", WORKER_IP]
+    _, trainers = attach(cfg)
+    engine = ray.get_actor(names.engine(0), namespace=names.namespace(cfg.run_name))
+    assert [nodes[_node_of(a)] for a in trainers.actors] == ["127.0.0.1"]  # the head: vime_trainer
+    assert nodes[_node_of(engine)] == WORKER_IP  # the worker: vime_engine
+
+
+def test_engine_advertises_its_bind_address_and_the_router_registered_it(trained):
+    import ray
+
+    from vime_core.cluster import names
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+
+    cfg, _ = trained
+    ensure_ray(cfg.ray_address)
+    manager, _ = attach(cfg)
+    engine = ray.get_actor(names.engine(0), namespace=names.namespace(cfg.run_name))
+    url = ray.get(engine.get_url.remote())
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    assert host == WORKER_IP, url
+    assert ray.get(manager.engine_urls.remote()) == [url]
+    assert ray.get(manager.__ray_call__.remote(lambda self: self.router.workers())) == [url]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    with pytest.raises(httpx.ConnectError):  # bound to 127.0.0.2 only, not to every address
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+
+
+def test_weights_published_and_batches_stored(trained):
+    import ray
+
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+    from vime_core.report.records import read_records
+    from vime_core.storage import BatchStore
+
+    cfg, summary = trained
+    ensure_ray(cfg.ray_address)
+    manager, trainers = attach(cfg)
+    final = 1 + cfg.num_rollout  # v1 at bootstrap, one publish per iteration
+    assert trainers.rank0("state")["weight_version"] == final
+    assert ray.get(manager.weight_versions.remote()) == [final]
+    checks = [r["weight_check"] for r in read_records(cfg.storage_uri, cfg.run_name)]
+    assert [c["version"] for c in checks] == [k + 2 for k in range(cfg.num_rollout)]
+    assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
+    assert summary["iterations"] == cfg.num_rollout
+    store = BatchStore(cfg.storage_uri)
+    for k in range(cfg.num_rollout):
+        batch, lineage = store.read(cfg.run_name, k)
+        assert len(batch["tokens"]) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        assert int(lineage["rollout_id"]) == k
+        assert {span["version"] for spans in batch["weight_versions"] for span in spans} == {k + 1}
