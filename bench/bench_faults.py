@@ -281,6 +281,9 @@ def main() -> int:
     pgid = json.loads((workdir / "ray" / local_head.STATE_FILE).read_text())["pgid"]
     run = settings(a, store, address)
     job = Job(job_args(run), workdir)
+    # SIGTERM (a timeout, a Ctrl-C of the caller's script) unwinds through `finally`: the run's
+    # driver, engines and Ray head go down with the bench
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         outcome = run_with_kills(a, job, store, pgid, rng)
         invariants = check_invariants(a, run) if outcome["finished"] else {}

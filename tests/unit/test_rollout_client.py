@@ -128,6 +128,37 @@ def test_control_calls_reach_the_right_endpoints():
     assert ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}, "args": []}) in seen
 
 
+def test_a_session_left_open_by_a_dead_publisher_is_closed_before_a_new_one():
+    """A trainer killed mid-publish leaves the engine's update session open and vLLM refuses every
+    later /start_weight_update (found by bench/bench_faults.py: the run could not go on). The
+    client closes the stale session with no weights and opens its own; other errors still raise."""
+    opened = []
+
+    def handler(method, path, body):
+        if path == "/start_weight_update":
+            if opened:
+                return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
+                                                  "'start_weight_update called while a weight update is already "
+                                                  "active. Call finish_weight_update first.'"}}
+            opened.append(True)
+        if path == "/finish_weight_update":
+            opened.clear()
+        return 200, {"ok": True}
+
+    with FakeEngine(handler) as fake:
+        c = SyncEngineClient(fake.url, "engine-0")
+        c.start_weight_update()  # the publish that dies before it finishes
+        c.start_weight_update()  # the next publish
+        calls = [(m, p, b) for m, p, b, _ in fake.requests]
+    assert calls == [("POST", "/start_weight_update", {}), ("POST", "/start_weight_update", {}),
+                     ("POST", "/finish_weight_update", {}), ("POST", "/start_weight_update", {})]
+
+    with FakeEngine(lambda m, p, b: (500, {"error": {"message": "no weight transfer engine"}})) as fake:
+        with pytest.raises(EngineError, match="no weight transfer engine"):
+            SyncEngineClient(fake.url, "engine-0").start_weight_update()
+        assert len(fake.requests) == 1
+
+
 def test_vllm_026_versions_live_in_the_workers():
     """vLLM 0.26 has no /weight_info or versioned finish: the version goes to and comes from
     vime's worker extension over /collective_rpc (engines/vllm_api.py)."""

@@ -28,6 +28,9 @@ from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
 
 logger = logging.getLogger(__name__)
 
+# vLLM's answer to /start_weight_update while a session is open (its workers' error text)
+STALE_SESSION = "weight update is already active"
+
 PauseMode = Literal["abort", "wait", "keep"]
 WAKE_TAGS = ("weights", "kv_cache")
 _TAG_ALIASES = {"weights": "weights", "weight": "weights", "kv_cache": "kv_cache", "kv": "kv_cache"}
@@ -255,6 +258,16 @@ class EngineClient:
         return await self.request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
     async def start_weight_update(self) -> dict:
+        """Open an update session. A session left open by a publisher that died mid-publish (its
+        process killed) would refuse every later one: it is closed first, with no weights, so
+        the engine keeps the layers it had (the publish that follows sends every tensor)."""
+        try:
+            return await self.request("POST", "/start_weight_update")
+        except EngineError as exc:
+            if STALE_SESSION not in exc.body:
+                raise
+        logger.warning("%s: a weight update session left open by an earlier publish; closing it", self.name)
+        await self.request("POST", "/finish_weight_update", json={})
         return await self.request("POST", "/start_weight_update")
 
     async def update_weights(self, update_info: dict) -> dict:
