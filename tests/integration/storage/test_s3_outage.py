@@ -160,14 +160,16 @@ def ray_with_s3(outage, tmp_path):
     from vime_core.cluster.connect import ensure_ray
     from vime_core.cluster.local_head import start_local_head, stop_local_head
 
+    import ray
+
+    if ray.is_initialized():  # attached to an earlier test's head, whose workers lack the credentials
+        ray.shutdown()
     temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
     try:
         address = start_local_head(1, num_cpus=1, temp_dir=temp)
         ensure_ray(address)
         yield address
     finally:
-        import ray
-
         if ray.is_initialized():
             ray.shutdown()
         stop_local_head(temp)
