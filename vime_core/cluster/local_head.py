@@ -130,6 +130,44 @@ def head_running(temp_dir: str | Path | None = None) -> str | None:
     return state["address"] if state and _gcs_alive(state) else None
 
 
+def _ray_start(command: list[str], env: dict[str, str], temp: Path, num_gpus: int, num_cpus: int | None,
+               resources: dict[str, float] | None, object_store_memory: int, timeout: float,
+               what: str) -> tuple[subprocess.Popen, str]:
+    """Run `command` (a `ray start` of either node kind) with what both kinds share: every port
+    a free one, the node's resources, its temp dir. Returns the finished process (its pid leads
+    the process group the node's daemons inherit) and its output."""
+    env = {**LOOPBACK_ENV, **os.environ, **env,
+           "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
+    args = [
+        *command,
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        "--min-worker-port=0", "--max-worker-port=0",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats", f"--num-gpus={int(num_gpus)}",
+        f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
+    ]
+    if num_cpus is not None:
+        args.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        args.append(f"--resources={json.dumps(resources)}")
+    # A new session makes `ray start` the leader of a process group its daemons inherit:
+    # that group (plus descendants) is exactly what stopping the node ends.
+    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_processes(process.pid)
+        raise TimeoutError(f"{what} did not finish in {timeout:.0f} s") from None
+    return process, output
+
+
+def _start_failed(process: subprocess.Popen, output: str, what: str) -> None:
+    _end_processes(process.pid)
+    raise RuntimeError(f"{what} failed (exit {process.returncode}):\n" + "\n".join(output.splitlines()[-15:]))
+
+
 def start_local_head(
     num_gpus: int,
     num_cpus: int | None = None,
@@ -158,41 +196,15 @@ def start_local_head(
         return running["address"]
     temp.mkdir(parents=True, exist_ok=True)
     gcs_port = port or free_port()
-    env = {
-        **LOOPBACK_ENV,
-        **os.environ,
-        "AUTOSCALER_METRIC_PORT": str(free_port()),
-        "DASHBOARD_METRIC_PORT": str(free_port()),
-    }
-    args = [
-        *_ray_command(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        "--min-worker-port=0", "--max-worker-port=0",
-        f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        "--include-dashboard=false", "--disable-usage-stats",
-        f"--num-gpus={int(num_gpus)}", f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
-    ]
-    if num_cpus is not None:
-        args.append(f"--num-cpus={int(num_cpus)}")
-    if resources:
-        args.append(f"--resources={json.dumps(resources)}")
-    # A new session makes `ray start` the leader of a process group its daemons inherit:
-    # that group (plus descendants) is exactly what stop_local_head ends.
-    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_processes(process.pid)
-        raise TimeoutError(f"`ray start --head` did not finish in {timeout:.0f} s") from None
+    command = [*_ray_command(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+               f"--dashboard-port={free_port()}", "--include-dashboard=false"]
+    process, output = _ray_start(command, {}, temp, num_gpus, num_cpus, resources, object_store_memory, timeout,
+                                 "`ray start --head`")
     address = f"127.0.0.1:{gcs_port}"
     state = {"address": address, "gcs_port": gcs_port, "pgid": process.pid, "temp_dir": str(temp),
              "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
     if process.returncode != 0:
-        _end_processes(process.pid)
-        raise RuntimeError(f"`ray start --head` failed (exit {process.returncode}):\n" + "\n".join(output.splitlines()[-15:]))
+        _start_failed(process, output, "`ray start --head`")
     (temp / STATE_FILE).write_text(json.dumps(state))
     deadline = time.monotonic() + 30
     while not _gcs_alive(state):
@@ -292,39 +304,15 @@ def start_local_worker(
     if running:
         return running
     temp.mkdir(parents=True, exist_ok=True)
-    env = {
-        **LOOPBACK_ENV,
-        **os.environ,
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # WORKER_LAUNCHER relies on it
-        "AUTOSCALER_METRIC_PORT": str(free_port()),
-        "DASHBOARD_METRIC_PORT": str(free_port()),
-    }
-    args = [
-        sys.executable, "-c", WORKER_LAUNCHER, "start", f"--address={head_address}", f"--node-ip-address={node_ip}",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        "--min-worker-port=0", "--max-worker-port=0",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-        "--disable-usage-stats", f"--num-gpus={int(num_gpus)}",
-        f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
-    ]
-    if num_cpus is not None:
-        args.append(f"--num-cpus={int(num_cpus)}")
-    if resources:
-        args.append(f"--resources={json.dumps(resources)}")
-    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_processes(process.pid)
-        raise TimeoutError(f"`ray start --address={head_address}` did not finish in {timeout:.0f} s") from None
+    command = [sys.executable, "-c", WORKER_LAUNCHER, "start", f"--address={head_address}",
+               f"--node-ip-address={node_ip}"]
+    what = f"`ray start --address={head_address}`"
+    process, output = _ray_start(command, {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},  # WORKER_LAUNCHER relies on it
+                                 temp, num_gpus, num_cpus, resources, object_store_memory, timeout, what)
     state = {"head_address": head_address, "node_ip": node_ip, "pgid": process.pid, "temp_dir": str(temp),
              "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
     if process.returncode != 0 or not _raylet_alive(state):
-        _end_processes(process.pid)
-        raise RuntimeError(f"`ray start --address={head_address}` failed (exit {process.returncode}):\n"
-                           + "\n".join(output.splitlines()[-15:]))
+        _start_failed(process, output, what)
     (temp / WORKER_STATE_FILE).write_text(json.dumps(state))
     log.info("Ray worker node %s joined %s (num_gpus=%s, resources=%s, temp dir %s)",
              node_ip, head_address, num_gpus, resources or {}, temp)
