@@ -25,3 +25,16 @@ def test_leave_without_a_worker_says_so(tmp_path, capsys):
     assert local_head.main(["leave", "--temp-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == "not running"
     assert local_head.worker_running(tmp_path) is None
+
+
+def test_port_is_free_sees_a_listening_socket():
+    import socket
+
+    from vime_core.utils.processes import free_port, port_is_free
+
+    port = free_port()
+    assert port_is_free("127.0.0.1", port)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert not port_is_free("127.0.0.1", port)

@@ -218,15 +218,12 @@ def _master_endpoint(pg) -> tuple[str, int]:
     import ray
 
     @ray.remote(num_cpus=0)
-    def free_port() -> tuple[str, int]:
-        import socket
+    def node_and_free_port() -> tuple[str, int]:
+        from vime_core.utils.processes import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
-    return ray.get(free_port.options(scheduling_strategy=_in_bundle(pg, 0)).remote())
+    return ray.get(node_and_free_port.options(scheduling_strategy=_in_bundle(pg, 0)).remote())
 
 
 def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.process import free_port, log_tail, terminate_group
+from vime_core.utils.processes import port_is_free
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 
 if TYPE_CHECKING:
@@ -440,10 +441,6 @@ class EngineServer:
         if self.attach_url:
             raise RuntimeError(f"{self.name} is attached to {redact_url(self.attach_url)}; it cannot be restarted from here")
         self.shutdown()
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((self.cfg.engine_bind_host, self.port or 0))
-        except OSError:
+        if self.port and not port_is_free(self.cfg.engine_bind_host, self.port):
             self.port = None
         return self.start()

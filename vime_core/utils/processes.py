@@ -14,6 +14,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now (SO_REUSEADDR: a port in TIME_WAIT counts as free)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
 def proc_stat(pid: int) -> tuple[int, int, str] | None:
     """(parent pid, process group id, state letter) of process `pid`, or None if there is none."""
     try:
