@@ -44,13 +44,15 @@ def bootstrap(config: VimeConfig) -> dict:
     new_manager = not rollout_manager_exists(config)
     manager = get_or_create_rollout_manager(config, engines)  # starts engines + router (steps 2, 4-7)
     trainers, created = get_or_create_trainer_group(config, pg)  # step 3
+    extra: dict = {}
     if created:
         trainers.call("init", config.hf_checkpoint)
         ckpt = latest_checkpoint(config)
         extra = (trainers.call("load", ckpt)[0] or {}) if ckpt is not None else {}
-        _restore_data_source(manager, extra.get("data_source"), new_manager)
         if ckpt is not None:
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
+    if new_manager or created:
+        _restore_data_source(config, manager, extra.get("data_source"), new_manager)
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
@@ -71,17 +73,24 @@ def bootstrap(config: VimeConfig) -> dict:
     return out
 
 
-def _restore_data_source(manager, state: dict | None, new_manager: bool) -> None:
-    """The data source's position after a trainer was rebuilt from its checkpoint.
+def _restore_data_source(config: VimeConfig, manager, checkpoint_state: dict | None, new_manager: bool) -> None:
+    """The data source's position when the RolloutManager or the trainer was (re)created.
 
-    A new RolloutManager starts at the dataset's beginning: it takes the checkpoint's position.
-    A RolloutManager that lived on (only the trainer died) already stands after the last batch
-    it generated, and every batch since the checkpoint is stored and is trained again from the
-    store, so rewinding it would give rollouts to come the prompts of rollouts already made. A
-    rollout it started ahead (prefetch) ran on weights the rebuilt trainer publishes again: it
-    is dropped and its prompts go back to the data source."""
-    if new_manager:
-        if state is not None:
-            ray.get(manager.load_data_source_state.remote(state))
-    else:
+    A new RolloutManager starts at the dataset's beginning. The batches stored since the
+    checkpoint are loaded from the store, not generated again, so it takes the position recorded
+    with the newest stored batch (its lineage's data_source_after), and the checkpoint's only
+    when no stored batch recorded one (batches written before it was recorded). A RolloutManager
+    that lived on (only the trainer died) already stands after the last batch it generated:
+    rewinding it would give rollouts to come the prompts of rollouts already made. A rollout it
+    started ahead (prefetch) ran on weights the rebuilt trainer publishes again: it is dropped
+    and its prompts go back to the data source."""
+    if not new_manager:
         ray.get(manager.discard_prefetch.remote(True))
+        return
+    from vime_core.cluster.batch_io import data_source_after
+
+    newest = data_source_after(config, 0)
+    state = newest[1] if newest is not None else checkpoint_state
+    if state is not None:
+        ray.get(manager.load_data_source_state.remote(state))
+        get_run_logger().info("data source resumed after %s", f"stored rollout {newest[0]}" if newest else "the checkpoint")

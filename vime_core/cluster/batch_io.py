@@ -49,7 +49,7 @@ def summarize(batch_ref) -> dict:
     return ray.get(_remote_functions()[2].remote(batch_ref))
 
 
-def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "") -> dict:
+def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "", data_source_after: dict | None = None) -> dict:
     """The lineage the caller knows; the store adds prompt ids, weight versions, row count,
     checksum, code version and creation time from the batch itself."""
     return {
@@ -60,7 +60,25 @@ def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "") -> dict
         "model_id": cfg.hf_checkpoint,
         "dataset_id": cfg.prompt_data,
         "flow_run_id": flow_run_id,
+        "data_source_after": data_source_after or {},
     }
+
+
+def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict] | None:
+    """(rollout id, the data source's state after it) of the newest stored batch with an id >=
+    `after_rollout_id` that recorded it, or None. A run resumed past its checkpoint loads the
+    stored batches since then instead of generating them: its data source goes on from here."""
+    from vime_core.storage import BatchStore
+    from vime_core.storage.schema import lineage_of
+
+    store = BatchStore(cfg.storage_uri)
+    for ref in sorted(store.list_batches(cfg.run_name), key=lambda r: r.rollout_id, reverse=True):
+        if ref.rollout_id < after_rollout_id:
+            return None
+        state = lineage_of(store.read_table(cfg.run_name, ref.rollout_id)).get("data_source_after")
+        if state:
+            return ref.rollout_id, state
+    return None
 
 
 def stored(cfg: VimeConfig, rollout_id: int) -> bool:
@@ -69,12 +87,14 @@ def stored(cfg: VimeConfig, rollout_id: int) -> bool:
     return BatchStore(cfg.storage_uri).exists(cfg.run_name, rollout_id)
 
 
-def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", overwrite: bool = False) -> dict:
+def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", overwrite: bool = False,
+         data_source_state: dict | None = None) -> dict:
     """Store the batch; `overwrite` replaces a quarantined one (usable_stored)."""
     import ray
 
     write, _, _ = _remote_functions()
-    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage_for(cfg, rollout_id, flow_run_id), overwrite))
+    lineage = lineage_for(cfg, rollout_id, flow_run_id, data_source_state)
+    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage, overwrite))
 
 
 def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:

@@ -41,6 +41,9 @@ from vime_core.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
+# the key of a rollout's metrics that carries the data source's state after it
+DATA_SOURCE_AFTER = "data_source_after"
+
 
 @dataclass
 class _Prefetched:
@@ -276,6 +279,9 @@ class RolloutManager:
         validate_trainable(batch)
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = float(self.health.restarts)
+        # where the data source stands after this rollout: stored with the batch (its lineage),
+        # so a run resumed past its checkpoint continues from the last stored batch's prompts
+        metrics[DATA_SOURCE_AFTER] = self.data_source.state_dict()
         return batch, metrics
 
     def generate_samples(self, rollout_id: int) -> tuple[list, dict]:
