@@ -44,9 +44,9 @@ def train(config: VimeConfig) -> dict:
             boot = bootstrap(config)
         except Exception as exc:
             raise start_failed(exc) from exc
-    start = config.start_rollout_id if config.start_rollout_id is not None else first_unfinished(config, boot)
-    with without_heartbeats(), one_line_failures():
-        iteration_walls, failed_attempts = run_iterations(config, start)
+        start = config.start_rollout_id if config.start_rollout_id is not None else first_unfinished(config, boot)
+        with without_heartbeats():
+            iteration_walls, failed_attempts = run_iterations(config, start)
     compact_index(config)
     records = read_records(config.storage_uri, config.run_name)
     root = run_dir(config.storage_uri, config.run_name)
@@ -110,7 +110,8 @@ class _KnownFailureWithoutTraceback(logging.Filter):
 
 @contextmanager
 def one_line_failures():
-    """Install _KnownFailureWithoutTraceback on Prefect's run loggers while the iterations run."""
+    """Install _KnownFailureWithoutTraceback on Prefect's run loggers while the run starts and
+    its iterations run (`vime train` also around the flow, for the flow run's own failure line)."""
     loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
     quiet = _KnownFailureWithoutTraceback()
     for lg in loggers:

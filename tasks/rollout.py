@@ -99,7 +99,7 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
         key = BatchStore(config.storage_uri).ref(config.run_name, rollout_id).key
         get_run_logger().info("rollout %d: stored by an earlier try at %s", rollout_id, key)
         return {"key": key, "t_persist": time.perf_counter() - t0, "stored_by_earlier_try": True}
-    from vime_core.rollout.manager import DATA_SOURCE_AFTER
+    from vime_core.storage.schema import DATA_SOURCE_AFTER
 
     info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id, overwrite=out.replaces_quarantined,
                          data_source_state=out.metrics.get(DATA_SOURCE_AFTER))

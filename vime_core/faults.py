@@ -36,6 +36,7 @@ another) are searched outermost first for the first one of a listed class.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -59,7 +60,10 @@ class Fault:
     error_type: str
 
 
+@functools.cache
 def _infrastructure_types() -> tuple[type, ...]:
+    """Built once (classify runs for every failed task's log record): imported lazily, since
+    Ray, httpx and botocore are not needed to import this module."""
     import ray.exceptions as rx
 
     from vime_core.cluster.run_actors import ActorsMissingError

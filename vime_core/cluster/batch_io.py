@@ -52,6 +52,8 @@ def summarize(batch_ref) -> dict:
 def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "", data_source_after: dict | None = None) -> dict:
     """The lineage the caller knows; the store adds prompt ids, weight versions, row count,
     checksum, code version and creation time from the batch itself."""
+    from vime_core.storage.schema import DATA_SOURCE_AFTER
+
     return {
         "run": cfg.run_name,
         "rollout_id": rollout_id,
@@ -60,7 +62,7 @@ def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "", data_so
         "model_id": cfg.hf_checkpoint,
         "dataset_id": cfg.prompt_data,
         "flow_run_id": flow_run_id,
-        "data_source_after": data_source_after or {},
+        DATA_SOURCE_AFTER: data_source_after or {},
     }
 
 
@@ -69,13 +71,13 @@ def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict
     `after_rollout_id` that recorded it, or None. A run resumed past its checkpoint loads the
     stored batches since then instead of generating them: its data source goes on from here."""
     from vime_core.storage import BatchStore
-    from vime_core.storage.schema import lineage_of
+    from vime_core.storage.schema import DATA_SOURCE_AFTER, lineage_of
 
     store = BatchStore(cfg.storage_uri)
     for ref in sorted(store.list_batches(cfg.run_name), key=lambda r: r.rollout_id, reverse=True):
         if ref.rollout_id < after_rollout_id:
             return None
-        state = lineage_of(store.read_table(cfg.run_name, ref.rollout_id)).get("data_source_after")
+        state = lineage_of(store.read_table(cfg.run_name, ref.rollout_id)).get(DATA_SOURCE_AFTER)
         if state:
             return ref.rollout_id, state
     return None

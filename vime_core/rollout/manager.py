@@ -41,9 +41,6 @@ from vime_core.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
-# the key of a rollout's metrics that carries the data source's state after it
-DATA_SOURCE_AFTER = "data_source_after"
-
 
 @dataclass
 class _Prefetched:
@@ -281,6 +278,8 @@ class RolloutManager:
         metrics["rollout/engine_restarts"] = float(self.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),
         # so a run resumed past its checkpoint continues from the last stored batch's prompts
+        from vime_core.storage.schema import DATA_SOURCE_AFTER
+
         metrics[DATA_SOURCE_AFTER] = self.data_source.state_dict()
         return batch, metrics
 

@@ -87,6 +87,9 @@ BATCH_SCHEMA = pa.schema(
 )
 COLUMNS: tuple[str, ...] = tuple(BATCH_SCHEMA.names)
 
+# The lineage key (and the rollout metrics' key) of the data source's position after a rollout.
+DATA_SOURCE_AFTER = "data_source_after"
+
 LINEAGE_DESCRIPTIONS: dict[str, str] = {
     "run": "run name (required)",
     "rollout_id": "rollout iteration id (required, int >= 0)",
@@ -99,7 +102,7 @@ LINEAGE_DESCRIPTIONS: dict[str, str] = {
     "prompt_ids": "prompt id of every group, in group order (computed from the batch if absent)",
     "weight_versions": "sorted distinct weight versions that generated the batch (computed)",
     "flow_run_id": "Prefect flow run that produced the batch",
-    "data_source_after": "the prompt data source's position after this rollout (a JSON object; a run resumed past its checkpoint continues from it)",
+    DATA_SOURCE_AFTER: "the prompt data source's position after this rollout (a JSON object; a run resumed past its checkpoint continues from it)",
     "created_at": "ISO-8601 UTC time of writing (computed if absent)",
     "num_rows": "number of samples (computed)",
     "checksum": "sha256 of the canonical IPC bytes, see module docstring (computed)",
@@ -222,7 +225,7 @@ def complete_lineage(lineage: dict, table: pa.Table) -> dict:
         "weight_versions": sorted(int(v) for v in lineage["weight_versions"]) if "weight_versions" in lineage
         else _distinct_versions(table.column("weight_versions").combine_chunks()),
         "flow_run_id": str(lineage.get("flow_run_id", "")),
-        "data_source_after": lineage.get("data_source_after") or {},
+        DATA_SOURCE_AFTER: lineage.get(DATA_SOURCE_AFTER) or {},
         "created_at": str(lineage.get("created_at") or dt.datetime.now(dt.timezone.utc).isoformat()),
         "num_rows": table.num_rows,
     }
