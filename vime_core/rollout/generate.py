@@ -60,8 +60,8 @@ class GenerateContext:
     weight_version: Optional[int] = None
     # Cleared by pause_admission: new requests wait until it is set again.
     admission_open: Optional[Any] = None
-    # Retries of a request whose engine did not answer (dead engine, restart in progress).
-    max_attempts: int = 8
+    # Back-off between attempts of a request whose engine did not answer; the number of
+    # attempts is cfg.rollout_request_max_attempts.
     retry_backoff_s: float = 0.5
 
 
@@ -162,7 +162,8 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     params = dict(sampling_params, max_tokens=min(budget, context_room))
 
     answer = None
-    for attempt in range(1, ctx.max_attempts + 1):
+    max_attempts = ctx.cfg.rollout_request_max_attempts
+    for attempt in range(1, max_attempts + 1):
         await _wait_for_admission(ctx)
         if ctx.aborting.is_set():
             sample.status = Status.ABORTED
@@ -173,7 +174,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         except EngineError as exc:
             if exc.status is not None and exc.status < 500:
                 return fail_sample(sample, str(exc))  # the request itself is bad: retrying cannot help
-            if attempt == ctx.max_attempts:
+            if attempt == max_attempts:
                 return fail_sample(sample, f"no engine answered after {attempt} attempts: {exc}", retryable=True)
             logger.info("sample %s: attempt %d failed (%s); retrying", sample.session_id, attempt, exc)
             await asyncio.sleep(min(ctx.retry_backoff_s * 2 ** (attempt - 1), 5.0))
