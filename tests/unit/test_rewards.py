@@ -65,6 +65,13 @@ def test_math_reward_boxed_and_final_number():
 # ---- text scorers ---------------------------------------------------------------------------------
 
 
+def test_math_reward_reads_a_gsm8k_label_after_its_hashes():
+    gsm8k = "Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips.\n#### 72"
+    assert math_reward(_sample("so 72 in all", gsm8k)) == 1.0
+    assert math_reward(_sample("so 24 in all", gsm8k)) == 0.0  # a number of the reasoning is not the answer
+    assert math_reward(_sample("1,234", "#### 1,234")) == 1.0
+
+
 def test_exact_match_and_f1():
     assert exact_match_reward(_sample("The Eiffel Tower!", "eiffel tower")) == 1.0
     assert exact_match_reward(_sample("tower", ["eiffel tower", "Tower"])) == 1.0

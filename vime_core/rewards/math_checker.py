@@ -2,7 +2,9 @@
 
     answer(text) = content of the last \\boxed{...} (or \\fbox{...}) when there is one,
                    else the last number in the text
-    reward       = 1.0 if equivalent(answer(response), label) else 0.0
+    reference    = content of the label's last \\boxed{...}, else what follows its last "####"
+                   (GSM8K's answer column: "...reasoning... #### 72"), else the whole label
+    reward       = 1.0 if equivalent(answer(response), reference) else 0.0
 
 Two answers are equivalent when, after normalisation (strip $, spaces, \\left/\\right, \\text{},
 trailing '.', thousands separators, a leading "x =" ), they are the same string, or both parse
@@ -97,8 +99,18 @@ def is_equiv(prediction: Optional[str], label: object) -> bool:
     return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=1e-9)
 
 
+def reference_answer(label: object) -> Optional[str]:
+    """The answer a label states (module docstring); None for no label."""
+    if label is None:
+        return None
+    text = str(label)
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    _, hashes, after = text.rpartition("####")
+    return after.strip() if hashes else text
+
+
 def math_reward(sample) -> float:
-    """1.0 when the response's answer (boxed, else last number) matches sample.label."""
-    label = sample.label
-    label_answer = extract_boxed(str(label)) or str(label) if label is not None else None
-    return 1.0 if is_equiv(extract_answer(sample.response or ""), label_answer) else 0.0
+    """1.0 when the response's answer (boxed, else last number) matches the label's reference."""
+    return 1.0 if is_equiv(extract_answer(sample.response or ""), reference_answer(sample.label)) else 0.0
