@@ -346,3 +346,18 @@ def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):
     with pytest.raises(EngineStartError, match=r"engine_urls\[0\]=http://127.0.0.1:\d+ does not answer /health"):
         EngineServer(cfg, 0, attach_url=url).start()
     assert time.monotonic() - t0 < 15
+
+
+def test_sync_client_has_every_async_call_with_its_signature_and_doc():
+    import inspect
+
+    public = {name for name, fn in vars(EngineClient).items()
+              if not name.startswith("_") and name != "aclose" and inspect.iscoroutinefunction(fn)}
+    generated = {name for name in vars(SyncEngineClient) if not name.startswith("_")}
+    assert generated == public
+    for name in public:
+        blocking, original = getattr(SyncEngineClient, name), getattr(EngineClient, name)
+        assert inspect.signature(blocking) == inspect.signature(original) and blocking.__doc__ == original.__doc__
+        assert not inspect.iscoroutinefunction(blocking)
+    with pytest.raises(AttributeError):
+        SyncEngineClient("http://127.0.0.1:1").aclose

@@ -169,6 +169,19 @@ def test_engine_errors_retry_5xx_and_fail_4xx(make_cfg, tokenizer):
     assert s.status is Status.FAILED and "prompt too long" in s.metadata["generate_error"] and len(gen.calls) == 1
 
 
+def test_request_attempts_end_in_a_retryable_failure(make_cfg, tokenizer):
+    """An engine that never answers: exactly rollout_request_max_attempts requests, then the
+    sample fails as retryable (its group is generated again) naming the count and the last error."""
+    cfg = make_cfg(rollout_request_max_attempts=3)
+    gen = FakeGenerator(errors=[EngineError("e", "POST /g", None, f"refused {i}") for i in range(cfg.rollout_request_max_attempts)])
+    s = Sample(tokens=[1, 4], prompt_length=2)
+    asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, retry_backoff_s=0.001), s, {}))
+    last = f"refused {cfg.rollout_request_max_attempts - 1}"
+    assert s.status is Status.FAILED and s.metadata["retryable"] is True
+    assert s.metadata["generate_error"].startswith(f"no engine answered after {cfg.rollout_request_max_attempts} attempts")
+    assert s.metadata["generate_error"].endswith(last) and len(gen.calls) == cfg.rollout_request_max_attempts
+
+
 def test_prompt_filling_the_context_fails_without_a_request(make_cfg, tokenizer):
     cfg = make_cfg(rollout_max_context_len=20)
     gen = FakeGenerator()

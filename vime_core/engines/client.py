@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 import json as jsonlib
 import logging
 from typing import Any, Callable, Coroutine, Iterable, Literal, Optional, TypeVar
@@ -25,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
+from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,10 @@ class EngineError(RuntimeError):
 
     def __reduce__(self):  # crosses Ray (pickle) with its own arguments, not the message
         return type(self), (self.engine, self.endpoint, self.status, self.body)
+
+
+class PrefixCacheBusy(EngineError):
+    """vLLM refused to flush the prefix cache (blocks held by running requests), every time."""
 
 
 def redact_url(url: str) -> str:
@@ -242,15 +249,15 @@ class EngineClient:
 
     async def reset_prefix_cache(self, attempts: int = 20, backoff_s: float = 0.05) -> None:
         """Flush the prefix cache (reloaded weights do not invalidate it). vLLM refuses while
-        blocks are held by running requests, so retry a bounded number of times."""
-        delay = backoff_s
-        for _ in range(attempts):
+        blocks are held by running requests, so retry up to `attempts` times, waiting
+        min(backoff_s * 2^(n-1), 1 s) after refusal n (`vime_core/utils/retry`)."""
+
+        async def flush() -> None:
             answer = await self.request("POST", "/reset_prefix_cache")
-            if answer is None or answer.get("success", True):
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        raise EngineError(self.name, "POST /reset_prefix_cache", 200, f"still refused after {attempts} attempts")
+            if answer is not None and not answer.get("success", True):
+                raise PrefixCacheBusy(self.name, "POST /reset_prefix_cache", 200, f"still refused after {attempts} attempts")
+
+        await async_attempts(attempts, backoff_s, max_s=1.0, retry_on=lambda exc: isinstance(exc, PrefixCacheBusy))(flush)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -352,26 +359,34 @@ def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 class SyncEngineClient:
-    """Blocking versions of `EngineClient`'s calls (`SyncEngineClient(url).pause("keep")`); each
-    call opens and closes its own connection, which costs ~1 ms and keeps the object free of
-    event-loop state."""
+    """Blocking versions of `EngineClient`'s calls (`SyncEngineClient(url).pause("keep")`), with
+    the same names, signatures and docstrings (generated below from `EngineClient`, so the two
+    never drift apart); each call opens and closes its own connection, which costs ~1 ms and
+    keeps the object free of event-loop state."""
 
     def __init__(self, base_url: str, name: Optional[str] = None, **client_kwargs: Any) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or redact_url(self.base_url)
         self._client_kwargs = client_kwargs
 
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        if method.startswith("_") or not asyncio.iscoroutinefunction(getattr(EngineClient, method, None)):
-            raise AttributeError(f"SyncEngineClient has no attribute {method!r}")
 
-        def blocking(*args: Any, **kwargs: Any) -> Any:
-            async def one_call() -> Any:
-                async with EngineClient(self.base_url, self.name, **self._client_kwargs) as client:
-                    return await getattr(client, method)(*args, **kwargs)
+def _blocking(method: str) -> Callable[..., Any]:
+    """`EngineClient.<method>` as a blocking `SyncEngineClient` method: one fresh client per call,
+    run to completion by `run_blocking`."""
 
-            return run_blocking(one_call)
+    @functools.wraps(getattr(EngineClient, method))
+    def blocking(self: SyncEngineClient, *args: Any, **kwargs: Any) -> Any:
+        async def one_call() -> Any:
+            async with EngineClient(self.base_url, self.name, **self._client_kwargs) as client:
+                return await getattr(client, method)(*args, **kwargs)
 
-        blocking.__name__ = blocking.__qualname__ = method
-        blocking.__doc__ = getattr(EngineClient, method).__doc__
-        return blocking
+        return run_blocking(one_call)
+
+    blocking.__qualname__ = f"SyncEngineClient.{method}"
+    return blocking
+
+
+for _method, _fn in list(vars(EngineClient).items()):  # every public coroutine but aclose
+    if not _method.startswith("_") and _method != "aclose" and inspect.iscoroutinefunction(_fn):
+        setattr(SyncEngineClient, _method, _blocking(_method))
+del _method, _fn

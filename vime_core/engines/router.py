@@ -21,7 +21,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,6 +29,7 @@ import httpx
 from vime_core.engines.client import EngineClient, redact_url
 from vime_core.engines.process import free_port, log_tail, terminate_group
 from vime_core.engines.server import REPO_ROOT
+from vime_core.utils.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -112,16 +112,17 @@ class Router:
             cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+
+        def live() -> bool:
             if self._proc.poll() is not None:
                 raise RouterError(f"vllm-router exited with code {self._proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/liveness", timeout=2.0).status_code == 200:
-                    return self.url
+                return httpx.get(f"{self.url}/liveness", timeout=2.0).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                return False
+
+        if poll_until(live, self.startup_timeout_s, interval_s=0.2):
+            return self.url
         self.shutdown()
         raise RouterError(f"vllm-router not live after {self.startup_timeout_s} s:\n{self.log_tail()}")
 

@@ -32,13 +32,13 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.process import free_port, log_tail, terminate_group
 from vime_core.utils.processes import port_is_free
+from vime_core.utils.retry import poll_until
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 
 if TYPE_CHECKING:
@@ -374,19 +374,20 @@ class EngineServer:
         return log_tail(self.log_path, lines)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
         client = SyncEngineClient(self.url, self.name)  # type: ignore[arg-type]
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             code = self._proc.poll() if self._proc else None
             if code is not None:
                 raise EngineStartError(
                     f"{self.name}: vLLM server exited with code {code} before becoming healthy; "
                     f"last {LOG_TAIL_LINES} log lines ({self.log_path}):\n{self.log_tail()}"
                 )
-            if client.is_healthy(timeout_s=2.0):
-                logger.info("%s: healthy at %s", self.name, self.url)
-                return
-            time.sleep(0.5)
+            return client.is_healthy(timeout_s=2.0)
+
+        if poll_until(healthy, timeout_s, interval_s=0.5):
+            logger.info("%s: healthy at %s", self.name, self.url)
+            return
         tail = self.log_tail()
         self._terminate(grace_s=5.0)
         raise EngineStartError(

@@ -2,7 +2,8 @@
 
 One POST per sample to `url` with JSON {"prompt", "response", "label", "metadata"}; the answer is
 a JSON number or {"reward": number}. Transport errors, timeouts, 429 and 5xx are retried up to
-`max_retries` times with exponential backoff (backoff_s * 2^attempt); other 4xx fail at once.
+`max_retries` times, waiting backoff_s * 2^(n-1) after failed attempt n (`vime_core/utils/retry`);
+other 4xx fail at once.
 
 Headers (e.g. an API key) are sent but never logged and never put in exceptions; URLs are shown
 without user-info or query string, which may carry credentials.
@@ -10,11 +11,12 @@ without user-info or query string, which may carry credentials.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
+
+from vime_core.utils.retry import RetryCallState, async_attempts
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,11 @@ RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 class RemoteRewardError(RuntimeError):
     """The reward model did not give a usable reward; the message holds no headers or secrets."""
+
+
+class _NoAnswer(Exception):
+    """An attempt worth repeating (transport error, timeout, RETRYABLE_STATUS); the text says
+    which, and holds no headers."""
 
 
 def redact_url(url: str) -> str:
@@ -65,29 +72,32 @@ class RemoteRewardModel:
 
         body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
         shown = redact_url(self.url)
-        last_error = ""
+
+        async def once(client: httpx.AsyncClient) -> float:
+            try:
+                response = await client.post(self.url, json=body)
+            except httpx.TimeoutException:
+                raise _NoAnswer(f"timed out after {self.timeout_s}s") from None
+            except httpx.TransportError as exc:
+                raise _NoAnswer(type(exc).__name__) from None
+            if response.status_code in RETRYABLE_STATUS:
+                raise _NoAnswer(f"HTTP {response.status_code}")
+            if response.status_code >= 400:
+                raise RemoteRewardError(f"reward model {shown} answered HTTP {response.status_code}: {response.text[:200]!r}")
+            try:
+                payload = response.json()
+            except ValueError:
+                raise RemoteRewardError(f"reward model {shown} answered non-JSON: {response.text[:200]!r}") from None
+            return parse_reward(payload)
+
+        def log_retry(state: RetryCallState) -> None:
+            log.warning("reward model %s: %s; retry %d/%d in %.2fs", shown, state.outcome.exception(),
+                        state.attempt_number, self.max_retries, state.upcoming_sleep)
+
+        retrying = async_attempts(self.max_retries + 1, self.backoff_s, retry_on=lambda exc: isinstance(exc, _NoAnswer),
+                                  on_retry=log_retry)
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers) as client:
-            for attempt in range(self.max_retries + 1):
-                if attempt:
-                    delay = self.backoff_s * 2 ** (attempt - 1)
-                    log.warning("reward model %s: %s; retry %d/%d in %.2fs", shown, last_error, attempt, self.max_retries, delay)
-                    await asyncio.sleep(delay)
-                try:
-                    response = await client.post(self.url, json=body)
-                except httpx.TimeoutException:
-                    last_error = f"timed out after {self.timeout_s}s"
-                    continue
-                except httpx.TransportError as exc:
-                    last_error = f"{type(exc).__name__}"
-                    continue
-                if response.status_code in RETRYABLE_STATUS:
-                    last_error = f"HTTP {response.status_code}"
-                    continue
-                if response.status_code >= 400:
-                    raise RemoteRewardError(f"reward model {shown} answered HTTP {response.status_code}: {response.text[:200]!r}")
-                try:
-                    payload = response.json()
-                except ValueError:
-                    raise RemoteRewardError(f"reward model {shown} answered non-JSON: {response.text[:200]!r}") from None
-                return parse_reward(payload)
-        raise RemoteRewardError(f"reward model {shown} failed after {self.max_retries + 1} attempts: {last_error}")
+            try:
+                return await retrying(once, client)
+            except _NoAnswer as exc:
+                raise RemoteRewardError(f"reward model {shown} failed after {self.max_retries + 1} attempts: {exc}") from None

@@ -28,11 +28,13 @@ from typing import Any, Optional, Protocol
 
 from vime_core.data.sample import Sample, Status, WeightSpan
 from vime_core.engines.client import EngineError, parse_weight_version
+from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
 
 MISSING_LOGPROB = -9999.0
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+MAX_RETRY_WAIT_S = 5.0
 
 
 class Generator(Protocol):
@@ -60,8 +62,9 @@ class GenerateContext:
     weight_version: Optional[int] = None
     # Cleared by pause_admission: new requests wait until it is set again.
     admission_open: Optional[Any] = None
-    # Back-off between attempts of a request whose engine did not answer; the number of
-    # attempts is cfg.rollout_request_max_attempts.
+    # Back-off between attempts of a request whose engine did not answer: after attempt n,
+    # min(retry_backoff_s * 2^(n-1), MAX_RETRY_WAIT_S); the number of attempts is
+    # cfg.rollout_request_max_attempts.
     retry_backoff_s: float = 0.5
 
 
@@ -140,6 +143,12 @@ def fail_sample(sample: Sample, reason: str, retryable: bool = False) -> Sample:
     return sample
 
 
+def _no_answer(exc: BaseException) -> bool:
+    """No engine gave an answer (refused, dropped, timed out) or it failed on its side (5xx): the
+    request may succeed on the next attempt. A 4xx says the request itself is bad."""
+    return isinstance(exc, EngineError) and (exc.status is None or exc.status >= 500)
+
+
 async def _wait_for_admission(ctx: GenerateContext) -> None:
     while ctx.admission_open is not None and not ctx.admission_open.is_set():
         if ctx.aborting.is_set():
@@ -163,21 +172,23 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
 
     answer = None
     max_attempts = ctx.cfg.rollout_request_max_attempts
-    for attempt in range(1, max_attempts + 1):
-        await _wait_for_admission(ctx)
-        if ctx.aborting.is_set():
-            sample.status = Status.ABORTED
-            return sample
-        try:
-            answer = await ctx.generator.generate(sample.tokens, params, session_id=sample.session_id or None)
-            break
-        except EngineError as exc:
-            if exc.status is not None and exc.status < 500:
-                return fail_sample(sample, str(exc))  # the request itself is bad: retrying cannot help
-            if attempt == max_attempts:
-                return fail_sample(sample, f"no engine answered after {attempt} attempts: {exc}", retryable=True)
-            logger.info("sample %s: attempt %d failed (%s); retrying", sample.session_id, attempt, exc)
-            await asyncio.sleep(min(ctx.retry_backoff_s * 2 ** (attempt - 1), 5.0))
+    retrying = async_attempts(
+        max_attempts, ctx.retry_backoff_s, max_s=MAX_RETRY_WAIT_S, retry_on=_no_answer,
+        on_retry=lambda state: logger.info("sample %s: attempt %d failed (%s); retrying",
+                                           sample.session_id, state.attempt_number, state.outcome.exception()),
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await _wait_for_admission(ctx)
+                if ctx.aborting.is_set():
+                    sample.status = Status.ABORTED
+                    return sample
+                answer = await ctx.generator.generate(sample.tokens, params, session_id=sample.session_id or None)
+    except EngineError as exc:
+        if not _no_answer(exc):
+            return fail_sample(sample, str(exc))  # the request itself is bad: retrying cannot help
+        return fail_sample(sample, f"no engine answered after {max_attempts} attempts: {exc}", retryable=True)
     assert answer is not None
 
     try:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from vime_core.engines.client import EngineClient
 from vime_core.utils.loop_thread import LoopThread
+from vime_core.utils.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +155,8 @@ class RolloutManager:
 
     @staticmethod
     def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while set(urls) - set(router.workers()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
-            time.sleep(0.2)
+        if not poll_until(lambda: not set(urls) - set(router.workers()), timeout_s, interval_s=0.2):
+            raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
 
     def _client(self, url: str, name: str) -> EngineClient:
         return EngineClient(url, name, supports_sleep=self.supports_sleep, max_connections=max(64, self.cfg.vllm_server_concurrency * 2))

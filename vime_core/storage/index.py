@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import logging
+from typing import Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,6 +31,7 @@ import pyarrow.parquet as pq
 from vime_core.storage import layout
 from vime_core.storage.fs import StorageLocation
 from vime_core.storage.schema import lineage_of
+from vime_core.utils.retry import attempts
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ INDEX_SCHEMA = pa.schema(
 )
 
 _READ_ATTEMPTS = 8
+T = TypeVar("T")
 
 
 def _mean(column: pa.ChunkedArray) -> float | None:
@@ -144,17 +147,26 @@ class BatchIndex:
         are listed before compacted files, for the reason the module docstring gives.
         """
         prefix = layout.manifest_prefix(run, rollout_id)
-        for _ in range(_READ_ATTEMPTS):
+
+        def read_once() -> pa.Table:
             names = [k for k in self.location.list_keys(prefix.rsplit("/", 1)[0]) if k.startswith(prefix)]
             compacted = self.location.list_keys(layout.COMPACTED)
-            try:
-                rows = self._read(names + [k for k in compacted if k.endswith(".parquet")])
-            except FileNotFoundError:
-                continue  # folded or replaced meanwhile: look again
-            rows = latest_per_batch(rows.filter(pc.and_(pc.equal(rows.column("run"), run),
-                                                        pc.equal(rows.column("rollout_id"), rollout_id))))
-            return rows.to_pylist()[0] if rows.num_rows else None
-        raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads")
+            return self._read(names + [k for k in compacted if k.endswith(".parquet")])
+
+        rows = self._consistent(read_once)
+        rows = latest_per_batch(rows.filter(pc.and_(pc.equal(rows.column("run"), run),
+                                                    pc.equal(rows.column("rollout_id"), rollout_id))))
+        return rows.to_pylist()[0] if rows.num_rows else None
+
+    def _consistent(self, read_once: Callable[[], T]) -> T:
+        """`read_once()`, run again (up to _READ_ATTEMPTS times in all) while a file it listed
+        vanishes before it is read: a compaction folded it meanwhile (module docstring)."""
+        retrying = attempts(_READ_ATTEMPTS, retry_on=lambda exc: isinstance(exc, FileNotFoundError),
+                            on_retry=lambda state: log.debug("index file vanished while reading (a compaction ran); reading again"))
+        try:
+            return retrying(read_once)
+        except FileNotFoundError:
+            raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads") from None
 
     def _read(self, keys: list[str]) -> pa.Table:
         blobs = self.location.get_many(keys)
@@ -163,15 +175,14 @@ class BatchIndex:
 
     def snapshot(self) -> tuple[list[str], pa.Table]:
         """(keys read, all rows incl. duplicates), consistent as described in the module docstring."""
-        for _ in range(_READ_ATTEMPTS):
+
+        def read_once() -> tuple[list[str], pa.Table]:
             manifests = self.location.list_keys(layout.MANIFESTS)
             compacted = self.location.list_keys(layout.COMPACTED)
             keys = [k for k in manifests + compacted if k.endswith(".parquet")]
-            try:
-                return keys, self._read(keys)
-            except FileNotFoundError:
-                log.debug("index file vanished while reading (a compaction ran); reading again")
-        raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads")
+            return keys, self._read(keys)
+
+        return self._consistent(read_once)
 
     def table(self) -> pa.Table:
         """All published batches, one row each, sorted by run and rollout_id."""
