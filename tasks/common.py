@@ -6,6 +6,7 @@ from prefect.cache_policies import NO_CACHE
 
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
+from vime_core.faults import pause_points
 
 
 def retry_unless_configuration(task, task_run, state) -> bool:
@@ -19,6 +20,18 @@ def retry_unless_configuration(task, task_run, state) -> bool:
 
 # Phase tasks take actor handles and object references: nothing to hash or cache.
 TASK_DEFAULTS = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=retry_unless_configuration)
+
+# The fault tests' pause points (vime_core/faults.PausePoints), read once; unset (the default),
+# no hook is installed at all.
+_PAUSE_POINTS = pause_points()
+
+
+def pause_at_task_start(task, task_run, state) -> None:
+    _PAUSE_POINTS.pause(task_run.name)
+
+
+if _PAUSE_POINTS is not None:
+    TASK_DEFAULTS["on_running"] = [pause_at_task_start]
 
 
 def first_try() -> bool:

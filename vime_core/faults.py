@@ -37,9 +37,11 @@ another) are searched outermost first for the first one of a listed class.
 from __future__ import annotations
 
 import functools
+import os
 import re
-from dataclasses import dataclass
-from typing import Optional
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 INFRASTRUCTURE = "infrastructure"
 CONFIGURATION = "configuration or data"
@@ -152,3 +154,45 @@ def describe(err: BaseException) -> str:
 def retry_delay(base_s: float, attempt: int) -> float:
     """Seconds before attempt `attempt` (2, 3, ...): `base_s`, then doubled for each further try."""
     return base_s * 2 ** max(0, attempt - 2)
+
+
+# The fault tests' handle on a driver, off unless set (tasks/common.py reads it once, at import):
+# the driver pauses as each named phase task run starts, so a test kills a process in a known
+# phase instead of after a guessed sleep.
+PAUSE_AT_ENV = "VIME_FAULT_PAUSE_AT"  # task run names, comma-separated: "persist-6,sync-v9"
+PAUSE_DIR_ENV = "VIME_FAULT_PAUSE_DIR"  # where the paused driver announces itself
+
+
+@dataclass
+class PausePoints:
+    """On reaching a named task run (the first time in this process), write `directory/<name>`
+    holding the driver's pid and wait while that file exists: the test does its harm (kills the
+    driver, an actor, a server) and deletes the file to let the driver go on."""
+
+    names: frozenset[str]
+    directory: str
+    poll_s: float = 0.05
+    reached: set[str] = field(default_factory=set)
+
+    def pause(self, name: str) -> None:
+        if name not in self.names or name in self.reached:
+            return
+        self.reached.add(name)
+        path = os.path.join(self.directory, name)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, path)  # appears whole: the test reads the pid as soon as it sees the file
+        while os.path.exists(path):
+            time.sleep(self.poll_s)
+
+
+def pause_points(environ: Mapping[str, str] = os.environ) -> Optional[PausePoints]:
+    """The pause points `environ` asks for (PAUSE_AT_ENV, PAUSE_DIR_ENV), or None (the default)."""
+    names = frozenset(n.strip() for n in environ.get(PAUSE_AT_ENV, "").split(",") if n.strip())
+    if not names:
+        return None
+    directory = environ.get(PAUSE_DIR_ENV)
+    if not directory:
+        raise ValueError(f"{PAUSE_AT_ENV} is set but {PAUSE_DIR_ENV} (where to announce a pause) is not")
+    return PausePoints(names, directory)

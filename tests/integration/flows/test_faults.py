@@ -9,7 +9,8 @@ order, each extending it:
   the trainer from the checkpoint of rollout 1, and rollouts 2-3 are trained again from their
   stored batches;
 - the trainer refuses a batch (a data error): the iteration is not retried and the error says so;
-- the driver (`vime train`) is SIGKILLed once batch 6 is stored; the same command finishes the run.
+- the driver (`vime train`) is SIGKILLed inside each phase in turn (rollout, persist, train, sync,
+  checkpoint), each time resumed by the same command, which finishes the run.
 After each: every rollout id has one trainable batch, the optimizer made one step per rollout id,
 and the engines hold the trainer's weights after every sync.
 """
@@ -205,42 +206,83 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
     assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
 
 
-def _vime_train(cfg, repo_root, prefect_home, log_path) -> subprocess.Popen:
-    """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too)."""
+def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None) -> subprocess.Popen:
+    """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too);
+    `pause_at`: task runs it pauses at (vime_core/faults.PausePoints), announcing in `pause_dir`."""
+    from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
+
     args = [sys.executable, "-m", "flows.cli", "train"]
     for name in ("run_name", "storage_uri", "hf_checkpoint", "ray_address", "num_rollout", "rollout_batch_size",
                  "n_samples_per_prompt", "micro_batch_size", "save_interval", "vllm_server_concurrency",
                  "iteration_retry_delay_s"):
         args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
     args.append("--check-weight-update-equal")
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home)}
+    env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV)}
+    env["PREFECT_HOME"] = str(prefect_home)
+    if pause_at:
+        env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
     return subprocess.Popen(args, cwd=repo_root, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_killed_driver_resumes_with_the_same_command(killed_trainer, repo_root, tmp_path):
-    """SIGKILL of `vime train` (and everything it started) once batch 6 is stored, while it
-    trains and syncs rollout 6; the same command then runs the run to its end."""
+def _wait_paused(driver: subprocess.Popen, announced, log_path, timeout_s: float = 600) -> None:
+    """Until the driver announces that it paused where asked (it is then inside that phase)."""
+    deadline = time.monotonic() + timeout_s
+    while not announced.exists():
+        assert driver.poll() is None, f"the driver ended before {announced.name}:\n" + log_path.read_text()[-5000:]
+        assert time.monotonic() < deadline, f"the driver did not reach {announced.name}:\n" + log_path.read_text()[-5000:]
+        time.sleep(0.1)
+    assert announced.read_text() == str(driver.pid)
+
+
+def _stored_ids_whole(cfg) -> list[int]:
+    """What a reader of the store sees: the published rollout ids, each whole (checksum against
+    the object and the index); every batch object, published or not, is a whole table."""
     from vime_core.storage import BatchStore
+    from vime_core.storage.store import verify_table
+
+    store = BatchStore(cfg.storage_uri)
+    ids = [b.rollout_id for b in store.list_batches(cfg.run_name)]
+    for k in ids:
+        store.read(cfg.run_name, k)
+    for key in store.location.list_keys(f"batches/{cfg.run_name}"):
+        verify_table(store.location.get(key), key)
+    return ids
+
+
+def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_trainer, repo_root, tmp_path):
+    """`vime train` SIGKILLed (with everything it started) inside each phase of the step, one
+    phase per driver, each driver the same command resuming after the one before; the last runs
+    the run to its end. Each kill lands in its phase: the driver pauses as that phase's task run
+    starts (vime_core/faults.PausePoints) and is killed there."""
+    from vime_core.step_protocol import due, version_before
 
     cfg, _, _ = killed_trainer
-    cfg8 = cfg.model_copy(update={"num_rollout": 8})
-    store = BatchStore(cfg.storage_uri)
-    trainer_pid = _trainer_pid(_handles(cfg8)[1])
-    driver = _vime_train(cfg8, repo_root, tmp_path / "prefect", tmp_path / "first.log")
-    try:
-        deadline = time.monotonic() + 600
-        while not store.exists(cfg.run_name, 6) and driver.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert store.exists(cfg.run_name, 6), "batch 6 not stored in time"
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
-    again = _vime_train(cfg8, repo_root, tmp_path / "prefect", tmp_path / "second.log")
-    rc = again.wait(timeout=900)
-    log = (tmp_path / "second.log").read_text()
-    assert rc == 0, log[-5000:]
-    _check_run(cfg8, cfg8.num_rollout, resumed=frozenset({6}))
-    # the first driver finished iteration 5; the second resumed at 6, on the same actors
-    assert [r["rollout_id"] for r in _raw_records(cfg)][6:] == [5, 6, 7]
-    assert _trainer_pid(_handles(cfg8)[1]) == trainer_pid
+    first = len(_stored_ids_whole(cfg))  # the earlier tests stored 0 .. first-1
+    rollout_k, persist_k, train_k, sync_k = range(first, first + 4)
+    save_k = next(k for k in range(sync_k + 1, sync_k + 1 + cfg.save_interval) if due(cfg.save_interval, k, -1))
+    kills = [f"rollout-{rollout_k}", f"persist-{persist_k}", f"train-{train_k}",
+             f"sync-v{version_before(sync_k) + 1}", f"save-{save_k}"]
+    run = cfg.model_copy(update={"num_rollout": save_k + 2})  # save_k is not the last iteration
+    raw_before = len(_raw_records(cfg))
+    trainer_pid = _trainer_pid(_handles(run)[1])
+    pause_dir = tmp_path / "paused"
+    pause_dir.mkdir()
+    for i, at in enumerate(kills):
+        log = tmp_path / f"driver-{i}.log"
+        driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=[at], pause_dir=pause_dir)
+        try:
+            _wait_paused(driver, pause_dir / at, log)
+        finally:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        stored = _stored_ids_whole(run)
+        assert stored == list(range(len(stored))), (at, stored)  # nothing partial, no gap
+
+    log = tmp_path / "last.log"
+    rc = _vime_train(run, repo_root, tmp_path / "prefect", log).wait(timeout=900)
+    assert rc == 0, log.read_text()[-5000:]
+    killed_ids = frozenset(range(rollout_k, save_k + 1))
+    _check_run(run, run.num_rollout, resumed=killed_ids)
+    # each killed iteration ended before its report: the next driver ran it again, once
+    assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))
+    assert _trainer_pid(_handles(run)[1]) == trainer_pid  # the actors outlived every driver
