@@ -231,14 +231,32 @@ def test_describe_schema_lists_every_column():
     assert all(f"| {c} |" in text for c in COLUMNS)
 
 
-def test_lineage_doc_schema_section_is_current():
+@pytest.mark.parametrize("name, marker", [("interfaces.md", "columns:begin"), ("lineage.md", "schema:begin")])
+def test_generated_doc_sections_are_current(name, marker):
+    """docs/interfaces.md's column table and docs/lineage.md's schema are generated from
+    vime_core/data/columns.py (and the index schema); a stale one fails here."""
     from pathlib import Path
 
     from vime_core.storage.docs import render_into
 
-    doc = Path(__file__).resolve().parents[2] / "docs" / "lineage.md"
-    text = doc.read_text()
-    assert render_into(text) == text, "run: python -m vime_core.storage.docs --write docs/lineage.md"
+    text = (Path(__file__).resolve().parents[2] / "docs" / name).read_text()
+    assert marker in text
+    assert render_into(text) == text, "run: python -m vime_core.storage.docs --write docs/interfaces.md docs/lineage.md"
+
+
+def test_a_changed_column_makes_the_docs_stale(monkeypatch):
+    """The check above can fail: a meaning edited in the one definition changes the table."""
+    import dataclasses
+    from pathlib import Path
+
+    from vime_core.data import columns
+    from vime_core.storage import docs
+
+    edited = tuple(dataclasses.replace(c, meaning=c.meaning + " (edited)") if c.name == "tokens" else c
+                   for c in columns.BATCH_COLUMNS)
+    monkeypatch.setattr(docs, "BATCH_COLUMNS", edited)
+    text = (Path(__file__).resolve().parents[2] / "docs" / "interfaces.md").read_text()
+    assert docs.render_into(text) != text and "| prompt + response token ids (edited) |" in docs.render_into(text)
 
 
 def test_the_real_batch_builder_output_round_trips():

@@ -53,3 +53,21 @@ def test_without_prompt_length_a_response_still_needs_a_prompt_token():
     batch = {"tokens": [[5, 6]], "response_length": [2], "loss_mask": [[1, 1]]}
     with pytest.raises(UntrainableBatchError, match="leaves no prompt token"):
         validate_trainable(batch)
+
+
+def test_total_length_must_count_the_tokens_and_rows_name_their_group():
+    batch = _batch(total_length=[3, 5], group_index=[7, 7], index=[0, 1])
+    with pytest.raises(UntrainableBatchError, match=r"sample 1 \(group 7 index 1, prompt 'p1'\): total_length=5 != 4 tokens"):
+        validate_trainable(batch)
+
+
+def test_lengths_only_keeps_the_length_rules_and_drops_trainability():
+    """What the builder and the store check: lengths that agree, whether or not a sample has a
+    response (an empty batch too)."""
+    no_response = _batch(response_length=[1, 0], tokens=[[1, 2, 3], [1, 4]], loss_mask=[[1], []])
+    with pytest.raises(UntrainableBatchError, match="no response"):
+        validate_trainable(no_response)
+    assert validate_trainable(no_response, lengths_only=True) == 2
+    assert validate_trainable({"tokens": [], "response_length": [], "loss_mask": []}, lengths_only=True) == 0
+    with pytest.raises(UntrainableBatchError, match="loss_mask has 1 entries"):
+        validate_trainable(_batch(loss_mask=[[1], [1]]), lengths_only=True)

@@ -19,32 +19,23 @@ import json
 from typing import Sequence
 
 from vime_core.algo.advantages import postprocess_rewards
+from vime_core.data.columns import COLUMN_NAMES
 from vime_core.data.sample import Sample, Status
-
-BATCH_COLUMNS = (
-    "prompt_id", "group_index", "index", "tokens", "prompt_length", "response_length", "total_length",
-    "loss_mask", "rollout_log_probs", "raw_reward", "reward", "advantage", "status", "finish_reason",
-    "weight_versions", "session_id", "is_eval", "metadata",
-)
+from vime_core.data.validation import validate_trainable
 
 
-def _check_sample(s: Sample) -> None:
-    where = f"sample {s.group_index}/{s.index} (prompt {s.prompt_id!r})"
-    if s.prompt_length + s.response_length != len(s.tokens):
-        raise ValueError(f"{where}: {len(s.tokens)} tokens != prompt_length {s.prompt_length} + response_length {s.response_length}")
-    if len(s.loss_mask) != s.response_length:
-        raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}")
-    if len(s.rollout_log_probs) != s.response_length:
-        raise ValueError(f"{where}: {len(s.rollout_log_probs)} rollout_log_probs, response_length is {s.response_length}")
+def _check_scored(s: Sample) -> None:
     if s.reward is None and s.status != Status.FAILED:
-        raise ValueError(f"{where}: reward is None; score samples before building the batch")
+        raise ValueError(f"sample {s.group_index}/{s.index} (prompt {s.prompt_id!r}): reward is None; score samples before building the batch")
 
 
 def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[str, list]:
-    """The columns of BATCH_COLUMNS for `samples` (formulas in the module docstring)."""
+    """The batch of `samples`: the columns of vime_core.data.columns in their order (formulas
+    in the module docstring); raises UntrainableBatchError for a sample whose lengths disagree
+    (data/validation.py, lengths_only: trainability is checked by whoever hands the batch on)."""
     ordered = sorted(samples, key=lambda s: (s.group_index, s.index))
     for s in ordered:
-        _check_sample(s)
+        _check_scored(s)
     failed = [s.status == Status.FAILED for s in ordered]
     raw = [0.0 if f else float(s.reward) for s, f in zip(ordered, failed)]
     live = [i for i, f in enumerate(failed) if not f]
@@ -54,7 +45,7 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
     reward = [0.0] * len(ordered)
     for i, r in zip(live, live_rewards, strict=True):
         reward[i] = r
-    return {
+    values = {
         "prompt_id": [s.prompt_id for s in ordered],
         "group_index": [s.group_index for s in ordered],
         "index": [s.index for s in ordered],
@@ -74,3 +65,6 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
         "is_eval": [is_eval] * len(ordered),
         "metadata": [json.dumps(s.metadata, sort_keys=True, default=str) for s in ordered],
     }
+    batch = {name: values[name] for name in COLUMN_NAMES}
+    validate_trainable(batch, lengths_only=True)
+    return batch

@@ -2,8 +2,8 @@
 
 A rollout batch (docs/interfaces.md, "Data crossing boundaries") is a `dict[str, list]` with one
 entry per sample. Stored, it is one Arrow table: one row per sample, the columns of
-`BATCH_SCHEMA`, and the lineage as schema metadata (one key per lineage field, each value
-JSON-encoded UTF-8).
+`BATCH_SCHEMA` (one field per column of vime_core/data/columns.py), and the lineage as schema
+metadata (one key per lineage field, each value JSON-encoded UTF-8).
 
 Checksum (`table_checksum`), precisely:
 
@@ -42,47 +42,16 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from vime_core.data.columns import BATCH_COLUMNS
+from vime_core.data.validation import UntrainableBatchError, validate_trainable
 from vime_core.storage.secrets import redact_secrets
 
 SCHEMA_VERSION = 1
 """Bump when a column is added, removed or changes meaning; add an upgrade to `UPGRADES`."""
 
-_WEIGHT_SPAN = pa.struct(
-    [pa.field("version", pa.int64(), nullable=False), pa.field("start", pa.int64(), nullable=False), pa.field("end", pa.int64(), nullable=False)]
-)
-
-
-def _list(item: pa.DataType) -> pa.ListType:
-    # Parquet's compliant nested naming calls a list item "element"; using it here keeps the
-    # type, and hence the checksum, identical after a Parquet round trip.
-    return pa.list_(pa.field("element", item))
-
-
-def _field(name: str, type_: pa.DataType, description: str, nullable: bool = False) -> pa.Field:
-    return pa.field(name, type_, nullable=nullable, metadata={"description": description})
-
-
+# One field per column of vime_core.data.columns, its meaning as the field's description.
 BATCH_SCHEMA = pa.schema(
-    [
-        _field("prompt_id", pa.string(), "dataset id of the prompt"),
-        _field("group_index", pa.int64(), "group counter inside the rollout (samples of one prompt share it)"),
-        _field("index", pa.int64(), "position of the sample inside its group"),
-        _field("tokens", _list(pa.int32()), "prompt + response token ids"),
-        _field("prompt_length", pa.int64(), "number of prompt tokens"),
-        _field("response_length", pa.int64(), "number of response tokens (the last ones of `tokens`)"),
-        _field("total_length", pa.int64(), "prompt_length + response_length = len(tokens)"),
-        _field("loss_mask", _list(pa.int8()), "one per response token; 0 = not trained (tool output, off-policy part)"),
-        _field("rollout_log_probs", _list(pa.float32()), "engine log-probs, one per response token (may be empty when not collected)"),
-        _field("raw_reward", pa.float64(), "reward as scored (null: not scored, e.g. aborted)", nullable=True),
-        _field("reward", pa.float64(), "reward after group normalisation (GRPO: (r - mean) / (std_unbiased + 1e-6))", nullable=True),
-        _field("advantage", pa.float64(), "scalar advantage of the sample (GRPO: = reward)", nullable=True),
-        _field("status", pa.string(), "Sample.Status value: completed, truncated, aborted, failed"),
-        _field("finish_reason", pa.string(), "vLLM finish reason (stop, length, abort)"),
-        _field("weight_versions", _list(_WEIGHT_SPAN), "spans {version, start, end} over response tokens: tokens [start, end) came from weights `version`"),
-        _field("session_id", pa.string(), "routing key sent as x-session-id"),
-        _field("is_eval", pa.bool_(), "sample of an eval rollout"),
-        _field("metadata", pa.string(), "free-form per-sample metadata, a JSON string"),
-    ],
+    [pa.field(c.name, c.type, nullable=c.nullable, metadata={"description": c.meaning}) for c in BATCH_COLUMNS],
     metadata={"schema_version": json.dumps(SCHEMA_VERSION)},
 )
 COLUMNS: tuple[str, ...] = tuple(BATCH_SCHEMA.names)
@@ -267,34 +236,12 @@ def _normalise(name: str, values: list) -> list:
     return values
 
 
-def _check_lengths(table: pa.Table) -> None:
-    """Row-wise consistency the trainer relies on; names the column and the first bad row."""
-    def first_bad(ok: pa.ChunkedArray | pa.Array) -> int | None:
-        bad = pc.indices_nonzero(pc.invert(ok.combine_chunks() if isinstance(ok, pa.ChunkedArray) else ok))
-        return int(bad[0].as_py()) if len(bad) else None
-
-    n_tokens = pc.list_value_length(table.column("tokens"))
-    response = table.column("response_length")
-    checks = [
-        ("total_length", pc.equal(table.column("total_length"), n_tokens), "total_length != len(tokens)"),
-        ("prompt_length", pc.equal(pc.add(table.column("prompt_length"), response), table.column("total_length")),
-         "prompt_length + response_length != total_length"),
-        ("loss_mask", pc.equal(pc.list_value_length(table.column("loss_mask")), response), "len(loss_mask) != response_length"),
-        ("rollout_log_probs", pc.or_(pc.equal(pc.list_value_length(table.column("rollout_log_probs")), response),
-                                     pc.equal(pc.list_value_length(table.column("rollout_log_probs")), 0)),
-         "len(rollout_log_probs) is neither response_length nor 0"),
-    ]
-    for column, ok, what in checks:
-        row = first_bad(ok)
-        if row is not None:
-            raise SchemaError(f"batch column {column!r}, row {row}: {what}")
-
-
 def batch_to_table(batch: dict[str, list], lineage: dict) -> pa.Table:
     """The stored form of a batch: BATCH_SCHEMA columns, full lineage and checksum in metadata.
 
     Raises SchemaError naming the column for a missing/unknown column, ragged lengths, a value
-    of the wrong type or a null in a non-nullable column.
+    of the wrong type, a null in a non-nullable column, or a row whose lengths disagree (the
+    length rules of vime_core/data/validation.py).
     """
     missing = [c for c in COLUMNS if c not in batch]
     unknown = sorted(set(batch) - set(COLUMNS))
@@ -315,8 +262,11 @@ def batch_to_table(batch: dict[str, list], lineage: dict) -> pa.Table:
         if not field.nullable and array.null_count:
             raise SchemaError(f"batch column {field.name!r} has {array.null_count} null values; it is not nullable")
         arrays.append(array)
+    try:  # the rows' lengths agree (every stored batch keeps these; trainability is the trainer's)
+        validate_trainable(batch, lengths_only=True)
+    except UntrainableBatchError as exc:
+        raise SchemaError(str(exc)) from None
     table = pa.Table.from_arrays(arrays, schema=BATCH_SCHEMA.remove_metadata())
-    _check_lengths(table)
     full = complete_lineage(lineage, table)
     table = table.replace_schema_metadata(_encode_metadata(full))
     full["checksum"] = table_checksum(table)

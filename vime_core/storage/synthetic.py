@@ -2,16 +2,19 @@
 
 Values are drawn from a seeded generator and respect the invariants batch_to_table checks
 (lengths agree, groups contiguous); log-probs are float32-representable so a round trip is
-exact; GRPO-normalised rewards are computed from the raw ones like the real builder does.
+exact; rewards are GRPO-normalised from the raw ones by the builder's own function
+(vime_core.algo.advantages.postprocess_rewards).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import statistics
 
 import numpy as np
+
+from vime_core.algo.advantages import postprocess_rewards
+from vime_core.data.columns import COLUMN_NAMES
 
 
 def synthetic_batch(
@@ -33,15 +36,10 @@ def synthetic_batch(
     """
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
-    batch: dict[str, list] = {k: [] for k in (
-        "prompt_id", "group_index", "index", "tokens", "prompt_length", "response_length", "total_length",
-        "loss_mask", "rollout_log_probs", "raw_reward", "reward", "advantage", "status", "finish_reason",
-        "weight_versions", "session_id", "is_eval", "metadata",
-    )}
+    batch: dict[str, list] = {name: [] for name in COLUMN_NAMES}
     for g in range(num_groups):
         raw = [float(rng.randint(0, 1)) for _ in range(group_size)]
-        mean = statistics.fmean(raw)
-        std = statistics.stdev(raw) if group_size > 1 else 0.0
+        normalised = postprocess_rewards(raw, [g] * group_size, "grpo")
         for i in range(group_size):
             response = rng.randint(min_response_len, max_response_len)
             tokens = np_rng.integers(0, vocab_size, prompt_len + response).tolist()
@@ -49,7 +47,6 @@ def synthetic_batch(
             spans = [{"version": weight_version, "start": 0, "end": split}] if split else []
             if split < response:
                 spans.append({"version": weight_version + 1, "start": split, "end": response})
-            normalised = (raw[i] - mean) / (std + 1e-6)
             batch["prompt_id"].append(f"{prompt_prefix}{g}")
             batch["group_index"].append(g)
             batch["index"].append(i)
@@ -60,8 +57,8 @@ def synthetic_batch(
             batch["loss_mask"].append([1] * response)
             batch["rollout_log_probs"].append(np_rng.uniform(-5, 0, response).astype(np.float32).tolist())
             batch["raw_reward"].append(raw[i])
-            batch["reward"].append(normalised)
-            batch["advantage"].append(normalised)
+            batch["reward"].append(normalised[i])
+            batch["advantage"].append(normalised[i])
             batch["status"].append("completed" if response < max_response_len else "truncated")
             batch["finish_reason"].append("stop" if response < max_response_len else "length")
             batch["weight_versions"].append(spans)
