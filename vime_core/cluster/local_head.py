@@ -46,10 +46,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from vime_core.utils.processes import free_port, pid_alive, proc_stat
+from vime_core.utils.processes import cmdline, free_port, group_tree, pid_alive
+from vime_core.utils.retry import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +94,7 @@ def _read_state(temp_dir: Path, name: str = STATE_FILE) -> dict | None:
 
 
 # ---- processes ----------------------------------------------------------------------------------
-def _head_processes(pgid: int) -> list[int]:
-    """Live processes of the head's process group and all their descendants."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = proc_stat(int(entry))
-            if info and info[2] != "Z":
-                table[int(entry)] = info
-    members = {pid for pid, (_, group, _) in table.items() if group == pgid}
-    frontier = set(members)
-    while frontier:
-        children = {pid for pid, (parent, _, _) in table.items() if parent in frontier and pid not in members}
-        members |= children
-        frontier = children
-    return sorted(members)
+_head_processes = group_tree  # a node's processes: `ray start`'s group and all their descendants
 
 
 def _gcs_alive(state: dict) -> bool:
@@ -117,10 +103,7 @@ def _gcs_alive(state: dict) -> bool:
             pass
     except OSError:
         return False
-    return any(
-        b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _head_processes(int(state["pgid"]))
-        if Path(f"/proc/{pid}/cmdline").exists()
-    )
+    return any("gcs_server" in " ".join(cmdline(pid)) for pid in _head_processes(int(state["pgid"])))
 
 
 # ---- public ---------------------------------------------------------------------------------------
@@ -206,12 +189,9 @@ def start_local_head(
     if process.returncode != 0:
         _start_failed(process, output, "`ray start --head`")
     (temp / STATE_FILE).write_text(json.dumps(state))
-    deadline = time.monotonic() + 30
-    while not _gcs_alive(state):
-        if time.monotonic() > deadline:
-            stop_local_head(temp)
-            raise TimeoutError(f"Ray head at {address} started but its GCS does not answer")
-        time.sleep(0.2)
+    if not poll_until(lambda: _gcs_alive(state), timeout_s=30, interval_s=0.2):
+        stop_local_head(temp)
+        raise TimeoutError(f"Ray head at {address} started but its GCS does not answer")
     log.info("Ray head at %s (num_gpus=%s, temp dir %s)", address, num_gpus, temp)
     return address
 
@@ -228,17 +208,14 @@ def _end_processes(pgid: int, grace: float = 3.0) -> int:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-        time.sleep(0.2)
+    poll_until(lambda: not any(pid_alive(p) for p in pids), timeout_s=grace, interval_s=0.2)
     for pid in _head_processes(pgid) + [p for p in pids if pid_alive(p)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-        time.sleep(0.1)  # SIGKILLed processes take a moment to become zombies
+    # SIGKILLed processes take a moment to become zombies
+    poll_until(lambda: not any(pid_alive(p) for p in pids), timeout_s=5.0, interval_s=0.1)
     return len(pids)
 
 
@@ -267,10 +244,7 @@ sys.exit(scripts.main())
 
 
 def _raylet_alive(state: dict) -> bool:
-    return any(
-        b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-        for pid in _head_processes(int(state["pgid"])) if Path(f"/proc/{pid}/cmdline").exists()
-    )
+    return any("raylet" in (cmdline(pid) or [""])[0] for pid in _head_processes(int(state["pgid"])))
 
 
 def worker_running(temp_dir: str | Path) -> dict | None:

@@ -2,7 +2,8 @@
 an engine actor that imported torch.cuda to ask would itself hold ~0.5 GB on the GPU).
 
     process_bytes   sum of `used_memory` of the compute apps whose pid is in the process group
-                    (a vLLM server and its engine-core workers share one session/group)
+                    or descends from it (a vLLM server and its engine-core workers share one
+                    session/group)
     device_used_bytes  `memory.used` of each listed device (everything on it: trainer included)
 
 Inside some containers nvidia-smi lists no pids; `process_bytes` is then None and only the
@@ -11,10 +12,11 @@ devices' totals are known.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from typing import Any, Optional
+
+from vime_core.utils.processes import group_tree
 
 MIB = 2**20
 
@@ -32,23 +34,10 @@ def _query(args: list[str]) -> list[list[str]]:
     return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
-def group_pids(pgid: int) -> set[int]:
-    """Pids of the live processes in process group `pgid` (from /proc)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    pids.add(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
 def group_device_memory(pgid: int, device_ids: Optional[list[str]] = None) -> dict[str, Any]:
     """{"process_bytes": int | None, "device_used_bytes": {device id: bytes}} (module docstring)."""
     devices = {index: total - free for index, (free, total) in free_and_total(device_ids).items()}
-    return {"process_bytes": processes_bytes(group_pids(pgid)), "device_used_bytes": devices}
+    return {"process_bytes": processes_bytes(set(group_tree(pgid))), "device_used_bytes": devices}
 
 
 def processes_bytes(pids: set[int]) -> Optional[int]:

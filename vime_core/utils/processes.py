@@ -1,10 +1,12 @@
-"""Process liveness from /proc (Linux) and free loopback ports, shared by the helpers that
-start and stop servers."""
+"""Processes (through psutil) and free loopback ports, shared by the helpers that start and stop
+servers."""
 
 from __future__ import annotations
 
+import os
 import socket
-from pathlib import Path
+
+import psutil
 
 
 def free_port() -> int:
@@ -25,18 +27,42 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def proc_stat(pid: int) -> tuple[int, int, str] | None:
-    """(parent pid, process group id, state letter) of process `pid`, or None if there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after its last ")".
-    fields = text[text.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[2]), fields[0]
-
-
 def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; an exited process not yet reaped (a zombie) counts as gone."""
-    stat = proc_stat(pid)
-    return stat is not None and stat[2] != "Z"
+    """True while `pid` runs; an exited process not yet reaped (a zombie) counts as gone: in a
+    container whose init does not reap, a killed daemon stays a zombie for good."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def cmdline(pid: int) -> list[str]:
+    """The arguments `pid` was started with ([] when it is gone or cannot be read)."""
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
+def group_tree(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` and all their descendants (which may have made
+    groups of their own, as Ray's actor workers do), sorted. psutil has no process-group field,
+    so the group comes from os.getpgid."""
+    parent: dict[int, int] = {}
+    members = set()
+    for proc in psutil.process_iter(["ppid", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            group = os.getpgid(proc.pid)
+        except OSError:  # gone meanwhile
+            continue
+        parent[proc.pid] = proc.info["ppid"]
+        if group == pgid:
+            members.add(proc.pid)
+    frontier = set(members)
+    while frontier:
+        children = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in members}
+        members |= children
+        frontier = children
+    return sorted(members)
