@@ -34,7 +34,7 @@ from vime_core.report.records import read_records, reward_gain, run_dir
 def train(config: VimeConfig) -> dict:
     log = get_run_logger()
     t0 = time.perf_counter()
-    preload_curve()  # while bootstrap runs: the first reward curve then draws in ~0.1 s
+    preload_curve()  # the first reward curve then draws in ~0.1 s
     config = prepare_assets(config)
     log.info("resolved configuration:\n%s", describe(config))
     if "://" not in config.storage_uri:

@@ -109,20 +109,21 @@ def test_report_table_artifact_holds_the_latest_iterations_and_the_file_all(tmp_
     assert f"{tmp_path}/reports/rep/metrics.jsonl" in tables[-1]["description"]
 
 
-def test_preload_imports_pyplot_in_the_background():
-    """A fresh interpreter: pyplot is not imported until preload's thread has run."""
+def test_preload_imports_pyplot_in_the_calling_thread():
+    """A fresh interpreter: pyplot is imported when preload returns, and no thread is left
+    importing beside the caller (why: the docstring of vime_core.report.curve.preload)."""
     import subprocess
     import sys
     from pathlib import Path
 
     code = (
-        "import sys\n"
+        "import sys, threading\n"
         "from vime_core.report.curve import preload\n"
         "assert 'matplotlib.pyplot' not in sys.modules\n"
-        "thread = preload()\n"
-        "assert thread.daemon\n"
-        "thread.join()\n"
+        "before = set(threading.enumerate())\n"
+        "assert preload() is None\n"
         "assert 'matplotlib.pyplot' in sys.modules\n"
+        "assert set(threading.enumerate()) <= before, threading.enumerate()\n"
     )
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import threading
 
 
 def _pyplot():
@@ -15,14 +14,15 @@ def _pyplot():
     return plt
 
 
-def preload() -> threading.Thread:
-    """Import matplotlib in the background (~0.9 s on the 2-core machine, once per process), so
-    the first reward curve an iteration draws costs only the drawing (~0.13 s): the report
-    ends an iteration flow run, and with rollout_prefetch its time is hidden only while it is
-    shorter than the next rollout."""
-    thread = threading.Thread(target=_pyplot, name="vime-preload-matplotlib", daemon=True)
-    thread.start()
-    return thread
+def preload() -> None:
+    """Import matplotlib now (~0.9 s on the 2-core machine, once per process), so the first
+    reward curve an iteration draws costs only the drawing (~0.13 s): the report ends an
+    iteration flow run, and with rollout_prefetch its time is hidden only while it is shorter
+    than the next rollout. In the caller's thread, not in the background: CPython before 3.11.8
+    keeps the AST constructor's recursion depth in global state (gh-106905), so an import in a
+    background thread could make a concurrent one that parses source fail (torch's did, with
+    "AST constructor recursion depth mismatch")."""
+    _pyplot()
 
 
 def reward_curve_png(records: list[dict], title: str) -> bytes:
