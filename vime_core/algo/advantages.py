@@ -1,12 +1,13 @@
 """Reward post-processing per group and per-token advantages.
 
-Group normalisation (done once per rollout, on scalar rewards r_i of one group g, |g| = n):
+Group normalisation (done once per rollout, on scalar rewards r_i of one group g, |g| = n), the
+estimator's registered `group_normalisation`:
 
-    grpo / gspo / cispo:            A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)
-                                        when grpo_std_normalization and n > 1, else r_i - mean_g(r)
-                                    std_g is the unbiased (n - 1) standard deviation
-    reinforce_plus_plus_baseline:   A_i = r_i - mean_g(r)
-    reinforce_plus_plus, ppo:       A_i = r_i            (no group baseline)
+    mean_std (grpo / gspo / cispo):          A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)
+                                             when grpo_std_normalization and n > 1, else r_i - mean_g(r)
+                                             std_g is the unbiased (n - 1) standard deviation
+    mean (reinforce_plus_plus_baseline):     A_i = r_i - mean_g(r)
+    none (reinforce_plus_plus, ppo):         A_i = r_i            (no group baseline)
 
 Per-token advantages (done by the trainer on its partition; T_i response tokens of sample i,
 kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
@@ -24,20 +25,23 @@ kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
     loss_mask == 1 tokens of every sample passed in (the caller passes one whole step).
 
 REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016.
+
+Each estimator is one `register_adv_est` below, carrying its group normalisation, its policy loss
+and what the gates and the configuration's checks need (vime_core/algo/registry.py). torch is
+imported inside the functions: the configuration reads the registered names without it.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import torch
+from vime_core.algo.registry import get_adv_estimator, register_adv_est
 
-from vime_core.algo.registry import register_adv_est
+if TYPE_CHECKING:
+    import torch
 
 GROUP_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
-STD_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo")
-MEAN_CENTRED_ESTIMATORS = STD_NORMALISED_ESTIMATORS + ("reinforce_plus_plus_baseline",)
 
 
 # ---- group normalisation (scalar rewards) ---------------------------------------------------
@@ -62,15 +66,16 @@ def postprocess_rewards(
     advantage_estimator: str,
     grpo_std_normalization: bool = True,
 ) -> list[float]:
-    """Rewards after the estimator's per-group processing (module docstring), in input order.
+    """Rewards after the estimator's group normalisation (module docstring), in input order.
 
     Samples of one group share a `group_ids` value; they need not be contiguous.
     """
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
-    if advantage_estimator not in MEAN_CENTRED_ESTIMATORS:
+    normalisation = get_adv_estimator(advantage_estimator).group_normalisation
+    if normalisation == "none":
         return [float(r) for r in rewards]
-    std_normalization = grpo_std_normalization and advantage_estimator in STD_NORMALISED_ESTIMATORS
+    std_normalization = grpo_std_normalization and normalisation == "mean_std"
     positions: dict[int, list[int]] = {}
     for pos, gid in enumerate(group_ids):
         positions.setdefault(gid, []).append(pos)
@@ -87,6 +92,8 @@ def postprocess_rewards(
 def masked_whiten(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """whiten(x) = (x - mean_m(x)) / sqrt(var_m(x) + 1e-8) over loss_mask == 1 tokens of all
     samples together (unbiased variance). Masked tokens are shifted/scaled too; they carry no loss."""
+    import torch
+
     flat = torch.cat([v.float() for v in values])
     mask = torch.cat([m.float() for m in loss_masks])
     count = mask.sum()
@@ -100,6 +107,8 @@ def masked_whiten(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Ten
 
 def _token_rewards(reward: torch.Tensor, kl: Optional[torch.Tensor], kl_coef: float, length: int) -> torch.Tensor:
     """r_t = -kl_coef * kl_t + [t = T - 1] * reward."""
+    import torch
+
     r = torch.zeros(length, dtype=torch.float32) if kl is None else -kl_coef * kl.float()
     if length:
         r[length - 1] = r[length - 1] + reward
@@ -110,6 +119,8 @@ def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tenso
     """G_t = r_t + gamma * G_{t+1}, G_T = 0."""
     # A loop over Python floats: ~50x faster than indexing a tensor per token, and exact for any
     # gamma (the closed form gamma^-t * cumsum(gamma^k r_k) underflows on long responses).
+    import torch
+
     returns = [0.0] * len(token_rewards)
     running = 0.0
     for t, r in zip(range(len(returns) - 1, -1, -1), reversed(token_rewards.tolist())):
@@ -120,6 +131,8 @@ def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tenso
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lambd A_{t+1};  returns = A + V."""
+    import torch
+
     r, v = token_rewards.tolist(), values.float().tolist()
     advantages = [0.0] * len(r)
     next_value, running = 0.0, 0.0
@@ -134,8 +147,8 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: 
 
 # ---- per-token estimators ---------------------------------------------------------------------
 
-TokenTensors = Optional[Sequence[torch.Tensor]]
-AdvantagesAndReturns = tuple[list[torch.Tensor], list[torch.Tensor]]
+TokenTensors = Optional[Sequence["torch.Tensor"]]
+AdvantagesAndReturns = tuple[list["torch.Tensor"], list["torch.Tensor"]]
 # Common signature: (rewards[B] post-processed, loss_masks: list[T_i], *, kl, values, gamma,
 # lambd, kl_coef) -> (advantages: list[T_i], returns: list[T_i]).
 
@@ -153,9 +166,9 @@ def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: O
                 raise ValueError(f"sample {i}: {name} has {len(s)} tokens, loss_mask {len(m)}")
 
 
-@register_adv_est("grpo")
-@register_adv_est("gspo")
-@register_adv_est("cispo")
+@register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo", summary="Shao et al. 2024")
+@register_adv_est("gspo", group_normalisation="mean_std", policy_loss="gspo", reuse_log_probs=False, summary="Zheng et al. 2025")
+@register_adv_est("cispo", group_normalisation="mean_std", policy_loss="cispo", summary="MiniMax-M1 2025")
 def group_broadcast_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],
@@ -167,12 +180,14 @@ def group_broadcast_advantages(
     kl_coef: float = 0.0,
 ) -> AdvantagesAndReturns:
     """A_{i,t} = A_i for every response token t of sample i; returns = advantages."""
+    import torch
+
     _check(rewards, loss_masks)
     advantages = [torch.full((len(m),), float(r), dtype=torch.float32) for r, m in zip(rewards.tolist(), loss_masks)]
     return advantages, advantages
 
 
-@register_adv_est("reinforce_plus_plus")
+@register_adv_est("reinforce_plus_plus", policy_loss="ppo", token_rewards=True, summary="Hu 2025")
 def reinforce_plus_plus_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],
@@ -192,7 +207,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, loss_masks), returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", group_normalisation="mean", policy_loss="ppo", token_rewards=True)
 def reinforce_plus_plus_baseline_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],
@@ -204,6 +219,8 @@ def reinforce_plus_plus_baseline_advantages(
     kl_coef: float = 0.0,
 ) -> AdvantagesAndReturns:
     """A = whiten(A_i - kl_coef * kl_t) (A_i already group-centred); returns = A."""
+    import torch
+
     _check(rewards, loss_masks, kl=kl)
     raw = [
         torch.full((len(m),), float(rewards[i]), dtype=torch.float32) - (0.0 if kl is None else kl_coef * kl[i].float())
@@ -213,7 +230,7 @@ def reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
-@register_adv_est("ppo")
+@register_adv_est("ppo", policy_loss="ppo", token_rewards=True, critic=True, summary="GAE with a value head")
 def gae_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],
@@ -248,9 +265,9 @@ def compute_advantages(
     kl_coef: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Look up the estimator by name and run it; accepts plain lists for rewards and masks."""
-    from vime_core.algo.registry import get_adv_estimator_fn
+    import torch
 
-    fn = get_adv_estimator_fn(advantage_estimator)
+    fn = get_adv_estimator(advantage_estimator).fn
     rewards_t = torch.as_tensor(rewards, dtype=torch.float32)
     masks = [torch.as_tensor(m, dtype=torch.float32) for m in loss_masks]
     return fn(rewards_t, masks, kl=kl, values=values, gamma=gamma, lambd=lambd, kl_coef=kl_coef)

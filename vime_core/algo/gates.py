@@ -9,8 +9,11 @@ be skipped when ALL of these hold:
     not needs_reference(cfg)              no KL term needs the reference model's forward
     not use_rollout_logprobs              old = engine log-probs is a different choice
     not get_mismatch_metrics              train-vs-rollout metrics need the recomputed ones
-    no critic                             (advantage_estimator == "ppo" trains one)
-    advantage_estimator != "gspo"         GSPO's sequence ratio needs the old log-probs as input
+    not est.critic                        a critic's estimator (ppo) trains a value head too
+    est.reuse_log_probs                   False where the loss takes the old log-probs as an
+                                          input of its own (GSPO's sequence ratio)
+
+where est = the registration of advantage_estimator (vime_core/algo/registry.py).
 
 needs_reference(cfg): a KL term uses the reference policy's log-probs:
 
@@ -26,20 +29,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from vime_core.algo.registry import get_adv_estimator
+
 
 def needs_reference(cfg) -> bool:
     return bool(cfg.use_kl_loss) or cfg.kl_coef > 0
 
 
 def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:
+    est = get_adv_estimator(cfg.advantage_estimator)
     return (
         len(num_microbatches) == 1
         and cfg.loss_type == "policy_loss"
         and not needs_reference(cfg)
         and not cfg.use_rollout_logprobs
         and not cfg.get_mismatch_metrics
-        and cfg.advantage_estimator != "ppo"
-        and cfg.advantage_estimator != "gspo"
+        and not est.critic
+        and est.reuse_log_probs
     )
 
 

@@ -4,7 +4,8 @@ Notation: per response token t, log_probs = log pi(a_t) (with grad), old_log_pro
 pi_old(a_t) (no grad), ppo_kl = old_log_probs - log_probs, A = advantage, eps = eps_clip,
 eps_high = eps_clip_high, c = eps_clip_c.
 
-PPO clip (grpo, reinforce++, ppo; Schulman et al. 2017), with the dual clip of Ye et al. 2020:
+Each estimator names the loss it trains with when it registers (algo/registry.py). PPO clip
+(grpo, reinforce++, ppo; Schulman et al. 2017), with the dual clip of Ye et al. 2020:
 
     ratio = exp(-ppo_kl)
     pg    = max(-ratio * A, -clip(ratio, 1 - eps, 1 + eps_high) * A)
@@ -38,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from vime_core.algo.registry import register_policy_loss
+from vime_core.algo.registry import get_adv_estimator, register_policy_loss
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -160,8 +161,8 @@ class PolicyLossParams:
 
 
 def policy_loss_name(advantage_estimator: str) -> str:
-    """The registered policy loss an estimator trains with."""
-    return advantage_estimator if advantage_estimator in ("gspo", "cispo") else "ppo"
+    """The registered policy loss an estimator trains with (its registration's policy_loss)."""
+    return get_adv_estimator(advantage_estimator).policy_loss
 
 
 # Common signature (flat tensors over the response tokens of a micro-batch, sum T_i long):

@@ -1,72 +1,159 @@
-"""Name -> function registries for advantage estimators and policy losses (verl style).
+"""Name -> advantage estimator and name -> policy loss registries (verl style).
 
-    @register_adv_est("grpo")
-    def grpo_advantages(...): ...
+An estimator is one registration that carries everything the rest of vime asks of it:
 
-    get_adv_estimator_fn("grpo")   # -> grpo_advantages
+    @register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo", summary="Shao et al. 2024")
+    def group_broadcast_advantages(rewards, loss_masks, *, kl, values, gamma, lambd, kl_coef): ...
+
+    get_adv_estimator("grpo")      # -> AdvEstimator(name, fn, group_normalisation, policy_loss, ...)
+    get_adv_estimator_fn("grpo")   # -> group_broadcast_advantages
+
+Where each field is used: `group_normalisation` by the batch builder (algo.advantages.
+postprocess_rewards), `fn` by the trainer (algo.advantages.compute_advantages), `policy_loss` by
+the train step (algo.losses.policy_loss_name), `reuse_log_probs` and `critic` by algo.gates,
+`token_rewards` and `critic` by the configuration's checks (config/derive.py), and the names (with
+their `summary`) are the configuration's choices for `advantage_estimator`.
 
 Registering a name twice is an error (two modules silently fighting over one name is a bug);
-asking for an unknown name raises `KeyError` listing the known ones.
+asking for an unknown name raises `KeyError` listing the known ones. This module and
+algo.advantages import no torch at import time, so the configuration (and `vime --help`) reads
+the registered names without it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Literal, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
-_ADV_ESTIMATORS: dict[str, Callable] = {}
+GroupNormalisation = Literal["mean_std", "mean", "none"]
+
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    """One registered advantage estimator (see algo.advantages for the formulas)."""
+
+    name: str
+    fn: Callable
+    """(rewards[B], loss_masks: list[T_i], *, kl, values, gamma, lambd, kl_coef) -> (advantages, returns)."""
+    group_normalisation: GroupNormalisation = "none"
+    """Of the scalar rewards of one group, once per rollout: mean_std: (r - mean) / (std + 1e-6)
+    (only centred when grpo_std_normalization is off or the group has one sample); mean: r - mean;
+    none: r."""
+    policy_loss: str = "ppo"
+    """The registered policy loss it trains with."""
+    token_rewards: bool = False
+    """Its advantages come from per-token rewards, where kl_coef's KL penalty goes; an estimator
+    without them refuses kl_coef > 0 (the KL term of the loss is use_kl_loss)."""
+    reuse_log_probs: bool = True
+    """At a rollout's only optimizer step the detached current log-probs may stand for the old ones;
+    False when the policy loss needs the old log-probs as an input of its own (GSPO's sequence
+    ratio)."""
+    critic: bool = False
+    """Needs a value head. The trainer does not build one yet: the configuration refuses it."""
+    summary: str = ""
+    """A few words shown beside its name in the configuration's description (the paper it comes from)."""
+
+
+_ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
 
 
-def _register(table: dict[str, Callable], kind: str, name: str) -> Callable[[F], F]:
-    def decorator(fn: F) -> F:
-        if name in table and table[name] is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered by {table[name].__module__}.{table[name].__qualname__}")
-        table[name] = fn
-        return fn
+def _add(table: dict, kind: str, name: str, entry, fn: Callable) -> None:
+    known = table.get(name)
+    if known is not None:
+        known_fn = known.fn if isinstance(known, AdvEstimator) else known
+        if known_fn is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered by {known_fn.__module__}.{known_fn.__qualname__}")
+    table[name] = entry
 
-    return decorator
 
-
-def _get(table: dict[str, Callable], kind: str, name: str) -> Callable:
-    _ensure_builtins_loaded()
+def _get(table: dict, kind: str, name: str):
     try:
         return table[name]
     except KeyError:
         raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
 
 
-def _ensure_builtins_loaded() -> None:
-    # The built-in estimators/losses register themselves on import; a caller that imported only
-    # this module must still find them.
+def _ensure_estimators_loaded() -> None:
+    # The built-in estimators register themselves on import (without torch); a caller that
+    # imported only this module must still find them, and see a clash with one of them.
     import vime_core.algo.advantages  # noqa: F401
-    import vime_core.algo.losses  # noqa: F401
 
 
-def register_adv_est(name: str) -> Callable[[F], F]:
-    """Register an advantage estimator under `name` (the value of cfg.advantage_estimator)."""
-    return _register(_ADV_ESTIMATORS, "advantage estimator", name)
+def _ensure_policy_losses_loaded() -> None:
+    import vime_core.algo.losses  # noqa: F401  (imports torch)
+
+
+def register_adv_est(
+    name: str,
+    *,
+    group_normalisation: GroupNormalisation = "none",
+    policy_loss: str = "ppo",
+    token_rewards: bool = False,
+    reuse_log_probs: bool = True,
+    critic: bool = False,
+    summary: str = "",
+) -> Callable[[F], F]:
+    """Register the decorated per-token advantage function as estimator `name` (a value of
+    cfg.advantage_estimator) with what it needs elsewhere (the fields of AdvEstimator)."""
+    if group_normalisation not in ("mean_std", "mean", "none"):
+        raise ValueError(f"advantage estimator {name!r}: group_normalisation={group_normalisation!r}; "
+                         f"one of 'mean_std', 'mean', 'none'")
+
+    def decorator(fn: F) -> F:
+        _ensure_estimators_loaded()
+        spec = AdvEstimator(name, fn, group_normalisation, policy_loss, token_rewards, reuse_log_probs, critic, summary)
+        _add(_ADV_ESTIMATORS, "advantage estimator", name, spec, fn)
+        return fn
+
+    return decorator
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Register a policy loss under `name` (see vime_core.algo.losses.policy_loss_name)."""
-    return _register(_POLICY_LOSSES, "policy loss", name)
+    """Register a policy loss under `name` (an estimator's `policy_loss`)."""
+
+    def decorator(fn: F) -> F:
+        _add(_POLICY_LOSSES, "policy loss", name, fn, fn)
+        return fn
+
+    return decorator
 
 
-def get_adv_estimator_fn(name: str) -> Callable:
+def get_adv_estimator(name: str) -> AdvEstimator:
+    _ensure_estimators_loaded()
     return _get(_ADV_ESTIMATORS, "advantage estimator", name)
 
 
+def get_adv_estimator_fn(name: str) -> Callable:
+    return get_adv_estimator(name).fn
+
+
 def get_policy_loss_fn(name: str) -> Callable:
+    _ensure_policy_losses_loaded()
     return _get(_POLICY_LOSSES, "policy loss", name)
 
 
 def registered_adv_estimators() -> list[str]:
-    _ensure_builtins_loaded()
+    _ensure_estimators_loaded()
     return sorted(_ADV_ESTIMATORS)
 
 
 def registered_policy_losses() -> list[str]:
-    _ensure_builtins_loaded()
+    _ensure_policy_losses_loaded()
     return sorted(_POLICY_LOSSES)
+
+
+def check_adv_estimator(name: str) -> str:
+    """`name` when it is a registered estimator (the configuration's check of advantage_estimator);
+    ValueError naming the registered ones otherwise."""
+    if name not in registered_adv_estimators():
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {registered_adv_estimators()}")
+    return name
+
+
+def describe_adv_estimators() -> str:
+    """The registered estimators with their summaries: 'cispo (MiniMax-M1 2025), gspo (...), ...'."""
+    specs = [get_adv_estimator(n) for n in registered_adv_estimators()]
+    return ", ".join(f"{s.name} ({s.summary})" if s.summary else s.name for s in specs)

@@ -19,6 +19,8 @@ import os
 
 from typing import TYPE_CHECKING
 
+from vime_core.algo.registry import get_adv_estimator
+
 if TYPE_CHECKING:
     from vime_core.config.schema import VimeConfig
 
@@ -107,22 +109,18 @@ def derive_in_place(cfg: "VimeConfig") -> None:
 
     derive_optimizer(cfg)
     _check_kl(cfg)
-    if cfg.advantage_estimator == "ppo":
+    estimator = get_adv_estimator(cfg.advantage_estimator)
+    if estimator.critic:
         raise ValueError(
-            "advantage_estimator=ppo needs a critic, which the trainer does not build yet; "
-            "its GAE math is in vime_core.algo.advantages"
+            f"advantage_estimator={estimator.name} needs a critic, which the trainer does not build yet; "
+            f"its math is in {estimator.fn.__module__}"
         )
-
-
-# Estimators whose advantage is one number per sample, broadcast over its tokens: no token
-# rewards to put a KL penalty in.
-_NO_TOKEN_REWARDS = ("grpo", "gspo", "cispo")
 
 
 def _check_kl(cfg: "VimeConfig") -> None:
     """slime's meaning of the KL settings: kl_coef is the penalty in the token rewards, the loss
     term is use_kl_loss + kl_loss_coef. A setting that would silently do nothing is refused."""
-    if cfg.kl_coef > 0 and cfg.advantage_estimator in _NO_TOKEN_REWARDS:
+    if cfg.kl_coef > 0 and not get_adv_estimator(cfg.advantage_estimator).token_rewards:
         raise ValueError(
             f"kl_coef={cfg.kl_coef} is the KL penalty in the token rewards (as in slime), which "
             f"advantage_estimator={cfg.advantage_estimator} does not have; for a KL term in the loss "

@@ -9,13 +9,15 @@ in `tests/unit/test_config.py`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-AdvantageEstimator = Literal[
-    "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-]
+from vime_core.algo.registry import check_adv_estimator, describe_adv_estimators, registered_adv_estimators
+
+# A registered estimator's name (vime_core/algo/registry.py), checked when the configuration is
+# made, so one registered after this import is a valid choice too.
+AdvantageEstimator = Annotated[str, AfterValidator(check_adv_estimator)]
 LossType = Literal["policy_loss", "sft_loss"]
 KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 RouterPolicy = Literal["round_robin", "random", "consistent_hash", "power_of_two", "cache_aware"]
@@ -125,7 +127,7 @@ class VimeConfig(BaseModel):
     engine_startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine's health before failing with its log.")
 
     # ---- algorithm -----------------------------------------------------------------------------
-    advantage_estimator: AdvantageEstimator = Field("grpo", description="grpo (Shao et al. 2024), gspo (Zheng et al. 2025), cispo (MiniMax-M1 2025), reinforce_plus_plus (Hu 2025), reinforce_plus_plus_baseline, ppo (GAE with a value head).")
+    advantage_estimator: AdvantageEstimator = Field("grpo", description=f"One of the registered advantage estimators (vime_core.algo.register_adv_est): {describe_adv_estimators()}.", json_schema_extra=lambda schema: schema.update(enum=registered_adv_estimators()))
     grpo_std_normalization: bool = Field(True, description="Divide group-centred rewards by the group's unbiased std + 1e-6 (Dr. GRPO turns this off).")
     loss_type: LossType = Field("policy_loss", description="policy_loss (PPO-clip family) or sft_loss.")
     loss_agg_mode: LossAggregation = Field("token_mean", description="Aggregation over loss_mask==1 tokens: token_mean (per token), seq_mean_token_mean / seq_mean_token_sum (per sequence).")

@@ -4,8 +4,8 @@ by (group_index, index) so groups are contiguous (docs/interfaces.md, "Data cros
     raw_reward_i = sample.reward                      (0.0 for a FAILED sample)
     reward_i     = postprocess_rewards(raw, group_index, cfg.advantage_estimator,
                                        cfg.grpo_std_normalization)_i      over non-failed samples
-                   GRPO/GSPO/CISPO: (r_i - mean_g) / (std_unbiased_g + 1e-6) when the group has > 1
-                   sample; reinforce_plus_plus_baseline: r_i - mean_g; otherwise r_i
+                   (the estimator's registered group normalisation, e.g. GRPO's
+                   (r_i - mean_g) / (std_unbiased_g + 1e-6); formulas in vime_core/algo/advantages.py)
     advantage_i  = reward_i   (the scalar the trainer broadcasts or discounts per token)
 
 Failed samples (their reward function raised) get raw_reward 0.0, reward 0.0, advantage 0.0 and
