@@ -4,11 +4,15 @@
 # phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
 #   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below)
-# Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh):
-# they are unpacked once into /tmp/site-vllm and /tmp/site-trainer.
+# Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh)
+# and the wheels of bench/gpu/extra_wheels.sh: unpacked into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash "${PARTS:-/tmp/parts}/install_bundle.sh" "${PARTS:-/tmp/parts}"
+# wheels beyond the bundle (bench/gpu/extra_wheels.sh), unpacked over the trainer's site
+for wheel in "${PARTS:-/tmp/parts}"/*.whl; do
+  [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site-trainer/
+done
 iters=${1:-20}; shift || true
 out=${OUT:-/tmp/vime-out}; work=${VIME_GPU_WORK:-/tmp/vime-gpu}
 mkdir -p "$out" "$work"
