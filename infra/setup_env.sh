@@ -27,7 +27,17 @@ build_env() {  # build_env DIR LOCKFILE LABEL
 }
 
 build_env .venv requirements/trainer.lock.txt trainer
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v '^WARNING: Location' || true
+# vime itself, editable; again only when pyproject.toml changed (the `vime` entry point lives there)
+editable_stamp=.venv/.vime-editable.sha256
+editable_want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -x .venv/bin/vime ] || [ "$(cat "$editable_stamp" 2>/dev/null)" != "$editable_want" ]; then
+  # setuptools' page about editable installs is noise; the output is shown only when pip fails
+  if ! editable_log=$(.venv/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1); then
+    echo "$editable_log" >&2
+    exit 1
+  fi
+  .venv/bin/python -c "import vime_core, flows" && echo "$editable_want" > "$editable_stamp"
+fi
 
 build_env .venv-vllm requirements/vllm.lock.txt vLLM
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch
