@@ -284,6 +284,47 @@ def test_remote_retries_then_succeeds_and_sends_key(reward_server, monkeypatch):
     assert "sk-secret" not in repr(hub.fn)
 
 
+def test_remote_token_from_a_file_is_sent_and_never_in_the_config_or_errors(reward_server, tmp_path, monkeypatch):
+    token = "sk-file-secret-456"
+    key_file = tmp_path / "rm_token"
+    key_file.write_text(token + "\n")  # a mounted secret usually ends with a newline
+    monkeypatch.setenv("VIME_RM_API_KEY", "sk-env-secret-789")  # the file wins over the variable
+    server = reward_server(fail_first=100)
+    cfg = load_config(overrides={"rm_type": "remote_rm", "rm_url": server.url, "rm_api_key_file": str(key_file)})
+    hub = RewardHub(cfg)
+    key_file.unlink()  # read once, when the hub was built
+    hub.fn.max_retries, hub.fn.backoff_s = 1, 0.01
+    s = _sample("abc", "x")
+    asyncio.run(hub.score(s))
+    assert server.calls == hub.fn.max_retries + 1 and server.seen_auth == [f"Bearer {token}"] * server.calls
+    assert s.status == Status.FAILED and "HTTP 503" in s.metadata["reward_error"]
+    for text in (s.metadata["reward_error"], repr(hub), repr(hub.fn), cfg.model_dump_json()):
+        assert "secret" not in text
+
+
+def test_remote_token_source_that_is_named_but_missing_fails_at_start_naming_the_field(reward_server, tmp_path, monkeypatch):
+    server = reward_server()
+    monkeypatch.delenv("VIME_RM_API_KEY", raising=False)
+    hub = _hub(rm_type="remote_rm", rm_url=server.url)  # the default variable unset: no token
+    asyncio.run(hub.score(_sample("ab", "x")))
+    assert server.seen_auth == [""]
+    monkeypatch.delenv("MY_RM_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=r"rm_api_key_env='MY_RM_TOKEN'"):
+        _hub(rm_type="remote_rm", rm_url=server.url, rm_api_key_env="MY_RM_TOKEN")
+    monkeypatch.setenv("MY_RM_TOKEN", "sk-named-secret")
+    hub = _hub(rm_type="remote_rm", rm_url=server.url, rm_api_key_env="MY_RM_TOKEN")
+    asyncio.run(hub.score(_sample("ab", "x")))
+    assert server.seen_auth[-1] == "Bearer sk-named-secret"
+    missing = tmp_path / "absent"
+    with pytest.raises(ValueError, match=r"rm_api_key_file=.*absent.*FileNotFoundError") as info:
+        _hub(rm_type="remote_rm", rm_url=server.url, rm_api_key_file=str(missing))
+    assert "secret" not in str(info.value)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"rm_api_key_file=.*empty"):
+        _hub(rm_type="remote_rm", rm_url=server.url, rm_api_key_file=str(empty))
+
+
 def test_remote_gives_up_and_error_has_no_secret(reward_server):
     server = reward_server(fail_first=100)
     model = RemoteRewardModel(server.url, timeout_s=2, max_retries=2, backoff_s=0.01, headers={"Authorization": "Bearer sk-secret-123"})

@@ -114,6 +114,8 @@ class VimeConfig(BaseModel):
     group_rm: bool = Field(False, description="Score each group at once instead of each sample.")
     rm_url: str = Field("", description="Remote reward model endpoint for rm_type=remote_rm.")
     rm_timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")
+    rm_api_key_env: str = Field("VIME_RM_API_KEY", description="Name of the environment variable holding the remote reward model's bearer token (never the token itself), read once where the RolloutManager runs (it must be set in the environment the Ray node started with) when its rewards are built. Unset default variable: no Authorization header; any other name that is unset fails at start. Empty: no token from the environment.", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$|^$")
+    rm_api_key_file: str = Field("", description="Path of a file holding the remote reward model's bearer token (never the token itself), read once on the RolloutManager's node when its rewards are built (e.g. a mounted secret; it can be written after the Ray node started). A missing or empty file fails at start. Overrides rm_api_key_env.")
 
     # ---- engines -------------------------------------------------------------------------------
     vllm_python: str = Field(".venv-vllm/bin/python", description="Python interpreter of the vLLM environment; the engine actor starts the server with it.")

@@ -10,6 +10,10 @@ Failure policy: a reward function that raises (or returns something that is not 
 marks the sample FAILED, keeps "<Type>: <message>" in metadata["reward_error"], and sets reward
 0.0; the rollout goes on. The batch builder then gives failed samples a zero loss mask.
 
+The remote reward model's bearer token is read once, here (`remote_rm_token`), from the file or
+environment variable the configuration names; it lives only in that client's request headers,
+never in the configuration, a log or an error message.
+
 Sync functions run inline on the event loop (rule-based checkers take microseconds); make slow
 functions async.
 """
@@ -20,7 +24,8 @@ import asyncio
 import inspect
 import math
 import os
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from vime_core.data.sample import Sample, Status
 from vime_core.utils.imports import load_function
@@ -32,8 +37,31 @@ BUILTIN_REWARDS: dict[str, str] = {
     "arith": "vime_core.tasks.arith:reward",
     "remote_rm": "",  # built from cfg.rm_url below
 }
-# Read once at start: the remote reward model's bearer token (never logged).
-RM_API_KEY_ENV = "VIME_RM_API_KEY"
+
+
+def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The remote reward model's bearer token, from where the configuration says it lives:
+    the file `cfg.rm_api_key_file` (on this node), else the variable named by
+    `cfg.rm_api_key_env` in this process's environment. None: no token (the default variable
+    unset, or no source named). A file or a non-default variable that is missing or empty
+    raises ValueError naming the field and the path or variable, never the token."""
+    if cfg.rm_api_key_file:
+        try:
+            token = Path(cfg.rm_api_key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: cannot read the token file on this node "
+                             f"({type(exc).__name__}: {exc.strerror or 'unreadable'})") from None
+        if not token:
+            raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: the token file is empty")
+        return token
+    from vime_core.config.schema import VimeConfig
+
+    name = cfg.rm_api_key_env
+    token = environ.get(name, "").strip() if name else ""
+    if token or not name or name == VimeConfig.model_fields["rm_api_key_env"].default:
+        return token or None
+    raise ValueError(f"rm_api_key_env={name!r}: that environment variable is not set (or empty) where the "
+                     f"RolloutManager runs; set it in the environment the Ray node starts with, or use rm_api_key_file")
 
 
 class RewardHub:
@@ -46,7 +74,7 @@ class RewardHub:
         elif cfg.rm_type == "remote_rm":
             from vime_core.rewards.remote import RemoteRewardModel
 
-            key = os.environ.get(RM_API_KEY_ENV)
+            key = remote_rm_token(cfg)  # read once, here; kept only in the client's headers
             headers = {"Authorization": f"Bearer {key}"} if key else None
             self.fn = RemoteRewardModel(cfg.rm_url, timeout_s=cfg.rm_timeout_s, headers=headers)
             self.name = "remote_rm"
