@@ -74,6 +74,7 @@ class PrefectRetryCounter(logging.Handler):
 def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
     """One run of the real `train` flow on its own local Ray head; its summary has the wall time
     of every iteration flow run as the train flow saw it."""
+    from flows.settings import apply_env_defaults
     from flows.train import train
     from vime_core.cluster import local_head
     from vime_core.cluster.run_actors import teardown
@@ -81,6 +82,7 @@ def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
     from vime_core.report.overhead import compute_split, overhead, steady_window
     from vime_core.report.records import read_records
 
+    apply_env_defaults()  # as `vime train` does, before the first flow run starts Prefect's server
     retries = PrefectRetryCounter.attach()
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")

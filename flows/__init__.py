@@ -1,6 +1,5 @@
-"""Prefect flows: one per user-facing job, each a short function of phase tasks."""
+"""Prefect flows: one per user-facing job, each a short function of phase tasks.
 
-from flows.settings import apply_env_defaults
-
-# before any flow runs: Prefect's temporary server reads these when it starts (flows/settings.py)
-apply_env_defaults()
+Importing this package changes nothing in the process: the entry points apply the Prefect
+server defaults themselves (`flows.settings.apply_env_defaults`, called by `vime`'s main).
+"""

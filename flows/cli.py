@@ -179,7 +179,11 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.settings import apply_env_defaults
     from vime_core.cluster.connect import LOOPBACK_ENV
+
+    # before a flow runs: Prefect's temporary server reads these when it starts (flows/settings.py)
+    apply_env_defaults()
 
     # Before anything imports Ray: without these a driver resolved the loopback head's address
     # to the machine's other interface and waited for it forever (measured on the H200 host,

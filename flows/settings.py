@@ -1,8 +1,11 @@
 """Prefect settings vime applies in code.
 
-Server (environment defaults, applied when `flows` is imported, before Prefect starts its
-temporary server; a value already in the environment wins). That server keeps its state in
-SQLite, and a subflow's tracking-task insert that collides with another writer gets a 503 and a
+Server (environment defaults, applied by `apply_env_defaults`, which the entry points call
+before the first flow runs: `vime`'s main, the test suite's conftest, benchmarks that call a
+flow in their own process; a value already in the environment wins). They matter only where
+Prefect starts its temporary server (no PREFECT_API_URL): a deployment's flow run talks to a
+`prefect server start` that reads its own environment, and the defaults go there. The
+temporary server keeps its state in SQLite, and a subflow's tracking-task insert that collides with another writer gets a 503 and a
 fixed 2 s client back-off that the iteration loop waits out. The colliding writers are the
 task-run recorder (batched here: the UI shows task states up to 5 s later) and the event
 persister (off here: runs, task runs, logs and artifacts are still recorded, only the UI's event
@@ -30,6 +33,9 @@ SERVER_ENV_DEFAULTS = {
 
 
 def apply_env_defaults() -> None:
+    """Set SERVER_ENV_DEFAULTS in os.environ where unset. Call it before the process's first
+    flow run: Prefect's temporary server takes the environment when it starts (the settings
+    Prefect read at import are only those set then, so a later call still reaches it)."""
     for key, value in SERVER_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 

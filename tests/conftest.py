@@ -25,6 +25,10 @@ from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402
 
 for _key, _value in LOOPBACK_ENV.items():
     os.environ.setdefault(_key, _value)
+# The flow tests run flows in this process, as `vime` does: the same Prefect server defaults.
+from flows.settings import apply_env_defaults  # noqa: E402
+
+apply_env_defaults()
 
 
 @pytest.fixture(scope="session")

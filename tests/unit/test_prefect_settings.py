@@ -1,7 +1,9 @@
-"""Prefect server defaults vime applies before Prefect's temporary server starts."""
+"""Prefect server defaults vime applies before Prefect's temporary server starts: by the entry
+point (`vime`'s main), never by importing the flows."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,20 +13,24 @@ REPO = Path(__file__).resolve().parents[2]
 BATCH = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
 
 
-def _env_after_import(extra: dict) -> str:
+def _env_after(extra: dict) -> dict:
+    """BATCH after importing the flow package and the CLI, then after `vime`'s main ran."""
     env = {k: v for k, v in os.environ.items() if k != BATCH}
     env.update(extra, PYTHONPATH=str(REPO))
-    code = f"import os, flows; print(os.environ.get({BATCH!r}))"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    code = (f"import json, os, flows, flows.cli; imported = os.environ.get({BATCH!r}); "
+            f"flows.cli.main(['--help']); print(json.dumps([imported, os.environ.get({BATCH!r})]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    imported, after_main = json.loads(out.strip().splitlines()[-1])
+    return {"imported": imported, "after_main": after_main}
 
 
-def test_importing_flows_batches_the_task_run_recorder_and_turns_the_event_persister_off():
+def test_vimes_main_batches_the_task_run_recorder_and_importing_the_flows_changes_nothing():
     from flows.settings import SERVER_ENV_DEFAULTS
 
-    assert _env_after_import({}) == SERVER_ENV_DEFAULTS[BATCH]
+    assert _env_after({}) == {"imported": None, "after_main": SERVER_ENV_DEFAULTS[BATCH]}
     assert int(SERVER_ENV_DEFAULTS[BATCH]) > 1  # 1 is Prefect's default: one SQLite transaction per event
     assert SERVER_ENV_DEFAULTS["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED"] == "false"
 
 
 def test_a_value_already_in_the_environment_wins():
-    assert _env_after_import({BATCH: "7"}) == "7"
+    assert _env_after({BATCH: "7"}) == {"imported": "7", "after_main": "7"}
