@@ -108,18 +108,38 @@ class _KnownFailureWithoutTraceback(logging.Filter):
         return True
 
 
+class _RayErrorInOneLine(logging.Filter):
+    """Ray logs an error that no caller collected ("Unhandled error ...", e.g. a chained call
+    whose input failed) with the remote traceback, a page each. On the console it becomes one
+    line: what Ray says, then the error itself (the traceback's last line); the traceback stays in
+    the actor's log (Ray's session folder, logs/worker-*.err)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "\n" in message:
+            lines = [line.strip() for line in message.splitlines() if line.strip()]
+            record.msg, record.args = f"{lines[0].split(':', 1)[0]}: {lines[-1]}", None
+        return True
+
+
+# Ray's logger for its own errors on the driver (ray/_private/worker.py)
+RAY_DRIVER_LOGGER = "ray._private.worker"
+
+
 @contextmanager
 def one_line_failures():
-    """Install _KnownFailureWithoutTraceback on Prefect's run loggers while the run starts and
-    its iterations run (`vime train` also around the flow, for the flow run's own failure line)."""
-    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
-    quiet = _KnownFailureWithoutTraceback()
-    for lg in loggers:
+    """Install _KnownFailureWithoutTraceback on Prefect's run loggers, and _RayErrorInOneLine on
+    Ray's, while the run starts and its iterations run (`vime train` also around the flow, for the
+    flow run's own failure line)."""
+    installed = [(logging.getLogger(name), _KnownFailureWithoutTraceback())
+                 for name in ("prefect.flow_runs", "prefect.task_runs")]
+    installed.append((logging.getLogger(RAY_DRIVER_LOGGER), _RayErrorInOneLine()))
+    for lg, quiet in installed:
         lg.addFilter(quiet)
     try:
         yield
     finally:
-        for lg in loggers:
+        for lg, quiet in installed:
             lg.removeFilter(quiet)
 
 

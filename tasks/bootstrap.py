@@ -53,6 +53,10 @@ def bootstrap(config: VimeConfig) -> dict:
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
     if new_manager or created:
         _restore_data_source(config, manager, extra.get("data_source"), new_manager)
+    # an engine whose server died is restarted (and given the trainer's weights) before its
+    # version is asked; one the health monitor is restarting is waited for
+    if restarted := ray.get(manager.check_engines.remote()):
+        log.warning("restarted %d engine(s) whose server had died", restarted)
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())

@@ -11,11 +11,12 @@ from vime_core.faults import pause_points
 
 def retry_unless_configuration(task, task_run, state) -> bool:
     """Prefect's retry condition for every phase task: a configuration or data error fails the
-    same way on every try (vime_core/faults.py), so it is not retried; anything else is."""
-    from vime_core.faults import CONFIGURATION, classify
+    same way on every try (vime_core/faults.py), and so does a call to an actor that died (only
+    bootstrap, before the iteration's retry, rebuilds it): neither is retried; anything else is."""
+    from vime_core.faults import CONFIGURATION, actor_died, classify
 
     exc = state.data if isinstance(state.data, BaseException) else None
-    return exc is None or classify(exc).kind != CONFIGURATION
+    return exc is None or not (actor_died(exc) or classify(exc).kind == CONFIGURATION)
 
 
 # Phase tasks take actor handles and object references: nothing to hash or cache.

@@ -8,7 +8,7 @@ import ray
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
-from tasks.dispatch import Dispatched
+from tasks.dispatch import Dispatched, settle
 from vime_core.config import VimeConfig
 
 
@@ -33,7 +33,8 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
         try:
             per_rank = trainers.wait(dispatched.publish)
         except Exception as exc:  # e.g. training failed and was retried: publish what it trained
-            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again", _first_line(exc))
+            settle(dispatched)  # every rank's failed call, not only the one raised
+            log.warning("sync: the publish dispatched with the rollout failed (%s); publishing again", _what(exc))
     if per_rank is not None:
         started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
     else:
@@ -52,6 +53,14 @@ def _first_line(exc: BaseException) -> str:
     return next(iter(str(exc).splitlines()), "") or type(exc).__name__
 
 
+def _what(exc: BaseException) -> str:
+    """One line saying what failed: the remote error's own message, not Ray's call header."""
+    from vime_core.faults import classify
+
+    fault = classify(exc)
+    return f"{fault.what} ({fault.error_type})"
+
+
 def _publish_chained(manager, trainers, target_version: int, resume_admission: bool,
                      start_rollout_id: int | None) -> tuple[list, bool]:
     """(every rank's update_weights result, whether a rollout was started)."""
@@ -63,8 +72,18 @@ def _publish_chained(manager, trainers, target_version: int, resume_admission: b
     except BaseException:
         # the chained end_sync does not run when a publish failed: open admission again
         ray.get(manager.end_sync.remote(resume_admission))
+        _collect_failed(ended)
         raise
     return per_rank, ray.get(ended)
+
+
+def _collect_failed(ref) -> None:
+    """Take a chained call's error (the publish's, raised by the caller): a failed reference
+    nobody gets is logged by Ray, with the remote traceback, once it is released."""
+    try:
+        ray.get(ref)
+    except Exception:
+        pass
 
 
 @task(name="check-weights", task_run_name="check-weights-v{target_version}", **TASK_DEFAULTS)

@@ -138,6 +138,18 @@ def classify(exc: BaseException) -> Fault:
     return Fault(UNKNOWN, False, describe(err), type(err).__name__)
 
 
+def actor_died(exc: BaseException) -> bool:
+    """The failed call's own actor is dead (ActorDiedError) or gone (ActorsMissingError): only
+    rebuilding it helps, so a phase task does not try it again and the iteration's retry
+    (bootstrap first) comes at once. An actor that is only unreachable for now
+    (ActorUnavailableError) is not dead."""
+    from ray.exceptions import ActorDiedError
+
+    from vime_core.cluster.run_actors import ActorsMissingError
+
+    return isinstance(exc, (ActorDiedError, ActorsMissingError))
+
+
 def describe(err: BaseException) -> str:
     """One line: `trainer-0 died` for a dead actor, else the message's first line."""
     from ray.exceptions import RayActorError

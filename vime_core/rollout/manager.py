@@ -383,6 +383,12 @@ class RolloutManager:
     def weight_versions(self) -> list[int]:
         return self._each_engine("weight_version")
 
+    def check_engines(self) -> int:
+        """Restart every dead engine now, or wait for the restart the health monitor is running
+        (a restarted engine gets the trainer's weights first); how many this call restarted."""
+        health = getattr(self, "health", None)
+        return health.check_now() if health is not None else 0
+
     # ---- state -------------------------------------------------------------------------------
 
     def data_source_state(self) -> dict:

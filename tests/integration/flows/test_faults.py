@@ -10,7 +10,12 @@ order, each extending it:
   stored batches;
 - the trainer refuses a batch (a data error): the iteration is not retried and the error says so;
 - the driver (`vime train`) is SIGKILLed inside each phase in turn (rollout, persist, train, sync,
-  checkpoint), each time resumed by the same command, which finishes the run.
+  checkpoint), each time resumed by the same command, which finishes the run;
+- within one `vime train`, the trainer's process, the RolloutManager's process and the vLLM
+  server are SIGKILLed as chosen phases start: the run goes on, and its console says so in one
+  line per fault, without a traceback.
+A kill lands in its phase because the driver pauses as that phase's task run starts
+(vime_core/faults.PausePoints, off unless VIME_FAULT_PAUSE_AT is set).
 After each: every rollout id has one trainable batch, the optimizer made one step per rollout id,
 and the engines hold the trainer's weights after every sync.
 """
@@ -221,15 +226,25 @@ def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=N
     env["PREFECT_HOME"] = str(prefect_home)
     if pause_at:
         env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
-    return subprocess.Popen(args, cwd=repo_root, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    # what a user's terminal shows, stdout and stderr apart
+    out, err = open(log_path, "w"), open(_stderr_path(log_path), "w")
+    return subprocess.Popen(args, cwd=repo_root, env=env, stdout=out, stderr=err, start_new_session=True)
+
+
+def _stderr_path(log_path):
+    return log_path.with_suffix(".stderr")
+
+
+def _tail(log_path, chars: int = 5000) -> str:
+    return f"stdout: {log_path.read_text()[-chars:]}\nstderr: {_stderr_path(log_path).read_text()[-chars:]}"
 
 
 def _wait_paused(driver: subprocess.Popen, announced, log_path, timeout_s: float = 600) -> None:
     """Until the driver announces that it paused where asked (it is then inside that phase)."""
     deadline = time.monotonic() + timeout_s
     while not announced.exists():
-        assert driver.poll() is None, f"the driver ended before {announced.name}:\n" + log_path.read_text()[-5000:]
-        assert time.monotonic() < deadline, f"the driver did not reach {announced.name}:\n" + log_path.read_text()[-5000:]
+        assert driver.poll() is None, f"the driver ended before {announced.name}:\n{_tail(log_path)}"
+        assert time.monotonic() < deadline, f"the driver did not reach {announced.name}:\n{_tail(log_path)}"
         time.sleep(0.1)
     assert announced.read_text() == str(driver.pid)
 
@@ -280,9 +295,70 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
 
     log = tmp_path / "last.log"
     rc = _vime_train(run, repo_root, tmp_path / "prefect", log).wait(timeout=900)
-    assert rc == 0, log.read_text()[-5000:]
+    assert rc == 0, _tail(log)
     killed_ids = frozenset(range(rollout_k, save_k + 1))
     _check_run(run, run.num_rollout, resumed=killed_ids)
     # each killed iteration ended before its report: the next driver ran it again, once
     assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))
     assert _trainer_pid(_handles(run)[1]) == trainer_pid  # the actors outlived every driver
+
+
+def _engine_server_pid(cfg) -> int:
+    """The pid of engine 0's vLLM server (a process of its own, started by the engine actor)."""
+    import ray
+
+    from vime_core.cluster import names
+    from vime_core.cluster.run_actors import _get_actor
+
+    engine = _get_actor(names.engine(0), cfg.run_name)
+    return ray.get(engine.__ray_call__.remote(lambda self: self._proc.pid))
+
+
+def _manager_pid(cfg) -> int:
+    import ray
+
+    return ray.get(_handles(cfg)[0].__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, repo_root, tmp_path):
+    """One `vime train` goes on while, each as a phase starts (the driver paused there), the
+    trainer's process, the RolloutManager's process and the vLLM server are SIGKILLed: the run
+    ends with every invariant held, and the console says what happened and what the run does in
+    one line per fault, without a traceback."""
+    cfg, _, _ = killed_trainer
+    first = len(_stored_ids_whole(cfg))
+    trainer_k, manager_k, engine_k = range(first, first + 3)
+    run = cfg.model_copy(update={"num_rollout": engine_k + 2})
+    raw_before = len(_raw_records(cfg))
+    faults = {
+        f"train-{trainer_k}": lambda: os.kill(_trainer_pid(_handles(run)[1]), signal.SIGKILL),
+        f"rollout-{manager_k}": lambda: os.kill(_manager_pid(run), signal.SIGKILL),
+        f"rollout-{engine_k}": lambda: os.killpg(os.getpgid(_engine_server_pid(run)), signal.SIGKILL),
+    }
+    pause_dir = tmp_path / "paused"
+    pause_dir.mkdir()
+    log = tmp_path / "driver.log"
+    driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=list(faults), pause_dir=pause_dir)
+    try:
+        for at, harm in faults.items():
+            _wait_paused(driver, pause_dir / at, log)
+            harm()
+            (pause_dir / at).unlink()  # the driver goes on
+        rc = driver.wait(timeout=900)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert rc == 0, _tail(log)
+    _check_run(run, run.num_rollout, resumed=frozenset(range(first)))  # the ids before: checked by the tests before
+    # an iteration that failed ended before its report: each rollout id reported once
+    assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))
+    stdout = log.read_text()
+    summary = json.loads(stdout[stdout.index('{\n  "run_name"'):])  # `vime train` prints it last
+    assert {trainer_k, manager_k} <= set(map(int, summary["failed_attempts"])), summary["failed_attempts"]
+
+    # the console: one line per fault saying what died and what the run does, no traceback
+    console = _stderr_path(log).read_text()
+    assert "Traceback" not in console and '\n  File "' not in console, console[-5000:]
+    for k, died in ((trainer_k, "trainer-0 died"), (manager_k, "rollout-manager died")):
+        said = [line for line in console.splitlines() if f"iteration {k} failed: {died}" in line]
+        assert len(said) == 1 and "retrying in" in said[0], (k, said)
