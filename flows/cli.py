@@ -3,7 +3,7 @@
     vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
     vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
     vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches | --quarantined)
-    vime cluster up [--num-gpus N] | down | status       a local Ray head on loopback
+    vime cluster up [--num-gpus N] [--temp-dir DIR] | down | status   a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
     vime prune   [--run RUN] [--older-than-days D] [--yes]
 
@@ -126,15 +126,18 @@ def cmd_cluster(argv: list[str]) -> int:
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines).")
     parser.add_argument("--num-cpus", type=int, default=None)
-    args = parser.parse_args(argv)
     from vime_core.cluster import local_head
 
+    parser.add_argument("--temp-dir", default=local_head.default_temp_dir(),
+                        help=f"The head's Ray temp dir (sessions, logs; names the head for down/status). "
+                             f"Default ${local_head.TEMP_DIR_ENV}, else {local_head.DEFAULT_TEMP_DIR}.")
+    args = parser.parse_args(argv)
     if args.action == "up":
-        print(local_head.start_local_head(num_gpus=args.num_gpus, num_cpus=args.num_cpus))
+        print(local_head.start_local_head(num_gpus=args.num_gpus, num_cpus=args.num_cpus, temp_dir=args.temp_dir))
     elif args.action == "down":
-        local_head.stop_local_head()
+        local_head.stop_local_head(temp_dir=args.temp_dir)
     else:
-        addr = local_head.head_running()
+        addr = local_head.head_running(args.temp_dir)
         print(addr or "no local Ray head")
         return 0 if addr else 1
     return 0

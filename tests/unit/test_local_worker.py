@@ -1,5 +1,6 @@
-"""A worker node on this machine: the addresses it refuses and the CLI's required folder, without
-starting Ray (tests/integration/cluster/test_two_nodes.py starts one for real)."""
+"""A worker node on this machine: the addresses it refuses and the CLI's required folder; where
+the command lines take the head's temp dir from. Without starting Ray
+(tests/integration/cluster/test_two_nodes.py and test_local_ray_head.py start them for real)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def test_port_is_free_sees_a_listening_socket():
         taken.bind(("127.0.0.1", port))
         taken.listen()
         assert not port_is_free("127.0.0.1", port)
+
+
+def test_the_temp_dir_variable_is_read_by_the_command_lines_never_by_the_library(tmp_path, monkeypatch):
+    from flows import cli
+
+    from_env, from_flag = tmp_path / "env", tmp_path / "flag"
+    monkeypatch.setenv(local_head.TEMP_DIR_ENV, str(from_env))
+    assert local_head._temp_dir(None) == local_head._temp_dir(local_head.DEFAULT_TEMP_DIR)
+    asked: list[str] = []
+    monkeypatch.setattr(local_head, "head_running", lambda temp_dir=None: asked.append(str(temp_dir)))
+    assert cli.main(["cluster", "status"]) == 1 and local_head.main(["status"]) == 3
+    assert cli.main(["cluster", "status", "--temp-dir", str(from_flag)]) == 1
+    assert local_head.main(["status", "--temp-dir", str(from_flag)]) == 3
+    assert asked == [str(from_env)] * 2 + [str(from_flag)] * 2
+    monkeypatch.delenv(local_head.TEMP_DIR_ENV)
+    assert local_head.default_temp_dir() == str(local_head.DEFAULT_TEMP_DIR)

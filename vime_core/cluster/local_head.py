@@ -18,8 +18,10 @@ What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
 - `--num-gpus=N` declares N device slots even without GPUs, so placement groups and fractional
   GPU colocation behave as on a GPU node;
 - no dashboard; the object store is capped (default 1 GiB) on a shared machine;
-- the temp dir (sessions, logs, sockets) is under the repository's .cache/ray by default;
-  its path must stay short (Unix socket paths are limited to ~107 bytes): a longer one is
+- the temp dir (sessions, logs, sockets) is the one the caller names; the command lines (this
+  module's and `vime cluster`) take it from --temp-dir, defaulting to $VIME_RAY_TEMP_DIR, else
+  the repository's .cache/ray (`default_temp_dir`, the one place that variable is read); the
+  library's functions never read the environment. Its path must stay short (Unix socket paths are limited to ~107 bytes): a longer one is
   replaced by /tmp/vime-ray-<hash of the path>;
 - start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
   processes of this head: the process group `ray start` created and their descendants (actor
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 from vime_core.utils.processes import cmdline, free_port, group_tree, pid_alive
 from vime_core.utils.retry import poll_until
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEMP_DIR = REPO / ".cache" / "ray"
+TEMP_DIR_ENV = "VIME_RAY_TEMP_DIR"  # the command lines' default --temp-dir
+NUM_GPUS_ENV = "VIME_NUM_GPUS"  # this module's default --num-gpus
 STATE_FILE = "vime_head.json"
 WORKER_STATE_FILE = "vime_worker.json"
 from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
@@ -76,10 +81,16 @@ def _ray_command() -> list[str]:
 _MAX_TEMP_DIR_LEN = 40
 
 
+def default_temp_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """The command lines' default --temp-dir: $VIME_RAY_TEMP_DIR, else the repository's .cache/ray."""
+    return environ.get(TEMP_DIR_ENV) or str(DEFAULT_TEMP_DIR)
+
+
 def _temp_dir(temp_dir: str | Path | None) -> Path:
-    """The temp dir asked for, or (when its path is too long for Ray's sockets) a short one
-    under /tmp derived from it, so every caller naming the same folder gets the same head."""
-    wanted = Path(temp_dir or os.environ.get("VIME_RAY_TEMP_DIR") or DEFAULT_TEMP_DIR).resolve()
+    """The temp dir asked for (None: DEFAULT_TEMP_DIR), or (when its path is too long for Ray's
+    sockets) a short one under /tmp derived from it, so every caller naming the same folder gets
+    the same head."""
+    wanted = Path(temp_dir or DEFAULT_TEMP_DIR).resolve()
     if len(str(wanted)) <= _MAX_TEMP_DIR_LEN:
         return wanted
     digest = hashlib.sha256(str(wanted).encode()).hexdigest()[:12]
@@ -310,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime_core.cluster.local_head", description="A local Ray head on loopback.")
     parser.add_argument("command", choices=["start", "stop", "status", "join", "leave"],
                         help="start/stop/status: the head; join/leave: a worker node on this machine")
-    parser.add_argument("--num-gpus", type=int, default=int(os.environ.get("VIME_NUM_GPUS", "1")), help="device slots to declare (default 1, or $VIME_NUM_GPUS)")
+    parser.add_argument("--num-gpus", type=int, default=int(os.environ.get(NUM_GPUS_ENV, "1")), help=f"device slots to declare (default ${NUM_GPUS_ENV}, else 1)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs to declare (default: all)")
-    parser.add_argument("--temp-dir", default=None, help=f"Ray temp dir (default {DEFAULT_TEMP_DIR}, or $VIME_RAY_TEMP_DIR)")
+    parser.add_argument("--temp-dir", default=None,
+                        help=f"Ray temp dir: start/stop/status: the head's (default ${TEMP_DIR_ENV}, else {DEFAULT_TEMP_DIR}); "
+                             "join/leave: the worker node's own (required)")
     parser.add_argument("--object-store-memory", type=int, default=1 << 30, help="object store bytes (default 1 GiB)")
     parser.add_argument("--port", type=int, default=None, help="GCS port, i.e. the address's port (default: a free one)")
     parser.add_argument("--resources", type=json.loads, default=None, help='custom node resources, JSON (e.g. \'{"vime_engine": 1}\')')
@@ -320,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-ip-address", default="127.0.0.2", help="join: the worker's own loopback address (default 127.0.0.2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    head_temp_dir = default_temp_dir()  # the head's, where --temp-dir names the worker's
+    if args.command in ("start", "stop", "status"):
+        head_temp_dir = args.temp_dir or head_temp_dir
     if args.command == "start":
-        print(start_local_head(args.num_gpus, args.num_cpus, args.temp_dir, args.object_store_memory, port=args.port,
+        print(start_local_head(args.num_gpus, args.num_cpus, head_temp_dir, args.object_store_memory, port=args.port,
                                resources=args.resources))
         return 0
     if args.command in ("join", "leave"):
@@ -330,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "leave":
             print("stopped" if stop_local_worker(args.temp_dir) else "not running")
             return 0
-        head = args.address or head_running()
+        head = args.address or head_running(head_temp_dir)
         if not head:
             parser.error("join: no local head running; pass --address")
         state = start_local_worker(head, args.temp_dir, args.node_ip_address, args.num_gpus, args.num_cpus,
@@ -338,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         print(state["node_ip"])
         return 0
     if args.command == "stop":
-        print("stopped" if stop_local_head(args.temp_dir) else "not running")
+        print("stopped" if stop_local_head(head_temp_dir) else "not running")
         return 0
-    address = head_running(args.temp_dir)
+    address = head_running(head_temp_dir)
     print(address or "not running")
     return 0 if address else 3
 
