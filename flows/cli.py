@@ -91,10 +91,23 @@ def cmd_replay(argv: list[str]) -> int:
     return 0
 
 
+def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-uri", default="runs")
+    parser.add_argument("--storage-endpoint-url", default="", help="S3 endpoint for an s3:// storage URI (default $AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL).")
+    parser.add_argument("--storage-region", default="", help="S3 region (default $AWS_REGION, else $AWS_DEFAULT_REGION).")
+    parser.add_argument("--run", default=None)
+
+
+def _store(args):
+    from vime_core.storage import BatchStore
+    from vime_core.storage.endpoint import resolve
+
+    return BatchStore(args.storage_uri, endpoint=resolve(args.storage_endpoint_url, args.storage_region))
+
+
 def cmd_lineage(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vime lineage", description="Lineage queries over the batch index (no batch is read).")
-    parser.add_argument("--storage-uri", default="runs")
-    parser.add_argument("--run", default=None)
+    _add_storage_arguments(parser)
     q = parser.add_mutually_exclusive_group(required=True)
     q.add_argument("--weight-version", type=int, help="Batches produced by this weight version.")
     q.add_argument("--prompts-seen-twice", action="store_true", help="Prompt ids seen in two or more batches.")
@@ -102,10 +115,9 @@ def cmd_lineage(argv: list[str]) -> int:
     q.add_argument("--batches", action="store_true", help="The index itself.")
     q.add_argument("--quarantined", action="store_true", help="Stored batches set aside because they could not be trained on, with the reason.")
     args = parser.parse_args(argv)
-    from vime_core.storage import BatchStore
     from vime_core.storage import lineage
 
-    store = BatchStore(args.storage_uri)
+    store = _store(args)
     if args.weight_version is not None:
         result = lineage.batches_by_weight_version(store, args.weight_version, run=args.run)
     elif args.prompts_seen_twice:
@@ -156,18 +168,16 @@ def cmd_teardown(argv: list[str]) -> int:
 
 def cmd_prune(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vime prune", description="Remove stored batches by run and/or age (dry run unless --yes).")
-    parser.add_argument("--storage-uri", default="runs")
-    parser.add_argument("--run", default=None)
+    _add_storage_arguments(parser)
     parser.add_argument("--older-than-days", type=float, default=None)
     parser.add_argument("--yes", action="store_true", help="Really delete.")
     args = parser.parse_args(argv)
     from datetime import timedelta
 
-    from vime_core.storage import BatchStore
     from vime_core.storage.retention import prune
 
     older = timedelta(days=args.older_than_days) if args.older_than_days is not None else None
-    print(json.dumps(prune(BatchStore(args.storage_uri), run=args.run, older_than=older, dry_run=not args.yes), indent=2, default=str))
+    print(json.dumps(prune(_store(args), run=args.run, older_than=older, dry_run=not args.yes), indent=2, default=str))
     return 0
 
 

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from vime_core.config import VimeConfig, config_hash
 from vime_core.config.loader import config_dict
+from vime_core.storage.endpoint import S3Endpoint
 
 
 @lru_cache(maxsize=None)
@@ -17,7 +18,7 @@ def _remote_functions():
     import ray
 
     @ray.remote(num_cpus=0)
-    def write(uri: str, batch: dict, lineage: dict, overwrite: bool = False) -> dict:
+    def write(uri: str, endpoint, batch: dict, lineage: dict, overwrite: bool = False) -> dict:
         import time
 
         from vime_core.storage import BatchStore
@@ -25,14 +26,14 @@ def _remote_functions():
         from dataclasses import asdict
 
         t0 = time.perf_counter()
-        ref = BatchStore(uri).write(batch, lineage, overwrite=overwrite)
+        ref = BatchStore(uri, endpoint=endpoint).write(batch, lineage, overwrite=overwrite)
         return {**asdict(ref), "t_write_s": time.perf_counter() - t0}
 
     @ray.remote(num_cpus=0)
-    def read(uri: str, run: str, rollout_id: int) -> dict:
+    def read(uri: str, endpoint, run: str, rollout_id: int) -> dict:
         from vime_core.storage import BatchStore
 
-        batch, _lineage = BatchStore(uri).read(run, rollout_id)
+        batch, _lineage = BatchStore(uri, endpoint=endpoint).read(run, rollout_id)
         return batch
 
     @ray.remote(num_cpus=0)
@@ -73,7 +74,7 @@ def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict
     from vime_core.storage import BatchStore
     from vime_core.storage.schema import DATA_SOURCE_AFTER, lineage_of
 
-    store = BatchStore(cfg.storage_uri)
+    store = BatchStore.for_config(cfg)
     for ref in sorted(store.list_batches(cfg.run_name), key=lambda r: r.rollout_id, reverse=True):
         if ref.rollout_id < after_rollout_id:
             return None
@@ -86,7 +87,7 @@ def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict
 def stored(cfg: VimeConfig, rollout_id: int) -> bool:
     from vime_core.storage import BatchStore
 
-    return BatchStore(cfg.storage_uri).exists(cfg.run_name, rollout_id)
+    return BatchStore.for_config(cfg).exists(cfg.run_name, rollout_id)
 
 
 def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", overwrite: bool = False,
@@ -96,7 +97,7 @@ def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", ove
 
     write, _, _ = _remote_functions()
     lineage = lineage_for(cfg, rollout_id, flow_run_id, data_source_state)
-    return ray.get(write.remote(cfg.storage_uri, batch_ref, lineage, overwrite))
+    return ray.get(write.remote(cfg.storage_uri, S3Endpoint.of(cfg), batch_ref, lineage, overwrite))
 
 
 def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
@@ -108,7 +109,7 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
     from vime_core.storage import BatchStore
     from vime_core.storage.store import CorruptBatchError
 
-    store = BatchStore(cfg.storage_uri)
+    store = BatchStore.for_config(cfg)
     if not store.exists(cfg.run_name, rollout_id):
         return False, None
     try:
@@ -122,7 +123,7 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
 def load(cfg: VimeConfig, rollout_id: int):
     """(object ref of the stored batch, its key)."""
     _, read, _ = _remote_functions()
-    return read.remote(cfg.storage_uri, cfg.run_name, rollout_id), f"{cfg.run_name}/{rollout_id}"
+    return read.remote(cfg.storage_uri, S3Endpoint.of(cfg), cfg.run_name, rollout_id), f"{cfg.run_name}/{rollout_id}"
 
 
 def batch_summary(batch: dict) -> dict:

@@ -11,7 +11,7 @@ def select_batches(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | No
     over the index selects."""
     from vime_core.storage import BatchStore
 
-    store = BatchStore(cfg.storage_uri)
+    store = BatchStore.for_config(cfg)
     if rollout_ids is None and weight_version is None:
         raise ValueError("replay needs rollout_ids or weight_version (a lineage query)")
     if rollout_ids is None:

@@ -38,6 +38,8 @@ class VimeConfig(BaseModel):
     # ---- run and storage -------------------------------------------------------------------
     run_name: str = Field("vime-default", description="Name of the run. Actors are detached and namespaced by it; a new flow run with the same name attaches to them and resumes.", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     storage_uri: str = Field("runs", description="Where batches, checkpoints and exports go: a local folder or `s3://bucket/prefix` (credentials from the usual AWS variables/profile, never logged).")
+    storage_endpoint_url: str = Field("", validate_default=True, description="Endpoint of the S3 server for an s3:// storage_uri (SeaweedFS, MinIO, ...), e.g. http://127.0.0.1:8333. Empty: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, read once when the configuration is made and carried with it; neither: AWS itself. Credentials are never a setting.")
+    storage_region: str = Field("", validate_default=True, description="Region of the S3 storage. Empty: AWS_REGION, else AWS_DEFAULT_REGION, read once when the configuration is made; neither: botocore's default.")
     seed: int = Field(1234, description="Seed for data shuffling, sampling and model initialisation.")
     num_rollout: int = Field(60, ge=1, description="Number of rollout iterations (rollout ids 0 .. num_rollout-1).")
     start_rollout_id: Optional[int] = Field(None, ge=0, description="First rollout id; default: the one after the last checkpoint (0 for a new run).")
@@ -182,6 +184,20 @@ class VimeConfig(BaseModel):
         from vime_core.data.sources import parse_chat_template_kwargs
 
         return parse_chat_template_kwargs(value)
+
+    @field_validator("storage_endpoint_url")
+    @classmethod
+    def _storage_endpoint_url(cls, value: str) -> str:
+        from vime_core.storage.endpoint import resolve_endpoint_url
+
+        return resolve_endpoint_url(value)  # the environment's when empty: once, here
+
+    @field_validator("storage_region")
+    @classmethod
+    def _storage_region(cls, value: str) -> str:
+        from vime_core.storage.endpoint import resolve_region
+
+        return resolve_region(value)
 
     # ---- derived (filled in model_post_init; do not set) ----------------------------------------
 

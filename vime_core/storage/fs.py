@@ -2,9 +2,11 @@
 
 - a plain path (`runs`, `/data/vime`) or `file:///data/vime`: the local filesystem; relative
   paths are made absolute against the current directory when the store is opened;
-- `s3://bucket/prefix`: s3fs. The endpoint comes from `storage_options["endpoint_url"]`, else
-  `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (unset: AWS itself); the region from
-  `AWS_REGION` / `AWS_DEFAULT_REGION`; credentials are left to botocore's usual chain
+- `s3://bucket/prefix`: s3fs. The endpoint and region are the caller's `endpoint` (a run's comes
+  from its configuration: `S3Endpoint.of(cfg)`), `storage_options["endpoint_url"]` and
+  `["client_kwargs"]["region_name"]` winning; a caller that gives none gets this process's
+  environment, resolved as a configuration would (`vime_core.storage.endpoint`). Credentials are
+  left to botocore's usual chain
   (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, `AWS_PROFILE` and the shared
   credentials file, instance roles). Credentials are never passed, stored, logged or put in an
   error message by this module; a URI carrying them (`s3://key:secret@bucket`) is refused;
@@ -24,6 +26,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
+
+from vime_core.storage.endpoint import S3Endpoint
+from vime_core.storage.endpoint import resolve as resolve_endpoint
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ def _refuse_userinfo(uri: str) -> None:
         )
 
 
-def open_location(uri: str, storage_options: dict | None = None) -> StorageLocation:
+def open_location(uri: str, storage_options: dict | None = None, endpoint: S3Endpoint | None = None) -> StorageLocation:
     """The StorageLocation for `uri` (module docstring)."""
     if not uri:
         raise ValueError("storage URI is empty: give a local folder or s3://bucket/prefix")
@@ -155,18 +160,17 @@ def open_location(uri: str, storage_options: dict | None = None) -> StorageLocat
     if not root:
         raise ValueError(f"storage URI {protocol}://{rest} names no bucket")
     if protocol in ("s3", "s3a"):
-        return _s3_location(root, options)
+        return _s3_location(root, options, endpoint if endpoint is not None else resolve_endpoint())
     return StorageLocation(fsspec.filesystem(protocol, **options), root, protocol)
 
 
-def _s3_location(root: str, options: dict) -> StorageLocation:
+def _s3_location(root: str, options: dict, where: S3Endpoint) -> StorageLocation:
     import s3fs
 
-    endpoint = options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    endpoint = options.pop("endpoint_url", None) or where.url
     client_kwargs = dict(options.pop("client_kwargs", {}))
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        client_kwargs.setdefault("region_name", region)
+    if where.region:
+        client_kwargs.setdefault("region_name", where.region)
     config_kwargs = dict(options.pop("config_kwargs", {}))
     if endpoint:
         # Self-hosted S3 servers (SeaweedFS, MinIO, Ceph) serve buckets as paths, not host names.

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vime_core.storage import layout
+from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.fs import StorageLocation, open_location
 from vime_core.storage.index import BatchIndex, index_row
 from vime_core.storage.schema import (
@@ -105,10 +106,15 @@ def verify_table(data: bytes, key: str, expected_checksum: str | None = None) ->
 class BatchStore:
     """Rollout batches of every run under one URI (a local folder or s3://bucket/prefix)."""
 
-    def __init__(self, uri: str = "runs", storage_options: dict | None = None):
+    def __init__(self, uri: str = "runs", storage_options: dict | None = None, endpoint: "S3Endpoint | None" = None):
         self.uri = uri
-        self.location: StorageLocation = open_location(uri, storage_options)
+        self.location: StorageLocation = open_location(uri, storage_options, endpoint)
         self.batch_index = BatchIndex(self.location)
+
+    @classmethod
+    def for_config(cls, cfg) -> "BatchStore":
+        """The store of a run: cfg.storage_uri at the configuration's S3 endpoint."""
+        return cls(cfg.storage_uri, endpoint=S3Endpoint.of(cfg))
 
     def __repr__(self) -> str:
         return f"BatchStore({self.location.describe()!r})"

@@ -341,3 +341,15 @@ def test_an_untrainable_stored_batch_is_quarantined_then_replaced(store_uri, cap
     assert cmd_lineage(["--storage-uri", store_uri, "--run", "run-q", "--quarantined"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert [r["rollout_id"] for r in shown] == [9] and "response_length=0" in shown[0]["reason"]
+
+
+def test_a_configurations_s3_endpoint_is_read_once_and_reaches_the_server_without_the_variable(s3_env, monkeypatch):
+    from vime_core.config import VimeConfig
+
+    cfg = VimeConfig(storage_uri=s3_env.storage_uri("from-config"))  # made where AWS_ENDPOINT_URL is set
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # e.g. a Ray node started without it
+    assert cfg.storage_endpoint_url == s3_env.endpoint
+    ref = BatchStore.for_config(cfg).write(synthetic_batch(seed=3), lineage("cfg", 0))
+    assert BatchStore.for_config(cfg).list_batches("cfg") == [ref]
+    # the same URI without the configuration's endpoint means AWS itself (nothing is contacted here)
+    assert BatchStore(cfg.storage_uri).location.endpoint == ""

@@ -1,0 +1,62 @@
+"""Where an `s3://` store's server is: its endpoint URL and region, never its credentials.
+
+One resolution, used when a configuration is made (VimeConfig's `storage_endpoint_url` and
+`storage_region`, filled once there and passed with the configuration to every process that
+opens the store) and by library callers that open a store without a configuration:
+
+    endpoint  the value given, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else "" (AWS itself)
+    region    the value given, else AWS_REGION, else AWS_DEFAULT_REGION, else "" (botocore's choice)
+
+Credentials are not part of it: botocore's usual chain reads them where the store is opened
+(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, AWS_PROFILE and the shared
+credentials file, instance roles). An endpoint carrying them (`http://key:secret@host`) is
+refused, since the endpoint is recorded (configuration dumps, lineage, logs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+from urllib.parse import urlsplit
+
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+class EndpointCredentialsError(Exception):
+    """An endpoint URL carrying credentials. Not a ValueError on purpose: pydantic would turn
+    that into a validation error that repeats the input (the credentials) in its message."""
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    url: str = ""  # "": AWS itself
+    region: str = ""  # "": botocore's own choice
+
+    @classmethod
+    def of(cls, cfg) -> "S3Endpoint":
+        """The configuration's (already resolved when it was made)."""
+        return cls(cfg.storage_endpoint_url, cfg.storage_region)
+
+
+def _first(names: tuple[str, ...], environ: Mapping[str, str]) -> str:
+    return next((environ[n] for n in names if environ.get(n)), "")
+
+
+def resolve_endpoint_url(url: str = "", environ: Mapping[str, str] = os.environ, field: str = "storage_endpoint_url") -> str:
+    """`url`, else the environment's (module docstring); refuses one carrying credentials."""
+    value = url or _first(ENDPOINT_ENV, environ)
+    if "@" in urlsplit(value).netloc:
+        source = field if url else "/".join(ENDPOINT_ENV)
+        raise EndpointCredentialsError(f"{source}: the S3 endpoint carries credentials in its host part (scheme://user:secret@...): "
+                         "refused; put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile")
+    return value
+
+
+def resolve_region(region: str = "", environ: Mapping[str, str] = os.environ) -> str:
+    return region or _first(REGION_ENV, environ)
+
+
+def resolve(url: str = "", region: str = "", environ: Mapping[str, str] = os.environ) -> S3Endpoint:
+    return S3Endpoint(resolve_endpoint_url(url, environ), resolve_region(region, environ))
