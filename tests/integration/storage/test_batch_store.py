@@ -313,13 +313,12 @@ def _untrainable(batch: dict, row: int) -> dict:
 
 
 def test_an_untrainable_stored_batch_is_quarantined_then_replaced(store_uri, capsys):
-    from types import SimpleNamespace
-
     from flows.cli import cmd_lineage
     from vime_core.cluster.batch_io import usable_stored
+    from vime_core.config import VimeConfig
 
     store = BatchStore(store_uri)
-    cfg = SimpleNamespace(storage_uri=store_uri, run_name="run-q")
+    cfg = VimeConfig(storage_uri=store_uri, run_name="run-q")
     good = synthetic_batch(num_groups=2, group_size=4, seed=3)
     store.write(_untrainable(good, 5), lineage("run-q", 9))
     store.write(good, lineage("run-q", 10))
