@@ -97,12 +97,14 @@ class StubEngine:
         return [c[0] if c[0] != "collective_rpc" else f"rpc:{c[1]}" for c in self.calls]
 
 
-@pytest.fixture(autouse=True)
-def release_pools():
-    from vime_core.trainer.transport.shm_pool import release_shared_pools
+@pytest.fixture
+def publisher():
+    """What a trainer keeps between its publishes (engine clients, bucket pools); closed after."""
+    from vime_core.trainer.publish_loop import PublishLoop
 
-    yield
-    release_shared_pools()
+    loop = PublishLoop()
+    yield loop
+    loop.close()
 
 
 def make_cfg(**overrides):
@@ -111,18 +113,18 @@ def make_cfg(**overrides):
     return make_config({"update_weight_buffer_size": 2048, **overrides})
 
 
-def run_publish(w, engines, version, tmp_path, **cfg_overrides):
+def run_publish(w, engines, version, tmp_path, publisher=None, **cfg_overrides):
     by_url = {e.name: e for e in engines}
     return publish_weights(
         w.items(), list(by_url), version, make_cfg(**cfg_overrides), initial_version=0,
-        shm_dir=str(tmp_path), client_factory=by_url.__getitem__,
+        shm_dir=str(tmp_path), client_factory=by_url.__getitem__, loop=publisher,
     )
 
 
-def test_first_publish_flushes_and_every_engine_gets_bf16_copies_of_every_tensor(tmp_path):
+def test_first_publish_flushes_and_every_engine_gets_bf16_copies_of_every_tensor(tmp_path, publisher):
     w = weights()
     engines = [StubEngine(f"http://e{i}", spec_of(w)) for i in range(2)]
-    stats = run_publish(w, engines, 1, tmp_path)
+    stats = run_publish(w, engines, 1, tmp_path, publisher)
     for e in engines:
         assert e.names() == ["rpc:vime_weight_spec", "init_weight_transfer", "pause", "reset_prefix_cache",
                              "start_weight_update"] + ["update_weights"] * stats["buckets"] + [
@@ -137,7 +139,7 @@ def test_first_publish_flushes_and_every_engine_gets_bf16_copies_of_every_tensor
     files = sorted(os.listdir(tmp_path))
     assert len(files) == stats["buckets"]  # one pool file per bucket slot, kept for the next publish
     inodes = {f: os.stat(tmp_path / f).st_ino for f in files}
-    run_publish(weights(1), engines, 2, tmp_path)
+    run_publish(weights(1), engines, 2, tmp_path, publisher)
     assert {f: os.stat(tmp_path / f).st_ino for f in os.listdir(tmp_path)} == inodes  # reused, not re-made
     assert all(torch.equal(engines[0].loaded[n], t.to(torch.bfloat16)) for n, t in weights(1).items())
 
@@ -161,20 +163,36 @@ def test_validation_failure_touches_no_engine(tmp_path):
     assert run_publish(w, [engine], 1, tmp_path)["version"] == 1  # nothing left locked or half-done
 
 
-def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path):
+def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path, publisher):
     w = weights()
     engine = StubEngine("http://e0", spec_of(w), fail_on_update=2)
     with pytest.raises(PublishError, match="half-applied") as err:
-        run_publish(w, [engine], 1, tmp_path)
+        run_publish(w, [engine], 1, tmp_path, publisher)
     assert err.value.bytes_moved is True
     assert ("resume",) not in engine.calls
     # the engine may still map pool files: the next publish packs only after its session starts
-    from vime_core.trainer.transport.shm_pool import shared_pool
-
-    assert shared_pool(str(tmp_path)).clean is False
+    assert publisher.shm_pool(str(tmp_path)).clean is False
     healthy = StubEngine("http://e0", spec_of(w))
-    run_publish(w, [healthy], 2, tmp_path)
-    assert shared_pool(str(tmp_path)).clean is True and set(healthy.loaded) == set(w)
+    run_publish(w, [healthy], 2, tmp_path, publisher)
+    assert publisher.shm_pool(str(tmp_path)).clean is True and set(healthy.loaded) == set(w)
+
+
+def test_the_publisher_keeps_its_bucket_files_between_publishes_and_gives_them_back_when_closed(tmp_path, publisher):
+    from vime_core.engines.vllm_side.shm_format import FILE_PREFIX
+
+    def files() -> set[str]:
+        return {p.name for p in tmp_path.glob(FILE_PREFIX + "*")}
+
+    w = weights()
+    run_publish(w, [StubEngine("http://e0", spec_of(w))], 1, tmp_path)  # no publisher: a pool for the call
+    assert files() == set()
+    run_publish(w, [StubEngine("http://e0", spec_of(w))], 1, tmp_path, publisher)
+    kept = files()
+    assert kept == {os.path.basename(p) for p in publisher.shm_pool(str(tmp_path)).paths()} and kept
+    run_publish(w, [StubEngine("http://e0", spec_of(w))], 2, tmp_path, publisher)
+    assert files() == kept  # the same slot files, rewritten
+    publisher.close()
+    assert files() == set()
 
 
 def test_failure_before_bytes_moved_closes_the_empty_session_and_resumes(tmp_path, monkeypatch):

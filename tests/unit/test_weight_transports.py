@@ -29,7 +29,7 @@ def test_shm_bucket_file_holds_each_tensor_at_its_aligned_offset(tmp_path):
     pool = ShmBufferPool(str(tmp_path))
     info = write_bucket_file(bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS}), pool)
     assert all(off % ALIGNMENT == 0 for off in info.offsets)
-    assert os.path.basename(info.path) == f"vime-wb-{os.getpid()}-00000" and os.path.getsize(info.path) == info.nbytes
+    assert info.path == pool.path_of(0) and os.path.basename(info.path).startswith(f"vime-wb-{os.getpid()}-") and os.path.getsize(info.path) == info.nbytes
     raw = torch.frombuffer(bytearray(open(info.path, "rb").read()), dtype=torch.uint8)
     for name, shape, off in zip(info.names, info.shapes, info.offsets):
         n = torch.Size(shape).numel() * 2
@@ -46,12 +46,14 @@ def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_process
     from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"vime-wb-{int(dead.stdout)}-00000"
-    stale.write_bytes(b"old")
+    stale = [tmp_path / f"vime-wb-{int(dead.stdout)}-00000", tmp_path / f"vime-wb-{int(dead.stdout)}-0a1b2c3d-00000"]
+    for path in stale:
+        path.write_bytes(b"old")
     other = tmp_path / "unrelated-file"
     other.write_bytes(b"keep")
     pool = ShmBufferPool(str(tmp_path))
-    assert not stale.exists() and other.exists()
+    assert not any(path.exists() for path in stale) and other.exists()
+    assert pool.path_of(0) != ShmBufferPool(str(tmp_path)).path_of(0)  # two pools never share a file
 
     path, flat = pool.buffer(0, 100)
     flat.fill_(7)
@@ -61,7 +63,7 @@ def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_process
     _, big = pool.buffer(0, 4096)  # grows in place
     assert big.numel() == 4096 and os.path.getsize(path) == 4096 and pool.nbytes() == 4096
     pool.buffer(1, 10)
-    assert pool.paths() == [path, str(tmp_path / f"vime-wb-{os.getpid()}-00001")]
+    assert pool.paths() == [path, pool.path_of(1)]
     pool.release()
     assert sorted(os.listdir(tmp_path)) == ["unrelated-file"]
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from vime_core.config.schema import VimeConfig
     from vime_core.engines.client import EngineClient
+    from vime_core.trainer.publish_loop import PublishLoop
     from vime_core.trainer.transport.base import WeightTransport
 
 
@@ -83,23 +84,34 @@ def publish_weights(
     transport: "WeightTransport | None" = None,
     shm_dir: str = "/dev/shm",
     client_factory: "Callable[[str], EngineClient] | None" = None,
+    loop: "PublishLoop | None" = None,
 ) -> dict[str, Any]:
     """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
     engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
-    transport's own split (e.g. pack vs. waiting for the engines to load)."""
-    from vime_core.trainer.publish_loop import publish_loop
+    transport's own split (e.g. pack vs. waiting for the engines to load).
+
+    `loop`: the caller's PublishLoop (engine clients and bucket pools kept between its
+    publishes); None makes one for this call and closes it afterwards."""
+    from vime_core.trainer.publish_loop import PublishLoop
     from vime_core.trainer.transport import make_transport
+
+    if loop is None:
+        own = PublishLoop()
+        try:
+            return publish_weights(named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport,
+                                   shm_dir=shm_dir, client_factory=client_factory, loop=own)
+        finally:
+            own.close()
 
     # Gather and build the transport in the caller's thread: the iterator may run collectives
     # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
     clock = PhaseClock()
     with clock("gather"):
         tensors = list(named_tensors)
-    loop = publish_loop()
     return loop.run(
         publish_weights_async(
             tensors, engine_urls, new_version, cfg, initial_version,
-            transport=transport if transport is not None else make_transport(cfg, shm_dir),
+            transport=transport if transport is not None else make_transport(cfg, shm_dir, keeper=loop),
             client_factory=client_factory or loop.client, clock=clock,
         )
     )

@@ -1,27 +1,34 @@
-"""A long-lived event loop, in a daemon thread, that runs blocking publishes and keeps their
-engine clients between them.
+"""What a publisher keeps between publishes: a long-lived event loop in a daemon thread, the
+engine clients bound to it, and the shared-memory bucket pools. The trainer (rank 0) owns one
+and closes it with itself (`MegatronTrainer.close`); a `publish_weights` call given none makes
+one for that call.
 
 Why: an `EngineClient` is bound to the loop that first used it and keeps its connections open;
 a publish run in a fresh loop each time would open new connections to every engine on every
-publish. One loop per process (made on first use), like a connection pool.
+publish. The pools keep their tmpfs pages allocated between publishes (`transport/shm_pool.py`).
+Nothing here is process-wide: a trainer rebuilt after a failure is a new Ray actor (a new
+process), so there is no reuse across trainers to keep.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
-import threading
 from typing import TYPE_CHECKING
 
 from vime_core.utils.loop_thread import LoopThread
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
+    from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
 
 class PublishLoop(LoopThread):
     def __init__(self) -> None:
         super().__init__("vime-publish-loop")
         self._clients: dict[str, "EngineClient"] = {}
+        self._pools: dict[str, "ShmBufferPool"] = {}
+        atexit.register(self.close)  # a process that ends without close() still gives its pools back
 
     def client(self, url: str) -> "EngineClient":
         """The cached client of `url`; only to be used by coroutines running on this loop."""
@@ -31,15 +38,34 @@ class PublishLoop(LoopThread):
             self._clients[url] = EngineClient(url)
         return self._clients[url]
 
+    def shm_pool(self, shm_dir: str) -> "ShmBufferPool":
+        """The bucket pool of `shm_dir` kept for this publisher's publishes (made on first use)."""
+        from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
-_LOOPS: dict[int, PublishLoop] = {}
-_LOCK = threading.Lock()
+        key = os.path.realpath(shm_dir)
+        if key not in self._pools:
+            self._pools[key] = ShmBufferPool(shm_dir)
+        return self._pools[key]
 
+    def release_pools(self) -> None:
+        """Give the pools' shared memory back now (e.g. before a memory-hungry phase); the next
+        publish makes new ones."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.release()
 
-def publish_loop() -> PublishLoop:
-    """This process's loop (a forked child gets its own)."""
-    with _LOCK:
-        loop = _LOOPS.get(os.getpid())
-        if loop is None:
-            loop = _LOOPS[os.getpid()] = PublishLoop()
-        return loop
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close the engine clients' connections, release the pools and stop the loop."""
+        atexit.unregister(self.close)
+        clients, self._clients = list(self._clients.values()), {}
+        if clients and not self.loop.is_closed():
+            async def close_clients() -> None:
+                for client in clients:
+                    await client.aclose()
+
+            try:
+                self.run(close_clients())
+            except Exception:  # an engine already gone must not block the rest of the shutdown
+                pass
+        self.release_pools()
+        super().close(timeout_s)

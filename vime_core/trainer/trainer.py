@@ -5,7 +5,7 @@ builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
 ``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py). Then per rollout:
 ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
-``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``.
+``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
 
 Every method is called on every rank at once (collectives over TP/DP), except ``state``.
 """
@@ -50,6 +50,7 @@ class MegatronTrainer:
         self._asleep = False  # optimizer state and gradient buffers are on the host
         self._params_asleep = False  # so are the parameters
         self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
+        self._publisher: Any = None  # rank 0's PublishLoop: engine clients and bucket pools between publishes
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -194,8 +195,10 @@ class MegatronTrainer:
             try:
                 if self.layout.rank == 0:
                     from vime_core.trainer.publish import publish_weights
+                    from vime_core.trainer.publish_loop import PublishLoop
 
-                    result = publish_weights(weights, engine_urls, new_version, self.cfg)
+                    self._publisher = self._publisher or PublishLoop()
+                    result = publish_weights(weights, engine_urls, new_version, self.cfg, loop=self._publisher)
             finally:
                 for _ in weights:  # finish the TP gathers so the other ranks are not left waiting
                     pass
@@ -349,6 +352,13 @@ class MegatronTrainer:
         self._offloaded = []
         self._asleep = self._params_asleep = False
         return {"woken_bytes": allocated, "asleep": False, **device_memory()}
+
+    def close(self) -> None:
+        """Give back what publishing keeps (engine connections, shared-memory bucket files);
+        the next publish makes them again. Also run at the process's exit."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close()
 
     def memory(self) -> dict[str, Any]:
         """This rank's allocator (allocated/reserved bytes); empty on CPU."""

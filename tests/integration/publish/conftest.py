@@ -41,9 +41,6 @@ def publish_engine(tiny_model_dir, vllm_python, cache_dir):
         raise
     yield server
     server.shutdown()
-    from vime_core.trainer.transport.shm_pool import release_shared_pools
-
-    release_shared_pools()
 
 
 def engine_call(url: str, method: str, *args, **kwargs):

@@ -13,19 +13,21 @@ from vime_core.trainer.transport.base import WeightTransport
 
 if TYPE_CHECKING:
     from vime_core.config.schema import VimeConfig
+    from vime_core.trainer.publish_loop import PublishLoop
 
 __all__ = ["WeightTransport", "make_transport"]
 
 
-def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm") -> WeightTransport:
-    """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`."""
+def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "PublishLoop | None" = None) -> WeightTransport:
+    """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`; `keeper`
+    (the publisher's PublishLoop) lends what outlives one publish (the shm transport's pool)."""
     from vime_core.config import weight_transport
 
     kind = weight_transport(cfg)
     if kind == "shm":
         from vime_core.trainer.transport.shm import ShmTransport
 
-        return ShmTransport(shm_dir)
+        return ShmTransport(shm_dir, pool=keeper.shm_pool(shm_dir) if keeper is not None else None)
     if kind == "disk":
         from vime_core.trainer.transport.disk import DiskTransport
 

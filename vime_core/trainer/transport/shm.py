@@ -7,7 +7,9 @@ with a `ShmBucketInfo` descriptor, `/finish_weight_update {"weight_version"}`.
 Packing bucket k+1 (a thread: torch's copy releases the GIL) overlaps with the engines loading
 bucket k, so the publish costs about max(pack, load) instead of their sum. Bucket files come
 from a pool that keeps them between publishes (`shm_pool`: fresh tmpfs pages cost ~10x the
-copy); engines map them only for the duration of a session.
+copy), given by the publisher that keeps it (`PublishLoop.shm_pool`); without one the transport
+makes a pool for its publish and releases it at close. Engines map the files only for the
+duration of a session.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import asdict
 from vime_core.engines.vllm_side.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
 from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
 from vime_core.trainer.transport.base import WeightTransport
-from vime_core.trainer.transport.shm_pool import ShmBufferPool, shared_pool
+from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
 
 def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:
@@ -46,6 +48,7 @@ class ShmTransport(WeightTransport):
         super().__init__()
         self.shm_dir = shm_dir
         self.pool = pool
+        self._owns_pool = False  # made here (no pool given): released at close
         self._locked = False
         self._in_flight: asyncio.Task | None = None
         self._staged: tuple[int, asyncio.Task] | None = None
@@ -53,7 +56,7 @@ class ShmTransport(WeightTransport):
     async def prepare(self, engines) -> None:
         await super().prepare(engines)
         if self.pool is None:
-            self.pool = shared_pool(self.shm_dir)
+            self.pool, self._owns_pool = ShmBufferPool(self.shm_dir), True
         if not self.pool.lock.acquire(blocking=False):
             raise RuntimeError(f"another publish in this process is writing the shared-memory pool in {self.shm_dir}")
         self._locked = True
@@ -116,6 +119,9 @@ class ShmTransport(WeightTransport):
         if self._locked and self.pool is not None:
             self.pool.lock.release()
             self._locked = False
+        if self._owns_pool and self.pool is not None:
+            self.pool.release()
+            self.pool, self._owns_pool = None, False
 
     async def _drain(self) -> None:
         """Wait until the engines have loaded the bucket in flight."""

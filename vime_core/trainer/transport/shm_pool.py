@@ -7,18 +7,21 @@ every publish is written into the same file `vime-wb-<pid>-<k>`, which only grow
 Safe to overwrite because a slot is written at most once per publish, and an engine lets go of
 every mapping when its update session starts and when it finishes (`vime_shm` backend), i.e.
 before the next publish writes anything. Cost: the pool holds one copy of the model's wire
-bytes in shared memory between publishes; `release()` gives it back (also at exit). Files of
-processes that died without releasing are removed when the next pool for that folder is made.
+bytes in shared memory between publishes; `release()` gives it back. Its owner keeps it between
+publishes and releases it when it closes (`publish_loop.PublishLoop`, which the trainer owns); a
+transport given no pool makes one for its publish. Files of processes that died without
+releasing are removed when the next pool for that folder is made. Each pool's files carry the
+process id and a name of their own, so two pools of one process never share a file.
 """
 
 from __future__ import annotations
 
-import atexit
 import glob
 import mmap
 import os
 import re
 import threading
+import uuid
 
 import torch
 
@@ -38,6 +41,7 @@ class ShmBufferPool:
         # may be written before the next session starts only then.
         self.clean = True
         self._slots: dict[int, tuple[str, mmap.mmap, torch.Tensor]] = {}
+        self._name = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         remove_stale_files(shm_dir)
 
     def buffer(self, slot: int, nbytes: int) -> tuple[str, torch.Tensor]:
@@ -45,7 +49,7 @@ class ShmBufferPool:
         current = self._slots.get(slot)
         if current is not None and current[2].numel() >= nbytes:
             return current[0], current[2][:nbytes]
-        path = os.path.join(self.shm_dir, f"{FILE_PREFIX}{os.getpid()}-{slot:05d}")
+        path = self.path_of(slot)
         if current is not None:
             self._unmap(slot)
         size = max(nbytes, 1)
@@ -59,6 +63,10 @@ class ShmBufferPool:
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=size)
         self._slots[slot] = (path, mapped, flat)
         return path, flat[:nbytes]
+
+    def path_of(self, slot: int) -> str:
+        """The file of `slot`: <shm_dir>/vime-wb-<pid>-<this pool's name>-<slot>."""
+        return os.path.join(self.shm_dir, f"{self._name}-{slot:05d}")
 
     def paths(self) -> list[str]:
         return [self._slots[k][0] for k in sorted(self._slots)]
@@ -84,7 +92,7 @@ class ShmBufferPool:
             pass
 
 
-_STALE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)-\d+$")
+_STALE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)-(?:[0-9a-f]+-)?\d+$")  # pid-pool-slot (older: pid-slot)
 
 
 def remove_stale_files(shm_dir: str) -> list[str]:
@@ -100,27 +108,3 @@ def remove_stale_files(shm_dir: str) -> list[str]:
                 pass
     return removed
 
-
-_POOLS: dict[tuple[int, str], ShmBufferPool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(shm_dir: str) -> ShmBufferPool:
-    """This process's pool for `shm_dir` (made on first use, released at exit). Process-wide on
-    purpose: publishes come one after another from a trainer that holds no transport."""
-    key = (os.getpid(), os.path.realpath(shm_dir))
-    with _POOLS_LOCK:
-        pool = _POOLS.get(key)
-        if pool is None:
-            pool = _POOLS[key] = ShmBufferPool(shm_dir)
-            atexit.register(pool.release)
-        return pool
-
-
-def release_shared_pools() -> None:
-    """Give back every pool's shared memory now (e.g. before a memory-hungry phase)."""
-    with _POOLS_LOCK:
-        pools = [p for (pid, _), p in _POOLS.items() if pid == os.getpid()]
-        _POOLS.clear()
-    for pool in pools:
-        pool.release()
