@@ -286,10 +286,9 @@ class RolloutManager:
         self.health.resume()
         return self._loop.run(self.rollout_fn(self.state, rollout_id))
 
-    async def _close_clients(self) -> None:
+    def _clients(self) -> list[Any]:
         generators = getattr(self, "_generator", None)
-        clients = [*getattr(self, "_engine_clients", []), *getattr(generators, "clients", [generators] if generators else [])]
-        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+        return [*getattr(self, "_engine_clients", []), *getattr(generators, "clients", [generators] if generators else [])]
 
     def eval(self, rollout_id: int) -> dict:
         """Eval rollout over cfg.eval_prompt_data; metrics only. The training data is untouched."""
@@ -411,7 +410,7 @@ class RolloutManager:
         loop = getattr(self, "_loop", None)
         if loop is not None:
             try:
-                loop.run(self._close_clients())
+                loop.run(_close_all(self._clients()))
             except Exception as exc:
                 logger.info("closing engine connections: %s", exc)
             loop.close()
@@ -425,3 +424,9 @@ class RolloutManager:
                 except Exception as exc:
                     logger.warning("shutting down %s: %s", getattr(server, "name", server), exc)
 
+
+async def _close_all(clients: list[Any]) -> None:
+    """Close engine clients. A module function, not a method: one coroutine method would make Ray
+    run RolloutManager as an asyncio actor, whose calls all share one event-loop thread (its
+    max_concurrency then counts coroutines), instead of the threaded actor it is written as."""
+    await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
