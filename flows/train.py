@@ -25,9 +25,10 @@ from flows.settings import without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import compact_index, export_hf
 from vime_core.config import VimeConfig
-from vime_core.config.loader import describe, dump_config
+from vime_core.config.loader import describe, dump_config, run_config_uri
 from vime_core.report.curve import preload as preload_curve
-from vime_core.report.records import read_records, reward_gain, run_dir
+from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
+from vime_core.storage.endpoint import S3Endpoint
 
 
 @flow(name="train", flow_run_name="train-{config.run_name}", log_prints=True)
@@ -37,8 +38,7 @@ def train(config: VimeConfig) -> dict:
     preload_curve()  # the first reward curve then draws in ~0.1 s
     config = prepare_assets(config)
     log.info("resolved configuration:\n%s", describe(config))
-    if "://" not in config.storage_uri:
-        dump_config(config, f"{run_dir(config.storage_uri, config.run_name)}/config.json")
+    dump_config(config, run_config_uri(config.storage_uri, config.run_name))
     with one_line_failures():
         try:
             boot = bootstrap(config)
@@ -48,7 +48,7 @@ def train(config: VimeConfig) -> dict:
         with without_heartbeats():
             iteration_walls, failed_attempts = run_iterations(config, start)
     compact_index(config)
-    records = read_records(config.storage_uri, config.run_name)
+    records = read_records(config.storage_uri, config.run_name, S3Endpoint.of(config))
     root = run_dir(config.storage_uri, config.run_name)
     export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports"))
     summary = {
@@ -66,8 +66,8 @@ def train(config: VimeConfig) -> dict:
         "batches": run_dir(config.storage_uri, config.run_name, "batches"),
         "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),
         "hf_export": export,
-        "metrics": f"{root}/metrics.jsonl",
-        "reward_curve": f"{root}/reward_curve.png",
+        "metrics": f"{root}/{METRICS}",
+        "reward_curve": f"{root}/{REWARD_CURVE}",
     }
     summary["summary"] = write_summary(config, summary)
     printed = {k: v for k, v in summary.items() if k != "iteration_walls"}  # the file has them all
@@ -80,7 +80,7 @@ def first_unfinished(config: VimeConfig, boot: dict) -> int:
     or an earlier one whose iteration did not end (no record: a driver killed after training,
     before the sync). Running that iteration again trains nothing twice (the trainer skips a
     rollout id it trained) and publishes what the engines lack."""
-    records = read_records(config.storage_uri, config.run_name)
+    records = read_records(config.storage_uri, config.run_name, S3Endpoint.of(config))
     reported = max((r["rollout_id"] for r in records), default=-1) + 1
     return min(boot["next_rollout_id"], reported)
 
@@ -234,13 +234,9 @@ def resume_point(config: VimeConfig, start: int, failed_id: int, boot: dict) -> 
 
 
 def write_summary(config: VimeConfig, summary: dict) -> str:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(run_dir(config.storage_uri, config.run_name))
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/summary.json", "w") as f:
-        f.write(json.dumps(summary, indent=2, default=str) + "\n")
-    return f"{run_dir(config.storage_uri, config.run_name)}/summary.json"
+    reports = report_location(config.storage_uri, config.run_name, S3Endpoint.of(config))
+    reports.put_atomic(SUMMARY, (json.dumps(summary, indent=2, default=str) + "\n").encode())
+    return f"{run_dir(config.storage_uri, config.run_name)}/{SUMMARY}"
 
 
 def _mean(xs):

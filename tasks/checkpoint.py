@@ -23,9 +23,10 @@ def save_checkpoint(config: VimeConfig, rollout_id: int) -> dict:
 
 @task(name="export-hf", retries=1, **TASK_DEFAULTS)
 def export_hf(config: VimeConfig, path: str) -> str:
+    """The trained model as an HF folder at `path` (local or the run's storage URI); returns
+    where it is: `path`, or on an object store the folder its manifest names."""
     _, trainers = run_handles(config)
-    trainers.call("export_hf", path)
-    return path
+    return trainers.call("export_hf", path)[0]
 
 
 @task(name="compact-index", retries=2, **TASK_DEFAULTS)
@@ -34,7 +35,7 @@ def compact_index(config: VimeConfig) -> int:
     from vime_core.storage import BatchStore
 
     try:
-        return BatchStore(config.storage_uri).compact()
+        return BatchStore.for_config(config).compact()
     except ValueError as exc:  # compaction only speeds lineage queries up: the run stands without it
         get_run_logger().warning("index not compacted: %s", exc)
         return -1

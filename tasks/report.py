@@ -13,8 +13,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
 from vime_core.report.curve import reward_curve_png, write_reward_curve
-from vime_core.report.records import append_record, console_line, read_records, run_dir, sparkline
+from vime_core.report.records import METRICS, append_record, console_line, read_records, run_dir, sparkline
 from vime_core.report.tracking import track
+from vime_core.storage.endpoint import S3Endpoint
 
 
 def _artifact_key(run_name: str, what: str) -> str:
@@ -31,8 +32,9 @@ TABLE_ROWS = 20
 
 @task(name="report", task_run_name="report-{rollout_id}", retries=2, **TASK_DEFAULTS)
 def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_curve: bool = True) -> str:
-    append_record(config.storage_uri, config.run_name, record)
-    records = read_records(config.storage_uri, config.run_name)
+    endpoint = S3Endpoint.of(config)
+    append_record(config.storage_uri, config.run_name, record, endpoint)
+    records = read_records(config.storage_uri, config.run_name, endpoint)
     line = console_line(record)
     get_run_logger().info(line)
     # the console line is for the person running the job, whatever Prefect's log level is
@@ -42,12 +44,12 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_cur
         key=_artifact_key(config.run_name, "metrics"),
         table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records[-TABLE_ROWS:]],
         description=(f"vime run {config.run_name}: one row per iteration, the latest {TABLE_ROWS} (T_* in "
-                     f"seconds); every iteration is in {run_dir(config.storage_uri, config.run_name)}/metrics.jsonl"),
+                     f"seconds); every iteration is in {run_dir(config.storage_uri, config.run_name)}/{METRICS}"),
     )
     if draw_curve:
         rewards = [r.get("reward_mean") or 0.0 for r in records]
         png = reward_curve_png(records, f"vime run {config.run_name}")
-        path = write_reward_curve(config.storage_uri, config.run_name, png)
+        path = write_reward_curve(config.storage_uri, config.run_name, png, endpoint)
         picture = f"![reward curve](data:image/png;base64,{base64.b64encode(png).decode()})\n\n`{path}`\n\n"
         create_markdown_artifact(
             key=_artifact_key(config.run_name, "reward-curve"),

@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from vime_core.cluster import names
-    from vime_core.config.loader import make_config
-    from vime_core.report.records import read_records, run_dir
+    from vime_core.config.loader import read_run_config
+    from vime_core.report.records import read_records
     from vime_core.storage.store import BatchStore
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         straight, limit, alone = (measured[k] for k in ("direct_rollout", "device_copy", "trainer_alone"))
         return _write_ratios(result, vime, straight, limit, alone, a.out)
 
-    cfg = make_config(json.loads(Path(run_dir(a.storage_uri, a.run_name), "config.json").read_text()))
+    cfg = read_run_config(a.storage_uri, a.run_name)
     batch, _ = BatchStore(a.storage_uri).read(a.run_name, max(r["rollout_id"] for r in records))
     prompts = [list(t[:pl]) for t, pl in zip(batch["tokens"], batch["prompt_length"])]
     mean_prompt = round(statistics.fmean(batch["prompt_length"]))

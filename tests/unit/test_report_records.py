@@ -35,19 +35,6 @@ def test_a_line_cut_short_by_a_killed_writer_is_skipped_and_the_next_record_is_w
     assert [(r["rollout_id"], r["reward_mean"]) for r in read_records(str(tmp_path), "r")] == [(0, 0.1), (1, 0.2)]
 
 
-def test_an_object_store_metrics_file_is_replaced_whole():
-    import uuid
-
-    import fsspec
-
-    uri = f"memory://vime-records-{uuid.uuid4().hex}"
-    append_record(uri, "r", {"rollout_id": 0, "reward_mean": 0.1})
-    path = append_record(uri, "r", {"rollout_id": 1, "reward_mean": 0.2})
-    fs = fsspec.filesystem("memory")
-    assert not fs.exists(path + ".tmp") and fs.cat_file(path).decode().count("\n") == 2
-    assert [r["rollout_id"] for r in read_records(uri, "r")] == [0, 1]
-
-
 def test_reward_gain_is_last3_minus_first3():
     recs = [{"rollout_id": i, "reward_mean": i / 10} for i in range(8)]
     first = sum(r["reward_mean"] for r in recs[:3]) / 3

@@ -135,11 +135,37 @@ def config_hash(cfg: VimeConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def dump_config(cfg: VimeConfig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config_dict(cfg), indent=2, sort_keys=True) + "\n")
-    return path
+def run_config_uri(storage_uri: str, run_name: str) -> str:
+    """Where a run's resolved configuration is kept: `<storage>/reports/<run>/config.json`."""
+    from vime_core.report.records import CONFIG, run_dir
+
+    return f"{run_dir(storage_uri, run_name)}/{CONFIG}"
+
+
+def dump_config(cfg: VimeConfig, path: str | Path) -> str:
+    """Write the resolved configuration as JSON at `path`, a local path or a storage URI
+    (`s3://...`, opened at the configuration's own S3 endpoint), in one atomic write."""
+    from vime_core.storage.endpoint import S3Endpoint
+    from vime_core.storage.fs import open_parent
+
+    location, name = open_parent(str(path), S3Endpoint.of(cfg))
+    location.put_atomic(name, (json.dumps(config_dict(cfg), indent=2, sort_keys=True) + "\n").encode())
+    return location.url(name)
+
+
+def read_run_config(storage_uri: str, run_name: str, endpoint=None) -> VimeConfig:
+    """The configuration a run was started with (its config.json, local or in object storage;
+    `endpoint`: an S3Endpoint, None for this process's environment). ConfigError names the file
+    when there is none or it does not validate."""
+    from vime_core.storage.fs import open_parent
+
+    uri = run_config_uri(storage_uri, run_name)
+    location, name = open_parent(uri, endpoint)
+    try:
+        values = json.loads(location.get(name))
+    except FileNotFoundError:
+        raise ConfigError(f"{uri} does not exist (no run {run_name!r} in {storage_uri}?)") from None
+    return make_config(values, source=f"configuration ({uri})")
 
 
 def describe(cfg: VimeConfig) -> str:

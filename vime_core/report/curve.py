@@ -47,14 +47,10 @@ def reward_curve_png(records: list[dict], title: str) -> bytes:
     return buf.getvalue()
 
 
-def write_reward_curve(storage_uri: str, run_name: str, png: bytes) -> str:
-    import fsspec
+def write_reward_curve(storage_uri: str, run_name: str, png: bytes, endpoint=None) -> str:
+    """Replace the run's reward_curve.png (one atomic write); returns its path or URI."""
+    from vime_core.report.records import REWARD_CURVE, report_location
 
-    from vime_core.report.records import run_dir
-
-    fs, root = fsspec.core.url_to_fs(run_dir(storage_uri, run_name))
-    fs.makedirs(root, exist_ok=True)
-    path = f"{root}/reward_curve.png"
-    with fs.open(path, "wb") as f:
-        f.write(png)
-    return path
+    reports = report_location(storage_uri, run_name, endpoint)
+    reports.put_atomic(REWARD_CURVE, png)
+    return reports.url(REWARD_CURVE)

@@ -1,19 +1,30 @@
-"""Iteration records of a run, kept as `metrics.jsonl` beside the run's batches.
+"""Iteration records of a run, kept as `metrics.jsonl` in the run's report folder.
 
 Kept in `<storage>/reports/<run>/metrics.jsonl`. One record per finished iteration: rollout id, weight versions, reward and length statistics,
 training metrics and the phase times T_rollout ... T_sync (seconds), with
 T_step = wall time of the iteration. Records are appended, and re-reading them keeps the last
 record per rollout id, so a retried iteration replaces its earlier record.
+
+The report folder (config.json, metrics.jsonl, reward_curve.png, summary.json, the trackers'
+files) is written through the storage's own StorageLocation (vime_core/storage/fs.py), a local
+folder or an object store alike, at the run's S3 endpoint (`endpoint`; None: this process's
+environment, for library callers).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from vime_core.storage.endpoint import S3Endpoint
+    from vime_core.storage.fs import StorageLocation
 
 PHASES = ("rollout", "build", "persist", "offload", "train", "onload", "sync")
+
+# the files of a run's report folder
+CONFIG, METRICS, REWARD_CURVE, SUMMARY = "config.json", "metrics.jsonl", "reward_curve.png", "summary.json"
 
 
 def run_dir(storage_uri: str, run_name: str, kind: str = "reports") -> str:
@@ -22,51 +33,32 @@ def run_dir(storage_uri: str, run_name: str, kind: str = "reports") -> str:
     return f"{storage_uri.rstrip('/')}/{kind}/{run_name}"
 
 
-def _fs_and_path(uri: str):
-    import fsspec
+def report_location(storage_uri: str, run_name: str, endpoint: "S3Endpoint | None" = None) -> "StorageLocation":
+    """The run's report folder `<storage>/reports/<run>`, keys being the file names above."""
+    from vime_core.storage.fs import open_location
 
-    fs, path = fsspec.core.url_to_fs(uri)
-    return fs, path
-
-
-def append_record(storage_uri: str, run_name: str, record: dict) -> str:
-    """Append one record to the run's metrics.jsonl. A local file is appended to (one write of
-    one line); an object store has no append, so there the file is read, extended and replaced
-    whole (atomic, linear in the run's length)."""
-    fs, root = _fs_and_path(run_dir(storage_uri, run_name))
-    fs.makedirs(root, exist_ok=True)
-    path = f"{root}/metrics.jsonl"
-    line = json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
-    if _is_local(fs):
-        with open(path, "a+b") as f:
-            if f.tell() > 0:  # a line cut short by a killed writer stays on its own line
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    line = "\n" + line
-            f.write(line.encode())
-        return path
-    old = fs.cat_file(path).decode() if fs.exists(path) else ""
-    with fs.open(path + ".tmp", "w") as f:
-        f.write(old + line)
-    fs.mv(path + ".tmp", path)
-    return path
+    return open_location(run_dir(storage_uri, run_name), endpoint=endpoint)
 
 
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
+def append_record(storage_uri: str, run_name: str, record: dict, endpoint: "S3Endpoint | None" = None) -> str:
+    """Append one record to the run's metrics.jsonl (one write of one line locally; replaced
+    whole on an object store: StorageLocation.append_line); returns the file's path or URI."""
+    reports = report_location(storage_uri, run_name, endpoint)
+    reports.append_line(METRICS, (json.dumps(record, sort_keys=True, default=_jsonable) + "\n").encode())
+    return reports.url(METRICS)
 
 
-def read_records(storage_uri: str, run_name: str) -> list[dict]:
+def read_records(storage_uri: str, run_name: str, endpoint: "S3Endpoint | None" = None) -> list[dict]:
     """The last record of each rollout id, in rollout order. A line cut short (a process killed
     while appending) is skipped: its iteration is run again and appends it whole."""
-    fs, root = _fs_and_path(run_dir(storage_uri, run_name))
-    path = f"{root}/metrics.jsonl"
-    if not fs.exists(path):
+    try:
+        text = report_location(storage_uri, run_name, endpoint).get(METRICS).decode()
+    except FileNotFoundError:
         return []
     by_id: dict[int, dict] = {}
-    lines = [line for line in fs.cat_file(path).decode().splitlines() if line.strip()]
-    for line in lines:
+    for line in text.splitlines():
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

@@ -67,11 +67,12 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def report_folder(storage_uri: str, run_name: str):
-    """(StorageLocation, path inside it) of the run's report folder `<storage>/reports/<run>`."""
+def report_folder(storage_uri: str, run_name: str, endpoint=None):
+    """(StorageLocation of the storage, path inside it) of the run's report folder
+    `<storage>/reports/<run>`; `endpoint`: the run's S3Endpoint (None: this process's environment)."""
     from vime_core.storage.fs import open_location
 
-    loc = open_location(storage_uri)
+    loc = open_location(storage_uri, endpoint=endpoint)
     return loc, loc.path(f"reports/{run_name}")
 
 
@@ -114,7 +115,7 @@ class WandbTracker:
 
 class TensorBoardTracker:
     """Event files in `folder` (on the local disk). For a remote store, `folder` is a local
-    staging folder and each flush copies its files to `remote` (fs, path)."""
+    staging folder and each flush copies its files to `remote` (StorageLocation, folder key)."""
 
     name = "tensorboard"
 
@@ -143,10 +144,9 @@ class TensorBoardTracker:
     def _mirror(self) -> None:
         if self.remote is None:
             return
-        fs, path = self.remote
-        fs.makedirs(path, exist_ok=True)
+        location, key = self.remote
         for name in os.listdir(self.folder):
-            fs.put_file(os.path.join(self.folder, name), f"{path}/{name}")
+            location.put_file(f"{key}/{name}", os.path.join(self.folder, name))
 
     def finish(self) -> None:
         if self.writer is not None:
@@ -189,7 +189,9 @@ def trackers_for(cfg) -> list[Tracker]:
     trackers: list[Tracker] = []
     if not (cfg.use_wandb or cfg.use_tensorboard):
         return trackers
-    loc, folder = report_folder(cfg.storage_uri, cfg.run_name)
+    from vime_core.storage.endpoint import S3Endpoint
+
+    loc, folder = report_folder(cfg.storage_uri, cfg.run_name, S3Endpoint.of(cfg))
     if cfg.use_wandb:
         # W&B writes its files on the local disk: the run's report folder when that is local
         wandb_dir = cfg.wandb_dir or (folder if loc.is_local else "")
@@ -202,7 +204,7 @@ def trackers_for(cfg) -> list[Tracker]:
             trackers.append(TensorBoardTracker(f"{folder}/tensorboard"))
         else:
             staging = tempfile.mkdtemp(prefix=f"vime-tensorboard-{cfg.run_name}-")
-            trackers.append(TensorBoardTracker(staging, remote=(loc.fs, f"{folder}/tensorboard")))
+            trackers.append(TensorBoardTracker(staging, remote=(loc, f"reports/{cfg.run_name}/tensorboard")))
     return trackers
 
 

@@ -80,6 +80,37 @@ class StorageLocation:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(path, data)
 
+    def put_file(self, key: str, local_path: str | os.PathLike) -> None:
+        """Upload a local file (streamed: s3fs sends a large one in parts, so it is not held in
+        memory). Not atomic by itself: a reader must learn of `key` only after this returns."""
+        path = self.path(key)
+        if self.is_local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.put_file(os.fspath(local_path), path)
+
+    def append_line(self, key: str, line: bytes) -> None:
+        """Add one newline-ended line at the end of the object. A local file is appended to (one
+        write); an object store has no append, so there the object is read, extended and
+        replaced whole with put_atomic (linear in its length). A line cut short by a killed
+        writer stays on its own line: the new one starts after a newline."""
+        path = self.path(key)
+        if self.is_local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with open(path, "a+b") as f:
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = b"\n" + line
+                f.write(line)
+            return
+        try:
+            old = self.get(key)
+        except FileNotFoundError:
+            old = b""
+        if old and not old.endswith(b"\n"):
+            old += b"\n"
+        self.put_atomic(key, old + line)
+
     def get(self, key: str) -> bytes:
         return self.fs.cat_file(self.path(key))
 
@@ -115,12 +146,13 @@ class StorageLocation:
         """(key, modification time as a POSIX timestamp or None) of every object under prefix,
         sorted by key. Folder entries (some S3 servers list them) and hidden partial files are
         left out."""
-        base = self.path(prefix).rstrip("/")
+        # as the filesystem spells its paths (fsspec's memory store puts a "/" before the root)
+        base = self.fs._strip_protocol(self.path(prefix)).rstrip("/")
         try:
             found = self.fs.find(base, withdirs=False, detail=True)
         except FileNotFoundError:
             return []
-        root = self.root.rstrip("/") + "/"
+        root = self.fs._strip_protocol(self.root).rstrip("/") + "/"
         out = []
         for path, info in sorted(found.items()):
             path = str(path)
@@ -162,6 +194,15 @@ def open_location(uri: str, storage_options: dict | None = None, endpoint: S3End
     if protocol in ("s3", "s3a"):
         return _s3_location(root, options, endpoint if endpoint is not None else resolve_endpoint())
     return StorageLocation(fsspec.filesystem(protocol, **options), root, protocol)
+
+
+def open_parent(uri: str, endpoint: S3Endpoint | None = None) -> tuple[StorageLocation, str]:
+    """(the location of `uri`'s folder, `uri`'s last name in it): `s3://b/p/reports/r/config.json`
+    -> (s3://b/p/reports/r, "config.json"); a bare local name is in the current directory."""
+    parent, _, name = str(uri).rstrip("/").rpartition("/")
+    if not name or parent.endswith(":/"):
+        raise ValueError(f"{uri!r} names no object inside a folder or bucket")
+    return open_location(parent or ".", endpoint=endpoint), name
 
 
 def _s3_location(root: str, options: dict, where: S3Endpoint) -> StorageLocation:

@@ -5,19 +5,25 @@
     <path>/config.json           the source checkpoint's config (dtype fields set to that dtype)
     <path>/tokenizer*, ...       every other non-weight file of the source folder, copied
 
-The folder is written under a temporary name and renamed into place, so a reader sees either
-the previous export or the new one.
+`<path>` is a local folder or a storage URI (`s3://bucket/prefix/exports/<run>`). The files are
+written into a local folder first and then published as one unit (vime_core/storage/folders.py):
+renamed into place on a local disk; on an object store uploaded under a fresh prefix
+`<path>/<label>-<random>/` that `<path>/manifest.json`, written last, names. Either way a reader
+sees the previous export or the new one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Iterable
 
 import torch
+
+from vime_core.storage.endpoint import S3Endpoint
+from vime_core.storage.folders import publish_folder, staging_dir
+from vime_core.storage.fs import open_parent
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -32,33 +38,31 @@ def source_dtype(config: dict) -> torch.dtype:
     return DTYPES[name]
 
 
-def write_hf_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], source_dir: str | Path, path: str | Path) -> Path:
-    """Write ``named_tensors`` plus the source folder's config and tokenizer files to ``path``."""
+def write_hf_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], source_dir: str | Path, path: str | Path,
+                    endpoint: S3Endpoint | None = None, label: str = "") -> str:
+    """Write ``named_tensors`` plus the source folder's config and tokenizer files at ``path``
+    (module docstring); ``endpoint``: the run's S3 server (None: this process's environment).
+    Returns where the folder is: ``path``, or on an object store ``path/<label>-<random>``."""
     from safetensors.torch import save_file
 
-    source, target = Path(source_dir), Path(path)
+    source = Path(source_dir)
     config = json.loads((source / "config.json").read_text())
     dtype = source_dtype(config)
     tensors = {name: t.detach().to("cpu", dtype).contiguous().clone() for name, t in named_tensors}
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for item in source.iterdir():
-        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in WEIGHT_INDEXES:
-            shutil.copy2(item, tmp / item.name)
-    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-    for key in ("dtype", "torch_dtype"):
-        if key in config:
-            config[key] = dtype_name
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, target)
-    return target
+    location, name = open_parent(str(path), endpoint)
+    tmp = staging_dir(location, name)
+    try:
+        for item in source.iterdir():
+            if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in WEIGHT_INDEXES:
+                shutil.copy2(item, tmp / item.name)
+        dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = dtype_name
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    folder = publish_folder(location, name, tmp, label)
+    return str(path).rstrip("/") + folder[len(name):]

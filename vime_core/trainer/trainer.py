@@ -228,20 +228,25 @@ class MegatronTrainer:
         return {"tokens": tokens, "log_probs": lps[0].tolist()}
 
     def export_hf(self, path: str) -> str:
-        """Write an HF checkpoint folder (safetensors + config + tokenizer) at ``path``."""
+        """Write an HF checkpoint folder (safetensors + config + tokenizer) at ``path``, a local
+        folder or a storage URI; rank 0 returns where it is (vime_core/trainer/hf_export.py), the
+        other ranks ``path``."""
         self._require_init()
+        from vime_core.storage.endpoint import S3Endpoint
         from vime_core.trainer.hf_export import write_hf_folder
 
+        where = str(path)
         with self._awake():
             if self.layout.dp_rank == 0:
                 weights = self.iter_hf_weights()
                 if self.layout.rank == 0:
-                    write_hf_folder(weights, self.hf_checkpoint, path)
+                    where = write_hf_folder(weights, self.hf_checkpoint, path, S3Endpoint.of(self.cfg),
+                                            label=f"v{self.weight_version}")
                 else:
                     for _ in weights:
                         pass
             torch.distributed.barrier()
-        return str(path)
+        return where
 
     @contextlib.contextmanager
     def _awake(self):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,27 @@ def store_uri(request, tmp_path) -> str:
     server = request.getfixturevalue("s3_env")
     return server.storage_uri(f"t-{uuid.uuid4().hex[:12]}")
 
+
+
+@contextmanager
+def local_ray_head(num_gpus: int = 1, num_cpus: int | None = None):
+    """A local Ray head of its own, started from this process's environment (its workers inherit
+    the S3 endpoint and credentials set before: a user's node environment), this process
+    attached to it; yields its address, stops it after."""
+    import ray
+
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.local_head import start_local_head, stop_local_head
+
+    if ray.is_initialized():  # attached to an earlier test's head, whose workers lack the credentials
+        ray.shutdown()
+    temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
+    try:
+        address = start_local_head(num_gpus, num_cpus=num_cpus, temp_dir=temp)
+        ensure_ray(address)
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        stop_local_head(temp)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -29,7 +29,7 @@ import pytest
 
 from vime_core.storage.s3_server import STATE_FILE, S3Server, _ready, start_s3_server, stop_s3_server
 
-from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
+from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, local_ray_head
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -155,25 +155,10 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
 
 
 @pytest.fixture
-def ray_with_s3(outage, tmp_path):
+def ray_with_s3(outage):
     """A local Ray head whose workers have the store's endpoint and credentials (inherited)."""
-    from vime_core.cluster.connect import ensure_ray
-    from vime_core.cluster.local_head import start_local_head, stop_local_head
-
-    import ray
-
-    if ray.is_initialized():  # attached to an earlier test's head, whose workers lack the credentials
-        ray.shutdown()
-    temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
-    try:
-        address = start_local_head(1, num_cpus=1, temp_dir=temp)
-        ensure_ray(address)
+    with local_ray_head(1, num_cpus=1) as address:
         yield address
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        stop_local_head(temp)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_with_s3, tiny_model_dir):
