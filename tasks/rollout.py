@@ -96,7 +96,7 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
     if not first_try() and not out.replaces_quarantined and batch_io.stored(config, rollout_id):
         from vime_core.storage import BatchStore
 
-        key = BatchStore(config.storage_uri).ref(config.run_name, rollout_id).key
+        key = BatchStore.for_config(config).ref(config.run_name, rollout_id).key
         get_run_logger().info("rollout %d: stored by an earlier try at %s", rollout_id, key)
         return {"key": key, "t_persist": time.perf_counter() - t0, "stored_by_earlier_try": True}
     from vime_core.storage.schema import DATA_SOURCE_AFTER

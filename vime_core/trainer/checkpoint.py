@@ -10,7 +10,8 @@
 Every file is written atomically (`StorageLocation.put_atomic`: beside and renamed on a local
 file system, one PUT on an object store), and a checkpoint counts only once its manifest
 exists, so a reader never sees a partial one. Paths are local folders or ``s3://...`` URIs,
-opened like the batch store (`vime_core.storage.fs.open_location`).
+opened like the batch store (`vime_core.storage.fs.open_location`), at the run's S3 endpoint
+(`endpoint`: the trainer passes its configuration's; None: this process's environment).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from typing import Any, Optional
 
 import torch
+
+from vime_core.storage.endpoint import S3Endpoint
 
 FORMAT = "vime-trainer-checkpoint"
 FORMAT_VERSION = 1
@@ -46,48 +49,48 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def save_rank_state(path: str, rank: int, state: dict[str, Any]) -> str:
+def save_rank_state(path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None) -> str:
     from vime_core.storage.fs import open_location
 
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    open_location(path).put_atomic(rank_file_name(rank), buffer.getvalue())
+    open_location(path, endpoint=endpoint).put_atomic(rank_file_name(rank), buffer.getvalue())
     return f"{path.rstrip('/')}/{rank_file_name(rank)}"
 
 
-def write_manifest(path: str, manifest: dict[str, Any]) -> None:
+def write_manifest(path: str, manifest: dict[str, Any], endpoint: Optional[S3Endpoint] = None) -> None:
     from vime_core.storage.fs import open_location
 
     body = {"format": FORMAT, "version": FORMAT_VERSION, "created_at": time.time(), **manifest}
-    open_location(path).put_atomic(MANIFEST, json.dumps(body, indent=2).encode())
+    open_location(path, endpoint=endpoint).put_atomic(MANIFEST, json.dumps(body, indent=2).encode())
 
 
-def _read(path: str, name: str, missing: str) -> bytes:
+def _read(path: str, name: str, missing: str, endpoint: Optional[S3Endpoint] = None) -> bytes:
     """The bytes of `name` in the checkpoint folder `path`; CheckpointError(`missing`) if absent."""
     from vime_core.storage.fs import open_location
 
     try:
-        return open_location(path).get(name)
+        return open_location(path, endpoint=endpoint).get(name)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {missing}") from None
 
 
-def read_manifest(path: str) -> dict[str, Any]:
-    manifest = json.loads(_read(path, MANIFEST, f"no {MANIFEST} (not a checkpoint, or one that was never finished)"))
+def read_manifest(path: str, endpoint: Optional[S3Endpoint] = None) -> dict[str, Any]:
+    manifest = json.loads(_read(path, MANIFEST, f"no {MANIFEST} (not a checkpoint, or one that was never finished)", endpoint))
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
     return manifest
 
 
-def load_rank_state(path: str, rank: int, world_size: int, tp_size: int) -> dict[str, Any]:
+def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None) -> dict[str, Any]:
     """This rank's state dict, after checking the manifest matches the current layout."""
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, endpoint)
     if manifest["world_size"] != world_size or manifest["tp"] != tp_size:
         raise CheckpointError(
             f"{path}: written with world_size={manifest['world_size']}, tp={manifest['tp']}; "
             f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
         )
-    data = _read(path, rank_file_name(rank), f"{rank_file_name(rank)} is missing although the manifest lists it")
+    data = _read(path, rank_file_name(rank), f"{rank_file_name(rank)} is missing although the manifest lists it", endpoint)
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
@@ -96,7 +99,7 @@ def latest_checkpoint(cfg: Any) -> Optional[str]:
     from vime_core.storage.fs import open_location
 
     root = checkpoint_root(cfg)
-    location = open_location(root)
+    location = open_location(root, endpoint=S3Endpoint.of(cfg))
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in location.fs.ls(location.path(""), detail=False)]
     except FileNotFoundError:

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from vime_core.config import VimeConfig
+from vime_core.storage.endpoint import S3Endpoint
 from vime_core.trainer.parallel import layout_for
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,8 @@ class MegatronTrainer:
             "metrics": self._metrics,
             "extra_state": dict(extra_state or {}),
         }
-        ckpt.save_rank_state(path, self.layout.rank, state)
+        endpoint = S3Endpoint.of(self.cfg)  # the run's store, whatever this node's environment says
+        ckpt.save_rank_state(path, self.layout.rank, state, endpoint)
         torch.distributed.barrier()
         if self.layout.rank == 0:
             lay = self.layout
@@ -294,7 +296,7 @@ class MegatronTrainer:
                 "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
                 "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
                 "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
-            })
+            }, endpoint)
         torch.distributed.barrier()
 
     def load(self, path: str) -> dict[str, Any]:
@@ -303,7 +305,8 @@ class MegatronTrainer:
         from vime_core.trainer import checkpoint as ckpt
         from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
 
-        state = ckpt.load_rank_state(path, self.layout.rank, self.layout.world_size, self.layout.tp_size)
+        state = ckpt.load_rank_state(path, self.layout.rank, self.layout.world_size, self.layout.tp_size,
+                                     S3Endpoint.of(self.cfg))
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])
