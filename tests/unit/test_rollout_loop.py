@@ -386,3 +386,62 @@ def test_no_live_engine_within_the_wait_fails_the_rollout(make_cfg, tokenizer):
     state.generate_fn = failing_generate(lambda s: True, retryable=True)
     with pytest.raises(RolloutFailedError, match=r"no engine answered /health within rollout_engine_wait_s=0.3 s \(engines: fake\)"):
         run_loop(state)
+
+
+def test_a_retried_group_waits_until_a_request_gets_through_the_router(make_cfg, tokenizer):
+    """The engine answers /health but the router still refuses (its circuit for a restarted
+    engine stays open a while): the group is sent again only once a one-token probe of its own
+    prompt gets through, so its attempts are not spent on the router's refusals."""
+    from vime_core.engines.client import EngineError
+
+    cfg = make_cfg(rollout_group_max_attempts=2, over_sampling_batch_size=1)
+    refusals = 3
+
+    class RouterCatchingUp(HealthyFake):
+        async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+            refused = sampling_params.get("max_tokens") == 1 and sum(p.get("max_tokens") == 1 for _, p, _ in self.calls) < refusals
+            if refused:
+                self.calls.append((list(token_ids), dict(sampling_params), session_id))
+                raise EngineError("router", "/inference/v1/generate", 503, "No available workers")
+            return await super().generate(token_ids, sampling_params, session_id, request_id)
+
+    gen = RouterCatchingUp()
+    state = make_state(cfg, tokenizer, gen)
+    first_try = lambda s: s.group_index == 1 and s.index == 0 and "group_attempts" not in s.metadata  # noqa: E731
+    state.generate_fn = failing_generate(first_try, retryable=True)
+
+    async def run():
+        from vime_core.rollout import loop
+
+        original = loop.asyncio.sleep
+        loop.asyncio.sleep = lambda s: original(0)  # the probe's poll interval, not under test
+        try:
+            return await loop.generate_rollout(state, 0)
+        finally:
+            loop.asyncio.sleep = original
+
+    samples, metrics = asyncio.run(run())
+    probes = [tokens for tokens, params, _ in gen.calls if params.get("max_tokens") == 1 and params.get("temperature") == 0.0]
+    assert len(probes) == refusals + 1  # refused while the router caught up, then through
+    group_one_prompt = next(s.tokens[: s.prompt_length] for s in samples if s.group_index == 1)
+    assert all(tokens == group_one_prompt for tokens in probes)
+    assert metrics["rollout/retried_groups"] == 1 and metrics["rollout/failed_groups"] == 0
+    assert sorted({s.group_index for s in samples}) == [0, 1, 2, 3]
+
+
+def test_a_router_that_never_lets_a_request_through_fails_the_rollout_naming_it(make_cfg, tokenizer):
+    from vime_core.engines.client import EngineError
+    from vime_core.rollout.loop import RolloutFailedError
+
+    cfg = make_cfg(rollout_engine_wait_s=0.3, rollout_group_max_attempts=2)
+
+    class AlwaysRefused(HealthyFake):
+        async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+            if sampling_params.get("max_tokens") == 1:
+                raise EngineError("router", "/inference/v1/generate", 503, "No available workers")
+            return await super().generate(token_ids, sampling_params, session_id, request_id)
+
+    state = make_state(cfg, tokenizer, AlwaysRefused())
+    state.generate_fn = failing_generate(lambda s: True, retryable=True)
+    with pytest.raises(RolloutFailedError, match=r"no request got through fake within rollout_engine_wait_s=0.3 s.*HTTP 503"):
+        run_loop(state)

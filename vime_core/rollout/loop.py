@@ -9,7 +9,8 @@
         sample was scored right after its generation), apply the dynamic filter -> kept / dropped
         a group with a sample the engines did not generate is not kept: when the cause was the
         infrastructure (engine died, connection reset) it is generated again once an engine
-        answers /health, up to rollout_group_max_attempts in all; then (or at once, for a bad
+        answers /health and a one-token request gets through the router, up to
+        rollout_group_max_attempts in all; then (or at once, for a bad
         request) it is dropped and a new group refills its place. More dropped groups than the
         batch holds, or no live engine within rollout_engine_wait_s: RolloutFailedError, naming
         the engines and the reasons, and nothing is handed on.
@@ -98,16 +99,36 @@ def _reason_key(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
-async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s: float = 1.0) -> None:
-    """Return once any engine answers /health; RolloutFailedError after `timeout_s`."""
+async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s: float = 1.0,
+                               generator: Any = None, probe_tokens: Sequence[int] = ()) -> None:
+    """Return once any engine answers /health and, when `generator` is given, a one-token
+    generate of `probe_tokens` goes through it: vllm-router keeps a restarted engine's circuit
+    open for a while after the engine answers /health, and a group sent in that window fails
+    again without reaching it. RolloutFailedError after `timeout_s`."""
+    from vime_core.engines.client import EngineError
+
     deadline = time.monotonic() + timeout_s
+    names = ", ".join(str(getattr(e, "name", e)) for e in engines)
     while True:
         answers = await asyncio.gather(*(e.is_healthy(timeout_s=5.0) for e in engines), return_exceptions=True)
         if any(a is True for a in answers):
-            return
+            break
         if time.monotonic() >= deadline:
-            names = ", ".join(str(getattr(e, "name", e)) for e in engines)
             raise RolloutFailedError(f"no engine answered /health within rollout_engine_wait_s={timeout_s:g} s (engines: {names})")
+        await asyncio.sleep(poll_s)
+    if generator is None or not probe_tokens:
+        return
+    while True:
+        try:
+            await generator.generate(list(probe_tokens), {"max_tokens": 1, "temperature": 0.0})
+            return
+        except EngineError as exc:
+            if exc.status is not None and exc.status < 500:
+                return  # the request reached an engine, which refused it: routing works
+            if time.monotonic() >= deadline:
+                raise RolloutFailedError(
+                    f"the engines answer /health but no request got through {getattr(generator, 'name', 'the router')} "
+                    f"within rollout_engine_wait_s={timeout_s:g} s (engines: {names}; last: {exc})") from None
         await asyncio.sleep(poll_s)
 
 
@@ -120,7 +141,8 @@ async def _handle_failed_group(state: "RolloutState", rollout_id: int, group: li
     if retryable and attempts < cfg.rollout_group_max_attempts:
         logger.warning("rollout %d: group %d failed (%s); generating it again (attempt %d of %d)",
                        rollout_id, group[0].group_index, reason, attempts + 1, cfg.rollout_group_max_attempts)
-        await wait_for_live_engine(state.engines, cfg.rollout_engine_wait_s)
+        prompt = group[0].tokens[: group[0].prompt_length or len(group[0].tokens)]
+        await wait_for_live_engine(state.engines, cfg.rollout_engine_wait_s, generator=state.generator, probe_tokens=prompt)
         for sample in group:
             sample.clear_response()
             sample.metadata["group_attempts"] = attempts + 1
