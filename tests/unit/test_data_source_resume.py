@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vime_core.config import VimeConfig
+from vime_core.config.demo import demo_config
 from vime_core.storage import BatchStore
 from vime_core.storage.synthetic import synthetic_batch
 
@@ -16,7 +17,7 @@ from vime_core.storage.synthetic import synthetic_batch
 def _store(tmp_path, positions: dict[int, dict | None]) -> VimeConfig:
     from vime_core.cluster.batch_io import lineage_for
 
-    cfg = VimeConfig(run_name="resume", storage_uri=str(tmp_path), hf_checkpoint="x")
+    cfg = demo_config(run_name="resume", storage_uri=str(tmp_path), hf_checkpoint="x")
     for rollout_id, state in positions.items():
         BatchStore(cfg.storage_uri).write(synthetic_batch(seed=rollout_id), lineage_for(cfg, rollout_id, "f", state))
     return cfg
@@ -54,7 +55,7 @@ def test_a_new_manager_takes_the_stored_position_else_the_checkpoints(tmp_path, 
     bootstrap_module._restore_data_source(cfg, manager, {"epoch": 1, "offset": 4}, new_manager=True)
     assert manager.loaded == [{"epoch": 1, "offset": 12}]
 
-    empty = VimeConfig(run_name="fresh", storage_uri=str(tmp_path / "none"), hf_checkpoint="x")
+    empty = demo_config(run_name="fresh", storage_uri=str(tmp_path / "none"), hf_checkpoint="x")
     manager = _Manager()
     bootstrap_module._restore_data_source(empty, manager, {"epoch": 1, "offset": 4}, new_manager=True)
     assert manager.loaded == [{"epoch": 1, "offset": 4}]

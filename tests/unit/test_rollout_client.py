@@ -239,12 +239,13 @@ def test_reset_prefix_cache_retries_then_gives_up():
 def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
     """A 200 answer with 3 tokens but 2 log-probs: the sample fails, naming the mismatch."""
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
     from vime_core.data.sample import Sample, Status
     from vime_core.rollout.generate import GenerateContext, generate_sample
 
     broken = generate_answer([5, 6, 2], [-0.5, -0.1, -0.2])
     broken["choices"][0]["logprobs"]["content"].pop()
-    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "rollout_max_response_len": 8})
+    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "rollout_max_response_len": 8}))
     with FakeEngine(lambda m, p, b: (200, broken)) as fake:
         sample = Sample(tokens=[1, 4, 5], prompt_length=3)
 
@@ -285,10 +286,11 @@ def _fake_python(tmp_path: Path, script: str) -> str:
 
 def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
     python = _fake_python(tmp_path, 'for i in $(seq 1 60); do echo "line $i"; done; echo "CUDA out of memory" >&2; exit 3\n')
-    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30})
+    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30}))
     server = EngineServer(cfg, log_dir=str(tmp_path))
     with pytest.raises(EngineStartError) as err:
         server.start()
@@ -300,10 +302,11 @@ def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
 
 def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
     python = _fake_python(tmp_path, "echo starting; exec sleep 600\n")
-    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2})
+    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2}))
     server = EngineServer(cfg, log_dir=str(tmp_path))
     with pytest.raises(EngineStartError, match="not healthy after engine_startup_timeout_s=2"):
         server.start()
@@ -312,12 +315,13 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
 
 def test_engine_server_command_and_environment(tiny_model_dir):
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
     from vime_core.engines.server import EngineServer, cpu_bind
 
-    cfg = make_config({
+    cfg = make_config(demo_values({
         "hf_checkpoint": str(tiny_model_dir), "rollout_max_context_len": 96, "offload_rollout": True,
         "vllm_cpu_kvcache_gb": 1.5, "actor_num_gpus_per_node": 2, "vllm_extra_args": ["--max-num-seqs", "64"],
-    })
+    }))
     server = EngineServer(cfg, 1, weight_transfer_config={"backend": "nccl"})
     cmd = server.command(4321)
     joined = " ".join(cmd)
@@ -338,10 +342,11 @@ def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):
     import time
 
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError, free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "engine_urls": [url]})
+    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "engine_urls": [url]}))
     t0 = time.monotonic()
     with pytest.raises(EngineStartError, match=r"engine_urls\[0\]=http://127.0.0.1:\d+ does not answer /health"):
         EngineServer(cfg, 0, attach_url=url).start()

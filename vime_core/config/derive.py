@@ -4,6 +4,7 @@
     eps_clip_high          = eps_clip                       (when unset)
     over_sampling_batch_size = rollout_batch_size           (when unset)
     rollout_max_context_len = rollout_max_prompt_len + rollout_max_response_len (when unset)
+    vllm_enforce_eager     = device == "cpu"               (when unset)
     rollout_num_gpus       = trainer devices when colocated, else 1 (when unset)
     num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
     rollout_concurrency    = vllm_server_concurrency * num_engines
@@ -71,6 +72,8 @@ def derive_in_place(cfg: "VimeConfig") -> None:
     else:
         cfg.num_steps_per_rollout = rollout_samples // cfg.global_batch_size
 
+    if cfg.vllm_enforce_eager is None:
+        cfg.vllm_enforce_eager = cfg.device == "cpu"
     if cfg.eps_clip_high is None:
         cfg.eps_clip_high = cfg.eps_clip
     if cfg.over_sampling_batch_size is None:

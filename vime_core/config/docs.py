@@ -8,21 +8,25 @@ import argparse
 import json
 from pathlib import Path
 
+from vime_core.config.demo import DEMO_SETTINGS
 from vime_core.config.schema import VimeConfig
 
 START, END = "<!-- config:start -->", "<!-- config:end -->"
 
 
-def _default(field) -> str:
+def _default(name: str, field) -> str:
     value = field.default_factory() if field.default_factory is not None else field.default
-    return "`" + json.dumps(value) + "`"
+    text = "`" + json.dumps(value) + "`"
+    if name in DEMO_SETTINGS:
+        text += " (demo `" + json.dumps(DEMO_SETTINGS[name]) + "`)"
+    return text
 
 
 def config_table() -> str:
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for name, field in VimeConfig.model_fields.items():
         desc = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `--{name.replace('_', '-')}` | {_default(field)} | {desc} |")
+        rows.append(f"| `--{name.replace('_', '-')}` | {_default(name, field)} | {desc} |")
     return "\n".join(rows)
 
 

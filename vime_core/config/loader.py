@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
+from vime_core.config.demo import DEMO_SETTINGS
 from vime_core.config.schema import VimeConfig
 
 
@@ -50,7 +51,8 @@ def build_parser(prog: str = "vime train", description: str | None = None) -> ar
         flag = "--" + name.replace("_", "-")
         kind, elem = _field_kind(field.annotation)
         default = field.default if field.default_factory is None else field.default_factory()
-        help_text = f"{field.description} (default: {default})".replace("%", "%%")
+        demo = f"; the embedded demo's: {DEMO_SETTINGS[name]}" if name in DEMO_SETTINGS else ""
+        help_text = f"{field.description} (default: {default}{demo})".replace("%", "%%")
         choices = None
         if typing.get_origin(field.annotation) is typing.Literal:
             choices = list(typing.get_args(field.annotation))

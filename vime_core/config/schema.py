@@ -29,9 +29,9 @@ RecomputeMethod = Literal["uniform", "block"]
 
 
 class VimeConfig(BaseModel):
-    """Everything a vime run needs. The defaults are the embedded default job — the tiny model
-    learning "a+b=" on a 2-core CPU machine (lr 1e-3, 4-token responses); a real model sets
-    hf_checkpoint, prompt_data and the lengths/learning rate it needs."""
+    """Everything a vime run needs. The defaults are for real models on GPUs (slime's values);
+    a configuration that names no model runs the embedded demo, whose settings
+    (vime_core/config/demo.py) apply to the fields it does not set."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
@@ -58,7 +58,7 @@ class VimeConfig(BaseModel):
     use_tensorboard: bool = Field(False, description="Write every iteration's record as TensorBoard scalars (step = rollout id) to `<storage_uri>/reports/<run_name>/tensorboard`; a resumed run adds an event file there.")
 
     # ---- model and data ----------------------------------------------------------------------
-    hf_checkpoint: str = Field("", description="Hugging Face checkpoint: a local folder (config.json, safetensors, tokenizer) or a hub id org/name[@revision], downloaded into the HF cache, or taken from it with HF_HUB_OFFLINE=1. Empty: the embedded tiny model is built under storage_uri.")
+    hf_checkpoint: str = Field("", description="Hugging Face checkpoint: a local folder (config.json, safetensors, tokenizer) or a hub id org/name[@revision], downloaded into the HF cache, or taken from it with HF_HUB_OFFLINE=1. Empty: the embedded demo (a tiny model built under storage_uri, learning addition on the CPU), with its settings for the fields the configuration does not set (vime_core/config/demo.py).")
     prompt_data: str = Field("", description="Prompt dataset, one of: a .jsonl/.json/.parquet file (local path or fsspec URI such as s3://...); a local folder written by `Dataset.save_to_disk` or holding data files that `datasets.load_dataset` reads; a hub dataset `namespace/name` or `namespace/name:config` (when no local path of that name exists), loaded with `datasets.load_dataset`, from the HF datasets cache when HF_HUB_OFFLINE=1. A value containing :// or ending in .jsonl/.json/.parquet is always a file. Empty: the embedded synthetic task.")
     prompt_data_split: str = Field("train", description="Split read from a dataset folder or hub dataset in prompt_data (a `save_to_disk` folder of one Dataset has no splits).")
     input_key: str = Field("prompt", description="Field of a dataset row holding the prompt text.")
@@ -75,7 +75,7 @@ class VimeConfig(BaseModel):
     colocate: bool = Field(True, description="Trainer actors and inference engines share the same devices; they take turns (offload/onload).")
     offload_rollout: bool = Field(True, description="Engines sleep while the trainer runs (vLLM sleep mode; level 2 when they receive weight updates).")
     offload_train: bool = Field(True, description="Trainer frees its device memory while engines generate.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Device of trainer actors and engines.")
+    device: Literal["cpu", "cuda"] = Field("cuda", description="Device of trainer actors and engines.")
     actor_num_nodes: int = Field(1, ge=1, description="Nodes of trainer actors.")
     actor_num_gpus_per_node: int = Field(1, ge=1, description="Trainer devices per node (on CPU: device slots declared to Ray).")
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor-parallel size; DP = trainer devices // TP.")
@@ -87,10 +87,10 @@ class VimeConfig(BaseModel):
 
     # ---- rollout -------------------------------------------------------------------------------
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")
-    n_samples_per_prompt: int = Field(16, ge=1, description="Samples per prompt (the GRPO group size).")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     over_sampling_batch_size: Optional[int] = Field(None, ge=1, description="Groups submitted at a time while filling the rollout; default: rollout_batch_size.")
-    rollout_max_prompt_len: int = Field(16, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
-    rollout_max_response_len: int = Field(4, ge=1, description="Maximum generated tokens per sample.")
+    rollout_max_prompt_len: int = Field(1024, ge=1, description="Prompts longer than this (in tokens) are dropped when the dataset loads.")
+    rollout_max_response_len: int = Field(1024, ge=1, description="Maximum generated tokens per sample.")
     rollout_max_context_len: Optional[int] = Field(None, ge=2, description="Engine max_model_len. Default: rollout_max_prompt_len + rollout_max_response_len.")
     rollout_temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -123,7 +123,7 @@ class VimeConfig(BaseModel):
     vllm_python: str = Field(".venv-vllm/bin/python", description="Python interpreter of the vLLM environment; the engine actor starts the server with it.")
     vllm_cpu_kvcache_gb: float = Field(1.0, gt=0, description="KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction when colocated on GPUs.")
-    vllm_enforce_eager: bool = Field(True, description="Start engines without compilation/CUDA graphs (faster start, ~10% less throughput).")
+    vllm_enforce_eager: Optional[bool] = Field(None, description="Start engines without compilation/CUDA graphs: a faster start, less generation throughput. Default: true on CPU, false on CUDA.")
     vllm_extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server.")
     engine_urls: list[str] = Field(default_factory=list, description="Attach to external vLLM servers at these URLs instead of starting engines.")
     engine_bind_host: str = Field("127.0.0.1", description="Address the engines' vLLM servers bind to. Loopback (the default) keeps them private to one machine; 0.0.0.0 (or a node address) lets trainer ranks and the router on other Ray nodes reach them (a wildcard bind is advertised as the node's Ray address).")
@@ -143,7 +143,7 @@ class VimeConfig(BaseModel):
     kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL loss term when use_kl_loss (slime's --kl-loss-coef).")
     kl_loss_type: KLLossType = Field("low_var_kl", description="KL estimator of both KL terms: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).")
     ref_load: Optional[str] = Field(None, description="HF checkpoint folder of the reference policy of the KL terms, same architecture as hf_checkpoint. Default: hf_checkpoint (the starting weights).")
-    entropy_coef: float = Field(0.01, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy); 0 is the usual GRPO. The default 0.01 is the default job's (it keeps the tiny model exploring).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy); 0 is the usual GRPO.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     use_rollout_logprobs: bool = Field(False, description="Use the engine's log-probs as the old policy instead of recomputing them.")
@@ -154,10 +154,10 @@ class VimeConfig(BaseModel):
     # ---- training ------------------------------------------------------------------------------
     num_steps_per_rollout: Optional[int] = Field(1, ge=1, description="Optimizer steps per rollout; sets global_batch_size.")
     global_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step. Default: rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout.")
-    micro_batch_size: int = Field(32, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
+    micro_batch_size: int = Field(1, ge=1, description="Samples per micro-batch per DP rank (when not packing by tokens).")
     use_dynamic_batch_size: bool = Field(False, description="Pack micro-batches by a token budget (max_tokens_per_gpu) instead of a fixed sample count.")
     max_tokens_per_gpu: Optional[int] = Field(None, ge=1, description="Token budget of one packed micro-batch (with use_dynamic_batch_size).")
-    lr: float = Field(1e-3, gt=0, description="Adam learning rate; under a schedule its peak: warmup rises to it, decay falls from it to min_lr (Megatron/slime --lr).")
+    lr: float = Field(1e-6, gt=0, description="Adam learning rate; under a schedule its peak: warmup rises to it, decay falls from it to min_lr (Megatron/slime --lr).")
     lr_decay_style: LRDecayStyle = Field("constant", description="Learning-rate schedule after warmup, applied by Megatron's OptimizerParamScheduler once per optimizer step: constant (lr), linear or cosine (from lr down to min_lr over lr_decay_iters). Default constant, as slime's example scripts set (Megatron's own default is linear) (Megatron/slime --lr-decay-style).")
     lr_decay_iters: Optional[int] = Field(None, ge=1, description="Optimizer steps over which the learning rate decays to min_lr (warmup included); min_lr afterwards. Default: the run's optimizer steps, num_rollout * num_steps_per_rollout (Megatron/slime --lr-decay-iters).")
     lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of linear warmup from lr_warmup_init to lr; must be fewer than lr_decay_iters. Default 0: no warmup (Megatron/slime --lr-warmup-iters).")
@@ -198,6 +198,13 @@ class VimeConfig(BaseModel):
         from vime_core.storage.endpoint import resolve_region
 
         return resolve_region(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedded_demo(cls, values: Any) -> Any:
+        from vime_core.config.demo import with_demo_settings
+
+        return with_demo_settings(values) if isinstance(values, dict) else values
 
     # ---- derived (filled in model_post_init; do not set) ----------------------------------------
 

@@ -57,10 +57,10 @@ def two_nodes(tmp_path_factory):
 def trained(tmp_path_factory, two_nodes, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
 
     address, _ = two_nodes
-    cfg = VimeConfig(
+    cfg = demo_config(
         run_name="two-nodes",
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=str(tiny_model_dir),

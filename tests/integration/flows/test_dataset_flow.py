@@ -18,7 +18,7 @@ def test_train_flow_on_a_local_dataset_folder(tmp_path, ray_head, tiny_model_dir
 
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
     from vime_core.report.records import read_records
     from vime_core.storage import BatchStore
     from vime_core.tasks.arith import write_dataset
@@ -30,7 +30,7 @@ def test_train_flow_on_a_local_dataset_folder(tmp_path, ray_head, tiny_model_dir
         "train": datasets.Dataset.from_list(renamed[8:]), "test": datasets.Dataset.from_list(renamed[:8]),
     }).save_to_disk(str(folder))
 
-    cfg = VimeConfig(
+    cfg = demo_config(
         run_name="e2e-dataset", storage_uri=str(tmp_path / "store"), hf_checkpoint=str(tiny_model_dir),
         ray_address=ray_head, num_rollout=2, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8,
         vllm_server_concurrency=64, prompt_data=str(folder), input_key="question", label_key="answer",

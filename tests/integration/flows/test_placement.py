@@ -17,12 +17,13 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     from vime_core.cluster.placement import plan_for
     from vime_core.cluster.run_actors import bundle_devices, get_or_create_engines, get_or_create_placement_group, teardown
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
 
-    cfg = make_config({
+    cfg = make_config(demo_values({
         "run_name": f"placement-{'colo' if colocate else 'disagg'}", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),
         "colocate": colocate, "actor_num_gpus_per_node": 4, "tensor_model_parallel_size": 2,
         "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2,
-    })
+    }))
     ensure_ray(cfg.ray_address)
     try:
         pg = get_or_create_placement_group(cfg)

@@ -15,12 +15,12 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
     from flows.train import train
     from tests.unit.test_tracking import _tensorboard, _wandb_runs
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
     from vime_core.report.records import read_records
     from vime_core.report.tracking import scalars
 
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
-    cfg = VimeConfig(
+    cfg = demo_config(
         run_name="e2e-tracking", storage_uri=str(tmp_path), hf_checkpoint=str(tiny_model_dir), ray_address=ray_head,
         num_rollout=2, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8, vllm_server_concurrency=64,
         use_wandb=True, wandb_mode="offline", use_tensorboard=True,

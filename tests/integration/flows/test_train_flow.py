@@ -44,9 +44,9 @@ def hub_model_id(tmp_path_factory, tiny_model_dir):
 def trained(tmp_path_factory, ray_head, hub_model_id):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
 
-    cfg = VimeConfig(
+    cfg = demo_config(
         run_name="e2e-flows",
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=hub_model_id,  # a hub id, from the prepared cache

@@ -18,13 +18,14 @@ LOGPROB_ATOL = 1e-4
 
 def make_cfg(model_dir: Path, vllm_python: str, **overrides):
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
 
     values = {
         "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "device": "cpu", "bf16": False,
         "rollout_max_context_len": 128, "update_weight_buffer_size": 64 * 1024,
     }
     values.update(overrides)
-    return make_config(values)
+    return make_config(demo_values(values))
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ ENGINE_CONTEXT = 256
 
 def make_cfg(model_dir: Path, vllm_python: str, prompt_data: str = "", **overrides):
     from vime_core.config import make_config
+    from vime_core.config.demo import demo_values
 
     values = {
         "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "prompt_data": prompt_data,
@@ -28,7 +29,7 @@ def make_cfg(model_dir: Path, vllm_python: str, prompt_data: str = "", **overrid
         "router_policy": "round_robin", "seed": 7,
     }
     values.update(overrides)
-    return make_config(values)
+    return make_config(demo_values(values))
 
 
 def hook(name: str) -> str:

@@ -167,12 +167,12 @@ def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_wit
     import ray
 
     from tasks.rollout import RolloutOutput, persist
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
     from vime_core.storage import BatchStore
     from vime_core.storage.synthetic import synthetic_batch
 
     uri = outage.server.storage_uri(f"t-{uuid.uuid4().hex[:8]}")
-    cfg = VimeConfig(run_name=RUN, storage_uri=uri, hf_checkpoint=str(tiny_model_dir), ray_address=ray_with_s3)
+    cfg = demo_config(run_name=RUN, storage_uri=uri, hf_checkpoint=str(tiny_model_dir), ray_address=ray_with_s3)
     first = persist(cfg, 0, RolloutOutput(ray.put(synthetic_batch(seed=0))), "flow-0")
     assert first["key"] == BatchStore(uri).ref(RUN, 0).key
 
