@@ -66,11 +66,11 @@ def make_batch(args: argparse.Namespace) -> dict[str, list]:
 
 
 def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
     from vime_core.trainer.parallel import free_port
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = VimeConfig(
+    cfg = demo_config(
         rollout_batch_size=args.samples, n_samples_per_prompt=1, num_steps_per_rollout=1,
         micro_batch_size=args.micro_batch, lr=1e-6, clip_grad=1.0, hf_checkpoint=str(ckpt),
         storage_uri=str(storage), device=args.device, bf16=args.dtype == "bf16", colocate=False,

@@ -39,7 +39,7 @@ KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint
 
 
 def _config(store, model, ray_address, **over):
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
 
     base = dict(
         run_name="fault-kill",
@@ -55,7 +55,7 @@ def _config(store, model, ray_address, **over):
         check_weight_update_equal=True,  # every record then says whether engines == trainer
         iteration_retry_delay_s=0.5,
     )
-    return VimeConfig(**{**base, **over})
+    return demo_config(**{**base, **over})
 
 
 def _handles(cfg):
@@ -214,12 +214,14 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
 def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None) -> subprocess.Popen:
     """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too);
     `pause_at`: task runs it pauses at (vime_core/faults.PausePoints), announcing in `pause_dir`."""
+    from vime_core.config.demo import DEMO_SETTINGS
     from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
     args = [sys.executable, "-m", "flows.cli", "train"]
-    for name in ("run_name", "storage_uri", "hf_checkpoint", "ray_address", "num_rollout", "rollout_batch_size",
-                 "n_samples_per_prompt", "micro_batch_size", "save_interval", "vllm_server_concurrency",
-                 "iteration_retry_delay_s"):
+    # the tiny model named by its folder: the demo's settings come as flags too
+    for name in dict.fromkeys(("run_name", "storage_uri", "hf_checkpoint", "ray_address", "num_rollout", "rollout_batch_size",
+                               "n_samples_per_prompt", "micro_batch_size", "save_interval", "vllm_server_concurrency",
+                               "iteration_retry_delay_s", *DEMO_SETTINGS)):
         args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
     args.append("--check-weight-update-equal")
     env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV)}
