@@ -72,9 +72,9 @@ def s3_cluster():
 
 
 def _config(server, model, ray_address, num_rollout: int):
-    from vime_core.config import VimeConfig
+    from vime_core.config.demo import demo_config
 
-    return VimeConfig(
+    return demo_config(
         run_name=RUN,
         storage_uri=server.storage_uri("runs"),
         storage_endpoint_url=server.endpoint,
