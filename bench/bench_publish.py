@@ -71,7 +71,7 @@ def bench_model(name: str, shape: dict, args) -> dict:
 
     from vime_core.config import make_config
     from vime_core.engines.server import EngineServer
-    from vime_core.models.tiny import build_tiny_model
+    from vime_core.demo.model import build_tiny_model
     from vime_core.trainer.publish import publish_weights
 
     model_dir = build_tiny_model(REPO / ".cache" / "bench" / "models" / name, family="qwen3", seed=0,

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vime_core.config import make_config  # noqa: E402
-from vime_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, VOCAB, build_tiny_model  # noqa: E402
+from vime_core.demo.model import CHARACTERS, SPECIAL_TOKENS, VOCAB, build_tiny_model  # noqa: E402
 
 PROMPT_CHARS, NEW_TOKENS, GROUP_SIZE = 31, 64, 4
 OVERHEAD_SAMPLES = 256  # the reference implementation's figure is per 256 samples

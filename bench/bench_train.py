@@ -66,7 +66,7 @@ def make_batch(args: argparse.Namespace) -> dict[str, list]:
 
 
 def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.trainer.parallel import free_port
     from vime_core.trainer.trainer import MegatronTrainer
 

@@ -162,7 +162,7 @@ def shared_checkpoint(root: Path, shape: str, seed: int, device: str, local_rank
 def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: Path, **cfg_fields: Any) -> Any:
     """A ``MegatronTrainer`` (initialised: process group, model, HF load, DDP, optimizer) for this
     process, over a random checkpoint of ``shape``; rank and world from torchrun's variables."""
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.trainer.parallel import free_port
     from vime_core.trainer.trainer import MegatronTrainer
 

@@ -45,7 +45,7 @@ def cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir) -> Path:
     """The default tiny Qwen3-style checkpoint (built once, reused across sessions)."""
-    from vime_core.models.tiny import build_tiny_model
+    from vime_core.demo.model import build_tiny_model
 
     return build_tiny_model(cache_dir / "models" / "tiny-qwen3", family="qwen3", seed=0)
 

@@ -55,13 +55,13 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
     resolved = cfg.model_copy(update=updates)
     assets = assets_dir(resolved)
     if not resolved.hf_checkpoint:
-        from vime_core.models.tiny import build_tiny_model
+        from vime_core.demo.model import build_tiny_model
 
         path = build_tiny_model(assets / "tiny-qwen3", family="qwen3", seed=0)
         log.info("using the embedded tiny Qwen3-style model at %s", path)
         resolved = resolved.model_copy(update={"hf_checkpoint": str(path)})
     if not resolved.prompt_data:
-        from vime_core.tasks.arith import write_dataset
+        from vime_core.demo.task import write_dataset
 
         path = write_dataset(assets / "arith.jsonl", seed=0)
         resolved = resolved.model_copy(update={"prompt_data": str(path)})

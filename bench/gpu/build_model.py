@@ -1,6 +1,6 @@
 """A random Qwen-shaped model on the arithmetic task's alphabet, and a prompt set, for GPU runs
 without a hub (issue 14): the layers of `bench/gpu_common.SHAPES[shape]`, its vocabulary size
-(Qwen's 151936: the task's 19 characters plus filler tokens, `vime_core/models/tiny.py`), bf16.
+(Qwen's 151936: the task's 19 characters plus filler tokens, `vime_core/demo/model.py`), bf16.
 
     python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500
 
@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO / "bench"))
 def main(argv: list[str] | None = None) -> int:
     import gpu_common
 
-    from vime_core.models.tiny import build_tiny_model
-    from vime_core.tasks.arith import make_rows
+    from vime_core.demo.model import build_tiny_model
+    from vime_core.demo.task import make_rows
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.5b", choices=sorted(gpu_common.SHAPES))

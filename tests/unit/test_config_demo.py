@@ -1,10 +1,10 @@
 """The embedded demo's settings apply only while no model is named; the schema's own defaults are
-the ones for real models (vime_core/config/demo.py)."""
+the ones for real models (vime_core/demo/settings.py)."""
 
 from __future__ import annotations
 
 from vime_core.config import VimeConfig, load_config, make_config
-from vime_core.config.demo import DEMO_SETTINGS, demo_config
+from vime_core.demo.settings import DEMO_SETTINGS, demo_config
 from vime_core.config.loader import build_parser
 
 REAL_DEFAULTS = {name: VimeConfig.model_fields[name].default for name in DEMO_SETTINGS}

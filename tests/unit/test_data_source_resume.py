@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vime_core.config import VimeConfig
-from vime_core.config.demo import demo_config
+from vime_core.demo.settings import demo_config
 from vime_core.storage import BatchStore
 from vime_core.storage.synthetic import synthetic_batch
 

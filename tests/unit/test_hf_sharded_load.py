@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.unit.test_trainer_hf_convert import _random_hf
-from vime_core.models.tiny import tiny_config
+from vime_core.demo.model import tiny_config
 from vime_core.trainer.hf_convert import (
     SAFETENSORS_INDEX,
     CheckpointMismatchError,

@@ -239,7 +239,7 @@ def test_reset_prefix_cache_retries_then_gives_up():
 def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
     """A 200 answer with 3 tokens but 2 log-probs: the sample fails, naming the mismatch."""
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
     from vime_core.data.sample import Sample, Status
     from vime_core.rollout.generate import GenerateContext, generate_sample
 
@@ -286,7 +286,7 @@ def _fake_python(tmp_path: Path, script: str) -> str:
 
 def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
     python = _fake_python(tmp_path, 'for i in $(seq 1 60); do echo "line $i"; done; echo "CUDA out of memory" >&2; exit 3\n')
@@ -302,7 +302,7 @@ def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
 
 def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
     python = _fake_python(tmp_path, "echo starting; exec sleep 600\n")
@@ -315,7 +315,7 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
 
 def test_engine_server_command_and_environment(tiny_model_dir):
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, cpu_bind
 
     cfg = make_config(demo_values({
@@ -342,7 +342,7 @@ def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):
     import time
 
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError, free_port
 
     url = f"http://127.0.0.1:{free_port()}"

@@ -67,7 +67,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture
 def make_cfg(tiny_model_dir, tmp_path):
     from vime_core.config import make_config
-    from vime_core.tasks.arith import write_dataset
+    from vime_core.demo.task import write_dataset
 
     data = write_dataset(tmp_path / "arith.jsonl")
 

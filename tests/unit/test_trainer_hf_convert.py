@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vime_core.models.tiny import tiny_config
+from vime_core.demo.model import tiny_config
 from vime_core.trainer.hf_convert import (
     CheckpointMismatchError,
     conversion_rules,

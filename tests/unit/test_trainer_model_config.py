@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_core.models.tiny import tiny_config
+from vime_core.demo.model import tiny_config
 from vime_core.trainer.model import (
     UnsupportedModelError,
     architecture_from_hf,

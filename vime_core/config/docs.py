@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vime_core.config.demo import DEMO_SETTINGS
+from vime_core.demo.settings import DEMO_SETTINGS
 from vime_core.config.schema import VimeConfig
 
 START, END = "<!-- config:start -->", "<!-- config:end -->"

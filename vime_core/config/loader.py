@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
-from vime_core.config.demo import DEMO_SETTINGS
+from vime_core.demo.settings import DEMO_SETTINGS
 from vime_core.config.schema import VimeConfig
 
 

@@ -31,7 +31,7 @@ RecomputeMethod = Literal["uniform", "block"]
 class VimeConfig(BaseModel):
     """Everything a vime run needs. The defaults are for real models on GPUs (slime's values);
     a configuration that names no model runs the embedded demo, whose settings
-    (vime_core/config/demo.py) apply to the fields it does not set."""
+    (vime_core/demo/settings.py) apply to the fields it does not set."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
@@ -58,7 +58,7 @@ class VimeConfig(BaseModel):
     use_tensorboard: bool = Field(False, description="Write every iteration's record as TensorBoard scalars (step = rollout id) to `<storage_uri>/reports/<run_name>/tensorboard`; a resumed run adds an event file there.")
 
     # ---- model and data ----------------------------------------------------------------------
-    hf_checkpoint: str = Field("", description="Hugging Face checkpoint: a local folder (config.json, safetensors, tokenizer) or a hub id org/name[@revision], downloaded into the HF cache, or taken from it with HF_HUB_OFFLINE=1. Empty: the embedded demo (a tiny model built under storage_uri, learning addition on the CPU), with its settings for the fields the configuration does not set (vime_core/config/demo.py).")
+    hf_checkpoint: str = Field("", description="Hugging Face checkpoint: a local folder (config.json, safetensors, tokenizer) or a hub id org/name[@revision], downloaded into the HF cache, or taken from it with HF_HUB_OFFLINE=1. Empty: the embedded demo (a tiny model built under storage_uri, learning addition on the CPU), with its settings for the fields the configuration does not set (vime_core/demo/settings.py).")
     prompt_data: str = Field("", description="Prompt dataset, one of: a .jsonl/.json/.parquet file (local path or fsspec URI such as s3://...); a local folder written by `Dataset.save_to_disk` or holding data files that `datasets.load_dataset` reads; a hub dataset `namespace/name` or `namespace/name:config` (when no local path of that name exists), loaded with `datasets.load_dataset`, from the HF datasets cache when HF_HUB_OFFLINE=1. A value containing :// or ending in .jsonl/.json/.parquet is always a file. Empty: the embedded synthetic task.")
     prompt_data_split: str = Field("train", description="Split read from a dataset folder or hub dataset in prompt_data (a `save_to_disk` folder of one Dataset has no splits).")
     input_key: str = Field("prompt", description="Field of a dataset row holding the prompt text.")
@@ -202,7 +202,7 @@ class VimeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _embedded_demo(cls, values: Any) -> Any:
-        from vime_core.config.demo import with_demo_settings
+        from vime_core.demo.settings import with_demo_settings
 
         return with_demo_settings(values) if isinstance(values, dict) else values
 

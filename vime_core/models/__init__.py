@@ -1,1 +1,1 @@
-"""Small models and tokenizers built locally (there is no model hub on these machines)."""
+"""Model checkpoints: a hub id resolved to a local folder (hub.py)."""

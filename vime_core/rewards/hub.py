@@ -34,7 +34,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math": "vime_core.rewards.math_checker:math_reward",
     "exact_match": "vime_core.rewards.scorers:exact_match_reward",
     "f1": "vime_core.rewards.scorers:f1_reward",
-    "arith": "vime_core.tasks.arith:reward",
+    "arith": "vime_core.demo.task:reward",
     "remote_rm": "",  # built from cfg.rm_url below
 }
 

@@ -57,7 +57,7 @@ def two_nodes(tmp_path_factory):
 def trained(tmp_path_factory, two_nodes, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
 
     address, _ = two_nodes
     cfg = demo_config(

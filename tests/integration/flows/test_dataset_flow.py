@@ -18,10 +18,10 @@ def test_train_flow_on_a_local_dataset_folder(tmp_path, ray_head, tiny_model_dir
 
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.report.records import read_records
     from vime_core.storage import BatchStore
-    from vime_core.tasks.arith import write_dataset
+    from vime_core.demo.task import write_dataset
 
     rows = [json.loads(line) for line in write_dataset(tmp_path / "arith.jsonl", seed=0).read_text().splitlines()]
     renamed = [{"question": r["prompt"], "answer": r["label"]} for r in rows]

@@ -39,7 +39,7 @@ KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint
 
 
 def _config(store, model, ray_address, **over):
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
 
     base = dict(
         run_name="fault-kill",
@@ -214,7 +214,7 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
 def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None) -> subprocess.Popen:
     """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too);
     `pause_at`: task runs it pauses at (vime_core/faults.PausePoints), announcing in `pause_dir`."""
-    from vime_core.config.demo import DEMO_SETTINGS
+    from vime_core.demo.settings import DEMO_SETTINGS
     from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
     args = [sys.executable, "-m", "flows.cli", "train"]

@@ -17,7 +17,7 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     from vime_core.cluster.placement import plan_for
     from vime_core.cluster.run_actors import bundle_devices, get_or_create_engines, get_or_create_placement_group, teardown
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
 
     cfg = make_config(demo_values({
         "run_name": f"placement-{'colo' if colocate else 'disagg'}", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),

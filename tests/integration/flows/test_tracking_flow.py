@@ -15,7 +15,7 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
     from flows.train import train
     from tests.unit.test_tracking import _tensorboard, _wandb_runs
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.report.records import read_records
     from vime_core.report.tracking import scalars
 

@@ -44,7 +44,7 @@ def hub_model_id(tmp_path_factory, tiny_model_dir):
 def trained(tmp_path_factory, ray_head, hub_model_id):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
 
     cfg = demo_config(
         run_name="e2e-flows",

@@ -18,7 +18,7 @@ LOGPROB_ATOL = 1e-4
 
 def make_cfg(model_dir: Path, vllm_python: str, **overrides):
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
 
     values = {
         "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "device": "cpu", "bf16": False,

@@ -18,7 +18,7 @@ ENGINE_CONTEXT = 256
 
 def make_cfg(model_dir: Path, vllm_python: str, prompt_data: str = "", **overrides):
     from vime_core.config import make_config
-    from vime_core.config.demo import demo_values
+    from vime_core.demo.settings import demo_values
 
     values = {
         "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "prompt_data": prompt_data,
@@ -38,7 +38,7 @@ def hook(name: str) -> str:
 
 @pytest.fixture(scope="package")
 def arith_data(tmp_path_factory) -> str:
-    from vime_core.tasks.arith import write_dataset
+    from vime_core.demo.task import write_dataset
 
     return str(write_dataset(tmp_path_factory.mktemp("arith") / "train.jsonl"))
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.rollout.conftest import hook, make_cfg
 from vime_core.data.sample import Status
-from vime_core.tasks.arith import reward as arith_reward
+from vime_core.demo.task import reward as arith_reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -34,7 +34,7 @@ def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, t
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import config_hash
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.config.loader import read_run_config
     from vime_core.report.records import read_records, report_location, run_dir
     from vime_core.storage import BatchStore

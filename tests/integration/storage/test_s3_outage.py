@@ -167,7 +167,7 @@ def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_wit
     import ray
 
     from tasks.rollout import RolloutOutput, persist
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
     from vime_core.storage import BatchStore
     from vime_core.storage.synthetic import synthetic_batch
 

@@ -72,7 +72,7 @@ def s3_cluster():
 
 
 def _config(server, model, ray_address, num_rollout: int):
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
 
     return demo_config(
         run_name=RUN,

@@ -12,7 +12,7 @@ FAMILY_CASES = [("qwen3", True), ("qwen2", True), ("llama", True), ("qwen3", Fal
 
 
 def tiny_checkpoint(cache_dir: Path, family: str, tie: bool, **shape) -> Path:
-    from vime_core.models.tiny import build_tiny_model
+    from vime_core.demo.model import build_tiny_model
 
     name = f"trainer-{family}-{'tied' if tie else 'untied'}"
     return build_tiny_model(

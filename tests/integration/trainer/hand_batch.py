@@ -22,7 +22,7 @@ def hand_batch(scale: float = 1.0) -> dict[str, list]:
 
 
 def hand_config(checkpoint: Path, storage: Path, **overrides):
-    from vime_core.config.demo import demo_config
+    from vime_core.demo.settings import demo_config
 
     # Two optimizer steps per rollout: the second step's ratio is not 1, so the loss depends on
     # the weights, and old log-probs are recomputed (can_reuse_log_probs_in_loss is False).

@@ -158,7 +158,7 @@ def test_ref_load_is_the_reference_of_the_kl_loss(single_rank, ckpt, tmp_path):
     assert first["kl"] > 1e-4
     assert first["loss"] == pytest.approx(first["pg_loss"] + 0.5 * first["kl"], rel=1e-4, abs=1e-6)
 
-    from vime_core.models.tiny import build_tiny_model
+    from vime_core.demo.model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=1, tie_word_embeddings=True,
                              num_heads=4, num_kv_heads=2, num_layers=3)
