@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 import httpx
 
 from vime_core.engines.client import EngineClient, redact_url
-from vime_core.engines.process import free_port, log_tail, terminate_group
 from vime_core.engines.server import REPO_ROOT
+from vime_core.utils.processes import free_port, log_tail, terminate_group
 from vime_core.utils.retry import poll_until
 
 logger = logging.getLogger(__name__)

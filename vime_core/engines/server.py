@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
-from vime_core.engines.process import free_port, log_tail, terminate_group
-from vime_core.utils.processes import port_is_free
+from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 

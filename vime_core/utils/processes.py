@@ -1,12 +1,21 @@
-"""Processes (through psutil) and free loopback ports, shared by the helpers that start and stop
-servers."""
+"""Child-process plumbing shared by the helpers that start and stop servers (engines, router,
+Ray nodes, SeaweedFS): free loopback ports, processes through psutil, log tails, stopping a
+process group without leaving children behind."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import subprocess
+from collections import deque
+from pathlib import Path
+from typing import Optional
 
 import psutil
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -66,3 +75,31 @@ def group_tree(pgid: int) -> list[int]:
         members |= children
         frontier = children
     return sorted(members)
+
+
+def log_tail(path: Optional[Path], lines: int = 40) -> str:
+    """The last `lines` lines of a log file ("(no log)" when there is none)."""
+    if path is None or not Path(path).exists():
+        return "(no log)"
+    with open(path, "r", errors="replace") as f:
+        return "".join(deque(f, maxlen=lines))
+
+
+def terminate_group(proc: subprocess.Popen, grace_s: float, name: str = "process") -> None:
+    """SIGTERM the process group (started with start_new_session=True), SIGKILL it after
+    `grace_s`, then SIGKILL the group once more: children may outlive their leader."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s: still running %.0f s after %s", name, wait_s, sig.name)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vime_core.config import VimeConfig
-from vime_core.engines.process import free_port
+from vime_core.utils.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
