@@ -1,4 +1,5 @@
-"""Replay: a trainer group with no engines, restored from a checkpoint, fed stored batches."""
+"""The replay trainers: a trainer group with no engines, restored from a checkpoint, fed stored
+batches (the flow that drives them is flows/replay.py)."""
 
 from __future__ import annotations
 
