@@ -86,12 +86,6 @@ def bundle_resources(plan: PlacementPlan, trainer_resource: str | None = None, e
     return wanted
 
 
-def plan_for(cfg) -> PlacementPlan:
-    from vime_core.config.derive import trainer_num_devices
-
-    return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
-
-
 @dataclass(frozen=True)
 class BundleDevice:
     """What Ray assigned to one bundle: the node it is on and the device id there."""

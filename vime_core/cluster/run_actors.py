@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vime_core.cluster import names
-from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, bundle_resources, engine_devices, plan_for
+from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, PlacementPlan, bundle_resources, engine_devices, plan_placement
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 
@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 # How long a liveness ping may wait for an actor that is busy with another call.
 PING_TIMEOUT_S = 10.0
+
+
+def plan_for(cfg: VimeConfig) -> PlacementPlan:
+    """The run's placement plan (cluster/placement.py) from its configuration."""
+    return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
 
 
 class ActorsMissingError(RuntimeError):

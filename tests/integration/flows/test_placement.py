@@ -14,8 +14,7 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     import ray
 
     from vime_core.cluster.connect import ensure_ray
-    from vime_core.cluster.placement import plan_for
-    from vime_core.cluster.run_actors import bundle_devices, get_or_create_engines, get_or_create_placement_group, teardown
+    from vime_core.cluster.run_actors import bundle_devices, get_or_create_engines, get_or_create_placement_group, plan_for, teardown
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
 
