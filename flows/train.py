@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -102,10 +103,31 @@ class _KnownFailureWithoutTraceback(logging.Filter):
         exc = record.exc_info[1] if record.exc_info and record.levelno >= logging.WARNING else None
         if exc is not None and classify(exc).kind != UNKNOWN:
             record.exc_info, record.exc_text = None, None
+            # a final failure (no retry of the task's own follows) the train flow says in its line
+            setattr(record, _EXPLAINED, _PREFECT_RETRY not in record.getMessage())
         message = record.getMessage()
         if _TRACEBACK in message:
             record.msg, record.args = message[: message.index(_TRACEBACK)] + "... (traceback in the debug log)", None
         return True
+
+
+_EXPLAINED = "vime_explained"
+_PREFECT_RETRY = " - Retry "  # Prefect: "Task run failed with ...: ... - Retry 1/3 will start ..."
+_PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+class _ExplainedFailuresOffTheConsole(logging.Filter):
+    """On the console handler only (Prefect's API and UI keep every line): a task's or flow run's
+    final failure that the train flow explains in its own line (retrying, or stopped and why),
+    and Prefect's "Finished in state Failed(...)" line that repeats it, are left out; a task's
+    own retry notice ("Retry 1/3 will start ...") and a bug's failure with its traceback stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name not in _PREFECT_RUN_LOGGERS:
+            return True
+        if getattr(record, _EXPLAINED, False):
+            return False
+        return not (record.levelno >= logging.WARNING and record.getMessage().startswith("Finished in state Failed"))
 
 
 class _RayErrorInOneLine(logging.Filter):
@@ -128,19 +150,26 @@ RAY_DRIVER_LOGGER = "ray._private.worker"
 
 @contextmanager
 def one_line_failures():
-    """Install _KnownFailureWithoutTraceback on Prefect's run loggers, and _RayErrorInOneLine on
-    Ray's, while the run starts and its iterations run (`vime train` also around the flow, for the
-    flow run's own failure line)."""
-    installed = [(logging.getLogger(name), _KnownFailureWithoutTraceback())
-                 for name in ("prefect.flow_runs", "prefect.task_runs")]
+    """Install _KnownFailureWithoutTraceback on Prefect's run loggers, _RayErrorInOneLine on
+    Ray's and _ExplainedFailuresOffTheConsole on the console's handlers, while the run starts and
+    its iterations run (`vime train` also around the flow, for the flow run's own failure line)."""
+    installed: list[tuple[Any, logging.Filter]] = [(logging.getLogger(name), _KnownFailureWithoutTraceback())
+                                                   for name in _PREFECT_RUN_LOGGERS]
     installed.append((logging.getLogger(RAY_DRIVER_LOGGER), _RayErrorInOneLine()))
-    for lg, quiet in installed:
-        lg.addFilter(quiet)
+    installed += [(handler, _ExplainedFailuresOffTheConsole()) for handler in _console_handlers()]
+    for target, quiet in installed:
+        target.addFilter(quiet)
     try:
         yield
     finally:
-        for lg, quiet in installed:
-            lg.removeFilter(quiet)
+        for target, quiet in installed:
+            target.removeFilter(quiet)
+
+
+def _console_handlers() -> list[logging.Handler]:
+    """The root logger's stream handlers (Prefect's console handler; what the user's terminal
+    shows), not Prefect's API handler, which sits on the run loggers themselves."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
 
 
 class RunStoppedError(RuntimeError):

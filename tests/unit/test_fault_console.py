@@ -55,3 +55,52 @@ def test_an_uncollected_ray_error_is_one_line_on_the_console():
     assert seen[0] == ("Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): "
                        "vime_core.engines.client.EngineError: engine engine-0: GET /weight_info failed (no answer)")
     assert seen[1] == remote
+
+
+def _records_through(records):
+    """Each record through the run loggers' filters, then the console handler's: what a terminal
+    shows while one_line_failures is installed."""
+    from flows.train import one_line_failures
+
+    shown: list[str] = []
+
+    class Console(logging.StreamHandler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    root = logging.getLogger()
+    console = Console()
+    root.addHandler(console)
+    try:
+        with one_line_failures():
+            for name, level, message, exc in records:
+                logger = logging.getLogger(name)
+                record = logger.makeRecord(name, level, __file__, 0, message, None,
+                                           (type(exc), exc, None) if exc is not None else None)
+                if logger.filter(record) and console.filter(record):
+                    console.emit(record)
+    finally:
+        root.removeHandler(console)
+    return shown
+
+
+def test_a_failure_the_run_explains_is_off_the_console_but_a_retry_notice_and_a_bug_stay():
+    dead = ActorDiedError()
+    bug = ZeroDivisionError("a bug")  # classified unknown: its traceback is the user's only clue
+    retry = "Task run failed with exception: ConnectionResetError('reset') - Retry 1/3 will start 2 second(s) from now"
+    shown = _records_through([
+        ("prefect.task_runs", logging.ERROR, "Task run failed with exception: ActorDiedError() - Retries are exhausted", dead),
+        ("prefect.task_runs", logging.ERROR, "Finished in state Failed('Task run encountered an exception ActorDiedError')", None),
+        ("prefect.flow_runs", logging.ERROR, "Encountered exception during execution: ActorDiedError()", dead),
+        ("prefect.task_runs", logging.ERROR, retry, ConnectionResetError("reset")),
+        ("prefect.task_runs", logging.ERROR, "Task run failed with exception: ZeroDivisionError('a bug')", bug),
+        ("vime", logging.ERROR, "iteration 3 failed: trainer-0 died; retrying in 1 s", None),
+    ])
+    assert shown == [retry, "Task run failed with exception: ZeroDivisionError('a bug')",
+                     "iteration 3 failed: trainer-0 died; retrying in 1 s"]
+
+
+def test_outside_a_run_the_console_shows_everything():
+    logger = logging.getLogger("prefect.task_runs")
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "Finished in state Failed('x')", None, None)
+    assert logger.filter(record) and all(h.filter(record) for h in logging.getLogger().handlers)
