@@ -16,7 +16,31 @@ def retry_unless_configuration(task, task_run, state) -> bool:
     from vime_core.faults import CONFIGURATION, actor_died, classify
 
     exc = state.data if isinstance(state.data, BaseException) else None
-    return exc is None or not (actor_died(exc) or classify(exc).kind == CONFIGURATION)
+    retry = exc is None or not (actor_died(exc) or classify(exc).kind == CONFIGURATION)
+    if retry:
+        _announce_retry(task, task_run, exc)
+    return retry
+
+
+RETRY_NOTICE = "failed ({error}); try {next} of {tries} in {delay:g} s"
+
+
+def _announce_retry(task, task_run, exc) -> None:
+    """One warning line on the console per retry (Prefect's own notice is INFO, below the
+    console's level): which task, what failed, when the next try starts. Prefect asks the retry
+    condition only while tries remain, so a True answer is a retry."""
+    import logging
+
+    if task is None:  # called outside Prefect (tests of the condition alone)
+        return
+    tries = task.retries + 1
+    done = max(1, getattr(task_run, "run_count", 1) or 1)
+    delays = task.retry_delay_seconds or 0
+    delay = delays[min(done - 1, len(delays) - 1)] if isinstance(delays, (list, tuple)) else float(delays)
+    error = f"{type(exc).__name__}: {exc}" if exc is not None else "a failed state"
+    error = error.splitlines()[0] if error else error
+    notice = RETRY_NOTICE.format(error=error[:300], next=done + 1, tries=tries, delay=delay)
+    logging.getLogger("vime.retry").warning("%s %s", getattr(task_run, "name", task.name), notice)
 
 
 # Phase tasks take actor handles and object references: nothing to hash or cache.

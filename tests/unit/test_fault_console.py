@@ -104,3 +104,17 @@ def test_outside_a_run_the_console_shows_everything():
     logger = logging.getLogger("prefect.task_runs")
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "Finished in state Failed('x')", None, None)
     assert logger.filter(record) and all(h.filter(record) for h in logging.getLogger().handlers)
+
+
+def test_each_retry_of_a_task_is_one_warning_saying_what_failed_and_when_it_tries_again(caplog):
+    from tasks.common import retry_unless_configuration
+
+    task = SimpleNamespace(name="persist", retries=3, retry_delay_seconds=[2, 5, 10])
+    with caplog.at_level(logging.WARNING, logger="vime.retry"):
+        for run_count in (1, 2, 3):
+            run = SimpleNamespace(name="persist-4", run_count=run_count)
+            assert retry_unless_configuration(task, run, SimpleNamespace(data=ConnectionResetError("reset\nmore")))
+        assert not retry_unless_configuration(task, run, SimpleNamespace(data=ValueError("bad data")))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"persist-4 failed (ConnectionResetError: reset); try {n + 1} of 4 in {d} s" for n, d in zip((1, 2, 3), task.retry_delay_seconds)
+    ]

@@ -115,9 +115,10 @@ def _console(log: Path) -> str:
 
 
 def _persist_failures(log: Path, rollout_id: int) -> list[str]:
-    """The console's lines saying a try of persist-<rollout_id> failed (Prefect's retry lines)."""
-    return [line for line in _console(log).splitlines()
-            if f"'persist-{rollout_id}'" in line and "Task run failed with" in line]
+    """The console's notices of a retry of persist-<rollout_id> (tasks/common.RETRY_NOTICE: one
+    warning per failed try that is tried again; Prefect's own notice is below the console's level
+    under infra/env.sh, as in CI)."""
+    return [line for line in _console(log).splitlines() if f"persist-{rollout_id} failed (" in line and "; try " in line]
 
 
 def _wait_for(condition, driver, log, what: str, timeout_s: float = 300) -> None:
@@ -195,11 +196,8 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
         finally:
             if driver.poll() is None:
                 os.killpg(driver.pid, 9)
-        assert rc == 0, _tail(log)
-        # the later tries' delays alone outlast the server's restart: the retries were enough
-        assert back_after < sum(PERSIST_RETRY_DELAYS_S[1:]), back_after
-        failures = _persist_failures(log, SHORT_OUTAGE_AT)
-        assert failures and "Retries are exhausted" not in "".join(failures)
+        assert rc == 0, f"server back {back_after:.1f} s after the first failed try\n{_tail(log)}"
+        assert _persist_failures(log, SHORT_OUTAGE_AT)  # the outage was seen, and a later try stored it
         stdout = log.read_text()
         summary = json.loads(stdout[stdout.index('{\n  "run_name"'):])
         assert summary["failed_attempts"] == {}  # no iteration failed: persist's retries absorbed it
