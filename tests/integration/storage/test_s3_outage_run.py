@@ -159,12 +159,11 @@ def _check_bucket(cfg, num_published: int) -> None:
 
 def _raw_records(cfg) -> list[dict]:
     """Every record metrics.jsonl holds, in the order written (read_records keeps the last per id)."""
-    import fsspec
+    from vime_core.report.records import METRICS, report_location
+    from vime_core.storage.endpoint import S3Endpoint
 
-    from vime_core.report.records import run_dir
-
-    with fsspec.open(f"{run_dir(cfg.storage_uri, cfg.run_name)}/metrics.jsonl", "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    text = report_location(cfg.storage_uri, cfg.run_name, S3Endpoint.of(cfg)).get(METRICS).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _optimizer_steps(cfg) -> int:
