@@ -124,19 +124,13 @@ def head_running(temp_dir: str | Path | None = None) -> str | None:
     return state["address"] if state and _gcs_alive(state) else None
 
 
-# The local nodes start without the dashboard, so there is no metrics agent: with metrics
-# collection on, the GCS and every raylet log "Failed to establish connection to the metrics
-# exporter agent", which Ray forwards to the driver's console. A value in the environment wins.
-NODE_ENV_DEFAULTS = {"RAY_enable_metrics_collection": "0"}
-
-
 def _ray_start(command: list[str], env: dict[str, str], temp: Path, num_gpus: int, num_cpus: int | None,
                resources: dict[str, float] | None, object_store_memory: int, timeout: float,
                what: str) -> tuple[subprocess.Popen, str]:
     """Run `command` (a `ray start` of either node kind) with what both kinds share: every port
     a free one, the node's resources, its temp dir. Returns the finished process (its pid leads
     the process group the node's daemons inherit) and its output."""
-    env = {**LOOPBACK_ENV, **NODE_ENV_DEFAULTS, **os.environ, **env,
+    env = {**LOOPBACK_ENV, **os.environ, **env,
            "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
     args = [
         *command,
