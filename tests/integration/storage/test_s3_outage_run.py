@@ -170,6 +170,13 @@ def _optimizer_steps(cfg) -> int:
     return _handles(cfg)[1].rank0("state")["optimizer_steps"]
 
 
+def _store_down_at(driver, log: Path, outage, pause_file: Path) -> None:
+    """Once the driver waits at the task run of `pause_file`, stop the S3 server and let it go on."""
+    _wait_paused(driver, pause_file, log)
+    outage.kill()
+    pause_file.unlink()
+
+
 def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
     from tasks.rollout import PERSIST_RETRY_DELAYS_S
     from vime_core.cluster.run_actors import teardown
@@ -184,9 +191,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
         at = f"persist-{SHORT_OUTAGE_AT}"
         driver, log = _vime_train(cfg, tmp_path, "a", pause_at=[at], pause_dir=pause_dir)
         try:
-            _wait_paused(driver, pause_dir / at, log)
-            outage.kill()
-            (pause_dir / at).unlink()
+            _store_down_at(driver, log, outage, pause_dir / at)
             _wait_for(lambda: _persist_failures(log, SHORT_OUTAGE_AT), driver, log, f"failed try of {at}")
             t0 = time.monotonic()
             outage.restart()
@@ -209,9 +214,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
         at = f"persist-{LONG_OUTAGE_AT}"
         driver, log = _vime_train(cfg, tmp_path, "b", pause_at=[at], pause_dir=pause_dir)
         try:
-            _wait_paused(driver, pause_dir / at, log)
-            outage.kill()
-            (pause_dir / at).unlink()
+            _store_down_at(driver, log, outage, pause_dir / at)
             rc = driver.wait(timeout=600)  # the server stays down until the driver has ended
         finally:
             if driver.poll() is None:
