@@ -1,6 +1,7 @@
 """bootstrap: design steps 1-13. Idempotent: attaches to the run's actors when they exist,
-creates what is missing, restores the latest checkpoint of the run, publishes the trainer's
-weights to the engines when they differ, and wakes the KV cache."""
+creates what is missing, restores the latest checkpoint of the run, wakes the weights of engines
+a stopped iteration left asleep, publishes the trainer's weights to the engines when they differ
+or were asleep, and wakes the KV cache."""
 
 from __future__ import annotations
 
@@ -57,10 +58,13 @@ def bootstrap(config: VimeConfig) -> dict:
     # version is asked; one the health monitor is restarting is waited for
     if restarted := ray.get(manager.check_engines.remote()):
         log.warning("restarted %d engine(s) whose server had died", restarted)
+    if woken := ray.get(manager.wake_asleep_engines.remote()):
+        log.warning("%s asleep (an iteration stopped while engines slept): woke the weights; "
+                    "the trainer's weights are published to every engine again", ", ".join(woken))
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
-    if not versions or any(v != target for v in versions):  # step 8: first publish is v1
+    if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
         urls = ray.get(manager.engine_urls.remote())
         trainers.call("update_weights", urls, target)
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
@@ -75,6 +79,13 @@ def bootstrap(config: VimeConfig) -> dict:
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d", out["t_bootstrap"], target, out["next_rollout_id"])
     return out
+
+
+def publish_needed(target: int, engine_versions: list[int], engines_woken: bool) -> bool:
+    """The trainer's weights (version `target`) go to the engines when any engine reports
+    another version, or when engines were woken from a sleep: what they report is then the
+    version of weights they dropped (level 2) or that an interrupted publish half overwrote."""
+    return engines_woken or not engine_versions or any(v != target for v in engine_versions)
 
 
 def _restore_data_source(config: VimeConfig, manager, checkpoint_state: dict | None, new_manager: bool) -> None:

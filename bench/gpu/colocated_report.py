@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         "phases_median_s": {k: _median([r.get(k) for r in steady]) for k in PHASES},
         "publish_phases_median_s": {k: _median([(r.get("publish_phases_s") or {}).get(k) for r in steady])
                                     for k in sorted({k for r in steady for k in (r.get("publish_phases_s") or {})})},
+        "publish_transport_median_s": {k: _median([(r.get("publish_transport_s") or {}).get(k) for r in steady])
+                                       for k in sorted({k for r in steady for k in (r.get("publish_transport_s") or {})})},
         "reward_mean": [r.get("reward_mean") for r in records],
         "weight_check": [r.get("weight_check") for r in records],
         "memory": [{"rollout_id": r["rollout_id"], **memory_row(r.get("memory") or {})} for r in records],
@@ -76,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(out, indent=1, default=str)
     if a.out:
         Path(a.out).write_text(text)
-    summary = {k: out[k] for k in ("iterations", "versions", "phases_median_s", "publish_phases_median_s")}
+    summary = {k: out[k] for k in ("iterations", "versions", "phases_median_s", "publish_phases_median_s",
+                                   "publish_transport_median_s")}
     summary["weight_check_max_abs_diff"] = [w.get("max_abs_diff") if w else None for w in out["weight_check"]]
-    summary["memory_first"] = out["memory"][:2]
+    summary["memory_first_last"] = [out["memory"][0], out["memory"][-1]] if out["memory"] else []
     print(json.dumps(summary, indent=1, default=str))
     return 0
 

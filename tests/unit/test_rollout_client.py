@@ -12,7 +12,8 @@ from typing import Callable
 
 import pytest
 
-from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient, normalize_wake_tags, parse_weight_version
+from vime_core.engines.client import (EngineClient, EngineError, SyncEngineClient, normalize_wake_tags, parse_weight_version,
+                                     wake_asleep_weights)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -204,7 +205,22 @@ def test_sleep_and_wake_skip_without_platform_support():
         c = SyncEngineClient(fake.url, supports_sleep=False)
         assert c.sleep(1)["status"] == "skipped"
         assert c.wake_up(["weights"]) == {"status": "skipped", "tags": ["weights"]}
+        assert c.is_sleeping() is False
     assert fake.requests == []
+
+
+def test_only_engines_left_asleep_wake_their_weights():
+    """What bootstrap does after an iteration stopped while engines slept: the asleep engine
+    (here the second) wakes its weights, not its KV cache; the awake one gets no wake call."""
+    def engine(asleep: bool):
+        return FakeEngine(lambda m, p, b: (200, {"is_sleeping": asleep} if p == "/is_sleeping" else {}))
+
+    with engine(False) as awake, engine(True) as asleep:
+        clients = [EngineClient(awake.url, name="engine-0"), EngineClient(asleep.url, name="engine-1")]
+        assert asyncio.run(wake_asleep_weights(clients)) == ["engine-1"]
+        assert asyncio.run(wake_asleep_weights(clients[:1])) == []
+    assert [(m, p) for m, p, _, _ in awake.requests] == [("GET", "/is_sleeping")] * 2
+    assert [(m, p) for m, p, _, _ in asleep.requests] == [("GET", "/is_sleeping"), ("POST", "/wake_up?tags=weights")]
 
 
 def test_wake_tags_and_versions_are_normalised():

@@ -74,3 +74,13 @@ def test_record_from_the_phases_results():
     assert rec["memory"]["engines_after_offload_rollout"] == [{"process_bytes": 1}]
     assert rec["weight_check"] == {"max_abs_diff": 0.01} and rec["checkpoint"] == "ckpt/2" and rec["t_step"] == 9.0
     assert "eval_reward_mean" not in rec
+
+
+def test_bootstrap_publishes_to_engines_at_another_version_or_woken_from_sleep():
+    from tasks.bootstrap import publish_needed
+
+    assert publish_needed(3, [], engines_woken=False)  # no engine answered: the first publish
+    assert publish_needed(3, [3, 2], engines_woken=False)
+    assert not publish_needed(3, [3, 3], engines_woken=False)
+    # asleep at level 2 the engine still says v3, but its weights were dropped
+    assert publish_needed(3, [3, 3], engines_woken=True)

@@ -245,6 +245,9 @@ class EngineClient:
         return await self.request("POST", "/wake_up", params=[("tags", t) for t in canonical])
 
     async def is_sleeping(self) -> bool:
+        """Any part (weights, KV cache) asleep; False where the platform has no sleep mode."""
+        if not self.supports_sleep:
+            return False
         return bool((await self.request("GET", "/is_sleeping"))["is_sleeping"])
 
     async def reset_prefix_cache(self, attempts: int = 20, backoff_s: float = 0.05) -> None:
@@ -345,6 +348,19 @@ class EngineClient:
 async def call_all(engines: Iterable["EngineClient"], method: str, *args: Any, **kwargs: Any) -> list[Any]:
     """Call `EngineClient.<method>` on every engine at once; the first failure raises."""
     return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))
+
+
+async def wake_asleep_weights(engines: Iterable["EngineClient"]) -> list[str]:
+    """Wake the weights of every engine that is asleep (any part), concurrently; their names.
+
+    An engine is asleep outside a step only when an iteration stopped between its offload_rollout
+    and its onload_kv. Its weights are then stale or, after a level-2 sleep, gone, while it still
+    reports its last version: the caller must publish to it whatever version it reports. The KV
+    cache stays asleep (woken after that publish, once the trainer slept: onload_kv)."""
+    engines = list(engines)
+    asleep = [e for e, sleeping in zip(engines, await call_all(engines, "is_sleeping")) if sleeping]
+    await call_all(asleep, "wake_up", ["weights"])
+    return [e.name for e in asleep]
 
 
 def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -320,6 +320,13 @@ class RolloutManager:
         self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")
         return self.engine_memory()
 
+    def wake_asleep_engines(self) -> list[str]:
+        """Engines a stopped iteration left asleep wake their weights; their names (bootstrap
+        publishes to them: vime_core.engines.client.wake_asleep_weights)."""
+        from vime_core.engines.client import wake_asleep_weights
+
+        return self._loop.run(wake_asleep_weights(self._engine_clients))
+
     def onload_weights(self) -> list[dict]:
         self._each_engine("wake_up", ["weights"])
         return self.engine_memory()

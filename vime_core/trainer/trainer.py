@@ -71,6 +71,10 @@ class MegatronTrainer:
         if self.cfg.bf16 and self.device.type != "cuda":
             raise ValueError("bf16=true needs device=cuda (Megatron's mixed-precision optimizer checks CUDA tensor types)")
         lay = self.layout
+        if self.device.type == "cuda":  # before the first allocation (vime_core/trainer/allocator.py)
+            from vime_core.trainer.allocator import use_expandable_segments
+
+            use_expandable_segments()
         init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))

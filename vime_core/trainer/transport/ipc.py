@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vime_core.trainer.allocator import plain_segments
 from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
 from vime_core.trainer.transport.base import WeightTransport
 
@@ -50,7 +51,8 @@ def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, lis
         if offset % dtype.itemsize:
             raise ValueError(f"ipc bucket {bucket.index}: tensor {name!r} ({dtype}) would start at byte {offset}, "
                              f"not a multiple of {dtype.itemsize}; send one wire dtype per bucket")
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with plain_segments():  # CUDA IPC shares cudaMalloc'd memory only (vime_core/trainer/allocator.py)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
         copy_into(buffer, offset, tensor, dtype)
     sizes = [t.numel() * d.itemsize for t, d in zip(bucket.tensors, bucket.dtypes)]
