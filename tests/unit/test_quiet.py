@@ -29,3 +29,23 @@ def test_the_same_text_from_another_module_is_shown():
         "warnings.warn('Apex is not installed. Falling back to Torch Norm')\n"
     )
     assert "Apex is not installed" in _warnings_of(code)
+
+
+def test_ray_daemons_metrics_exporter_lines_are_dropped_and_nothing_else():
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from vime_core.utils.quiet import quiet_ray_daemons
+
+    printed: list[dict] = []
+    dispatcher.add_handler("ray_print_logs", printed.append)  # as ray.init(log_to_driver=True) does
+    try:
+        assert quiet_ray_daemons() and quiet_ray_daemons()  # idempotent
+        noise = ("[2026-12-02 03:00:25,546 E 1245 1245] (raylet) main.cc:1108: Failed to establish connection to "
+                 "the metrics exporter agent. Metrics will not be exported.")
+        gcs = "(gcs_server) gcs_server.cc:1361: Failed to establish connection to the event+metrics exporter agent."
+        dispatcher.emit({"pid": "raylet", "lines": [noise], "is_err": True})
+        dispatcher.emit({"pid": "gcs_server", "lines": [gcs, "raylet died"], "is_err": True})
+        dispatcher.emit({"pid": 4242, "lines": [noise], "is_err": True})  # an actor saying it: kept
+        assert [d["lines"] for d in printed] == [["raylet died"], [noise]]
+    finally:
+        dispatcher.remove_handler("ray_print_logs")

@@ -60,4 +60,7 @@ def ensure_ray(address: str = "auto"):
             f"no Ray cluster at address {address!r}: start one with `vime cluster up` "
             f"(or infra/ray_head.sh start) or pass --ray-address ({exc})"
         ) from None
+    from vime_core.utils.quiet import quiet_ray_daemons
+
+    quiet_ray_daemons()
     return ray

@@ -28,6 +28,7 @@ import httpx
 
 from vime_core.engines.client import EngineClient, redact_url
 from vime_core.engines.server import REPO_ROOT
+from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, terminate_group
 from vime_core.utils.retry import poll_until
 
@@ -108,8 +109,8 @@ class Router:
         self._log_file = open(self.log_path, "ab")
         cmd = self.command()
         logger.info("router: starting %s", " ".join(cmd))
-        self._proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        self._proc = subprocess.Popen(  # under the guard: it dies with this process (utils/orphan_guard.py)
+            guard_command(cmd), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         self.url = f"http://127.0.0.1:{self.port}"
 

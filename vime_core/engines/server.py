@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.engines.client import SyncEngineClient, redact_url
+from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
@@ -331,9 +332,10 @@ class EngineServer:
         cmd = self.command(self.port)
         self._log_file = open(self.log_path, "ab")
         logger.info("%s: starting %s (log %s)", self.name, " ".join(cmd), self.log_path)
-        # Own session: shutdown signals the whole group (API server + engine-core child).
+        # Own session: shutdown signals the whole group (API server + engine-core child); under
+        # the guard, which stops the group when this process dies (utils/orphan_guard.py).
         self._proc = subprocess.Popen(
-            cmd, env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
+            guard_command(cmd), env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT),
         )
         self.url = f"http://{advertised_host(self.cfg.engine_bind_host)}:{self.port}"

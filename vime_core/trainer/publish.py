@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
     from vime_core.trainer.publish_loop import PublishLoop
     from vime_core.trainer.transport.base import WeightTransport
+    from vime_core.trainer.transport.ipc_peers import PeerChannel
 
 
 class PublishError(RuntimeError):
@@ -85,13 +86,15 @@ def publish_weights(
     shm_dir: str = "/dev/shm",
     client_factory: "Callable[[str], EngineClient] | None" = None,
     loop: "PublishLoop | None" = None,
+    peers: "PeerChannel | None" = None,
 ) -> dict[str, Any]:
     """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
     engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
     transport's own split (e.g. pack vs. waiting for the engines to load).
 
     `loop`: the caller's PublishLoop (engine clients and bucket pools kept between its
-    publishes); None makes one for this call and closes it afterwards."""
+    publishes); None makes one for this call and closes it afterwards. `peers`: the other
+    trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py)."""
     from vime_core.trainer.publish_loop import PublishLoop
     from vime_core.trainer.transport import make_transport
 
@@ -99,7 +102,7 @@ def publish_weights(
         own = PublishLoop()
         try:
             return publish_weights(named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport,
-                                   shm_dir=shm_dir, client_factory=client_factory, loop=own)
+                                   shm_dir=shm_dir, client_factory=client_factory, loop=own, peers=peers)
         finally:
             own.close()
 
@@ -111,7 +114,7 @@ def publish_weights(
     return loop.run(
         publish_weights_async(
             tensors, engine_urls, new_version, cfg, initial_version,
-            transport=transport if transport is not None else make_transport(cfg, shm_dir, keeper=loop),
+            transport=transport if transport is not None else make_transport(cfg, shm_dir, keeper=loop, peers=peers),
             client_factory=client_factory or loop.client, clock=clock,
         )
     )

@@ -52,6 +52,7 @@ class MegatronTrainer:
         self._params_asleep = False  # so are the parameters
         self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
         self._publisher: Any = None  # rank 0's PublishLoop: engine clients and bucket pools between publishes
+        self._peer_group: Any = None  # gloo group of all ranks (transport/ipc_peers.py), when more than one
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -76,6 +77,8 @@ class MegatronTrainer:
 
             use_expandable_segments()
         init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
+        if lay.world_size > 1:  # CPU messages between the ranks of a publish (every rank makes it)
+            self._peer_group = torch.distributed.new_group(backend="gloo")
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
@@ -195,7 +198,8 @@ class MegatronTrainer:
         result: Any = new_version
         if self._params_asleep:
             self.wake()
-        if self.layout.dp_rank == 0:
+        peers = self._ipc_peers()
+        if self.layout.dp_rank == 0 or peers is not None:
             weights = self.iter_hf_weights()
             try:
                 if self.layout.rank == 0:
@@ -203,8 +207,16 @@ class MegatronTrainer:
                     from vime_core.trainer.publish_loop import PublishLoop
 
                     self._publisher = self._publisher or PublishLoop()
-                    result = publish_weights(weights, engine_urls, new_version, self.cfg, loop=self._publisher)
+                    result = publish_weights(weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers)
+                elif peers is not None:
+                    from vime_core.trainer.transport.ipc import cuda_device_uuid, default_reduce
+                    from vime_core.trainer.transport.ipc_peers import follow_publish
+
+                    device = torch.device("cuda", torch.cuda.current_device())
+                    follow_publish(weights, peers, device, cuda_device_uuid(device), default_reduce)
             finally:
+                if peers is not None and self.layout.rank == 0:
+                    peers.release()  # the other ranks free their buffers, also after a failure
                 for _ in weights:  # finish the TP gathers so the other ranks are not left waiting
                     pass
         self.weight_version = new_version
@@ -218,6 +230,17 @@ class MegatronTrainer:
             if probe is not None:
                 result["probe"] = probe
         return result
+
+    def _ipc_peers(self) -> Any:
+        """The channel to the other ranks when every rank publishes from its GPU (CUDA IPC with
+        more than one rank: transport/ipc_peers.py); None otherwise."""
+        from vime_core.config import weight_transport
+
+        if self._peer_group is None or weight_transport(self.cfg) != "ipc":
+            return None
+        from vime_core.trainer.transport.ipc_peers import PeerChannel
+
+        return PeerChannel(self._peer_group, self.layout.rank)
 
     def probe_log_probs(self) -> dict[str, Any]:
         """The trainer's half of `check_weight_update_equal` (vime_core/trainer/weight_check):

@@ -5,11 +5,17 @@ falls back to torch implementations (the CPU build and vime's GPU path use those
 purpose), and on every layer about arguments it fills in itself. Each trainer actor forwards
 them to the driver's console through Ray, a page per run. Only these messages are silenced, and
 only when they come from Megatron's modules.
+
+Ray's GCS and raylet log at ERROR, and every driver prints, that they cannot reach the metrics
+exporter agent, which a local head without the dashboard does not run (`RAY_DAEMON_NOISE`);
+the driver's printer of streamed logs drops those lines (`quiet_ray_daemons`), nothing else.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
+from typing import Callable, Optional
 
 MEGATRON_NOISE = (
     r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed",
@@ -25,3 +31,39 @@ def quiet_library_warnings() -> None:
     """Install the filters (idempotent: warnings.filterwarnings drops an identical filter)."""
     for message in MEGATRON_NOISE:
         warnings.filterwarnings("ignore", message=message, module=r"megatron(\..*)?$")
+
+
+# Lines Ray's own daemons log at ERROR and the driver prints, about an optional part that a
+# local head started without the dashboard does not run (metrics/event export).
+RAY_DAEMON_NOISE = re.compile(r"Failed to establish connection to the (event\+)?metrics exporter agent")
+RAY_DAEMONS = ("gcs_server", "raylet")
+
+
+def drop_ray_daemon_noise(data: dict) -> Optional[dict]:
+    """One batch of log lines Ray streams to the driver, without RAY_DAEMON_NOISE lines from
+    Ray's daemons; None when nothing is left."""
+    if data.get("pid") not in RAY_DAEMONS and data.get("actor_name") not in RAY_DAEMONS:
+        return data
+    lines = [line for line in data.get("lines", []) if not RAY_DAEMON_NOISE.search(line)]
+    return {**data, "lines": lines} if lines else None
+
+
+def quiet_ray_daemons() -> bool:
+    """Wrap the driver's handler of streamed logs (Ray installs it in ray.init with
+    log_to_driver) with `drop_ray_daemon_noise`; False when Ray has no such handler (then
+    nothing changes). Idempotent."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    with dispatcher._lock:
+        for i, (name, handler) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and not getattr(handler, "vime_quiet", False):
+                def quiet(data: dict, _print: Callable = handler) -> None:
+                    kept = drop_ray_daemon_noise(data)
+                    if kept is not None:
+                        _print(kept)
+
+                quiet.vime_quiet = True  # type: ignore[attr-defined]
+                dispatcher.handlers[i] = (name, quiet)
+        return any(name == "ray_print_logs" for name, _ in dispatcher.handlers)

@@ -322,6 +322,14 @@ def _manager_pid(cfg) -> int:
     return ray.get(_handles(cfg)[0].__ray_call__.remote(lambda self: os.getpid()))
 
 
+def _kill_manager_noting_its_router(cfg, routers: list) -> None:
+    import psutil
+
+    manager = psutil.Process(_manager_pid(cfg))
+    routers += [p for p in manager.children(recursive=True) if "vllm-router" in " ".join(p.cmdline())]
+    manager.kill()
+
+
 def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, repo_root, tmp_path):
     """One `vime train` goes on while, each as a phase starts (the driver paused there), the
     trainer's process, the RolloutManager's process and the vLLM server are SIGKILLed: the run
@@ -332,9 +340,10 @@ def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, rep
     trainer_k, manager_k, engine_k = range(first, first + 3)
     run = cfg.model_copy(update={"num_rollout": engine_k + 2})
     raw_before = len(_raw_records(cfg))
+    routers: list = []  # the killed RolloutManager's vllm-router processes
     faults = {
         f"train-{trainer_k}": lambda: os.kill(_trainer_pid(_handles(run)[1]), signal.SIGKILL),
-        f"rollout-{manager_k}": lambda: os.kill(_manager_pid(run), signal.SIGKILL),
+        f"rollout-{manager_k}": lambda: _kill_manager_noting_its_router(run, routers),
         f"rollout-{engine_k}": lambda: os.killpg(os.getpgid(_engine_server_pid(run)), signal.SIGKILL),
     }
     pause_dir = tmp_path / "paused"
@@ -351,6 +360,8 @@ def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, rep
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
     assert rc == 0, _tail(log)
+    # the router the killed RolloutManager had started went with it (vime_core/utils/orphan_guard.py)
+    assert routers and not [p for p in routers if p.is_running() and p.status() != "zombie"], routers
     _check_run(run, run.num_rollout, resumed=frozenset(range(first)))  # the ids before: checked by the tests before
     # an iteration that failed ended before its report: each rollout id reported once
     assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))

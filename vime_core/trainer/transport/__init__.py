@@ -14,13 +14,16 @@ from vime_core.trainer.transport.base import WeightTransport
 if TYPE_CHECKING:
     from vime_core.config.schema import VimeConfig
     from vime_core.trainer.publish_loop import PublishLoop
+    from vime_core.trainer.transport.ipc_peers import PeerChannel
 
 __all__ = ["WeightTransport", "make_transport"]
 
 
-def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "PublishLoop | None" = None) -> WeightTransport:
+def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "PublishLoop | None" = None,
+                   peers: "PeerChannel | None" = None) -> WeightTransport:
     """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`; `keeper`
-    (the publisher's PublishLoop) lends what outlives one publish (the shm transport's pool)."""
+    (the publisher's PublishLoop) lends what outlives one publish (the shm transport's pool);
+    `peers`: the other trainer ranks also publish from their GPUs (ipc only: ipc_peers.py)."""
     from vime_core.config import weight_transport
 
     kind = weight_transport(cfg)
@@ -35,7 +38,7 @@ def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "Publis
     if kind == "ipc":
         from vime_core.trainer.transport.ipc import IpcTransport
 
-        return IpcTransport()
+        return IpcTransport(peers=peers)
     raise NotImplementedError(
         f"weight_transport={kind!r} has no implementation yet (available: shm, ipc, disk); "
         "set cfg.weight_transport explicitly"

@@ -6,7 +6,10 @@ out of it (~2 TB/s on an H200), so the bytes never cross PCIe or HTTP. Per bucke
     buffer   one uint8 CUDA tensor; tensor i (cast to its wire dtype) at byte
              sum(tensor_sizes[:i]), no padding (vLLM splits the buffer by `tensor_sizes`)
     payload  {"names", "dtype_names", "shapes", "tensor_sizes",
-              "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1]}))}
+              "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1], ...}))}
+
+One handle per trainer rank's GPU: with more than one rank, every rank packs the same bucket on
+its own GPU (transport/ipc_peers.py) and each engine worker opens the handle of its GPU.
 
 The `packed` flag goes in `init_weight_transfer`'s info on vLLM >= 0.27 and in each bucket's
 `update_info` on 0.26 (`vime_core/engines/vllm_api.py`); the server needs
@@ -29,6 +32,7 @@ import torch
 from vime_core.trainer.allocator import plain_segments
 from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
 from vime_core.trainer.transport.base import WeightTransport
+from vime_core.trainer.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
 
 
 def cuda_device_uuid(device: torch.device) -> str:
@@ -82,11 +86,13 @@ class IpcTransport(WeightTransport):
         device: torch.device | None = None,
         reduce_fn: Callable[[torch.Tensor], tuple] = default_reduce,
         device_uuid: str | None = None,
+        peers: "PeerChannel | None" = None,
     ) -> None:
         super().__init__()
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.reduce_fn = reduce_fn
         self.device_uuid = device_uuid
+        self.peers = peers  # the other trainer ranks pack each bucket on their GPUs (ipc_peers.py)
         self._buffers: list[torch.Tensor] = []
         self._packed_in_update = False
 
@@ -110,7 +116,11 @@ class IpcTransport(WeightTransport):
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
         self._buffers.append(buffer)
-        info = ipc_update_info(bucket, sizes, {self.device_uuid: self.reduce_fn(buffer)}, self._packed_in_update)
+        handles = {self.device_uuid: self.reduce_fn(buffer)}
+        if self.peers is not None:  # nothing that can fail between the command and the gather
+            self.peers.command((BUCKET, list(bucket.names), [str(d).removeprefix("torch.") for d in bucket.dtypes]))
+            handles = merge_handles(self.peers.gather((self.device_uuid, handles[self.device_uuid], None)))
+        info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
         t1 = time.perf_counter()
         self.add_time("pack", t1 - t0)
         self.bytes_moved = True
