@@ -26,8 +26,8 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
     from vime_core.step_protocol import trainer_sleeps
+    from tasks.common import ATTACHED
     from vime_core.cluster.run_actors import (
-        forget_attached,
         get_or_create_engines,
         get_or_create_placement_group,
         get_or_create_rollout_manager,
@@ -39,7 +39,7 @@ def bootstrap(config: VimeConfig) -> dict:
     log = get_run_logger()
     t0 = time.perf_counter()
     ensure_ray(config.ray_address)
-    forget_attached(config.run_name)  # actors may be created now: no handle from before is reused
+    ATTACHED.forget(config.run_name)  # actors may be created now: no handle from before is reused
     pg = get_or_create_placement_group(config)
     engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
     new_manager = not rollout_manager_exists(config)

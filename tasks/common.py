@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect.cache_policies import NO_CACHE
 
 from vime_core.cluster.connect import ensure_ray
+from vime_core.cluster.run_actors import AttachedHandles
 from vime_core.config import VimeConfig
 from vime_core.faults import pause_points
 
@@ -66,6 +67,10 @@ def first_try() -> bool:
     return (task_run.run_count or 1) <= 1
 
 
+# This driver's actor handles, reused by every phase task (vime_core/cluster/run_actors.py).
+ATTACHED = AttachedHandles()
+
+
 def run_handles(cfg: VimeConfig):
     """(rollout_manager, trainer_group) of the run, attaching the driver to Ray if needed. The
     handles are looked up once per process and reused; a retried task looks them up afresh
@@ -73,4 +78,4 @@ def run_handles(cfg: VimeConfig):
     ensure_ray(cfg.ray_address)
     from vime_core.cluster.run_actors import attach
 
-    return attach(cfg, cached=first_try())
+    return attach(cfg, ATTACHED, reuse=first_try())

@@ -19,18 +19,20 @@ def test_attach_reuses_handles_until_forgotten(monkeypatch):
 
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
     cfg = VimeConfig(run_name="cache-test")
-    manager, group = run_actors.attach(cfg, cached=True)
+    cache = run_actors.AttachedHandles()
+    manager, group = run_actors.attach(cfg, cache)
     per_attach = len(lookups)
     assert per_attach == 1 + len(group.actors)
-    again, group2 = run_actors.attach(cfg, cached=True)
+    again, group2 = run_actors.attach(cfg, cache)
     assert (again, group2.actors) == (manager, group.actors) and len(lookups) == per_attach
-    run_actors.attach(cfg)  # a retried task: looked up again
+    run_actors.attach(cfg, cache, reuse=False)  # a retried task: looked up again
     assert len(lookups) == 2 * per_attach
-    job["id"] = "02000000"  # another Ray session (a new cluster): nothing reused
-    run_actors.attach(cfg, cached=True)
+    run_actors.attach(cfg)  # no cache: always looked up
     assert len(lookups) == 3 * per_attach
-    run_actors.forget_attached("cache-test")  # bootstrap and teardown forget the run's handles
-    job["id"] = "01000000"
-    run_actors.attach(cfg, cached=True)
+    job["id"] = "02000000"  # another Ray session (a new cluster): nothing reused
+    run_actors.attach(cfg, cache)
     assert len(lookups) == 4 * per_attach
-    run_actors.forget_attached("cache-test")
+    cache.forget("cache-test")  # bootstrap and teardown forget the run's handles
+    job["id"] = "01000000"
+    run_actors.attach(cfg, cache)
+    assert len(lookups) == 5 * per_attach

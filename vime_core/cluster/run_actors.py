@@ -270,27 +270,38 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     return TrainerGroup(cfg, actors), True
 
 
-# (Ray job of this driver, run, trainer world size) -> (manager handle, trainer handles). Every
-# phase task attaches; looking the actors up by name is one GCS round trip per actor, several
-# per iteration on the critical path. Forgotten by bootstrap and teardown (they create and kill
-# the actors); a task's retry looks them up afresh (run_handles).
-_ATTACHED: dict[tuple, tuple] = {}
+class AttachedHandles:
+    """Handles a driver looked up: (Ray job, run, trainer world size) -> (manager, trainers).
+
+    Every phase task attaches, and looking the actors up by name is one GCS round trip per
+    actor, several per iteration on the critical path. Owned by the driver's task layer
+    (tasks/common.py); bootstrap and teardown forget a run's handles (they create and kill the
+    actors), a retried task looks them up afresh."""
+
+    def __init__(self) -> None:
+        self._handles: dict[tuple, tuple] = {}
+
+    def get(self, key: tuple) -> Optional[tuple]:
+        return self._handles.get(key)
+
+    def put(self, key: tuple, handles: tuple) -> None:
+        self._handles[key] = handles
+
+    def forget(self, run_name: str) -> None:
+        for key in [k for k in self._handles if k[1] == run_name]:
+            del self._handles[key]
 
 
-def forget_attached(run_name: str) -> None:
-    for key in [k for k in _ATTACHED if k[1] == run_name]:
-        del _ATTACHED[key]
-
-
-def attach(cfg: VimeConfig, cached: bool = False):
+def attach(cfg: VimeConfig, cache: Optional[AttachedHandles] = None, reuse: bool = True):
     """(rollout_manager, trainer_group) of a bootstrapped run, or raise naming what is missing.
-    `cached`: reuse the handles this process looked up before for the same Ray job and run."""
+    `cache`: the handles this process looked up before for the same Ray job and run, reused
+    when `reuse`, and updated with what is looked up."""
     import ray
 
     world = trainer_num_devices(cfg)
     key = (ray.get_runtime_context().get_job_id(), cfg.run_name, world)
-    if cached and key in _ATTACHED:
-        manager, trainers = _ATTACHED[key]
+    if cache is not None and reuse and (hit := cache.get(key)) is not None:
+        manager, trainers = hit
         return manager, TrainerGroup(cfg, trainers)
     manager = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
     trainers = [_get_actor(names.trainer(r), cfg.run_name) for r in range(world)]
@@ -303,7 +314,8 @@ def attach(cfg: VimeConfig, cached: bool = False):
             f"(not bootstrapped yet, or the actor's process died); bootstrap (re)creates them",
             tuple(missing),
         )
-    _ATTACHED[key] = (manager, trainers)
+    if cache is not None:
+        cache.put(key, (manager, trainers))
     return manager, TrainerGroup(cfg, trainers)
 
 
@@ -313,7 +325,6 @@ def teardown(run_name: str, num_trainers: int | None = None) -> list[str]:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    forget_attached(run_name)
     removed = []
     manager = _get_actor(names.ROLLOUT_MANAGER, run_name)
     if manager is not None:
