@@ -1,5 +1,5 @@
-"""The configuration reference, generated from `VimeConfig` (README section between the
-`config:start` / `config:end` markers). `python -m vime_core.config.docs --write README.md`
+"""The configuration reference, generated from `VimeConfig` (docs/configuration.md, between the
+`config:start` / `config:end` markers). `python -m vime_core.config.docs --write docs/configuration.md`
 refreshes it; a unit test fails when it is stale."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def config_table() -> str:
 
 def replace_section(text: str, start: str, end: str, body: str) -> str:
     """`text` with the part between the `start` and `end` markers replaced by `body` (generated
-    documentation sections: the README's configuration table, docs/lineage.md's schema)."""
+    documentation sections: docs/configuration.md's table, docs/lineage.md's schema)."""
     if start not in text or end not in text:
         raise ValueError(f"markers {start!r} / {end!r} not found")
     head, rest = text.split(start, 1)
