@@ -184,7 +184,9 @@ class MegatronTrainer:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
         Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
-        replicas hold the same weights and only advance their version counter.
+        replicas hold the same weights and only advance their version counter. Over CUDA IPC
+        with more than one rank, every rank also packs each bucket on its own GPU for the engine
+        workers there (transport/ipc_peers.py).
 
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
