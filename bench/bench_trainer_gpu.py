@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--check-steps", type=int, default=3, help="training steps recorded in 'check' (0: none)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
+    p.add_argument("--norms-fp32", action="store_true",
+                   help="keep the RMSNorm weights in fp32 as Megatron's torch fallback makes them (before model.norms_in_dtype)")
     p.add_argument("--profile", default=None, help="after the variants, profile one step of the first variant into this text file")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare the 'check' sections of two result files")
     return p.parse_args(argv)
@@ -350,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
         common.write_json(compare(*args.compare), None)
         return
     warnings.filterwarnings("ignore")
+    if args.norms_fp32:
+        import vime_core.trainer.model as model_module
+
+        model_module.norms_in_dtype = lambda model, dtype: 0  # type: ignore[assignment]
     t0 = time.perf_counter()
     trainer, cfg_json = build_trainer(args)
     setup_s = time.perf_counter() - t0
@@ -358,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     lay = trainer.layout
     result: dict[str, Any] = {
         "bench": "trainer_gpu",
+        "norms_fp32": args.norms_fp32,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "shape": args.shape,
         "params": common.parameter_counts(cfg_json),

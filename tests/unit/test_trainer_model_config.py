@@ -67,3 +67,19 @@ def test_llama3_rope_scaling_is_read_and_other_constants_refused():
     assert architecture_from_hf(tiny_config("llama")).rope_scaling_factor is None
     with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings=4096"):
         architecture_from_hf(tiny_config("llama") | {"rope_scaling": scaling | {"original_max_position_embeddings": 4096}})
+
+
+def test_a_bf16_model_keeps_its_norm_weights_in_bf16(tiny_model_dir):
+    """Megatron's torch fallback builds RMSNorm in fp32; a bf16 model would then feed bf16
+    activations to fp32 weights (torch's fused kernel refuses the mix: slow path on GPUs)."""
+    import torch
+
+    from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
+    from vime_core.trainer.parallel import free_port, init_parallel
+
+    init_parallel(0, 1, "127.0.0.1", free_port(), 1, "cpu")
+    arch = architecture_from_hf(read_hf_config(tiny_model_dir))
+    model = build_gpt_model(arch, 1, torch.bfloat16, torch.device("cpu"))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert norms and all(p.dtype == torch.bfloat16 for m in norms for p in m.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

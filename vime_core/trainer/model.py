@@ -233,8 +233,27 @@ def build_gpt_model(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     mark_tensor_parallel_params(model)
+    norms_in_dtype(model, dtype)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
     return model.to(device=device)
+
+
+def norms_in_dtype(model: Any, dtype: torch.dtype) -> int:
+    """Give the RMSNorm/LayerNorm weights the model's dtype; how many modules changed.
+
+    Megatron's torch fallback norms (no Transformer Engine) are created in fp32 whatever
+    params_dtype says, so in a bf16 model they get bf16 activations with fp32 weights, which
+    torch's fused RMSNorm kernel refuses: every norm of every layer then takes the slower path
+    ("Mismatch dtype between input and weight", seen on the H200). Transformer Engine's norms,
+    HF checkpoints and vLLM all hold them in the model's dtype; the optimizer's fp32 main copies
+    keep the update's precision."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            if any(p.dtype != dtype for p in module.parameters(recurse=False)):
+                module.to(dtype)
+                changed += 1
+    return changed
 
 
 def mark_tensor_parallel_params(model: Any) -> None:
