@@ -73,6 +73,7 @@ def bench_model(name: str, shape: dict, args) -> dict:
     from vime_core.engines.server import EngineServer
     from vime_core.demo.model import build_tiny_model
     from vime_core.trainer.publish import publish_weights
+    from vime_core.trainer.publish_loop import PublishLoop
 
     model_dir = build_tiny_model(REPO / ".cache" / "bench" / "models" / name, family="qwen3", seed=0,
                                  tie_word_embeddings=False, max_position_embeddings=512, **shape)
@@ -81,7 +82,8 @@ def bench_model(name: str, shape: dict, args) -> dict:
     wire = torch.bfloat16 if args.bf16 else torch.float32
     nbytes = params * wire.itemsize
     base_cfg = {"hf_checkpoint": str(model_dir), "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
-                "device": "cpu", "bf16": args.bf16, "rollout_max_context_len": 256, "vllm_cpu_kvcache_gb": 1}
+                "device": "cpu", "bf16": args.bf16, "rollout_max_context_len": 256, "rollout_max_prompt_len": 128,
+                "vllm_cpu_kvcache_gb": 1}
     cfgs = {f"publish_shm_{mib}MiB": make_config({**base_cfg, "update_weight_buffer_size": mib * MiB})
             for mib in args.bucket_mib}
     cfgs["publish_disk_512MiB"] = make_config({**base_cfg, "weight_transport": "disk"})
@@ -99,10 +101,13 @@ def bench_model(name: str, shape: dict, args) -> dict:
         version = 0
         runs: dict[str, list[dict]] = {k: [] for k in cfgs}
         reload_times: list[float] = []
+        # What a trainer keeps between its publishes (engine clients, shared-memory bucket files),
+        # as MegatronTrainer keeps it: a publish without it makes and fills fresh tmpfs files.
+        publisher = PublishLoop()
         for rep in range(args.repeats + 1):  # round 0 warms up (and caches the engine's spec first)
             for key, cfg in cfgs.items():
                 version += 1
-                stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0)
+                stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0, loop=publisher)
                 if key.startswith("publish_shm"):
                     stats["engine"] = engine_rpc(server.url, "collective_rpc", "vime_update_stats")[0]
                 if rep:
@@ -131,6 +136,7 @@ def bench_model(name: str, shape: dict, args) -> dict:
             result[key] = entry
         result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
         result["reload_bytes_per_s"] = nbytes / result["reload_s"]
+        publisher.close()
     finally:
         shutil.rmtree(floor_dir, ignore_errors=True)
         server.shutdown()
