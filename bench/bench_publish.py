@@ -40,6 +40,14 @@ MODELS = {
 MiB = 1024**2
 
 
+def engine_settings(model_dir: Path, bf16: bool) -> dict:
+    """The configuration of the bench's CPU engine (tests/unit/test_bench_configs.py checks it
+    still validates when the defaults move)."""
+    return {"hf_checkpoint": str(model_dir), "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
+            "device": "cpu", "bf16": bf16, "rollout_max_context_len": 256, "rollout_max_prompt_len": 128,
+            "vllm_cpu_kvcache_gb": 1}
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -81,9 +89,7 @@ def bench_model(name: str, shape: dict, args) -> dict:
     params = sum(t.numel() for t in weights.values())
     wire = torch.bfloat16 if args.bf16 else torch.float32
     nbytes = params * wire.itemsize
-    base_cfg = {"hf_checkpoint": str(model_dir), "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
-                "device": "cpu", "bf16": args.bf16, "rollout_max_context_len": 256, "rollout_max_prompt_len": 128,
-                "vllm_cpu_kvcache_gb": 1}
+    base_cfg = engine_settings(model_dir, args.bf16)
     cfgs = {f"publish_shm_{mib}MiB": make_config({**base_cfg, "update_weight_buffer_size": mib * MiB})
             for mib in args.bucket_mib}
     cfgs["publish_disk_512MiB"] = make_config({**base_cfg, "weight_transport": "disk"})
