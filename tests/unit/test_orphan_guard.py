@@ -11,29 +11,18 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 from vime_core.utils.orphan_guard import guard_command
-from vime_core.utils.processes import terminate_group
+from vime_core.utils.processes import pid_alive, terminate_group
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -44,13 +33,8 @@ def _server_pid_of(guard_pid: int, seconds: float = 10) -> int:
     """The guard's child (the server), once it exists."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{guard_pid}/task/{guard_pid}/children") as f:
-                children = f.read().split()
-        except FileNotFoundError:
-            children = []
-        if children:
-            return int(children[0])
+        if children := psutil.Process(guard_pid).children():
+            return children[0].pid
         time.sleep(0.05)
     raise AssertionError(f"guard {guard_pid} started no server")
 
@@ -69,7 +53,7 @@ def test_the_server_dies_with_the_process_that_started_it():
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
     guard = int(starter.stdout.readline())
     server = _server_pid_of(guard)
-    assert _alive(server)
+    assert pid_alive(server)
     starter.kill()  # SIGKILL: the starter runs no cleanup of its own
     starter.wait()
     assert _gone_within(server, 10), "the server outlived the process that started it"

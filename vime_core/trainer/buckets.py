@@ -36,6 +36,11 @@ class Bucket:
     def __len__(self) -> int:
         return len(self.names)
 
+    @property
+    def dtype_names(self) -> list[str]:
+        """The wire dtypes as vLLM names them ("bfloat16")."""
+        return [str(d).removeprefix("torch.") for d in self.dtypes]
+
 
 def wire_nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return tensor.numel() * dtype.itemsize

@@ -52,7 +52,7 @@ class MegatronTrainer:
         self._params_asleep = False  # so are the parameters
         self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
         self._publisher: Any = None  # rank 0's PublishLoop: engine clients and bucket pools between publishes
-        self._peer_group: Any = None  # gloo group of all ranks (transport/ipc_peers.py), when more than one
+        self._peer_group: Any = None  # gloo group of all ranks for an IPC publish from several (ipc_peers.py)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -77,7 +77,9 @@ class MegatronTrainer:
 
             use_expandable_segments()
         init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
-        if lay.world_size > 1:  # CPU messages between the ranks of a publish (every rank makes it)
+        from vime_core.config import weight_transport
+
+        if lay.world_size > 1 and weight_transport(self.cfg) == "ipc":  # every rank makes it (ipc_peers.py)
             self._peer_group = torch.distributed.new_group(backend="gloo")
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
@@ -235,10 +237,8 @@ class MegatronTrainer:
 
     def _ipc_peers(self) -> Any:
         """The channel to the other ranks when every rank publishes from its GPU (CUDA IPC with
-        more than one rank: transport/ipc_peers.py); None otherwise."""
-        from vime_core.config import weight_transport
-
-        if self._peer_group is None or weight_transport(self.cfg) != "ipc":
+        more than one rank, decided at init: transport/ipc_peers.py); None otherwise."""
+        if self._peer_group is None:
             return None
         from vime_core.trainer.transport.ipc_peers import PeerChannel
 

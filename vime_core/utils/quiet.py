@@ -42,7 +42,7 @@ RAY_DAEMONS = ("gcs_server", "raylet")
 def drop_ray_daemon_noise(data: dict) -> Optional[dict]:
     """One batch of log lines Ray streams to the driver, without RAY_DAEMON_NOISE lines from
     Ray's daemons; None when nothing is left."""
-    if data.get("pid") not in RAY_DAEMONS and data.get("actor_name") not in RAY_DAEMONS:
+    if data.get("pid") not in RAY_DAEMONS:  # Ray tags its daemons' lines with their name as pid
         return data
     lines = [line for line in data.get("lines", []) if not RAY_DAEMON_NOISE.search(line)]
     return {**data, "lines": lines} if lines else None

@@ -12,6 +12,8 @@ import time
 import psutil
 import pytest
 
+from vime_core.utils.processes import pid_alive
+
 pytestmark = pytest.mark.timeout(120)
 
 STARTER = textwrap.dedent("""
@@ -37,6 +39,6 @@ def test_router_dies_with_its_starter(tmp_path, repo_root):
         starter.kill()
         starter.wait()
     deadline = time.monotonic() + 20
-    while (left := [p for p in router if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
+    while (left := [p for p in router if pid_alive(p.pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"vllm-router outlived the process that started it: {[p.pid for p in left]}"

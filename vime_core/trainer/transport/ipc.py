@@ -68,7 +68,7 @@ def ipc_update_info(bucket: Bucket, sizes: list[int], handle: dict[str, tuple], 
     `packed_flag` adds `"packed": true` (vLLM 0.26 reads it there)."""
     info = {
         "names": list(bucket.names),
-        "dtype_names": [str(d).removeprefix("torch.") for d in bucket.dtypes],
+        "dtype_names": bucket.dtype_names,
         "shapes": [list(t.shape) for t in bucket.tensors],
         "tensor_sizes": sizes,
         "ipc_handles_pickled": base64.b64encode(pickle.dumps(handle)).decode("ascii"),
@@ -118,7 +118,7 @@ class IpcTransport(WeightTransport):
         self._buffers.append(buffer)
         handles = {self.device_uuid: self.reduce_fn(buffer)}
         if self.peers is not None:  # nothing that can fail between the command and the gather
-            self.peers.command((BUCKET, list(bucket.names), [str(d).removeprefix("torch.") for d in bucket.dtypes]))
+            self.peers.command((BUCKET, list(bucket.names), bucket.dtype_names))
             handles = merge_handles(self.peers.gather((self.device_uuid, handles[self.device_uuid], None)))
         info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
         t1 = time.perf_counter()

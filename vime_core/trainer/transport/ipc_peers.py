@@ -36,12 +36,10 @@ class PeerChannel:
     def __init__(self, group: Any, rank: int) -> None:
         self.group = group
         self.rank = rank
-        self._open = False  # rank 0: a "bucket" went out and no "done" yet
 
     def command(self, message: tuple) -> None:
         """Rank 0: one message to every other rank."""
         torch.distributed.broadcast_object_list([message], src=0, group=self.group)
-        self._open = message[0] != DONE
 
     def receive(self) -> tuple:
         """Rank r > 0: the next message of rank 0."""

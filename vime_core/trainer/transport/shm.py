@@ -35,7 +35,7 @@ def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:
         path=path,
         nbytes=nbytes,
         names=list(bucket.names),
-        dtype_names=[str(d).removeprefix("torch.") for d in bucket.dtypes],
+        dtype_names=bucket.dtype_names,
         shapes=[list(t.shape) for t in bucket.tensors],
         offsets=offsets,
     )
