@@ -139,10 +139,18 @@ def _check_kl(cfg: "VimeConfig") -> None:
         cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
 
 
+# transport -> the vLLM weight-transfer backend the engines start with (None: none needed)
+VLLM_BACKEND = {"ipc": "ipc", "nccl": "vime_broadcast", "gloo": "vime_broadcast", "shm": "vime_shm", "disk": None}
+CUDA_ONLY_TRANSPORTS = ("ipc", "nccl")
+
+
 def weight_transport(cfg: "VimeConfig") -> str:
     """The weight-transfer path by placement: CUDA IPC when colocated on GPUs, shared memory on
-    CPU, NCCL when engines live on other devices, disk only when asked."""
+    CPU, NCCL when engines live on other devices; gloo and disk only when asked."""
     if cfg.weight_transport != "auto":
+        if cfg.device == "cpu" and cfg.weight_transport in CUDA_ONLY_TRANSPORTS:
+            raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
+                             f"(engines on the trainer's machine), gloo (engines elsewhere) or disk")
         return cfg.weight_transport
     if cfg.device == "cpu":
         return "shm"
@@ -151,8 +159,7 @@ def weight_transport(cfg: "VimeConfig") -> str:
 
 def engine_server_args(cfg: "VimeConfig") -> dict:
     """The vLLM server options the configuration implies (step 2 of the walkthrough)."""
-    transport = weight_transport(cfg)
-    vllm_backend = {"ipc": "ipc", "nccl": "nccl", "shm": "vime_shm", "disk": None}[transport]
+    vllm_backend = VLLM_BACKEND[weight_transport(cfg)]
     return {
         "enable_sleep_mode": bool(cfg.offload_rollout),
         "max_model_len": cfg.rollout_max_context_len,

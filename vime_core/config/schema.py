@@ -21,7 +21,7 @@ AdvantageEstimator = Annotated[str, AfterValidator(check_adv_estimator)]
 LossType = Literal["policy_loss", "sft_loss"]
 KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 RouterPolicy = Literal["round_robin", "random", "consistent_hash", "power_of_two", "cache_aware"]
-WeightTransport = Literal["auto", "ipc", "shm", "disk", "nccl"]
+WeightTransport = Literal["auto", "ipc", "shm", "disk", "nccl", "gloo"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 RecomputeGranularity = Literal["full", "selective"]
@@ -175,7 +175,7 @@ class VimeConfig(BaseModel):
     recompute_num_layers: Optional[int] = Field(None, ge=1, description="With recompute_granularity=full: layers per recompute unit (uniform) or layers recomputed (block). Default: 1 when full (Megatron/slime --recompute-num-layers).")
     use_distributed_optimizer: bool = Field(False, description="Shard Adam's state and fp32 main parameters over the data-parallel ranks (GPU only; ZeRO-1 style, Megatron's DistributedOptimizer). Default False (Megatron/slime --use-distributed-optimizer).")
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1024, description="Bytes per weight-update bucket.")
-    weight_transport: WeightTransport = Field("auto", description="auto picks by placement: ipc (CUDA, colocated), shm (CPU), nccl (engines elsewhere), disk (fallback).")
+    weight_transport: WeightTransport = Field("auto", description="How published weights reach the engines. auto picks by placement: ipc (CUDA engines on the trainer's GPUs), nccl (CUDA engines on other GPUs or nodes), shm (CPU engines on the trainer's machine). gloo: CPU engines on other machines; disk: safetensors files the engines reload (needs a path both sides see).")
     flush_cache_interval: int = Field(1, ge=1, description="Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish always flushes.")
 
     @field_validator("apply_chat_template_kwargs", mode="before")

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 40
-BUILTIN_WEIGHT_BACKENDS = ("ipc", "nccl")
+BUILTIN_WEIGHT_BACKENDS = ("ipc", "nccl")  # vLLM's own, CUDA only
 # Loaded into vLLM's workers for vime's own weight-transfer backends (e.g. "vime_shm" on CPU).
 VIME_WORKER_EXTENSION = "vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension"
 TCMALLOC_CANDIDATES = (

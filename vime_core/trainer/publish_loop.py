@@ -1,11 +1,12 @@
 """What a publisher keeps between publishes: a long-lived event loop in a daemon thread, the
-engine clients bound to it, and the shared-memory bucket pools. The trainer (rank 0) owns one
+engine clients bound to it, the shared-memory bucket pools and the broadcast groups. The trainer (rank 0) owns one
 and closes it with itself (`MegatronTrainer.close`); a `publish_weights` call given none makes
 one for that call.
 
 Why: an `EngineClient` is bound to the loop that first used it and keeps its connections open;
 a publish run in a fresh loop each time would open new connections to every engine on every
-publish. The pools keep their tmpfs pages allocated between publishes (`transport/shm_pool.py`).
+publish. The pools keep their tmpfs pages allocated between publishes (`transport/shm_pool.py`);
+a broadcast group (`transport/broadcast.py`) is formed once, not per publish.
 Nothing here is process-wide: a trainer rebuilt after a failure is a new Ray actor (a new
 process), so there is no reuse across trainers to keep.
 """
@@ -20,6 +21,7 @@ from vime_core.utils.loop_thread import LoopThread
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
+    from vime_core.trainer.transport.broadcast import KeptGroup
     from vime_core.trainer.transport.shm_pool import ShmBufferPool
 
 
@@ -28,6 +30,7 @@ class PublishLoop(LoopThread):
         super().__init__("vime-publish-loop")
         self._clients: dict[str, "EngineClient"] = {}
         self._pools: dict[str, "ShmBufferPool"] = {}
+        self._groups: dict[str, "KeptGroup"] = {}
         atexit.register(self.close)  # a process that ends without close() still gives its pools back
 
     def client(self, url: str) -> "EngineClient":
@@ -47,6 +50,17 @@ class PublishLoop(LoopThread):
             self._pools[key] = ShmBufferPool(shm_dir)
         return self._pools[key]
 
+    def broadcast_group(self, carrier: str) -> "KeptGroup | None":
+        """The broadcast group formed over `carrier` for this publisher's engines, if any."""
+        return self._groups.get(carrier)
+
+    def keep_broadcast_group(self, carrier: str, kept: "KeptGroup | None") -> None:
+        """Keep `kept` for the next publishes (None: forget the one kept; its owner closes it)."""
+        if kept is None:
+            self._groups.pop(carrier, None)
+        else:
+            self._groups[carrier] = kept
+
     def release_pools(self) -> None:
         """Give the pools' shared memory back now (e.g. before a memory-hungry phase); the next
         publish makes new ones."""
@@ -55,7 +69,8 @@ class PublishLoop(LoopThread):
             pool.release()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close the engine clients' connections, release the pools and stop the loop."""
+        """Close the engine clients' connections, release the pools, close the broadcast groups
+        and stop the loop."""
         atexit.unregister(self.close)
         clients, self._clients = list(self._clients.values()), {}
         if clients and not self.loop.is_closed():
@@ -68,4 +83,7 @@ class PublishLoop(LoopThread):
             except Exception:  # an engine already gone must not block the rest of the shutdown
                 pass
         self.release_pools()
+        groups, self._groups = list(self._groups.values()), {}
+        for kept in groups:
+            kept.group.close()
         super().close(timeout_s)

@@ -142,6 +142,10 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
     def shutdown(self) -> None:
         self._release()
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:  # abstract on vLLM 0.26
+        raise NotImplementedError("vime_shm is driven by vime's trainer (vime_core/trainer/transport/shm.py)")
+
     # -- buckets ---------------------------------------------------------------------------
 
     def _map_bucket(self, info: ShmBucketInfo) -> list[tuple[str, torch.Tensor]]:

@@ -1,15 +1,18 @@
 """vLLM worker extension loaded with `--worker-extension-cls
 vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension`.
 
-Importing this module (vLLM does it in every worker before the model loads) registers the
-`vime_shm` weight-transfer backend, so `--weight-transfer-config '{"backend": "vime_shm"}'`
-works on CPU. The class adds methods callable through `POST /collective_rpc`:
+Importing this module (vLLM does it in every worker before the model loads) registers vime's
+weight-transfer backends, `vime_shm` (CPU engines on the trainer's machine) and `vime_broadcast`
+(engines elsewhere, over NCCL or gloo), for `--weight-transfer-config '{"backend": ...}'`. The
+class adds methods callable through `POST /collective_rpc`:
 
 - `vime_weight_spec()`: the HF-named tensors the model's `load_weights` expects (name, shape,
   dtype on the wire), read from the checkpoint the server started from. The trainer validates a
   publish against it before any byte moves, because a half-applied update breaks the server.
 - `vime_reload_weights(weights_path)`: vLLM's disk reload, fixed for tied embeddings on CPU.
-- `vime_update_stats()`: where this worker's time went in the last `vime_shm` session.
+- `vime_update_stats()`: where this worker's time went in the last `vime_shm` or `vime_broadcast` session.
+- `vime_broadcast_group_id()`: the `vime_broadcast` group this worker is in; one answer per
+  worker, so the trainer also learns how many workers an engine has.
 - `vime_weight_version()` / `vime_set_weight_version(version)`: the weight version on releases
   whose server keeps none (vLLM 0.26, see `vime_core/engines/vllm_api.py`); a restarted engine
   reports None (the checkpoint's weights, version 0), as `/weight_info` would.
@@ -22,22 +25,28 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vime_core.engines.vllm_side.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
 from vime_core.engines.vllm_side.checkpoint_layout import read_safetensors_layout
 from vime_core.engines.vllm_side.shm_format import BACKEND_NAME, FLOATING
 
 
-def _register_backend() -> None:
+BACKENDS = {  # name -> (module, class), registered with vLLM when a worker imports this module
+    BACKEND_NAME: ("vime_core.engines.vllm_side.shm_backend", "ShmWeightTransferEngine"),
+    BROADCAST_BACKEND: ("vime_core.engines.vllm_side.broadcast_backend", "BroadcastWeightTransferEngine"),
+}
+
+
+def _register_backends() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "vime_core.engines.vllm_side.shm_backend", "ShmWeightTransferEngine"
-        )
-    except ValueError:  # already registered (module imported twice in one process)
-        pass
+    for name, (module, cls) in BACKENDS.items():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:  # already registered (module imported twice in one process)
+            pass
 
 
-_register_backend()
+_register_backends()
 
 
 class VimeWorkerExtension:
@@ -78,6 +87,10 @@ class VimeWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         stats = getattr(engine, "stats", None)
         return stats.as_dict() if stats is not None else {}
+
+    def vime_broadcast_group_id(self) -> str | None:
+        """The `vime_broadcast` group this worker is in (None: none, or another backend)."""
+        return getattr(getattr(self, "weight_transfer_engine", None), "group_id", None)
 
     def vime_weight_version(self) -> Any:
         return getattr(self, "_vime_weight_version", None)

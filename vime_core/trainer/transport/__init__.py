@@ -1,8 +1,10 @@
 """Weight transports behind one interface (`base.WeightTransport`), picked by placement.
 
-    shm   CPU engines: tmpfs buckets through the `vime_shm` vLLM backend
+    shm   CPU engines on the trainer's machine: tmpfs buckets through the `vime_shm` vLLM backend
     ipc   engines colocated on the trainer's GPUs: CUDA IPC handles (vLLM's `ipc` backend)
-    disk  anywhere: safetensors files + the engines' own `reload_weights`
+    nccl  GPU engines on other devices or nodes: one NCCL broadcast per bucket (`vime_broadcast`)
+    gloo  CPU engines on other machines: the same over gloo
+    disk  anywhere both sides see one path: safetensors files + the engines' own `reload_weights`
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "Publis
         from vime_core.trainer.transport.ipc import IpcTransport
 
         return IpcTransport(peers=peers)
-    raise NotImplementedError(
-        f"weight_transport={kind!r} has no implementation yet (available: shm, ipc, disk); "
-        "set cfg.weight_transport explicitly"
-    )
+    if kind in ("nccl", "gloo"):
+        import torch
+
+        from vime_core.engines.server import advertised_host
+        from vime_core.trainer.transport.broadcast import BroadcastTransport
+
+        device = torch.device("cuda", torch.cuda.current_device()) if kind == "nccl" else torch.device("cpu")
+        return BroadcastTransport(kind, advertised_host(cfg.engine_bind_host), device, keeper=keeper)
+    raise ValueError(f"weight_transport={kind!r} is not one of shm, ipc, nccl, gloo, disk")

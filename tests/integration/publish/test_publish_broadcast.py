@@ -1,0 +1,71 @@
+"""The `gloo` broadcast transport against a real vLLM CPU server started with vime's
+`vime_broadcast` backend: the engine's worker joins the trainer's group, every bucket is one
+broadcast, the served log-probs equal a transformers forward of the published weights, the
+group is kept between one publisher's publishes, and a new publisher (a rebuilt trainer) forms
+a new one that the engine switches to. NCCL is the same code over another carrier; it needs
+two GPUs (bench/gpu/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.publish.conftest import engine_call, make_cfg, perturbed
+from tests.integration.publish.test_publish_engine import assert_serves
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def broadcast_engine(tiny_model_dir, vllm_python, cache_dir):
+    from vime_core.engines.server import EngineServer
+
+    server = EngineServer(make_cfg(tiny_model_dir, vllm_python, weight_transport="gloo"), 0,
+                          log_dir=str(cache_dir / "engine-logs-broadcast"))
+    try:
+        server.start()
+    except BaseException:
+        server.shutdown()
+        raise
+    yield server
+    server.shutdown()
+
+
+def publish(engine, weights, version, publisher):
+    from vime_core.trainer.publish import publish_weights
+
+    cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, weight_transport="gloo")
+    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher)
+
+
+def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadcast_engine, tiny_model_dir, base_weights):
+    from vime_core.trainer.publish_loop import PublishLoop
+
+    engine = broadcast_engine
+    assert "vime_broadcast" in " ".join(engine.command(engine.port))
+    trainer = PublishLoop()
+    try:
+        first = perturbed(base_weights, seed=21)
+        stats = publish(engine, first, 1, trainer)
+        assert stats["transport"] == "gloo" and "form_group" in stats["transport_seconds"]
+        assert_serves(engine, tiny_model_dir, first, 1)
+        [worker] = engine_call(engine.url, "collective_rpc", "vime_update_stats")
+        assert worker["buckets"] == stats["buckets"] > 1 and worker["bytes"] == stats["bytes"]
+        [group] = engine_call(engine.url, "collective_rpc", "vime_broadcast_group_id")
+        assert group == trainer.broadcast_group("gloo").group_id
+
+        second = perturbed(base_weights, seed=22)
+        stats = publish(engine, second, 2, trainer)
+        assert "form_group" not in stats["transport_seconds"]  # the same group, no new rendezvous
+        assert_serves(engine, tiny_model_dir, second, 2)
+    finally:
+        trainer.close()
+
+    rebuilt = PublishLoop()  # a trainer rebuilt after a failure knows no group
+    try:
+        third = perturbed(base_weights, seed=23)
+        stats = publish(engine, third, 3, rebuilt)
+        assert "form_group" in stats["transport_seconds"]
+        assert_serves(engine, tiny_model_dir, third, 3)
+        assert engine_call(engine.url, "collective_rpc", "vime_broadcast_group_id") == [rebuilt.broadcast_group("gloo").group_id] != [group]
+    finally:
+        rebuilt.close()

@@ -1,0 +1,89 @@
+"""The wire format of the broadcast weight transports (backend `vime_broadcast`): one group that
+spans the trainer's rank 0 (group rank 0) and every worker of every engine, and one broadcast
+per weight bucket from rank 0.
+
+Both sides import this module: the trainer and the vLLM worker, so it uses the standard library
+only. The descriptors travel as JSON (`init_info` of `/init_weight_transfer_engine`,
+`update_info` of `/update_weights`); no insecure serialization is needed.
+
+    carrier     "nccl": CUDA tensors over NCCL (engines on other GPUs, here or on other nodes);
+                "gloo": CPU tensors over gloo (CPU engines on other machines)
+    rendezvous  nccl: {"unique_id": base64 of the 128-byte ncclUniqueId minted by rank 0};
+                gloo: {"host", "port"} of the TCP store rank 0 serves
+    ranks       engine e's worker w (its TP x PP rank) is rank_offset(e) + w, where
+                rank_offset(e) = 1 + the worker counts of engines 0..e-1; world = 1 + all workers
+
+A bucket is one flat uint8 buffer: tensor i occupies `tensor_sizes[i]` bytes from
+`sum(tensor_sizes[:i])`, C-contiguous, in its wire dtype. `group_id` names the group a bucket
+travels in: a worker that is not in that group (e.g. its engine restarted) refuses the bucket
+before any collective starts, instead of waiting for bytes that never come.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from vime_core.engines.vllm_side.shm_format import tensor_nbytes
+
+BACKEND_NAME = "vime_broadcast"
+CARRIERS = ("nccl", "gloo")
+
+
+@dataclass
+class BroadcastInitInfo:
+    """`init_info` of `/init_weight_transfer_engine`: join group `group_id` (replacing any group
+    the worker was in) as rank `rank_offset + worker rank` of `world_size`."""
+
+    carrier: str
+    rendezvous: dict
+    group_id: str
+    rank_offset: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.carrier not in CARRIERS:
+            raise ValueError(f"vime_broadcast: carrier {self.carrier!r} is not one of {CARRIERS}")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"vime_broadcast: rank_offset {self.rank_offset} must be in [1, world_size={self.world_size})")
+        needed = ("unique_id",) if self.carrier == "nccl" else ("host", "port")
+        missing = [k for k in needed if k not in self.rendezvous]
+        if missing:
+            raise ValueError(f"vime_broadcast: {self.carrier} rendezvous lacks {missing}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BroadcastBucketInfo:
+    """`update_info` of one `/update_weights` call: what the next broadcast holds."""
+
+    group_id: str
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    tensor_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for what in ("dtype_names", "shapes", "tensor_sizes"):
+            if len(getattr(self, what)) != n:
+                raise ValueError(f"vime_broadcast bucket: {what} has {len(getattr(self, what))} entries, names has {n}")
+        for name, dtype, shape, size in zip(self.names, self.dtype_names, self.shapes, self.tensor_sizes):
+            if tensor_nbytes(dtype, shape) != size:
+                raise ValueError(f"vime_broadcast bucket: tensor {name!r} ({dtype} {shape}) is "
+                                 f"{tensor_nbytes(dtype, shape)} bytes, descriptor says {size}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.tensor_sizes)
+
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for size in self.tensor_sizes:
+            out.append(at)
+            at += size
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,236 @@
+"""One broadcast group across processes, for the `vime_broadcast` weight transports: rank 0 (the
+trainer) sends a flat uint8 buffer, every other rank (an engine worker) receives it in place.
+
+Two carriers behind one interface (`BroadcastGroup.broadcast`, `abort`, `close`):
+
+- `NcclGroup`: CUDA buffers over NCCL, called through its C API with ctypes
+  (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclBroadcast`, `ncclCommAbort`, `ncclCommDestroy`).
+  Rank 0 mints the unique id; the others receive it in the init descriptor, so no side needs
+  the other's Python packages (the trainer has no vLLM, the engine no Megatron). NCCL's own
+  bootstrap carries the connection: set `NCCL_SOCKET_IFNAME` where the default interface is
+  not the one the nodes share.
+- `GlooGroup`: CPU buffers over gloo (torch's `ProcessGroupGloo`), with a TCP store served by
+  rank 0 on the address it advertises; a loopback address keeps every socket on loopback.
+
+Rank 0 calls `serve_rendezvous` first (it mints the id or opens the store) and sends the
+returned descriptor to the other ranks; then every rank calls `open_group` at about the same
+time (each blocks until all have joined).
+
+Imports only torch and the standard library: it runs in the trainer and inside vLLM workers.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import datetime
+import glob
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NCCL_UNIQUE_ID_BYTES = 128
+NCCL_UINT8 = 1  # ncclDataType_t: ncclInt8 = 0, ncclUint8 = 1
+
+
+class BroadcastGroup:
+    carrier = "base"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        """Rank 0's `buffer` (1-D uint8, contiguous) into every other rank's; returns when this
+        rank's part is complete."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Make a broadcast blocked on this rank return with an error; the group is unusable."""
+
+    def close(self) -> None:
+        """Free the group's resources (no collective)."""
+
+
+# -- gloo ---------------------------------------------------------------------------------------
+
+
+class GlooGroup(BroadcastGroup):
+    carrier = "gloo"
+
+    def __init__(self, store: Any, host: str, rank: int, world_size: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        super().__init__(rank, world_size)
+        options = dist.ProcessGroupGloo._Options()
+        # A loopback rendezvous keeps the mesh on loopback; otherwise gloo takes this host's name
+        device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host in LOOPBACK else socket.gethostname())
+        options._devices = [device]
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = store
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore("vime-broadcast", store), rank, world_size, options)
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self._group.broadcast([buffer], options).wait()
+
+    def abort(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        group, self._group = getattr(self, "_group", None), None
+        if group is not None and hasattr(group, "abort"):
+            try:
+                group.abort()
+            except Exception:  # already broken: nothing left to free
+                pass
+        self._store = None
+
+
+def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dict, Any]:
+    """Rank 0's TCP store on a socket bound to `host` (torch's own would listen on every
+    interface); port chosen by the OS."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+    return {"host": host, "port": port}, store
+
+
+# -- nccl ---------------------------------------------------------------------------------------
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
+
+
+def nccl_library() -> ctypes.CDLL:
+    """libnccl: `VIME_NCCL_LIBRARY` when set, else the one torch loaded (a CUDA build of torch
+    links it), else the `nvidia-nccl` wheel's copy on sys.path. Raises naming what was tried."""
+    explicit = os.environ.get("VIME_NCCL_LIBRARY")
+    candidates = [explicit] if explicit else ["libnccl.so.2"]
+    if not explicit:
+        for entry in sys.path:
+            candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so*")))
+    errors = []
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        _declare(lib)
+        return lib
+    raise RuntimeError("vime_broadcast: no NCCL library could be loaded (the nccl carrier needs a CUDA build "
+                       "of torch; set VIME_NCCL_LIBRARY to its libnccl.so.2): " + "; ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    lib.ncclGetErrorString.argtypes = [i32]
+    lib.ncclGetUniqueId.restype = i32
+    lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
+    lib.ncclCommInitRank.restype = i32
+    lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ptr), i32, _UniqueId, i32]
+    lib.ncclBroadcast.restype = i32
+    lib.ncclBroadcast.argtypes = [ptr, ptr, ctypes.c_size_t, i32, i32, ptr, ptr]
+    lib.ncclCommAbort.restype = i32
+    lib.ncclCommAbort.argtypes = [ptr]
+    lib.ncclCommDestroy.restype = i32
+    lib.ncclCommDestroy.argtypes = [ptr]
+
+
+def _check(lib: ctypes.CDLL, result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{call} failed: NCCL error {result} ({lib.ncclGetErrorString(result).decode()})")
+
+
+def mint_nccl_unique_id() -> str:
+    lib = nccl_library()
+    uid = _UniqueId()
+    _check(lib, lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+    return base64.b64encode(bytes(uid.internal)).decode("ascii")
+
+
+class NcclGroup(BroadcastGroup):
+    carrier = "nccl"
+
+    def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device) -> None:
+        super().__init__(rank, world_size)
+        raw = base64.b64decode(unique_id_b64, validate=True)
+        if len(raw) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"vime_broadcast: the NCCL unique id is {len(raw)} bytes, not {NCCL_UNIQUE_ID_BYTES}")
+        self._lib = nccl_library()
+        self.device = device
+        uid = _UniqueId()
+        ctypes.memmove(uid.internal, raw, NCCL_UNIQUE_ID_BYTES)
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            _check(self._lib, self._lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
+        self._comm: ctypes.c_void_p | None = comm
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        if self._comm is None:
+            raise RuntimeError("vime_broadcast: the NCCL group was aborted or closed")
+        if buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.device != self.device:
+            raise ValueError(f"vime_broadcast: a buffer must be contiguous uint8 on {self.device}, got "
+                             f"{buffer.dtype} on {buffer.device}")
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            ptr = ctypes.c_void_p(buffer.data_ptr())
+            _check(self._lib, self._lib.ncclBroadcast(ptr, ptr, buffer.numel(), NCCL_UINT8, 0, self._comm,
+                                                      ctypes.c_void_p(stream.cuda_stream)), "ncclBroadcast")
+            stream.synchronize()
+
+    def abort(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            self._lib.ncclCommAbort(comm)
+
+    def close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            self._lib.ncclCommDestroy(comm)
+
+
+# -- both ---------------------------------------------------------------------------------------
+
+
+def serve_rendezvous(carrier: str, host: str, world_size: int, timeout_s: float = 300.0) -> tuple[dict, Any]:
+    """Rank 0, before the others are told: (the descriptor for them, rank 0's local state for
+    `open_group`)."""
+    if carrier == "nccl":
+        return {"unique_id": mint_nccl_unique_id()}, None
+    if carrier == "gloo":
+        return _serve_gloo_store(host, world_size, timeout_s)
+    raise ValueError(f"vime_broadcast: unknown carrier {carrier!r}")
+
+
+def open_group(carrier: str, rendezvous: dict, rank: int, world_size: int, device: torch.device,
+               timeout_s: float = 300.0, local: Any = None) -> BroadcastGroup:
+    """Join the group (blocks until every rank has joined). `local`: what `serve_rendezvous`
+    returned to rank 0."""
+    if carrier == "nccl":
+        return NcclGroup(rendezvous["unique_id"], rank, world_size, device)
+    if carrier == "gloo":
+        import torch.distributed as dist
+
+        host, port = rendezvous["host"], int(rendezvous["port"])
+        store = local if local is not None else dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False)
+        return GlooGroup(store, host, rank, world_size, timeout_s)
+    raise ValueError(f"vime_broadcast: unknown carrier {carrier!r}")

@@ -1,0 +1,193 @@
+"""Broadcast transports for engines that do not share the trainer's memory: `nccl` (GPU engines
+on other devices, on this node or others) and `gloo` (CPU engines on other machines). The
+trainer's rank 0 is rank 0 of one group with every worker of every engine and broadcasts each
+bucket once; the engines receive it through vime's `vime_broadcast` vLLM backend
+(`vime_core/engines/vllm_side/broadcast_backend.py`, format in `broadcast_format.py`).
+
+The group outlives a publish (forming one costs a rendezvous and, for NCCL, seconds of setup):
+the publisher's `PublishLoop` keeps it. Before each publish `prepare` asks every engine worker
+which group it is in (`vime_broadcast_group_id`, one answer per worker) and forms a new group
+for all engines when any answer differs or the set of engines changed (an engine restarted or
+was replaced) — never a broadcast to a worker that is not listening.
+
+Per bucket: the tensors are packed into one uint8 buffer (on the trainer's GPU for nccl), the
+engines are told what comes (`/update_weights`, which returns once they loaded it) and, at the
+same time, rank 0 broadcasts the buffer. If an engine refuses the bucket, rank 0's broadcast is
+aborted and the group dropped (the next publish forms a new one).
+
+Blocking calls (joining the group, a broadcast) run in daemon threads, so an engine that never
+joins cannot keep the trainer's process from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group, serve_rendezvous
+from vime_core.trainer.buckets import Bucket
+from vime_core.trainer.transport.base import WeightTransport
+from vime_core.trainer.transport.ipc import pack_bucket
+
+if TYPE_CHECKING:
+    from vime_core.trainer.publish_loop import PublishLoop
+
+GROUP_ID_RPC = "vime_broadcast_group_id"
+T = TypeVar("T")
+
+
+@dataclass
+class KeptGroup:
+    """A formed group: its id, the engines it spans (in rank order) and rank 0's end of it."""
+
+    group_id: str
+    engine_urls: tuple[str, ...]
+    group: BroadcastGroup
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
+    """Run a blocking call in a daemon thread; the returned future resolves on this loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            setter(value)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
+
+    threading.Thread(target=work, name=f"vime-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
+
+
+def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
+    """Each engine's first rank (rank 0 is the trainer) and the group's size:
+    offset(e) = 1 + sum(workers[:e]), world = 1 + sum(workers)."""
+    offsets, at = [], 1
+    for count in workers_per_engine:
+        if count < 1:
+            raise ValueError(f"an engine reported {count} workers")
+        offsets.append(at)
+        at += count
+    return offsets, at
+
+
+class BroadcastTransport(WeightTransport):
+    def __init__(self, carrier: str, host: str, device: torch.device, keeper: "PublishLoop | None" = None,
+                 timeout_s: float = 300.0) -> None:
+        super().__init__()
+        self.name = carrier
+        self.carrier = carrier
+        self.host = host  # the address engines reach this process at (the gloo store's)
+        self.device = device
+        self.keeper = keeper
+        self.timeout_s = timeout_s
+        self.kept: KeptGroup | None = None
+        self.formed_group = False  # this publish formed a new group
+        self._buffers: list[torch.Tensor] = []
+
+    # -- group -----------------------------------------------------------------------------
+
+    async def prepare(self, engines) -> None:
+        await super().prepare(engines)
+        answers = await self.on_every_engine("collective_rpc", GROUP_ID_RPC)
+        urls = tuple(e.base_url for e in self.engines)
+        kept = self.keeper.broadcast_group(self.carrier) if self.keeper is not None else None
+        if kept is not None and kept.engine_urls == urls and all(a == kept.group_id for per in answers for a in per):
+            self.kept = kept
+            return
+        if kept is not None:
+            self._drop(kept)
+        t0 = time.perf_counter()
+        self.kept = await self._form([len(per or []) for per in answers], urls)
+        self.formed_group = True
+        self.add_time("form_group", time.perf_counter() - t0)
+
+    async def _form(self, workers: list[int], urls: tuple[str, ...]) -> KeptGroup:
+        offsets, world = rank_offsets(workers)
+        group_id = uuid.uuid4().hex
+        rendezvous, local = serve_rendezvous(self.carrier, self.host, world, self.timeout_s)
+        joining = in_daemon_thread(open_group, self.carrier, rendezvous, 0, world, self.device, self.timeout_s, local)
+        inits = [
+            asyncio.ensure_future(engine.init_weight_transfer(
+                BroadcastInitInfo(self.carrier, rendezvous, group_id, offset, world).to_dict()))
+            for engine, offset in zip(self.engines, offsets)
+        ]
+        try:
+            await asyncio.gather(*inits)
+        except BaseException:
+            for task in inits:
+                task.cancel()
+            joining.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            raise
+        group = await asyncio.wait_for(joining, self.timeout_s)
+        kept = KeptGroup(group_id, urls, group)
+        if self.keeper is not None:
+            self.keeper.keep_broadcast_group(self.carrier, kept)
+        return kept
+
+    def _drop(self, kept: KeptGroup) -> None:
+        if self.keeper is not None and self.keeper.broadcast_group(self.carrier) is kept:
+            self.keeper.keep_broadcast_group(self.carrier, None)
+        kept.group.close()
+
+    # -- session ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.on_every_engine("start_weight_update")
+        self.session_open = True
+
+    async def send_bucket(self, bucket: Bucket) -> None:
+        assert self.kept is not None, "prepare() forms or finds the group first"
+        t0 = time.perf_counter()
+        buffer, sizes = pack_bucket(bucket, self.device)
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
+        self._buffers.append(buffer)
+        info = BroadcastBucketInfo(self.kept.group_id, list(bucket.names), bucket.dtype_names,
+                                   [list(t.shape) for t in bucket.tensors], sizes).to_dict()
+        t1 = time.perf_counter()
+        self.add_time("pack", t1 - t0)
+        self.bytes_moved = True
+        receiving = asyncio.ensure_future(self.on_every_engine("update_weights", info))
+        sending = in_daemon_thread(self.kept.group.broadcast, buffer)
+        done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((f for f in (receiving, sending) if f in done and f.exception() is not None), None)
+        if failed is not None:
+            kept, self.kept = self.kept, None
+            kept.group.abort()  # unblocks rank 0's broadcast; the group is unusable now
+            self._drop(kept)
+            other = sending if failed is receiving else receiving
+            if other.done():
+                other.exception()  # retrieved: only the first failure is raised
+            else:
+                other.cancel()
+            raise failed.exception()
+        await asyncio.gather(receiving, sending)
+        self.add_time("broadcast_and_load", time.perf_counter() - t1)
+
+    async def finish(self, version: int) -> None:
+        t0 = time.perf_counter()
+        await self.on_every_engine("finish_weight_update", version)
+        self.session_open = False
+        self.add_time("finish", time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        self._buffers.clear()
+        if self.keeper is None and self.kept is not None:  # nobody keeps it for the next publish
+            self._drop(self.kept)
+            self.kept = None
