@@ -4,9 +4,10 @@ device slot and `vime_engine`), then runs the real train flow disaggregated (col
 with trainer_node_resource / engine_node_resource, so the trainer rank lands on the head and
 the engine (a real vLLM CPU server) on the worker. The engine binds engine_bind_host=127.0.0.2
 (the worker's address; loopback, so the test talks only to loopback), advertises that URL, and
-the real vllm-router registers it. After 2 iterations: where each actor ran, the URL the router
-holds, the weights published (engine version == trainer version, log-probs checked after each
-publish), and the stored batches.
+the real vllm-router registers it. Weights go by gloo broadcast (the trainer's store on the head's
+address, the engine's worker on the worker node's). After 2 iterations: where each actor ran, the
+URL the router holds, the weights published (engine version == trainer version, log-probs checked
+after each publish, one group for the whole run), and the stored batches.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def trained(tmp_path_factory, two_nodes, tiny_model_dir):
         micro_batch_size=8,
         vllm_server_concurrency=64,
         check_weight_update_equal=True,
+        weight_transport="gloo",  # the path of CPU engines on another machine (shm needs one machine)
     )
     t0 = time.monotonic()
     try:
@@ -146,6 +148,9 @@ def test_weights_published_and_batches_stored(trained):
     checks = [r["weight_check"] for r in read_records(cfg.storage_uri, cfg.run_name)]
     assert [c["version"] for c in checks] == [k + 2 for k in range(cfg.num_rollout)]
     assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
+    # every iteration's publish was a gloo broadcast in the group formed at bootstrap (v1)
+    transports = [r["publish_transport_s"] for r in read_records(cfg.storage_uri, cfg.run_name)]
+    assert all("broadcast_and_load" in t and "form_group" not in t for t in transports), transports
     assert summary["iterations"] == cfg.num_rollout
     store = BatchStore(cfg.storage_uri)
     for k in range(cfg.num_rollout):

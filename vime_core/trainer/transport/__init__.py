@@ -44,9 +44,8 @@ def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "Publis
     if kind in ("nccl", "gloo"):
         import torch
 
-        from vime_core.engines.server import advertised_host
-        from vime_core.trainer.transport.broadcast import BroadcastTransport
+        from vime_core.trainer.transport.broadcast import BroadcastTransport, rendezvous_host
 
         device = torch.device("cuda", torch.cuda.current_device()) if kind == "nccl" else torch.device("cpu")
-        return BroadcastTransport(kind, advertised_host(cfg.engine_bind_host), device, keeper=keeper)
+        return BroadcastTransport(kind, rendezvous_host(cfg.engine_bind_host), device, keeper=keeper)
     raise ValueError(f"weight_transport={kind!r} is not one of shm, ipc, nccl, gloo, disk")

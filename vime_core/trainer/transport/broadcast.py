@@ -74,6 +74,14 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     return future
 
 
+def rendezvous_host(engine_bind_host: str) -> str:
+    """The address engines reach this (the trainer's) process at: loopback when the engines bind
+    loopback (one machine), else this node's address (Ray's view of it inside a cluster)."""
+    from vime_core.engines.server import advertised_host
+
+    return "127.0.0.1" if engine_bind_host in ("127.0.0.1", "localhost") else advertised_host("0.0.0.0")
+
+
 def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
     """Each engine's first rank (rank 0 is the trainer) and the group's size:
     offset(e) = 1 + sum(workers[:e]), world = 1 + sum(workers)."""

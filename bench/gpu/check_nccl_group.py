@@ -1,0 +1,81 @@
+"""The `nccl` carrier of the broadcast weight transport (vime_core/engines/vllm_side/
+broadcast_group.py) on real GPUs, without vLLM: prints JSON.
+
+One GPU: a group of one (mint the id, ncclCommInitRank, broadcast, close) checks the C-API
+bindings. Two or more GPUs: rank 0 on GPU 0 broadcasts BYTES to one process per other GPU,
+REPEATS times; every receiver checks the bytes, and the JSON has each broadcast's seconds and
+the median bandwidth (the limit a publish of that many bytes can reach).
+
+    python bench/gpu/check_nccl_group.py [--bytes N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from vime_core.engines.vllm_side.broadcast_group import NcclGroup, mint_nccl_unique_id
+
+
+def pattern(nbytes: int, device: torch.device) -> torch.Tensor:
+    return (torch.arange(nbytes, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+
+
+def receiver(rank: int, world: int, unique_id: str, nbytes: int, repeats: int, out: "mp.Queue") -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = NcclGroup(unique_id, rank, world, device)
+    expected = pattern(nbytes, device)
+    ok = True
+    for _ in range(repeats):
+        buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(buffer)
+        ok = ok and bool(torch.equal(buffer, expected))
+    group.close()
+    out.put({"rank": rank, "bytes_equal": ok})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bytes", type=int, default=1 << 30)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    result: dict = {"gpus": gpus, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "bytes": args.bytes}
+    unique_id = mint_nccl_unique_id()
+    world = max(gpus, 1)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(r, world, unique_id, args.bytes, args.repeats, out)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    t0 = time.perf_counter()
+    group = NcclGroup(unique_id, 0, world, device)
+    result["init_s"] = time.perf_counter() - t0
+    source = pattern(args.bytes, device)
+    seconds = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        group.broadcast(source)
+        seconds.append(time.perf_counter() - t0)
+    group.close()
+    result["receivers"] = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    result["broadcast_s"] = seconds
+    result["median_s"] = statistics.median(seconds)
+    result["median_GBps"] = args.bytes / result["median_s"] / 1e9 if world > 1 else None
+    result["ok"] = all(r["bytes_equal"] for r in result["receivers"])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
