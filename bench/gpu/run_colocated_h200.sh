@@ -3,7 +3,9 @@
 # vLLM 0.26 CUDA engine and a Megatron bf16 actor colocated on the one GPU, both sleeping between
 # phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
-#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below)
+#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below;
+#    SHAPE: the model's shape in bench/gpu_common.SHAPES, default 0.5b; GPUS: device slots of the
+#    Ray head, default 1 — bench/gpu/run_two_gpus.sh passes 2 with its layouts' flags)
 # Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh)
 # and the wheels of bench/gpu/extra_wheels.sh: unpacked into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
@@ -19,19 +21,20 @@ mkdir -p "$out" "$work"
 export PYTHONPATH=/tmp/site-trainer:$PWD
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PREFECT_HOME=$work/prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
-run=${RUN_NAME:-gpu-colocated-0.5b}
+shape=${SHAPE:-0.5b}
+run=${RUN_NAME:-gpu-colocated-$shape}
 t0=$(date +%s)
-[ -f "$work/model-0.5b/config.json" ] || python3 bench/gpu/build_model.py --shape 0.5b --out "$work/model-0.5b" --prompts "$work/prompts-long.jsonl" --prompt-noise 16,500
+[ -f "$work/model-$shape/config.json" ] || python3 bench/gpu/build_model.py --shape "$shape" --out "$work/model-$shape" --prompts "$work/prompts-long.jsonl" --prompt-noise 16,500
 # the head's loopback address, passed explicitly: `auto` resolved to the host's other address
-address=$(python3 -m flows.cli cluster up --num-gpus 1 | tail -n 1)
+address=$(python3 -m flows.cli cluster up --num-gpus "${GPUS:-1}" | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
 timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
-    --storage-uri "$work/runs" --hf-checkpoint "$work/model-0.5b" --prompt-data "$work/prompts-long.jsonl" \
+    --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$work/prompts-long.jsonl" \
     --eval-prompt-data "$work/prompts-long.jsonl" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
 echo "[gpu] train exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_0.5b.json" || true
+python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true
 cp -r "$work/runs/reports/$run" "$out/reports" 2>/dev/null || true
 mkdir -p "$out/engine-logs" && for f in .cache/engine-logs/*.log; do grep -v "it/s]" "$f" | tail -n 300 > "$out/engine-logs/$(basename $f)"; done 2>/dev/null || true
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
