@@ -1,7 +1,8 @@
 """CUDA IPC from every trainer rank (vime_core/trainer/transport/ipc_peers.py), with two real
 ranks (processes in a gloo group) on CPU: rank 0 publishes to a stub engine through
 IpcTransport, rank 1 follows; the "handle" of a rank is a copy of its buffer and its GPU UUID a
-name, so the engine can check what each GPU's worker would read. The real two-GPU run is issue 18.
+name, so the engine can check what each GPU's worker would read, and an engine worker on a GPU
+no rank publishes from is refused. The real two-GPU run is issue 18.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ class IpcStubEngine:
 
     name = "http://e0"
 
-    def __init__(self, w: dict, fail_on_update: int | None = None) -> None:
+    def __init__(self, w: dict, fail_on_update: int | None = None, worker_gpus: tuple[str, ...] = ("gpu-0", "gpu-1")) -> None:
         self.spec = {"source": "stub", "served_dtype": "bfloat16",
                      "tensors": {n: {"shape": list(t.shape), "dtype": "bfloat16"} for n, t in w.items()}}
         self.loaded: dict[str, dict[str, torch.Tensor]] = {}
         self.version, self.updates, self.fail_on_update = 0, 0, fail_on_update
+        self.worker_gpus = list(worker_gpus)  # a TP=2 engine on both trainer ranks' GPUs
 
     async def collective_rpc(self, method, kwargs=None, args=None, timeout_s=None):
-        return [self.spec]
+        if method == "vime_device_uuid":
+            return self.worker_gpus
+        return [self.spec] * len(self.worker_gpus)
 
     async def api(self):
         from types import SimpleNamespace
@@ -126,12 +130,16 @@ def _rank_main(rank: int, port: int, results) -> None:
             out["invalid"] = _outcome(lambda: _publish(bad, IpcStubEngine(w), channel))
             out["engine_fails"] = _outcome(lambda: _publish(w, IpcStubEngine(w, fail_on_update=2), channel))
             out["peer_fails"] = _outcome(lambda: _publish(w, IpcStubEngine(w), channel))
+            misplaced = IpcStubEngine(w, worker_gpus=("gpu-0", "gpu-7"))
+            out["misplaced"] = _outcome(lambda: _publish(w, misplaced, channel))
+            out["misplaced_updates"] = misplaced.updates
         else:
             follow = lambda tensors: follow_publish(tensors.items(), channel, torch.device("cpu"), "gpu-1", _copy_as_handle)
             out["ok"] = _outcome(lambda: follow(w))
             out["invalid"] = _outcome(lambda: follow(w))
             out["engine_fails"] = _outcome(lambda: follow(w))
             out["peer_fails"] = _outcome(lambda: follow(missing))
+            out["misplaced"] = _outcome(lambda: follow(w))
         torch.distributed.destroy_process_group()
         results.put((rank, out))
     except BaseException:
@@ -174,3 +182,10 @@ def test_an_engine_failing_mid_publish_releases_the_other_rank(ranks):
 def test_a_rank_that_cannot_pack_fails_the_publish_naming_itself(ranks):
     assert ranks[0]["peer_fails"][0] == "error" and "rank 1: KeyError" in ranks[0]["peer_fails"][1]
     assert ranks[1]["peer_fails"][0] == "error" and "KeyError" in ranks[1]["peer_fails"][1]
+
+
+def test_an_engine_worker_on_a_gpu_no_rank_publishes_from_is_refused_before_any_byte(ranks):
+    outcome, message = ranks[0]["misplaced"]
+    assert outcome == "error" and "http://e0 worker 1 (GPU gpu-7)" in message and "weight_transport=nccl" in message
+    assert ranks[0]["misplaced_updates"] == 0  # refused before the first /update_weights
+    assert ranks[1]["misplaced"] == ("ok", 1)  # the other rank packed the first bucket and was let go

@@ -11,6 +11,8 @@ class adds methods callable through `POST /collective_rpc`:
   publish against it before any byte moves, because a half-applied update breaks the server.
 - `vime_reload_weights(weights_path)`: vLLM's disk reload, fixed for tied embeddings on CPU.
 - `vime_update_stats()`: where this worker's time went in the last `vime_shm` or `vime_broadcast` session.
+- `vime_device_uuid()`: this worker's GPU, as CUDA IPC handles are keyed (the trainer checks
+  that every worker's GPU has a handle before the first bucket moves).
 - `vime_broadcast_group_id()`: the `vime_broadcast` group this worker is in; one answer per
   worker, so the trainer also learns how many workers an engine has.
 - `vime_weight_version()` / `vime_set_weight_version(version)`: the weight version on releases
@@ -87,6 +89,14 @@ class VimeWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         stats = getattr(engine, "stats", None)
         return stats.as_dict() if stats is not None else {}
+
+    def vime_device_uuid(self) -> str | None:
+        """This worker's GPU as the trainer names it in CUDA IPC handles (None without CUDA)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
     def vime_broadcast_group_id(self) -> str | None:
         """The `vime_broadcast` group this worker is in (None: none, or another backend)."""

@@ -9,7 +9,9 @@ out of it (~2 TB/s on an H200), so the bytes never cross PCIe or HTTP. Per bucke
               "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1], ...}))}
 
 One handle per trainer rank's GPU: with more than one rank, every rank packs the same bucket on
-its own GPU (transport/ipc_peers.py) and each engine worker opens the handle of its GPU.
+its own GPU (transport/ipc_peers.py) and each engine worker opens the handle of its GPU. Before
+the first bucket moves, every engine worker's GPU (`vime_device_uuid`) must be one of those: a
+worker elsewhere would find no handle of its GPU (the error says to use the nccl transport).
 
 The `packed` flag goes in `init_weight_transfer`'s info on vLLM >= 0.27 and in each bucket's
 `update_info` on 0.26 (`vime_core/engines/vllm_api.py`); the server needs
@@ -33,6 +35,16 @@ from vime_core.trainer.allocator import plain_segments
 from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
 from vime_core.trainer.transport.base import WeightTransport
 from vime_core.trainer.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
+
+
+DEVICE_UUID_RPC = "vime_device_uuid"
+
+
+def unshared_workers(worker_gpus: list[tuple[str, list]], handle_gpus: set[str]) -> list[str]:
+    """'engine worker w (GPU uuid)' for every engine worker whose GPU has no handle; workers that
+    report no GPU (None) are not counted."""
+    return [f"{engine} worker {w} (GPU {uuid})" for engine, uuids in worker_gpus
+            for w, uuid in enumerate(uuids) if uuid is not None and uuid not in handle_gpus]
 
 
 def cuda_device_uuid(device: torch.device) -> str:
@@ -95,6 +107,8 @@ class IpcTransport(WeightTransport):
         self.peers = peers  # the other trainer ranks pack each bucket on their GPUs (ipc_peers.py)
         self._buffers: list[torch.Tensor] = []
         self._packed_in_update = False
+        self._worker_gpus: list[tuple[str, list]] = []  # (engine, its workers' GPU UUIDs)
+        self._placement_checked = False
 
     async def prepare(self, engines) -> None:
         await super().prepare(engines)
@@ -104,6 +118,8 @@ class IpcTransport(WeightTransport):
         if len(apis) != 1:
             raise ValueError("ipc transport: the engines run vLLM releases that expect the packed flag in different places")
         self._packed_in_update = apis.pop()
+        gpus = await self.on_every_engine("collective_rpc", DEVICE_UUID_RPC)
+        self._worker_gpus = [(engine.name, list(uuids or [])) for engine, uuids in zip(self.engines, gpus)]
         await self.on_every_engine("init_weight_transfer", {} if self._packed_in_update else {"packed": True})
 
     async def start(self) -> None:
@@ -120,6 +136,13 @@ class IpcTransport(WeightTransport):
         if self.peers is not None:  # nothing that can fail between the command and the gather
             self.peers.command((BUCKET, list(bucket.names), bucket.dtype_names))
             handles = merge_handles(self.peers.gather((self.device_uuid, handles[self.device_uuid], None)))
+        if not self._placement_checked:  # before any byte moves: the publish can still be undone
+            elsewhere = unshared_workers(self._worker_gpus, set(handles))
+            if elsewhere:
+                raise ValueError(f"ipc publish: {', '.join(elsewhere)} runs on a GPU no trainer rank publishes from "
+                                 f"({', '.join(sorted(handles))}); CUDA IPC needs every engine worker on a trainer "
+                                 "rank's GPU (colocate), for engines elsewhere use weight_transport=nccl")
+            self._placement_checked = True
         info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
         t1 = time.perf_counter()
         self.add_time("pack", t1 - t0)
