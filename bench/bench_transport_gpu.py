@@ -111,8 +111,19 @@ class PipeEngine:
         self.receive_s: list[float] = []
         self.open_s: list[float] = []
 
+    async def api(self) -> Any:
+        from vime_core.engines.vllm_api import VllmApi
+
+        return VllmApi.for_version("0.26.0")  # the GPU hosts' release: packed flag per update
+
+    async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list:
+        from vime_core.trainer.transport.ipc import DEVICE_UUID_RPC, cuda_device_uuid
+
+        assert method == DEVICE_UUID_RPC, method
+        return [cuda_device_uuid(torch.device("cuda", torch.cuda.current_device()))]  # the receiver shares this GPU
+
     async def init_weight_transfer(self, info: dict) -> None:
-        assert info == {"packed": True}
+        assert info == {}, info  # 0.26: `packed` goes in each update_info
 
     async def start_weight_update(self) -> None:
         return None
