@@ -26,7 +26,7 @@ case "$layout" in
   tp2)  gpus=2; flags=(--actor-num-gpus-per-node 2 --tensor-model-parallel-size 2 --rollout-num-gpus-per-engine 2) ;;
   dp2)  gpus=2; flags=(--actor-num-gpus-per-node 2 --tensor-model-parallel-size 1 --rollout-num-gpus-per-engine 1) ;;
   nccl) gpus=2; flags=(--actor-num-gpus-per-node 1 --no-colocate --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
-                      --no-offload-rollout --no-offload-train --weight-transport nccl) ;;
+                      --no-offload-rollout --no-offload-train --weight-transport nccl --vllm-gpu-memory-utilization 0.85) ;;
   *) echo "unknown layout $layout" >&2; exit 2 ;;
 esac
 iters=${1:-5}; shift || true

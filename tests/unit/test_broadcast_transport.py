@@ -7,6 +7,7 @@ in tests/integration/publish/test_publish_broadcast.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -149,10 +150,14 @@ def test_the_group_is_kept_between_publishes_and_formed_again_when_an_engine_res
 
 
 def test_a_refused_bucket_drops_the_group_and_the_next_publish_forms_one(publisher):
-    w = weights()
+    # bucket 2 is one 8 MiB tensor: more than a socket buffers, so rank 0's send of it stays
+    # blocked once the engine refused it, until the group is aborted (or gloo's 300 s timeout)
+    w = {"model.embed_tokens.weight": torch.randn(19, 32), "model.layers.0.mlp.up_proj.weight": torch.randn(2048, 2048)}
     engine = BroadcastStubEngine("http://e0", spec_of(w), refuse_bucket=2)
+    t0 = time.monotonic()
     with pytest.raises(PublishError, match="refuses bucket 2") as err:
         publish(w, [engine], 1, publisher)
+    assert time.monotonic() - t0 < 60  # the blocked send did not hold the publish
     assert err.value.bytes_moved  # bucket 1 was loaded: the engine may hold a partial update
     assert publisher.broadcast_group("gloo") is None and engine.version == 0
 

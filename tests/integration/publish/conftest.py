@@ -4,6 +4,7 @@ publish test, plus helpers that compare its log-probs with a transformers forwar
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,20 +29,24 @@ def make_cfg(model_dir: Path, vllm_python: str, **overrides):
     return make_config(demo_values(values))
 
 
-@pytest.fixture(scope="session")
-def publish_engine(tiny_model_dir, vllm_python, cache_dir):
-    """A started EngineServer on the tiny Qwen3 model; shut down at the end of the session."""
+@contextmanager
+def started_engine(cfg, log_dir: Path):
+    """A started EngineServer for `cfg`; shut down on leaving (also when it failed to start)."""
     from vime_core.engines.server import EngineServer
 
-    cfg = make_cfg(tiny_model_dir, vllm_python)
-    server = EngineServer(cfg, 0, log_dir=str(cache_dir / "engine-logs"))
+    server = EngineServer(cfg, 0, log_dir=str(log_dir))
     try:
         server.start()
-    except BaseException:
+        yield server
+    finally:
         server.shutdown()
-        raise
-    yield server
-    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def publish_engine(tiny_model_dir, vllm_python, cache_dir):
+    """The tiny Qwen3 model on the `vime_shm` backend; shut down at the end of the session."""
+    with started_engine(make_cfg(tiny_model_dir, vllm_python), cache_dir / "engine-logs") as server:
+        yield server
 
 
 def engine_call(url: str, method: str, *args, **kwargs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.publish.conftest import engine_call, make_cfg, perturbed
+from tests.integration.publish.conftest import engine_call, make_cfg, perturbed, started_engine
 from tests.integration.publish.test_publish_engine import assert_serves
 
 pytestmark = pytest.mark.slow
@@ -17,17 +17,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def broadcast_engine(tiny_model_dir, vllm_python, cache_dir):
-    from vime_core.engines.server import EngineServer
-
-    server = EngineServer(make_cfg(tiny_model_dir, vllm_python, weight_transport="gloo"), 0,
-                          log_dir=str(cache_dir / "engine-logs-broadcast"))
-    try:
-        server.start()
-    except BaseException:
-        server.shutdown()
-        raise
-    yield server
-    server.shutdown()
+    cfg = make_cfg(tiny_model_dir, vllm_python, weight_transport="gloo")
+    with started_engine(cfg, cache_dir / "engine-logs-broadcast") as server:
+        yield server
 
 
 def publish(engine, weights, version, publisher):

@@ -2,10 +2,9 @@
 trainer's rank 0, over NCCL (GPU engines on devices the trainer does not share) or gloo (CPU
 engines on other machines). Format and ranks: `broadcast_format`; carriers: `broadcast_group`.
 
-The session is vLLM's checkpoint-format reload, as in `shm_backend`: `start` puts every layer in
-layerwise-reload mode, each bucket's tensors go through the model's own `load_weights` (which
-fuses and shards for TP), `finish` runs the deferred per-layer processing. vLLM keeps views of
-a bucket until its layers are complete, so received buffers are held until `finish`.
+The session is vLLM's checkpoint-format reload (`reload_session`, as for `vime_shm`); vLLM
+keeps views of a bucket until its layers are complete, so received buffers are held until
+`finish`.
 
 Why not vLLM's own `nccl` backend: on vLLM 0.26 (the GPU hosts' release) its rendezvous is
 vLLM's `StatelessProcessGroup` with a pickled vLLM object as the NCCL id, which a trainer
@@ -21,11 +20,10 @@ import time
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
 from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group
-from vime_core.engines.vllm_side.shm_backend import UpdateStats, refresh_tied_layers
+from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
 
 
 def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:
@@ -36,17 +34,15 @@ def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:
     return rank_offset + replica * per_replica + parallel_config.rank
 
 
-class BroadcastWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
+class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
     init_info_cls = BroadcastInitInfo
     update_info_cls = BroadcastBucketInfo
-    supports_draft_weight_update = True
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: BroadcastGroup | None = None
         self.group_id: str | None = None
         self._received: list[torch.Tensor] = []
-        self.stats = UpdateStats()
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         self._close_group()
@@ -56,22 +52,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.group = open_group(init_info.carrier, init_info.rendezvous, rank, init_info.world_size, self.device)
         self.group_id = init_info.group_id
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self._received = []
-        self.stats = UpdateStats()
-        initialize_layerwise_reload(self.model)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # as in shm_backend: the base class synchronizes an accelerator, which a CPU-only torch lacks
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()
-
     def receive_weights(self, update_info: BroadcastBucketInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         if self.group is None or update_info.group_id != self.group_id:
             # refused before the collective: the sender's group does not include this worker
             raise ValueError(f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
@@ -80,38 +61,20 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
         self.group.broadcast(buffer)
         self._received.append(buffer)
-        weights = []
-        for name, dtype_name, shape, offset, size in zip(update_info.names, update_info.dtype_names, update_info.shapes,
-                                                          update_info.offsets(), update_info.tensor_sizes):
-            weights.append((name, buffer[offset : offset + size].view(getattr(torch, dtype_name)).view(shape)))
-        t1 = time.perf_counter()
-        with disable_mtp_completeness_check():
-            self.model.load_weights(weights)
-        self.stats.buckets += 1
-        self.stats.bytes += update_info.nbytes
-        self.stats.map_seconds += t1 - t0  # here: receiving the broadcast
-        self.stats.load_seconds += time.perf_counter() - t1
-        self.stats.loaded_names.update(update_info.names)
+        weights = [
+            (name, buffer[offset : offset + size].view(getattr(torch, dtype_name)).view(shape))
+            for name, dtype_name, shape, offset, size in zip(update_info.names, update_info.dtype_names,
+                                                             update_info.shapes, update_info.offsets(),
+                                                             update_info.tensor_sizes)
+        ]
+        self.load(weights, update_info.nbytes, time.perf_counter() - t0)
 
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                finalize_layerwise_reload(self.model, self.model_config)
-                refresh_tied_layers(self.model)
-        finally:
-            self._received = []
-        self.stats.finish_seconds = time.perf_counter() - t0
+    def release_received(self) -> None:
+        self._received = []
 
     def shutdown(self) -> None:
-        self._received = []
+        self.release_received()
         self._close_group()
-
-    @staticmethod
-    def trainer_send_weights(iterator, trainer_args) -> None:  # abstract on vLLM 0.26
-        raise NotImplementedError("vime_broadcast is driven by vime's trainer (vime_core/trainer/transport/broadcast.py)")
 
     def _close_group(self) -> None:
         group, self.group, self.group_id = self.group, None, None

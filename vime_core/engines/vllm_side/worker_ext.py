@@ -76,10 +76,10 @@ class VimeWorkerExtension:
 
     def vime_reload_weights(self, weights_path: str) -> None:
         """vLLM's `reload_weights(weights_path=...)` plus the tied-layer refresh it lacks on CPU
-        (see `shm_backend.refresh_tied_layers`)."""
+        (see `reload_session.refresh_tied_layers`)."""
         import torch
 
-        from vime_core.engines.vllm_side.shm_backend import refresh_tied_layers
+        from vime_core.engines.vllm_side.reload_session import refresh_tied_layers
 
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         with torch.no_grad():

@@ -19,6 +19,7 @@ the engines on their old weights.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,18 @@ class WeightTransport(ABC):
 
     @abstractmethod
     async def finish(self, version: int) -> None: ...
+
+    async def open_session(self) -> None:
+        """Open every engine's weight-update session (vLLM's `start_weight_update`)."""
+        await self.on_every_engine("start_weight_update")
+        self.session_open = True
+
+    async def close_session(self, version: int) -> None:
+        """Close it: the engines finish loading and report `version` (timed as "finish")."""
+        t0 = time.perf_counter()
+        await self.on_every_engine("finish_weight_update", version)
+        self.session_open = False
+        self.add_time("finish", time.perf_counter() - t0)
 
     async def abort(self) -> None:
         """Close the engines' session with no weights loaded; layerwise reload then restores

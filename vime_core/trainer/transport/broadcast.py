@@ -148,16 +148,20 @@ class BroadcastTransport(WeightTransport):
             self.keeper.keep_broadcast_group(self.carrier, kept)
         return kept
 
-    def _drop(self, kept: KeptGroup) -> None:
+    def _drop(self, kept: KeptGroup, abort: bool = False) -> None:
+        """Forget `kept` and free it. `abort`: a broadcast may still be blocked in it; aborting
+        can wait for that broadcast's own timeout, so it runs in a daemon thread."""
         if self.keeper is not None and self.keeper.broadcast_group(self.carrier) is kept:
             self.keeper.keep_broadcast_group(self.carrier, None)
-        kept.group.close()
+        if abort:
+            threading.Thread(target=kept.group.abort, name="vime-broadcast-abort", daemon=True).start()
+        else:
+            kept.group.close()
 
     # -- session ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.on_every_engine("start_weight_update")
-        self.session_open = True
+        await self.open_session()
 
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.kept is not None, "prepare() forms or finds the group first"
@@ -177,8 +181,7 @@ class BroadcastTransport(WeightTransport):
         failed = next((f for f in (receiving, sending) if f in done and f.exception() is not None), None)
         if failed is not None:
             kept, self.kept = self.kept, None
-            kept.group.abort()  # unblocks rank 0's broadcast; the group is unusable now
-            self._drop(kept)
+            self._drop(kept, abort=True)  # unblocks rank 0's broadcast; the group is unusable now
             other = sending if failed is receiving else receiving
             if other.done():
                 other.exception()  # retrieved: only the first failure is raised
@@ -189,10 +192,7 @@ class BroadcastTransport(WeightTransport):
         self.add_time("broadcast_and_load", time.perf_counter() - t1)
 
     async def finish(self, version: int) -> None:
-        t0 = time.perf_counter()
-        await self.on_every_engine("finish_weight_update", version)
-        self.session_open = False
-        self.add_time("finish", time.perf_counter() - t0)
+        await self.close_session(version)
 
     async def close(self) -> None:
         self._buffers.clear()

@@ -123,8 +123,7 @@ class IpcTransport(WeightTransport):
         await self.on_every_engine("init_weight_transfer", {} if self._packed_in_update else {"packed": True})
 
     async def start(self) -> None:
-        await self.on_every_engine("start_weight_update")
-        self.session_open = True
+        await self.open_session()
 
     async def send_bucket(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
@@ -151,10 +150,7 @@ class IpcTransport(WeightTransport):
         self.add_time("wait_load", time.perf_counter() - t1)
 
     async def finish(self, version: int) -> None:
-        t0 = time.perf_counter()
-        await self.on_every_engine("finish_weight_update", version)
-        self.session_open = False
-        self.add_time("finish", time.perf_counter() - t0)
+        await self.close_session(version)
 
     async def close(self) -> None:
         self._buffers.clear()

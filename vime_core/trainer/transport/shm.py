@@ -74,8 +74,7 @@ class ShmTransport(WeightTransport):
         assert self.pool is not None, "prepare() first"
         self.pool.clean = False
         # Engines drop their mappings of the previous publish here, before any slot is rewritten.
-        await self.on_every_engine("start_weight_update")
-        self.session_open = True
+        await self.open_session()
 
     async def send_bucket(self, bucket: Bucket) -> None:
         if self._staged is not None and self._staged[0] == bucket.index:
@@ -95,11 +94,8 @@ class ShmTransport(WeightTransport):
 
     async def finish(self, version: int) -> None:
         await self._drain()
-        t0 = time.perf_counter()
-        await self.on_every_engine("finish_weight_update", version)
-        self.session_open = False
+        await self.close_session(version)
         self.pool.clean = True
-        self.add_time("finish", time.perf_counter() - t0)
 
     async def abort(self) -> None:
         was_open = self.session_open

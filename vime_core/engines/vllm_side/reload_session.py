@@ -1,0 +1,127 @@
+"""The weight-update session vime's vLLM backends share (`vime_shm`, `vime_broadcast`): vLLM's
+checkpoint-format reload.
+
+    start    every layer goes into layerwise-reload mode (`initialize_layerwise_reload`)
+    bucket   the backend receives the bucket's bytes and `load`s its tensors through the
+             model's own `load_weights`, which fuses q/k/v and gate/up and shards for TP
+    finish   the deferred per-layer processing (`finalize_layerwise_reload`), then the tied
+             layers' refresh (below)
+
+A layer is processed only once all its weights arrived, possibly several buckets later; until
+then vLLM keeps *views* of the received bytes, so a backend holds what it received until
+`finish` and gives it back in `release_received`.
+
+Runs inside the vLLM worker: imports only vllm, torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+
+@dataclass
+class UpdateStats:
+    """Where a worker's time went during the last (or current) weight-update session."""
+
+    buckets: int = 0
+    bytes: int = 0
+    map_seconds: float = 0.0  # getting the bytes: mapping the shm file, receiving the broadcast
+    load_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    loaded_names: set[str] = field(default_factory=set)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "buckets": self.buckets, "bytes": self.bytes, "map_seconds": self.map_seconds,
+            "load_seconds": self.load_seconds, "finish_seconds": self.finish_seconds,
+            "loaded_tensors": len(self.loaded_names),
+        }
+
+
+def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run weight post-processing of layers whose weight is tied to another layer's.
+
+    Why: on CPU, linear-like layers keep a pre-packed copy of their weight for the GEMM kernels
+    (`dispatch_cpu_unquantized_gemm`, built in `process_weights_after_loading`). A tied
+    `lm_head` receives no tensor of its own during a reload, so vLLM's layerwise reload puts its
+    (shared, updated) weight back without re-packing, and logits keep using the old embedding.
+    Seen with vLLM CPU 0.32.0 for both the weight-update session and `reload_weights`.
+    Returns the names of the layers refreshed.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append((name, module))
+    refreshed = []
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for name, module in modules:
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                quant_method.process_weights_after_loading(module)
+                refreshed.append(name)
+    return refreshed
+
+
+class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
+    """A backend implements `init_transfer_engine`, `receive_weights` (receive, then `load`) and
+    `release_received`; the session around them is here."""
+
+    supports_draft_weight_update = True
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.stats = UpdateStats()
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.release_received()
+        self.stats = UpdateStats()
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator after each bucket, which raises on a
+        # CPU-only torch; so only sync when there is one.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def load(self, weights: list[tuple[str, torch.Tensor]], nbytes: int, receive_seconds: float) -> None:
+        """Load one received bucket's (name, tensor) views into the model; count it."""
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        t0 = time.perf_counter()
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+        self.stats.buckets += 1
+        self.stats.bytes += nbytes
+        self.stats.map_seconds += receive_seconds
+        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.loaded_names.update(name for name, _ in weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                finalize_layerwise_reload(self.model, self.model_config)
+                refresh_tied_layers(self.model)
+        finally:
+            self.release_received()
+        self.stats.finish_seconds = time.perf_counter() - t0
+
+    def release_received(self) -> None:
+        """Give back what the received buckets hold (vLLM's views of them are gone after finish)."""
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:  # abstract on vLLM 0.26
+        raise NotImplementedError("vime's backends are driven by vime's trainer (vime_core/trainer/transport/)")
