@@ -28,6 +28,7 @@ import glob
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
@@ -169,8 +170,10 @@ def mint_nccl_unique_id() -> str:
 class NcclGroup(BroadcastGroup):
     carrier = "nccl"
 
-    def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float = 300.0) -> None:
         super().__init__(rank, world_size)
+        self.timeout_s = timeout_s
         raw = base64.b64decode(unique_id_b64, validate=True)
         if len(raw) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"vime_broadcast: the NCCL unique id is {len(raw)} bytes, not {NCCL_UNIQUE_ID_BYTES}")
@@ -194,7 +197,17 @@ class NcclGroup(BroadcastGroup):
             ptr = ctypes.c_void_p(buffer.data_ptr())
             _check(self._lib, self._lib.ncclBroadcast(ptr, ptr, buffer.numel(), NCCL_UINT8, 0, self._comm,
                                                       ctypes.c_void_p(stream.cuda_stream)), "ncclBroadcast")
-            stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(stream)
+        # A peer that died mid-broadcast would leave this rank's kernel waiting forever (NCCL has
+        # no timeout of its own): wait with a deadline, then abort the communicator.
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"vime_broadcast: the NCCL broadcast of {buffer.numel()} bytes did not complete "
+                                   f"in {self.timeout_s:.0f} s (a peer gone?); the group was aborted")
+            time.sleep(0.0002)
 
     def abort(self) -> None:
         comm, self._comm = self._comm, None
@@ -225,7 +238,7 @@ def open_group(carrier: str, rendezvous: dict, rank: int, world_size: int, devic
     """Join the group (blocks until every rank has joined). `local`: what `serve_rendezvous`
     returned to rank 0."""
     if carrier == "nccl":
-        return NcclGroup(rendezvous["unique_id"], rank, world_size, device)
+        return NcclGroup(rendezvous["unique_id"], rank, world_size, device, timeout_s)
     if carrier == "gloo":
         import torch.distributed as dist
 
