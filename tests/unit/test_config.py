@@ -107,6 +107,23 @@ def test_yaml_file_with_cli_override(tmp_path):
     assert cfg.global_batch_size == 8 * 4
 
 
+@pytest.mark.parametrize("flags, colocate", [
+    (["--colocate"], True), (["--no-colocate"], False), (["--colocate", "false"], False),
+    (["--colocate", "true"], True), (["--colocate", "0", "--seed", "3"], False),
+])
+def test_boolean_flags_take_a_value_or_none(flags, colocate):
+    assert parse_args(flags).colocate is colocate
+
+
+def test_boolean_flags_refuse_what_is_not_a_boolean(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--colocate", "maybe"])
+    assert "colocate: Input should be a valid boolean" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--no-colocate", "false"])
+    assert "--no-colocate takes no value" in capsys.readouterr().err
+
+
 def test_json_file_and_bad_files(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"seed": 7}))

@@ -5,7 +5,8 @@ default without importing anything heavy.
 
 Why not pydantic-settings' CLI or typer (both come with Prefect)? Tried with pydantic-settings
 2.16 (`CliApp.run` on a BaseSettings subclass of VimeConfig, kebab-case, implicit flags): slime's
-flag names map, but `--colocate false` (a documented form) is refused, a YAML file plus overrides
+flag names map, but `--colocate false` (which this parser takes, as `--colocate` and `--no-colocate`)
+is refused, a YAML file plus overrides
 needs a custom settings source, a BaseSettings model also reads any environment variable named
 like a field (`SEED`, `LR`) unless every field is prefixed, and building and parsing took 0.5 s
 against 0.2 s for this whole `vime train --help`. Typer would need a function signature of ~150
@@ -47,11 +48,37 @@ def _field_kind(annotation: Any) -> tuple[str, Any]:
     return "scalar", annotation
 
 
+class BoolFlag(argparse.Action):
+    """A boolean field's flags: `--x` (true), `--x false` / `--x true` (what pydantic reads as a
+    bool; anything else is refused naming the field) and `--no-x` (false)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        flag = option_strings[0]
+        super().__init__([flag, "--no-" + flag[2:]], dest, nargs="?", metavar="true|false", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value (got {values!r})")
+            setattr(namespace, self.dest, False)
+        else:
+            setattr(namespace, self.dest, True if values is None else values)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a BoolFlag as `--x [true|false], --no-x` (`--no-x` takes no value)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, BoolFlag):
+            return f"{action.option_strings[0]} [{action.metavar}], {action.option_strings[1]}"
+        return super()._format_action_invocation(action)
+
+
 def build_parser(prog: str = "vime train", description: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
-        formatter_class=argparse.HelpFormatter,
+        formatter_class=HelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", dest="config_file", help="YAML or JSON file of field values; flags override it.")
@@ -65,7 +92,7 @@ def build_parser(prog: str = "vime train", description: str | None = None) -> ar
         if typing.get_origin(field.annotation) is typing.Literal:
             choices = list(typing.get_args(field.annotation))
         if kind == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, dest=name, action=BoolFlag, help=help_text)
         elif kind == "list":
             parser.add_argument(flag, dest=name, nargs="*", type=elem, metavar=name.upper(), help=help_text)
         else:
