@@ -16,6 +16,7 @@ Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,17 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
     return refreshed
 
 
+def _no_mtp_completeness_check() -> contextlib.AbstractContextManager:
+    """The CPU build's vLLM (0.32) checks that a load brought a model's MTP weights too, which one
+    bucket of an update never does (its own backends switch the check off the same way); 0.26,
+    the GPU hosts' release, has neither the check nor its module."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
 class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
     """A backend implements `init_transfer_engine`, `receive_weights` (receive, then `load`) and
     `release_received`; the session around them is here."""
@@ -96,10 +108,8 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
 
     def load(self, weights: list[tuple[str, torch.Tensor]], nbytes: int, receive_seconds: float) -> None:
         """Load one received bucket's (name, tensor) views into the model; count it."""
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         t0 = time.perf_counter()
-        with disable_mtp_completeness_check():
+        with _no_mtp_completeness_check():
             self.model.load_weights(weights)
         self.stats.buckets += 1
         self.stats.bytes += nbytes
