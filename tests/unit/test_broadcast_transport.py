@@ -133,8 +133,12 @@ def test_the_group_is_kept_between_publishes_and_formed_again_when_an_engine_res
     engines = [BroadcastStubEngine("http://e0", spec_of(w1)), BroadcastStubEngine("http://e1", spec_of(w1))]
     publish(w1, engines, 1, publisher)
     first_group = engines[0].group_id
+    packed_into = [b.data_ptr() for b in publisher.broadcast_group("gloo").host_buffers]
     stats = publish(w2, engines, 2, publisher)
     assert "form_group" not in stats["transport_seconds"]
+    # on CPU the buckets are packed into the last publish's buffers
+    assert [b.data_ptr() for b in publisher.broadcast_group("gloo").host_buffers] == packed_into
+    assert len(packed_into) == stats["buckets"]
     assert [e.inits for e in engines] == [1, 1] and engines[1].group_id == first_group
     for engine in engines:
         assert_received(engine, w2)

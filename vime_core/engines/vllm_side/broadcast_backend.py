@@ -43,6 +43,10 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
         self.group: BroadcastGroup | None = None
         self.group_id: str | None = None
         self._received: list[torch.Tensor] = []
+        # On CPU, bucket i of the next session is received into bucket i's buffer of the last
+        # (a fresh host buffer costs more in page faults than the receive); on a GPU the memory
+        # goes back to the caching allocator for the KV cache.
+        self._host_buffers: list[torch.Tensor] = []
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         self._close_group()
@@ -58,7 +62,7 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
             raise ValueError(f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
                              f"{self.group_id!r}; initialise the weight transfer again")
         t0 = time.perf_counter()
-        buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self._buffer(len(self._received), update_info.nbytes)
         self.group.broadcast(buffer)
         self._received.append(buffer)
         weights = [
@@ -69,11 +73,24 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
         ]
         self.load(weights, update_info.nbytes, time.perf_counter() - t0)
 
+    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if index < len(self._host_buffers) and self._host_buffers[index].numel() >= nbytes:
+            return self._host_buffers[index][:nbytes]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if index < len(self._host_buffers):
+            self._host_buffers[index] = buffer
+        else:
+            self._host_buffers.append(buffer)
+        return buffer
+
     def release_received(self) -> None:
         self._received = []
 
     def shutdown(self) -> None:
         self.release_received()
+        self._host_buffers = []
         self._close_group()
 
     def _close_group(self) -> None:

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -46,11 +46,15 @@ T = TypeVar("T")
 
 @dataclass
 class KeptGroup:
-    """A formed group: its id, the engines it spans (in rank order) and rank 0's end of it."""
+    """A formed group: its id, the engines it spans (in rank order), rank 0's end of it and, on
+    CPU, the packed buckets of the last publish (bucket i packs into buffer i again: a fresh
+    host buffer of that size costs more in page faults than the copy into it; on CUDA the
+    caching allocator already reuses its blocks)."""
 
     group_id: str
     engine_urls: tuple[str, ...]
     group: BroadcastGroup
+    host_buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
@@ -166,9 +170,15 @@ class BroadcastTransport(WeightTransport):
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.kept is not None, "prepare() forms or finds the group first"
         t0 = time.perf_counter()
-        buffer, sizes = pack_bucket(bucket, self.device)
+        kept_buffers = self.kept.host_buffers if self.device.type == "cpu" else None
+        earlier = kept_buffers[bucket.index] if kept_buffers is not None and bucket.index < len(kept_buffers) else None
+        buffer, sizes = pack_bucket(bucket, self.device, reuse=earlier)
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
+        if kept_buffers is not None and earlier is None and bucket.index == len(kept_buffers):
+            kept_buffers.append(buffer)
+        elif kept_buffers is not None and earlier is not None and buffer.data_ptr() != earlier.data_ptr():
+            kept_buffers[bucket.index] = buffer  # outgrew the kept one
         self._buffers.append(buffer)
         info = BroadcastBucketInfo(self.kept.group_id, list(bucket.names), bucket.dtype_names,
                                    [list(t.shape) for t in bucket.tensors], sizes).to_dict()

@@ -58,17 +58,21 @@ def default_reduce(buffer: torch.Tensor) -> tuple:
     return args
 
 
-def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def pack_bucket(bucket: Bucket, device: torch.device, reuse: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """One flat uint8 buffer on `device` with the bucket's tensors back to back, and each
     tensor's size in bytes. Raises when a tensor would start at an offset that is not a multiple
-    of its element size (vLLM views each slice as its dtype in place)."""
+    of its element size (vLLM views each slice as its dtype in place). `reuse`: a buffer of an
+    earlier publish to pack into when it is large enough (its first bytes are returned)."""
     offsets, nbytes = packed_layout(bucket, alignment=1)
     for name, dtype, offset in zip(bucket.names, bucket.dtypes, offsets):
         if offset % dtype.itemsize:
             raise ValueError(f"ipc bucket {bucket.index}: tensor {name!r} ({dtype}) would start at byte {offset}, "
                              f"not a multiple of {dtype.itemsize}; send one wire dtype per bucket")
-    with plain_segments():  # CUDA IPC shares cudaMalloc'd memory only (vime_core/trainer/allocator.py)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if reuse is not None and reuse.device == device and reuse.numel() >= nbytes:
+        buffer = reuse[:nbytes]
+    else:
+        with plain_segments():  # CUDA IPC shares cudaMalloc'd memory only (vime_core/trainer/allocator.py)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
         copy_into(buffer, offset, tensor, dtype)
     sizes = [t.numel() * d.itemsize for t, d in zip(bucket.tensors, bucket.dtypes)]
