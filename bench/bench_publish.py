@@ -8,6 +8,9 @@ same run on the same weights:
     publish  the whole publish_weights (validate, pause + flush, session start, pack, transfer,
              load, finish with version, resume, verify), transport shm, per bucket size
     disk     publish_weights with the disk fallback (write safetensors + reload), for reference
+    gloo     publish_weights by gloo broadcast (the path of CPU engines on other machines), per
+             bucket size, into a second engine started with the `vime_broadcast` backend; its
+             ratios are against that engine's own reload (`reload_s_gloo_engine`)
 
 Models: build_tiny_model Qwen3 shapes (head_dim 64, 4 kv heads, untied vocab of 19 tokens,
 so nearly every parameter is in the layers); the exact parameter counts are in the output.
@@ -74,14 +77,78 @@ def engine_rpc(url: str, method: str, *args, **kwargs):
     return getattr(SyncEngineClient(url), method)(*args, **kwargs)
 
 
-def bench_model(name: str, shape: dict, args) -> dict:
-    from safetensors.torch import load_file, save_file
+def summarise(stats_list: list[dict], nbytes: int, reload_s: float, memcpy_s: float) -> dict:
+    """Medians over repeats of one publish configuration, and its ratios to the floors."""
+    total = median([s["seconds"]["total"] for s in stats_list])
+    entry = {
+        "seconds": total,
+        "bytes_per_s": nbytes / total,
+        "ratio_to_reload": total / reload_s,
+        "ratio_to_memcpy": total / memcpy_s,
+        "buckets": stats_list[0]["buckets"],
+        "phases_s": {p: round(median([s["seconds"].get(p, 0.0) for s in stats_list]), 4) for p in stats_list[0]["seconds"]},
+        # the group a broadcast forms on its first publish is not in the repeats (round 0 warms up)
+        "transport_s": {p: round(median([s["transport_seconds"].get(p, 0.0) for s in stats_list]), 4)
+                        for p in stats_list[0]["transport_seconds"]},
+    }
+    if "engine" in stats_list[0]:
+        entry["engine_s"] = {p: round(median([s["engine"][p] for s in stats_list]), 4)
+                             for p in ("map_seconds", "load_seconds", "finish_seconds")}
+    return entry
+
+
+def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, args) -> dict:
+    """One engine started with `base_cfg`'s weight-transfer backend: each configuration of `cfgs`
+    published `args.repeats` times (after a warm-up round), and the engine's own reload of the
+    same weights from /dev/shm in every round. Returns the engine's start time, the reload
+    floor and each configuration's summary (ratios against this engine's floor)."""
+    from safetensors.torch import save_file
 
     from vime_core.config import make_config
     from vime_core.engines.server import EngineServer
-    from vime_core.demo.model import build_tiny_model
     from vime_core.trainer.publish import publish_weights
     from vime_core.trainer.publish_loop import PublishLoop
+
+    nbytes = sum(t.numel() for t in weights.values()) * wire.itemsize
+    server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
+    t0 = time.perf_counter()
+    server.start()
+    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    floor_dir = tempfile.mkdtemp(prefix="vime-bench-floor-", dir="/dev/shm")
+    # What a trainer keeps between its publishes (engine clients, shared-memory bucket files, a
+    # broadcast group), as MegatronTrainer keeps it: without it every publish starts afresh.
+    publisher = PublishLoop()
+    try:
+        save_file({n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors"))
+        version = 0
+        runs: dict[str, list[dict]] = {k: [] for k in cfgs}
+        reload_times: list[float] = []
+        for rep in range(args.repeats + 1):  # round 0 warms up (caches the engine's spec, forms groups)
+            for key, cfg in cfgs.items():
+                version += 1
+                stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0, loop=publisher)
+                if not key.startswith("publish_disk"):
+                    stats["engine"] = engine_rpc(server.url, "collective_rpc", "vime_update_stats")[0]
+                if rep:
+                    runs[key].append(stats)
+            t0 = time.perf_counter()
+            engine_rpc(server.url, "collective_rpc", "reload_weights", {"weights_path": floor_dir})
+            if rep:
+                reload_times.append(time.perf_counter() - t0)
+        out["reload_s"] = median(reload_times)
+        out["runs"] = runs
+    finally:
+        publisher.close()
+        shutil.rmtree(floor_dir, ignore_errors=True)
+        server.shutdown()
+    return out
+
+
+def bench_model(name: str, shape: dict, args) -> dict:
+    from safetensors.torch import load_file
+
+    from vime_core.config import make_config
+    from vime_core.demo.model import build_tiny_model
 
     model_dir = build_tiny_model(REPO / ".cache" / "bench" / "models" / name, family="qwen3", seed=0,
                                  tie_word_embeddings=False, max_position_embeddings=512, **shape)
@@ -90,62 +157,26 @@ def bench_model(name: str, shape: dict, args) -> dict:
     wire = torch.bfloat16 if args.bf16 else torch.float32
     nbytes = params * wire.itemsize
     base_cfg = engine_settings(model_dir, args.bf16)
-    cfgs = {f"publish_shm_{mib}MiB": make_config({**base_cfg, "update_weight_buffer_size": mib * MiB})
-            for mib in args.bucket_mib}
-    cfgs["publish_disk_512MiB"] = make_config({**base_cfg, "weight_transport": "disk"})
-
     result: dict = {"parameters": params, "wire_dtype": str(wire).removeprefix("torch."), "bytes": nbytes}
     result["memcpy_s"] = memcpy_seconds(weights, wire, args.repeats)
+    result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
 
-    server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
-    t0 = time.perf_counter()
-    server.start()
-    result["engine_start_s"] = time.perf_counter() - t0
-    floor_dir = tempfile.mkdtemp(prefix="vime-bench-floor-", dir="/dev/shm")
-    try:
-        save_file({n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors"))
-        version = 0
-        runs: dict[str, list[dict]] = {k: [] for k in cfgs}
-        reload_times: list[float] = []
-        # What a trainer keeps between its publishes (engine clients, shared-memory bucket files),
-        # as MegatronTrainer keeps it: a publish without it makes and fills fresh tmpfs files.
-        publisher = PublishLoop()
-        for rep in range(args.repeats + 1):  # round 0 warms up (and caches the engine's spec first)
-            for key, cfg in cfgs.items():
-                version += 1
-                stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0, loop=publisher)
-                if key.startswith("publish_shm"):
-                    stats["engine"] = engine_rpc(server.url, "collective_rpc", "vime_update_stats")[0]
-                if rep:
-                    runs[key].append(stats)
-            t0 = time.perf_counter()
-            engine_rpc(server.url, "collective_rpc", "reload_weights", {"weights_path": floor_dir})
-            if rep:
-                reload_times.append(time.perf_counter() - t0)
-        result["reload_s"] = median(reload_times)
-        for key, stats_list in runs.items():
-            total = median([s["seconds"]["total"] for s in stats_list])
-            phases = {p: round(median([s["seconds"].get(p, 0.0) for s in stats_list]), 4) for p in stats_list[0]["seconds"]}
-            entry = {
-                "seconds": total,
-                "bytes_per_s": nbytes / total,
-                "ratio_to_reload": total / result["reload_s"],
-                "ratio_to_memcpy": total / result["memcpy_s"],
-                "buckets": stats_list[0]["buckets"],
-                "phases_s": phases,
-                "transport_s": {p: round(median([s["transport_seconds"].get(p, 0.0) for s in stats_list]), 4)
-                                for p in stats_list[0]["transport_seconds"]},
-            }
-            if "engine" in stats_list[0]:
-                entry["engine_s"] = {p: round(median([s["engine"][p] for s in stats_list]), 4)
-                                     for p in ("map_seconds", "load_seconds", "finish_seconds")}
-            result[key] = entry
-        result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
-        result["reload_bytes_per_s"] = nbytes / result["reload_s"]
-        publisher.close()
-    finally:
-        shutil.rmtree(floor_dir, ignore_errors=True)
-        server.shutdown()
+    # one engine per weight-transfer backend it is started with: vime_shm (shm, and disk), vime_broadcast (gloo)
+    engines = {"shm": {f"publish_shm_{mib}MiB": {"update_weight_buffer_size": mib * MiB} for mib in args.bucket_mib}}
+    engines["shm"]["publish_disk_512MiB"] = {"weight_transport": "disk"}
+    if "gloo" in args.transports:
+        engines["gloo"] = {f"publish_gloo_{mib}MiB": {"weight_transport": "gloo", "update_weight_buffer_size": mib * MiB}
+                           for mib in args.bucket_mib}
+    for backend, overrides in engines.items():
+        engine_cfg = {**base_cfg, "weight_transport": backend}
+        measured = bench_engine(engine_cfg, {k: make_config({**engine_cfg, **o}) for k, o in overrides.items()},
+                                weights, wire, args)
+        suffix = "" if backend == "shm" else f"_{backend}_engine"
+        result["engine_start_s" + suffix] = measured["engine_start_s"]
+        result["reload_s" + suffix] = measured["reload_s"]
+        result["reload_bytes_per_s" + suffix] = nbytes / measured["reload_s"]
+        for key, stats_list in measured["runs"].items():
+            result[key] = summarise(stats_list, nbytes, measured["reload_s"], result["memcpy_s"])
     return result
 
 
@@ -155,6 +186,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--bucket-mib", type=int, nargs="*", default=[512, 64])
     parser.add_argument("--bf16", action="store_true", help="serve and send bf16 (default: fp32, the CPU default)")
+    parser.add_argument("--transports", nargs="*", default=["shm", "gloo"], choices=["shm", "gloo"],
+                        help="gloo adds a second engine, started with the vime_broadcast backend, and its own reload floor")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_publish.json"))
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
