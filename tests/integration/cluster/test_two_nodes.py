@@ -7,11 +7,15 @@ the engine (a real vLLM CPU server) on the worker. The engine binds engine_bind_
 the real vllm-router registers it. Weights go by gloo broadcast (the trainer's store on the head's
 address, the engine's worker on the worker node's). After 2 iterations: where each actor ran, the
 URL the router holds, the weights published (engine version == trainer version, log-probs checked
-after each publish, one group for the whole run), and the stored batches.
+after each publish, one group for the whole run), and the stored batches. Last, the run goes
+two iterations further while the engine's vLLM server is SIGKILLed: its replacement joins a new
+broadcast group and the weight checks hold.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -158,3 +162,58 @@ def test_weights_published_and_batches_stored(trained):
         assert len(batch["tokens"]) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
         assert int(lineage["rollout_id"]) == k
         assert {span["version"] for spans in batch["weight_versions"] for span in spans} == {k + 1}
+
+
+def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
+    """Runs last: extends the run by two iterations, SIGKILLing the engine's vLLM server (on the
+    worker node) as the first of them starts. The run goes on, the engine that replaces it is
+    put in a new broadcast group (the trainer's kept group spanned a server that is gone), and
+    the engines hold the trainer's weights after every sync."""
+    import ray
+
+    import tasks.rollout as rollout_task
+    from flows.train import train
+    from vime_core.engines.client import SyncEngineClient
+    from vime_core.report.records import read_records
+    from vime_core.utils.processes import pid_alive
+    from tests.integration.flows.test_faults import _engine_server_pid
+
+    cfg, _ = trained
+    manager, trainers = _attached(cfg)
+
+    def groups() -> tuple[str, list]:
+        kept = ray.get(trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id))
+        [url] = ray.get(manager.engine_urls.remote())
+        return kept, SyncEngineClient(url).collective_rpc("vime_broadcast_group_id")
+
+    kept_before, engine_before = groups()
+    assert engine_before == [kept_before]
+    run = cfg.model_copy(update={"num_rollout": cfg.num_rollout + 2})
+    killed: list[int] = []
+    real = rollout_task.rollout.fn
+
+    def kill_the_engine_first(config, rollout_id, version=None):
+        if not killed:
+            pid = _engine_server_pid(config)
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+            killed.append(pid)
+        return real(config, rollout_id, version)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout_task.rollout, "fn", kill_the_engine_first)
+        mp.setattr(rollout_task.rollout, "retry_delay_seconds", 0)
+        summary = train(run)
+    assert killed and not pid_alive(killed[0])
+    assert summary["iterations"] >= 2
+    kept_after, engine_after = groups()
+    assert engine_after == [kept_after] and kept_after != kept_before
+    checks = [r["weight_check"] for r in read_records(run.storage_uri, run.run_name)]
+    assert len(checks) == run.num_rollout and all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
+
+
+def _attached(cfg):
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+
+    ensure_ray(cfg.ray_address)
+    return attach(cfg)
