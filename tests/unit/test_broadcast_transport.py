@@ -191,6 +191,10 @@ def test_nccl_on_cpu_is_a_configuration_error_and_broadcast_engines_load_vime_br
     with pytest.raises(ValueError, match="weight_transport=nccl needs CUDA"):
         weight_transport(make_cfg(weight_transport="nccl"))
     assert engine_server_args(make_cfg(weight_transport="gloo"))["weight_transfer_config"] == {"backend": "vime_broadcast"}
+    with pytest.raises(ValueError, match="colocated engines take ipc"):
+        weight_transport(make_cfg(weight_transport="nccl", device="cuda", colocate=True))
+    assert weight_transport(make_cfg(weight_transport="nccl", device="cuda", colocate=False)) == "nccl"
+    assert weight_transport(make_cfg(device="cuda", colocate=False)) == "nccl"  # auto, engines elsewhere
 
 
 def test_a_missing_nccl_library_is_named(monkeypatch):

@@ -112,6 +112,7 @@ def derive_in_place(cfg: "VimeConfig") -> None:
 
     derive_optimizer(cfg)
     _check_kl(cfg)
+    weight_transport(cfg)  # refuses a transport the placement cannot use, naming the field
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if estimator.critic:
         raise ValueError(
@@ -151,6 +152,9 @@ def weight_transport(cfg: "VimeConfig") -> str:
         if cfg.device == "cpu" and cfg.weight_transport in CUDA_ONLY_TRANSPORTS:
             raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
                              f"(engines on the trainer's machine), gloo (engines elsewhere) or disk")
+        if cfg.weight_transport == "nccl" and cfg.colocate:
+            raise ValueError("weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
+                             "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
         return cfg.weight_transport
     if cfg.device == "cpu":
         return "shm"
