@@ -56,6 +56,19 @@ class KeptGroup:
     group: BroadcastGroup
     host_buffers: list[torch.Tensor] = field(default_factory=list)
 
+    def pack(self, bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """`pack_bucket`, into the kept host buffer of this bucket's index when on CPU."""
+        if device.type != "cpu":
+            return pack_bucket(bucket, device)
+        kept = self.host_buffers
+        earlier = kept[bucket.index] if bucket.index < len(kept) else None
+        buffer, sizes = pack_bucket(bucket, device, reuse=earlier)
+        if earlier is None:
+            kept.append(buffer)  # buckets come in index order, from 0
+        elif buffer.data_ptr() != earlier.data_ptr():
+            kept[bucket.index] = buffer  # this bucket outgrew the kept one
+        return buffer, sizes
+
 
 def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     """Run a blocking call in a daemon thread; the returned future resolves on this loop."""
@@ -170,15 +183,9 @@ class BroadcastTransport(WeightTransport):
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.kept is not None, "prepare() forms or finds the group first"
         t0 = time.perf_counter()
-        kept_buffers = self.kept.host_buffers if self.device.type == "cpu" else None
-        earlier = kept_buffers[bucket.index] if kept_buffers is not None and bucket.index < len(kept_buffers) else None
-        buffer, sizes = pack_bucket(bucket, self.device, reuse=earlier)
+        buffer, sizes = self.kept.pack(bucket, self.device)
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
-        if kept_buffers is not None and earlier is None and bucket.index == len(kept_buffers):
-            kept_buffers.append(buffer)
-        elif kept_buffers is not None and earlier is not None and buffer.data_ptr() != earlier.data_ptr():
-            kept_buffers[bucket.index] = buffer  # outgrew the kept one
         self._buffers.append(buffer)
         info = BroadcastBucketInfo(self.kept.group_id, list(bucket.names), bucket.dtype_names,
                                    [list(t.shape) for t in bucket.tensors], sizes).to_dict()
