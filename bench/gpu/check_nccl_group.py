@@ -48,7 +48,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    result: dict = {"gpus": gpus, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "bytes": args.bytes}
+    result: dict = {"gpus": gpus, "nccl": str(torch.cuda.nccl.version()), "bytes": args.bytes}
     unique_id = mint_nccl_unique_id()
     world = max(gpus, 1)
     ctx = mp.get_context("spawn")
