@@ -122,7 +122,6 @@ class BroadcastTransport(WeightTransport):
         self.keeper = keeper
         self.timeout_s = timeout_s
         self.kept: KeptGroup | None = None
-        self.formed_group = False  # this publish formed a new group
         self._buffers: list[torch.Tensor] = []
 
     # -- group -----------------------------------------------------------------------------
@@ -139,7 +138,6 @@ class BroadcastTransport(WeightTransport):
             self._drop(kept)
         t0 = time.perf_counter()
         self.kept = await self._form([len(per or []) for per in answers], urls)
-        self.formed_group = True
         self.add_time("form_group", time.perf_counter() - t0)
 
     async def _form(self, workers: list[int], urls: tuple[str, ...]) -> KeptGroup:
