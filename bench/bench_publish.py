@@ -162,8 +162,10 @@ def bench_model(name: str, shape: dict, args) -> dict:
     result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
 
     # one engine per weight-transfer backend it is started with: vime_shm (shm, and disk), vime_broadcast (gloo)
-    engines = {"shm": {f"publish_shm_{mib}MiB": {"update_weight_buffer_size": mib * MiB} for mib in args.bucket_mib}}
-    engines["shm"]["publish_disk_512MiB"] = {"weight_transport": "disk"}
+    engines: dict[str, dict] = {}
+    if "shm" in args.transports:
+        engines["shm"] = {f"publish_shm_{mib}MiB": {"update_weight_buffer_size": mib * MiB} for mib in args.bucket_mib}
+        engines["shm"]["publish_disk_512MiB"] = {"weight_transport": "disk"}
     if "gloo" in args.transports:
         engines["gloo"] = {f"publish_gloo_{mib}MiB": {"weight_transport": "gloo", "update_weight_buffer_size": mib * MiB}
                            for mib in args.bucket_mib}
@@ -187,7 +189,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, nargs="*", default=[512, 64])
     parser.add_argument("--bf16", action="store_true", help="serve and send bf16 (default: fp32, the CPU default)")
     parser.add_argument("--transports", nargs="*", default=["shm", "gloo"], choices=["shm", "gloo"],
-                        help="gloo adds a second engine, started with the vime_broadcast backend, and its own reload floor")
+                        help="shm: an engine with the vime_shm backend (shm and disk publishes); gloo: one with "
+                             "vime_broadcast; each with its own reload floor")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_publish.json"))
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

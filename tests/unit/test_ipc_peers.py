@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from vime_core.trainer.transport.ipc import DEVICE_UUID_RPC
 from vime_core.utils.processes import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ class IpcStubEngine:
         self.worker_gpus = list(worker_gpus)  # a TP=2 engine on both trainer ranks' GPUs
 
     async def collective_rpc(self, method, kwargs=None, args=None, timeout_s=None):
-        if method == "vime_device_uuid":
+        if method == DEVICE_UUID_RPC:
             return self.worker_gpus
         return [self.spec] * len(self.worker_gpus)
 
@@ -154,9 +155,13 @@ def ranks() -> dict[int, dict]:
     procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
-    out = dict(results.get(timeout=100) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        out = dict(results.get(timeout=100) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # a rank stuck in a collective: do not leave it behind
+                p.terminate()
     assert not any("crashed" in o for o in out.values()), out
     return out
 

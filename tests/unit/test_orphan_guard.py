@@ -9,34 +9,25 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
 
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import pid_alive, terminate_group
+from vime_core.utils.retry import poll_until
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while pid_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return poll_until(lambda: not pid_alive(pid), seconds, 0.05)
 
 
 def _server_pid_of(guard_pid: int, seconds: float = 10) -> int:
     """The guard's child (the server), once it exists."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if children := psutil.Process(guard_pid).children():
-            return children[0].pid
-        time.sleep(0.05)
-    raise AssertionError(f"guard {guard_pid} started no server")
+    assert poll_until(lambda: psutil.Process(guard_pid).children(), seconds, 0.05), f"guard {guard_pid} started no server"
+    return psutil.Process(guard_pid).children()[0].pid
 
 
 STARTER = textwrap.dedent("""
@@ -48,9 +39,9 @@ STARTER = textwrap.dedent("""
 """)
 
 
-def test_the_server_dies_with_the_process_that_started_it():
+def test_the_server_dies_with_the_process_that_started_it(repo_root):
     starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+                               env={**os.environ, "PYTHONPATH": str(repo_root)})
     guard = int(starter.stdout.readline())
     server = _server_pid_of(guard)
     assert pid_alive(server)

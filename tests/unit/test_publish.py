@@ -244,13 +244,6 @@ def test_version_must_move_forward_and_urls_must_be_given(tmp_path):
         publish_weights(w.items(), [], 1, make_cfg())
 
 
-def test_nccl_transport_on_cpu_is_a_clear_error():
-    from vime_core.trainer.transport import make_transport
-
-    with pytest.raises(ValueError, match="weight_transport=nccl needs CUDA"):
-        make_transport(make_cfg(weight_transport="nccl"))
-
-
 def test_publish_runs_inside_a_running_event_loop(tmp_path):
     """The trainer may call it from an async Ray actor."""
     w = weights()

@@ -75,11 +75,14 @@ def test_a_bf16_model_keeps_its_norm_weights_in_bf16(tiny_model_dir):
     import torch
 
     from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
-    from vime_core.trainer.parallel import free_port, init_parallel
+    from vime_core.trainer.parallel import destroy_parallel, free_port, init_parallel
 
     init_parallel(0, 1, "127.0.0.1", free_port(), 1, "cpu")
-    arch = architecture_from_hf(read_hf_config(tiny_model_dir))
-    model = build_gpt_model(arch, 1, torch.bfloat16, torch.device("cpu"))
+    try:
+        arch = architecture_from_hf(read_hf_config(tiny_model_dir))
+        model = build_gpt_model(arch, 1, torch.bfloat16, torch.device("cpu"))
+    finally:
+        destroy_parallel()  # the rest of the session starts without a process group
     norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert norms and all(p.dtype == torch.bfloat16 for m in norms for p in m.parameters())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

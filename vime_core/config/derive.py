@@ -112,7 +112,7 @@ def derive_in_place(cfg: "VimeConfig") -> None:
 
     derive_optimizer(cfg)
     _check_kl(cfg)
-    weight_transport(cfg)  # refuses a transport the placement cannot use, naming the field
+    _check_weight_transport(cfg)
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if estimator.critic:
         raise ValueError(
@@ -140,30 +140,37 @@ def _check_kl(cfg: "VimeConfig") -> None:
         cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
 
 
-# transport -> the vLLM weight-transfer backend the engines start with (None: none needed)
-VLLM_BACKEND = {"ipc": "ipc", "nccl": "vime_broadcast", "gloo": "vime_broadcast", "shm": "vime_shm", "disk": None}
-CUDA_ONLY_TRANSPORTS = ("ipc", "nccl")
+def _vllm_backends() -> dict[str, str | None]:
+    """transport -> the vLLM weight-transfer backend the engines start with (None: none needed)."""
+    from vime_core.engines.vllm_side.broadcast_format import BACKEND_NAME as BROADCAST
+    from vime_core.engines.vllm_side.shm_format import BACKEND_NAME as SHM
+
+    return {"ipc": "ipc", "nccl": BROADCAST, "gloo": BROADCAST, "shm": SHM, "disk": None}
 
 
 def weight_transport(cfg: "VimeConfig") -> str:
     """The weight-transfer path by placement: CUDA IPC when colocated on GPUs, shared memory on
     CPU, NCCL when engines live on other devices; gloo and disk only when asked."""
     if cfg.weight_transport != "auto":
-        if cfg.device == "cpu" and cfg.weight_transport in CUDA_ONLY_TRANSPORTS:
-            raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
-                             f"(engines on the trainer's machine), gloo (engines elsewhere) or disk")
-        if cfg.weight_transport == "nccl" and cfg.colocate:
-            raise ValueError("weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
-                             "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
         return cfg.weight_transport
     if cfg.device == "cpu":
         return "shm"
     return "ipc" if cfg.colocate else "nccl"
 
 
+def _check_weight_transport(cfg: "VimeConfig") -> None:
+    """A transport the placement cannot use is refused when the configuration is made."""
+    if cfg.device == "cpu" and cfg.weight_transport in ("ipc", "nccl"):
+        raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
+                         f"(engines on the trainer's machine), gloo (engines elsewhere) or disk")
+    if cfg.weight_transport == "nccl" and cfg.colocate:
+        raise ValueError("weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
+                         "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
+
+
 def engine_server_args(cfg: "VimeConfig") -> dict:
     """The vLLM server options the configuration implies (step 2 of the walkthrough)."""
-    vllm_backend = VLLM_BACKEND[weight_transport(cfg)]
+    vllm_backend = _vllm_backends()[weight_transport(cfg)]
     return {
         "enable_sleep_mode": bool(cfg.offload_rollout),
         "max_model_len": cfg.rollout_max_context_len,

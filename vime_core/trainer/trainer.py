@@ -52,7 +52,7 @@ class MegatronTrainer:
         self._params_asleep = False  # so are the parameters
         self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
         self._publisher: Any = None  # rank 0's PublishLoop: engine clients and bucket pools between publishes
-        self._peer_group: Any = None  # gloo group of all ranks for an IPC publish from several (ipc_peers.py)
+        self._peers: Any = None  # PeerChannel of all ranks for an IPC publish from several (ipc_peers.py)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -80,7 +80,9 @@ class MegatronTrainer:
         from vime_core.config import weight_transport
 
         if lay.world_size > 1 and weight_transport(self.cfg) == "ipc":  # every rank makes it (ipc_peers.py)
-            self._peer_group = torch.distributed.new_group(backend="gloo")
+            from vime_core.trainer.transport.ipc_peers import PeerChannel
+
+            self._peers = PeerChannel(torch.distributed.new_group(backend="gloo"), lay.rank)
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
@@ -202,7 +204,7 @@ class MegatronTrainer:
         result: Any = new_version
         if self._params_asleep:
             self.wake()
-        peers = self._ipc_peers()
+        peers = self._peers
         if self.layout.dp_rank == 0 or peers is not None:
             weights = self.iter_hf_weights()
             try:
@@ -234,15 +236,6 @@ class MegatronTrainer:
             if probe is not None:
                 result["probe"] = probe
         return result
-
-    def _ipc_peers(self) -> Any:
-        """The channel to the other ranks when every rank publishes from its GPU (CUDA IPC with
-        more than one rank, decided at init: transport/ipc_peers.py); None otherwise."""
-        if self._peer_group is None:
-            return None
-        from vime_core.trainer.transport.ipc_peers import PeerChannel
-
-        return PeerChannel(self._peer_group, self.layout.rank)
 
     def probe_log_probs(self) -> dict[str, Any]:
         """The trainer's half of `check_weight_update_equal` (vime_core/trainer/weight_check):

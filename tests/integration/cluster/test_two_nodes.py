@@ -176,10 +176,10 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     from vime_core.engines.client import SyncEngineClient
     from vime_core.report.records import read_records
     from vime_core.utils.processes import pid_alive
-    from tests.integration.flows.test_faults import _engine_server_pid
+    from tests.integration.flows.test_faults import _engine_server_pid, _handles
 
     cfg, _ = trained
-    manager, trainers = _attached(cfg)
+    manager, trainers = _handles(cfg)
 
     def groups() -> tuple[str, list]:
         kept = ray.get(trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id))
@@ -210,10 +210,3 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     checks = [r["weight_check"] for r in read_records(run.storage_uri, run.run_name)]
     assert len(checks) == run.num_rollout and all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
 
-
-def _attached(cfg):
-    from vime_core.cluster.connect import ensure_ray
-    from vime_core.cluster.run_actors import attach
-
-    ensure_ray(cfg.ray_address)
-    return attach(cfg)

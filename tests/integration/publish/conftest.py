@@ -88,6 +88,17 @@ def hf_logprobs(model_dir: Path, state_dict: dict, prompt: list[int], tokens: li
     return logp[positions, torch.tensor(tokens)]
 
 
+def assert_serves(engine, model_dir, weights: dict, version: int) -> None:
+    """The engine's log-probs equal a transformers forward of `weights`, and it reports `version`."""
+    tokens, logprobs, spans = engine_sample(engine.url)
+    expected = hf_logprobs(model_dir, weights, PROMPT, tokens)
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL), (logprobs, expected.tolist())
+    assert engine_call(engine.url, "weight_version") == version
+    from vime_core.engines.client import parse_weight_version
+
+    assert [(parse_weight_version(s["version"]), s["start"], s["end"]) for s in spans] == [(version, 0, len(tokens))]
+
+
 def perturbed(state_dict: dict, seed: int, scale: float = 0.05) -> dict:
     """The weights plus seeded Gaussian noise (scale x each tensor's std, at least `scale`)."""
     g = torch.Generator().manual_seed(seed)

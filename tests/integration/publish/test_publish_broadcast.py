@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.publish.conftest import engine_call, make_cfg, perturbed, started_engine
-from tests.integration.publish.test_publish_engine import assert_serves
+from tests.integration.publish.conftest import assert_serves, engine_call, make_cfg, perturbed, started_engine
 
 pytestmark = pytest.mark.slow
 

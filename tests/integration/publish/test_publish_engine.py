@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.integration.publish.conftest import (
-    LOGPROB_ATOL, PROMPT, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
+    LOGPROB_ATOL, PROMPT, assert_serves, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
 )
 
 pytestmark = pytest.mark.slow
@@ -21,17 +21,6 @@ def publish(engine, weights: dict, version: int, **cfg_overrides) -> dict:
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, **cfg_overrides)
     return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0)
-
-
-def assert_serves(engine, model_dir, weights: dict, version: int) -> None:
-    """The engine's log-probs equal a transformers forward of `weights`, and it reports `version`."""
-    tokens, logprobs, spans = engine_sample(engine.url)
-    expected = hf_logprobs(model_dir, weights, PROMPT, tokens)
-    assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL), (logprobs, expected.tolist())
-    assert engine_call(engine.url, "weight_version") == version
-    from vime_core.engines.client import parse_weight_version
-
-    assert [(parse_weight_version(s["version"]), s["start"], s["end"]) for s in spans] == [(version, 0, len(tokens))]
 
 
 def test_first_publish_is_version_1_flushes_and_serves_new_weights(publish_engine, tiny_model_dir, base_weights):

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
 
 from vime_core.utils.processes import pid_alive
+from vime_core.utils.retry import poll_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +38,6 @@ def test_router_dies_with_its_starter(tmp_path, repo_root):
     finally:
         starter.kill()
         starter.wait()
-    deadline = time.monotonic() + 20
-    while (left := [p for p in router if pid_alive(p.pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"vllm-router outlived the process that started it: {[p.pid for p in left]}"
+    poll_until(lambda: not any(pid_alive(p.pid) for p in router), 20, 0.1)
+    left = [p.pid for p in router if pid_alive(p.pid)]
+    assert not left, f"vllm-router outlived the process that started it: {left}"

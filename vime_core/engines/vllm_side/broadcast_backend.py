@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group
-from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
+from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
+from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine, bucket_views
 
 
 def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:
@@ -43,10 +43,7 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
         self.group: BroadcastGroup | None = None
         self.group_id: str | None = None
         self._received: list[torch.Tensor] = []
-        # On CPU, bucket i of the next session is received into bucket i's buffer of the last
-        # (a fresh host buffer costs more in page faults than the receive); on a GPU the memory
-        # goes back to the caching allocator for the KV cache.
-        self._host_buffers: list[torch.Tensor] = []
+        self._host_buffers: list[torch.Tensor] = []  # CPU only: broadcast_group.pooled_host_buffer
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         self._close_group()
@@ -62,28 +59,14 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
             raise ValueError(f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
                              f"{self.group_id!r}; initialise the weight transfer again")
         t0 = time.perf_counter()
-        buffer = self._buffer(len(self._received), update_info.nbytes)
+        if self.device.type == "cpu":
+            buffer = pooled_host_buffer(self._host_buffers, len(self._received), update_info.nbytes)
+        else:  # on a GPU the memory goes back to the caching allocator, for the KV cache
+            buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
         self.group.broadcast(buffer)
         self._received.append(buffer)
-        weights = [
-            (name, buffer[offset : offset + size].view(getattr(torch, dtype_name)).view(shape))
-            for name, dtype_name, shape, offset, size in zip(update_info.names, update_info.dtype_names,
-                                                             update_info.shapes, update_info.offsets(),
-                                                             update_info.tensor_sizes)
-        ]
+        weights = bucket_views(buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets())
         self.load(weights, update_info.nbytes, time.perf_counter() - t0)
-
-    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if index < len(self._host_buffers) and self._host_buffers[index].numel() >= nbytes:
-            return self._host_buffers[index][:nbytes]
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        if index < len(self._host_buffers):
-            self._host_buffers[index] = buffer
-        else:
-            self._host_buffers.append(buffer)
-        return buffer
 
     def release_received(self) -> None:
         self._received = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import datetime
+import functools
 import glob
 import os
 import socket
@@ -39,12 +40,6 @@ NCCL_UINT8 = 1  # ncclDataType_t: ncclInt8 = 0, ncclUint8 = 1
 
 
 class BroadcastGroup:
-    carrier = "base"
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-
     def broadcast(self, buffer: torch.Tensor) -> None:
         """Rank 0's `buffer` (1-D uint8, contiguous) into every other rank's; returns when this
         rank's part is complete."""
@@ -57,22 +52,33 @@ class BroadcastGroup:
         """Free the group's resources (no collective)."""
 
 
+def pooled_host_buffer(pool: list[torch.Tensor], index: int, nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of host buffer `index` of `pool`, (re)allocated when missing or too
+    small. Bucket i of a publish goes through buffer i of the last one, on both sides: a fresh
+    host buffer of a bucket's size costs more in page faults than the copy into it (on CUDA the
+    caching allocator reuses its blocks, so nothing is pooled there)."""
+    if index < len(pool) and pool[index].numel() >= nbytes:
+        return pool[index][:nbytes]
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if index < len(pool):
+        pool[index] = buffer
+    else:
+        pool.append(buffer)  # buckets come in index order, from 0
+    return buffer
+
+
 # -- gloo ---------------------------------------------------------------------------------------
 
 
 class GlooGroup(BroadcastGroup):
-    carrier = "gloo"
-
     def __init__(self, store: Any, host: str, rank: int, world_size: int, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        super().__init__(rank, world_size)
         options = dist.ProcessGroupGloo._Options()
         # A loopback rendezvous keeps the mesh on loopback; otherwise gloo takes this host's name
         device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host in LOOPBACK else socket.gethostname())
         options._devices = [device]
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = store
         self._group = dist.ProcessGroupGloo(dist.PrefixStore("vime-broadcast", store), rank, world_size, options)
 
     def broadcast(self, buffer: torch.Tensor) -> None:
@@ -92,7 +98,6 @@ class GlooGroup(BroadcastGroup):
                 group.abort()
             except Exception:  # already broken: nothing left to free
                 pass
-        self._store = None
 
 
 def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dict, Any]:
@@ -118,6 +123,7 @@ class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
 
 
+@functools.lru_cache(maxsize=1)
 def nccl_library() -> ctypes.CDLL:
     """libnccl: `VIME_NCCL_LIBRARY` when set, else the one torch loaded (a CUDA build of torch
     links it), else the `nvidia-nccl` wheel's copy on sys.path. Raises naming what was tried."""
@@ -168,11 +174,8 @@ def mint_nccl_unique_id() -> str:
 
 
 class NcclGroup(BroadcastGroup):
-    carrier = "nccl"
-
     def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device,
                  timeout_s: float = 300.0) -> None:
-        super().__init__(rank, world_size)
         self.timeout_s = timeout_s
         raw = base64.b64decode(unique_id_b64, validate=True)
         if len(raw) != NCCL_UNIQUE_ID_BYTES:

@@ -17,6 +17,7 @@ Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,17 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
                 quant_method.process_weights_after_loading(module)
                 refreshed.append(name)
     return refreshed
+
+
+def bucket_views(flat: torch.Tensor, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                 offsets: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a received bucket: tensor i is `dtype_names[i]` of `shapes[i]`,
+    C-contiguous from byte `offsets[i]` of the uint8 buffer `flat` (zero copies)."""
+    views = []
+    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets):
+        dtype = getattr(torch, dtype_name)
+        views.append((name, flat[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)))
+    return views
 
 
 def _no_mtp_completeness_check() -> contextlib.AbstractContextManager:

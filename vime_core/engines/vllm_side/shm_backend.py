@@ -13,14 +13,13 @@ Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import time
 
 import torch
 
-from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
+from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine, bucket_views
 from vime_core.engines.vllm_side.shm_format import DEFAULT_SHM_DIR, ShmBucketInfo, ShmInitInfo
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # value from linux/mman.h
@@ -74,12 +73,7 @@ class ShmWeightTransferEngine(LayerwiseReloadEngine):
             pass
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes)
         self._mapped.append((mapped, flat))
-        weights = []
-        for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
-            dtype = getattr(torch, dtype_name)
-            nbytes = dtype.itemsize * math.prod(shape)
-            weights.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
-        return weights
+        return bucket_views(flat, info.names, info.dtype_names, info.shapes, info.offsets)
 
     def release_received(self) -> None:
         """Drop the mapped buckets. The views vLLM buffered are gone once processing ran."""

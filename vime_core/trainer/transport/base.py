@@ -46,21 +46,15 @@ class WeightTransport(ABC):
         """Optionally start preparing the first bucket while the engines are being paused; the
         same bucket then comes to `send_bucket` as usual. Default: nothing."""
 
-    @abstractmethod
-    async def start(self) -> None: ...
-
-    @abstractmethod
-    async def send_bucket(self, bucket: "Bucket") -> None: ...
-
-    @abstractmethod
-    async def finish(self, version: int) -> None: ...
-
-    async def open_session(self) -> None:
+    async def start(self) -> None:
         """Open every engine's weight-update session (vLLM's `start_weight_update`)."""
         await self.on_every_engine("start_weight_update")
         self.session_open = True
 
-    async def close_session(self, version: int) -> None:
+    @abstractmethod
+    async def send_bucket(self, bucket: "Bucket") -> None: ...
+
+    async def finish(self, version: int) -> None:
         """Close it: the engines finish loading and report `version` (timed as "finish")."""
         t0 = time.perf_counter()
         await self.on_every_engine("finish_weight_update", version)

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group, serve_rendezvous
-from vime_core.trainer.buckets import Bucket
+from vime_core.engines.vllm_side.broadcast_group import (
+    LOOPBACK, BroadcastGroup, open_group, pooled_host_buffer, serve_rendezvous,
+)
+from vime_core.trainer.buckets import Bucket, pack_flat
 from vime_core.trainer.transport.base import WeightTransport
-from vime_core.trainer.transport.ipc import pack_bucket
 
 if TYPE_CHECKING:
     from vime_core.trainer.publish_loop import PublishLoop
@@ -47,9 +48,7 @@ T = TypeVar("T")
 @dataclass
 class KeptGroup:
     """A formed group: its id, the engines it spans (in rank order), rank 0's end of it and, on
-    CPU, the packed buckets of the last publish (bucket i packs into buffer i again: a fresh
-    host buffer of that size costs more in page faults than the copy into it; on CUDA the
-    caching allocator already reuses its blocks)."""
+    CPU, the packed buckets of the last publish (`pooled_host_buffer`)."""
 
     group_id: str
     engine_urls: tuple[str, ...]
@@ -57,17 +56,9 @@ class KeptGroup:
     host_buffers: list[torch.Tensor] = field(default_factory=list)
 
     def pack(self, bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """`pack_bucket`, into the kept host buffer of this bucket's index when on CPU."""
         if device.type != "cpu":
-            return pack_bucket(bucket, device)
-        kept = self.host_buffers
-        earlier = kept[bucket.index] if bucket.index < len(kept) else None
-        buffer, sizes = pack_bucket(bucket, device, reuse=earlier)
-        if earlier is None:
-            kept.append(buffer)  # buckets come in index order, from 0
-        elif buffer.data_ptr() != earlier.data_ptr():
-            kept[bucket.index] = buffer  # this bucket outgrew the kept one
-        return buffer, sizes
+            return pack_flat(bucket, device)
+        return pack_flat(bucket, device, lambda nbytes: pooled_host_buffer(self.host_buffers, bucket.index, nbytes))
 
 
 def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
@@ -96,7 +87,7 @@ def rendezvous_host(engine_bind_host: str) -> str:
     loopback (one machine), else this node's address (Ray's view of it inside a cluster)."""
     from vime_core.engines.server import advertised_host
 
-    return "127.0.0.1" if engine_bind_host in ("127.0.0.1", "localhost") else advertised_host("0.0.0.0")
+    return "127.0.0.1" if engine_bind_host in LOOPBACK else advertised_host("0.0.0.0")
 
 
 def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
@@ -115,14 +106,12 @@ class BroadcastTransport(WeightTransport):
     def __init__(self, carrier: str, host: str, device: torch.device, keeper: "PublishLoop | None" = None,
                  timeout_s: float = 300.0) -> None:
         super().__init__()
-        self.name = carrier
-        self.carrier = carrier
+        self.name = carrier  # "nccl" or "gloo"
         self.host = host  # the address engines reach this process at (the gloo store's)
         self.device = device
         self.keeper = keeper
         self.timeout_s = timeout_s
         self.kept: KeptGroup | None = None
-        self._buffers: list[torch.Tensor] = []
 
     # -- group -----------------------------------------------------------------------------
 
@@ -130,7 +119,7 @@ class BroadcastTransport(WeightTransport):
         await super().prepare(engines)
         answers = await self.on_every_engine("collective_rpc", GROUP_ID_RPC)
         urls = tuple(e.base_url for e in self.engines)
-        kept = self.keeper.broadcast_group(self.carrier) if self.keeper is not None else None
+        kept = self.keeper.broadcast_group(self.name) if self.keeper is not None else None
         if kept is not None and kept.engine_urls == urls and all(a == kept.group_id for per in answers for a in per):
             self.kept = kept
             return
@@ -143,11 +132,11 @@ class BroadcastTransport(WeightTransport):
     async def _form(self, workers: list[int], urls: tuple[str, ...]) -> KeptGroup:
         offsets, world = rank_offsets(workers)
         group_id = uuid.uuid4().hex
-        rendezvous, local = serve_rendezvous(self.carrier, self.host, world, self.timeout_s)
-        joining = in_daemon_thread(open_group, self.carrier, rendezvous, 0, world, self.device, self.timeout_s, local)
+        rendezvous, local = serve_rendezvous(self.name, self.host, world, self.timeout_s)
+        joining = in_daemon_thread(open_group, self.name, rendezvous, 0, world, self.device, self.timeout_s, local)
         inits = [
             asyncio.ensure_future(engine.init_weight_transfer(
-                BroadcastInitInfo(self.carrier, rendezvous, group_id, offset, world).to_dict()))
+                BroadcastInitInfo(self.name, rendezvous, group_id, offset, world).to_dict()))
             for engine, offset in zip(self.engines, offsets)
         ]
         try:
@@ -157,17 +146,17 @@ class BroadcastTransport(WeightTransport):
                 task.cancel()
             joining.add_done_callback(lambda f: f.exception() is None and f.result().close())
             raise
-        group = await asyncio.wait_for(joining, self.timeout_s)
+        group = await joining  # open_group gives up after timeout_s itself
         kept = KeptGroup(group_id, urls, group)
         if self.keeper is not None:
-            self.keeper.keep_broadcast_group(self.carrier, kept)
+            self.keeper.keep_broadcast_group(self.name, kept)
         return kept
 
     def _drop(self, kept: KeptGroup, abort: bool = False) -> None:
         """Forget `kept` and free it. `abort`: a broadcast may still be blocked in it; aborting
         can wait for that broadcast's own timeout, so it runs in a daemon thread."""
-        if self.keeper is not None and self.keeper.broadcast_group(self.carrier) is kept:
-            self.keeper.keep_broadcast_group(self.carrier, None)
+        if self.keeper is not None and self.keeper.broadcast_group(self.name) is kept:
+            self.keeper.keep_broadcast_group(self.name, None)
         if abort:
             threading.Thread(target=kept.group.abort, name="vime-broadcast-abort", daemon=True).start()
         else:
@@ -175,16 +164,12 @@ class BroadcastTransport(WeightTransport):
 
     # -- session ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        await self.open_session()
-
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.kept is not None, "prepare() forms or finds the group first"
         t0 = time.perf_counter()
         buffer, sizes = self.kept.pack(bucket, self.device)
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
-        self._buffers.append(buffer)
         info = BroadcastBucketInfo(self.kept.group_id, list(bucket.names), bucket.dtype_names,
                                    [list(t.shape) for t in bucket.tensors], sizes).to_dict()
         t1 = time.perf_counter()
@@ -206,11 +191,7 @@ class BroadcastTransport(WeightTransport):
         await asyncio.gather(receiving, sending)
         self.add_time("broadcast_and_load", time.perf_counter() - t1)
 
-    async def finish(self, version: int) -> None:
-        await self.close_session(version)
-
     async def close(self) -> None:
-        self._buffers.clear()
         if self.keeper is None and self.kept is not None:  # nobody keeps it for the next publish
             self._drop(self.kept)
             self.kept = None

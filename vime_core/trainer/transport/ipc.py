@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from vime_core.trainer.allocator import plain_segments
-from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
+from vime_core.trainer.buckets import Bucket, pack_flat
 from vime_core.trainer.transport.base import WeightTransport
 from vime_core.trainer.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
 
@@ -58,25 +58,15 @@ def default_reduce(buffer: torch.Tensor) -> tuple:
     return args
 
 
-def pack_bucket(bucket: Bucket, device: torch.device, reuse: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
-    """One flat uint8 buffer on `device` with the bucket's tensors back to back, and each
-    tensor's size in bytes. Raises when a tensor would start at an offset that is not a multiple
-    of its element size (vLLM views each slice as its dtype in place). `reuse`: a buffer of an
-    earlier publish to pack into when it is large enough (its first bytes are returned)."""
-    offsets, nbytes = packed_layout(bucket, alignment=1)
-    for name, dtype, offset in zip(bucket.names, bucket.dtypes, offsets):
-        if offset % dtype.itemsize:
-            raise ValueError(f"ipc bucket {bucket.index}: tensor {name!r} ({dtype}) would start at byte {offset}, "
-                             f"not a multiple of {dtype.itemsize}; send one wire dtype per bucket")
-    if reuse is not None and reuse.device == device and reuse.numel() >= nbytes:
-        buffer = reuse[:nbytes]
-    else:
-        with plain_segments():  # CUDA IPC shares cudaMalloc'd memory only (vime_core/trainer/allocator.py)
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
-        copy_into(buffer, offset, tensor, dtype)
-    sizes = [t.numel() * d.itemsize for t, d in zip(bucket.tensors, bucket.dtypes)]
-    return buffer, sizes
+def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """`buckets.pack_flat` into memory CUDA IPC can share: cudaMalloc'd segments only
+    (vime_core/trainer/allocator.py)."""
+
+    def shareable(nbytes: int) -> torch.Tensor:
+        with plain_segments():
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    return pack_flat(bucket, device, shareable)
 
 
 def ipc_update_info(bucket: Bucket, sizes: list[int], handle: dict[str, tuple], packed_flag: bool = False) -> dict[str, Any]:
@@ -126,9 +116,6 @@ class IpcTransport(WeightTransport):
         self._worker_gpus = [(engine.name, list(uuids or [])) for engine, uuids in zip(self.engines, gpus)]
         await self.on_every_engine("init_weight_transfer", {} if self._packed_in_update else {"packed": True})
 
-    async def start(self) -> None:
-        await self.open_session()
-
     async def send_bucket(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
         buffer, sizes = pack_bucket(bucket, self.device)
@@ -152,9 +139,6 @@ class IpcTransport(WeightTransport):
         self.bytes_moved = True
         await self.on_every_engine("update_weights", info)
         self.add_time("wait_load", time.perf_counter() - t1)
-
-    async def finish(self, version: int) -> None:
-        await self.close_session(version)
 
     async def close(self) -> None:
         self._buffers.clear()

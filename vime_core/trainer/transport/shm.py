@@ -74,7 +74,7 @@ class ShmTransport(WeightTransport):
         assert self.pool is not None, "prepare() first"
         self.pool.clean = False
         # Engines drop their mappings of the previous publish here, before any slot is rewritten.
-        await self.open_session()
+        await super().start()
 
     async def send_bucket(self, bucket: Bucket) -> None:
         if self._staged is not None and self._staged[0] == bucket.index:
@@ -94,7 +94,7 @@ class ShmTransport(WeightTransport):
 
     async def finish(self, version: int) -> None:
         await self._drain()
-        await self.close_session(version)
+        await super().finish(version)
         self.pool.clean = True
 
     async def abort(self) -> None:
