@@ -167,8 +167,9 @@ def test_weights_published_and_batches_stored(trained):
 def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     """Runs last: extends the run by two iterations, SIGKILLing the engine's vLLM server (on the
     worker node) as the first of them starts. The run goes on, the engine that replaces it is
-    put in a new broadcast group (the trainer's kept group spanned a server that is gone), and
-    the engines hold the trainer's weights after every sync."""
+    put in a new broadcast group (the trainer's kept group spanned a server that is gone), the
+    engines hold the trainer's weights after every sync, and the store holds one trainable batch
+    per rollout id (test_faults._check_run)."""
     import ray
 
     import tasks.rollout as rollout_task
@@ -176,7 +177,7 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     from vime_core.engines.client import SyncEngineClient
     from vime_core.report.records import read_records
     from vime_core.utils.processes import pid_alive
-    from tests.integration.flows.test_faults import _engine_server_pid, _handles
+    from tests.integration.flows.test_faults import _check_run, _engine_server_pid, _handles
 
     cfg, _ = trained
     manager, trainers = _handles(cfg)
@@ -209,4 +210,7 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     assert engine_after == [kept_after] and kept_after != kept_before
     checks = [r["weight_check"] for r in read_records(run.storage_uri, run.run_name)]
     assert len(checks) == run.num_rollout and all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
+    # what was stored: one trainable batch per rollout id, sampled by that iteration's weights;
+    # one optimizer step per rollout id; engine version == trainer version
+    _check_run(run, run.num_rollout)
 
