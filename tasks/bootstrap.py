@@ -54,10 +54,10 @@ def bootstrap(config: VimeConfig) -> dict:
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
     if new_manager or created:
         _restore_data_source(config, manager, extra.get("data_source"), new_manager)
-    # an engine whose server died is restarted (and given the trainer's weights) before its
-    # version is asked; one the health monitor is restarting is waited for
+    # an engine whose server died, or that failed to wake, is restarted (and given the trainer's
+    # weights) before its version is asked; one the health monitor is restarting is waited for
     if restarted := ray.get(manager.check_engines.remote()):
-        log.warning("restarted %d engine(s) whose server had died", restarted)
+        log.warning("restarted %d engine(s) whose server had died or could not wake", restarted)
     if woken := ray.get(manager.wake_asleep_engines.remote()):
         log.warning("%s asleep (an iteration stopped while engines slept): woke the weights; "
                     "the trainer's weights are published to every engine again", ", ".join(woken))

@@ -11,13 +11,14 @@ import ray.cloudpickle as cloudpickle
 
 def _instances():
     from vime_core.cluster.run_actors import ActorsMissingError
-    from vime_core.engines.client import EngineError
+    from vime_core.engines.client import EngineError, EngineWakeError
     from vime_core.storage.store import CorruptBatchError
     from vime_core.trainer.publish import PublishError
 
     return [
         (EngineError("engine-0", "/inference/v1/generate", None, "connection refused"), ("engine", "endpoint", "status", "body")),
         (EngineError("engine-1", "/pause", 503, "x" * 10), ("engine", "endpoint", "status", "body")),
+        (EngineWakeError("engine-2", ["weights"], 500, "CUDA Error: out of memory"), ("engine", "endpoint", "status", "tags", "why")),
         (PublishError("publish v3: engine-0 reports 2", bytes_moved=True), ("bytes_moved",)),
         (ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)), ("missing",)),
         (CorruptBatchError("batches/r/00000001.parquet", "checksum mismatch"), ("key", "detail")),

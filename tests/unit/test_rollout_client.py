@@ -12,8 +12,9 @@ from typing import Callable
 
 import pytest
 
-from vime_core.engines.client import (EngineClient, EngineError, SyncEngineClient, normalize_wake_tags, parse_weight_version,
-                                     wake_asleep_weights)
+from vime_core.engines.client import (EngineClient, EngineError, EngineWakeError, SyncEngineClient, normalize_wake_tags,
+                                     parse_weight_version)
+from vime_core.engines.health import HealthMonitor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -209,18 +210,125 @@ def test_sleep_and_wake_skip_without_platform_support():
     assert fake.requests == []
 
 
+class WakeableServer:
+    """What the RolloutManager's wake calls and the health monitor need of an engine server: the
+    fake engine at `url` answers; `restart` counts and makes a failing wake succeed."""
+
+    def __init__(self, url: str, fail_restart: bool = False) -> None:
+        self.url, self.attach_url, self.fail_restart = url, None, fail_restart
+        self.restarts = 0
+        self.wake_fails = False
+
+    def is_alive(self) -> bool:
+        return True  # the engine answers: only a condemnation restarts it
+
+    def process_exited(self) -> bool:
+        return False
+
+    def restart(self) -> str:
+        if self.fail_restart:
+            raise RuntimeError("engine-1: vllm_gpu_memory_utilization=0.5 asks for 50% of each device, but device 0: 1.0 GiB free")
+        self.restarts += 1
+        self.wake_fails = False
+        return self.url
+
+    def memory(self) -> dict:
+        return {}
+
+
+def _wake_handler(server: WakeableServer, asleep: bool):
+    def handle(method: str, path: str, body: dict):
+        if path == "/is_sleeping":
+            return 200, {"is_sleeping": asleep}
+        if path.startswith("/wake_up") and server.wake_fails:
+            return 500, {"error": "RuntimeError: CUDA Error: out of memory at cumem_allocator.cpp:119"}
+        return 200, {}
+    return handle
+
+
+def _manager(servers: list[WakeableServer], restarted: list) -> object:
+    """A RolloutManager reduced to what its wake calls and check_engines use: the engines'
+    clients, the health monitor (paused: the engines slept) and the loop."""
+    from vime_core.rollout.manager import RolloutManager
+    from vime_core.utils.loop_thread import LoopThread
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.servers = servers
+    manager._engine_clients = [EngineClient(s.url, name=f"engine-{i}") for i, s in enumerate(servers)]
+    manager._loop = LoopThread("test-wake")
+    manager.health = HealthMonitor(servers, on_restarted=lambda i, url: restarted.append((i, url)))
+    manager.health.pause()
+    return manager
+
+
+def _wakes(fake) -> list[str]:
+    return [p for m, p, _, _ in fake.requests if p.startswith("/wake_up")]
+
+
 def test_only_engines_left_asleep_wake_their_weights():
     """What bootstrap does after an iteration stopped while engines slept: the asleep engine
     (here the second) wakes its weights, not its KV cache; the awake one gets no wake call."""
-    def engine(asleep: bool):
-        return FakeEngine(lambda m, p, b: (200, {"is_sleeping": asleep} if p == "/is_sleeping" else {}))
-
-    with engine(False) as awake, engine(True) as asleep:
-        clients = [EngineClient(awake.url, name="engine-0"), EngineClient(asleep.url, name="engine-1")]
-        assert asyncio.run(wake_asleep_weights(clients)) == ["engine-1"]
-        assert asyncio.run(wake_asleep_weights(clients[:1])) == []
-    assert [(m, p) for m, p, _, _ in awake.requests] == [("GET", "/is_sleeping")] * 2
+    servers = [WakeableServer(""), WakeableServer("")]
+    with FakeEngine(_wake_handler(servers[0], False)) as awake, FakeEngine(_wake_handler(servers[1], True)) as asleep:
+        servers[0].url, servers[1].url = awake.url, asleep.url
+        manager = _manager(servers, [])
+        try:
+            assert manager.wake_asleep_engines() == ["engine-1"]
+        finally:
+            manager._loop.close()
+    assert [(m, p) for m, p, _, _ in awake.requests] == [("GET", "/is_sleeping")]
     assert [(m, p) for m, p, _, _ in asleep.requests] == [("GET", "/is_sleeping"), ("POST", "/wake_up?tags=weights")]
+
+
+def test_an_engine_that_fails_to_wake_is_restarted_before_it_is_woken_again():
+    """vLLM maps a sleeping engine's memory back allocation by allocation; a wake that ran out of
+    memory part-way leaves it unable to wake (a second wake maps everything again). The other
+    engine still wakes; the failed one gets no second wake call (the task's retries fail at once);
+    bootstrap's check restarts it while the engines sleep, weights first, and then it wakes."""
+    restarted: list = []
+    servers = [WakeableServer(""), WakeableServer("")]
+    servers[1].wake_fails = True
+    with FakeEngine(_wake_handler(servers[0], True)) as good, FakeEngine(_wake_handler(servers[1], True)) as bad:
+        servers[0].url, servers[1].url = good.url, bad.url
+        manager = _manager(servers, restarted)
+        try:
+            with pytest.raises(EngineWakeError) as err:
+                manager.onload_weights()
+            assert (err.value.engine, err.value.status, err.value.tags) == ("engine-1", 500, ["weights"])
+            assert "out of memory" in str(err.value) and "restarted" in str(err.value)
+            assert _wakes(good) == ["/wake_up?tags=weights"] and _wakes(bad) == ["/wake_up?tags=weights"]
+            assert "out of memory" in manager.health.condemned(1) and manager.health.condemned(0) is None
+
+            with pytest.raises(EngineWakeError, match="engine-1"):
+                manager.onload_weights()  # a retry of the task: no call reaches either engine
+            assert len(_wakes(good)) == 1 and len(_wakes(bad)) == 1
+
+            assert manager.health.check_now() == 0  # the monitor's own passes wait while engines sleep
+            assert manager.check_engines() == 1  # bootstrap's pass does not
+            assert servers[1].restarts == 1 and servers[0].restarts == 0 and restarted == [(1, bad.url)]
+            assert manager.health.condemned_engines() == {}
+            manager.onload_weights()
+            assert len(_wakes(good)) == 2 and len(_wakes(bad)) == 2
+        finally:
+            manager._loop.close()
+
+
+def test_an_engine_that_cannot_be_restarted_stops_bootstrap_naming_why():
+    servers = [WakeableServer("", fail_restart=True)]
+    servers[0].wake_fails = True
+    with FakeEngine(_wake_handler(servers[0], True)) as bad:
+        servers[0].url = bad.url
+        manager = _manager(servers, [])
+        try:
+            with pytest.raises(EngineWakeError):
+                manager.onload_kv()
+            with pytest.raises(EngineError) as err:
+                manager.check_engines()
+            assert err.value.engine == "engine-0" and err.value.endpoint == "restart"
+            assert "out of memory" in str(err.value) and "0.5 asks for 50%" in str(err.value)
+            assert manager.health.condemned(0) is not None  # the next bootstrap tries again
+        finally:
+            manager._loop.close()
 
 
 def test_wake_tags_and_versions_are_normalised():

@@ -62,6 +62,22 @@ class PrefixCacheBusy(EngineError):
     """vLLM refused to flush the prefix cache (blocks held by running requests), every time."""
 
 
+class EngineWakeError(EngineError):
+    """An engine did not wake. vLLM maps an engine's memory back allocation by allocation and a
+    second wake maps every allocation again, so an engine whose wake failed part-way (out of
+    device memory) cannot wake any more: it is restarted, then given the trainer's weights, before
+    it serves again (RolloutManager._wake, HealthMonitor.condemn)."""
+
+    def __init__(self, engine: str, tags: Iterable[str], status: Optional[int], why: str) -> None:
+        self.tags = list(tags)
+        self.why = why
+        super().__init__(engine, f"POST /wake_up?tags={','.join(self.tags)}", status,
+                         f"{why} (the engine is restarted and given the trainer's weights before it serves again)")
+
+    def __reduce__(self):
+        return type(self), (self.engine, self.tags, self.status, self.why)
+
+
 def redact_url(url: str) -> str:
     """The URL without user:password, so it can go into logs and errors."""
     parts = urlsplit(url)
@@ -350,17 +366,24 @@ async def call_all(engines: Iterable["EngineClient"], method: str, *args: Any, *
     return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))
 
 
-async def wake_asleep_weights(engines: Iterable["EngineClient"]) -> list[str]:
-    """Wake the weights of every engine that is asleep (any part), concurrently; their names.
+async def which_asleep(engines: Iterable["EngineClient"]) -> list[int]:
+    """The indices of the engines that are asleep (any part).
 
     An engine is asleep outside a step only when an iteration stopped between its offload_rollout
     and its onload_kv. Its weights are then stale or, after a level-2 sleep, gone, while it still
-    reports its last version: the caller must publish to it whatever version it reports. The KV
-    cache stays asleep (woken after that publish, once the trainer slept: onload_kv)."""
-    engines = list(engines)
-    asleep = [e for e, sleeping in zip(engines, await call_all(engines, "is_sleeping")) if sleeping]
-    await call_all(asleep, "wake_up", ["weights"])
-    return [e.name for e in asleep]
+    reports its last version: whoever wakes it must publish to it whatever version it reports."""
+    return [i for i, sleeping in enumerate(await call_all(engines, "is_sleeping")) if sleeping]
+
+
+async def wake_each(engines: Iterable["EngineClient"], tags: Iterable[str]) -> list[Optional[Exception]]:
+    """`wake_up(tags)` on every engine at once; each engine's failure, or None. Every call runs
+    to its end, so one engine's failure neither hides another's nor leaves it unreported."""
+    tags = list(tags)
+    answers = await asyncio.gather(*(e.wake_up(tags) for e in engines), return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer  # a cancellation or an exit is not an engine's failure
+    return [a if isinstance(a, Exception) else None for a in answers]
 
 
 def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:

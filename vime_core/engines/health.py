@@ -8,7 +8,10 @@ there), then the router (or the in-client PolicyRouter) gets its new URL. Reques
 flight on it fail, and the rollout loop retries them on a live engine: nothing is lost.
 
 The monitor is paused while engines sleep (offload: a sleeping engine may not answer) and
-resumed when they generate again.
+resumed when they generate again. An engine whose memory is in an unknown state (a wake that
+failed part-way: vime_core.engines.client.EngineWakeError) is condemned: the next pass restarts
+it although it answers. Bootstrap's pass (`check_now(even_paused=True)`) runs while engines sleep,
+so an engine that died or failed to wake in an iteration that stopped there is restarted too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class HealthMonitor:
         self.restarts = 0
         self.errors: list[str] = []
         self._failures = [0] * len(self.servers)
+        self._condemned: dict[int, str] = {}  # engine index -> why it must be restarted
         self._active = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one check/restart at a time (check_now from other threads)
@@ -73,21 +77,33 @@ class HealthMonitor:
             self.check_now()
             self._stop.wait(self.interval_s)
 
-    def check_now(self) -> int:
-        """One pass over the engines; returns how many were restarted."""
+    def condemn(self, index: int, why: str) -> None:
+        """Engine `index` is restarted by the next pass, although it answers."""
+        self._condemned[index] = why
+
+    def condemned(self, index: int) -> Optional[str]:
+        """Why engine `index` awaits a restart, or None."""
+        return self._condemned.get(index)
+
+    def condemned_engines(self) -> dict[int, str]:
+        return dict(self._condemned)
+
+    def check_now(self, even_paused: bool = False) -> int:
+        """One pass over the engines; returns how many were restarted. A paused monitor makes no
+        pass unless `even_paused`."""
         restarted = 0
         with self._lock:
             for i, server in enumerate(self.servers):
-                if self._stop.is_set() or self.paused:
+                if self._stop.is_set() or (self.paused and not even_paused):
                     break
                 if getattr(server, "attach_url", None):
                     continue  # not ours to restart
-                if self._alive(server):
+                condemned = i in self._condemned
+                if not condemned and self._alive(server):
                     self._failures[i] = 0
                     continue
                 self._failures[i] += 1
-                process_gone = self._exited(server)
-                if process_gone or self._failures[i] >= self.failures_to_restart:
+                if condemned or self._exited(server) or self._failures[i] >= self.failures_to_restart:
                     restarted += self._restart(i, server)
         return restarted
 
@@ -107,7 +123,7 @@ class HealthMonitor:
 
     def _restart(self, index: int, server: object) -> int:
         old_url = server.url  # type: ignore[attr-defined]
-        logger.warning("engine %d at %s is dead; restarting", index, old_url)
+        logger.warning("engine %d at %s: %s; restarting", index, old_url, self._condemned.get(index, "dead"))
         try:
             new_url = server.restart()  # type: ignore[attr-defined]
             if self.on_restarted is not None:
@@ -120,6 +136,7 @@ class HealthMonitor:
             self.errors.append(message[:2000])
             return 0
         self._failures[index] = 0
+        self._condemned.pop(index, None)
         self.restarts += 1
         logger.warning("engine %d restarted at %s", index, new_url)
         return 1

@@ -322,19 +322,41 @@ class RolloutManager:
 
     def wake_asleep_engines(self) -> list[str]:
         """Engines a stopped iteration left asleep wake their weights; their names (bootstrap
-        publishes to them: vime_core.engines.client.wake_asleep_weights)."""
-        from vime_core.engines.client import wake_asleep_weights
+        publishes to them: vime_core.engines.client.which_asleep)."""
+        from vime_core.engines.client import which_asleep
 
-        return self._loop.run(wake_asleep_weights(self._engine_clients))
+        asleep = self._loop.run(which_asleep(self._engine_clients))
+        self._wake(["weights"], asleep)
+        return [self._engine_clients[i].name for i in asleep]
 
     def onload_weights(self) -> list[dict]:
-        self._each_engine("wake_up", ["weights"])
+        self._wake(["weights"])
         return self.engine_memory()
 
     def onload_kv(self) -> list[dict]:
-        self._each_engine("wake_up", ["kv_cache"])
+        self._wake(["kv_cache"])
         self.health.resume()
         return self.engine_memory()
+
+    def _wake(self, tags: list[str], indices: Optional[Sequence[int]] = None) -> None:
+        """`wake_up(tags)` on the engines `indices` (None: all), concurrently. An engine whose wake
+        fails cannot wake again (EngineWakeError): it is condemned, check_engines restarts it,
+        and no wake is tried on it before that. Raises the first engine's EngineWakeError after
+        every engine's call ended."""
+        from vime_core.engines.client import EngineWakeError, wake_each
+
+        indices = range(len(self._engine_clients)) if indices is None else indices
+        clients = [self._engine_clients[i] for i in indices]
+        for i, client in zip(indices, clients):
+            if (why := self.health.condemned(i)) is not None:
+                raise EngineWakeError(client.name, tags, None, why)
+        failed = [(i, c, exc) for i, c, exc in zip(indices, clients, self._loop.run(wake_each(clients, tags))) if exc is not None]
+        for i, client, exc in failed:
+            logger.error("%s did not wake %s: %s", client.name, tags, exc)
+            self.health.condemn(i, f"wake_up({','.join(tags)}) failed: {exc}")
+        if failed:
+            i, client, exc = failed[0]
+            raise EngineWakeError(client.name, tags, getattr(exc, "status", None), str(exc)) from exc
 
     def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
@@ -390,10 +412,20 @@ class RolloutManager:
         return self._each_engine("weight_version")
 
     def check_engines(self) -> int:
-        """Restart every dead engine now, or wait for the restart the health monitor is running
-        (a restarted engine gets the trainer's weights first); how many this call restarted."""
+        """Restart every dead or condemned engine now (also while engines sleep), or wait for the
+        restart the health monitor is running (a restarted engine gets the trainer's weights
+        first); how many this call restarted. Raises EngineError when a condemned engine is
+        still not restarted (its restart failed, or it is attached and not ours to restart)."""
+        from vime_core.engines.client import EngineError
+
         health = getattr(self, "health", None)
-        return health.check_now() if health is not None else 0
+        if health is None:
+            return 0
+        restarted = health.check_now(even_paused=True)
+        for i, why in health.condemned_engines().items():
+            restart = health.errors[-1] if health.errors else "it is attached (engine_urls): restart it, then run again"
+            raise EngineError(self._engine_clients[i].name, "restart", None, f"{why}; not restarted: {restart}")
+        return restarted
 
     # ---- state -------------------------------------------------------------------------------
 
