@@ -30,44 +30,24 @@ def _config_from(ns: dict, parser):
     return config_from_namespace(ns, parser)
 
 
-INTERRUPT_GRACE_S = 10.0
-
-
-def _exit_soon_after_interrupt(message: str, grace_s: float = INTERRUPT_GRACE_S) -> None:
-    """Ctrl-C also reaches Prefect's temporary server (same process group). The interrupt still
-    unwinds normally, but Prefect then reports the crash to that dead server with retries and
-    backoff (measured: 75 s before the process ended). So exit at most `grace_s` after the first
-    Ctrl-C; a second one exits at once. Stored batches and checkpoints are complete files
-    (atomic writes)."""
-    import signal
-    import threading
-
-    def on_interrupt(signum, frame):
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        timer = threading.Timer(grace_s, os._exit, args=(130,))
-        timer.daemon = True
-        timer.start()
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_interrupt)
-
-
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("vime train")
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
     from flows.train import RunStoppedError, one_line_failures, train
 
-    _exit_soon_after_interrupt(f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
-                               f"run again with --run-name {cfg.run_name} to resume\n")
+    from vime_core.utils import interrupt
+
+    interrupt.install(f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
+                      f"run again with --run-name {cfg.run_name} to resume\n")
     try:
         with one_line_failures():  # the flow run's own failure line, without a page of traceback
             summary = train(cfg)
     except KeyboardInterrupt:
         # the caller's cleanup (infra/main_job.sh) stops engines, actors and the Ray head
-        os._exit(130)
+        os._exit(interrupt.exit_status())
     except RunStoppedError as exc:
+        if interrupt.received() is not None:  # the signal's failure, not the run's
+            os._exit(interrupt.exit_status())
         # the flow already logged why; the user's last line says it once more, without a traceback
         sys.stderr.write(f"[vime] run {cfg.run_name!r} stopped: {exc}\n")
         return 1

@@ -27,6 +27,7 @@ from tasks.sync import check_weight_update, sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import iteration_record, plan_step, version_before
+from vime_core.utils import interrupt
 
 
 def _run_name() -> str:
@@ -36,6 +37,7 @@ def _run_name() -> str:
 
 @flow(name="iteration", flow_run_name=_run_name, log_prints=True, retries=0)
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
+    interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
     done: dict[str, dict] = {}

@@ -30,10 +30,12 @@ from vime_core.config.loader import describe, dump_config, run_config_uri
 from vime_core.report.curve import preload as preload_curve
 from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.utils import interrupt
 
 
 @flow(name="train", flow_run_name="train-{config.run_name}", log_prints=True)
 def train(config: VimeConfig) -> dict:
+    interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     log = get_run_logger()
     t0 = time.perf_counter()
     preload_curve()  # the first reward curve then draws in ~0.1 s

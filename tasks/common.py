@@ -13,10 +13,14 @@ from vime_core.faults import pause_points
 def retry_unless_configuration(task, task_run, state) -> bool:
     """Prefect's retry condition for every phase task: a configuration or data error fails the
     same way on every try (vime_core/faults.py), and so does a call to an actor that died (only
-    bootstrap, before the iteration's retry, rebuilds it): neither is retried; anything else is."""
-    from vime_core.faults import CONFIGURATION, actor_died, classify
+    bootstrap, before the iteration's retry, rebuilds it): neither is retried; nor is anything
+    once the process was told to stop (vime_core.faults.stopped_by_signal); anything else is."""
+    from vime_core.faults import CONFIGURATION, actor_died, classify, stopped_by_signal
+    from vime_core.utils import interrupt
 
     exc = state.data if isinstance(state.data, BaseException) else None
+    if interrupt.received() is not None or (exc is not None and stopped_by_signal(exc)):
+        return False
     retry = exc is None or not (actor_died(exc) or classify(exc).kind == CONFIGURATION)
     if retry:
         _announce_retry(task, task_run, exc)

@@ -138,6 +138,19 @@ def classify(exc: BaseException) -> Fault:
     return Fault(UNKNOWN, False, describe(err), type(err).__name__)
 
 
+def stopped_by_signal(exc: BaseException) -> bool:
+    """`exc` is, or came from, the process being told to stop: KeyboardInterrupt (Ctrl-C, or
+    SIGTERM under `vime train`: vime_core.utils.interrupt), SystemExit, or Prefect's
+    TerminationSignal. Raised inside a C call, such a signal arrives wrapped in a SystemError;
+    retrying it would go on with work the user or the scheduler just stopped."""
+    for err in _chain(exc):
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            return True
+        if any(k.__name__ == "ExternalSignal" and k.__module__.startswith("prefect") for k in type(err).__mro__):
+            return True
+    return False
+
+
 def actor_died(exc: BaseException) -> bool:
     """The failed call's own actor is dead (ActorDiedError) or gone (ActorsMissingError): only
     rebuilding it helps, so a phase task does not try it again and the iteration's retry

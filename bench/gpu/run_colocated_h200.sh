@@ -33,7 +33,8 @@ timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/
     --ray-address "$address" \
     --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$work/prompts-long.jsonl" \
     --eval-prompt-data "$work/prompts-long.jsonl" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
-echo "[gpu] train exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+# (pipefail: the driver's status, or 124 when TRAIN_TIMEOUT stopped it)
+echo "[gpu] train exit $status after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true
 cp -r "$work/runs/reports/$run" "$out/reports" 2>/dev/null || true
 mkdir -p "$out/engine-logs" && for f in .cache/engine-logs/*.log; do grep -v "it/s]" "$f" | tail -n 300 > "$out/engine-logs/$(basename $f)"; done 2>/dev/null || true

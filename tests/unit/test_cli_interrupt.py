@@ -1,6 +1,7 @@
-"""Ctrl-C on `vime train`: the process ends within the grace period even when the unwinding
-code swallows the interrupt and hangs (as Prefect's crash reporting does against its own
-temporary server, which the same Ctrl-C killed)."""
+"""Ctrl-C or SIGTERM on `vime train`: the process ends within the grace period even when the
+unwinding code swallows the interrupt and hangs (as Prefect's crash reporting does against its own
+temporary server, which the same signal killed), also inside a Prefect flow run, which takes
+SIGTERM over (vime_core/utils/interrupt.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from flows.cli import _exit_soon_after_interrupt
-    _exit_soon_after_interrupt("interrupted: resume with --run-name x\\n", grace_s=1.0)
+    from vime_core.utils import interrupt
+    interrupt.install("interrupted: resume with --run-name x\\n", grace_s=1.0)
+    if sys.argv[1:] == ["in-flow"]:  # what a Prefect flow run does to SIGTERM, then what our flows do
+        from prefect.utilities.engine import capture_sigterm
+        scope = capture_sigterm()
+        scope.__enter__()
+        interrupt.reinstall()
     try:
         print("ready", flush=True)
         time.sleep(60)
@@ -26,9 +34,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _start() -> subprocess.Popen:
+def _start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == "ready"
     return proc
@@ -52,3 +60,43 @@ def test_second_ctrl_c_exits_at_once():
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=20)
     assert rc == 130 and time.monotonic() - t0 < 0.8
+
+
+@pytest.mark.parametrize("where", ["outside", "in-flow"])
+def test_sigterm_exits_143_within_the_grace_period_with_the_resume_hint(where):
+    """A scheduler preempting the job: the same as Ctrl-C, also while a flow run holds SIGTERM."""
+    proc = _start(where)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=20)
+    elapsed = time.monotonic() - t0
+    assert rc == 143 and 0.9 < elapsed < 10, (rc, elapsed)
+    assert "resume with --run-name x" in proc.stderr.read()
+
+
+def test_a_task_is_not_retried_once_the_process_was_told_to_stop():
+    """A signal raised inside a C call arrives as a SystemError caused by it (seen on the H200
+    with Prefect's TerminationSignal): that is the stop, not a failure to retry."""
+    from tasks.common import retry_unless_configuration
+    from vime_core.faults import stopped_by_signal
+
+    class State:
+        def __init__(self, data):
+            self.data = data
+
+    def wrapped(cause: BaseException) -> SystemError:
+        try:
+            try:
+                raise cause
+            except BaseException as inner:
+                raise SystemError("<built-in method __new__ of type object> returned a result with an exception set") from inner
+        except SystemError as outer:
+            return outer
+
+    from prefect.exceptions import TerminationSignal
+
+    for cause in (KeyboardInterrupt(), TerminationSignal(signal.SIGTERM)):
+        assert stopped_by_signal(wrapped(cause))
+        assert retry_unless_configuration(None, None, State(wrapped(cause))) is False
+    assert not stopped_by_signal(wrapped(ConnectionError("refused")))
+    assert retry_unless_configuration(None, None, State(wrapped(ConnectionError("refused")))) is True
