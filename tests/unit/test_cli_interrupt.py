@@ -42,13 +42,18 @@ def _start(*args: str) -> subprocess.Popen:
     return proc
 
 
-def test_first_ctrl_c_exits_130_within_the_grace_period_with_the_resume_hint():
-    proc = _start()
+@pytest.mark.parametrize("signum, where, status", [
+    (signal.SIGINT, "outside", 130),
+    (signal.SIGTERM, "outside", 143),  # a scheduler preempting the job
+    (signal.SIGTERM, "in-flow", 143),  # while a Prefect flow run holds SIGTERM
+])
+def test_first_signal_exits_within_the_grace_period_with_the_resume_hint(signum, where, status):
+    proc = _start(where)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     rc = proc.wait(timeout=20)
     elapsed = time.monotonic() - t0
-    assert rc == 130 and 0.9 < elapsed < 10, (rc, elapsed)
+    assert rc == status and 0.9 < elapsed < 10, (rc, elapsed)
     assert "resume with --run-name x" in proc.stderr.read()
 
 
@@ -60,18 +65,6 @@ def test_second_ctrl_c_exits_at_once():
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=20)
     assert rc == 130 and time.monotonic() - t0 < 0.8
-
-
-@pytest.mark.parametrize("where", ["outside", "in-flow"])
-def test_sigterm_exits_143_within_the_grace_period_with_the_resume_hint(where):
-    """A scheduler preempting the job: the same as Ctrl-C, also while a flow run holds SIGTERM."""
-    proc = _start(where)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=20)
-    elapsed = time.monotonic() - t0
-    assert rc == 143 and 0.9 < elapsed < 10, (rc, elapsed)
-    assert "resume with --run-name x" in proc.stderr.read()
 
 
 def test_a_task_is_not_retried_once_the_process_was_told_to_stop():
