@@ -143,12 +143,9 @@ def stopped_by_signal(exc: BaseException) -> bool:
     SIGTERM under `vime train`: vime_core.utils.interrupt), SystemExit, or Prefect's
     TerminationSignal. Raised inside a C call, such a signal arrives wrapped in a SystemError;
     retrying it would go on with work the user or the scheduler just stopped."""
-    for err in _chain(exc):
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            return True
-        if any(k.__name__ == "ExternalSignal" and k.__module__.startswith("prefect") for k in type(err).__mro__):
-            return True
-    return False
+    from prefect.exceptions import ExternalSignal
+
+    return any(isinstance(err, (KeyboardInterrupt, SystemExit, ExternalSignal)) for err in _chain(exc))
 
 
 def actor_died(exc: BaseException) -> bool:

@@ -41,6 +41,7 @@ class HealthMonitor:
         self.errors: list[str] = []
         self._failures = [0] * len(self.servers)
         self._condemned: dict[int, str] = {}  # engine index -> why it must be restarted
+        self.restart_errors: dict[int, str] = {}  # engine index -> why its last restart failed
         self._active = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one check/restart at a time (check_now from other threads)
@@ -134,9 +135,11 @@ class HealthMonitor:
             message = f"engine {index}: restart failed: {type(exc).__name__}: {exc}"
             logger.error(message)
             self.errors.append(message[:2000])
+            self.restart_errors[index] = message[:2000]
             return 0
         self._failures[index] = 0
         self._condemned.pop(index, None)
+        self.restart_errors.pop(index, None)
         self.restarts += 1
         logger.warning("engine %d restarted at %s", index, new_url)
         return 1

@@ -422,8 +422,9 @@ class RolloutManager:
         if health is None:
             return 0
         restarted = health.check_now(even_paused=True)
-        for i, why in health.condemned_engines().items():
-            restart = health.errors[-1] if health.errors else "it is attached (engine_urls): restart it, then run again"
+        if stuck := health.condemned_engines():
+            i, why = min(stuck.items())
+            restart = health.restart_errors.get(i, "it is attached (engine_urls): restart it, then run again")
             raise EngineError(self._engine_clients[i].name, "restart", None, f"{why}; not restarted: {restart}")
         return restarted
 
