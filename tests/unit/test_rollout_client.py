@@ -12,8 +12,8 @@ from typing import Callable
 
 import pytest
 
-from vime_core.engines.client import (EngineClient, EngineError, EngineWakeError, SyncEngineClient, normalize_wake_tags,
-                                     parse_weight_version)
+from vime_core.engines.client import (BODY_EXCERPT_CHARS, EngineClient, EngineError, EngineWakeError, SyncEngineClient,
+                                     normalize_wake_tags, parse_weight_version)
 from vime_core.engines.health import HealthMonitor
 
 pytestmark = pytest.mark.timeout(60)
@@ -218,6 +218,7 @@ class WakeableServer:
         self.url, self.attach_url, self.fail_restart = url, None, fail_restart
         self.restarts = 0
         self.wake_fails = False
+        self.wake_answer = "Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163"
 
     def is_alive(self) -> bool:
         return True  # the engine answers: only a condemnation restarts it
@@ -241,7 +242,7 @@ def _wake_handler(server: WakeableServer, asleep: bool):
         if path == "/is_sleeping":
             return 200, {"is_sleeping": asleep}
         if path.startswith("/wake_up") and server.wake_fails:
-            return 500, {"error": "RuntimeError: CUDA Error: out of memory at cumem_allocator.cpp:119"}
+            return 500, {"error": {"message": server.wake_answer, "type": "InternalServerError", "code": 500}}  # vLLM 0.26's answer
         return 200, {}
     return handle
 
@@ -296,6 +297,7 @@ def test_an_engine_that_fails_to_wake_is_restarted_before_it_is_woken_again():
                 manager.onload_weights()
             assert (err.value.engine, err.value.status, err.value.tags) == ("engine-1", 500, ["weights"])
             assert "out of memory" in str(err.value) and "restarted" in str(err.value)
+            assert str(err.value).count("engine-1") == 1  # the engine's answer, not its client's message again
             assert _wakes(good) == ["/wake_up?tags=weights"] and _wakes(bad) == ["/wake_up?tags=weights"]
             assert "out of memory" in manager.health.condemned(1) and manager.health.condemned(0) is None
 
@@ -314,8 +316,11 @@ def test_an_engine_that_fails_to_wake_is_restarted_before_it_is_woken_again():
 
 
 def test_an_engine_that_cannot_be_restarted_stops_bootstrap_naming_why():
+    """The restart's own error reaches the message although the wake's answer fills the excerpt
+    an EngineError keeps (on the H200 a long vLLM answer cut the restart's error off)."""
     servers = [WakeableServer("", fail_restart=True)]
     servers[0].wake_fails = True
+    servers[0].wake_answer = "Call to wake_up method failed: CUDA Error: out of memory " + "x" * BODY_EXCERPT_CHARS
     with FakeEngine(_wake_handler(servers[0], True)) as bad:
         servers[0].url = bad.url
         manager = _manager(servers, [])

@@ -58,6 +58,14 @@ class EngineError(RuntimeError):
         return type(self), (self.engine, self.endpoint, self.status, self.body)
 
 
+def engine_answer(exc: BaseException) -> tuple[Optional[int], str]:
+    """(HTTP status or None, what the engine answered) of a failed call: an EngineError's own
+    status and body, without the engine's name and path that its message already carries."""
+    if isinstance(exc, EngineError):
+        return exc.status, exc.body
+    return None, f"{type(exc).__name__}: {exc}"
+
+
 class PrefixCacheBusy(EngineError):
     """vLLM refused to flush the prefix cache (blocks held by running requests), every time."""
 

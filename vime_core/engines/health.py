@@ -132,10 +132,10 @@ class HealthMonitor:
             if self.on_url_changed is not None:
                 self.on_url_changed(old_url, new_url)
         except Exception as exc:
-            message = f"engine {index}: restart failed: {type(exc).__name__}: {exc}"
-            logger.error(message)
-            self.errors.append(message[:2000])
-            self.restart_errors[index] = message[:2000]
+            why = f"{type(exc).__name__}: {exc}"[:2000]
+            logger.error("engine %d: restart failed: %s", index, why)
+            self.errors.append(f"engine {index}: restart failed: {why}")
+            self.restart_errors[index] = why
             return 0
         self._failures[index] = 0
         self._condemned.pop(index, None)

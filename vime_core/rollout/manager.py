@@ -343,20 +343,21 @@ class RolloutManager:
         fails cannot wake again (EngineWakeError): it is condemned, check_engines restarts it,
         and no wake is tried on it before that. Raises the first engine's EngineWakeError after
         every engine's call ended."""
-        from vime_core.engines.client import EngineWakeError, wake_each
+        from vime_core.engines.client import EngineWakeError, engine_answer, wake_each
 
         indices = range(len(self._engine_clients)) if indices is None else indices
         clients = [self._engine_clients[i] for i in indices]
         for i, client in zip(indices, clients):
             if (why := self.health.condemned(i)) is not None:
-                raise EngineWakeError(client.name, tags, None, why)
+                raise EngineWakeError(client.name, tags, None, f"not tried again before its restart: {why}")
         failed = [(i, c, exc) for i, c, exc in zip(indices, clients, self._loop.run(wake_each(clients, tags))) if exc is not None]
         for i, client, exc in failed:
             logger.error("%s did not wake %s: %s", client.name, tags, exc)
-            self.health.condemn(i, f"wake_up({','.join(tags)}) failed: {exc}")
+            status, answer = engine_answer(exc)
+            self.health.condemn(i, f"wake_up({','.join(tags)}) failed ({status or 'no answer'}): {answer}")
         if failed:
             i, client, exc = failed[0]
-            raise EngineWakeError(client.name, tags, getattr(exc, "status", None), str(exc)) from exc
+            raise EngineWakeError(client.name, tags, *engine_answer(exc)) from exc
 
     def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
@@ -425,7 +426,8 @@ class RolloutManager:
         if stuck := health.condemned_engines():
             i, why = min(stuck.items())
             restart = health.restart_errors.get(i, "it is attached (engine_urls): restart it, then run again")
-            raise EngineError(self._engine_clients[i].name, "restart", None, f"{why}; not restarted: {restart}")
+            # the restart's own error first: EngineError keeps only the first BODY_EXCERPT_CHARS
+            raise EngineError(self._engine_clients[i].name, "restart", None, f"{restart} (it was to be restarted: {why})")
         return restarted
 
     # ---- state -------------------------------------------------------------------------------
