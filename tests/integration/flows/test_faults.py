@@ -10,7 +10,8 @@ order, each extending it:
   stored batches;
 - the trainer refuses a batch (a data error): the iteration is not retried and the error says so;
 - the driver (`vime train`) is SIGKILLed inside each phase in turn (rollout, persist, train, sync,
-  checkpoint), each time resumed by the same command, which finishes the run;
+  checkpoint), each time resumed by the same command, then stopped by SIGTERM (a scheduler's
+  preemption: exit 143 within the grace period, no task retried); the same command finishes the run;
 - within one `vime train`, the trainer's process, the RolloutManager's process and the vLLM
   server are SIGKILLed as chosen phases start: the run goes on, and its console says so in one
   line per fault, without a traceback.
@@ -268,9 +269,10 @@ def _stored_ids_whole(cfg) -> list[int]:
 
 def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_trainer, repo_root, tmp_path):
     """`vime train` SIGKILLed (with everything it started) inside each phase of the step, one
-    phase per driver, each driver the same command resuming after the one before; the last runs
-    the run to its end. Each kill lands in its phase: the driver pauses as that phase's task run
-    starts (vime_core/faults.PausePoints) and is killed there."""
+    phase per driver, each driver the same command resuming after the one before, then one
+    stopped by SIGTERM; the last runs the run to its end. Each kill lands in its phase: the
+    driver pauses as that phase's task run starts (vime_core/faults.PausePoints) and is killed
+    there."""
     from vime_core.step_protocol import due, version_before
 
     cfg, _, _ = killed_trainer
@@ -279,7 +281,8 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     save_k = next(k for k in range(sync_k + 1, sync_k + 1 + cfg.save_interval) if due(cfg.save_interval, k, -1))
     kills = [f"rollout-{rollout_k}", f"persist-{persist_k}", f"train-{train_k}",
              f"sync-v{version_before(sync_k) + 1}", f"save-{save_k}"]
-    run = cfg.model_copy(update={"num_rollout": save_k + 2})  # save_k is not the last iteration
+    term_k = save_k + 1  # a driver stopped by SIGTERM (a scheduler's preemption) once past train-term_k's start
+    run = cfg.model_copy(update={"num_rollout": term_k + 3})  # the SIGTERM lands before the last iteration ends
     raw_before = len(_raw_records(cfg))
     trainer_pid = _trainer_pid(_handles(run)[1])
     pause_dir = tmp_path / "paused"
@@ -295,10 +298,39 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
         stored = _stored_ids_whole(run)
         assert stored == list(range(len(stored))), (at, stored)  # nothing partial, no gap
 
+    # SIGTERM to the driver's process group (with its Prefect server) 0.5 s after it went on from
+    # train-term_k's start. Training was dispatched with the rollout, so on the tiny model the
+    # driver may be an iteration further by then; the iteration it lands in is the first one not
+    # reported. The driver retries nothing and exits 143 within the grace period
+    # (vime_core/utils/interrupt.py).
+    from vime_core.utils.interrupt import GRACE_S
+
+    at, log = f"train-{term_k}", tmp_path / "sigterm.log"
+    driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=[at], pause_dir=pause_dir)
+    try:
+        _wait_paused(driver, pause_dir / at, log)
+        (pause_dir / at).unlink()  # the train task goes on into its call to the trainer
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.killpg(driver.pid, signal.SIGTERM)
+        rc = driver.wait(timeout=GRACE_S + 30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    console = log.read_text() + _stderr_path(log).read_text()
+    assert rc == 143 and elapsed < GRACE_S + 5, (rc, elapsed, _tail(log))
+    assert f"--run-name {run.run_name} to resume" in console, _tail(log)
+    assert "; try 2 of" not in console and " - Retry " not in console, _tail(log)  # no task retried after the signal
+    stored = _stored_ids_whole(run)
+    assert stored == list(range(len(stored))), stored
+    stopped_k = max(r["rollout_id"] for r in _raw_records(cfg)) + 1  # the iteration the SIGTERM stopped
+    assert term_k <= stopped_k < run.num_rollout, (term_k, stopped_k)
+
     log = tmp_path / "last.log"
     rc = _vime_train(run, repo_root, tmp_path / "prefect", log).wait(timeout=900)
     assert rc == 0, _tail(log)
-    killed_ids = frozenset(range(rollout_k, save_k + 1))
+    killed_ids = frozenset(range(rollout_k, stopped_k + 1))
     _check_run(run, run.num_rollout, resumed=killed_ids)
     # each killed iteration ended before its report: the next driver ran it again, once
     assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))
