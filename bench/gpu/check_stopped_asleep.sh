@@ -11,13 +11,19 @@
 # engine's wake runs out of memory part-way. The iteration must fail with the engine named, the
 # driver must stop after its retries, and after the memory is given back the same command must
 # restart the engine (a half-woken vLLM cannot wake again), give it the trainer's weights and go on.
-# Writes $OUT/stopped_asleep.json (wake_failure.json with HARM=hog) and the matching .log.
+# HARM=term instead: the driver, started in a session of its own (with its Prefect server), goes on
+# from train-K (PAUSE_AT default) and 0.5 s later its session gets SIGTERM, as a scheduler preempting
+# the job: it must exit 143 within the grace period (vime_core/utils/interrupt.py) with the resume
+# hint and without retrying the train task; the same command then resumes the run.
+# Writes $OUT/stopped_asleep.json (wake_failure.json with HARM=hog, stopped_by_sigterm.json with
+# HARM=term) and the matching .log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 k=${1:?usage: check_stopped_asleep.sh K ITERATIONS}; iters=${2:?usage: check_stopped_asleep.sh K ITERATIONS}
 out=${OUT:-/tmp/vime-out}; work=${VIME_GPU_WORK:-/tmp/vime-gpu}; run=${RUN_NAME:-gpu-colocated-0.5b}
-at=${PAUSE_AT:-onload-weights-$k}  # another task run name only to try the script where engines do not sleep (CPU)
 harm=${HARM:-kill}; name=stopped_asleep; [ "$harm" = hog ] && name=wake_failure
+at=onload-weights-$k; launcher=""; [ "$harm" = term ] && { name=stopped_by_sigterm; at=train-$k; launcher=setsid; }
+at=${PAUSE_AT:-$at}  # another task run name only to try the script where engines do not sleep (CPU)
 pause=$work/pause; mkdir -p "$out" "$pause"; rm -f "$pause"/*
 export PYTHONPATH=/tmp/site-trainer:$PWD
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PREFECT_HOME=$work/prefect
@@ -26,7 +32,7 @@ address=$(python3 -m flows.cli cluster up --num-gpus "${NUM_GPUS:-1}" | tail -n 
 # TRAIN_FLAGS: the run's own flags (empty: the CPU default job, to try the script without a GPU)
 flags=${TRAIN_FLAGS-"--config bench/gpu/colocated_0.5b.yaml --hf-checkpoint $work/model-0.5b --prompt-data $work/prompts-long.jsonl --eval-prompt-data $work/prompts-long.jsonl"}
 train() {
-  python3 -m flows.cli train $flags --run-name "$run" --num-rollout "$iters" --ray-address "$address" --storage-uri "$work/runs"
+  $launcher python3 -m flows.cli train $flags --run-name "$run" --num-rollout "$iters" --ray-address "$address" --storage-uri "$work/runs"
 }
 t0=$(date +%s)
 VIME_FAULT_PAUSE_AT=$at VIME_FAULT_PAUSE_DIR=$pause train > "$work/stopped_1.log" 2>&1 &
@@ -66,6 +72,17 @@ if [ "$harm" = hog ] && [ "$paused" = 1 ]; then
   after_failure=$(engines_asleep)
   kill $hog 2>/dev/null; wait $hog 2>/dev/null
   echo "[gpu] driver exit $first_code after $(( $(date +%s) - t1 )) s without the memory; engines: $after_failure"
+elif [ "$harm" = term ] && [ "$paused" = 1 ]; then
+  leader=$(cat "$pause/$at")  # the driver, leader of its own session (setsid)
+  rm -f "$pause/$at"; sleep 0.5  # the train task goes on into its call to the trainer
+  t1=$(date +%s%N)
+  kill -TERM -- "-$leader"
+  while kill -0 "$leader" 2>/dev/null && [ $(( $(date +%s%N) - t1 )) -lt 60000000000 ]; do sleep 0.1; done
+  kill -0 "$leader" 2>/dev/null && { echo "[gpu] the driver did not stop within 60 s of SIGTERM"; kill -9 -- "-$leader"; }
+  wait $driver; first_code=$?
+  hog_info=$(( ($(date +%s%N) - t1) / 1000000 ))e-3  # seconds from SIGTERM to the driver's exit (JSON number)
+  kill -9 -- "-$leader" 2>/dev/null  # anything of its session left behind
+  echo "[gpu] driver exit $first_code ${hog_info} s after SIGTERM at $at"
 else
   # the pause file holds the driver's own pid ($driver is the subshell that runs it)
   [ "$paused" = 1 ] && kill -9 "$(cat "$pause/$at")" 2>/dev/null
@@ -101,7 +118,9 @@ rollout_ids = [r["rollout_id"] for r in report["records"]]
 result = {
     "bench": name, "harm": harm, "at": sys.argv[8], "paused_there": paused,
     "engines_asleep_there": asleep_at_kill, "rerun_exit_code": code, "bootstrap_line": woke[0] if woke else None,
-    "first_run_exit_code": first_code, "memory_held": json.loads(hog_info), "first_run_wake_errors": wake_errors,
+    "first_run_exit_code": first_code, "first_run_wake_errors": wake_errors,
+    **({"seconds_from_sigterm_to_exit": json.loads(hog_info), "resume_hint": "to resume" in first,
+        "task_retried_after_sigterm": f"{sys.argv[8]} failed" in first} if harm == "term" else {"memory_held": json.loads(hog_info)}),
     "engines_after_the_failed_run": after_failure, "records_per_rollout_id_all_one": len(rollout_ids) == len(set(rollout_ids)),
     "rerun_iteration_from_store": rec.get("from_store"), "versions": report["versions"],
     "engine_process_gib_after_offload_rollout": (mem[0].get("process_bytes") or 0) / 2**30,
@@ -110,7 +129,9 @@ result = {
     "tolerance_1_5x_max_before": tolerance,
     "ok": code == 0 and bool(woke) and all(v == [i + 1, i + 2] for i, v in enumerate(report["versions"]))
           and all(c is not None and c <= tolerance for c in checks.values()) and len(rollout_ids) == len(set(rollout_ids))
-          and (harm != "hog" or (first_code not in ("0", "killed") and bool(wake_errors))),
+          and (harm != "hog" or (first_code not in ("0", "killed") and bool(wake_errors)))
+          and (harm != "term" or (first_code == "143" and json.loads(hog_info) is not None and json.loads(hog_info) < 15 and "to resume" in first
+                                  and f"{sys.argv[8]} failed" not in first)),  # 15: GRACE_S + 5
 }
 (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 print(json.dumps(result, default=str))
