@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 
 # How long a liveness ping may wait for an actor that is busy with another call.
 PING_TIMEOUT_S = 10.0
+PLACEMENT_TIMEOUT_S = 120.0  # how long bootstrap waits for the run's placement group
+
+
+class PlacementError(ValueError):
+    """The run's device bundles cannot be placed on the cluster (too few GPUs or device slots, or
+    nodes without the custom resources asked for): a configuration error, so the run stops with
+    one line instead of waiting again on a retry."""
 
 
 def plan_for(cfg: VimeConfig) -> PlacementPlan:
@@ -77,7 +84,7 @@ def rollout_manager_exists(cfg: VimeConfig) -> bool:
 
 def get_or_create_placement_group(cfg: VimeConfig):
     import ray
-    from ray.util.placement_group import get_placement_group, placement_group
+    from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
     pg_name = names.placement_group(cfg.run_name)
     plan = plan_for(cfg)
@@ -87,12 +94,15 @@ def get_or_create_placement_group(cfg: VimeConfig):
         pg = get_placement_group(pg_name)
     except ValueError:
         pg = placement_group(bundles, strategy="PACK", name=pg_name, lifetime="detached")
-    ready, _ = ray.wait([pg.ready()], timeout=120)
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
+        # never placed, it holds nothing; left pending (it is detached), the same command run
+        # after the layout was fixed would find it by name and wait for the old bundles again
+        remove_placement_group(pg)
         node_resources = [r for r in (cfg.trainer_node_resource, cfg.engine_node_resource) if r]
-        raise RuntimeError(
+        raise PlacementError(
             f"placement group {pg_name} ({num_bundles} device bundles) could not be "
-            f"placed in 120 s: does the cluster declare enough GPUs/device slots? "
+            f"placed in {PLACEMENT_TIMEOUT_S:.0f} s: does the cluster declare enough GPUs/device slots? "
             f"(`vime cluster up --num-gpus N`)"
             + (f"; do the nodes declare the custom resources {node_resources} "
                f"(`ray start --resources`)?" if node_resources else "")

@@ -42,3 +42,37 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     finally:
         removed = teardown(cfg.run_name, num_trainers=4)
     assert "engine-0" in removed and "engine-1" in removed
+
+
+def test_a_layout_the_cluster_cannot_place_fails_as_a_configuration_error_and_leaves_nothing(ray_head, tiny_model_dir, monkeypatch):
+    """16 device bundles on the head's 8 slots: PlacementError (a configuration error, so neither
+    bootstrap's retry nor the iteration's waits again), naming the setting to check, and no
+    pending placement group left behind; the same run with a layout that fits is then placed."""
+    from ray.util.placement_group import get_placement_group
+
+    import vime_core.cluster.run_actors as run_actors
+    from vime_core.cluster import names
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.config import make_config
+    from vime_core.demo.settings import demo_values
+    from vime_core.faults import CONFIGURATION, classify
+
+    monkeypatch.setattr(run_actors, "PLACEMENT_TIMEOUT_S", 3.0)
+    values = {"run_name": "placement-too-big", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),
+              "colocate": False, "actor_num_gpus_per_node": 8, "rollout_num_gpus": 8, "rollout_num_gpus_per_engine": 1}
+    cfg = make_config(demo_values(values))
+    ensure_ray(cfg.ray_address)
+    assert run_actors.plan_for(cfg).num_bundles == 16
+    try:
+        with pytest.raises(run_actors.PlacementError) as err:
+            run_actors.get_or_create_placement_group(cfg)
+        assert "16 device bundles" in str(err.value) and "--num-gpus" in str(err.value)
+        assert classify(err.value).kind == CONFIGURATION
+        with pytest.raises(ValueError):
+            get_placement_group(names.placement_group(cfg.run_name))  # removed, not left pending
+
+        fixed = make_config(demo_values({**values, "actor_num_gpus_per_node": 4, "rollout_num_gpus": 4}))
+        pg = run_actors.get_or_create_placement_group(fixed)
+        assert run_actors.plan_for(fixed).num_bundles == 8 and len(pg.bundle_specs) == 8
+    finally:
+        run_actors.teardown(cfg.run_name, num_trainers=8)
