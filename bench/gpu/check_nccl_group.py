@@ -6,7 +6,11 @@ bindings. Two or more GPUs: rank 0 on GPU 0 broadcasts BYTES to one process per 
 REPEATS times; every receiver checks the bytes, and the JSON has each broadcast's seconds and
 the median bandwidth (the limit a publish of that many bytes can reach).
 
-    python bench/gpu/check_nccl_group.py [--bytes N] [--repeats R]
+`--init-timeout S` also asks for a group of two that no peer joins: rank 0's init must give up
+after S seconds with TimeoutError (NCCL's own init would wait forever), and the GPU must still
+take a group after that.
+
+    python bench/gpu/check_nccl_group.py [--bytes N] [--repeats R] [--init-timeout S]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bytes", type=int, default=1 << 30)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--init-timeout", type=float, default=None)
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0)
@@ -74,7 +79,28 @@ def main() -> None:
     result["median_s"] = statistics.median(seconds)
     result["median_GBps"] = args.bytes / result["median_s"] / 1e9 if world > 1 else None
     result["ok"] = all(r["bytes_equal"] for r in result["receivers"])
+    if args.init_timeout is not None:
+        result["no_peer"] = no_peer_joins(device, args.init_timeout)
+        result["ok"] = result["ok"] and result["no_peer"]["ok"]
     print(json.dumps(result))
+
+
+def no_peer_joins(device: torch.device, timeout_s: float) -> dict:
+    """A group of two whose second rank never comes: the seconds until rank 0 gave up and what it
+    raised; then a group of one on the same GPU, to show the abandoned init left it usable."""
+    t0 = time.perf_counter()
+    try:
+        NcclGroup(mint_nccl_unique_id(), 0, 2, device, timeout_s=timeout_s)
+        raised = None
+    except Exception as exc:  # what the caller sees
+        raised = f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - t0
+    after = NcclGroup(mint_nccl_unique_id(), 0, 1, device)
+    buffer = pattern(1 << 20, device)
+    after.broadcast(buffer)
+    after.close()
+    return {"timeout_s": timeout_s, "seconds": seconds, "raised": raised, "group_of_one_after": True,
+            "ok": raised is not None and raised.startswith("TimeoutError") and seconds < timeout_s + 5}
 
 
 if __name__ == "__main__":

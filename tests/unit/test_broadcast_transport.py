@@ -203,3 +203,48 @@ def test_a_missing_nccl_library_is_named(monkeypatch):
     monkeypatch.setenv("VIME_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
     with pytest.raises(RuntimeError, match="VIME_NCCL_LIBRARY.*/nonexistent/libnccl.so.2"):
         nccl_library()
+
+
+class _JoiningNccl:
+    """ncclCommInitRank as NCCL runs it: it returns once every rank has joined (`joined` set),
+    writing the communicator; ncclCommDestroy records what it destroyed."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.joined = threading.Event()
+        self.destroyed: list[int] = []
+
+    def ncclCommInitRank(self, comm_ref, world_size, uid, rank) -> int:
+        self.joined.wait()
+        comm_ref._obj.value = 1234
+        return 0
+
+    def ncclCommDestroy(self, comm) -> int:
+        self.destroyed.append(comm.value)
+        return 0
+
+    def ncclGetErrorString(self, code) -> bytes:
+        return b"unhandled"
+
+
+def test_nccl_init_gives_up_when_a_peer_never_joins_and_destroys_a_late_communicator():
+    """NCCL's init has no timeout: a peer that never joins must not hang the worker or the
+    trainer. The real library's run on a GPU: bench/gpu/check_nccl_group.py --init-timeout."""
+    from vime_core.engines.vllm_side.broadcast_group import _UniqueId, init_comm_with_deadline
+
+    lib = _JoiningNccl()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 of 2\) did not complete in 0 s: not every rank joined"):
+        init_comm_with_deadline(lib, 2, _UniqueId(), 0, torch.device("cpu"), 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    lib.joined.set()  # the peer comes after all: its communicator is not kept by anyone
+    deadline = time.monotonic() + 5
+    while not lib.destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lib.destroyed == [1234]
+
+    joined = _JoiningNccl()
+    joined.joined.set()
+    assert init_comm_with_deadline(joined, 2, _UniqueId(), 1, torch.device("cpu"), 5).value == 1234
+    assert joined.destroyed == []

@@ -14,7 +14,7 @@ Two carriers behind one interface (`BroadcastGroup.broadcast`, `abort`, `close`)
 
 Rank 0 calls `serve_rendezvous` first (it mints the id or opens the store) and sends the
 returned descriptor to the other ranks; then every rank calls `open_group` at about the same
-time (each blocks until all have joined).
+time (each blocks until all have joined, at most its `timeout_s`: then TimeoutError).
 
 Imports only torch and the standard library: it runs in the trainer and inside vLLM workers.
 """
@@ -22,6 +22,7 @@ Imports only torch and the standard library: it runs in the trainer and inside v
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import datetime
 import functools
@@ -29,6 +30,7 @@ import glob
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -173,6 +175,43 @@ def mint_nccl_unique_id() -> str:
     return base64.b64encode(bytes(uid.internal)).decode("ascii")
 
 
+def init_comm_with_deadline(lib: Any, world_size: int, uid: "_UniqueId", rank: int, device: torch.device,
+                            timeout_s: float) -> ctypes.c_void_p:
+    """`ncclCommInitRank` that gives up after `timeout_s`. It blocks until every rank has joined
+    and NCCL has no timeout of its own, so a peer that never comes (its process died, or it
+    cannot reach rank 0's address) would hang this process: a vLLM worker inside
+    `init_weight_transfer_engine`, the trainer inside its publish. The call runs in a daemon
+    thread; past the deadline the caller gets TimeoutError, and a communicator that completes
+    after that (a late peer) is destroyed by the thread instead of leaking."""
+    comm = ctypes.c_void_p()
+    done, state = threading.Event(), {"abandoned": False}
+    guard = threading.Lock()
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                state["code"] = lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            state["error"] = exc
+        with guard:
+            done.set()
+            if state["abandoned"] and state.get("code") == 0:
+                lib.ncclCommDestroy(comm)
+
+    threading.Thread(target=work, name="vime-nccl-init", daemon=True).start()
+    done.wait(timeout_s)
+    with guard:
+        if not done.is_set():
+            state["abandoned"] = True
+            raise TimeoutError(f"vime_broadcast: ncclCommInitRank (rank {rank} of {world_size}) did not complete in "
+                               f"{timeout_s:.0f} s: not every rank joined the group (a peer that died, or one that "
+                               "cannot reach rank 0's address: NCCL_SOCKET_IFNAME)")
+    if "error" in state:
+        raise state["error"]
+    _check(lib, state["code"], "ncclCommInitRank")
+    return comm
+
+
 class NcclGroup(BroadcastGroup):
     def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device,
                  timeout_s: float = 300.0) -> None:
@@ -184,10 +223,7 @@ class NcclGroup(BroadcastGroup):
         self.device = device
         uid = _UniqueId()
         ctypes.memmove(uid.internal, raw, NCCL_UNIQUE_ID_BYTES)
-        comm = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            _check(self._lib, self._lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
-        self._comm: ctypes.c_void_p | None = comm
+        self._comm: ctypes.c_void_p | None = init_comm_with_deadline(self._lib, world_size, uid, rank, device, timeout_s)
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         if self._comm is None:
