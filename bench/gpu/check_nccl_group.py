@@ -95,12 +95,16 @@ def no_peer_joins(device: torch.device, timeout_s: float) -> dict:
     except Exception as exc:  # what the caller sees
         raised = f"{type(exc).__name__}: {exc}"
     seconds = time.perf_counter() - t0
-    after = NcclGroup(mint_nccl_unique_id(), 0, 1, device)
-    buffer = pattern(1 << 20, device)
-    after.broadcast(buffer)
-    after.close()
-    return {"timeout_s": timeout_s, "seconds": seconds, "raised": raised, "group_of_one_after": True,
-            "ok": raised is not None and raised.startswith("TimeoutError") and seconds < timeout_s + 5}
+    try:
+        after = NcclGroup(mint_nccl_unique_id(), 0, 1, device)
+        after.broadcast(pattern(1 << 20, device))
+        after.close()
+        after_error = None
+    except Exception as exc:  # the GPU refused a group after the abandoned init
+        after_error = f"{type(exc).__name__}: {exc}"
+    return {"timeout_s": timeout_s, "seconds": seconds, "raised": raised, "group_of_one_after": after_error is None,
+            "group_of_one_error": after_error,
+            "ok": raised is not None and raised.startswith("TimeoutError") and seconds < timeout_s + 5 and after_error is None}
 
 
 if __name__ == "__main__":

@@ -56,14 +56,14 @@ print(json.dumps([asleep(u) for u in ray.get(manager.engine_urls.remote())]))
 PY
 }
 asleep_at_kill=$(engines_asleep)
-first_code=killed; hog_info=null; after_failure=null
+first_code=killed; harm_info=null; after_failure=null
 if [ "$harm" = hog ] && [ "$paused" = 1 ]; then
   rm -f "$work/hog.ready"
   python3 bench/gpu/hold_device_memory.py --leave-gib "${LEAVE_GIB:-0.25}" --ready "$work/hog.ready" > "$work/hog.log" 2>&1 &
   hog=$!
   for _ in $(seq 120); do [ -s "$work/hog.ready" ] || ! kill -0 $hog 2>/dev/null && break; sleep 0.5; done
-  hog_info=$(cat "$work/hog.ready" 2>/dev/null || echo null)
-  echo "[gpu] memory held: $hog_info"
+  harm_info=$(cat "$work/hog.ready" 2>/dev/null || echo null)
+  echo "[gpu] memory held: $harm_info"
   rm -f "$pause/$at"  # the driver goes on into the wake
   t1=$(date +%s)
   while kill -0 $driver 2>/dev/null && [ $(( $(date +%s) - t1 )) -lt "${FAIL_TIMEOUT:-300}" ]; do sleep 1; done
@@ -80,9 +80,9 @@ elif [ "$harm" = term ] && [ "$paused" = 1 ]; then
   while kill -0 "$leader" 2>/dev/null && [ $(( $(date +%s%N) - t1 )) -lt 60000000000 ]; do sleep 0.1; done
   kill -0 "$leader" 2>/dev/null && { echo "[gpu] the driver did not stop within 60 s of SIGTERM"; kill -9 -- "-$leader"; }
   wait $driver; first_code=$?
-  hog_info=$(( ($(date +%s%N) - t1) / 1000000 ))e-3  # seconds from SIGTERM to the driver's exit (JSON number)
+  harm_info=$(( ($(date +%s%N) - t1) / 1000000 ))e-3  # seconds from SIGTERM to the driver's exit (JSON number)
   kill -9 -- "-$leader" 2>/dev/null  # anything of its session left behind
-  echo "[gpu] driver exit $first_code ${hog_info} s after SIGTERM at $at"
+  echo "[gpu] driver exit $first_code ${harm_info} s after SIGTERM at $at"
 else
   # the pause file holds the driver's own pid ($driver is the subshell that runs it)
   [ "$paused" = 1 ] && kill -9 "$(cat "$pause/$at")" 2>/dev/null
@@ -95,11 +95,12 @@ code=$?
 echo "[gpu] re-run exit $code after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/${name}_report.json" > /dev/null || true
 { echo "== first run"; grep -v "it/s\]$" "$work/stopped_1.log" | tail -n 60; echo "== re-run"; grep -v "it/s\]$" "$work/stopped_2.log" | tail -n 80; } > "$out/$name.log"
-python3 - "$k" "$iters" "$code" "$paused" "$asleep_at_kill" "$work" "$out" "$at" "$harm" "$first_code" "$hog_info" "$after_failure" "$name" <<'PY'
+python3 - "$k" "$iters" "$code" "$paused" "$asleep_at_kill" "$work" "$out" "$at" "$harm" "$first_code" "$harm_info" "$after_failure" "$name" <<'PY'
 import json, pathlib, sys
+from vime_core.utils.interrupt import GRACE_S
 k, iters, code, paused = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 asleep_at_kill, work, out = sys.argv[5], pathlib.Path(sys.argv[6]), pathlib.Path(sys.argv[7])
-harm, first_code, hog_info, after_failure, name = sys.argv[9], sys.argv[10], sys.argv[11], sys.argv[12], sys.argv[13]
+harm, first_code, harm_info, after_failure, name = sys.argv[9], sys.argv[10], sys.argv[11], sys.argv[12], sys.argv[13]
 first = (work / "stopped_1.log").read_text(errors="replace")
 rerun = (work / "stopped_2.log").read_text(errors="replace")
 # the re-run's bootstrap: engines woken (a driver killed) or an engine restarted (a wake that failed)
@@ -115,12 +116,14 @@ checks = {i: (by_id[i].get("weight_check") or {}).get("max_abs_diff") for i in r
 before = [(r.get("weight_check") or {}).get("max_abs_diff") for i, r in by_id.items() if i < k]
 tolerance = 1.5 * max([b for b in before if b is not None] or [float("nan")])  # this run's own bf16 spread
 rollout_ids = [r["rollout_id"] for r in report["records"]]
+# HARM=term: harm_info is the seconds from SIGTERM to the driver's exit (null: it never paused)
+term = {"seconds_from_sigterm_to_exit": json.loads(harm_info), "resume_hint": "to resume" in first,
+        "task_retried_after_sigterm": f"{sys.argv[8]} failed" in first}
 result = {
     "bench": name, "harm": harm, "at": sys.argv[8], "paused_there": paused,
     "engines_asleep_there": asleep_at_kill, "rerun_exit_code": code, "bootstrap_line": woke[0] if woke else None,
     "first_run_exit_code": first_code, "first_run_wake_errors": wake_errors,
-    **({"seconds_from_sigterm_to_exit": json.loads(hog_info), "resume_hint": "to resume" in first,
-        "task_retried_after_sigterm": f"{sys.argv[8]} failed" in first} if harm == "term" else {"memory_held": json.loads(hog_info)}),
+    **(term if harm == "term" else {"memory_held": json.loads(harm_info)}),
     "engines_after_the_failed_run": after_failure, "records_per_rollout_id_all_one": len(rollout_ids) == len(set(rollout_ids)),
     "rerun_iteration_from_store": rec.get("from_store"), "versions": report["versions"],
     "engine_process_gib_after_offload_rollout": (mem[0].get("process_bytes") or 0) / 2**30,
@@ -130,8 +133,9 @@ result = {
     "ok": code == 0 and bool(woke) and all(v == [i + 1, i + 2] for i, v in enumerate(report["versions"]))
           and all(c is not None and c <= tolerance for c in checks.values()) and len(rollout_ids) == len(set(rollout_ids))
           and (harm != "hog" or (first_code not in ("0", "killed") and bool(wake_errors)))
-          and (harm != "term" or (first_code == "143" and json.loads(hog_info) is not None and json.loads(hog_info) < 15 and "to resume" in first
-                                  and f"{sys.argv[8]} failed" not in first)),  # 15: GRACE_S + 5
+          and (harm != "term" or (first_code == "143" and term["seconds_from_sigterm_to_exit"] is not None
+                                  and term["seconds_from_sigterm_to_exit"] < GRACE_S + 5 and term["resume_hint"]
+                                  and not term["task_retried_after_sigterm"])),
 }
 (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 print(json.dumps(result, default=str))

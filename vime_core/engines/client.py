@@ -51,11 +51,15 @@ class EngineError(RuntimeError):
         self.endpoint = endpoint
         self.status = status
         self.body = body[:BODY_EXCERPT_CHARS]
-        answer = f"HTTP {status}" if status is not None else "no answer"
-        super().__init__(f"engine {engine}: {endpoint} failed ({answer}): {self.body}")
+        super().__init__(f"engine {engine}: {endpoint} failed ({answer_label(status)}): {self.body}")
 
     def __reduce__(self):  # crosses Ray (pickle) with its own arguments, not the message
         return type(self), (self.engine, self.endpoint, self.status, self.body)
+
+
+def answer_label(status: Optional[int]) -> str:
+    """How an engine's answer is named in messages: `HTTP 500`, or `no answer`."""
+    return f"HTTP {status}" if status is not None else "no answer"
 
 
 def engine_answer(exc: BaseException) -> tuple[Optional[int], str]:

@@ -343,7 +343,7 @@ class RolloutManager:
         fails cannot wake again (EngineWakeError): it is condemned, check_engines restarts it,
         and no wake is tried on it before that. Raises the first engine's EngineWakeError after
         every engine's call ended."""
-        from vime_core.engines.client import EngineWakeError, engine_answer, wake_each
+        from vime_core.engines.client import EngineWakeError, answer_label, engine_answer, wake_each
 
         indices = range(len(self._engine_clients)) if indices is None else indices
         clients = [self._engine_clients[i] for i in indices]
@@ -354,7 +354,7 @@ class RolloutManager:
         for i, client, exc in failed:
             logger.error("%s did not wake %s: %s", client.name, tags, exc)
             status, answer = engine_answer(exc)
-            self.health.condemn(i, f"wake_up({','.join(tags)}) failed ({status or 'no answer'}): {answer}")
+            self.health.condemn(i, f"wake_up({','.join(tags)}) failed ({answer_label(status)}): {answer}")
         if failed:
             i, client, exc = failed[0]
             raise EngineWakeError(client.name, tags, *engine_answer(exc)) from exc
