@@ -121,9 +121,18 @@ def _ready(endpoint: str, bucket: str) -> bool:
         return False
 
 
+# Attempts at starting `weed mini` whose process exits before it answers. Its ports are free when
+# picked but bound seconds later, by which time another process on the machine may hold one.
+START_ATTEMPTS = 3
+LOG_TAIL_LINES = 5
+
+
 def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float = 60.0) -> S3Server:
     """Start `weed mini` on loopback serving `data_dir` (idempotent), create `bucket`, wait until
-    an authenticated S3 request succeeds, and return the server."""
+    an authenticated S3 request succeeds, and return the server.
+
+    A server that exits before answering is started again on newly picked ports, up to
+    START_ATTEMPTS times in all; the last failure names the exit code and the end of weed.log."""
     data_dir = Path(data_dir).resolve()
     running = server_status(data_dir)
     if running is not None:
@@ -132,6 +141,31 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
         return S3Server(running.endpoint, bucket, running.data_dir, running.pid)
     env = {**os.environ, **_credentials()}
     (data_dir / "data").mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    for _ in range(START_ATTEMPTS):
+        process, server = _launch(data_dir, bucket, env)
+        if _answers_before_exit(process, server, deadline):
+            return server
+        (data_dir / STATE_FILE).unlink(missing_ok=True)
+    raise RuntimeError(f"weed mini exited with code {process.returncode} on each of {START_ATTEMPTS} starts; "
+                       f"its log ends with: {_log_tail(data_dir / 'weed.log')} (see {data_dir / 'weed.log'})")
+
+
+def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: float) -> bool:
+    """True once the server answers an authenticated request, False if its process exits first;
+    past `deadline` the server is stopped and TimeoutError raised."""
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        if _ready(server.endpoint, server.bucket):
+            return True
+        time.sleep(0.3)
+    stop_s3_server(server.data_dir)
+    raise TimeoutError(f"S3 server at {server.endpoint} not ready; see {Path(server.data_dir) / 'weed.log'}")
+
+
+def _launch(data_dir: Path, bucket: str, env: dict[str, str]) -> tuple[subprocess.Popen, S3Server]:
+    """Start one `weed mini` on newly picked free loopback ports and record it in STATE_FILE."""
     ports = {flag: free_port() for flag in PORT_FLAGS}
     ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
     args = [
@@ -140,22 +174,21 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
         "-master.volumeSizeLimitMB=64", f"-bucket={bucket}",
         *(f"-{flag}={port}" for flag, port in sorted(ports.items())),
     ]
-    log = open(data_dir / "weed.log", "ab")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=env, cwd=data_dir, start_new_session=True)
-    log.close()
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    server = S3Server(endpoint, bucket, str(data_dir), process.pid)
+    with open(data_dir / "weed.log", "ab") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, cwd=data_dir, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, str(data_dir), process.pid)
     (data_dir / STATE_FILE).write_text(json.dumps(asdict(server)))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"weed mini exited with code {process.returncode}; see {data_dir / 'weed.log'}")
-        if _ready(endpoint, bucket):
-            return server
-        time.sleep(0.3)
-    stop_s3_server(data_dir)
-    raise TimeoutError(f"S3 server at {endpoint} not ready after {timeout:.0f} s; see {data_dir / 'weed.log'}")
+    return process, server
+
+
+def _log_tail(path: Path) -> str:
+    """The last LOG_TAIL_LINES non-empty lines of `path`, joined by ' | '."""
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
 
 
 def stop_s3_server(data_dir: str | Path, timeout: float = 20.0) -> bool:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from vime_core.storage.s3_server import start_s3_server
+from vime_core.storage import s3_server as s3_module
+from vime_core.storage.s3_server import START_ATTEMPTS, start_s3_server, stop_s3_server
 
 from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 
@@ -38,3 +40,60 @@ def test_missing_credentials_are_named(tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
     with pytest.raises(RuntimeError, match="AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
         start_s3_server(tmp_path / "s3")
+
+
+@pytest.fixture
+def held_port():
+    """A loopback port another process holds (listening), as when one picked as free is taken."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def _credentials(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)
+
+
+def _first_pick_taken(monkeypatch, held_port: int, starts: int) -> list:
+    """Make the first port picked (master.port) by each of the first `starts` launches the held
+    one; return the list of (process, server) of every launch."""
+    launched, taken_next = [], []
+    real_launch, real_free_port = s3_module._launch, s3_module.free_port
+
+    def launch(*args):
+        taken_next[:] = [len(launched) < starts]
+        launched.append(real_launch(*args))
+        return launched[-1]
+
+    def free_port() -> int:
+        return held_port if taken_next and taken_next.pop() else real_free_port()
+
+    monkeypatch.setattr(s3_module, "_launch", launch)
+    monkeypatch.setattr(s3_module, "free_port", free_port)
+    return launched
+
+
+def test_a_port_taken_between_pick_and_bind_is_picked_again(tmp_path, monkeypatch, held_port):
+    _credentials(monkeypatch)
+    launched = _first_pick_taken(monkeypatch, held_port, starts=1)
+    server = start_s3_server(tmp_path / "s3", bucket="retry")
+    try:
+        assert s3_module._ready(server.endpoint, "retry")
+        assert s3_module.server_status(tmp_path / "s3").pid == server.pid
+        assert f"port {held_port}" in (tmp_path / "s3" / "weed.log").read_text()
+        (first, _), (second, _) = launched
+        assert first.returncode is not None and second.pid == server.pid
+    finally:
+        stop_s3_server(tmp_path / "s3")
+
+
+def test_a_server_that_never_starts_names_its_exit_and_log(tmp_path, monkeypatch, held_port):
+    _credentials(monkeypatch)
+    launched = _first_pick_taken(monkeypatch, held_port, starts=START_ATTEMPTS)
+    with pytest.raises(RuntimeError, match=f"on each of {START_ATTEMPTS} starts; its log ends with: .*port {held_port}"):
+        start_s3_server(tmp_path / "s3")
+    assert len(launched) == START_ATTEMPTS and all(process.returncode is not None for process, _ in launched)
+    assert s3_module.server_status(tmp_path / "s3") is None
+    assert not (tmp_path / "s3" / s3_module.STATE_FILE).exists()
