@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vime_core.utils.processes import free_port, pid_alive
+from vime_core.utils.processes import free_port, log_tail, pid_alive
 
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
 PORT_FLAGS = (
@@ -144,14 +144,14 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
     deadline = time.monotonic() + timeout
     for _ in range(START_ATTEMPTS):
         process, server = _launch(data_dir, bucket, env)
-        if _answers_before_exit(process, server, deadline):
+        if _answers_before_exit(process, server, deadline, timeout):
             return server
         (data_dir / STATE_FILE).unlink(missing_ok=True)
     raise RuntimeError(f"weed mini exited with code {process.returncode} on each of {START_ATTEMPTS} starts; "
-                       f"its log ends with: {_log_tail(data_dir / 'weed.log')} (see {data_dir / 'weed.log'})")
+                       f"{data_dir / 'weed.log'} ends with:\n{log_tail(data_dir / 'weed.log', LOG_TAIL_LINES)}")
 
 
-def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: float) -> bool:
+def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: float, timeout: float) -> bool:
     """True once the server answers an authenticated request, False if its process exits first;
     past `deadline` the server is stopped and TimeoutError raised."""
     while time.monotonic() < deadline:
@@ -161,7 +161,7 @@ def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: 
             return True
         time.sleep(0.3)
     stop_s3_server(server.data_dir)
-    raise TimeoutError(f"S3 server at {server.endpoint} not ready; see {Path(server.data_dir) / 'weed.log'}")
+    raise TimeoutError(f"S3 server at {server.endpoint} not ready after {timeout:.0f} s; see {Path(server.data_dir) / 'weed.log'}")
 
 
 def _launch(data_dir: Path, bucket: str, env: dict[str, str]) -> tuple[subprocess.Popen, S3Server]:
@@ -180,15 +180,6 @@ def _launch(data_dir: Path, bucket: str, env: dict[str, str]) -> tuple[subproces
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, str(data_dir), process.pid)
     (data_dir / STATE_FILE).write_text(json.dumps(asdict(server)))
     return process, server
-
-
-def _log_tail(path: Path) -> str:
-    """The last LOG_TAIL_LINES non-empty lines of `path`, joined by ' | '."""
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
 
 
 def stop_s3_server(data_dir: str | Path, timeout: float = 20.0) -> bool:
