@@ -9,8 +9,12 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
     reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
                 term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
-                kl = KL(old || ref) when both exist) over this rank's samples of each step
+                kl = KL(pi_old || ref) when kl_coef > 0) over this rank's samples of each step
                 (estimators that whiten do so over the rank's share of the step)
+
+pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
+use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
+rewards takes the rollout log-probs under --use-rollout-logprobs.
 
 Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
 num_steps and tokens.
@@ -30,6 +34,25 @@ def advantage_column(batch: Mapping[str, Sequence[Any]]) -> Sequence[float]:
     raise ValueError(f"rollout batch has neither 'advantage' nor 'reward'; it has {sorted(batch)}")
 
 
+def old_policy_log_probs(
+    cfg: Any, batch: Mapping[str, Sequence[Any]], indices: Sequence[int], old: Mapping[int, torch.Tensor] | None
+) -> Mapping[int, torch.Tensor]:
+    """pi_old's log-probs of `indices` (module docstring): the engine's when use_rollout_logprobs,
+    else the recomputed `old`."""
+    if not cfg.use_rollout_logprobs:
+        if old is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs the old log-probs, which were not recomputed")
+        return old
+    out = {}
+    for i in indices:
+        log_probs = batch["rollout_log_probs"][i]
+        if log_probs is None or len(log_probs) != int(batch["response_length"][i]):
+            raise ValueError(f"use_rollout_logprobs is set but sample {i} has no rollout_log_probs "
+                             f"for its {batch['response_length'][i]} response tokens")
+        out[i] = torch.tensor([float(x) for x in log_probs], dtype=torch.float32)
+    return out
+
+
 def step_advantages(
     cfg: Any,
     batch: Mapping[str, Sequence[Any]],
@@ -42,9 +65,12 @@ def step_advantages(
 
     scalars = advantage_column(batch)
     kl = None
-    if old is not None and ref is not None:
+    if cfg.kl_coef > 0:
+        if ref is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs the reference log-probs")
         # On the CPU, where the advantage estimators build their tensors (old/ref live on the device).
-        kl = [compute_approx_kl(old[i], ref[i], cfg.kl_loss_type).cpu() for i in indices]
+        policy = old_policy_log_probs(cfg, batch, indices, old)
+        kl = [compute_approx_kl(policy[i].cpu(), ref[i].cpu(), cfg.kl_loss_type) for i in indices]
     advantages, _ = compute_advantages(
         cfg.advantage_estimator,
         [float(scalars[i]) for i in indices],
