@@ -138,3 +138,76 @@ def test_registry_unknown_and_duplicate_names():
         get_adv_estimator_fn("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_adv_est("grpo")(lambda *a, **k: None)
+
+
+# ---- RLOO ----------------------------------------------------------------------------------------
+
+RLOO_REWARDS = [1.0, 0.0, 0.5, 3.0, 1.0, -2.0, 0.0, 4.0]
+RLOO_GROUPS = [0, 1, 0, 1, 0, 2, 1, 0]  # groups of 4, 3 and 1, interleaved
+
+
+def _rloo_reference(rewards, groups):
+    """A_i = r_i - (mean of the other rewards of i's group), by explicit loops; 0 alone."""
+    out = []
+    for i, (r_i, g_i) in enumerate(zip(rewards, groups)):
+        others = [r_j for j, (r_j, g_j) in enumerate(zip(rewards, groups)) if g_j == g_i and j != i]
+        if not others:
+            out.append(0.0)
+            continue
+        baseline = 0.0
+        for r_j in others:
+            baseline += r_j / len(others)
+        out.append(r_i - baseline)
+    return out
+
+
+def test_rloo_leave_one_out_baseline_matches_reference():
+    out = postprocess_rewards(RLOO_REWARDS, RLOO_GROUPS, "rloo")
+    assert out == pytest.approx(_rloo_reference(RLOO_REWARDS, RLOO_GROUPS), abs=1e-12)
+    # by hand: group 0 = [1, 0.5, 1, 4]; sample 0's baseline (0.5 + 1 + 4) / 3 = 11/6
+    assert out[0] == pytest.approx(1 - 11 / 6)
+    assert out[5] == 0.0  # a group of one has no other sample
+    # verl's form of the same estimator: n/(n-1) * r_i - n/(n-1) * mean_g(r)
+    group0 = [1.0, 0.5, 1.0, 4.0]
+    n, mean = len(group0), statistics.fmean(group0)
+    assert [out[p] for p in (0, 2, 4, 7)] == pytest.approx([r * n / (n - 1) - mean * n / (n - 1) for r in group0])
+    # the std switch is GRPO's: it does not change RLOO
+    assert postprocess_rewards(RLOO_REWARDS, RLOO_GROUPS, "rloo", grpo_std_normalization=False) == out
+
+
+def test_rloo_broadcasts_its_advantage_and_trains_with_ppo_clip():
+    from vime_core.algo.losses import policy_loss_name
+    from vime_core.algo.registry import get_adv_estimator
+
+    advantages, returns = compute_advantages("rloo", [0.75, -0.25], [[1, 1, 0], [1]])
+    assert advantages[0].tolist() == [0.75] * 3 and advantages[1].tolist() == [-0.25]
+    assert returns[0] is advantages[0]
+    assert policy_loss_name("rloo") == "ppo"
+    assert get_adv_estimator("rloo").token_rewards is False  # kl_coef refused; use_kl_loss is the KL term
+
+
+def test_rloo_in_the_batch_and_the_configuration():
+    from vime_core.config import load_config, parse_args
+    from vime_core.config.loader import ConfigError
+    from vime_core.data.batch import build_batch
+    from vime_core.data.sample import Sample, Status
+
+    from vime_core.config.schema import VimeConfig
+
+    cfg = parse_args(["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "2"])
+    assert cfg.advantage_estimator == "rloo"
+    assert "rloo" in VimeConfig.model_json_schema()["properties"]["advantage_estimator"]["enum"]  # the Prefect form
+    samples = []
+    for i, (reward, group) in enumerate(zip(RLOO_REWARDS, RLOO_GROUPS)):
+        s = Sample(prompt_id=f"p{group}", tokens=[1, 2, 3], prompt_length=2, group_index=group, index=i,
+                   session_id=f"s{i}", status=Status.COMPLETED, finish_reason="stop", reward=reward)
+        s.response_length, s.loss_mask = 1, [1]
+        samples.append(s)
+    samples[3].status = Status.FAILED  # left out of its group's baselines
+    batch = build_batch(samples, cfg)
+    order = sorted(range(len(samples)), key=lambda i: (RLOO_GROUPS[i], i))
+    live = [i for i in range(len(samples)) if i != 3]
+    expected = dict(zip(live, _rloo_reference([RLOO_REWARDS[i] for i in live], [RLOO_GROUPS[i] for i in live])))
+    assert batch["advantage"] == pytest.approx([expected.get(i, 0.0) for i in order])
+    with pytest.raises(ConfigError, match=r"advantage_estimator=rloo needs n_samples_per_prompt >= 2 \(got 1\)"):
+        load_config(overrides={"advantage_estimator": "rloo", "n_samples_per_prompt": 1})

@@ -7,12 +7,14 @@ estimator's registered `group_normalisation`:
                                              when grpo_std_normalization and n > 1, else r_i - mean_g(r)
                                              std_g is the unbiased (n - 1) standard deviation
     mean (reinforce_plus_plus_baseline):     A_i = r_i - mean_g(r)
+    leave_one_out (rloo):                    A_i = r_i - 1/(n - 1) * sum_{j in g, j != i} r_j
+                                             (= n/(n - 1) * (r_i - mean_g(r))); A_i = 0 when n = 1
     none (reinforce_plus_plus, ppo):         A_i = r_i            (no group baseline)
 
 Per-token advantages (done by the trainer on its partition; T_i response tokens of sample i,
 kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
 
-    grpo / gspo / cispo:            A_{i,t} = A_i                        (broadcast; returns = A)
+    grpo / gspo / cispo / rloo:     A_{i,t} = A_i                        (broadcast; returns = A)
     reinforce_plus_plus:            r_{i,t} = -kl_coef * kl_{i,t} + [t = T_i - 1] * A_i
                                     G_{i,t} = r_{i,t} + gamma * G_{i,t+1},  G_{i,T_i} = 0
                                     A_{i,t} = whiten(G)_{i,t}            (returns = G)
@@ -24,7 +26,10 @@ kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
     whiten(x) = (x - mean_m(x)) / sqrt(var_m(x) + 1e-8), mean and unbiased variance over the
     loss_mask == 1 tokens of every sample passed in (the caller passes one whole step).
 
-REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016.
+REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016. RLOO: Ahmadian et al. 2024
+(arXiv:2402.14740), as verl's `rloo` (whose group of one keeps r_i: here it is 0, as GRPO's
+r_i - mean, and the configuration refuses rloo with n_samples_per_prompt < 2; a group shrinks to
+one only when its other samples failed).
 
 Each estimator is one `register_adv_est` below, carrying its group normalisation, its policy loss
 and what the gates and the configuration's checks need (vime_core/algo/registry.py). torch is
@@ -60,6 +65,15 @@ def normalize_group(rewards: Sequence[float], std_normalization: bool) -> list[f
     return centred
 
 
+def leave_one_out_group(rewards: Sequence[float]) -> list[float]:
+    """One group: r_i - (sum_j r_j - r_i) / (n - 1); zeros when n = 1 (no other sample)."""
+    n = len(rewards)
+    if n < 2:
+        return [0.0] * n
+    total = sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
 def postprocess_rewards(
     rewards: Sequence[float],
     group_ids: Sequence[int],
@@ -81,7 +95,12 @@ def postprocess_rewards(
         positions.setdefault(gid, []).append(pos)
     out = [0.0] * len(rewards)
     for group in positions.values():
-        for pos, value in zip(group, normalize_group([float(rewards[p]) for p in group], std_normalization), strict=True):
+        values = [float(rewards[p]) for p in group]
+        if normalisation == "leave_one_out":
+            normalised = leave_one_out_group(values)
+        else:
+            normalised = normalize_group(values, std_normalization)
+        for pos, value in zip(group, normalised, strict=True):
             out[pos] = value
     return out
 
@@ -169,6 +188,7 @@ def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: O
 @register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo", summary="Shao et al. 2024")
 @register_adv_est("gspo", group_normalisation="mean_std", policy_loss="gspo", reuse_log_probs=False, summary="Zheng et al. 2025")
 @register_adv_est("cispo", group_normalisation="mean_std", policy_loss="cispo", summary="MiniMax-M1 2025")
+@register_adv_est("rloo", group_normalisation="leave_one_out", policy_loss="ppo", summary="Ahmadian et al. 2024")
 def group_broadcast_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],

@@ -22,12 +22,13 @@ the registered names without it.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
-GroupNormalisation = Literal["mean_std", "mean", "none"]
+GroupNormalisation = Literal["mean_std", "mean", "leave_one_out", "none"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class AdvEstimator:
     group_normalisation: GroupNormalisation = "none"
     """Of the scalar rewards of one group, once per rollout: mean_std: (r - mean) / (std + 1e-6)
     (only centred when grpo_std_normalization is off or the group has one sample); mean: r - mean;
-    none: r."""
+    leave_one_out: r_i - mean of the group's other rewards (0 in a group of one); none: r."""
     policy_loss: str = "ppo"
     """The registered policy loss it trains with."""
     token_rewards: bool = False
@@ -98,9 +99,9 @@ def register_adv_est(
 ) -> Callable[[F], F]:
     """Register the decorated per-token advantage function as estimator `name` (a value of
     cfg.advantage_estimator) with what it needs elsewhere (the fields of AdvEstimator)."""
-    if group_normalisation not in ("mean_std", "mean", "none"):
+    if group_normalisation not in typing.get_args(GroupNormalisation):
         raise ValueError(f"advantage estimator {name!r}: group_normalisation={group_normalisation!r}; "
-                         f"one of 'mean_std', 'mean', 'none'")
+                         f"one of {', '.join(map(repr, typing.get_args(GroupNormalisation)))}")
 
     def decorator(fn: F) -> F:
         _ensure_estimators_loaded()

@@ -119,6 +119,11 @@ def derive_in_place(cfg: "VimeConfig") -> None:
             f"advantage_estimator={estimator.name} needs a critic, which the trainer does not build yet; "
             f"its math is in {estimator.fn.__module__}"
         )
+    if estimator.group_normalisation == "leave_one_out" and cfg.n_samples_per_prompt < 2:
+        raise ValueError(
+            f"advantage_estimator={estimator.name} needs n_samples_per_prompt >= 2 (got {cfg.n_samples_per_prompt}): "
+            f"a sample's baseline is the mean reward of the other samples of its group"
+        )
 
 
 def _check_kl(cfg: "VimeConfig") -> None:
