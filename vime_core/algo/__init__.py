@@ -1,5 +1,5 @@
-"""The RL math of one step, in pure torch: group reward normalisation, advantage estimators,
-policy losses, KL estimators and the scheduling gates. Nothing here imports ray, HTTP or prefect.
+"""The RL math of one step, in pure torch: reward shaping, group reward normalisation, advantage
+estimators, policy losses, KL estimators and the scheduling gates. Nothing here imports ray, HTTP or prefect.
 
 Estimators and losses are registered by name (`register_adv_est`, `register_policy_loss`), so a
 new one is one decorated function in its own module; an estimator's registration also carries its

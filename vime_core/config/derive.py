@@ -112,6 +112,9 @@ def derive_in_place(cfg: "VimeConfig") -> None:
 
     derive_optimizer(cfg)
     _check_kl(cfg)
+    from vime_core.algo.shaping import check_overlong_buffer
+
+    check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if estimator.critic:
