@@ -25,6 +25,22 @@ through log pi only:
 Entropy from logits z over the vocabulary:  H = logsumexp(z) - sum_v softmax(z)_v z_v.
 TIS weight (Yao et al. 2025): w = sg(min(exp(old_log_probs - rollout_log_probs), tis_clip)).
 
+Rollout importance weights at other levels and modes (rollout_is_weights; slime's tis_level /
+tis_mode, verl's rollout_is = token | sequence), with log_r_t = old_log_probs - rollout_log_probs,
+m the loss mask, C the upper bound and c the lower one (default 1 / C), for token t of sample i:
+
+    token:      s_t = log_r_t
+    sequence:   s_t = sum_{t' in i} m_t' log_r_t'                 (rho = prod_t' of i's token ratios)
+    geometric:  s_t = sum_{t' in i} m_t' log_r_t' / sum_{t' in i} m_t'   (their geometric mean)
+    rho_t = exp(clamp(s_t, -20, 20))                             (verl's and slime's safety bound)
+    truncate (TIS):  w_t = sg(min(rho_t, C))
+    mask (MIS):      w_t = sg(rho_t * [c <= rho_t <= C])         (Liu et al. 2025, "When Speed
+                                                                   Kills Stability"; at sequence
+                                                                   level a rejected sample's tokens
+                                                                   all get 0)
+
+token + truncate is the TIS weight above (up to the safety bound).
+
 Aggregation over loss_mask m (per sequence i, T_i tokens):
 
     token_mean:           sum_{i,t} m l / sum_{i,t} m
@@ -93,6 +109,41 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, tis_clip: float) -> torch.Tensor:
     """w = sg(min(exp(old_log_probs - rollout_log_probs), tis_clip))."""
     return torch.clamp((old_log_probs - rollout_log_probs).exp(), max=tis_clip).detach()
+
+
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+IS_SAFETY_BOUND = 20.0
+
+
+def rollout_is_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths: Sequence[int],
+    level: str = "token",
+    mode: str = "truncate",
+    upper: float = 2.0,
+    lower: Optional[float] = None,
+) -> torch.Tensor:
+    """w_t of the module docstring (level, mode; C = upper, c = lower or 1 / upper), detached;
+    flat [sum T_i] in and out."""
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; known: {list(IS_LEVELS)}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; known: {list(IS_MODES)}")
+    _check_flat(old_log_probs, response_lengths, "old_log_probs")
+    log_ratio = old_log_probs.detach().float() - rollout_log_probs.float()
+    if level == "token":
+        s = log_ratio
+    else:
+        seq_ids, sums, counts = _per_sequence_sums(log_ratio, loss_mask.to(log_ratio.dtype), response_lengths)
+        s = (sums if level == "sequence" else sums / counts.clamp_min(1))[seq_ids]
+    rho = torch.exp(s.clamp(-IS_SAFETY_BOUND, IS_SAFETY_BOUND))
+    if mode == "truncate":
+        return rho.clamp(max=upper).detach()
+    low = 1.0 / upper if lower is None else lower
+    return (rho * ((rho >= low) & (rho <= upper)).to(rho.dtype)).detach()
 
 
 def aggregate_loss(
