@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 
-from vime_core.engines.client import (BODY_EXCERPT_CHARS, EngineClient, EngineError, EngineWakeError, SyncEngineClient,
+from vime_core.engines.client import (ANSWERED_BY, BODY_EXCERPT_CHARS, EngineClient, EngineError, EngineWakeError, SyncEngineClient,
                                      normalize_wake_tags, parse_weight_version)
 from vime_core.engines.health import HealthMonitor
 
@@ -83,6 +83,7 @@ def test_generate_sends_tokens_params_and_session_header():
     assert body == {"token_ids": [1, 4, 5], "sampling_params": {"max_tokens": 2}}
     assert headers.get("X-Session-ID") == "run-0-1"
     assert answer["choices"][0]["token_ids"] == [5, 2]
+    assert answer[ANSWERED_BY] == f"e0 at {fake.url}"  # so a problem in the answer can name the engine
 
 
 def test_engine_error_names_engine_endpoint_status_and_body():
@@ -366,7 +367,7 @@ def test_reset_prefix_cache_retries_then_gives_up():
 
 
 def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
-    """A 200 answer with 3 tokens but 2 log-probs: the sample fails, naming the mismatch."""
+    """A 200 answer with 3 tokens but 2 log-probs (asked for): the sample fails, naming the mismatch."""
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
     from vime_core.data.sample import Sample, Status
@@ -380,7 +381,7 @@ def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
 
         async def go():
             async with EngineClient(fake.url) as client:
-                return await generate_sample(GenerateContext(cfg, client, tokenizer=None), sample, {"temperature": 1.0})
+                return await generate_sample(GenerateContext(cfg, client, tokenizer=None), sample, {"temperature": 1.0, "logprobs": 0})
 
         asyncio.run(go())
     assert sample.status is Status.FAILED

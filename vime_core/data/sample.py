@@ -1,7 +1,10 @@
 """One rollout sample: a prompt copy inside a group, the response generated for it, its reward.
 
 `tokens` holds prompt + response token ids; the response is the last `response_length` of them.
-`loss_mask` and `rollout_log_probs` cover the response only (one entry per response token).
+`loss_mask` covers the response only (one entry per response token). `rollout_log_probs` holds
+the engines' log-prob of each response token, or nothing at all: it is empty when the rollout did
+not request log-probs (vime_core.config.derive.needs_rollout_logprobs), and an entry is
+MISSING_LOGPROB where the engine sent none for that token.
 """
 
 from __future__ import annotations
@@ -9,7 +12,15 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+# A response token whose log-prob the engine did not send (vLLM's own floor for log 0 is the same
+# value): kept in its place so later entries stay aligned, counted, and refused by the
+# trainability check wherever a flag reads the log-probs (vime_core/data/validation.py).
+MISSING_LOGPROB = -9999.0
+# metadata key: the engine (name and URL, as known to the client) that last sent a response
+# lacking log-probs the rollout had asked for
+MISSING_LOGPROBS_ENGINE = "missing_logprobs_engine"
 
 
 class Status(str, enum.Enum):
@@ -60,23 +71,31 @@ class Sample:
     def append_response_tokens(
         self,
         token_ids: list[int],
-        log_probs: list[float],
+        log_probs: Optional[Sequence[float]],
         loss_mask_value: int = 1,
     ) -> None:
         """Extend tokens, response_length, loss_mask and rollout_log_probs together.
 
+        `log_probs` None: these tokens come without log-probs. rollout_log_probs holds one entry
+        per response token or none: tokens without log-probs empty it, and log-probs of tokens
+        appended after some without are dropped.
+
         Raises when the engine returned a different number of log-probs than tokens: a silent
         truncation here would misalign every later log-prob with its token.
         """
-        if len(token_ids) != len(log_probs):
+        if log_probs is not None and len(token_ids) != len(log_probs):
             raise ValueError(
                 f"sample {self.group_index}/{self.index}: {len(token_ids)} tokens but "
                 f"{len(log_probs)} log-probs; refusing to align them"
             )
+        carries_log_probs = len(self.rollout_log_probs) == self.response_length
         self.tokens.extend(int(t) for t in token_ids)
         self.response_length += len(token_ids)
         self.loss_mask.extend([loss_mask_value] * len(token_ids))
-        self.rollout_log_probs.extend(float(x) for x in log_probs)
+        if carries_log_probs and log_probs is not None:
+            self.rollout_log_probs.extend(float(x) for x in log_probs)
+        else:
+            self.rollout_log_probs = []
 
     def clear_response(self) -> None:
         """Back to the prompt alone, as before generation (a retry on another engine); the
@@ -85,7 +104,8 @@ class Sample:
         self.response_length, self.response, self.finish_reason = 0, "", ""
         self.loss_mask, self.rollout_log_probs, self.weight_versions = [], [], []
         self.reward, self.status = None, Status.PENDING
-        for key in ("generate_error", "retryable", "reward_error", "completion_tokens", "missing_logprobs"):
+        for key in ("generate_error", "retryable", "reward_error", "completion_tokens", "missing_logprobs",
+                    MISSING_LOGPROBS_ENGINE):
             self.metadata.pop(key, None)
 
     def copy(self) -> "Sample":

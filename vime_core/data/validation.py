@@ -17,15 +17,29 @@ sample i
 and it has at least one sample. `lengths_only` checks the columns and the length rules (the
 first four) and not the last: the store keeps any batch whose lengths agree.
 
+The engines' log-probs: an empty rollout_log_probs_i means the rollout did not request them
+(vime_core.config.derive.needs_rollout_logprobs), an entry MISSING_LOGPROB that the engine sent
+none for that token. Where `log_prob_readers` names the set flags that read them
+(vime_core.config.derive.rollout_logprob_readers), also, for every sample i,
+
+    len(rollout_log_probs_i) == response_length_i, no entry MISSING_LOGPROB or NaN
+
+and a sample that breaks it is refused in one line naming the column, the flags and, for missing
+entries, the engine that answered without them (sample metadata MISSING_LOGPROBS_ENGINE): the
+trainer would otherwise take -9999 for a log-prob (a ~1e4 mismatch) or train without the flag.
+
 A sample whose reward function failed keeps its response and a zero loss mask: trainable. A sample
 the engines never answered has no response: not trainable.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import json
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 from vime_core.data.columns import REQUIRED_COLUMNS
+from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE
 
 
 class UntrainableBatchError(ValueError):
@@ -42,11 +56,51 @@ def _where(batch: Mapping[str, Sequence[Any]], i: int) -> str:
     return f"sample {i}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def validate_trainable(batch: Mapping[str, Sequence[Any]], *, lengths_only: bool = False) -> int:
-    """The number of samples; raises UntrainableBatchError at the first broken rule."""
+def _engine_of(metadata: Any) -> str:
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except ValueError:
+            metadata = None
+    engine = metadata.get(MISSING_LOGPROBS_ENGINE) if isinstance(metadata, dict) else None
+    return f"engine {engine}" if engine else "the engine"
+
+
+def _needed_by(readers: Sequence[str], what: str) -> str:
+    return f"{' and '.join(readers)} need{'s' if len(readers) == 1 else ''} {what}"
+
+
+def log_probs_error(where: str, log_probs: Optional[Sequence[float]], response_length: int, metadata: Any,
+                    readers: Sequence[str]) -> Optional[str]:
+    """The one-line refusal of a sample whose rollout_log_probs cannot serve `readers` (the set
+    flags that read them; module docstring), or None. `where` names the sample; `metadata` is
+    its metadata (dict or JSON string), which may name the engine."""
+    if not readers:
+        return None
+    need = _needed_by(readers, "them")
+    if not log_probs and response_length == 0:
+        return None
+    if not log_probs:
+        return (f"{where}: rollout_log_probs is empty (generated without asking the engines for log-probs), "
+                f"and {need}")
+    if len(log_probs) != response_length:
+        return f"{where}: rollout_log_probs has {len(log_probs)} entries, response_length={response_length}, and {need}"
+    missing = sum(1 for x in log_probs if x is None or math.isnan(x) or x <= MISSING_LOGPROB)
+    if missing:
+        return (f"{where}: rollout_log_probs lacks {missing} of {response_length} log-probs: {_engine_of(metadata)} "
+                f"answered without them (field logprobs.content[j].logprob of its choice), and {need}")
+    return None
+
+
+def validate_trainable(batch: Mapping[str, Sequence[Any]], *, lengths_only: bool = False,
+                       log_prob_readers: Sequence[str] = ()) -> int:
+    """The number of samples; raises UntrainableBatchError at the first broken rule.
+    `log_prob_readers`: the set flags that read rollout_log_probs (module docstring)."""
     missing = [c for c in REQUIRED_COLUMNS if c not in batch]
     if missing:
         raise UntrainableBatchError(f"rollout batch lacks column(s) {missing}; it has {sorted(batch)}")
+    if log_prob_readers and "rollout_log_probs" not in batch:
+        raise UntrainableBatchError(f"rollout batch has no column 'rollout_log_probs', and {_needed_by(log_prob_readers, 'it')}")
     n = len(batch["tokens"])
     if n == 0 and not lengths_only:
         raise UntrainableBatchError("rollout batch has no samples")
@@ -77,4 +131,10 @@ def validate_trainable(batch: Mapping[str, Sequence[Any]], *, lengths_only: bool
             raise UntrainableBatchError(f"{_where(batch, i)}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}")
         if log_probs is not None and log_probs[i] is not None and len(log_probs[i]) not in (0, r):
             raise UntrainableBatchError(f"{_where(batch, i)}: rollout_log_probs has {len(log_probs[i])} entries, response_length={r}")
+        if log_prob_readers:
+            metadata = batch.get("metadata")
+            error = log_probs_error(_where(batch, i), log_probs[i], r, metadata[i] if metadata is not None else None,
+                                    log_prob_readers)
+            if error:
+                raise UntrainableBatchError(error)
     return n

@@ -39,6 +39,10 @@ WAKE_TAGS = ("weights", "kv_cache")
 _TAG_ALIASES = {"weights": "weights", "weight": "weights", "kv_cache": "kv_cache", "kv": "kv_cache"}
 BODY_EXCERPT_CHARS = 500
 GENERATE_PATH = "/inference/v1/generate"
+# Key added to every generate answer: the client that got it ("engine-0 at http://..."), so that
+# a problem found in the answer later (e.g. log-probs it lacks) can name the engine; through
+# vllm-router it names the router, which does not say which worker answered.
+ANSWERED_BY = "vime_answered_by"
 
 T = TypeVar("T")
 
@@ -221,15 +225,24 @@ class EngineClient:
         request_id: Optional[str] = None,
     ) -> dict:
         """`POST /inference/v1/generate`: token ids in; the raw response (choices with token_ids,
-        logprobs, finish_reason, weight_versions; usage) out. `session_id` travels in
-        `X-Session-ID` (vllm-router's consistent_hash key)."""
+        logprobs, finish_reason, weight_versions; usage) out, plus `ANSWERED_BY`: this client's
+        `label`. `session_id` travels in `X-Session-ID` (vllm-router's consistent_hash key)."""
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling_params}
         if self.model:
             body["model"] = self.model
         if request_id:
             body["request_id"] = request_id
         headers = {"X-Session-ID": session_id} if session_id else None
-        return await self.request("POST", GENERATE_PATH, json=body, headers=headers, timeout_s=self.timeout_s)
+        answer = await self.request("POST", GENERATE_PATH, json=body, headers=headers, timeout_s=self.timeout_s)
+        if isinstance(answer, dict):
+            answer[ANSWERED_BY] = self.label
+        return answer
+
+    @property
+    def label(self) -> str:
+        """The engine in messages: its name and URL (`engine-0 at http://127.0.0.1:8000`), or the URL."""
+        url = redact_url(self.base_url)
+        return self.name if self.name == url else f"{self.name} at {url}"
 
     # ---- admission: pause / resume / abort ----------------------------------------------------
 

@@ -35,7 +35,8 @@ async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[S
     cfg = state.cfg
     t0 = time.perf_counter()
     ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open)
-    params = base_sampling_params(cfg, temperature=cfg.eval_temperature)
+    # eval samples are scored, never trained: their log-probs would cost the engines for nothing
+    params = base_sampling_params(cfg, temperature=cfg.eval_temperature, log_probs=False)
     sem = asyncio.Semaphore(state.concurrency)
     groups = eval_samples(rows, cfg.n_samples_per_eval_prompt)
 

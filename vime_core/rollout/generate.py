@@ -6,33 +6,50 @@ back from an aborted rollout):
     max_new_tokens = rollout_max_response_len - response_length
         == 0  -> TRUNCATED, no request
     request  = prompt + response ids, sampling params (stop / stop_token_ids only when set,
-               top_k -1 sent as is, logprobs=0: the sampled token's log-prob only)
-    response = token ids, one log-prob per token (processed = after temperature), finish reason,
-               usage, weight-version spans over the output tokens
+               top_k -1 sent as is, logprobs=0 -- the sampled token's log-prob only -- only when
+               a flag reads them: vime_core.config.derive.needs_rollout_logprobs)
+    response = token ids, one log-prob per token when asked for (processed = after
+               temperature), finish reason, usage, weight-version spans over the output tokens
 
 The response is appended with `Sample.append_response_tokens`; spans are shifted by the old
 response length so they index the whole response. Status: finish "stop" -> COMPLETED
 (also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED.
 
-A log-prob entry that does not belong to the sampled token, or is vLLM's -9999 floor (log 0), is
-kept as MISSING_LOGPROB and counted in `metadata["missing_logprobs"]` (a rollout metric), never
-used silently. A response whose token and log-prob counts differ fails the sample with the reason.
+Log-prob entries (`choices[0].logprobs.content[j]`) come in two shapes (ServingTokens.
+_create_tokens_logprobs in vllm/entrypoints/scale_out/token_in_token_out/serving.py of each):
+
+    vLLM 0.26   {"token": "token_id:N", "logprob": x, "bytes": null,
+                 "top_logprobs": [{"token": "token_id:N", "logprob": x, "bytes": null}]}
+    vLLM 0.32   {"token_id": N, "logprob": x, "rank": r,
+                 "top_logprobs": [{"token_id": N, "logprob": x, "rank": r}]}
+
+Both send `"logprobs": null` when none were asked for, and an entry with logprob -9999.0 and no
+top_logprobs when the engine has no log-prob for the sampled token.
+
+A token whose entry names another token (then its top_logprobs are searched), has no value, or
+has -9999.0 (also vLLM's value for log 0 and NaN) gets MISSING_LOGPROB, counted in
+`metadata["missing_logprobs"]` (a rollout metric) with the engine that answered in
+`metadata[MISSING_LOGPROBS_ENGINE]`; the trainability check refuses such a sample where a flag
+reads the log-probs (vime_core/data/validation.py). Asked for log-probs, an answer without any
+counts every token as missing. Not asked for, the sample carries none (an empty
+rollout_log_probs) and nothing is counted. A response whose token and log-prob counts differ
+fails the sample with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from vime_core.data.sample import Sample, Status, WeightSpan
-from vime_core.engines.client import EngineError, parse_weight_version
+from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE, Sample, Status, WeightSpan
+from vime_core.engines.client import ANSWERED_BY, EngineError, parse_weight_version
 from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
 
-MISSING_LOGPROB = -9999.0
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 MAX_RETRY_WAIT_S = 5.0
 
@@ -68,15 +85,20 @@ class GenerateContext:
     retry_backoff_s: float = 0.5
 
 
-def base_sampling_params(cfg: Any, temperature: Optional[float] = None) -> dict:
-    """vLLM sampling params of the configuration; each sample gets its own copy."""
+def base_sampling_params(cfg: Any, temperature: Optional[float] = None, log_probs: Optional[bool] = None) -> dict:
+    """vLLM sampling params of the configuration; each sample gets its own copy. `log_probs`:
+    ask for the sampled tokens' log-probs (`logprobs: 0`); None: when a flag of the
+    configuration reads them (needs_rollout_logprobs)."""
+    from vime_core.config.derive import needs_rollout_logprobs
+
     params: dict[str, Any] = {
         "temperature": cfg.rollout_temperature if temperature is None else temperature,
         "top_p": cfg.rollout_top_p,
         "top_k": cfg.rollout_top_k,
-        "logprobs": 0,
         "skip_special_tokens": cfg.rollout_skip_special_tokens,
     }
+    if needs_rollout_logprobs(cfg) if log_probs is None else log_probs:
+        params["logprobs"] = 0
     if cfg.rollout_stop:
         params["stop"] = list(cfg.rollout_stop)
     if cfg.rollout_stop_token_ids:
@@ -84,32 +106,56 @@ def base_sampling_params(cfg: Any, temperature: Optional[float] = None) -> dict:
     return params
 
 
-def parse_choice(answer: dict) -> tuple[list[int], list[float], int, str, list[WeightSpan]]:
-    """(token ids, log-probs, missing log-prob count, finish reason, spans) of choice 0."""
+def parse_choice(answer: dict, with_log_probs: bool = True) -> tuple[list[int], Optional[list[float]], int, str, list[WeightSpan]]:
+    """(token ids, log-probs, missing log-prob count, finish reason, spans) of choice 0; without
+    `with_log_probs` (none were asked for) the log-probs are None and none is missing."""
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError):
         raise MalformedResponse(f"no choices in the response: {str(answer)[:200]}") from None
     token_ids = [int(t) for t in choice.get("token_ids") or []]
+    spans = [WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+    finish = str(choice.get("finish_reason") or "")
+    if not with_log_probs:
+        return token_ids, None, 0, finish, spans
     entries = (choice.get("logprobs") or {}).get("content") or []
+    if not entries:  # an engine that ignored the request: every token lacks its log-prob
+        return token_ids, [MISSING_LOGPROB] * len(token_ids), len(token_ids), finish, spans
     if len(entries) != len(token_ids):
         raise MalformedResponse(f"{len(token_ids)} tokens but {len(entries)} log-probs in the response")
     log_probs, missing = [], 0
     for token, entry in zip(token_ids, entries):
         value = _sampled_logprob(token, entry)
-        if value is None or value <= MISSING_LOGPROB:
+        if value is None or math.isnan(value) or value <= MISSING_LOGPROB:
             missing += 1
             value = MISSING_LOGPROB
         log_probs.append(value)
-    spans = [WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
-    return token_ids, log_probs, missing, str(choice.get("finish_reason") or ""), spans
+    return token_ids, log_probs, missing, finish, spans
+
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def entry_token_id(entry: dict) -> Optional[int]:
+    """The token id a log-prob entry is for: its "token_id" (vLLM 0.32), else the N of a
+    "token": "token_id:N" (vLLM 0.26, which sends no "token_id"); None when it names neither."""
+    token_id = entry.get("token_id")
+    if token_id is not None:
+        return int(token_id)
+    token = entry.get("token")
+    if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
+        try:
+            return int(token[len(TOKEN_ID_PREFIX):])
+        except ValueError:
+            return None
+    return None
 
 
 def _sampled_logprob(token: int, entry: dict) -> Optional[float]:
-    if entry.get("token_id") == token and entry.get("logprob") is not None:
+    if entry_token_id(entry) == token and entry.get("logprob") is not None:
         return float(entry["logprob"])
     for top in entry.get("top_logprobs") or []:
-        if top.get("token_id") == token and top.get("logprob") is not None:
+        if entry_token_id(top) == token and top.get("logprob") is not None:
             return float(top["logprob"])
     return None
 
@@ -192,7 +238,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     assert answer is not None
 
     try:
-        token_ids, log_probs, missing, finish, spans = parse_choice(answer)
+        token_ids, log_probs, missing, finish, spans = parse_choice(answer, with_log_probs=params.get("logprobs") is not None)
     except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
         return fail_sample(sample, f"malformed engine response: {exc}", retryable=True)
     if not spans and ctx.weight_version is not None and token_ids:
@@ -202,6 +248,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     extend_spans(sample, spans, offset)
     if missing:
         sample.metadata["missing_logprobs"] = sample.metadata.get("missing_logprobs", 0) + missing
+        sample.metadata[MISSING_LOGPROBS_ENGINE] = answer.get(ANSWERED_BY) or getattr(ctx.generator, "name", None) or "unknown"
     usage = answer.get("usage") or {}
     sample.metadata["completion_tokens"] = sample.metadata.get("completion_tokens", 0) + int(usage.get("completion_tokens", len(token_ids)))
     sample.finish_reason = finish

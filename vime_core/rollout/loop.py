@@ -14,6 +14,9 @@
         request) it is dropped and a new group refills its place. More dropped groups than the
         batch holds, or no live engine within rollout_engine_wait_s: RolloutFailedError, naming
         the engines and the reasons, and nothing is handed on.
+        a group with a sample lacking log-probs that a set flag reads (data/validation.py,
+        log_probs_error) stops the rollout at once: UntrainableBatchError naming the sample,
+        the engine and the flags -- a setting or an engine version to fix, not retried.
     abort what is still running (abort_requests on every engine), wait for it to come back;
     partial_rollout: unfinished groups return to the data source with their partial responses,
     the off-policy part masked (loss_mask 0); otherwise they are dropped.
@@ -36,7 +39,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.sample import Sample, Status
+from vime_core.data.validation import UntrainableBatchError, log_probs_error
 from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
 
 logger = logging.getLogger(__name__)
@@ -93,6 +98,16 @@ def generate_failure(group: list[Sample]) -> Optional[tuple[str, bool]]:
     if not failed:
         return None
     return str(failed[0].metadata["generate_error"]), all(s.metadata.get("retryable") for s in failed)
+
+
+def group_log_probs_error(group: list[Sample], readers: list[str]) -> Optional[str]:
+    """The first sample of `group` whose log-probs cannot serve `readers`, in one line, or None."""
+    for s in group:
+        where = f"sample (group {s.group_index} index {s.index}, prompt {s.prompt_id!r})"
+        error = log_probs_error(where, s.rollout_log_probs, s.response_length, s.metadata, readers)
+        if error:
+            return error
+    return None
 
 
 def _reason_key(reason: str) -> str:
@@ -268,6 +283,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                           weight_version=state.weight_version)
     sem = asyncio.Semaphore(state.concurrency)
     params = base_sampling_params(cfg)
+    readers = rollout_logprob_readers(cfg)
     progress = _Progress()
     in_flight: set[asyncio.Task] = set()
     all_tasks: list[asyncio.Task] = []
@@ -291,6 +307,9 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     if len(progress.kept) < target:
                         await _handle_failed_group(state, rollout_id, group, failure, progress)
                     continue
+                error = group_log_probs_error(group, readers)
+                if error:
+                    raise UntrainableBatchError(f"rollout {rollout_id}: {error}")
                 if len(progress.kept) >= target:
                     progress.surplus_groups += 1
                 elif state.group_filter(group):

@@ -260,6 +260,7 @@ class RolloutManager:
         logger.warning("discarded the prefetched rollout %d (weights v%s)", pending.rollout_id, pending.version)
 
     def _generate_now(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
+        from vime_core.config.derive import rollout_logprob_readers
         from vime_core.data.batch import build_batch
         from vime_core.data.validation import validate_trainable
 
@@ -271,7 +272,7 @@ class RolloutManager:
         batch = build_batch(samples, self.cfg)
         # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
         # (a custom rollout function may hand on samples the default loop would have retried)
-        validate_trainable(batch)
+        validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = float(self.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),

@@ -1,6 +1,8 @@
 """Train one rollout on this rank (walkthrough steps 37-40): DP partition, old/reference
 log-probs, advantages, then ``num_steps`` optimizer steps.
 
+    check       validate_trainable, requiring rollout_log_probs where a flag reads them
+                (config.derive.rollout_logprob_readers)
     schedule    build_dp_schedule(total_lengths, global_batch_size, dp, micro_batch_size,
                 max_tokens_per_gpu if use_dynamic_batch_size) -> this rank's micro-batches per step
     old         recomputed once, before the first step, for all of this rank's samples, unless
@@ -84,17 +86,20 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
     from megatron.core import parallel_state
 
     from vime_core.algo.gates import can_reuse_log_probs_in_loss
+    from vime_core.config.derive import rollout_logprob_readers
     from vime_core.data.schedule import build_dp_schedule
+    from vime_core.data.validation import validate_trainable
     from vime_core.trainer.train_step import (
         StepDenominators,
         StepInputs,
-        check_batch,
         forward_log_probs,
         train_step,
     )
 
     cfg, lay = trainer.cfg, trainer.layout
-    n = check_batch(batch)
+    # the trainability check (train_step.check_batch's), with the engines' log-probs required
+    # where a flag reads them: a replayed batch stored without them stops here, naming the column
+    n = validate_trainable(batch, log_prob_readers=rollout_logprob_readers(cfg))
     lengths = [len(t) for t in batch["tokens"]]
     budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
     schedule = build_dp_schedule(lengths, cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)

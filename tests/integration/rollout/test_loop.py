@@ -35,7 +35,9 @@ def make_manager(healthy_engines, tiny_model_dir, vllm_python, arith_data, cache
         manager.shutdown()
 
 
-def check_batch_shape(batch: dict, groups: int, n: int) -> None:
+def check_batch_shape(batch: dict, groups: int, n: int, log_probs: bool = False) -> None:
+    """Rows, group order and lengths; `log_probs`: a flag asked for them (one per response token),
+    else the samples carry none."""
     rows = groups * n
     assert all(len(col) == rows for col in batch.values()), {k: len(v) for k, v in batch.items()}
     group_ids = batch["group_index"]
@@ -43,7 +45,23 @@ def check_batch_shape(batch: dict, groups: int, n: int) -> None:
     assert batch["index"] == [i % n for i in range(rows)]
     for i in range(rows):
         assert batch["prompt_length"][i] + batch["response_length"][i] == batch["total_length"][i] == len(batch["tokens"][i])
-        assert len(batch["loss_mask"][i]) == len(batch["rollout_log_probs"][i]) == batch["response_length"][i]
+        assert len(batch["loss_mask"][i]) == batch["response_length"][i]
+        assert len(batch["rollout_log_probs"][i]) == (batch["response_length"][i] if log_probs else 0)
+
+
+def record_requests(manager) -> list[tuple[dict, object]]:
+    """(sampling params, the engine's `logprobs` field) of every generate the rollouts send from now on."""
+    seen: list[tuple[dict, object]] = []
+    generator = manager.state.generator
+    real = generator.generate
+
+    async def generate(token_ids, sampling_params, session_id=None, request_id=None):
+        answer = await real(token_ids, sampling_params, session_id=session_id, request_id=request_id)
+        seen.append((dict(sampling_params), answer["choices"][0].get("logprobs")))
+        return answer
+
+    generator.generate = generate
+    return seen
 
 
 def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_back(make_manager):
@@ -97,14 +115,17 @@ def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_bac
 
 
 def test_full_loop_router_arith_reward(make_manager):
-    manager = make_manager(router_policy="consistent_hash")
+    # get_mismatch_metrics reads the engines' log-probs: asked for, one per token, none missing
+    manager = make_manager(router_policy="consistent_hash", get_mismatch_metrics=True)
+    requests = record_requests(manager)
     batch, metrics = manager.generate(0)
-    check_batch_shape(batch, 4, 4)
+    check_batch_shape(batch, 4, 4, log_probs=True)
+    assert requests and all(params["logprobs"] == 0 and len(sent["content"]) > 0 for params, sent in requests)
     assert set(batch["status"]) <= {"completed", "truncated"}
     for i, status in enumerate(batch["status"]):
         spans = batch["weight_versions"][i]
         assert spans[0]["start"] == 0 and spans[-1]["end"] == batch["response_length"][i]
-        assert all(lp <= 0.0 for lp in batch["rollout_log_probs"][i])
+        assert all(-50.0 < lp <= 0.0 for lp in batch["rollout_log_probs"][i])
         assert batch["finish_reason"][i] == ("length" if status == "truncated" else "stop")
     # The rule-based reward recomputed from the returned tokens agrees with the loop's.
     tokenizer = manager.tokenizer
@@ -195,10 +216,16 @@ def test_in_client_consistent_hash_and_eval(make_manager, arith_data):
     assert router.pick("session-a") is router.pick("session-a")
     picks = {router.pick(f"s-{i}").base_url for i in range(32)}
     assert len(picks) == 2, "32 sessions all hashed onto one engine"
-    batch, _ = manager.generate(0)
-    check_batch_shape(batch, 4, 4)
+    requests = record_requests(manager)
+    batch, metrics = manager.generate(0)
+    # no flag reads the engines' log-probs: none asked for, none sent, none carried or missing
+    check_batch_shape(batch, 4, 4, log_probs=False)
+    assert requests and all("logprobs" not in params and sent is None for params, sent in requests)
+    assert metrics["rollout/missing_logprob_count"] == 0
     state_before = manager.data_source_state()
+    del requests[:]
     metrics = manager.eval(0)
+    assert len(requests) == 25 * 2 and all("logprobs" not in params for params, _ in requests)
     assert manager.data_source_state() == state_before, "eval touched the training data source"
     assert metrics["eval/num_samples"] == 25 * 2
     assert 0.0 <= metrics["eval/reward_mean"] <= 1.0
