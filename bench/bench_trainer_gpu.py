@@ -15,17 +15,33 @@ options joined with ``+``:
     +fused        torch's fused AdamW kernel inside Megatron's optimizer (default: foreach AdamW,
                   the fallback Megatron takes without Transformer Engine / apex)
     +recompute    full activation recompute of every layer (Megatron: granularity full, uniform, 1)
-    +compile      torch.compile of the loss head (log_probs_and_entropy over the 152k vocabulary)
+    +compile      with +fullhead: torch.compile of its loss head (log_probs_and_entropy over the
+                  152k vocabulary); the chunked response head is compiled on CUDA by default
+    +eagerhead    the chunked response head's chunk math eagerly (logprobs.COMPILE_ON_CUDA off)
     +devseq       the packed segment offsets (cu_seqlens) on the device, as before the fix in
                   packing.py (3 device syncs per layer), to measure that fix in the same run
+    +oldattn      per-segment SDPA with K/V repeated to the query heads on the GPU too (the
+                  attention before the varlen FlashAttention call; attention.py)
+    +fullhead     logits at every position, fp32 copy of the response rows, Megatron's
+                  cross-entropy and an entropy with its own passes (the head before the chunked
+                  response head; logprobs.packed_response_log_probs_full)
+
+The old path is ``packT+oldattn+fullhead``; the sync-free micro-batch loop (train_step.py,
+packing.to_device) is in every variant.
 
 Per variant: median step time (forward + backward + optimizer over the step's micro-batches, one
-optimizer step), tokens/s, MFU without and with the attention term (formulas in gpu_common),
-the old-log-prob recompute (forward only, vocabulary-split log-probs) tokens/s, and peak memory.
+optimizer step), tokens/s, MFU without and with the attention term (formulas in gpu_common: the
+LM head counted on every token), the same with the LM head counted on the response tokens only
+(``*_response_head``: the head FLOPs the new head actually needs), the old-log-prob recompute
+(forward only) time, tokens/s and MFU, and peak memory. ``path_check`` compares each variant's
+log-probs with the first variant's on the initial weights (the same model, before any step).
 ``check`` holds log-probs of the initial weights and the first steps' losses/grad norms, to
 compare layouts (``--compare a.json b.json``).
 
     python bench/bench_trainer_gpu.py --shape 0.5b --variants mbs4,mbs16,mbs16+fused --out r.json
+    python bench/bench_trainer_gpu.py --shape 0.5b --samples 256 --vary --prompt-min-len 180 --prompt-len 312 \
+        --response-min-len 1000 --response-len 1024 --warmup 1 --repeats 3 --check-steps 0 \
+        --variants pack8192+oldattn+fullhead,pack8192,pack16384,pack32768 --out mfu.json
     torchrun --nproc_per_node 2 bench/bench_trainer_gpu.py --shape 0.5b --tp 2 --out tp2.json
     python bench/bench_trainer_gpu.py --compare tp1.json tp2.json
 """
@@ -63,7 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=16, help="samples per rollout = per optimizer step (all DP ranks)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (the maximum with --vary)")
     p.add_argument("--response-len", type=int, default=256, help="response tokens (the maximum with --vary)")
-    p.add_argument("--vary", action="store_true", help="draw lengths uniformly from [16, max] instead of fixed")
+    p.add_argument("--vary", action="store_true", help="draw lengths uniformly from [min, max] instead of fixed")
+    p.add_argument("--prompt-min-len", type=int, default=16, help="smallest prompt with --vary")
+    p.add_argument("--response-min-len", type=int, default=16, help="smallest response with --vary")
+    p.add_argument("--path-check-samples", type=int, default=32,
+                   help="samples whose initial log-probs each variant compares with the first's (0: none)")
     p.add_argument("--lr", type=float, default=1e-5)
     # ---- what to measure
     p.add_argument("--variants", default="mbs4", help="comma-separated variants (module docstring); the first is the baseline")
@@ -86,8 +106,8 @@ def synthetic_batch(args: argparse.Namespace, vocab: int) -> dict[str, list]:
     rng = random.Random(args.seed)
     batch: dict[str, list] = {k: [] for k in ("tokens", "response_length", "total_length", "loss_mask", "advantage", "reward")}
     for _ in range(args.samples):
-        prompt = rng.randint(16, args.prompt_len) if args.vary else args.prompt_len
-        response = rng.randint(16, args.response_len) if args.vary else args.response_len
+        prompt = rng.randint(args.prompt_min_len, args.prompt_len) if args.vary else args.prompt_len
+        response = rng.randint(args.response_min_len, args.response_len) if args.vary else args.response_len
         adv = rng.gauss(0.0, 1.0)
         batch["tokens"].append([rng.randrange(vocab) for _ in range(prompt + response)])
         batch["response_length"].append(response)
@@ -106,18 +126,21 @@ class Options:
 
     def __init__(self, trainer: Any, base_cfg: Any) -> None:
         import vime_core.trainer.logprobs as logprobs
-
-        self.trainer, self.base_cfg = trainer, base_cfg
-        self.logprobs = logprobs
-        self.loss_head = logprobs.log_probs_and_entropy
-        self.compiled_loss_head: Any = None
+        import vime_core.trainer.train_step as train_step
+        from vime_core.trainer.attention import SDPACoreAttention
         from vime_core.trainer.packing import PackedMicroBatch
 
+        self.trainer, self.base_cfg = trainer, base_cfg
+        self.logprobs, self.train_step = logprobs, train_step
+        self.loss_head = logprobs.log_probs_and_entropy
+        self.compiled_loss_head: Any = None
+        self.head = train_step.packed_response_log_probs
+        self.packed_attention = SDPACoreAttention._packed
         self.packed_seq_params = PackedMicroBatch.packed_seq_params
 
     def apply(self, spec: str) -> None:
         batching, *flags = spec.split("+")
-        unknown = set(flags) - {"fused", "recompute", "compile", "devseq"}
+        unknown = set(flags) - {"fused", "recompute", "compile", "devseq", "oldattn", "fullhead", "eagerhead"}
         if unknown:
             raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
         if batching.startswith("mbs"):
@@ -129,8 +152,22 @@ class Options:
         self.trainer.cfg = self.base_cfg.model_copy(update=update)
         self.set_fused_adam("fused" in flags)
         self.set_recompute("recompute" in flags)
+        if "compile" in flags and "fullhead" not in flags:
+            raise ValueError(f"variant {spec!r}: +compile applies to +fullhead (the chunked head is compiled on CUDA)")
+        self.set_old_attention("oldattn" in flags)
+        self.set_full_head("fullhead" in flags)
         self.set_compiled_loss_head("compile" in flags)
+        self.logprobs.COMPILE_ON_CUDA = "eagerhead" not in flags
         self.set_device_offsets("devseq" in flags)
+
+    def set_old_attention(self, on: bool) -> None:
+        from vime_core.trainer.attention import SDPACoreAttention
+
+        SDPACoreAttention._packed = SDPACoreAttention._packed_per_segment if on else self.packed_attention  # type: ignore[method-assign]
+
+    def set_full_head(self, on: bool) -> None:
+        # train_step imported the head by name: forward_log_probs and micro_batch_loss read it there
+        self.train_step.packed_response_log_probs = self.logprobs.packed_response_log_probs_full if on else self.head
 
     def set_device_offsets(self, on: bool) -> None:
         from vime_core.trainer.packing import PackedMicroBatch
@@ -171,13 +208,13 @@ class Options:
 # ---- one rollout's training, phase by phase (the steps of rollout_training.train_on_rollout) ----------
 
 
-def schedule_for(trainer: Any, batch: dict[str, list]) -> list[list[list[int]]]:
+def schedule_for(trainer: Any, batch: dict[str, list], global_batch_size: int | None = None) -> list[list[list[int]]]:
     from vime_core.data.schedule import build_dp_schedule
 
     cfg, lay = trainer.cfg, trainer.layout
     budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
     lengths = [len(t) for t in batch["tokens"]]
-    sched = build_dp_schedule(lengths, cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
+    sched = build_dp_schedule(lengths, global_batch_size or cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
     return sched.micro_batches[lay.dp_rank]
 
 
@@ -235,8 +272,11 @@ def measure_variant(trainer: Any, batch: dict[str, list], spec: str, opts: Optio
         norms.append(metrics["grad_norm"])
     step, lp = common.median(step_s), common.median(lp_s)
     world = trainer.layout.world_size
+    responses = sum(int(r) for r in batch["response_length"])
     train_flops = common.step_flops(cfg_json, lengths, passes=3)
     fwd_flops = common.step_flops(cfg_json, lengths, passes=1)
+    train_resp = common.step_flops(cfg_json, lengths, passes=3, head_tokens=responses)
+    fwd_resp = common.step_flops(cfg_json, lengths, passes=1, head_tokens=responses)
     tokens = sum(lengths)
     return {
         "variant": spec,
@@ -246,9 +286,13 @@ def measure_variant(trainer: Any, batch: dict[str, list], spec: str, opts: Optio
         "tokens_per_s": tokens / step,
         "mfu_6N": common.mfu(train_flops["dense"], step) / world,
         "mfu_with_attention": common.mfu(train_flops["dense"] + train_flops["attention"], step) / world,
+        "mfu_with_attention_response_head": common.mfu(train_resp["dense"] + train_resp["attention"], step) / world,
         "logprob_time_s": lp,
+        "logprob_times_s": lp_s,
         "logprob_tokens_per_s": tokens / lp,
+        "logprob_mfu_6N": common.mfu(fwd_flops["dense"], lp) / world,
         "logprob_mfu_with_attention": common.mfu(fwd_flops["dense"] + fwd_flops["attention"], lp) / world,
+        "logprob_mfu_with_attention_response_head": common.mfu(fwd_resp["dense"] + fwd_resp["attention"], lp) / world,
         "peak_memory_gib_per_rank": gather_peak_memory(dev),
         "loss_last": losses[-1],
         "grad_norm_last": norms[-1],
@@ -262,6 +306,28 @@ def gather_peak_memory(dev: str) -> list[float]:
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, mine)
     return [round(float(x), 3) for x in out]
+
+
+def path_check(trainer: Any, batch: dict[str, list], specs: list[str], opts: Options, samples: int) -> dict[str, Any]:
+    """Each variant's log-probs of the first ``samples`` samples against the first variant's, on the
+    same (initial) weights: the old and new attention/head paths must agree to bf16 precision."""
+    samples -= samples % trainer.layout.dp_size
+    sub = {k: v[:samples] for k, v in batch.items()}
+    out: dict[str, Any] = {"samples": samples}
+    base = None
+    for spec in specs:
+        opts.apply(spec)
+        mine = schedule_for(trainer, sub, global_batch_size=samples)
+        lps = recompute_old(trainer, sub, mine)
+        flat = torch.cat([lps[i].float() for i in sorted(lps)])
+        if base is None:
+            base = flat
+            out["tokens"] = int(flat.numel())
+            continue
+        diff = (flat - base).abs()
+        out[spec] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+                     "mean_log_prob": float(flat.mean()), "baseline_mean_log_prob": float(base.mean())}
+    return out
 
 
 def layout_check(trainer: Any, batch: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
@@ -380,18 +446,27 @@ def main(argv: list[str] | None = None) -> None:
             "mfu_with_attention": "(6 * N_matmul * tokens + sum_i 6 * layers * heads * head_dim * len_i^2) "
                                   "/ step_time / 989e12 / gpus   (causal: half of QK^T and PV)",
             "logprob_mfu_with_attention": "one third of the training FLOPs (forward only) / logprob_time / 989e12 / gpus",
+            "*_response_head": "the same with the LM head (vocab x hidden) counted on the response tokens only",
         },
         "argv": sys.argv[1:],
     }
+    # One Options for the whole run: it keeps the unpatched functions that every variant restores.
+    opts = Options(trainer, trainer.cfg)
+    specs = [v for v in args.variants.split(",") if v]
     if args.check_steps:
-        opts0 = Options(trainer, trainer.cfg)
-        opts0.apply(args.variants.split(",")[0])
+        opts.apply(specs[0])
         result["check"] = layout_check(trainer, batch, args)
-    base_cfg = trainer.cfg
-    opts = Options(trainer, base_cfg)
+    if args.path_check_samples and len(specs) > 1:
+        # before any variant trains: every path sees the same weights
+        try:
+            result["path_check"] = path_check(trainer, batch, specs, opts, min(args.path_check_samples, args.samples))
+        except Exception as err:  # recorded; the timings still run
+            result["path_check"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            if torch.distributed.get_world_size() > 1:
+                raise
     variants: list[dict[str, Any]] = []
     result["variants"] = variants
-    for spec in [v for v in args.variants.split(",") if v]:
+    for spec in specs:
         try:
             variants.append(measure_variant(trainer, batch, spec, opts, args, cfg_json))
         except Exception as err:  # a failed option is a result too; the next variant still runs
@@ -404,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if lay.rank == 0:
         common.write_json(result, args.out)
+        if args.out:
+            print("\n".join(common.summary_lines(args.out)), file=sys.stderr, flush=True)
     if args.profile and lay.rank == 0 and lay.world_size == 1:
         profile_step(trainer, batch, opts, args.variants.split(",")[0], args.profile)
     from vime_core.trainer.parallel import destroy_parallel

@@ -14,6 +14,12 @@ FLOPs of one training step over samples of lengths s_i (T = sum_i s_i tokens):
     MFU       = flops / step_time / 989e12        (H200 dense bf16 peak, datasheet)
 
 A forward-only pass (log-prob recompute) is a third of that: 2 * N * T + sum_i 2 * L * d_attn * s_i^2.
+
+The LM head (vocab x hidden, the tied embedding's matmul) is part of N and so counted on all T
+tokens. The trainer only needs its logits at the response positions (the next token of a prompt
+position is not trained on); ``head_tokens`` counts it on those R tokens instead:
+
+    dense(head_tokens=R) = 6 * (N - V * h) * T + 6 * V * h * R
 """
 
 from __future__ import annotations
@@ -104,11 +110,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def step_flops(cfg: dict[str, Any], lengths: list[int], passes: int = 3) -> dict[str, float]:
-    """``passes=3`` for forward + backward, 1 for a forward (module docstring)."""
+def step_flops(cfg: dict[str, Any], lengths: list[int], passes: int = 3, head_tokens: int | None = None) -> dict[str, float]:
+    """``passes=3`` for forward + backward, 1 for a forward; ``head_tokens``: count the LM head on
+    that many tokens instead of all of them (module docstring)."""
     n = parameter_counts(cfg)["matmul"]
     d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
     dense = 2.0 * passes * n * sum(lengths)
+    if head_tokens is not None:
+        head = cfg["vocab_size"] * cfg["hidden_size"]
+        dense += 2.0 * passes * head * (head_tokens - sum(lengths))
     attention = 2.0 * passes * cfg["num_hidden_layers"] * d_attn * sum(s * s for s in lengths)
     return {"dense": dense, "attention": attention}
 
@@ -236,7 +246,9 @@ def summary_lines(path: str) -> list[str]:
         lines.append(
             f"  {v['variant']:<28} step {v['step_time_s']*1e3:8.1f} ms  {v['tokens_per_s']:9.0f} tok/s  "
             f"mfu {v['mfu_6N']*100:5.1f}% (+attn {v['mfu_with_attention']*100:5.1f}%)  x{v.get('speedup_vs_baseline', 0):.2f}  "
-            f"logprob {v['logprob_tokens_per_s']:9.0f} tok/s  peak {v['peak_memory_gib_per_rank']} GiB"
+            f"logprob {v['logprob_tokens_per_s']:9.0f} tok/s"
+            + (f" mfu(+attn) {v['logprob_mfu_with_attention']*100:5.1f}%" if "logprob_mfu_with_attention" in v else "")
+            + f"  peak {v['peak_memory_gib_per_rank']} GiB"
         )
     for s in r.get("shapes", []):
         lines.append(

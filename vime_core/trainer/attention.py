@@ -14,8 +14,16 @@ Megatron's mask is True (Megatron masks are "True = masked out"; SDPA boolean ma
 Layouts follow Megatron: q is [s, b, heads, d], k/v are [s, b, kv_groups, d] (per TP rank), the
 output is [s, b, heads * d]. With THD packing (``packed_seq_params.qkv_format == "thd"``, see
 ``packing.py``) q/k/v arrive as [t, heads, d] for samples laid end to end; attention is causal
-inside each sample (segments from ``cu_seqlens``), computed per segment, or in one batched call
-when all segments have the same length — never over the whole [t, t] square.
+inside each sample (segments ``[cu_seqlens[i], cu_seqlens[i + 1])``), never over the whole [t, t]
+square:
+
+- on a GPU in bf16/fp16, one variable-length FlashAttention call per layer
+  (``torch.ops.aten._flash_attention_forward`` with ``cu_seqlens``, the kernel behind
+  ``torch.nn.attention.varlen``; differentiable through its aten derivative). It takes the KV
+  groups as they are (grouped-query attention inside the kernel: no K/V repeat) and needs the
+  offsets as int32 on the device plus the longest segment as a Python int (no device sync);
+- elsewhere (the CPU, fp32), SDPA per segment, or in one batched call when all segments have the
+  same length.
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed qkv_format={packed_seq_params.qkv_format!r}; only 'thd'")
-            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
+            return self._packed(query, key, value, packed_seq_params)
         seq_len, batch = query.shape[0], query.shape[1]
         q = query.permute(1, 2, 0, 3)  # [b, heads, s, d]
         k = key.permute(1, 2, 0, 3)  # [b, groups, s, d]
@@ -94,8 +102,27 @@ class SDPACoreAttention(MegatronModule):
         )
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, self.heads_per_rank * self.head_dim)
 
-    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
         """q [t, heads, d], k/v [t, groups, d] -> [t, 1, heads * d], causal inside each segment."""
+        if _varlen_kernel_applies(query):
+            return self._packed_varlen(query, key, value, params)
+        return self._packed_per_segment(query, key, value, params)
+
+    def _packed_varlen(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+        """One FlashAttention varlen call over every segment (GPU, bf16/fp16)."""
+        cu = getattr(params, "cu_seqlens_device", None)
+        if cu is None or cu.device != query.device:  # offsets from elsewhere: copy them (one sync)
+            cu = params.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+        # Dense [t, heads, d] operands: value is a strided view into the fused QKV projection
+        # (query and key come out of RoPE as new tensors, for which this is a no-op).
+        q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+        dropout_p = self.dropout_p if self.training else 0.0
+        out = flash_varlen_causal(q, k, v, cu, int(params.max_seqlen_q), dropout_p, self.softmax_scale)
+        return out.reshape(out.shape[0], 1, self.heads_per_rank * self.head_dim)
+
+    def _packed_per_segment(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+        """SDPA per segment, or one batched call when all segments have the same length."""
+        cu_seqlens = params.cu_seqlens_q
         total = query.shape[0]
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if len(set(lengths)) == 1:  # equal lengths: one batched call, segments become the batch
@@ -112,3 +139,29 @@ class SDPACoreAttention(MegatronModule):
             for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())
         ]
         return torch.cat(outs, dim=0)
+
+
+def flash_varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, scale: float
+) -> torch.Tensor:
+    """FlashAttention-2 over packed segments: q [t, heads, d], k/v [t, groups, d] (heads a multiple
+    of groups), ``cu_seqlens`` int32 on q's device, ``max_seqlen`` a Python int -> [t, heads, d],
+    causal inside each segment. Differentiable (aten's derivative calls the varlen backward,
+    which sums dK/dV over each group's query heads)."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+        True,  # is_causal (q and k segments have the same lengths: top-left = bottom-right)
+        False,  # return_debug_mask
+        scale=scale,
+    )[0]
+
+
+def _varlen_kernel_applies(query: torch.Tensor) -> bool:
+    """FlashAttention's varlen kernel: CUDA, half precision, head dim a multiple of 8 up to 256."""
+    head_dim = query.shape[-1]
+    return (
+        query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )

@@ -1,36 +1,89 @@
 """Per-token log-probs and entropy of response tokens over a TP-split vocabulary.
 
-Each TP rank holds logits ``z[:, V_r]`` for its slice ``V_r`` of the padded vocabulary. With
-temperature ``tau`` (the rollout's, so train log-probs match the engine's processed log-probs)
-and ``y = z / tau``:
+Each TP rank holds the output weights ``W[V_r]`` of its slice ``V_r`` of the padded vocabulary, so
+its logits for a final hidden state ``x`` are ``z_v = x . W_v`` (v in V_r). With temperature ``tau``
+(the rollout's, so train log-probs match the engine's processed log-probs) and ``y = z / tau``:
 
-    log p(a)   = y_a - logsumexp_v y_v          (vocab_parallel_cross_entropy, negated)
-    H          = logsumexp_v y_v - sum_v p_v y_v
+    lse        = logsumexp_v y_v
+    log p(a)   = y_a - lse
+    H          = lse - sum_v p_v y_v                 (p_v = exp(y_v - lse))
 
-where the logsumexp and the sums over ``v`` are all-reduced over the TP group (max with MAX, sums
-with SUM through Megatron's autograd-aware ``reduce_from_tensor_model_parallel_region``, whose
-backward is the identity, so each rank gets the gradient of its own slice).
+where the logsumexp and the sums over ``v`` are reduced over the TP group. Vocabulary padding
+(ids >= the real vocabulary size) is not a token: it gets probability 0 and no gradient.
 
-Vocabulary padding rows (ids >= the real vocabulary size) are not tokens: their logits are set to
-the dtype's most negative finite value first, so they get probability 0 (a finite value rather
-than -inf keeps ``p * y`` at 0 instead of NaN).
+Two implementations of that math:
+
+- ``packed_response_log_probs`` (the trainer's): the model's final hidden states, then logits
+  only at the response positions, a chunk of rows at a time, so that the fp32 [rows x vocab]
+  tensor never exists in full (``ResponseHead``, below).
+- ``packed_response_log_probs_full`` / ``log_probs_and_entropy``: the straightforward one — the
+  model's logits at every position, the response rows selected, cast to fp32, Megatron's
+  ``vocab_parallel_cross_entropy``. The tests compare the two; the GPU benchmark measures both.
+
+``ResponseHead`` over chunks of N rows (each chunk's logits against all of this rank's real
+vocabulary columns, padding excluded). Forward, per row, with ``m = max_v y_v``,
+``s = sum_v exp(y_v - m)`` and ``t = sum_v exp(y_v - m) (y_v - m)`` over the rank's columns:
+
+    lse = m + log s,   log p(a) = y_a - lse,   H = log s - t / s
+
+(``t / s = sum_v p_v (y_v - m)``: H is computed on max-shifted values, as a softmax would). Over
+TP ranks r the per-rank (m_r, s_r, t_r) merge by an all-reduce MAX of M = max_r m_r, then a SUM of
+
+    s = sum_r c_r s_r,   t = sum_r c_r (t_r + (m_r - M) s_r),   c_r = exp(m_r - M)
+
+and of the target logit ``y_a``, which only its owner rank contributes. Backward recomputes each
+chunk's logits (only lse and H per row are kept) and uses
+
+    d log p(a) / d y_v = [v = a] - p_v
+    d H        / d y_v = -p_v (log p_v + H)
+    g_y = g_logp ([v = a] - p) - g_H p (log p + H),   g_z = g_y / tau,
+    g_x[chunk] = g_z W,   g_W = sum over chunks of g_z^T x[chunk]   (accumulated in fp32)
+
+The input ``x`` enters through Megatron's ``copy_to_tensor_model_parallel_region`` (identity
+forward, all-reduce backward): each rank's ``g_x`` covers only its vocabulary slice, as in the
+output layer's own backward.
+
+Precision follows the full head: logits are the matmul's output in the model dtype (bf16 on
+GPUs), then fp32 for every softmax quantity; the logits' gradient is rounded back to the model
+dtype before the two backward matmuls.
+
+Speed: the chunk math (``forward_chunk`` / ``backward_chunk``) is elementwise work over
+[rows x 152k] logits, memory-bound. On CUDA it runs through ``torch.compile``, which fuses it into
+a few kernels that read the logits once or twice (eagerly it is ~10 passes); a compilation that
+fails falls back to the eager functions once, with a warning.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+log = logging.getLogger(__name__)
+
+# Logits per chunk (rows x vocabulary columns): 512 Mi elements, 1 GiB in bf16, so a chunk is a
+# few thousand rows of the 152k vocabulary, large enough for efficient matmuls and few launches.
+CHUNK_ELEMENTS = 1 << 29
+# torch.compile of the chunk math on CUDA (module docstring); the benchmark switches it off to
+# measure the eager functions.
+COMPILE_ON_CUDA = True
+
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Logits of this rank's slice with the padding ids pushed to the most negative value."""
+    """Logits of this rank's slice with the padding ids pushed to -sqrt(dtype max): exp gives 0,
+    and unlike -inf (or the dtype's min) its products with logit-sized numbers stay finite, so
+    ``p * y`` is 0 in the entropy and its gradient is not NaN."""
     per_rank = logits.shape[-1]
     start = tp_rank * per_rank
     if start + per_rank <= vocab_size:
         return logits
     ids = torch.arange(start, start + per_rank, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min)
+    return logits.masked_fill(ids >= vocab_size, -(torch.finfo(logits.dtype).max ** 0.5))
+
+
+# ---- the straightforward head: full logits ----------------------------------------------------------
 
 
 def log_probs_and_entropy(
@@ -79,6 +132,28 @@ def _vocab_parallel_entropy(y: torch.Tensor) -> torch.Tensor:
     return sum_exp.log() - expected
 
 
+def packed_response_log_probs_full(
+    model: torch.nn.Module,
+    packed: "PackedMicroBatch",  # noqa: F821  (vime_core.trainer.packing)
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The full head: logits at every position, then the response rows (reference and baseline)."""
+    logits = model(
+        packed.input_ids,
+        packed.position_ids,
+        None,  # THD packing: attention is causal inside each sample (cu_seqlens)
+        packed_seq_params=packed.packed_seq_params(),
+    )
+    response_logits = logits[0].index_select(0, packed.logit_index)
+    return log_probs_and_entropy(response_logits, packed.targets, vocab_size, temperature, with_entropy, entropy_grad)
+
+
+# ---- the trainer's head: response rows only, in chunks of rows --------------------------------------------
+
+
 def packed_response_log_probs(
     model: torch.nn.Module,
     packed: "PackedMicroBatch",  # noqa: F821  (vime_core.trainer.packing)
@@ -88,12 +163,239 @@ def packed_response_log_probs(
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward a packed micro-batch and return its response tokens' log-probs (and entropy),
-    flat over the samples in order (``sum(response_lengths)`` long)."""
-    logits = model(
-        packed.input_ids,
-        packed.position_ids,
-        None,  # THD packing: attention is causal inside each sample (cu_seqlens)
-        packed_seq_params=packed.packed_seq_params(),
+    flat over the samples in order (``sum(response_lengths)`` long), float32."""
+    from vime_core.trainer.hf_convert import unwrap
+
+    gpt = unwrap(model)
+    with hidden_states_only(gpt):
+        hidden = model(
+            packed.input_ids,
+            packed.position_ids,
+            None,  # THD packing: attention is causal inside each sample (cu_seqlens)
+            packed_seq_params=packed.packed_seq_params(),
+        )  # [T, 1, hidden]: the decoder's output after the final norm
+    rows = hidden[:, 0].index_select(0, packed.logit_index)
+    return response_log_probs(rows, output_weight(gpt), packed.targets, vocab_size, temperature, with_entropy, entropy_grad)
+
+
+@contextmanager
+def hidden_states_only(gpt: Any) -> Iterator[None]:
+    """Inside: ``gpt``'s forward returns the final hidden states [s, b, h] instead of logits.
+
+    Megatron's GPTModel returns the decoder's output (final norm included: the decoder owns it)
+    when ``post_process`` is off, as a pipeline stage without the output layer does."""
+    previous = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = previous
+
+
+def output_weight(gpt: Any) -> torch.Tensor:
+    """This rank's output (LM head) weight [V_r, h]: the word embeddings when tied."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def response_log_probs(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``rows`` [N, h] final hidden states, ``weight`` [V_r, h] this rank's output weights,
+    ``targets`` [N] global ids -> (log_probs [N], entropy [N] or None), float32.
+
+    The entropy is differentiable only when ``entropy_grad``; otherwise it is a metric computed
+    in the same pass (no backward work)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    if tp_size > 1:
+        rows = copy_to_tensor_model_parallel_region(rows)
+    log_probs, entropy = ResponseHead.apply(
+        rows, weight, targets, start, vocab_size, float(temperature), with_entropy, with_entropy and entropy_grad, group
     )
-    response_logits = logits[0].index_select(0, packed.logit_index)
-    return log_probs_and_entropy(response_logits, packed.targets, vocab_size, temperature, with_entropy, entropy_grad)
+    return log_probs, entropy if with_entropy else None
+
+
+def chunk_rows(columns: int) -> int:
+    """Rows per chunk: about ``CHUNK_ELEMENTS`` logits."""
+    return max(1, CHUNK_ELEMENTS // max(columns, 1))
+
+
+class ResponseHead(torch.autograd.Function):
+    """log p(a) and H of N rows over this rank's vocabulary slice, chunk by chunk (module docstring)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        start: int,
+        vocab_size: int,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        valid = max(0, min(weight.shape[0], vocab_size - start))  # columns that are real tokens
+        w = weight[:valid]
+        local = targets - start
+        parts = []
+        rows = chunk_rows(valid)
+        for r0 in range(0, n if valid else 0, rows):
+            r1 = min(n, r0 + rows)
+            parts.append(run_chunk_fn(forward_chunk, x[r0:r1], w, local[r0:r1], temperature, with_entropy))
+        if parts:
+            m, s, y_a = (torch.cat([p[i] for p in parts]) for i in (0, 1, 3))
+            t = torch.cat([p[2] for p in parts]) if with_entropy else None
+        else:  # no row, or no real token in this slice (a tiny vocabulary over many ranks)
+            m = torch.full((n,), torch.finfo(torch.float32).min, device=x.device)
+            s, y_a = torch.zeros(n, device=x.device), torch.zeros(n, device=x.device)
+            t = torch.zeros(n, device=x.device) if with_entropy else None
+        if group is not None:
+            m, s, t, y_a = all_reduce_stats(m, s, t, y_a, group)
+        log_s = s.log()
+        lse = m + log_s
+        log_probs = y_a - lse
+        entropy = log_s - t / s if with_entropy else torch.empty(0, device=x.device)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, local, lse, entropy if entropy_grad else None)
+        ctx.temperature, ctx.valid, ctx.entropy_grad = temperature, valid, entropy_grad
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_log_probs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]) -> tuple:  # type: ignore[override]
+        x, weight, local, lse, entropy = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, valid = x.shape[0], ctx.valid
+        if grad_log_probs is None:
+            grad_log_probs = torch.zeros(n, dtype=torch.float32, device=x.device)
+        if not ctx.entropy_grad:
+            grad_entropy = None
+        w = weight[:valid]
+        grad_x = torch.zeros_like(x) if want_x else None
+        grad_w = torch.zeros_like(weight) if want_w else None  # padding rows keep 0
+        rows = chunk_rows(valid)
+        chunks = range(0, n if valid else 0, rows)
+        # g_W sums over chunks in fp32 (one matmul of the full head rounds once); one chunk: direct
+        acc = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if want_w and len(chunks) > 1 else None
+        for r0 in chunks:
+            r1 = min(n, r0 + rows)
+            g_ent = None if grad_entropy is None else grad_entropy[r0:r1]
+            ent = None if grad_entropy is None else entropy[r0:r1]
+            grad_z = run_chunk_fn(
+                backward_chunk, x[r0:r1], w, local[r0:r1], lse[r0:r1], ent, grad_log_probs[r0:r1], g_ent, ctx.temperature
+            )
+            if want_x:
+                torch.mm(grad_z, w, out=grad_x[r0:r1])
+            if want_w:
+                if acc is None:
+                    torch.mm(grad_z.t(), x[r0:r1], out=grad_w[:valid])
+                else:
+                    acc += grad_z.t() @ x[r0:r1]
+        if acc is not None:
+            grad_w[:valid] = acc
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+_compiled: dict[str, Optional[Callable[..., Any]]] = {}  # name -> compiled chunk function; None: failed
+
+
+def run_chunk_fn(fn: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
+    """``fn(x, *args)``: through ``torch.compile`` on CUDA (``COMPILE_ON_CUDA``), eager elsewhere
+    or once compiling ``fn`` has failed (warned once; the eager function computes the same)."""
+    if not _compiles(x):
+        return fn(x, *args)
+    name = fn.__name__
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=True)
+    compiled = _compiled[name]
+    if compiled is None:
+        return fn(x, *args)
+    try:
+        return compiled(x, *args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # a compiler failure: run eagerly from now on
+        log.warning("torch.compile of logprobs.%s failed (%s: %s); running it eagerly", name, type(err).__name__, err)
+        _compiled[name] = None
+        return fn(x, *args)
+
+
+def _compiles(x: torch.Tensor) -> bool:
+    return x.is_cuda and COMPILE_ON_CUDA
+
+
+def forward_chunk(
+    x: torch.Tensor, w: torch.Tensor, local: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """One chunk's per-row (m, s, t or None, y_a where the target is one of w's rows else 0)."""
+    y = (x @ w.t()).float()  # a fresh tensor (the matmul's output, or its fp32 copy)
+    if temperature != 1.0:
+        y.div_(temperature)
+    inside = (local >= 0) & (local < y.shape[1])
+    y_a = y.gather(1, local.clamp(0, y.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    y_a = torch.where(inside, y_a, 0.0)
+    m = y.amax(dim=1)
+    shifted = y.sub_(m.unsqueeze(1))
+    if not with_entropy:
+        return m, shifted.exp_().sum(dim=1), None, y_a
+    e = shifted.exp()
+    s = e.sum(dim=1)
+    t = e.mul_(shifted).sum(dim=1)
+    return m, s, t, y_a
+
+
+def all_reduce_stats(
+    m: torch.Tensor, s: torch.Tensor, t: Optional[torch.Tensor], target_logit: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The TP ranks' (m, s, t) merged (module docstring) and the target logit summed (one owner)."""
+    top = m.clone()
+    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+    c = (m - top).exp()
+    parts = [c * s, target_logit] + ([] if t is None else [c * (t + (m - top) * s)])
+    summed = torch.stack(parts)
+    torch.distributed.all_reduce(summed, group=group)
+    return top, summed[0], (None if t is None else summed[2]), summed[1]
+
+
+def backward_chunk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    local: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    grad_log_probs: torch.Tensor,
+    grad_entropy: Optional[torch.Tensor],
+    temperature: float,
+) -> torch.Tensor:
+    """g_z of one chunk in the model dtype: g_y = g_logp ([v = a] - p) - g_H p (log p + H), / tau.
+
+    Written as one elementwise expression over the logits (the target term by comparing column
+    ids, not a scatter) so that torch.compile makes it a single kernel after the matmul."""
+    y = (x @ w.t()).float()
+    if temperature != 1.0:
+        y.div_(temperature)
+    log_p = y.sub_(lse.unsqueeze(1))
+    g = grad_log_probs.unsqueeze(1)
+    coef = g if grad_entropy is None else log_p.add(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1)).add_(g)
+    grad_y = log_p.exp_().mul_(coef).neg_()  # -p * coef (log_p is spent)
+    hit = torch.arange(grad_y.shape[1], device=grad_y.device).unsqueeze(0) == local.unsqueeze(1)
+    grad_y.add_(torch.where(hit, g, 0.0))  # a target outside this slice matches no column
+    if temperature != 1.0:
+        grad_y.div_(temperature)
+    return grad_y.to(x.dtype)

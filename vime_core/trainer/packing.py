@@ -15,6 +15,10 @@ never enable it), so the padding-waste bound is 0 per micro-batch, whatever the 
 Response positions: for sample i with prompt length P_i and response length R_i, the logits at
 packed positions ``cu_seqlens[i] + P_i - 1 + t`` predict response token t (t < R_i), whose id is
 ``x_i[P_i + t]``.
+
+Host -> device copies go through pinned memory without blocking (``to_device``): a plain copy from
+pageable memory waits for the GPU to finish everything queued before it, so each micro-batch's
+inputs stalled the host until the previous micro-batch's backward had run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
     cu_seqlens: torch.Tensor  # [n + 1] int32, on the CPU whatever the device (see pack_samples)
+    cu_seqlens_device: torch.Tensor  # the same offsets on the model's device, for varlen attention kernels
     max_seqlen: int
     logit_index: torch.Tensor  # [N] packed positions whose logits predict response tokens
     targets: torch.Tensor  # [N] the response token ids they predict
@@ -44,13 +49,26 @@ class PackedMicroBatch:
     def packed_seq_params(self) -> Any:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
+        # Megatron's fields keep the host copy (its RoPE reads them as Python ints); the varlen
+        # kernel in SDPACoreAttention needs them on the device, without a copy per layer.
+        params.cu_seqlens_device = self.cu_seqlens_device
+        return params
+
+
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """``tensor`` (on the CPU) on ``device``; to a GPU through pinned memory without blocking the
+    host (the caching host allocator keeps the pinned block until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def pack_samples(
@@ -78,14 +96,16 @@ def pack_samples(
     logit_index = torch.cat(
         [torch.arange(start + length - resp - 1, start + length - 1) for start, length, resp in zip(cu, lengths, response_lengths)]
     )
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
     return PackedMicroBatch(
-        input_ids=flat.unsqueeze(0).to(device),
-        position_ids=positions.unsqueeze(0).to(device),
-        # Host-side on purpose: every reader (Megatron's THD RoPE, SDPACoreAttention) turns it into
-        # Python ints, 3x per layer; on a GPU each of those reads was a device sync.
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        input_ids=to_device(flat.unsqueeze(0), device),
+        position_ids=to_device(positions.unsqueeze(0), device),
+        # Host-side on purpose: Megatron's THD RoPE turns it into Python ints twice per layer; on a
+        # GPU each of those reads was a device sync. The device copy is for the varlen kernel.
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_device=to_device(cu_seqlens, device),
         max_seqlen=max(lengths),
-        logit_index=logit_index.to(device),
-        targets=flat[logit_index + 1].to(device),
+        logit_index=to_device(logit_index, device),
+        targets=to_device(flat[logit_index + 1], device),
         response_lengths=list(response_lengths),
     )

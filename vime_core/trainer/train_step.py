@@ -22,7 +22,9 @@ then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/
 that each TP rank only sees for its own heads), gradient clipping to ``clip_grad``, one optimizer
 step at the schedule's learning rate, and one step of the schedule (vime_core/trainer/optimizer.py).
 Metrics are token means over the whole step (all-reduced over DP) except grad_norm and lr (the
-step's learning rate).
+step's learning rate). They stay on the device until the step ends: the micro-batch loop reads
+nothing back from the GPU (each read was a sync that kept the host from queueing the next
+micro-batch), and the masks' counts come from the batch's host lists.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from vime_core.trainer.logprobs import packed_response_log_probs
-from vime_core.trainer.packing import PackedMicroBatch, pack_samples
+from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 
 METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff")
 
@@ -55,6 +57,7 @@ class MicroBatch:
     packed: PackedMicroBatch
     loss_mask: torch.Tensor
     rollout_log_probs: Optional[torch.Tensor]
+    mask_counts: list[float]  # sum of loss_mask per sample, from the host lists
 
     @property
     def response_lengths(self) -> list[int]:
@@ -64,15 +67,16 @@ class MicroBatch:
 def make_micro_batch(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], device: Any) -> MicroBatch:
     responses = [int(batch["response_length"][i]) for i in indices]
     packed = pack_samples([batch["tokens"][i] for i in indices], responses, device=device)
-    mask = torch.tensor([float(m) for i in indices for m in batch["loss_mask"][i]], device=device)
+    masks = [[float(m) for m in batch["loss_mask"][i]] for i in indices]
+    mask = to_device(torch.tensor([m for sample in masks for m in sample], dtype=torch.float32), device)
     rollout = batch.get("rollout_log_probs")
     has_rollout = rollout is not None and all(rollout[i] is not None and len(rollout[i]) == r for i, r in zip(indices, responses))
     rollout_lp = (
-        torch.tensor([float(x) for i in indices for x in rollout[i]], dtype=torch.float32, device=device)
+        to_device(torch.tensor([float(x) for i in indices for x in rollout[i]], dtype=torch.float32), device)
         if has_rollout
         else None
     )
-    return MicroBatch(list(indices), packed, mask, rollout_lp)
+    return MicroBatch(list(indices), packed, mask, rollout_lp, [sum(sample) for sample in masks])
 
 
 def split_per_sample(flat: torch.Tensor, indices: Sequence[int], lengths: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -115,13 +119,12 @@ class StepDenominators:
         return cls(sum(masks), float(sum(1 for m in masks if m > 0)), float(len(masks)))
 
     def share(self, mode: str, mb: MicroBatch) -> float:
-        """d(B) / D(S): the micro-batch's weight in the step's mean."""
-        counts = torch.split(mb.loss_mask, mb.response_lengths)
+        """d(B) / D(S): the micro-batch's weight in the step's mean (host-side counts: no sync)."""
         if mode == "token_mean":
-            return float(mb.loss_mask.sum()) / max(self.tokens, 1.0)
+            return sum(mb.mask_counts) / max(self.tokens, 1.0)
         if mode == "seq_mean_token_mean":
-            return sum(1 for c in counts if float(c.sum()) > 0) / max(self.valid_sequences, 1.0)
-        return len(counts) / max(self.sequences, 1.0)
+            return sum(1 for c in mb.mask_counts if c > 0) / max(self.valid_sequences, 1.0)
+        return len(mb.mask_counts) / max(self.sequences, 1.0)
 
 
 @dataclass
@@ -139,28 +142,32 @@ class StepInputs:
 
 @dataclass
 class _Accumulator:
-    sums: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
-    counts: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
-    loss: float = 0.0
-    pg_loss: float = 0.0
+    """Metric sums as device tensors (summed without reading them back), counts on the host."""
 
-    def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
-        self.sums[name] += float((per_token.detach() * mask).sum())
-        self.counts[name] += float(mask.sum())
+    sums: dict[str, Any] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
+    counts: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
+    loss: Any = 0.0
+    pg_loss: Any = 0.0
+
+    def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor, count: float) -> None:
+        """Add sum(per_token * mask); ``count`` = sum(mask), known on the host."""
+        self.sums[name] = self.sums[name] + (per_token.detach().double() * mask).sum()
+        self.counts[name] += count
 
     def all_reduced(self, dp_group: Any, dp_size: int, device: Any = "cpu") -> dict[str, float]:
         keys = list(METRIC_SUMS)
         # On the trainer's device: NCCL (the GPU backend) cannot reduce CPU tensors.
-        t = torch.tensor(
-            [self.sums[k] for k in keys] + [self.counts[k] for k in keys] + [self.loss, self.pg_loss],
-            dtype=torch.float64,
-            device=device,
-        )
+        values = [self.sums[k] for k in keys] + [self.loss, self.pg_loss]
+        t = torch.cat([
+            torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]),
+            torch.tensor([self.counts[k] for k in keys], dtype=torch.float64).to(device),
+        ])
         if dp_size > 1:
             torch.distributed.all_reduce(t, group=dp_group)
+        t = t.tolist()  # the step's one read-back
         n = len(keys)
-        out = {k: float(t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
-        out["loss"], out["pg_loss"] = float(t[2 * n]), float(t[2 * n + 1])
+        out = {k: t[i] / t[n + 2 + i] for i, k in enumerate(keys) if t[n + 2 + i] > 0}
+        out["loss"], out["pg_loss"] = t[n], t[n + 1]
         return out
 
 
@@ -176,6 +183,7 @@ def micro_batch_loss(
         model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
     )
     mask, lengths = mb.loss_mask, mb.response_lengths
+    count = sum(mb.mask_counts)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, mask, cfg.loss_agg_mode, lengths)
@@ -184,41 +192,41 @@ def micro_batch_loss(
     # beforehand, or (reuse) the current ones, since the policy has not moved yet.
     recomputed = log_probs.detach() if inputs.old_log_probs is None else gather_per_token(inputs.old_log_probs, mb.indices)
     if mb.rollout_log_probs is not None:
-        acc.add("train_rollout_logprob_abs_diff", (recomputed - mb.rollout_log_probs).abs(), mask)
+        acc.add("train_rollout_logprob_abs_diff", (recomputed - mb.rollout_log_probs).abs(), mask, count)
     if cfg.use_rollout_logprobs:
         if mb.rollout_log_probs is None:
             raise ValueError("use_rollout_logprobs is set but the batch has no rollout_log_probs")
         old = mb.rollout_log_probs
     else:
         old = recomputed
-    acc.add("entropy", entropy, mask)
+    acc.add("entropy", entropy, mask, count)
 
     if cfg.loss_type == "sft_loss":
         per_token = -log_probs
         clipfrac = torch.zeros_like(log_probs)
     else:
         # Advantages are computed on the CPU (small per-sample math); the loss runs on the model's device.
-        advantages = gather_per_token(inputs.advantages, mb.indices).to(log_probs.device)
+        advantages = to_device(gather_per_token(inputs.advantages, mb.indices), log_probs.device)
         loss_fn = get_policy_loss_fn(policy_loss_name(cfg.advantage_estimator))
         per_token, clipfrac = loss_fn(log_probs, old, advantages, mask, lengths, PolicyLossParams.from_config(cfg))
         if cfg.use_tis:
             if mb.rollout_log_probs is None:
                 raise ValueError("use_tis is set but the batch has no rollout_log_probs")
             per_token = per_token * tis_weights(old, mb.rollout_log_probs, cfg.tis_clip)
-    acc.add("pg_clipfrac", clipfrac, mask)
+    acc.add("pg_clipfrac", clipfrac, mask, count)
     pg_loss = agg(per_token)
     loss = pg_loss
     if cfg.use_kl_loss:
         if inputs.ref_log_probs is None:
             raise ValueError("use_kl_loss needs reference log-probs")
         kl = compute_approx_kl(log_probs, gather_per_token(inputs.ref_log_probs, mb.indices), cfg.kl_loss_type)
-        acc.add("kl", kl, mask)
+        acc.add("kl", kl, mask, count)
         loss = loss + cfg.kl_loss_coef * agg(kl)
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * agg(entropy)
     share = inputs.denominators.share(cfg.loss_agg_mode, mb)
-    acc.loss += float(loss.detach()) * share
-    acc.pg_loss += float(pg_loss.detach()) * share
+    acc.loss = acc.loss + loss.detach().double() * share
+    acc.pg_loss = acc.pg_loss + pg_loss.detach().double() * share
     return loss * share
 
 
