@@ -137,8 +137,10 @@ def test_model_new_path_as_close_to_fp32_as_old_path(single_rank, cache_dir, mon
     norm = float(total(ref[2]).norm())
     err, err_old = float((total(new[2]) - total(ref[2])).norm()) / norm, float((total(old[2]) - total(ref[2])).norm()) / norm
     assert err <= max(2 * err_old, 0.01), ("gradients", err, err_old)
-    for n, g in ref[2].items():  # no parameter far off (a missing or doubled gradient would be)
-        assert float((new[2][n] - g).norm()) <= 0.05 * float(g.norm()) + 1e-6, n
+    for n, g in ref[2].items():  # no parameter far off (a missing or doubled gradient would be ~100%)
+        scale = float(g.norm()) + 1e-12
+        err, err_old = float((new[2][n] - g).norm()) / scale, float((old[2][n] - g).norm()) / scale
+        assert err <= max(3 * err_old, 0.05), (n, err, err_old)
 
 
 def test_micro_batch_loop_does_not_sync(single_rank, cache_dir):
