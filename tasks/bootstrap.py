@@ -45,9 +45,11 @@ def bootstrap(config: VimeConfig) -> dict:
     new_manager = not rollout_manager_exists(config)
     manager = get_or_create_rollout_manager(config, engines)  # starts engines + router (steps 2, 4-7)
     trainers, created = get_or_create_trainer_group(config, pg)  # step 3
+    seconds: dict[str, float] = {"actors_created": time.perf_counter() - t0}
     extra: dict = {}
-    if created:
+    if created:  # the engines start meanwhile: the RolloutManager's constructor starts them
         trainers.call("init", config.hf_checkpoint)
+        seconds["trainer_init"] = time.perf_counter() - t0
         ckpt = latest_checkpoint(config)
         extra = (trainers.call("load", ckpt)[0] or {}) if ckpt is not None else {}
         if ckpt is not None:
@@ -56,6 +58,8 @@ def bootstrap(config: VimeConfig) -> dict:
         _restore_data_source(config, manager, extra.get("data_source"), new_manager)
     # an engine whose server died, or that failed to wake, is restarted (and given the trainer's
     # weights) before its version is asked; one the health monitor is restarting is waited for
+    ray.get(manager.engine_urls.remote())  # returns once the manager's constructor has started the engines
+    seconds["engines_ready"] = time.perf_counter() - t0
     if restarted := ray.get(manager.check_engines.remote()):
         log.warning("restarted %d engine(s) whose server had died or could not wake", restarted)
     if woken := ray.get(manager.wake_asleep_engines.remote()):
@@ -67,17 +71,21 @@ def bootstrap(config: VimeConfig) -> dict:
     if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
         urls = ray.get(manager.engine_urls.remote())
         trainers.call("update_weights", urls, target)
+    seconds["published"] = time.perf_counter() - t0
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
     ray.get(manager.onload_kv.remote())  # steps 10-13
+    seconds["kv_onloaded"] = time.perf_counter() - t0
     last = state.get("last_trained_rollout_id")
     out = {
         "weight_version": target,
         "next_rollout_id": (last + 1) if last is not None else 0,
         "t_bootstrap": time.perf_counter() - t0,
         "created_trainers": created,
+        "bootstrap_marks_s": seconds,
     }
-    log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d", out["t_bootstrap"], target, out["next_rollout_id"])
+    log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
+             target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     return out
 
 

@@ -6,6 +6,8 @@ without a hub (issue 14): the layers of `bench/gpu_common.SHAPES[shape]`, its vo
 
 `--prompt-noise LO,HI` puts a random run of LO..HI task characters before each "a+b=" so the
 prompt lengths spread up to the run's `--rollout-max-prompt-len`; the label is unchanged.
+`--prompt-tokens N` instead makes every prompt exactly N tokens long (the noise fills the rest;
+checked against the model's tokenizer), so a run's prefill work equals a fixed-length baseline's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", default="")
     p.add_argument("--prompt-noise", default="", help="LO,HI characters of noise before each prompt")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="every prompt exactly this many tokens")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -48,9 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(a.seed)
         lo, hi = (int(x) for x in a.prompt_noise.split(",")) if a.prompt_noise else (0, 0)
         rows = []
+        tokenizer = None
+        if a.prompt_tokens:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
         for row in make_rows():
-            noise = "".join(rng.choice("0123456789+-*> ") for _ in range(rng.randint(lo, hi)))
+            size = rng.randint(lo, hi)
+            if tokenizer is not None:  # character-level vocabulary: one noise character, one token
+                size = a.prompt_tokens - len(tokenizer.encode(row["prompt"]))
+            # no spaces when counting tokens: the larger vocabularies' tokenizer drops them
+            noise = "".join(rng.choice("0123456789+-*>" if tokenizer is not None else "0123456789+-*> ") for _ in range(size))
             rows.append({**row, "prompt": noise + row["prompt"]})
+            if tokenizer is not None and len(tokenizer.encode(rows[-1]["prompt"])) != a.prompt_tokens:
+                raise SystemExit(f"prompt {row['prompt']!r}: cannot make it {a.prompt_tokens} tokens long")
         Path(a.prompts).parent.mkdir(parents=True, exist_ok=True)
         Path(a.prompts).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(json.dumps({"prompts": a.prompts, "rows": len(rows)}))

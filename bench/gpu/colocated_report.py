@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         table = store.read_table(a.run_name, r["rollout_id"])
         batches.append({"rollout_id": r["rollout_id"], "rows": table.num_rows,
-                        "mean_response_length": sum(table.column("response_length").to_pylist()) / max(1, table.num_rows)})
+                        "mean_response_length": sum(table.column("response_length").to_pylist()) / max(1, table.num_rows),
+                        "mean_prompt_length": sum(len(t) - r for t, r in zip(table.column("tokens").to_pylist(),
+                                                                            table.column("response_length").to_pylist())) / max(1, table.num_rows)})
     steady = records[1:] or records
     out = {
         "iterations": len(records),

@@ -3,7 +3,7 @@
 # vLLM 0.26 CUDA engine and a Megatron bf16 actor colocated on the one GPU, both sleeping between
 # phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
-#   (env: TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below;
+#   (env: PROMPT_TOKENS, TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below;
 #    SHAPE: the model's shape in bench/gpu_common.SHAPES, default 0.5b; GPUS: device slots of the
 #    Ray head, default 1 — bench/gpu/run_two_gpus.sh passes 2 with its layouts' flags)
 # Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh)
@@ -24,15 +24,18 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 shape=${SHAPE:-0.5b}
 run=${RUN_NAME:-gpu-colocated-$shape}
 t0=$(date +%s)
-[ -f "$work/model-$shape/config.json" ] || python3 bench/gpu/build_model.py --shape "$shape" --out "$work/model-$shape" --prompts "$work/prompts-long.jsonl" --prompt-noise 16,500
+# PROMPT_TOKENS=N: every prompt exactly N tokens (prompts-N.jsonl), else 16..500 characters of noise
+prompts=$work/prompts-${PROMPT_TOKENS:-long}.jsonl
+prompt_shape=$([ -n "${PROMPT_TOKENS:-}" ] && echo "--prompt-tokens $PROMPT_TOKENS" || echo "--prompt-noise 16,500")
+[ -f "$work/model-$shape/config.json" ] && [ -f "$prompts" ] || python3 bench/gpu/build_model.py --shape "$shape" --out "$work/model-$shape" --prompts "$prompts" $prompt_shape
 # the head's loopback address, passed explicitly: `auto` resolved to the host's other address
 address=$(python3 -m flows.cli cluster up --num-gpus "${GPUS:-1}" | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
 timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
-    --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$work/prompts-long.jsonl" \
-    --eval-prompt-data "$work/prompts-long.jsonl" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
+    --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$prompts" \
+    --eval-prompt-data "$prompts" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
 # (pipefail: the driver's status, or 124 when TRAIN_TIMEOUT stopped it)
 echo "[gpu] train exit $status after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true

@@ -1,0 +1,206 @@
+"""The colocated step on one GPU against its parts, in one command (issue 27's benchmark).
+
+Phases, in this order, on the same GPU (each can run alone: `--phases`; results stay under
+`--work`, so a phase run in a later command on the same machine joins the report):
+
+    model    a random Qwen2-0.5B-shaped model and prompts of exactly `--prompt-tokens` tokens
+             (bench/gpu/build_model.py)
+    offline  vLLM's offline LLM.generate on the run's prompts with the run's engine flags, then
+             the same samples straight to vime's server with and without log-probs
+             (bench/gpu/rollout_vs_offline.py)
+    train    `vime train` for `--iterations` iterations, colocated, both sides sleeping
+             (bench/gpu/run_colocated_h200.sh)
+    trainer  the trainer alone on a batch of the stored batches' shape: old-log-prob recompute
+             plus one step (bench/bench_trainer_gpu.py)
+    report   one JSON: the git SHA, the parts and the ratios
+
+Ratios (medians over the run's iterations after the first, which includes compile warm-up):
+
+    step_vs_parts        = T_step / (offline rollout s + trainer alone s)
+    rollout_vs_offline   = vime rollout output tokens/s / offline output tokens/s
+                           (vime's: output tokens / t_rollout)
+    logprobs_cost        = server tokens/s with log-probs / without
+    trainer_mfu          = model FLOPs / (step s * peak), LM head counted (bench/gpu_common.py)
+    startup_s            = seconds from the `vime train` command to its first iteration's start
+
+    python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+
+CONFIG = REPO / "bench" / "gpu" / "colocated_0.5b.yaml"
+PHASES = ("model", "offline", "train", "trainer", "report")
+ITER0 = re.compile(r"^(\d\d:\d\d:\d\d\.\d+) .*Beginning subflow run 'iter-0")
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def git_sha() -> str:
+    """VIME_GIT_SHA when set (a copied tree's .git may not be the code that runs), else git's."""
+    if os.environ.get("VIME_GIT_SHA"):
+        return os.environ["VIME_GIT_SHA"]
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return sha + ("-dirty" if dirty else "") if sha else "unknown"
+
+
+def phase_model(a, paths: dict) -> None:
+    subprocess.run([sys.executable, str(REPO / "bench/gpu/build_model.py"), "--shape", "0.5b", "--out", str(paths["model"]),
+                    "--prompts", str(paths["prompts"]), "--prompt-tokens", str(a.prompt_tokens)], check=True, cwd=REPO)
+
+
+def phase_offline(a, paths: dict) -> None:
+    subprocess.run([sys.executable, str(REPO / "bench/gpu/rollout_vs_offline.py"), "--config", str(CONFIG),
+                    "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["prompts"]),
+                    "--repeats", str(a.repeats), "--out", str(paths["results"] / "rollout.json")], check=True, cwd=REPO)
+
+
+def phase_train(a, paths: dict) -> None:
+    out = paths["results"] / "train"
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OUT=str(out), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work), RUN_NAME=a.run_name)
+    launched = time.time()
+    proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), str(a.iterations), *a.train_args], env=env, cwd=REPO)
+    (paths["results"] / "train_meta.json").write_text(json.dumps({"launched_epoch": launched, "exit": proc.returncode,
+                                                                  "wall_s": time.time() - launched}))
+
+
+def phase_trainer(a, paths: dict) -> None:
+    from colocated_baselines import trainer_alone
+
+    from vime_core.config.loader import load_config
+
+    report = json.loads((paths["results"] / "train" / "colocated_0.5b.json").read_text())
+    shape = batch_shape(report)
+    cfg = load_config(CONFIG)
+    trainer_alone(shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json")
+
+
+def batch_shape(report: dict) -> dict:
+    """Samples and mean prompt / response lengths of the run's stored batches."""
+    batches = report["batches"]
+    return {"samples": int(_median([b["rows"] for b in batches])),
+            "prompt_len": int(round(_median([b["mean_prompt_length"] for b in batches]))),
+            "response_len": int(round(_median([b["mean_response_length"] for b in batches])))}
+
+
+def startup_seconds(meta: dict, console: str) -> float | None:
+    """From the command's launch to the first iteration's flow run (console times are local)."""
+    launched = dt.datetime.fromtimestamp(meta["launched_epoch"])
+    for line in console.splitlines():
+        if m := ITER0.match(line):
+            t = dt.datetime.combine(launched.date(), dt.time.fromisoformat(m.group(1)))
+            if t < launched:
+                t += dt.timedelta(days=1)
+            return (t - launched).total_seconds()
+    return None
+
+
+def phase_report(a, paths: dict) -> dict:
+    res = paths["results"]
+    read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
+    rollout, trainer, meta = read("rollout.json"), read("trainer.json"), read("train_meta.json")
+    run = read("train/colocated_0.5b.json")
+    out: dict = {"bench": "colocated_step", "git_sha": git_sha(), "date": dt.date.today().isoformat(),
+                 "machine": gpu_name(), "prompt_tokens": a.prompt_tokens, "config": str(CONFIG.relative_to(REPO))}
+    ratios: dict = {}
+    if rollout:
+        offline = rollout.get("offline") or {}
+        server = rollout["server"]
+        out["offline_rollout"] = {"wall_s": offline.get("wall_s_median"), "tokens_per_s": offline.get("tokens_per_s_median"),
+                                  "ready_s": offline.get("ready_s")}
+        out["server_direct"] = {v: {"tokens_per_s": s["tokens_per_s_median"], "vs_offline": s["vs_offline"]}
+                                for v, s in server.items() if isinstance(s, dict) and "tokens_per_s_median" in s}
+        without = server.get("nologprobs") or (server["vime"] if "logprobs" not in server.get("vime", {}).get("params", {"logprobs": 0}) else None)
+        if "logprobs" in server and without:
+            ratios["logprobs_cost"] = server["logprobs"]["tokens_per_s_median"] / without["tokens_per_s_median"]
+    if run:
+        recs = [r for r in run.get("records", []) if r.get("rollout_id", 0) >= 1] or run.get("records", [])
+        vime = {"iterations": len(run.get("records", [])),
+                "t_step_s": _median([r.get("t_step") for r in recs]),
+                "phases_s": {k: _median([r.get(k) for r in recs]) for k in ("t_rollout", "t_train", "t_sync", "t_onload",
+                                                                            "t_offload_rollout", "t_offload_train", "t_persist")},
+                "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),
+                "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
+                "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs) if recs else None}
+        out["vime"] = vime
+        if meta:
+            console = (res / "train" / "train.log").read_text(errors="replace") if (res / "train" / "train.log").exists() else ""
+            out["vime"]["exit"] = meta["exit"]
+            out["startup_s"] = startup_seconds(meta, console)
+            marks = re.findall(r"bootstrap done in ([\d.]+)s.*?\(seconds from its start: ([^)]*)\)", console)
+            if marks:
+                out["bootstrap"] = {"total_s": float(marks[0][0]), "marks_s": marks[0][1]}
+        if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
+            ratios["rollout_vs_offline"] = vime["rollout_tokens_per_s"] / out["offline_rollout"]["tokens_per_s"]
+    if trainer:
+        variant = next(v for v in trainer["variants"] if "step_time_s" in v)
+        out["trainer_alone"] = {k: variant.get(k) for k in variant if k.endswith(("_s", "mfu", "tokens_per_s")) or "mfu" in k}
+        # recompute (forward) and step (forward + backward) together: FLOPs over seconds
+        step_s, lp_s = variant["step_time_s"], variant["logprob_time_s"]
+        ratios["trainer_mfu"] = (variant["mfu_with_attention"] * step_s + variant["logprob_mfu_with_attention"] * lp_s) / (step_s + lp_s)
+    if run and rollout and trainer and out["offline_rollout"]["wall_s"]:
+        parts = out["offline_rollout"]["wall_s"] + variant["step_time_s"] + variant["logprob_time_s"]
+        ratios["step_vs_parts"] = out["vime"]["t_step_s"] / parts
+        out["parts_s"] = parts
+    out["ratios"] = ratios
+    return out
+
+
+def gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
+    p.add_argument("--run-name", default="bench-colocated-step")
+    p.add_argument("--out", required=True)
+    p.add_argument("train_args", nargs="*", help="extra `vime train` flags (after --)")
+    a = p.parse_args(argv)
+    work = Path(a.work)
+    paths = {"model": work / "model-0.5b", "prompts": work / f"prompts-{a.prompt_tokens}.jsonl", "results": work / "bench"}
+    paths["results"].mkdir(parents=True, exist_ok=True)
+    phases = a.phases.split(",")
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"--phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)}")
+    for name in PHASES[:-1]:
+        if name in phases:
+            print(f"[bench] {name}", flush=True)
+            globals()[f"phase_{name}"](a, paths)
+    result = phase_report(a, paths)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

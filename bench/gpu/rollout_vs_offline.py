@@ -1,0 +1,160 @@
+"""The rollout's generation through vime's vLLM server against vLLM's offline `LLM.generate`, on
+one GPU, in the same run: same prompts (the run's first `rollout_batch_size` prompts (cycled), each
+`n_samples_per_prompt` times), same engine flags (the server command vime builds for the run's
+configuration), same sampling parameters (`rollout/generate.base_sampling_params`).
+
+1. offline: `offline_generate.py` under the vLLM interpreter, in its own process;
+2. server: vime's `EngineServer` for the configuration, then every sample sent straight to it
+   (aiohttp `EngineClient`, as the rollout does; no router, no reward) with the run's
+   concurrency. Variants are request shapes, measured interleaved (A B A B ...), prefix cache
+   reset before each:
+       vime         the sampling parameters a run sends (log-probs as its flags ask)
+       logprobs     + the sampled token's log-prob (`logprobs: 0`)
+       nologprobs   without log-probs
+       tokens       without log-probs and without server-side detokenization (`detokenize: false`)
+
+Server variants (`--server-variants`, `;`-separated sets of extra server flags, `default` for
+none) start one server each, measured one after the other.
+
+    ratio(variant) = server output tokens/s / offline output tokens/s      (medians)
+
+    python bench/gpu/rollout_vs_offline.py --config bench/gpu/colocated_0.5b.yaml \
+        --hf-checkpoint M --prompt-data P --out rollout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def run_prompts(cfg) -> list[list[int]]:
+    """Token ids of one rollout's samples: the first prompts, each n_samples_per_prompt times."""
+    from vime_core.data.data_source import load_prompt_rows, load_tokenizer
+
+    rows = load_prompt_rows(cfg.prompt_data, cfg, load_tokenizer(cfg))
+    # as the data source does, a prompt set smaller than a rollout is taken again from its start
+    return [list(rows[i % len(rows)].tokens) for i in range(cfg.rollout_batch_size) for _ in range(cfg.n_samples_per_prompt)]
+
+
+def variant_params(cfg, name: str) -> dict:
+    from vime_core.rollout.generate import base_sampling_params
+
+    params = dict(base_sampling_params(cfg), max_tokens=cfg.rollout_max_response_len)
+    if name == "logprobs":
+        params["logprobs"] = 0
+    elif name in ("nologprobs", "tokens"):
+        params.pop("logprobs", None)
+    if name == "tokens":
+        params["detokenize"] = False
+    return params
+
+
+def offline(cfg, prompts: list[list[int]], flags: list[str], params: dict, repeats: int, work: Path) -> dict:
+    from vime_core.engines.server import resolve_python
+
+    prompt_file = work / "prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    sampling = {k: v for k, v in params.items() if k != "skip_special_tokens"}
+    cmd = [str(resolve_python(cfg.vllm_python)), str(REPO / "bench" / "gpu" / "offline_generate.py"),
+           "--prompts", str(prompt_file), "--server-flags", json.dumps(flags), "--sampling", json.dumps(sampling),
+           "--repeats", str(repeats), "--out", str(work / "offline.json")]
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return json.loads((work / "offline.json").read_text())
+
+
+async def through_server(url: str, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
+    from vime_core.engines.client import EngineClient
+
+    gate = asyncio.Semaphore(concurrency)
+    async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2)) as client:
+        await client.reset_prefix_cache()
+
+        async def one(tokens: list[int]) -> int:
+            async with gate:
+                answer = await client.generate(tokens, params)
+            return len(answer["choices"][0]["token_ids"])
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / wall}
+
+
+def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], variants: list[str], repeats: int,
+                      offline_tps: float | None) -> dict:
+    """One server for the configuration (plus `extra_flags`); each request variant `repeats`
+    times, interleaved."""
+    from vime_core.config import rollout_concurrency
+    from vime_core.engines.server import EngineServer
+
+    server = EngineServer(cfg.model_copy(update={"vllm_extra_args": list(cfg.vllm_extra_args) + extra_flags}))
+    t0 = time.perf_counter()
+    url = server.start()
+    out: dict = {"ready_s": time.perf_counter() - t0, "extra_flags": extra_flags}
+    try:
+        runs: dict[str, list] = {v: [] for v in variants}
+        for _ in range(repeats):
+            for v in variants:
+                runs[v].append(asyncio.run(through_server(url, prompts, variant_params(cfg, v), rollout_concurrency(cfg))))
+    finally:
+        server.shutdown()
+    for v, rs in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        out[v] = {"runs": rs, "tokens_per_s_median": tps, "vs_offline": tps / offline_tps if offline_tps else None,
+                  "params": variant_params(cfg, v)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vime_core.config import rollout_concurrency
+    from vime_core.config.loader import load_config
+    from vime_core.engines.server import EngineServer
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--hf-checkpoint", required=True)
+    p.add_argument("--prompt-data", required=True)
+    p.add_argument("--variants", default="vime,logprobs,nologprobs,tokens")
+    p.add_argument("--server-variants", default="default")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+
+    cfg = load_config(a.config, {"hf_checkpoint": a.hf_checkpoint, "prompt_data": a.prompt_data})
+    prompts = run_prompts(cfg)
+    variants = a.variants.split(",")
+    server = EngineServer(cfg)
+    flags = server.command(0)[3:]  # after "python -m vllm.entrypoints.openai.api_server"
+    result: dict = {"bench": "rollout_vs_offline", "samples": len(prompts),
+                    "prompt_tokens_mean": statistics.mean(len(t) for t in prompts),
+                    "concurrency": rollout_concurrency(cfg), "server_flags": flags}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not a.skip_offline:
+            result["offline"] = offline(cfg, prompts, flags, variant_params(cfg, "vime"), a.repeats, Path(tmp))
+    offline_tps = result.get("offline", {}).get("tokens_per_s_median")
+    result["servers"] = {}
+    for server_variant in a.server_variants.split(";"):
+        extra = [] if server_variant == "default" else server_variant.split()
+        result["servers"][server_variant] = serve_and_measure(cfg, extra, prompts, variants, a.repeats, offline_tps)
+    result["server"] = result["servers"][a.server_variants.split(";")[0]]
+    text = json.dumps(result, indent=1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
