@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime_core.algo import shaping
 from vime_core.algo.advantages import postprocess_rewards
 from vime_core.algo.shaping import check_overlong_buffer, overlong_penalty, shape_rewards
 from vime_core.config import load_config
@@ -59,8 +58,7 @@ def test_shaped_rewards_enter_the_group_normalisation():
         shape_rewards(rewards, lengths[:3], _cfg())
 
 
-def test_checks_of_the_flags_name_the_flag(monkeypatch):
-    monkeypatch.setattr(shaping, "BATCH_BUILDER_SHAPES_REWARDS", True)
+def test_checks_of_the_flags_name_the_flag():
     check_overlong_buffer(_cfg())
     check_overlong_buffer(_cfg(overlong_buffer_enable=False, overlong_buffer_len=None))
     for fields, message in [
@@ -78,18 +76,42 @@ def test_checks_of_the_flags_name_the_flag(monkeypatch):
     ({"overlong_buffer_enable": True, "overlong_buffer_len": 5000}, r"overlong_buffer_len=5000 is longer than rollout_max_response_len=1024"),
     ({"overlong_buffer_len": 0}, r"overlong_buffer_len"),
     ({"overlong_buffer_penalty_factor": -1}, r"overlong_buffer_penalty_factor"),
-    # until vime_core/data/batch.py applies it, enabling it is refused rather than silently ignored
-    ({"overlong_buffer_enable": True, "overlong_buffer_len": 256}, r"overlong_buffer_enable=true: the batch builder .* does not apply the overlong penalty yet"),
 ])
 def test_bad_combinations_fail_when_the_configuration_is_made(fields, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"hf_checkpoint": "some/model", **fields})
 
 
+def test_the_batch_builder_shapes_the_rewards_before_the_group_normalisation():
+    """build_batch: reward = GRPO of r + R_length; raw_reward keeps the score; a failed sample is
+    in neither the shaping nor its group's statistics."""
+    from vime_core.data.batch import build_batch
+    from vime_core.data.sample import Sample, Status
+
+    cfg = load_config(overrides={"hf_checkpoint": "some/model", "rollout_max_response_len": L_MAX,
+                                 "overlong_buffer_enable": True, "overlong_buffer_len": L_CACHE})
+    rewards, lengths = [1.0, 1.0, 0.0, 1.0, 1.0], [10, 18, 20, 17, 19]
+    samples = []
+    for i, (reward, n) in enumerate(zip(rewards, lengths)):
+        s = Sample(prompt_id="p0", tokens=[1, 2], prompt_length=2, group_index=0, index=i, session_id=f"s{i}",
+                   status=Status.FAILED if i == 4 else Status.COMPLETED, finish_reason="stop", reward=reward)
+        s.append_response_tokens([7] * n, None)
+        samples.append(s)
+    batch = build_batch(samples, cfg)
+    shaped = [1.0, 0.5, -1.0, 0.75]  # by hand: 0, -2/4, -4/4, -1/4 added
+    mean, std = statistics.fmean(shaped), statistics.stdev(shaped)
+    assert batch["reward"] == pytest.approx([(r - mean) / (std + 1e-6) for r in shaped] + [0.0])
+    assert batch["advantage"] == batch["reward"]
+    assert batch["raw_reward"] == [1.0, 1.0, 0.0, 1.0, 0.0]
+    # without the flag the same samples give plain GRPO: the three equal scores tie
+    plain = build_batch(samples, load_config(overrides={"hf_checkpoint": "some/model", "rollout_max_response_len": L_MAX}))
+    assert plain["reward"][0] == plain["reward"][1] == plain["reward"][3] > 0 > plain["reward"][2]
+
+
 def test_flags_are_in_help_docs_and_the_form():
     from vime_core.config.docs import config_table
     from vime_core.config.loader import build_parser
-    from vime_core.config.schema import VimeConfig
+    from vime_core.config import VimeConfig
 
     help_text, table = build_parser().format_help(), config_table()
     properties = VimeConfig.model_json_schema()["properties"]

@@ -13,15 +13,14 @@ overlong_buffer_len and f = overlong_buffer_penalty_factor (1 in the paper):
 
 The penalty falls linearly from 0 to -f over the last L_cache tokens of the length budget. The
 flags are verl's `reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor}` (its
-DAPO reward manager, where L_max is data.max_response_length), flattened.
+DAPO reward manager, where L_max is data.max_response_length), flattened. The batch builder
+(vime_core/data/batch.py, build_batch) shapes the scored samples' rewards before their group
+normalisation; a failed sample is left out of both.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-# Whether vime_core/data/batch.py's build_batch calls shape_rewards (check_overlong_buffer).
-BATCH_BUILDER_SHAPES_REWARDS = False
 
 
 def overlong_penalty(response_length: int, max_response_len: int, buffer_len: int, penalty_factor: float = 1.0) -> float:
@@ -60,9 +59,3 @@ def check_overlong_buffer(cfg) -> None:
     if cfg.overlong_buffer_len > cfg.rollout_max_response_len:
         raise ValueError(f"overlong_buffer_len={cfg.overlong_buffer_len} is longer than "
                          f"rollout_max_response_len={cfg.rollout_max_response_len} (L_max)")
-    # Refused rather than trained without the penalty until the batch builder (vime_core/data/
-    # batch.py, build_batch) passes its live rewards through shape_rewards before
-    # postprocess_rewards.
-    if not BATCH_BUILDER_SHAPES_REWARDS:
-        raise ValueError("overlong_buffer_enable=true: the batch builder (vime_core/data/batch.py) "
-                         "does not apply the overlong penalty yet")

@@ -2,11 +2,18 @@
 by (group_index, index) so groups are contiguous (docs/interfaces.md, "Data crossing boundaries").
 
     raw_reward_i = sample.reward                      (0.0 for a FAILED sample)
-    reward_i     = postprocess_rewards(raw, group_index, cfg.advantage_estimator,
+    shaped_i     = shape_rewards(raw, response_length, cfg)_i
+                   (raw_reward_i + R_length(y_i) with overlong_buffer_enable, DAPO's soft overlong
+                   punishment; else raw_reward_i; formula in vime_core/algo/shaping.py)
+    reward_i     = postprocess_rewards(shaped, group_index, cfg.advantage_estimator,
                                        cfg.grpo_std_normalization)_i      over non-failed samples
                    (the estimator's registered group normalisation, e.g. GRPO's
                    (r_i - mean_g) / (std_unbiased_g + 1e-6); formulas in vime_core/algo/advantages.py)
     advantage_i  = reward_i   (the scalar the trainer broadcasts or discounts per token)
+
+raw_reward stays the reward function's score, unshaped: the run's reward metrics (reward_mean)
+read it, so the overlong penalty moves advantages and not the learning curve. The shaped reward
+itself is not stored; it is raw_reward + R_length(response_length), recomputable from the row.
 
 Failed samples (their reward function raised) get raw_reward 0.0, reward 0.0, advantage 0.0 and
 a loss_mask of zeros: they stay in the batch, so lineage shows them, but carry no gradient and do
@@ -19,6 +26,7 @@ import json
 from typing import Sequence
 
 from vime_core.algo.advantages import postprocess_rewards
+from vime_core.algo.shaping import shape_rewards
 from vime_core.data.columns import COLUMN_NAMES
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import validate_trainable
@@ -40,7 +48,8 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
     raw = [0.0 if f else float(s.reward) for s, f in zip(ordered, failed)]
     live = [i for i, f in enumerate(failed) if not f]
     live_rewards = postprocess_rewards(
-        [raw[i] for i in live], [ordered[i].group_index for i in live], cfg.advantage_estimator, cfg.grpo_std_normalization
+        shape_rewards([raw[i] for i in live], [ordered[i].response_length for i in live], cfg),
+        [ordered[i].group_index for i in live], cfg.advantage_estimator, cfg.grpo_std_normalization,
     )
     reward = [0.0] * len(ordered)
     for i, r in zip(live, live_rewards, strict=True):
