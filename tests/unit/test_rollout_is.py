@@ -1,5 +1,6 @@
 """Rollout importance weights at token, sequence and geometric level, truncated (TIS) or masked
-(MIS) (vime_core/algo/losses.py, rollout_is_weights), against a token-by-token reference."""
+(MIS) (vime_core/algo/losses.py, rollout_is_weights), against a token-by-token reference; the
+train step's loss under use_tis / tis_level / tis_mode on a tiny batch; the flags' checks."""
 
 from __future__ import annotations
 
@@ -80,3 +81,118 @@ def test_a_huge_sequence_ratio_is_bounded_and_bad_arguments_are_named():
         rollout_is_weights(old, rollout, torch.ones(30), [30], mode="clip")
     with pytest.raises(ValueError, match=r"old_log_probs has shape \(30,\); expected flat \[31\]"):
         rollout_is_weights(old, rollout, torch.ones(30), [31])
+
+
+# ---- in the train step (vime_core/trainer/train_step.py, micro_batch_loss) ---------------------
+
+ADVANTAGES = [1.0, -1.0, 0.5]
+CURRENT = [[o + d for o, d in zip(old, deltas)] for old, deltas in zip(OLD, [[0.05, -0.1, 0.0], [0.1, 0.02, 0.3], [-0.04]])]
+
+
+def _is_config(**fields):
+    from vime_core.config import load_config
+
+    return load_config(overrides={"hf_checkpoint": "some/model", "use_tis": True, "tis_clip": 1.5, "entropy_coef": 0.0,
+                                  "rollout_batch_size": 1, "n_samples_per_prompt": 3, "micro_batch_size": 3, **fields})
+
+
+def _step_loss(monkeypatch, cfg):
+    """micro_batch_loss on the tiny batch (one micro-batch, the whole step) with the model's
+    log-probs replaced by CURRENT -> (loss, d loss / d CURRENT, accumulated metrics)."""
+    from vime_core.trainer import train_step
+
+    current = _flat(CURRENT).requires_grad_()
+    monkeypatch.setattr(train_step, "packed_response_log_probs",
+                        lambda *a, **k: (current, torch.zeros_like(current)))
+    batch = {
+        "tokens": [[1, 2] + [7] * n for n in LENGTHS], "response_length": LENGTHS,
+        "loss_mask": MASK, "rollout_log_probs": ROLLOUT,
+    }
+    indices = list(range(len(LENGTHS)))
+    inputs = train_step.StepInputs(
+        batch=batch, micro_batches=[indices], denominators=train_step.StepDenominators.of(batch, indices),
+        advantages={i: torch.full((n,), ADVANTAGES[i]) for i, n in enumerate(LENGTHS)},
+        old_log_probs={i: torch.tensor(OLD[i]) for i in indices},
+    )
+    acc = train_step._Accumulator()
+    loss = train_step.micro_batch_loss(None, train_step.make_micro_batch(batch, indices, "cpu"), inputs, cfg, 32, acc)
+    loss.backward()
+    return loss.item(), current.grad.tolist(), acc
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_the_step_loss_is_the_ppo_loss_times_the_weights_over_every_loss_token(monkeypatch, level, mode):
+    """token_mean of w_t * PPO-clip_t with the pre-step loss-mask count as denominator, so a
+    rejected token adds 0 and still counts (slime's choice); a rejected sample gets no gradient."""
+    weights = _reference(level, mode, 1.5)
+    ratios = [math.exp(c - o) for c, o in zip(_flat(CURRENT).tolist(), _flat(OLD).tolist())]
+    advantages = [a for a, n in zip(ADVANTAGES, LENGTHS) for _ in range(n)]
+    mask = _flat(MASK).tolist()
+    pg = [max(-r * a, -min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, advantages)]
+    expected = sum(m * w * x for m, w, x in zip(mask, weights, pg)) / sum(mask)
+
+    loss, grad, acc = _step_loss(monkeypatch, _is_config(tis_level=level, tis_mode=mode))
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert acc.counts["tis_weight"] == 6 and acc.sums["tis_weight"].item() == pytest.approx(
+        sum(m * w for m, w in zip(mask, weights)), rel=1e-6)
+    rejected = [m * (w == 0.0) for m, w in zip(mask, weights)]
+    if mode == "mask":
+        assert acc.sums["tis_rejected_frac"].item() == sum(rejected)
+    else:
+        assert acc.counts["tis_rejected_frac"] == 0  # not reported
+    # no ratio leaves [0.8, 1.2] on a loss token: a gradient exactly where a kept token is
+    assert [g != 0.0 for g in grad] == [bool(m) and w != 0.0 for m, w in zip(mask, weights)]
+    if (level, mode) == ("sequence", "mask"):
+        # by hand (test_sequence_level_by_hand): sample 1, exp(-0.6) < 1 / 1.5, is rejected whole
+        assert weights[3:6] == [0.0] * 3 and sum(rejected) == 2 and grad[3:6] == [0.0] * 3
+
+
+def test_without_use_tis_the_loss_is_unweighted_and_the_default_is_the_tis_weight(monkeypatch):
+    plain, _, acc = _step_loss(monkeypatch, _is_config(use_tis=False))
+    assert acc.counts["tis_weight"] == 0
+    truncated, _, _ = _step_loss(monkeypatch, _is_config())  # token / truncate: TIS as before
+    ratios = [math.exp(c - o) for c, o in zip(_flat(CURRENT).tolist(), _flat(OLD).tolist())]
+    advantages = [a for a, n in zip(ADVANTAGES, LENGTHS) for _ in range(n)]
+    w = tis_weights(_flat(OLD), _flat(ROLLOUT), 1.5).tolist()
+    pg = [max(-r * a, -min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, advantages)]
+    mask = _flat(MASK).tolist()
+    assert plain == pytest.approx(sum(m * x for m, x in zip(mask, pg)) / sum(mask), rel=1e-5)
+    assert truncated == pytest.approx(sum(m * wi * x for m, wi, x in zip(mask, w, pg)) / sum(mask), rel=1e-5)
+
+
+# ---- the flags -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tis_level": "sequence"}, r"tis_level=sequence has no effect without use_tis=true"),
+    ({"tis_mode": "mask"}, r"tis_mode=mask has no effect without use_tis=true"),
+    ({"tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without use_tis=true"),
+    ({"use_tis": True, "tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without tis_mode=mask"),
+    ({"use_tis": True, "tis_mode": "mask", "tis_clip_low": 2.0}, r"tis_clip_low=2.0 must be below tis_clip=2.0"),
+    ({"use_tis": True, "use_rollout_logprobs": True}, r"use_tis=true with use_rollout_logprobs=true: .* every weight exp\(old - rollout\) is 1"),
+    ({"use_tis": True, "tis_level": "seq"}, r"tis_level"),
+    ({"use_tis": True, "tis_mode": "clip"}, r"tis_mode"),
+])
+def test_bad_combinations_fail_when_the_configuration_is_made(fields, message):
+    from vime_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"hf_checkpoint": "some/model", **fields})
+
+
+def test_the_flags_ask_the_engines_for_log_probs_and_are_in_help_docs_and_the_form():
+    from vime_core.config import VimeConfig, load_config, needs_rollout_logprobs, rollout_logprob_readers
+    from vime_core.config.docs import config_table
+    from vime_core.config.loader import build_parser
+
+    cfg = load_config(overrides={"use_tis": True, "tis_level": "sequence", "tis_mode": "mask", "tis_clip_low": 0.5})
+    assert (cfg.tis_level, cfg.tis_mode, cfg.tis_clip_low) == ("sequence", "mask", 0.5)
+    assert needs_rollout_logprobs(cfg) and rollout_logprob_readers(cfg) == ["use_tis"]
+    assert not needs_rollout_logprobs(load_config())
+    help_text, table = build_parser().format_help(), config_table()
+    properties = VimeConfig.model_json_schema()["properties"]
+    for name in ("tis_level", "tis_mode", "tis_clip_low"):
+        flag = "--" + name.replace("_", "-")
+        assert flag in help_text and f"`{flag}`" in table and name in properties
+    assert properties["tis_mode"]["enum"] == ["truncate", "mask"]

@@ -53,7 +53,7 @@ def samples_per_rollout(cfg: "VimeConfig") -> int:
 # engines, and the trainability check requires them, only for the flags in this tuple.
 ROLLOUT_LOGPROB_FLAGS: tuple[str, ...] = (
     "use_rollout_logprobs",  # the engines' log-probs are the old policy (loss and KL penalty)
-    "use_tis",  # TIS weight sg(min(exp(old - rollout), tis_clip))
+    "use_tis",  # the IS weight of exp(old - rollout) at tis_level / tis_mode (refused without use_tis)
     "get_mismatch_metrics",  # train_rollout_logprob_abs_diff
 )
 
@@ -137,6 +137,7 @@ def derive_in_place(cfg: "VimeConfig") -> None:
 
     derive_optimizer(cfg)
     _check_kl(cfg)
+    _check_tis(cfg)
     from vime_core.algo.shaping import check_overlong_buffer
 
     check_overlong_buffer(cfg)
@@ -171,6 +172,24 @@ def _check_kl(cfg: "VimeConfig") -> None:
     if cfg.ref_load and "://" not in cfg.ref_load:
         # relative to where the run was started: the trainer actors run elsewhere
         cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
+
+
+def _check_tis(cfg: "VimeConfig") -> None:
+    """The use_tis family (slime's flags): its level, mode and lower bound only with it, and not
+    beside use_rollout_logprobs, where the old policy is the engine's and every weight is 1."""
+    if not cfg.use_tis:
+        for name, default in (("tis_level", "token"), ("tis_mode", "truncate"), ("tis_clip_low", None)):
+            if getattr(cfg, name) != default:
+                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without use_tis=true")
+        return
+    if cfg.use_rollout_logprobs:
+        raise ValueError("use_tis=true with use_rollout_logprobs=true: the old policy is then the engine's, so every "
+                         "weight exp(old - rollout) is 1 (slime refuses the pair too)")
+    if cfg.tis_clip_low is not None:
+        if cfg.tis_mode != "mask":
+            raise ValueError(f"tis_clip_low={cfg.tis_clip_low} has no effect without tis_mode=mask")
+        if cfg.tis_clip_low >= cfg.tis_clip:
+            raise ValueError(f"tis_clip_low={cfg.tis_clip_low} must be below tis_clip={cfg.tis_clip}")
 
 
 def _vllm_backends() -> dict[str, str | None]:

@@ -150,8 +150,11 @@ class VimeConfig(BaseModel):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     use_rollout_logprobs: bool = Field(False, description="Use the engine's log-probs as the old policy instead of recomputing them.")
-    use_tis: bool = Field(False, description="Truncated importance sampling of the train/rollout mismatch (Yao et al. 2025).")
-    tis_clip: float = Field(2.0, gt=0, description="Upper bound of the TIS weight.")
+    use_tis: bool = Field(False, description="Weight the policy loss by the train/rollout mismatch, w = pi_old / pi_rollout per token, at tis_level and bounded by tis_mode (slime's --use-tis; truncated importance sampling, Yao et al. 2025). Formulas: vime_core/algo/losses.py (rollout_is_weights).")
+    tis_clip: float = Field(2.0, gt=0, description="Upper bound C of the use_tis weight: truncate keeps min(w, C), mask rejects w > C (slime's --tis-clip; verl's algorithm.rollout_correction.rollout_is_threshold).")
+    tis_level: Literal["token", "sequence", "geometric"] = Field("token", description="Level of the use_tis weight (slime's --tis-level): token: each token's own ratio (TIS); sequence: the product of the sample's token ratios, one weight for all its tokens (verl's rollout_is=sequence); geometric: their geometric mean (length-normalised). Log-ratios bounded to +-20, as slime and verl.")
+    tis_mode: Literal["truncate", "mask"] = Field("truncate", description="How use_tis bounds its weight (slime's --tis-mode): truncate: min(w, tis_clip) (TIS); mask: w when tis_clip_low <= w <= tis_clip, else 0 (MIS, Liu et al. 2025; at sequence or geometric level the whole sample; verl's rollout_rs rejection). A rejected token adds 0 to the loss and still counts in its denominator, as in slime; verl drops rejected tokens from its response_mask, so from the mean.")
+    tis_clip_low: Optional[float] = Field(None, gt=0, description="Lower bound c of tis_mode=mask: w < c is rejected (slime's --tis-clip-low, its MIS tis_lower_bound; verl's lower bound in rollout_rs_threshold). Default: 1 / tis_clip.")
     get_mismatch_metrics: bool = Field(False, description="Report train-vs-rollout log-prob mismatch metrics (forces a log-prob recompute).")
 
     # ---- training ------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
                                                   inside the step: the policy has not moved yet)
                    = a no-grad forward beforehand otherwise (``forward_log_probs``)
     per-token loss = registered policy loss for the advantage estimator (PPO clip / GSPO / CISPO),
-                     or -log p for sft_loss; times the TIS weight when use_tis
+                     or -log p for sft_loss; times w_t when use_tis, the rollout importance
+                     weight of exp(old - rollout log-probs) at tis_level, bounded by tis_mode
+                     (truncate: TIS, mask: MIS; vime_core/algo/losses.py, rollout_is_weights)
     L(B_m)         = agg(pg) + [use_kl_loss] kl_loss_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
 
 with ``agg = aggregate_loss(., loss_mask, loss_agg_mode)`` inside the micro-batch. So that the
@@ -16,6 +18,11 @@ is weighted by its share of the step-wide denominator D (tokens for token_mean, 
 a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum):
 
     backward( L(B_m) * d(B_m) / D(S) * dp_size )          (DDP averages gradients over DP)
+
+A token that tis_mode=mask rejects (w_t = 0) adds nothing to the loss and still counts in agg's
+and D's denominators, as in slime (verl drops it from its response mask, so from the mean): they
+are the batch's loss-mask counts, known before the step whatever the weights, and a rejected
+sample shrinks the step rather than scaling up the others.
 
 Gradients accumulate over the M micro-batches in Megatron's DDP grad buffers (``main_grad``);
 then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/k-norm grads
@@ -38,7 +45,8 @@ import torch
 from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 
-METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff")
+# tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
+METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff", "tis_weight", "tis_rejected_frac")
 
 
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
@@ -177,7 +185,7 @@ def micro_batch_loss(
     """L(B_m) of the module docstring (unweighted), recording metrics in ``acc``."""
     from vime_core.algo import get_policy_loss_fn
     from vime_core.algo.kl import compute_approx_kl
-    from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, tis_weights
+    from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, rollout_is_weights
 
     log_probs, entropy = packed_response_log_probs(
         model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
@@ -212,7 +220,12 @@ def micro_batch_loss(
         if cfg.use_tis:
             if mb.rollout_log_probs is None:
                 raise ValueError("use_tis is set but the batch has no rollout_log_probs")
-            per_token = per_token * tis_weights(old, mb.rollout_log_probs, cfg.tis_clip)
+            weights = rollout_is_weights(old, mb.rollout_log_probs, mask, lengths, cfg.tis_level, cfg.tis_mode,
+                                         cfg.tis_clip, cfg.tis_clip_low)
+            per_token = per_token * weights
+            acc.add("tis_weight", weights, mask, count)
+            if cfg.tis_mode == "mask":  # every kept weight is >= exp(-20) > 0: 0 means rejected
+                acc.add("tis_rejected_frac", (weights == 0).float(), mask, count)
     acc.add("pg_clipfrac", clipfrac, mask, count)
     pg_loss = agg(per_token)
     loss = pg_loss
