@@ -22,10 +22,10 @@ A driver that stops by itself (it gave up after its retries) is also run again, 
 - the engine's weight version equals the trainer's (N + 1), and after every sync the engine
   scored a probe as the trainer did (check_weight_update_equal);
 - nothing quarantined, no unpublished batch object left in storage.
-Not part of the pass/fail test run. Writes bench/results/bench_faults.json.
+Not part of the pass/fail test run. Prints JSON, also to --out when given; exits 1 when an
+invariant failed.
 
-    source infra/env.sh
-    flock /tmp/vime-integration.lock .venv/bin/python bench/bench_faults.py --num-rollout 15 --kills 4 --seed 0
+    bench/run.py faults --num-rollout 15 --kills 4 --seed 0
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def main() -> int:
     p.add_argument("--max-launches", type=int, default=8, help="launches of `vime train` in all")
     p.add_argument("--timeout-s", type=float, default=2400.0)
     p.add_argument("--run-name", default="bench-faults")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_faults.json"))
+    p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args()
 
     from vime_core.cluster import local_head
@@ -318,7 +318,8 @@ def main() -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    Path(a.out).write_text(text + "\n")
+    if a.out:
+        Path(a.out).write_text(text + "\n")
     return 0 if result["ok"] else 1
 
 

@@ -10,8 +10,8 @@
     advantages: GRPO broadcast and REINFORCE++ returns + whitening for 256 x 1024 tokens;
                baseline: torch broadcast of the scalar rewards (one op)
 
-Prints JSON (medians over repeats, ratio = vime / baseline) and writes bench/results/bench_math.json.
-Run: .venv/bin/python bench/bench_math.py [--repeats N]
+Prints JSON (medians over repeats, ratio = vime / baseline), also to --out when given.
+Run: bench/run.py math [--repeats N] (records a row in bench/results/math.jsonl)
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def bench_advantages(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     cfg = load_config(overrides={"rollout_batch_size": GROUPS, "n_samples_per_prompt": GROUP_SIZE})
     result = {
@@ -148,9 +149,9 @@ def main() -> None:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    out = Path(__file__).resolve().parent / "results" / "bench_math.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

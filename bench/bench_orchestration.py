@@ -17,9 +17,9 @@ at the end and the part leaving at the start cancel.
 Both modes run in one invocation, same machine, interleaved `--repeats` times: rollout_prefetch
 on (the default) and off (every phase in series: the serial cost of Prefect + Ray per
 iteration). Each run is its own Ray head + bootstrap. Reports the median over runs of each
-mode and the per-repeat wall ratio. Prints JSON and writes bench/results/bench_orchestration.json.
+mode and the per-repeat wall ratio. Prints JSON; --out gets it with every iteration's row.
 
-    .venv/bin/python bench/bench_orchestration.py --iterations 32 --repeats 3
+    bench/run.py orchestration --iterations 32 --repeats 3
 
 32 iterations by default (a 30-iteration window): the window's two ends do not cancel exactly
 (the report and flow-run boundary around them vary by ~0.1-0.2 s on this machine), which
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--modes", default="prefetch,serial", help="comma list of prefetch / serial")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)")
     p.add_argument("--profile", default="", help="write cProfile stats of each train flow run to PATH.<mode>")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_orchestration.json"))
+    p.add_argument("--out", default=None, help="also write the JSON here, with every iteration's row")
     args = p.parse_args()
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -173,8 +173,9 @@ def main() -> None:
         result["t_iteration_ratio_prefetch_over_serial"] = (
             modes["prefetch"]["median_of_runs_mean_t_iteration_s"] / modes["serial"]["median_of_runs_mean_t_iteration_s"])
         result["per_repeat_ratio"] = [a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

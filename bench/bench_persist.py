@@ -12,8 +12,8 @@
     encode:    batch_to_table + Parquet encoding alone (no I/O), for the breakdown
 
 Both a local folder and a real S3 server (SeaweedFS on loopback, started here) are measured.
-Prints JSON (medians over repeats, ratio = vime / baseline) and writes
-bench/results/bench_persist.json. Run: .venv/bin/python bench/bench_persist.py [--repeats N]
+Prints JSON (medians over repeats, ratio = vime / baseline), also to --out when given.
+Run: bench/run.py persist [--repeats N] [--skip-s3]
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-s3", action="store_true", help="measure the local folder only")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     batch = synthetic_batch(GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN, min_response_len=RESPONSE_LEN, seed=0)
     result = {
@@ -107,9 +108,9 @@ def main() -> None:
     result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 1)
     text = json.dumps(result, indent=2)
     print(text)
-    out = Path(__file__).parent / "results" / "bench_persist.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ Models: build_tiny_model Qwen3 shapes (head_dim 64, 4 kv heads, untied vocab of 
 so nearly every parameter is in the layers); the exact parameter counts are in the output.
 One engine at a time, served in the trainer's precision (fp32 by default; --bf16 for bf16).
 
-Prints JSON (medians over repeats; ratio = publish / reload) and writes
-bench/results/bench_publish.json. Run: .venv/bin/python bench/bench_publish.py [--repeats N]
+Prints JSON (medians over repeats; ratio = publish / reload), also to --out when given.
+Run: bench/run.py publish [--repeats N] [--transports shm gloo]
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
 
     from vime_core.config import make_config
     from vime_core.engines.server import EngineServer
-    from vime_core.trainer.publish import publish_weights
-    from vime_core.trainer.publish_loop import PublishLoop
+    from vime_core.weight_sync.publish import publish_weights
+    from vime_core.weight_sync.publish_loop import PublishLoop
 
     nbytes = sum(t.numel() for t in weights.values()) * wire.itemsize
     server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--transports", nargs="*", default=["shm", "gloo"], choices=["shm", "gloo"],
                         help="shm: an engine with the vime_shm backend (shm and disk publishes); gloo: one with "
                              "vime_broadcast; each with its own reload floor")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_publish.json"))
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     out = {
@@ -204,8 +204,9 @@ def main() -> None:
     out["machine"]["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
     text = json.dumps(out, indent=2)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

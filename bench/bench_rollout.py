@@ -15,8 +15,8 @@ transformers `generate`; and the framework's own cost per 256 samples.
                 parse, append, decode, reward, collect, finalize) + build_batch, as % of the real
                 rollout time of the same 256 samples
 
-Ratios are vime/direct and vime/transformers, medians over repeats (interleaved). Prints JSON
-and writes bench/results/bench_rollout.json. Run: .venv/bin/python bench/bench_rollout.py
+Ratios are vime/direct and vime/transformers, medians over repeats (interleaved). Prints JSON;
+--out gets it too, rewritten after each stage. Run: bench/run.py rollout [--groups G] [--repeats N]
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=16, help="groups per rollout (x4 samples)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_rollout.json"))
+    parser.add_argument("--out", default=None, help="also write the JSON here (after each stage)")
     args = parser.parse_args()
 
     from vime_core.rollout.manager import RolloutManager
@@ -170,7 +170,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     data = write_prompts(work / "prompts.jsonl", max(args.groups, OVERHEAD_GROUPS))
     cfg = make_cfg(model_dir, data, args.groups)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else None
     result: dict = {
         "bench": "bench_rollout",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -182,8 +182,9 @@ def main() -> None:
     def save(stage: str) -> None:
         """Results so far (a long run on a busy machine keeps what it measured)."""
         result["complete"] = stage == "done"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"[bench_rollout] {stage} done", file=sys.stderr, flush=True)
 
     # The framework alone first, then transformers before any vLLM server exists (no idle

@@ -13,10 +13,10 @@ Both sides see the same random rollout batch (GRPO-like: prompts + responses, +-
 the same micro-batch size. The two run interleaved in every repeat (bench_math.median_seconds),
 medians over repeats; ratio = baseline_s / vime_s = vime tokens/s / baseline tokens/s.
 
-    .venv/bin/python bench/bench_train.py                      # CPU, fp32, ~20M parameters
-    python bench/bench_train.py --device cuda --dtype bf16 --hidden 1024 --layers 12 ...
+    bench/run.py train                                          # CPU, fp32, ~20M parameters
+    bench/run.py train --device cuda --dtype bf16 --hidden 1024 --layers 12 ...
 
-Writes bench/results/bench_train.json (or --out).
+Prints JSON, also to --out when given.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--response", type=int, default=192)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "bench_train.json"))
+    p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -195,8 +195,9 @@ def main() -> None:
         "sleep_wake": memory,
     }
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -415,7 +415,7 @@ def add_speedups(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.compare:
-        common.write_json(compare(*args.compare), None)
+        common.write_json(compare(*args.compare), args.out)
         return
     warnings.filterwarnings("ignore")
     if args.norms_fp32:

@@ -18,7 +18,7 @@ compared with the sender's. The baseline is a device-to-device copy of the same 
 process (bytes counted once; the read + write traffic is twice that). Then trainer sleep/wake:
 device memory before, after sleep and after wake, the times, and a training step after wake.
 
-    python bench/bench_transport_gpu.py --shapes 0.5b,1.5b --out bench/results/gpu_transport.json
+    bench/run.py transport_gpu --shapes 0.5b,1.5b
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class PipeEngine:
         return VllmApi.for_version("0.26.0")  # the GPU hosts' release: packed flag per update
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list:
-        from vime_core.trainer.transport.ipc import DEVICE_UUID_RPC, cuda_device_uuid
+        from vime_core.weight_sync.transport.ipc import cuda_device_uuid
+        from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
 
         assert method == DEVICE_UUID_RPC, method
         return [cuda_device_uuid(torch.device("cuda", torch.cuda.current_device()))]  # the receiver shares this GPU
@@ -147,8 +148,9 @@ def gather(trainer: Any) -> list[tuple[str, torch.Tensor]]:
 
 def pack_and_handles(tensors: list, bucket_bytes: int, device: torch.device) -> dict[str, Any]:
     """The transport's per-bucket work in two timed parts: packing, then handle + payload."""
-    from vime_core.trainer.buckets import iter_buckets
-    from vime_core.trainer.transport.ipc import cuda_device_uuid, default_reduce, ipc_update_info, pack_bucket
+    from vime_core.weight_sync.buckets import iter_buckets, pack_ipc as pack_bucket  # the IPC packer
+    from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
+    from vime_core.weight_sync.wire.ipc_format import ipc_update_info
 
     uuid = cuda_device_uuid(device)
     pack_s = handle_s = 0.0
@@ -165,8 +167,8 @@ def pack_and_handles(tensors: list, bucket_bytes: int, device: torch.device) -> 
 
 async def publish_through_transport(tensors: list, engine: PipeEngine, bucket_bytes: int, device: torch.device) -> dict:
     """IpcTransport driven as publish._transfer drives it (prepare, start, buckets, finish, close)."""
-    from vime_core.trainer.buckets import iter_buckets
-    from vime_core.trainer.transport.ipc import IpcTransport
+    from vime_core.weight_sync.buckets import iter_buckets
+    from vime_core.weight_sync.transport.ipc import IpcTransport
 
     transport = IpcTransport(device=device)
     await transport.prepare([engine])  # type: ignore[list-item]

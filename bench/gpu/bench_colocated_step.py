@@ -24,6 +24,7 @@ Ratios (medians over the run's iterations after the first, which includes compil
     startup_s            = seconds from the `vime train` command to its first iteration's start
 
     python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
+    bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row
 """
 
 from __future__ import annotations

@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""The one entry point of vime's benchmarks: run a suite, record its figures, show the latest.
+
+    bench/run.py --list                      the suites: what each measures, its script, CPU or GPU
+    bench/run.py NAME [suite args...]        run suite NAME (its script's own flags after the name)
+    bench/run.py --table                     regenerate bench/results/README.md from the rows
+
+Each run appends one JSON row to bench/results/<suite>.jsonl:
+
+    {"suite", "sha", "sha_source", "date", "machine", "command", "exit", "wall_s", "figures"}
+
+`figures` is the JSON the suite's script wrote, less the bulky per-iteration keys of the suite
+(`Suite.drop`); the whole output stays under .cache/bench/<suite>/<time>/ with the script's
+logs. `sha` is $VIME_GIT_SHA when set (a copied tree's .git may not be the code that runs),
+else `git rev-parse HEAD`, with "-dirty" when tracked files differ from it. After the row is
+appended the table is regenerated: the latest row of every suite, with its SHA and date.
+
+Options before NAME:
+    --results DIR   append to DIR/<suite>.jsonl instead (e.g. $OUT on a lent GPU machine; copy the
+                    rows into bench/results/<suite>.jsonl afterwards and run --table)
+    --no-record     run and print, append nothing
+    --nproc N       launch a Python suite under torch.distributed.run with N processes
+
+Suites run with infra/env.sh sourced, under the interpreter of $VIME_BENCH_PYTHON, else
+.venv/bin/python where it exists, else this one. Suites that start servers (vLLM, Ray, Prefect,
+SeaweedFS) hold /tmp/vime-integration.lock while they run, so they do not share the machine's
+cores with the integration tests or with each other. What each suite measures and the current
+numbers: docs/measurements.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fcntl
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+LOCK = Path("/tmp/vime-integration.lock")
+
+
+# ---- headlines: a suite's few figures for the table (a missing key shows the row's file) -------
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _math(f: dict) -> str:
+    b, l, a = f["build_and_schedule_256"], f["policy_loss_fwd_bwd_256x1024"], f["advantages_256x1024"]
+    return (f"vs baseline: build {b['ratio_fixed']:.2f}x (packed {b['ratio_packed']:.2f}x), "
+            f"PPO loss fwd+bwd {l['ratio']:.2f}x, GRPO advantages {a['ratio_grpo']:.2f}x")
+
+
+def _persist(f: dict) -> str:
+    s3 = f.get("s3_seaweedfs_loopback") or {}
+    return (f"256x1024 batch: write {f['local']['write_s']} s local, {s3.get('write_s', '-')} s S3 "
+            f"({s3.get('write_ratio', '-')}x a raw write); read {f['local']['read_ratio']}x / {s3.get('read_ratio', '-')}x a raw read")
+
+
+def _orchestration(f: dict) -> str:
+    m = f["modes"]
+    text = f"overhead {_pct(m['prefetch']['median_of_runs_overhead_frac'])} of an iteration"
+    if "serial" in m:
+        text += f" (serial {_pct(m['serial']['median_of_runs_overhead_frac'])})"
+    return text + f", {f['iterations_per_run']} iterations x {f['repeats']}"
+
+
+def _publish(f: dict) -> str:
+    parts = []
+    for name, m in f["models"].items():
+        shm = m.get("publish_shm_512MiB", {}).get("ratio_to_reload")
+        gloo = m.get("publish_gloo_512MiB", {}).get("ratio_to_reload")
+        parts.append(f"{name} shm {shm:.2f}x" + (f", gloo {gloo:.2f}x" if gloo else "") + " the engine's reload")
+    return "; ".join(parts)
+
+
+def _rollout(f: dict) -> str:
+    return (f"vime / vLLM direct {f['ratio_vime_vs_direct']:.2f}, / transformers {f['ratio_vime_vs_transformers']:.2f}; "
+            f"framework {f['framework_s_per_256']:.3f} s per 256 samples")
+
+
+def _train(f: dict) -> str:
+    return f"vime / transformers tokens/s {f['ratio']:.2f} ({f['parameters'] / 1e6:.0f}M, {f['dtype']}, {f['machine']['device']})"
+
+
+def _faults(f: dict) -> str:
+    k = f["kills"]
+    return (f"ok {f['ok']}: {f['num_rollout']} iterations, kills engine {k['engine']} / trainer {k['trainer']} / "
+            f"driver {k['driver']}, {f['wall_s']} s")
+
+
+def _default_job(f: dict) -> str:
+    gains = " / ".join(f"{r['reward_gain']:.2f}" for r in f["runs"])
+    walls = " / ".join(f"{r['iteration_wall_median_s']:.2f}" for r in f["runs"] if r.get("iteration_wall_median_s"))
+    return (f"reward gain {gains} (target {f['target_gain']}); T_step median {f['median_t_step_s']:.2f} s; "
+            f"iteration {walls} s")
+
+
+def _trainer_gpu(f: dict) -> str:
+    if "variants" not in f:  # --compare
+        return "layout comparison: " + ", ".join(f)
+    lay = f["layout"]
+    parts = [f"{v['variant']} step {v['step_time_s'] * 1e3:.0f} ms, MFU {_pct(v['mfu_with_attention'])}"
+             for v in f["variants"][:3] if "step_time_s" in v]
+    return f"{f['shape']} TP{lay['tp']} DP{lay['dp']}, {f['batch']['tokens_per_step']} tokens/step: " + "; ".join(parts)
+
+
+def _transport_gpu(f: dict) -> str:
+    return "; ".join(f"{s['shape']} {s['bytes'] / 1e9:.2f} GB: publish {s['median_s']['publish_s'] * 1e3:.1f} ms, "
+                     f"receive {s['receive_GBps']:.0f} GB/s (D2D {s['d2d_GBps']:.0f})" for s in f["shapes"])
+
+
+def _colocated(f: dict) -> str:
+    p = f["phases_median_s"]
+    return (f"{f['iterations']} iterations: T_step {p['t_step']:.1f} s = rollout {p['t_rollout']:.1f} + train "
+            f"{p['t_train']:.1f} + ...; publish {p.get('publish_s', 0):.2f} s")
+
+
+def _colocated_baselines(f: dict) -> str:
+    return (f"T_step / (direct rollout + trainer alone) {f['framework_ratio']:.2f}; rollout tok/s vs direct "
+            f"{f['rollout_tps_ratio']:.2f}; publish / D2D copy {f['publish_vs_copy']:.0f}x")
+
+
+def _colocated_step(f: dict) -> str:
+    r, v = f["ratios"], f["vime"]
+    return (f"T_step {v['t_step_s']:.1f} s; step / parts {r['step_vs_parts']:.2f}; rollout / offline "
+            f"{r['rollout_vs_offline']:.2f}; server tok/s with / without log-probs {r['logprobs_cost']:.2f}; "
+            f"trainer MFU {_pct(r['trainer_mfu'])}; "
+            f"startup {f['startup_s']:.0f} s")
+
+
+def _rollout_vs_offline(f: dict) -> str:
+    parts = [f"offline {f['offline']['tokens_per_s_median'] / 1e3:.1f}k tok/s; server / offline"]
+    for server, variants in f["servers"].items():
+        ratios = [f"{name} {v['vs_offline']:.2f}" for name, v in variants.items() if isinstance(v, dict) and "vs_offline" in v]
+        parts.append(f"{server}: {', '.join(ratios)}")
+    return "; ".join(parts)
+
+
+def _learning_gpu(f: dict) -> str:
+    return f"reward gain {f['min_gain']:.2f} (target {f['target_gain']}); T_step median {f['median_t_step_s']:.2f} s"
+
+
+# ---- the suites ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    script: str  # relative to the repository root; .py runs under the interpreter, .sh under bash
+    what: str  # what it measures, against which baseline
+    headline: Callable[[dict], str]
+    gpu: bool = False
+    lock: bool = False  # starts servers: hold LOCK while it runs
+    out: str = "--out"  # "--out": the script takes --out FILE; else the file it writes under $OUT
+    drop: tuple[str, ...] = field(default=())  # bulky keys left out of the row (kept in the raw output)
+
+
+SUITES = {s.name: s for s in [
+    Suite("math", "bench/bench_math.py", "batch build + DP schedule, PPO loss, advantages vs plain-torch baselines", _math),
+    Suite("persist", "bench/bench_persist.py", "a batch's write/read through BatchStore vs a raw write/read, local and S3",
+          _persist, lock=True),
+    Suite("publish", "bench/bench_publish.py", "publish_weights into a vLLM CPU engine (shm, disk, gloo) vs its own reload",
+          _publish, lock=True),
+    Suite("rollout", "bench/bench_rollout.py", "rollout tokens/s through vime vs straight to vLLM and vs transformers",
+          _rollout, lock=True),
+    Suite("train", "bench/bench_train.py", "Megatron train step tokens/s vs a plain transformers step", _train),
+    Suite("orchestration", "bench/bench_orchestration.py",
+          "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial", _orchestration,
+          lock=True, drop=("rows",)),
+    Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
+          lock=True),
+    Suite("default_job", "bench/default_job_report.py", "infra/main_job.sh per seed: reward gain, T_step, overhead",
+          _default_job, lock=True),
+    Suite("trainer_gpu", "bench/bench_trainer_gpu.py", "trainer step and log-prob recompute on GPUs: time, MFU, memory",
+          _trainer_gpu, gpu=True, drop=("check",)),
+    Suite("transport_gpu", "bench/bench_transport_gpu.py", "CUDA-IPC weight transport vs a D2D copy; trainer sleep/wake",
+          _transport_gpu, gpu=True),
+    Suite("colocated", "bench/gpu/run_colocated_h200.sh", "`vime train` colocated on GPUs: phases, publish, memory, weight check",
+          _colocated, gpu=True, out="colocated_*.json", drop=("records",)),
+    Suite("colocated_baselines", "bench/gpu/colocated_baselines.py",
+          "a live colocated run vs its rollout sent straight to its engine and the trainer alone", _colocated_baselines, gpu=True),
+    Suite("colocated_step", "bench/gpu/bench_colocated_step.py",
+          "the colocated step vs its parts in one command: offline vLLM, server direct, trainer alone", _colocated_step, gpu=True),
+    Suite("rollout_vs_offline", "bench/gpu/rollout_vs_offline.py", "vime's vLLM server vs offline LLM.generate, request knobs",
+          _rollout_vs_offline, gpu=True),
+    Suite("learning_gpu", "bench/gpu/run_learning_h200.sh", "the default job on a GPU, colocated and sleeping: reward gain",
+          _learning_gpu, gpu=True, out="learning.json"),
+]}
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_sha() -> tuple[str, str]:
+    """(sha, where it came from): $VIME_GIT_SHA, else HEAD with -dirty when tracked files differ."""
+    if os.environ.get("VIME_GIT_SHA"):
+        return os.environ["VIME_GIT_SHA"], "VIME_GIT_SHA"
+    sha = _git("rev-parse", "HEAD")
+    if not sha:
+        return "unknown", "no git"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return sha + ("-dirty" if dirty else ""), "git rev-parse HEAD"
+
+
+def machine() -> str:
+    """$VIME_MACHINE, else the GPUs nvidia-smi lists and the CPU count."""
+    if os.environ.get("VIME_MACHINE"):
+        return os.environ["VIME_MACHINE"]
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    names = [n.strip() for n in names if n.strip()]
+    cpus = f"{os.cpu_count()} CPUs {platform.machine()}"
+    return f"{len(names)} x {names[0]}, {cpus}" if names else cpus
+
+
+def interpreter() -> str:
+    if os.environ.get("VIME_BENCH_PYTHON"):
+        return os.environ["VIME_BENCH_PYTHON"]
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+# ---- running and recording -----------------------------------------------------------------------
+def command(suite: Suite, args: list[str], out_dir: Path, nproc: int) -> list[str]:
+    script = str(REPO / suite.script)
+    if suite.script.endswith(".sh"):
+        if nproc > 1:
+            raise SystemExit(f"--nproc: {suite.name} is a shell script; its GPU count is its own setting")
+        cmd = ["bash", script]
+    elif nproc > 1:
+        cmd = [interpreter(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
+    else:
+        cmd = [interpreter(), script]
+    if suite.out == "--out":  # before the suite's args: a script may take everything after `--` as its own
+        cmd += ["--out", str(out_dir / "result.json")]
+    return cmd + args
+
+
+def result_file(suite: Suite, out_dir: Path) -> Path | None:
+    if suite.out == "--out":
+        path = out_dir / "result.json"
+        return path if path.exists() else None
+    found = sorted(out_dir.glob(suite.out))
+    return found[0] if found else None
+
+
+def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc: int) -> int:
+    if any(a == "--out" or a.startswith("--out=") for a in args):
+        raise SystemExit("bench/run.py passes --out itself (the raw output goes under .cache/bench/)")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = REPO / ".cache" / "bench" / suite.name / stamp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = command(suite, args, out_dir, nproc)
+    sha, sha_source = git_sha()
+    env = dict(os.environ, OUT=str(out_dir), VIME_GIT_SHA=sha, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    shell = ["bash", "-c", 'source infra/env.sh && exec "$@"', "bash", *cmd]
+    print(f"[bench] {suite.name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    with open(LOCK, "a") if suite.lock else open(os.devnull) as lock:
+        if suite.lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"[bench] waiting for {LOCK} (integration tests or another bench hold it)", file=sys.stderr, flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        rc = subprocess.run(shell, cwd=REPO, env=env).returncode
+        wall = time.monotonic() - t0
+    path = result_file(suite, out_dir)
+    if path is None:
+        print(f"[bench] {suite.name} exited {rc} and wrote no result (raw output: {out_dir})", file=sys.stderr)
+        return rc or 1
+    figures = json.loads(path.read_text())
+    for key in suite.drop:
+        figures.pop(key, None)
+    row = {"suite": suite.name, "sha": sha, "sha_source": sha_source,
+           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine(),
+           "command": shlex.join(["bench/run.py", *(["--nproc", str(nproc)] if nproc > 1 else []), suite.name, *args]),
+           "exit": rc, "wall_s": round(wall, 1), "figures": figures}
+    print(f"[bench] {suite.name}: {headline(suite, figures)}  (raw output: {path})", file=sys.stderr)
+    if record:
+        append_row(results / f"{suite.name}.jsonl", row)
+        if results == RESULTS:
+            write_table(results)
+        print(f"[bench] row appended to {results / (suite.name + '.jsonl')}", file=sys.stderr)
+    return rc
+
+
+def append_row(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def headline(suite: Suite | None, figures: dict) -> str:
+    try:
+        return suite.headline(figures) if suite else "(no such suite)"
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        return f"(see the row: its figures lack {exc})"
+
+
+# ---- the table -----------------------------------------------------------------------------------
+TABLE_HEAD = """# Benchmark results
+
+Generated by `bench/run.py --table` from the files beside it, one per suite, one JSON row per run
+(git SHA, date, machine, command, figures); do not edit it by hand. Each line is the suite's
+latest row. What the suites measure, the figures in context and the commands that made them:
+[docs/measurements.md](../../docs/measurements.md). Rows migrated from earlier sessions' result
+files carry the commit that added the file (`sha_source`): the measurement ran on the code just
+before that commit (their `note` says where it differs).
+
+| suite | latest figures | SHA | date | machine | rows |
+|---|---|---|---|---|---|
+"""
+
+
+def write_table(results: Path = RESULTS) -> Path:
+    lines = [TABLE_HEAD]
+    for path in sorted(results.glob("*.jsonl"), key=lambda p: (list(SUITES).index(p.stem) if p.stem in SUITES else 99, p.stem)):
+        rows = read_rows(path)
+        if not rows:
+            continue
+        last = rows[-1]
+        cell = headline(SUITES.get(last["suite"]), last["figures"]).replace("|", "/")
+        sha = last["sha"].split("-")[0][:9] + ("-dirty" if last["sha"].endswith("-dirty") else "")
+        lines.append(f"| [{last['suite']}]({path.name}) | {cell} | `{sha}` | {last['date'][:10]} | "
+                     f"{last['machine']} | {len(rows)} |\n")
+    out = results / "README.md"
+    out.write_text("".join(lines))
+    return out
+
+
+def list_suites() -> None:
+    width = max(len(n) for n in SUITES)
+    for s in SUITES.values():
+        tags = ", ".join(t for t, on in (("GPU", s.gpu), ("CPU", not s.gpu), ("locks", s.lock)) if on)
+        print(f"{s.name:<{width}}  {tags:<10} {s.script}\n{'':<{width}}  {s.what}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0],
+                                epilog="Suites: " + ", ".join(SUITES))
+    p.add_argument("--list", action="store_true", help="list the suites")
+    p.add_argument("--table", action="store_true", help="regenerate bench/results/README.md")
+    p.add_argument("--results", type=Path, default=RESULTS, help="where the rows go (default bench/results)")
+    p.add_argument("--no-record", action="store_true", help="run and print, append nothing")
+    p.add_argument("--nproc", type=int, default=1, help="torch.distributed.run processes (Python suites)")
+    p.add_argument("suite", nargs="?", help="the suite to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the suite script's own flags")
+    a = p.parse_args(argv)
+    if a.list:
+        list_suites()
+        return 0
+    if a.table:
+        print(write_table(a.results.resolve()))
+        return 0
+    if not a.suite:
+        p.error("name a suite (--list shows them), or --list / --table")
+    if a.suite not in SUITES:
+        p.error(f"unknown suite {a.suite!r}; known: {', '.join(SUITES)}")
+    return run_suite(SUITES[a.suite], a.args, a.results.resolve(), not a.no_record, a.nproc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
