@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Issue 14 on one H200 (device tool): the real `vime train` (Prefect flow runs, Ray actors, a
-# vLLM 0.26 CUDA engine and a Megatron bf16 actor colocated on the one GPU, both sleeping between
-# phases) on a random Qwen2-0.5B-shaped model, then its report as JSON under $OUT.
+# The real `vime train` on a GPU host (Prefect flow runs, Ray actors, vLLM CUDA engines and a
+# Megatron bf16 actor, colocated and sleeping between phases unless the layout says otherwise) on
+# a random Qwen-shaped model (bench/gpu/build_model.py), then its report as JSON under $OUT
+# (bench/gpu/colocated_report.py), with the driver's console, engine logs and actor errors.
 #   bash bench/gpu/run_colocated_h200.sh [ITERATIONS] [extra vime train flags...]
-#   (env: PROMPT_TOKENS, TRAIN_TIMEOUT, KEEP_ACTORS=1, BASELINES_FROM=N, MEMORY_REFUSAL=1: see below;
-#    SHAPE: the model's shape in bench/gpu_common.SHAPES, default 0.5b; GPUS: device slots of the
-#    Ray head, default 1 — bench/gpu/run_two_gpus.sh passes 2 with its layouts' flags)
+#   bench/run.py colocated [ITERATIONS] [flags...]          # the same, recorded as a row
+# env:
+#   LAYOUT         one (default): every GPU the run's config asks for, colocated (1 by default)
+#                  tp2: colocated, Megatron TP=2 (DP=1), one engine of 2 GPUs (TP=2)
+#                  dp2: colocated, Megatron TP=1 x DP=2, two engines of 1 GPU
+#                  nccl: disaggregated, the trainer on one GPU and the engine on the other,
+#                  weights by NCCL broadcast
+#   SHAPE          the model's shape in bench/gpu_common.SHAPES (default 0.5b)
+#   PROMPT_TOKENS  every prompt exactly N tokens (default: 16..500 characters of noise)
+#   TRAIN_TIMEOUT  seconds before the driver is stopped (default 480)
+#   KEEP_ACTORS=1  engines and trainer stay up: the same command with a larger ITERATIONS
+#                  attaches to them and goes on (tests/gpu's checks start from such a run)
+#   BASELINES_FROM=N  then bench/gpu/colocated_baselines.py against the iterations from N
 # Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh)
 # and the wheels of bench/gpu/extra_wheels.sh: unpacked into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
@@ -22,20 +33,31 @@ export PYTHONPATH=/tmp/site-trainer:$PWD
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PREFECT_HOME=$work/prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 shape=${SHAPE:-0.5b}
-run=${RUN_NAME:-gpu-colocated-$shape}
+layout=${LAYOUT:-one}
+case "$layout" in
+  one)  gpus=${GPUS:-1}; layout_flags=() ;;
+  tp2)  gpus=2; layout_flags=(--actor-num-gpus-per-node 2 --tensor-model-parallel-size 2 --rollout-num-gpus-per-engine 2) ;;
+  dp2)  gpus=2; layout_flags=(--actor-num-gpus-per-node 2 --tensor-model-parallel-size 1 --rollout-num-gpus-per-engine 1) ;;
+  nccl) gpus=2; layout_flags=(--actor-num-gpus-per-node 1 --no-colocate --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
+                              --no-offload-rollout --no-offload-train --weight-transport nccl --vllm-gpu-memory-utilization 0.85) ;;
+  *) echo "LAYOUT=$layout: one of one, tp2, dp2, nccl" >&2; exit 2 ;;
+esac
+# no NVLink multicast on the lent hosts (their KINDS.md)
+[ "$gpus" -gt 1 ] && export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+run=${RUN_NAME:-gpu-colocated-$shape$([ "$layout" = one ] || echo "-$layout")}
 t0=$(date +%s)
 # PROMPT_TOKENS=N: every prompt exactly N tokens (prompts-N.jsonl), else 16..500 characters of noise
 prompts=$work/prompts-${PROMPT_TOKENS:-long}.jsonl
 prompt_shape=$([ -n "${PROMPT_TOKENS:-}" ] && echo "--prompt-tokens $PROMPT_TOKENS" || echo "--prompt-noise 16,500")
 [ -f "$work/model-$shape/config.json" ] && [ -f "$prompts" ] || python3 bench/gpu/build_model.py --shape "$shape" --out "$work/model-$shape" --prompts "$prompts" $prompt_shape
 # the head's loopback address, passed explicitly: `auto` resolved to the host's other address
-address=$(python3 -m flows.cli cluster up --num-gpus "${GPUS:-1}" | tail -n 1)
+address=$(python3 -m flows.cli cluster up --num-gpus "$gpus" | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
 timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
     --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$prompts" \
-    --eval-prompt-data "$prompts" "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
+    --eval-prompt-data "$prompts" ${layout_flags[@]+"${layout_flags[@]}"} "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
 # (pipefail: the driver's status, or 124 when TRAIN_TIMEOUT stopped it)
 echo "[gpu] train exit $status after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true
@@ -51,7 +73,5 @@ if [ -n "${BASELINES_FROM:-}" ]; then
   timeout -k 15 "${BASELINES_TIMEOUT:-200}" python3 bench/gpu/colocated_baselines.py --ray-address "$address" --storage-uri "$work/runs" \
       --run-name "$run" --from-rollout "$BASELINES_FROM" --out "$out/baselines.json" 2>&1 | grep -v "it/s\]$" | tail -n 40 || true
 fi
-# MEMORY_REFUSAL=1: a second run asking for more GPU memory than the awake engine leaves (bad input)
-[ -z "${MEMORY_REFUSAL:-}" ] || bash bench/gpu/check_memory_refusal.sh || true
 # KEEP_ACTORS=1: the engines and the trainer stay up; the same command with a larger ITERATIONS attaches to them
 [ "${KEEP_ACTORS:-0}" = 1 ] || python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14, item 4 on one H200: the default job (a tiny model learning "a+b=" by GRPO) with the
-# engine and the trainer on the GPU, on its own Ray head, then the reward gain as JSON under
-# $OUT/learning/ (bench/default_job_report.py).
+# The default job (a tiny model learning "a+b=" by GRPO) with the engine and the trainer on a GPU,
+# colocated and sleeping (bench/gpu/learning_tiny.yaml), on its own Ray head (it can run beside a
+# colocated run), then the reward gain as JSON in $OUT/learning.json (bench/default_job_report.py).
 #   bash bench/gpu/run_learning_h200.sh [extra vime train flags...]
+#   bench/run.py learning_gpu [flags...]          # the same, recorded as a row
 # Needs the bundle unpacked (bench/gpu/run_colocated_h200.sh does it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 14, bad input: a second run whose engine asks for more GPU memory than is free (the first
-# run's engine awake beside it) must fail at start with an error naming the setting and the free
-# memory seen, and store nothing. Own Ray head (the first run's placement group holds the GPU).
-# Writes $OUT/memory_refusal.json. Needs the bundle unpacked (run_colocated_h200.sh does it).
+# Bad input: a second run whose engine asks for more GPU memory than is free (a first run's engine
+# awake beside it) must fail at start with an error naming the setting and the free memory seen,
+# and store nothing. Own Ray head (the first run's placement group holds the GPU). Writes
+# $OUT/memory_refusal.json. Needs the bundle unpacked and the first run's model and prompts in
+# $VIME_GPU_WORK (default /tmp/vime-gpu): bench/gpu/run_colocated_h200.sh does both.
+# tests/gpu/test_colocated_recovery.py runs it; by hand: bash tests/gpu/check_memory_refusal.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${OUT:-/tmp/vime-out}; work=/tmp/vime-gpu-refuse; run=gpu-refused
+out=${OUT:-/tmp/vime-out}; work=/tmp/vime-gpu-refuse; run=gpu-refused; gpu=${VIME_GPU_WORK:-/tmp/vime-gpu}
 mkdir -p "$out" "$work"
 export PYTHONPATH=/tmp/site-trainer:$PWD
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PREFECT_HOME=$work/prefect
@@ -14,8 +16,8 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$out/memory_refu
 address=$(python3 -m flows.cli cluster up --num-gpus 1 | tail -n 1)
 t0=$(date +%s)
 timeout -k 15 "${REFUSAL_TIMEOUT:-180}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" \
-    --num-rollout 1 --ray-address "$address" --storage-uri "$work/runs" --hf-checkpoint "${MODEL:-/tmp/vime-gpu/model-0.5b}" \
-    --prompt-data /tmp/vime-gpu/prompts-long.jsonl --eval-prompt-data /tmp/vime-gpu/prompts-long.jsonl \
+    --num-rollout 1 --ray-address "$address" --storage-uri "$work/runs" --hf-checkpoint "${MODEL:-$gpu/model-0.5b}" \
+    --prompt-data "$gpu/prompts-long.jsonl" --eval-prompt-data "$gpu/prompts-long.jsonl" \
     --vllm-gpu-memory-utilization 0.9 > "$work/train.log" 2>&1
 code=$?
 python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 15, "training continues exactly": the prompts of a run killed and resumed with new actors
-# equal an uninterrupted run's. Run A: 6 iterations, checkpoint every 3. Run B: the same, the
-# driver SIGKILLed once rollout 4 is recorded, its actors torn down (a new RolloutManager), then
-# the same command again. Prints JSON: per rollout id, whether B's prompt ids equal A's.
-# Not part of the test run (two real runs on a local Ray head, ~4 minutes on 2 cores).
-#   flock /tmp/vime-integration.lock bash bench/check_resume_prompts.sh
+# A run killed and resumed with new actors trains on the same prompts as an uninterrupted one.
+# Run A: 6 iterations, checkpoint every 3. Run B: the same, its driver SIGKILLed once rollout 4 is
+# recorded, its actors torn down (a new RolloutManager), then the same command again. Prints JSON:
+# per rollout id, whether B's prompt ids equal A's, and "ok". Two real runs on a local Ray head,
+# ~4 minutes on 2 cores; tests/e2e/test_resume_prompts.py runs it (VIME_E2E=1).
+#   bash tests/e2e/check_resume_prompts.sh
 set -u
-cd "$(dirname "$0")/.." && source infra/env.sh
+cd "$(dirname "$0")/../.." && source infra/env.sh
 export PREFECT_HOME=$(mktemp -d)
 S=$(mktemp -d -t vime-resume-prompts-XXXX)
 .venv/bin/vime cluster up --num-gpus 1 >/dev/null 2>&1
@@ -14,12 +14,15 @@ trap '.venv/bin/vime teardown --run-name A >/dev/null 2>&1; .venv/bin/vime teard
 common=(--num-rollout 6 --save-interval 3 --storage-uri "$S")
 timeout 600 .venv/bin/vime train --run-name A "${common[@]}" > "$S/A.log" 2>&1
 .venv/bin/vime teardown --run-name A >/dev/null 2>&1
-(timeout 600 .venv/bin/vime train --run-name B "${common[@]}" > "$S/B1.log" 2>&1) &
+# B's driver leads a session of its own: killing that session stops it and nothing else
+setsid timeout 600 .venv/bin/vime train --run-name B "${common[@]}" > "$S/B1.log" 2>&1 &
+driver=$!
 for _ in $(seq 1 1200); do
   [ "$(grep -c '"rollout_id"' "$S/reports/B/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ] && break
+  kill -0 "$driver" 2>/dev/null || break
   sleep 0.5
 done
-pkill -9 -f "run-name B" ; sleep 2
+kill -9 -- "-$driver" 2>/dev/null; wait "$driver" 2>/dev/null; sleep 2
 .venv/bin/vime teardown --run-name B >/dev/null 2>&1
 timeout 600 .venv/bin/vime train --run-name B "${common[@]}" > "$S/B2.log" 2>&1
 .venv/bin/python - "$S" <<'PY'

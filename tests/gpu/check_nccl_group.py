@@ -10,7 +10,10 @@ the median bandwidth (the limit a publish of that many bytes can reach).
 after S seconds with TimeoutError (NCCL's own init would wait forever), and the GPU must still
 take a group after that.
 
-    python bench/gpu/check_nccl_group.py [--bytes N] [--repeats R] [--init-timeout S]
+    python tests/gpu/check_nccl_group.py [--bytes N] [--repeats R] [--init-timeout S]
+
+tests/gpu/test_nccl_group.py runs it as pass/fail checks. With two GPUs and the bytes of a
+model's bf16 weights it is also the bandwidth a publish can reach (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from vime_core.engines.vllm_side.broadcast_group import NcclGroup, mint_nccl_unique_id
+from vime_core.weight_sync.wire.broadcast_group import NcclGroup, mint_nccl_unique_id
 
 
 def pattern(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Issue 14, failures: the driver of a colocated run is SIGKILLed while the engines sleep (at the
-# start of onload-weights-K: they slept at level 2 and dropped their weights, the trainer trained
-# rollout K), then the same command runs again. Bootstrap must wake the engines' weights and
-# publish the trainer's weights to them although they report the current version; the re-run
-# iteration K must put them to sleep again (little memory after offload_rollout) and the weight
-# check after its publish must hold. Runs after run_colocated_h200.sh with KEEP_ACTORS=1 (same
-# run, actors up, K iterations done).   bash bench/gpu/check_stopped_asleep.sh K ITERATIONS
+# A colocated run stopped while its engines sleep resumes with the same command. Runs after
+# bench/gpu/run_colocated_h200.sh with KEEP_ACTORS=1 (same run, actors up, K iterations done);
+# tests/gpu/test_colocated_recovery.py runs it; by hand: bash tests/gpu/check_stopped_asleep.sh K ITERATIONS
+# HARM=kill (default): the driver is SIGKILLed while the engines sleep (at the start of
+# onload-weights-K: they slept at level 2 and dropped their weights, the trainer trained rollout K),
+# then the same command runs again. Bootstrap must wake the engines' weights and publish the
+# trainer's weights to them although they report the current version; the re-run iteration K must
+# put them to sleep again (little memory after offload_rollout) and the weight check after its
+# publish must hold.
 # HARM=hog instead: the driver is not killed; while it waits at onload-weights-K another process
-# takes all but LEAVE_GIB (0.25) of the GPU's free memory (bench/gpu/hold_device_memory.py), so the
+# takes all but LEAVE_GIB (0.25) of the GPU's free memory (tests/gpu/hold_device_memory.py), so the
 # engine's wake runs out of memory part-way. The iteration must fail with the engine named, the
 # driver must stop after its retries, and after the memory is given back the same command must
 # restart the engine (a half-woken vLLM cannot wake again), give it the trainer's weights and go on.
@@ -59,7 +61,7 @@ asleep_at_kill=$(engines_asleep)
 first_code=killed; harm_info=null; after_failure=null
 if [ "$harm" = hog ] && [ "$paused" = 1 ]; then
   rm -f "$work/hog.ready"
-  python3 bench/gpu/hold_device_memory.py --leave-gib "${LEAVE_GIB:-0.25}" --ready "$work/hog.ready" > "$work/hog.log" 2>&1 &
+  python3 tests/gpu/hold_device_memory.py --leave-gib "${LEAVE_GIB:-0.25}" --ready "$work/hog.ready" > "$work/hog.log" 2>&1 &
   hog=$!
   for _ in $(seq 120); do [ -s "$work/hog.ready" ] || ! kill -0 $hog 2>/dev/null && break; sleep 0.5; done
   harm_info=$(cat "$work/hog.ready" 2>/dev/null || echo null)
