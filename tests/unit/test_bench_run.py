@@ -1,0 +1,50 @@
+"""bench/run.py, the benchmarks' entry point: every suite names a script that exists, its row
+lands in the suite's file with the SHA it was given, and the generated table shows each suite's
+latest row through the suite's own headline (a headline that no longer reads its suite's JSON
+shows up here, not in a table nobody checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+run = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = run  # its dataclass looks its module up there
+spec.loader.exec_module(run)
+
+
+def test_every_suite_names_a_script_that_exists():
+    for suite in run.SUITES.values():
+        assert (REPO / suite.script).is_file(), suite
+
+
+def test_the_latest_committed_row_of_every_suite_reads_through_its_headline():
+    for path in sorted((REPO / "bench" / "results").glob("*.jsonl")):
+        rows = run.read_rows(path)
+        assert rows and all(r["suite"] == path.stem and r["sha"] and r["date"] and r["command"] for r in rows), path
+        assert not run.headline(run.SUITES[path.stem], rows[-1]["figures"]).startswith("(see the row"), path
+
+
+def test_the_sha_comes_from_the_environment_when_set(monkeypatch):
+    monkeypatch.setenv("VIME_GIT_SHA", "abc1234")
+    assert run.git_sha() == ("abc1234", "VIME_GIT_SHA")
+
+
+def test_a_row_is_appended_and_the_table_shows_the_latest(tmp_path):
+    figures = json.loads((REPO / "bench" / "results" / "math.jsonl").read_text().splitlines()[0])["figures"]
+    for sha in ("aaaaaaa", "bbbbbbbbbbbbbbbbbbbb-dirty"):
+        run.append_row(tmp_path / "math.jsonl", {"suite": "math", "sha": sha, "date": "2026-12-03T00:00:00Z",
+                                                 "machine": "2 CPUs x86_64", "command": "bench/run.py math", "figures": figures})
+    table = run.write_table(tmp_path).read_text()
+    assert len(run.read_rows(tmp_path / "math.jsonl")) == 2
+    line = next(l for l in table.splitlines() if l.startswith("| [math]"))
+    assert "`bbbbbbbbb-dirty`" in line and "build 1.35x" in line and line.endswith("| 2 |")
+
+
+def test_the_output_flag_goes_before_the_suites_own_args(tmp_path):
+    cmd = run.command(run.SUITES["colocated_step"], ["--iterations", "6", "--", "--use-kl-loss"], tmp_path, 1)
+    assert cmd[-6:] == ["--out", str(tmp_path / "result.json"), "--iterations", "6", "--", "--use-kl-loss"]
