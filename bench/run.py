@@ -7,12 +7,13 @@
 
 Each run appends one JSON row to bench/results/<suite>.jsonl:
 
-    {"suite", "sha", "sha_source", "date", "machine", "command", "exit", "wall_s", "figures"}
+    {"suite", "sha", "sha_source", "date", "machine", "load_1m", "command", "exit", "wall_s", "note", "figures"}
 
 `figures` is the JSON the suite's script wrote, less the bulky per-iteration keys of the suite
 (`Suite.drop`); the whole output stays under .cache/bench/<suite>/<time>/ with the script's
-logs. `sha` is $VIME_GIT_SHA when set (a copied tree's .git may not be the code that runs),
-else `git rev-parse HEAD`, with "-dirty" when tracked files differ from it. After the row is
+logs. `load_1m` is the machine's load average at the start and the end (a shared machine's
+neighbours move figures). `sha` is $VIME_GIT_SHA when set (a copied tree's .git may not be the
+code that runs), else `git rev-parse HEAD`, with "-dirty" when tracked files differ from it. After the row is
 appended the table is regenerated: the latest row of every suite, with its SHA and date.
 
 Options before NAME:
@@ -20,12 +21,13 @@ Options before NAME:
                     rows into bench/results/<suite>.jsonl afterwards and run --table)
     --no-record     run and print, append nothing
     --nproc N       launch a Python suite under torch.distributed.run with N processes
+    --note TEXT     kept in the row: what differed about this run
 
 Suites run with infra/env.sh sourced, under the interpreter of $VIME_BENCH_PYTHON, else
 .venv/bin/python where it exists, else this one. Suites that start servers (vLLM, Ray, Prefect,
-SeaweedFS) hold /tmp/vime-integration.lock while they run, so they do not share the machine's
-cores with the integration tests or with each other. What each suite measures and the current
-numbers: docs/measurements.md.
+SeaweedFS) hold /tmp/vime-integration.lock (flock) while they run, so two of them never share the
+machine's cores; `flock /tmp/vime-integration.lock CMD` keeps anything else (an integration test
+run) apart from them too. What each suite measures and the current numbers: docs/measurements.md.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def result_file(suite: Suite, out_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
-def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc: int) -> int:
+def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc: int, note: str = "") -> int:
     if any(a == "--out" or a.startswith("--out=") for a in args):
         raise SystemExit("bench/run.py passes --out itself (the raw output goes under .cache/bench/)")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -277,9 +279,9 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                print(f"[bench] waiting for {LOCK} (integration tests or another bench hold it)", file=sys.stderr, flush=True)
+                print(f"[bench] waiting for {LOCK} (another bench, or a command under flock, holds it)", file=sys.stderr, flush=True)
                 fcntl.flock(lock, fcntl.LOCK_EX)
-        t0 = time.monotonic()
+        t0, load0 = time.monotonic(), os.getloadavg()[0]
         rc = subprocess.run(shell, cwd=REPO, env=env).returncode
         wall = time.monotonic() - t0
     path = result_file(suite, out_dir)
@@ -293,8 +295,9 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
         figures.pop(key, None)
     row = {"suite": suite.name, "sha": sha, "sha_source": sha_source,
            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine(),
+           "load_1m": [round(load0, 1), round(os.getloadavg()[0], 1)],
            "command": shlex.join(["bench/run.py", *(["--nproc", str(nproc)] if nproc > 1 else []), suite.name, *args]),
-           "exit": rc, "wall_s": round(wall, 1), "figures": figures}
+           "exit": rc, "wall_s": round(wall, 1), **({"note": note} if note else {}), "figures": figures}
     print(f"[bench] {suite.name}: {headline(suite, figures)}  (raw output: {path})", file=sys.stderr)
     if record:
         append_row(results / f"{suite.name}.jsonl", row)
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="where the rows go (default bench/results)")
     p.add_argument("--no-record", action="store_true", help="run and print, append nothing")
     p.add_argument("--nproc", type=int, default=1, help="torch.distributed.run processes (Python suites)")
+    p.add_argument("--note", default="", help="kept in the row: what differed about this run")
     p.add_argument("suite", nargs="?", help="the suite to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the suite script's own flags")
     a = p.parse_args(argv)
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("name a suite (--list shows them), or --list / --table")
     if a.suite not in SUITES:
         p.error(f"unknown suite {a.suite!r}; known: {', '.join(SUITES)}")
-    return run_suite(SUITES[a.suite], a.args, a.results.resolve(), not a.no_record, a.nproc)
+    return run_suite(SUITES[a.suite], a.args, a.results.resolve(), not a.no_record, a.nproc, a.note)
 
 
 if __name__ == "__main__":
