@@ -3,17 +3,45 @@ estimators, policy losses, KL estimators and the scheduling gates. Nothing here 
 
 Estimators and losses are registered by name (`register_adv_est`, `register_policy_loss`), so a
 new one is one decorated function in its own module; an estimator's registration also carries its
-group normalisation, its policy loss and its gate rules (registry.py). The built-in ones register
-when first looked up; neither this package, `registry`, `advantages` nor `gates` imports torch
-at import time.
+group normalisation, its policy loss and its gate rules (registry.py).
+
+The registry module is a leaf; this package is the populated registry: importing it registers
+the built-in estimators (algo.advantages, no torch), and `get_policy_loss_fn` /
+`registered_policy_losses` import the built-in policy losses (algo.losses, torch) first. Look
+estimators and losses up through here; implementers import algo.registry only.
 """
 
+from typing import Callable
+
+from vime_core.algo import advantages as _builtin_estimators  # noqa: F401  (registers them; no torch)
+from vime_core.algo import registry
 from vime_core.algo.registry import (
+    check_adv_estimator,
+    describe_adv_estimators,
     get_adv_estimator,
     get_adv_estimator_fn,
-    get_policy_loss_fn,
     register_adv_est,
     register_policy_loss,
+    registered_adv_estimators,
 )
 
-__all__ = ["register_adv_est", "register_policy_loss", "get_adv_estimator", "get_adv_estimator_fn", "get_policy_loss_fn"]
+
+def _load_builtin_policy_losses() -> None:
+    import vime_core.algo.losses  # noqa: F401  (registers them; imports torch)
+
+
+def get_policy_loss_fn(name: str) -> Callable:
+    """The registered policy loss `name`, the built-in ones loaded first."""
+    _load_builtin_policy_losses()
+    return registry.get_policy_loss_fn(name)
+
+
+def registered_policy_losses() -> list[str]:
+    _load_builtin_policy_losses()
+    return registry.registered_policy_losses()
+
+
+__all__ = [
+    "register_adv_est", "register_policy_loss", "get_adv_estimator", "get_adv_estimator_fn", "get_policy_loss_fn",
+    "registered_adv_estimators", "registered_policy_losses", "check_adv_estimator", "describe_adv_estimators",
+]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from vime_core.algo.registry import get_adv_estimator
+from vime_core.algo import get_adv_estimator  # the populated registry
 
 
 def needs_reference(cfg) -> bool:

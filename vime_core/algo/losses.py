@@ -55,6 +55,9 @@ from typing import Optional, Sequence
 
 import torch
 
+# The registry (a leaf) and not the package: the package's get_policy_loss_fn imports this module.
+# The estimators policy_loss_name looks up are there all the same, since importing this module
+# runs the package's __init__, which registers them.
 from vime_core.algo.registry import get_adv_estimator, register_policy_loss
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")

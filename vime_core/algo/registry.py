@@ -15,9 +15,15 @@ the train step (algo.losses.policy_loss_name), `reuse_log_probs` and `critic` by
 their `summary`) are the configuration's choices for `advantage_estimator`.
 
 Registering a name twice is an error (two modules silently fighting over one name is a bug);
-asking for an unknown name raises `KeyError` listing the known ones. This module and
-algo.advantages import no torch at import time, so the configuration (and `vime --help`) reads
-the registered names without it.
+asking for an unknown name raises `KeyError` listing the known ones.
+
+This module is a leaf: it holds the two tables and imports none of their entries. Implementers
+register themselves when imported (algo.advantages: the built-in estimators, without torch;
+algo.losses: the built-in policy losses, with torch), and whoever needs the populated registry
+imports them: the package `vime_core.algo` imports algo.advantages, so any import from the
+package (this module included) sees the built-in estimators, and its `get_policy_loss_fn` imports
+algo.losses first. Nothing here imports torch, so the configuration (and `vime --help`) reads the
+registered names without it.
 """
 
 from __future__ import annotations
@@ -77,16 +83,6 @@ def _get(table: dict, kind: str, name: str):
         raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
 
 
-def _ensure_estimators_loaded() -> None:
-    # The built-in estimators register themselves on import (without torch); a caller that
-    # imported only this module must still find them, and see a clash with one of them.
-    import vime_core.algo.advantages  # noqa: F401
-
-
-def _ensure_policy_losses_loaded() -> None:
-    import vime_core.algo.losses  # noqa: F401  (imports torch)
-
-
 def register_adv_est(
     name: str,
     *,
@@ -104,7 +100,6 @@ def register_adv_est(
                          f"one of {', '.join(map(repr, typing.get_args(GroupNormalisation)))}")
 
     def decorator(fn: F) -> F:
-        _ensure_estimators_loaded()
         spec = AdvEstimator(name, fn, group_normalisation, policy_loss, token_rewards, reuse_log_probs, critic, summary)
         _add(_ADV_ESTIMATORS, "advantage estimator", name, spec, fn)
         return fn
@@ -123,7 +118,6 @@ def register_policy_loss(name: str) -> Callable[[F], F]:
 
 
 def get_adv_estimator(name: str) -> AdvEstimator:
-    _ensure_estimators_loaded()
     return _get(_ADV_ESTIMATORS, "advantage estimator", name)
 
 
@@ -132,17 +126,14 @@ def get_adv_estimator_fn(name: str) -> Callable:
 
 
 def get_policy_loss_fn(name: str) -> Callable:
-    _ensure_policy_losses_loaded()
     return _get(_POLICY_LOSSES, "policy loss", name)
 
 
 def registered_adv_estimators() -> list[str]:
-    _ensure_estimators_loaded()
     return sorted(_ADV_ESTIMATORS)
 
 
 def registered_policy_losses() -> list[str]:
-    _ensure_policy_losses_loaded()
     return sorted(_POLICY_LOSSES)
 
 
