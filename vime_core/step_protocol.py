@@ -37,7 +37,7 @@ CURVE_EVERY = 10
 
 def engines_sleep(cfg: Any) -> bool:
     """Engines offload and the platform can put them to sleep (not vLLM's CPU build)."""
-    from vime_core.engines.server import platform_supports_sleep
+    from vime_core.config.derive import platform_supports_sleep
 
     return bool(cfg.offload_rollout) and platform_supports_sleep(cfg)
 

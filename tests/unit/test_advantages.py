@@ -192,7 +192,7 @@ def test_rloo_in_the_batch_and_the_configuration():
     from vime_core.data.batch import build_batch
     from vime_core.data.sample import Sample, Status
 
-    from vime_core.config.schema import VimeConfig
+    from vime_core.config import VimeConfig
 
     cfg = parse_args(["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "2"])
     assert cfg.advantage_estimator == "rloo"

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from vime_core.config.docs import config_table, render_into
-from vime_core.config.schema import VimeConfig
+from vime_core.config import VimeConfig
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

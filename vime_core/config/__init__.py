@@ -1,4 +1,6 @@
-"""Configuration: the typed model, its derivations, and loading from CLI / files."""
+"""Configuration: the fields (schema.py, a leaf), `VimeConfig` (loader.py: the fields resolved,
+derived and checked whenever one is made), the derivations (derive.py, optimizer.py), and loading
+from CLI / files."""
 
 from vime_core.config.derive import (
     dp_size,
@@ -9,8 +11,7 @@ from vime_core.config.derive import (
     rollout_logprob_readers,
     weight_transport,
 )
-from vime_core.config.loader import ConfigError, config_hash, load_config, make_config, parse_args
-from vime_core.config.schema import VimeConfig
+from vime_core.config.loader import ConfigError, VimeConfig, config_hash, load_config, make_config, parse_args
 
 __all__ = [
     "VimeConfig", "ConfigError", "load_config", "make_config", "parse_args", "config_hash",

@@ -14,38 +14,44 @@
     lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
 
 Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
+
+The configuration's own class (VimeConfig, config/loader.py) calls `derive_in_place` whenever
+one is made; the functions here read only the schema's fields (config/schema.py).
 """
 
 from __future__ import annotations
 
 import os
 
-from typing import TYPE_CHECKING
-
-from vime_core.algo.registry import get_adv_estimator
-
-if TYPE_CHECKING:
-    from vime_core.config.schema import VimeConfig
+from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
+from vime_core.config.optimizer import derive_optimizer
+from vime_core.config.schema import ConfigFields  # the fields these functions read
 
 
-def trainer_num_devices(cfg: "VimeConfig") -> int:
+def trainer_num_devices(cfg: ConfigFields) -> int:
     return cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
 
 
-def dp_size(cfg: "VimeConfig") -> int:
+def dp_size(cfg: ConfigFields) -> int:
     return trainer_num_devices(cfg) // cfg.tensor_model_parallel_size
 
 
-def num_engines(cfg: "VimeConfig") -> int:
+def num_engines(cfg: ConfigFields) -> int:
     return cfg.rollout_num_gpus // cfg.rollout_num_gpus_per_engine
 
 
-def rollout_concurrency(cfg: "VimeConfig") -> int:
+def rollout_concurrency(cfg: ConfigFields) -> int:
     return cfg.vllm_server_concurrency * num_engines(cfg)
 
 
-def samples_per_rollout(cfg: "VimeConfig") -> int:
+def samples_per_rollout(cfg: ConfigFields) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt
+
+
+def platform_supports_sleep(cfg: ConfigFields) -> bool:
+    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none (the same
+    answer as vime_core.engines.server.platform_supports_sleep, without importing the engines)."""
+    return cfg.device == "cuda"
 
 
 # Every flag whose code reads the batch's rollout_log_probs column (the engines' log-prob of each
@@ -58,20 +64,20 @@ ROLLOUT_LOGPROB_FLAGS: tuple[str, ...] = (
 )
 
 
-def rollout_logprob_readers(cfg: "VimeConfig") -> list[str]:
+def rollout_logprob_readers(cfg: ConfigFields) -> list[str]:
     """The flags of ROLLOUT_LOGPROB_FLAGS that are set, in that order (empty: none reads the
     engines' log-probs)."""
     return [name for name in ROLLOUT_LOGPROB_FLAGS if getattr(cfg, name)]
 
 
-def needs_rollout_logprobs(cfg: "VimeConfig") -> bool:
+def needs_rollout_logprobs(cfg: ConfigFields) -> bool:
     """Whether rollouts request each sampled token's log-prob from the engines (vLLM's
     `logprobs: 0`): only when a flag of ROLLOUT_LOGPROB_FLAGS is set. Otherwise samples carry
     none (an empty rollout_log_probs), which costs the engines nothing."""
     return bool(rollout_logprob_readers(cfg))
 
 
-def derive_in_place(cfg: "VimeConfig") -> None:
+def derive_in_place(cfg: ConfigFields) -> None:
     rollout_samples = samples_per_rollout(cfg)
     if cfg.num_steps_per_rollout is not None:
         if rollout_samples % cfg.num_steps_per_rollout:
@@ -133,8 +139,6 @@ def derive_in_place(cfg: "VimeConfig") -> None:
         raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
     if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
         raise ValueError("rm_type=remote_rm needs rm_url")
-    from vime_core.config.optimizer import derive_optimizer
-
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)
@@ -155,7 +159,7 @@ def derive_in_place(cfg: "VimeConfig") -> None:
         )
 
 
-def _check_kl(cfg: "VimeConfig") -> None:
+def _check_kl(cfg: ConfigFields) -> None:
     """slime's meaning of the KL settings: kl_coef is the penalty in the token rewards, the loss
     term is use_kl_loss + kl_loss_coef. A setting that would silently do nothing is refused."""
     if cfg.kl_coef > 0 and not get_adv_estimator(cfg.advantage_estimator).token_rewards:
@@ -174,7 +178,7 @@ def _check_kl(cfg: "VimeConfig") -> None:
         cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
 
 
-def _check_tis(cfg: "VimeConfig") -> None:
+def _check_tis(cfg: ConfigFields) -> None:
     """The use_tis family (slime's flags): its level, mode and lower bound only with it, and not
     beside use_rollout_logprobs, where the old policy is the engine's and every weight is 1."""
     if not cfg.use_tis:
@@ -200,7 +204,7 @@ def _vllm_backends() -> dict[str, str | None]:
     return {"ipc": "ipc", "nccl": BROADCAST, "gloo": BROADCAST, "shm": SHM, "disk": None}
 
 
-def weight_transport(cfg: "VimeConfig") -> str:
+def weight_transport(cfg: ConfigFields) -> str:
     """The weight-transfer path by placement: CUDA IPC when colocated on GPUs, shared memory on
     CPU, NCCL when engines live on other devices; gloo and disk only when asked."""
     if cfg.weight_transport != "auto":
@@ -210,7 +214,7 @@ def weight_transport(cfg: "VimeConfig") -> str:
     return "ipc" if cfg.colocate else "nccl"
 
 
-def _check_weight_transport(cfg: "VimeConfig") -> None:
+def _check_weight_transport(cfg: ConfigFields) -> None:
     """A transport the placement cannot use is refused when the configuration is made."""
     if cfg.device == "cpu" and cfg.weight_transport in ("ipc", "nccl"):
         raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
@@ -220,7 +224,7 @@ def _check_weight_transport(cfg: "VimeConfig") -> None:
                          "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
 
 
-def engine_server_args(cfg: "VimeConfig") -> dict:
+def engine_server_args(cfg: ConfigFields) -> dict:
     """The vLLM server options the configuration implies (step 2 of the walkthrough)."""
     vllm_backend = _vllm_backends()[weight_transport(cfg)]
     return {

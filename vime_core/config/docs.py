@@ -8,8 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
-from vime_core.demo.settings import DEMO_SETTINGS
-from vime_core.config.schema import VimeConfig
+from vime_core.config.schema import ConfigFields
+from vime_core.demo.settings_table import DEMO_SETTINGS
 
 START, END = "<!-- config:start -->", "<!-- config:end -->"
 
@@ -24,7 +24,7 @@ def _default(name: str, field) -> str:
 
 def config_table() -> str:
     rows = ["| flag | default | meaning |", "|---|---|---|"]
-    for name, field in VimeConfig.model_fields.items():
+    for name, field in ConfigFields.model_fields.items():
         desc = (field.description or "").replace("|", "\\|")
         rows.append(f"| `--{name.replace('_', '-')}` | {_default(name, field)} | {desc} |")
     return "\n".join(rows)

@@ -1,4 +1,13 @@
-"""Reading a `VimeConfig` from a YAML/JSON file, CLI flags, or both (flags override the file).
+"""`VimeConfig`, the configuration a run uses, and reading one from a YAML/JSON file, CLI flags,
+or both (flags override the file).
+
+`VimeConfig` is the schema's fields (config/schema.py, a leaf) plus what reaches into the rest of
+vime, applied whenever one is made (`VimeConfig(...)`, a file, flags, the Prefect form):
+
+    1. no model named: the embedded demo's settings under the values (demo/settings_table.py)
+    2. each field: apply_chat_template_kwargs parsed (data/sources.py), the storage endpoint and
+       region from the environment when empty (storage/endpoint.py)
+    3. the derived values and the cross-field checks (config/derive.py)
 
 The argparse parser is generated from the model, so `--help` shows every field's description and
 default without importing anything heavy.
@@ -23,10 +32,50 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator, model_validator
 
-from vime_core.demo.settings import DEMO_SETTINGS
-from vime_core.config.schema import VimeConfig
+from vime_core.config.derive import derive_in_place
+from vime_core.config.schema import ConfigFields
+from vime_core.demo.settings_table import DEMO_SETTINGS, with_demo_settings
+
+
+class VimeConfig(ConfigFields):
+    """Everything a vime run needs. The defaults are for real models on GPUs (slime's values);
+    a configuration that names no model runs the embedded demo, whose settings
+    (vime_core/demo/settings.py) apply to the fields it does not set."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedded_demo(cls, values: Any) -> Any:
+        return with_demo_settings(values) if isinstance(values, dict) else values
+
+    @field_validator("apply_chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value: Any) -> Any:
+        from vime_core.data.sources import parse_chat_template_kwargs
+
+        return parse_chat_template_kwargs(value)
+
+    @field_validator("storage_endpoint_url")
+    @classmethod
+    def _storage_endpoint_url(cls, value: str) -> str:
+        # deferred, as the other storage imports here: vime_core.storage loads pyarrow, and
+        # `vime train --help` needs none of it
+        from vime_core.storage.endpoint import resolve_endpoint_url
+
+        return resolve_endpoint_url(value)  # the environment's when empty: once, here
+
+    @field_validator("storage_region")
+    @classmethod
+    def _storage_region(cls, value: str) -> str:
+        from vime_core.storage.endpoint import resolve_region
+
+        return resolve_region(value)
+
+    @model_validator(mode="after")
+    def _derive(self) -> "VimeConfig":
+        derive_in_place(self)
+        return self
 
 
 class ConfigError(ValueError):

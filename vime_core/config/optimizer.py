@@ -12,10 +12,7 @@ these checks refuse, before anything starts, what its assertions would refuse la
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vime_core.config.schema import VimeConfig
+from vime_core.config.schema import ConfigFields  # the fields these functions read
 
 # Options whose Megatron code paths need CUDA tensors (checked on a CPU trainer: Megatron's
 # checkpointed forward reads the CUDA RNG state; the distributed optimizer accepts only
@@ -23,11 +20,11 @@ if TYPE_CHECKING:
 GPU_ONLY = ("recompute_granularity", "use_distributed_optimizer")
 
 
-def total_optimizer_steps(cfg: "VimeConfig") -> int:
+def total_optimizer_steps(cfg: ConfigFields) -> int:
     return cfg.num_rollout * cfg.num_steps_per_rollout
 
 
-def lr_warmup_steps(cfg: "VimeConfig") -> float:
+def lr_warmup_steps(cfg: ConfigFields) -> float:
     """Warmup steps of the schedule. As in Megatron, a fraction is of the decay steps and is not
     rounded (the scheduler compares step counts with it)."""
     if cfg.lr_warmup_fraction is not None:
@@ -35,7 +32,7 @@ def lr_warmup_steps(cfg: "VimeConfig") -> float:
     return cfg.lr_warmup_iters
 
 
-def derive_optimizer(cfg: "VimeConfig") -> None:
+def derive_optimizer(cfg: ConfigFields) -> None:
     """Fill lr_decay_iters and the recompute defaults; raise ValueError naming the fields of a
     contradiction. Needs num_steps_per_rollout derived."""
     total = total_optimizer_steps(cfg)

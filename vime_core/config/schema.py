@@ -1,19 +1,25 @@
-"""The one configuration model of a vime run.
+"""The fields of a vime run's configuration and their constraints, nothing else.
 
 Field names are the flag names users of slime / verl already know (`--rollout-batch-size 32`).
 Each field's description is its documentation: it is what `vime train --help` prints, what the
 Prefect UI shows in the parameter form, and what the README's configuration table is generated
-from. Values that depend on other values are derived in `model_post_init` (one place) and tested
-in `tests/unit/test_config.py`.
+from. A field's constraints are its own (type, bounds, pattern, the registered estimator names).
+
+This module is a leaf of the configuration: the configuration a run uses, `VimeConfig`
+(config/loader.py), is this class plus what reaches into the rest of vime: the embedded demo's
+settings, the storage endpoint from the environment, the chat-template arguments parsed, the
+values derived from others and the cross-field checks (config/derive.py, config/optimizer.py),
+tested in `tests/unit/test_config.py`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from vime_core.algo.registry import check_adv_estimator, describe_adv_estimators, registered_adv_estimators
+# The package, not algo.registry: importing it registers the built-in estimators.
+from vime_core.algo import check_adv_estimator, describe_adv_estimators, registered_adv_estimators
 
 # A registered estimator's name (vime_core/algo/registry.py), checked when the configuration is
 # made, so one registered after this import is a valid choice too.
@@ -28,10 +34,10 @@ RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 
 
-class VimeConfig(BaseModel):
-    """Everything a vime run needs. The defaults are for real models on GPUs (slime's values);
-    a configuration that names no model runs the embedded demo, whose settings
-    (vime_core/demo/settings.py) apply to the fields it does not set."""
+class ConfigFields(BaseModel):
+    """Every setting of a vime run with its default and constraints; the defaults are for real
+    models on GPUs (slime's values). Make configurations as `VimeConfig` (vime_core.config),
+    which resolves and checks them; this class alone does neither."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
@@ -183,40 +189,3 @@ class VimeConfig(BaseModel):
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1024, description="Bytes per weight-update bucket.")
     weight_transport: WeightTransport = Field("auto", description="How published weights reach the engines. auto picks by placement: ipc (CUDA engines on the trainer's GPUs), nccl (CUDA engines on other GPUs or nodes), shm (CPU engines on the trainer's machine). gloo: CPU engines on other machines; disk: safetensors files the engines reload (needs a path both sides see).")
     flush_cache_interval: int = Field(1, ge=1, description="Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish always flushes.")
-
-    @field_validator("apply_chat_template_kwargs", mode="before")
-    @classmethod
-    def _chat_template_kwargs(cls, value: Any) -> Any:
-        from vime_core.data.sources import parse_chat_template_kwargs
-
-        return parse_chat_template_kwargs(value)
-
-    @field_validator("storage_endpoint_url")
-    @classmethod
-    def _storage_endpoint_url(cls, value: str) -> str:
-        from vime_core.storage.endpoint import resolve_endpoint_url
-
-        return resolve_endpoint_url(value)  # the environment's when empty: once, here
-
-    @field_validator("storage_region")
-    @classmethod
-    def _storage_region(cls, value: str) -> str:
-        from vime_core.storage.endpoint import resolve_region
-
-        return resolve_region(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _embedded_demo(cls, values: Any) -> Any:
-        from vime_core.demo.settings import with_demo_settings
-
-        return with_demo_settings(values) if isinstance(values, dict) else values
-
-    # ---- derived (filled in model_post_init; do not set) ----------------------------------------
-
-    @model_validator(mode="after")
-    def _derive(self) -> "VimeConfig":
-        from vime_core.config.derive import derive_in_place
-
-        derive_in_place(self)
-        return self

@@ -1,40 +1,22 @@
-"""The embedded demo's settings.
+"""The embedded demo's settings (the table: vime_core/demo/settings_table.py) and `demo_config`,
+a configuration of given fields over them.
 
-A configuration that names no model (`hf_checkpoint` empty) runs the embedded demo: a tiny
-Qwen3-style model learning single-digit addition on the CPU (vime_core/run_assets.py builds it).
-The schema's defaults are for real models on GPUs (slime's values); the demo needs others, and
-they apply to every field of this table the configuration does not set itself. A flag or a
-config-file value always wins.
+The table lives in a module of its own because the configuration reads it (the demo's settings
+apply to a configuration that names no model): this module makes configurations, so it imports
+the configuration and the configuration must not import it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-DEMO_SETTINGS: dict[str, Any] = {
-    "device": "cpu",
-    "lr": 1e-3,  # a freshly initialised 0.33M-parameter model, not a pretrained one
-    "n_samples_per_prompt": 16,
-    "rollout_max_prompt_len": 16,  # "a+b=" and its BOS
-    "rollout_max_response_len": 4,  # the sum and EOS
-    "micro_batch_size": 32,
-    "entropy_coef": 0.01,  # keeps the tiny model exploring; with none it can settle on a wrong answer
-}
+from vime_core.demo.settings_table import DEMO_SETTINGS, demo_values, with_demo_settings
 
-
-def with_demo_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with the demo's settings under them when they name no model."""
-    return values if values.get("hf_checkpoint") else demo_values(values)
-
-
-def demo_values(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` over the demo's settings, whatever model they name: tests and benchmarks that
-    run the tiny model from a prebuilt folder."""
-    return {**DEMO_SETTINGS, **values}
+__all__ = ["DEMO_SETTINGS", "demo_config", "demo_values", "with_demo_settings"]
 
 
 def demo_config(**fields: Any):
     """A VimeConfig of `fields` over the demo's settings (demo_values)."""
-    from vime_core.config.loader import make_config
+    from vime_core.config.loader import make_config  # deferred: keeps importing the table cheap
 
     return make_config(demo_values(fields))

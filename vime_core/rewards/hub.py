@@ -54,7 +54,7 @@ def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[st
         if not token:
             raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: the token file is empty")
         return token
-    from vime_core.config.schema import VimeConfig
+    from vime_core.config import VimeConfig
 
     name = cfg.rm_api_key_env
     token = environ.get(name, "").strip() if name else ""
