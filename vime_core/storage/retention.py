@@ -1,27 +1,31 @@
 """Retention: everything is kept by default; these remove batches on request.
 
-`prune` removes published batches selected by run and/or age (created_at older than a cutoff):
-first their manifests (they stop being visible), then their objects, then it recompacts the
-index without them. `remove_orphans` removes what killed writers left behind: uploads under
-tmp/ and batch objects no index entry points to, older than a grace period (a writer may be
-between upload and publish right now).
+`prune_selection` says which published batches `BatchStore.prune` removes: those of a run and/or
+older than an age (created_at before a cutoff); the store then removes first their manifests
+(they stop being visible), then their objects, then recompacts the index without them.
+`remove_orphans` removes what killed writers left behind: uploads under tmp/ and batch objects
+no index entry points to, older than a grace period (a writer may be between upload and publish
+right now).
 
 Run neither concurrently with a compaction (index.py says why); writers may keep writing.
+
+A leaf of the store: this module imports no other part of it but the key layout; the store
+imports it. A store passed in is used through its public surface only (`index()`, `location`,
+`prune`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import operator
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow.compute as pc
 
 from vime_core.storage import layout
-
-if TYPE_CHECKING:
-    from vime_core.storage.store import BatchRef, BatchStore
 
 log = logging.getLogger(__name__)
 
@@ -46,40 +50,34 @@ def cutoff_time(older_than: str | dt.timedelta | dt.datetime, now: dt.datetime |
     return (now or dt.datetime.now(dt.timezone.utc)) - parse_age(older_than)
 
 
+def prune_selection(run: str | None = None, older_than: str | dt.timedelta | dt.datetime | None = None) -> pc.Expression:
+    """The index rows (index.INDEX_SCHEMA) of the batches of `run` (all runs if None) created
+    before `older_than` (any age if None), as a filter for `pyarrow.Table.filter`. At least one
+    of the two must be given."""
+    if run is None and older_than is None:
+        raise ValueError("prune needs a run or an age (older_than): refusing to remove every batch")
+    conditions = []
+    if run is not None:
+        conditions.append(pc.field("run") == layout.check_run(run))
+    if older_than is not None:
+        conditions.append(pc.field("created_at") < cutoff_time(older_than))
+    return functools.reduce(operator.and_, conditions)
+
+
 def prune(
-    store: "BatchStore",
+    store: Any,
     run: str | None = None,
     older_than: str | dt.timedelta | dt.datetime | None = None,
     dry_run: bool = True,
-) -> list["BatchRef"]:
-    """Remove the published batches of `run` (all runs if None) created before `older_than`
-    (any age if None). At least one of the two must be given. Returns the batches removed (or,
-    with dry_run, that would be)."""
-    if run is None and older_than is None:
-        raise ValueError("prune needs a run or an age (older_than): refusing to remove every batch")
-    index = store.index()
-    keep_mask = None
-    if run is not None:
-        keep_mask = pc.equal(index.column("run"), layout.check_run(run))
-    if older_than is not None:
-        old = pc.less(index.column("created_at"), cutoff_time(older_than))
-        keep_mask = old if keep_mask is None else pc.and_(keep_mask, old)
-    selected = index.filter(keep_mask).to_pylist()
-    refs = [store._ref(entry) for entry in selected]
-    if dry_run or not selected:
-        return refs
-    for entry in selected:
-        store.location.delete(layout.manifest_key(entry["run"], entry["rollout_id"], entry["checksum"]))
-    for entry in selected:
-        store.location.delete(entry["key"])
-    store.batch_index.compact(drop_keys=frozenset(e["key"] for e in selected))
-    log.info("pruned %d batches from %s", len(selected), store.location.describe())
-    return refs
+) -> list:
+    """`store.prune(run, older_than, dry_run)` (BatchStore.prune): the published batches of `run`
+    created before `older_than` removed, or with dry_run only listed, as BatchRefs."""
+    return store.prune(run=run, older_than=older_than, dry_run=dry_run)
 
 
-def remove_orphans(store: "BatchStore", older_than: str | dt.timedelta = "1h", dry_run: bool = True) -> list[str]:
-    """Keys of unpublished uploads and unindexed batch objects older than `older_than`,
-    removed unless dry_run."""
+def remove_orphans(store: Any, older_than: str | dt.timedelta = "1h", dry_run: bool = True) -> list[str]:
+    """Keys of unpublished uploads and unindexed batch objects of `store` (a BatchStore) older
+    than `older_than`, removed unless dry_run."""
     cutoff = cutoff_time(older_than).timestamp()
     published = set(store.index().column("key").to_pylist())
     candidates = store.location.list_with_times(layout.TMP) + store.location.list_with_times(layout.BATCHES)

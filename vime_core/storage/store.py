@@ -26,6 +26,7 @@ from vime_core.storage import layout
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.fs import StorageLocation, open_location
 from vime_core.storage.index import BatchIndex, index_row
+from vime_core.storage.retention import prune_selection
 from vime_core.storage.schema import (
     batch_to_table,
     lineage_of,
@@ -241,9 +242,21 @@ class BatchStore:
         return self.batch_index.compact().num_rows
 
     def prune(self, run: str | None = None, older_than: "str | dt.timedelta | dt.datetime | None" = None, dry_run: bool = True) -> list[BatchRef]:
-        """Remove published batches (see retention.prune); dry_run only lists them."""
-        from vime_core.storage.retention import prune
-
-        return prune(self, run=run, older_than=older_than, dry_run=dry_run)
+        """Remove the published batches of `run` (all runs if None) created before `older_than`
+        (any age if None; at least one of the two: retention.prune_selection): first their
+        manifests (they stop being visible), then their objects, then the index is recompacted
+        without them. Returns the batches removed (or, with dry_run, that would be)."""
+        selection = prune_selection(run, older_than)
+        selected = self.index().filter(selection).to_pylist()
+        refs = [self._ref(entry) for entry in selected]
+        if dry_run or not selected:
+            return refs
+        for entry in selected:
+            self.location.delete(layout.manifest_key(entry["run"], entry["rollout_id"], entry["checksum"]))
+        for entry in selected:
+            self.location.delete(entry["key"])
+        self.batch_index.compact(drop_keys=frozenset(e["key"] for e in selected))
+        log.info("pruned %d batches from %s", len(selected), self.location.describe())
+        return refs
 
     list = list_batches  # noqa: A003 - the name docs/interfaces.md gives it
