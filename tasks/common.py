@@ -15,7 +15,8 @@ def retry_unless_configuration(task, task_run, state) -> bool:
     same way on every try (vime_core/faults.py), and so does a call to an actor that died (only
     bootstrap, before the iteration's retry, rebuilds it): neither is retried; nor is anything
     once the process was told to stop (vime_core.faults.stopped_by_signal); anything else is."""
-    from vime_core.faults import CONFIGURATION, actor_died, classify, stopped_by_signal
+    from tasks.signals import stopped_by_signal
+    from vime_core.faults import CONFIGURATION, actor_died, classify
     from vime_core.utils import interrupt
 
     exc = state.data if isinstance(state.data, BaseException) else None

@@ -138,14 +138,12 @@ def classify(exc: BaseException) -> Fault:
     return Fault(UNKNOWN, False, describe(err), type(err).__name__)
 
 
-def stopped_by_signal(exc: BaseException) -> bool:
-    """`exc` is, or came from, the process being told to stop: KeyboardInterrupt (Ctrl-C, or
-    SIGTERM under `vime train`: vime_core.utils.interrupt), SystemExit, or Prefect's
-    TerminationSignal. Raised inside a C call, such a signal arrives wrapped in a SystemError;
-    retrying it would go on with work the user or the scheduler just stopped."""
-    from prefect.exceptions import ExternalSignal
-
-    return any(isinstance(err, (KeyboardInterrupt, SystemExit, ExternalSignal)) for err in _chain(exc))
+def raised_in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> bool:
+    """`exc`, or an exception in its chain (what it was raised from or while handling, and what
+    remote code raised under a RayTaskError), is one of `types`. Whether the process was told
+    to stop is this with Prefect's signals among `types` (tasks/signals.py: this library does
+    not import Prefect)."""
+    return any(isinstance(err, types) for err in _chain(exc))
 
 
 def actor_died(exc: BaseException) -> bool:

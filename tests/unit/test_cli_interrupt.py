@@ -71,7 +71,7 @@ def test_a_task_is_not_retried_once_the_process_was_told_to_stop():
     """A signal raised inside a C call arrives as a SystemError caused by it (seen on the H200
     with Prefect's TerminationSignal): that is the stop, not a failure to retry."""
     from tasks.common import retry_unless_configuration
-    from vime_core.faults import stopped_by_signal
+    from tasks.signals import stopped_by_signal
 
     class State:
         def __init__(self, data):
