@@ -33,7 +33,8 @@ def _config_from(ns: dict, parser):
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("vime train")
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
-    from flows.train import RunStoppedError, one_line_failures, train
+    from flows.console import one_line_failures
+    from flows.train import RunStoppedError, train
 
     from vime_core.utils import interrupt
 

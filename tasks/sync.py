@@ -90,9 +90,9 @@ def _collect_failed(ref) -> None:
 def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -> dict:
     """check_weight_update_equal: the engines' log-probs of the probe sequence against the
     trainer's (computed by the publish, before its weights were released), and against the
-    engines' previous version (vime_core/trainer/weight_check). Runs once the engines'
+    engines' previous version (vime_core/weight_sync/weight_check). Runs once the engines'
     KV cache is awake. Logs and returns the comparison; it does not fail the iteration."""
-    from vime_core.trainer.weight_check import compare
+    from vime_core.weight_sync.weight_check import compare
 
     probe = synced.get("probe")
     if not probe:

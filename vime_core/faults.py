@@ -73,7 +73,7 @@ def _infrastructure_types() -> tuple[type, ...]:
     from vime_core.engines.router import RouterError
     from vime_core.engines.server import EngineStartError
     from vime_core.rollout.loop import RolloutFailedError
-    from vime_core.trainer.publish import PublishError
+    from vime_core.weight_sync.publish import PublishError
 
     types = [rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.ObjectLostError,
              rx.ObjectFetchTimedOutError, rx.RaySystemError, rx.GetTimeoutError,

@@ -136,7 +136,7 @@ def iteration_record(
         "t_write_s": stored.get("t_write_s", 0.0),
         "publish_s": (synced.get("seconds") or {}).get("total", 0.0),
         # where the publish's seconds go: gather, validate, pause, start, transfer, finish, resume,
-        # verify (vime_core/trainer/publish.py), and the transport's own split (pack, wait_load)
+        # verify (vime_core/weight_sync/publish.py), and the transport's own split (pack, wait_load)
         "publish_phases_s": {k: v for k, v in (synced.get("seconds") or {}).items() if k != "total"},
         "publish_transport_s": dict(synced.get("transport_seconds") or {}),
         "t_offload": off_r.get("seconds", 0.0) + off_t.get("seconds", 0.0),

@@ -1,4 +1,4 @@
-"""The `nccl` carrier of the broadcast weight transport (vime_core/engines/vllm_side/
+"""The `nccl` carrier of the broadcast weight transport (vime_core/weight_sync/wire/
 broadcast_group.py) on real GPUs, without vLLM: prints JSON.
 
 One GPU: a group of one (mint the id, ncclCommInitRank, broadcast, close) checks the C-API

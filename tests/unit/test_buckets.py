@@ -1,11 +1,11 @@
-"""Bucketing of HF-named tensors for weight updates (vime_core.trainer.buckets)."""
+"""Bucketing of HF-named tensors for weight updates (vime_core.weight_sync.buckets)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vime_core.trainer.buckets import copy_into, iter_buckets, packed_layout, wire_nbytes
+from vime_core.weight_sync.buckets import copy_into, iter_buckets, packed_layout, wire_nbytes
 
 
 def named(sizes: list[int], dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:

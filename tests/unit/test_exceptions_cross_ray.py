@@ -13,7 +13,7 @@ def _instances():
     from vime_core.cluster.run_actors import ActorsMissingError
     from vime_core.engines.client import EngineError, EngineWakeError
     from vime_core.storage.store import CorruptBatchError
-    from vime_core.trainer.publish import PublishError
+    from vime_core.weight_sync.publish import PublishError
 
     return [
         (EngineError("engine-0", "/inference/v1/generate", None, "connection refused"), ("engine", "endpoint", "status", "body")),

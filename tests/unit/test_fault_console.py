@@ -30,7 +30,7 @@ def test_a_task_does_not_retry_a_call_to_a_dead_actor():
 
 
 def test_an_uncollected_ray_error_is_one_line_on_the_console():
-    from flows.train import RAY_DRIVER_LOGGER, one_line_failures
+    from flows.console import RAY_DRIVER_LOGGER, one_line_failures
 
     remote = ("Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::RolloutManager.end_sync() (pid=1)\n"
               "  At least one of the input arguments for this task could not be computed:\n"
@@ -60,7 +60,7 @@ def test_an_uncollected_ray_error_is_one_line_on_the_console():
 def _records_through(records):
     """Each record through the run loggers' filters, then the console handler's: what a terminal
     shows while one_line_failures is installed."""
-    from flows.train import one_line_failures
+    from flows.console import one_line_failures
 
     shown: list[str] = []
 

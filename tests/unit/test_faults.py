@@ -234,7 +234,7 @@ def test_prefect_logs_known_failures_without_their_traceback():
     """A retried or explained failure: one line; a bug keeps its traceback; debug keeps all."""
     from ray.exceptions import ActorDiedError
 
-    from flows.train import _KnownFailureWithoutTraceback
+    from flows.console import KnownFailureWithoutTraceback
 
     def record(exc, level=logging.ERROR):
         try:
@@ -244,7 +244,7 @@ def test_prefect_logs_known_failures_without_their_traceback():
 
             return logging.LogRecord("prefect.task_runs", level, __file__, 1, "failed", None, sys.exc_info())
 
-    quiet = _KnownFailureWithoutTraceback()
+    quiet = KnownFailureWithoutTraceback()
     for exc, keeps in ((ActorDiedError(), False), (ValueError("lr must be > 0"), False), (RuntimeError("bug"), True)):
         r = record(exc)
         assert quiet.filter(r) and (r.exc_info is not None) == keeps, exc
@@ -273,7 +273,7 @@ def test_vime_train_ends_a_run_it_gives_up_on_with_one_line_and_exit_code_1(monk
 
 
 def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
-    import flows.train as train_flow
+    from flows.console import KnownFailureWithoutTraceback
 
     from vime_core.engines.server import DeviceMemoryError
 
@@ -282,7 +282,7 @@ def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
                                "Task run failed with exception: %r - Retries are exhausted",
                                (RuntimeError("ActorDiedError('Traceback (most recent call last):\n  File ...')"),),
                                (type(err), err, None))
-    assert train_flow._KnownFailureWithoutTraceback().filter(record)
+    assert KnownFailureWithoutTraceback().filter(record)
     assert record.exc_info is None
     assert record.getMessage().startswith("Task run failed with exception: RuntimeError(\"ActorDiedError('")
     assert "File" not in record.getMessage() and record.getMessage().endswith("(traceback in the debug log)")

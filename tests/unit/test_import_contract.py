@@ -23,16 +23,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("flows", "tasks", "vime_core")
 
-# Cycles that exist today and are being removed by the weight-sync move (issue 28, item 3: the
-# trainer's publishing code goes to vime_core/weight_sync/). Each entry is one strongly connected
-# component, exactly as found: the test fails on any other cycle, and on one of these grown (or
-# moved elsewhere). An entry no longer found is tolerated. Empty this list once that move lands.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # being removed: trainer/publish_loop <-> trainer/transport/broadcast
-    frozenset({"vime_core.trainer.publish_loop", "vime_core.trainer.transport.broadcast"}),
-    # being removed: trainer/transport/ipc <-> trainer/transport/ipc_peers
-    frozenset({"vime_core.trainer.transport.ipc", "vime_core.trainer.transport.ipc_peers"}),
-]
+# Cycles allowed to exist: none. The last two (trainer/publish_loop <-> trainer/transport/broadcast
+# and trainer/transport/ipc <-> trainer/transport/ipc_peers) went with the weight-sync move
+# (issue 28, item 3: vime_core/weight_sync/). An entry is one strongly connected component,
+# exactly as found: the test fails on any other cycle, and on one of these grown (or moved
+# elsewhere).
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 # --- reading the graph --------------------------------------------------------------------------

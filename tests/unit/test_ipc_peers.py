@@ -1,4 +1,4 @@
-"""CUDA IPC from every trainer rank (vime_core/trainer/transport/ipc_peers.py), with two real
+"""CUDA IPC from every trainer rank (vime_core/weight_sync/transport/ipc_peers.py), with two real
 ranks (processes in a gloo group) on CPU: rank 0 publishes to a stub engine through
 IpcTransport, rank 1 follows; the "handle" of a rank is a copy of its buffer and its GPU UUID a
 name, so the engine can check what each GPU's worker would read, and an engine worker on a GPU
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from vime_core.trainer.transport.ipc import DEVICE_UUID_RPC
 from vime_core.utils.processes import free_port
+from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,8 +95,8 @@ class IpcStubEngine:
 
 def _publish(w, engine, channel):
     from vime_core.config import make_config
-    from vime_core.trainer.publish import publish_weights
-    from vime_core.trainer.transport.ipc import IpcTransport
+    from vime_core.weight_sync.publish import publish_weights
+    from vime_core.weight_sync.transport.ipc import IpcTransport
 
     transport = IpcTransport(torch.device("cpu"), _copy_as_handle, "gpu-0", peers=channel)
     try:
@@ -114,7 +114,7 @@ def _outcome(fn) -> tuple:
 
 
 def _rank_main(rank: int, port: int, results) -> None:
-    from vime_core.trainer.transport.ipc_peers import PeerChannel, follow_publish
+    from vime_core.weight_sync.transport.ipc_peers import PeerChannel, follow_publish
 
     try:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from vime_core.trainer.publish import PublishError, publish_weights
-from vime_core.trainer.weight_spec import WeightSpecError
+from vime_core.weight_sync.publish import PublishError, publish_weights
+from vime_core.weight_sync.weight_spec import WeightSpecError
 
 SERVED = "bfloat16"
 
@@ -100,7 +100,7 @@ class StubEngine:
 @pytest.fixture
 def publisher():
     """What a trainer keeps between its publishes (engine clients, bucket pools); closed after."""
-    from vime_core.trainer.publish_loop import PublishLoop
+    from vime_core.weight_sync.publish_loop import PublishLoop
 
     loop = PublishLoop()
     yield loop
@@ -178,7 +178,7 @@ def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path, p
 
 
 def test_the_publisher_keeps_its_bucket_files_between_publishes_and_gives_them_back_when_closed(tmp_path, publisher):
-    from vime_core.engines.vllm_side.shm_format import FILE_PREFIX
+    from vime_core.weight_sync.wire.shm_format import FILE_PREFIX
 
     def files() -> set[str]:
         return {p.name for p in tmp_path.glob(FILE_PREFIX + "*")}
@@ -196,7 +196,7 @@ def test_the_publisher_keeps_its_bucket_files_between_publishes_and_gives_them_b
 
 
 def test_failure_before_bytes_moved_closes_the_empty_session_and_resumes(tmp_path, monkeypatch):
-    import vime_core.trainer.transport.shm as shm
+    import vime_core.weight_sync.transport.shm as shm
 
     def broken(*a, **k):
         raise OSError("disk full (simulated)")

@@ -1,4 +1,4 @@
-"""The trainer's allocator settings (vime_core/trainer/allocator.py): expandable segments on a
+"""The trainer's allocator settings (vime_core/weight_sync/allocator.py): expandable segments on a
 GPU unless the user configured the allocator, switched off only around IPC-shared allocations.
 The allocator itself is stubbed here (CPU); the colocated H200 run measures its effect."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vime_core.trainer import allocator
+from vime_core.weight_sync import allocator
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pickle
 import pytest
 import torch
 
-from vime_core.engines.vllm_side.shm_format import ALIGNMENT, ShmBucketInfo
-from vime_core.trainer.buckets import iter_buckets
+from vime_core.weight_sync.buckets import iter_buckets
+from vime_core.weight_sync.wire.shm_format import ALIGNMENT, ShmBucketInfo
 
 
 def bucket_of(tensors: dict, dtypes: dict | None = None):
@@ -23,8 +23,8 @@ TENSORS = {"w": torch.randn(5, 3), "b": torch.randn(7), "s": torch.tensor(2.5)}
 
 
 def test_shm_bucket_file_holds_each_tensor_at_its_aligned_offset(tmp_path):
-    from vime_core.trainer.transport.shm import write_bucket_file
-    from vime_core.trainer.transport.shm_pool import ShmBufferPool
+    from vime_core.weight_sync.transport.shm import write_bucket_file
+    from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
     pool = ShmBufferPool(str(tmp_path))
     info = write_bucket_file(bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS}), pool)
@@ -43,7 +43,7 @@ def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_process
     import subprocess
     import sys
 
-    from vime_core.trainer.transport.shm_pool import ShmBufferPool
+    from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = [tmp_path / f"vime-wb-{int(dead.stdout)}-00000", tmp_path / f"vime-wb-{int(dead.stdout)}-0a1b2c3d-00000"]
@@ -86,10 +86,11 @@ def test_shm_descriptor_rejects_what_the_worker_must_not_map(change, message):
 
 
 def test_ipc_update_info_matches_what_vllm_unpacks():
-    from vime_core.trainer.transport.ipc import ipc_update_info, pack_bucket
+    from vime_core.weight_sync.buckets import pack_ipc
+    from vime_core.weight_sync.wire.ipc_format import ipc_update_info
 
     bucket = bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS})
-    buffer, sizes = pack_bucket(bucket, torch.device("cpu"))
+    buffer, sizes = pack_ipc(bucket, torch.device("cpu"))
     info = ipc_update_info(bucket, sizes, {"GPU-uuid": ("handle-args",)})
     assert set(info) == {"names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled"}
     assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == {"GPU-uuid": ("handle-args",)}
@@ -100,17 +101,17 @@ def test_ipc_update_info_matches_what_vllm_unpacks():
 
 
 def test_ipc_refuses_a_layout_vllm_could_not_view():
-    from vime_core.trainer.transport.ipc import pack_bucket
+    from vime_core.weight_sync.buckets import pack_ipc
 
     odd = bucket_of({"h": torch.zeros(3), "f": torch.zeros(2)}, {"h": torch.bfloat16, "f": torch.float32})
     with pytest.raises(ValueError, match="'f'.*byte 6"):
-        pack_bucket(odd, torch.device("cpu"))
+        pack_ipc(odd, torch.device("cpu"))
 
 
 def test_disk_bucket_is_a_safetensors_file_in_wire_dtypes(tmp_path):
     from safetensors.torch import load_file
 
-    from vime_core.trainer.transport.disk import write_bucket_safetensors
+    from vime_core.weight_sync.transport.disk import write_bucket_safetensors
 
     path = write_bucket_safetensors(bucket_of(TENSORS, {n: torch.float16 for n in TENSORS}), str(tmp_path))
     loaded = load_file(path)

@@ -1,7 +1,7 @@
 """A run's long-lived actors: the device placement group, the engine actors (one vLLM server
-each), the RolloutManager and the trainer group (TP x DP Megatron actors). All detached and
-named under the run's namespace, so bootstrap is idempotent: it attaches to what exists and
-creates what is missing.
+each), the RolloutManager and the trainer group (TP x DP Megatron actors, handled together by
+`trainer_group.TrainerGroup`). All detached and named under the run's namespace, so bootstrap
+is idempotent: it attaches to what exists and creates what is missing.
 
 Placement (`vime_core/cluster/placement.py`): one bundle per device ({"GPU": 1}; on CPU
 machines the Ray head declares device slots with --num-gpus so the same placement works).
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from vime_core.cluster import names
 from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, PlacementPlan, bundle_resources, engine_devices, plan_placement
+from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 
@@ -197,35 +197,6 @@ def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:
     version = trainers.rank0("state")["weight_version"]
     log.info("engine %d restarted at %s: publishing v%d to it", index, url, version)
     trainers.call("update_weights", [url], version)
-
-
-@dataclass
-class TrainerGroup:
-    """Handles of the run's trainer actors, rank order."""
-
-    cfg: VimeConfig
-    actors: list[Any]
-
-    def call(self, method: str, *args, **kwargs) -> list:
-        """Call `method` on every rank concurrently (collectives need all ranks) and wait."""
-        return self.wait(self.call_async(method, *args, **kwargs))
-
-    def call_async(self, method: str, *args, **kwargs) -> list:
-        """Submit `method` on every rank; the object references, rank order. An ObjectRef among
-        the arguments is resolved by Ray before the call runs: the call waits for it in the
-        actor's queue, not in the driver."""
-        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-
-    def wait(self, refs: list) -> list:
-        """The results of a `call_async`, rank order."""
-        import ray
-
-        return ray.get(refs)
-
-    def rank0(self, method: str, *args, **kwargs):
-        import ray
-
-        return ray.get(getattr(self.actors[0], method).remote(*args, **kwargs))
 
 
 def _master_endpoint(pg) -> tuple[str, int]:

@@ -198,8 +198,8 @@ def _check_tis(cfg: ConfigFields) -> None:
 
 def _vllm_backends() -> dict[str, str | None]:
     """transport -> the vLLM weight-transfer backend the engines start with (None: none needed)."""
-    from vime_core.engines.vllm_side.broadcast_format import BACKEND_NAME as BROADCAST
-    from vime_core.engines.vllm_side.shm_format import BACKEND_NAME as SHM
+    from vime_core.weight_sync.wire.broadcast_format import BACKEND_NAME as BROADCAST
+    from vime_core.weight_sync.wire.shm_format import BACKEND_NAME as SHM
 
     return {"ipc": "ipc", "nccl": BROADCAST, "gloo": BROADCAST, "shm": SHM, "disk": None}
 

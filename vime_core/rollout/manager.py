@@ -135,9 +135,26 @@ class RolloutManager:
     # ---- topology ----------------------------------------------------------------------------
 
     def _start_servers(self) -> None:
-        # Engines start one after another: on a 2-core machine parallel starts only slow each other.
-        for server in self.servers:
-            server.start()
+        """Start every engine at once and wait for all of them: a start is mostly waiting (a
+        server loading its model, an engine actor's call), so N engines take about as long as
+        the slowest, not the sum. Once every start has ended, the first failure in engine order
+        is raised as it came, with notes naming its engine (where its message does not) and the
+        other engines that failed; waiting for all first means the shutdown that follows never
+        races a start still launching a server."""
+        if len(self.servers) <= 1:
+            for server in self.servers:
+                server.start()
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(self.servers), thread_name_prefix="engine-start") as pool:
+            starts = [pool.submit(server.start) for server in self.servers]
+        failed = [(server, start.exception()) for server, start in zip(self.servers, starts) if start.exception() is not None]
+        if failed:
+            (server, first), *others = failed
+            if server.name not in str(first):
+                first.add_note(f"while starting {server.name}")
+            for server, err in others:
+                first.add_note(f"{server.name} failed to start as well: {type(err).__name__}: {err}")
+            raise first
 
     def _make_router(self, log_dir: Optional[str]) -> Any:
         from vime_core.engines.router import PolicyRouter, Router
@@ -362,8 +379,8 @@ class RolloutManager:
 
     def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
-        the previous call's answer (check_weight_update_equal; vime_core/trainer/weight_check)."""
-        from vime_core.trainer.weight_check import prompt_logprobs_of
+        the previous call's answer (check_weight_update_equal; vime_core/weight_sync/weight_check)."""
+        from vime_core.weight_sync.weight_check import prompt_logprobs_of
 
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
 

@@ -72,15 +72,15 @@ class MegatronTrainer:
         if self.cfg.bf16 and self.device.type != "cuda":
             raise ValueError("bf16=true needs device=cuda (Megatron's mixed-precision optimizer checks CUDA tensor types)")
         lay = self.layout
-        if self.device.type == "cuda":  # before the first allocation (vime_core/trainer/allocator.py)
-            from vime_core.trainer.allocator import use_expandable_segments
+        if self.device.type == "cuda":  # before the first allocation (vime_core/weight_sync/allocator.py)
+            from vime_core.weight_sync.allocator import use_expandable_segments
 
             use_expandable_segments()
         init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
         from vime_core.config import weight_transport
 
         if lay.world_size > 1 and weight_transport(self.cfg) == "ipc":  # every rank makes it (ipc_peers.py)
-            from vime_core.trainer.transport.ipc_peers import PeerChannel
+            from vime_core.weight_sync.transport.ipc_peers import PeerChannel
 
             self._peers = PeerChannel(torch.distributed.new_group(backend="gloo"), lay.rank)
         seed_everything(self.cfg.seed)
@@ -209,14 +209,14 @@ class MegatronTrainer:
             weights = self.iter_hf_weights()
             try:
                 if self.layout.rank == 0:
-                    from vime_core.trainer.publish import publish_weights
-                    from vime_core.trainer.publish_loop import PublishLoop
+                    from vime_core.weight_sync.publish import publish_weights
+                    from vime_core.weight_sync.publish_loop import PublishLoop
 
                     self._publisher = self._publisher or PublishLoop()
                     result = publish_weights(weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers)
                 elif peers is not None:
-                    from vime_core.trainer.transport.ipc import cuda_device_uuid, default_reduce
-                    from vime_core.trainer.transport.ipc_peers import follow_publish
+                    from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
+                    from vime_core.weight_sync.transport.ipc_peers import follow_publish
 
                     device = torch.device("cuda", torch.cuda.current_device())
                     follow_publish(weights, peers, device, cuda_device_uuid(device), default_reduce)
@@ -238,11 +238,11 @@ class MegatronTrainer:
         return result
 
     def probe_log_probs(self) -> dict[str, Any]:
-        """The trainer's half of `check_weight_update_equal` (vime_core/trainer/weight_check):
+        """The trainer's half of `check_weight_update_equal` (vime_core/weight_sync/weight_check):
         the probe's tokens and their log-probs under the current weights (every TP rank
         takes part)."""
         from vime_core.trainer.train_step import forward_log_probs
-        from vime_core.trainer.weight_check import probe_batch, probe_length, probe_tokens
+        from vime_core.weight_sync.weight_check import probe_batch, probe_length, probe_tokens
 
         tokens = probe_tokens(self.arch.vocab_size, self.cfg.seed, probe_length(self.cfg.rollout_max_context_len))
         batch = probe_batch(tokens)

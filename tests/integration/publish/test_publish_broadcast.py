@@ -22,14 +22,14 @@ def broadcast_engine(tiny_model_dir, vllm_python, cache_dir):
 
 
 def publish(engine, weights, version, publisher):
-    from vime_core.trainer.publish import publish_weights
+    from vime_core.weight_sync.publish import publish_weights
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, weight_transport="gloo")
     return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher)
 
 
 def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadcast_engine, tiny_model_dir, base_weights):
-    from vime_core.trainer.publish_loop import PublishLoop
+    from vime_core.weight_sync.publish_loop import PublishLoop
 
     engine = broadcast_engine
     assert "vime_broadcast" in " ".join(engine.command(engine.port))

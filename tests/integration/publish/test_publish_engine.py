@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def publish(engine, weights: dict, version: int, **cfg_overrides) -> dict:
-    from vime_core.trainer.publish import publish_weights
+    from vime_core.weight_sync.publish import publish_weights
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, **cfg_overrides)
     return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0)
@@ -72,7 +72,7 @@ def _int_dtype(w):
 
 @pytest.mark.parametrize("corrupt", [_shape_mismatch, _unknown_name, _missing, _int_dtype], ids=lambda f: f.__name__.strip("_"))
 def test_bad_publish_is_refused_and_old_weights_keep_serving(publish_engine, base_weights, corrupt):
-    from vime_core.trainer.weight_spec import WeightSpecError
+    from vime_core.weight_sync.weight_spec import WeightSpecError
 
     version = engine_call(publish_engine.url, "weight_version")
     before = engine_sample(publish_engine.url, seed=7)
@@ -88,7 +88,7 @@ def test_bad_publish_is_refused_and_old_weights_keep_serving(publish_engine, bas
 def test_failure_after_session_start_restores_old_weights(publish_engine, base_weights, monkeypatch):
     """A bucket that fails to pack after the engine opened its session: nothing loaded, the
     empty session is closed (vLLM restores every layer) and generation resumes on the old weights."""
-    import vime_core.trainer.transport.shm as shm
+    import vime_core.weight_sync.transport.shm as shm
 
     def broken_write(*args, **kwargs):
         raise OSError("no space left on the shared-memory device (simulated)")

@@ -1,8 +1,14 @@
-"""Code that runs *inside* the vLLM server process (loaded through `--worker-extension-cls`).
+"""The engine end of weight sync: code that runs *inside* the vLLM server process (loaded
+through `--worker-extension-cls`), the receivers only.
 
-Everything here imports only vllm, torch and the standard library: the vLLM environment does
-not have the trainer's packages. `worker_ext` registers vime's weight-transfer backends with
-vLLM's `WeightTransferEngineFactory` when the worker imports it: `vime_shm` (`shm_backend`,
-buckets in shared memory) and `vime_broadcast` (`broadcast_backend`, buckets broadcast over NCCL
-or gloo). The trainer imports the `*_format` and `broadcast_group` modules too.
+    worker_ext.py         the worker extension: registers the backends, answers the trainer's
+                          `/collective_rpc` calls (weight spec, GPU, broadcast group, version)
+    shm_backend.py        backend `vime_shm`: buckets from shared-memory files
+    broadcast_backend.py  backend `vime_broadcast`: buckets broadcast over NCCL or gloo
+    reload_session.py     the weight-update session both backends share (layerwise reload)
+
+Everything here imports only vllm, torch, the standard library and the wire formats it shares
+with the trainer (`vime_core.weight_sync.wire`): the vLLM environment has neither the trainer's
+packages nor Prefect (tests/unit/test_weight_sync_layout.py checks it). The sending end is
+`vime_core/weight_sync/`.
 """

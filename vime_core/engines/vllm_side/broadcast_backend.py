@@ -1,6 +1,7 @@
 """vLLM weight-transfer engine `vime_broadcast`: receives weight buckets by broadcast from the
 trainer's rank 0, over NCCL (GPU engines on devices the trainer does not share) or gloo (CPU
-engines on other machines). Format and ranks: `broadcast_format`; carriers: `broadcast_group`.
+engines on other machines). Format and ranks: `vime_core/weight_sync/wire/broadcast_format.py`;
+carriers: `wire/broadcast_group.py` (the trainer's end uses both too).
 
 The session is vLLM's checkpoint-format reload (`reload_session`, as for `vime_shm`); vLLM
 keeps views of a bucket until its layers are complete, so received buffers are held until
@@ -10,8 +11,8 @@ Why not vLLM's own `nccl` backend: on vLLM 0.26 (the GPU hosts' release) its ren
 vLLM's `StatelessProcessGroup` with a pickled vLLM object as the NCCL id, which a trainer
 without vLLM cannot join; here rank 0 mints the id and sends it as base64 in the init info.
 
-Runs inside the vLLM worker: imports only vllm, torch, the standard library and vime's
-vllm_side modules.
+Runs inside the vLLM worker: imports only vllm, torch, the standard library, vime's vllm_side
+modules and the shared wire formats (`vime_core.weight_sync.wire`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 
-from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.engines.vllm_side.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
-from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine, bucket_views
+from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
+from vime_core.weight_sync.wire.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.weight_sync.wire.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
+from vime_core.weight_sync.wire.layout import bucket_views
 
 
 def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:
@@ -43,7 +45,7 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
         self.group: BroadcastGroup | None = None
         self.group_id: str | None = None
         self._received: list[torch.Tensor] = []
-        self._host_buffers: list[torch.Tensor] = []  # CPU only: broadcast_group.pooled_host_buffer
+        self._host_buffers: list[torch.Tensor] = []  # CPU only: wire/broadcast_group.pooled_host_buffer
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         self._close_group()

@@ -2,7 +2,8 @@
 checkpoint-format reload.
 
     start    every layer goes into layerwise-reload mode (`initialize_layerwise_reload`)
-    bucket   the backend receives the bucket's bytes and `load`s its tensors through the
+    bucket   the backend receives the bucket's bytes, views its tensors in them
+             (`vime_core/weight_sync/wire/layout.bucket_views`) and `load`s them through the
              model's own `load_weights`, which fuses q/k/v and gate/up and shards for TP
     finish   the deferred per-layer processing (`finalize_layerwise_reload`), then the tied
              layers' refresh (below)
@@ -17,7 +18,6 @@ Runs inside the vLLM worker: imports only vllm, torch and the standard library.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,17 +70,6 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
                 quant_method.process_weights_after_loading(module)
                 refreshed.append(name)
     return refreshed
-
-
-def bucket_views(flat: torch.Tensor, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                 offsets: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views of a received bucket: tensor i is `dtype_names[i]` of `shapes[i]`,
-    C-contiguous from byte `offsets[i]` of the uint8 buffer `flat` (zero copies)."""
-    views = []
-    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets):
-        dtype = getattr(torch, dtype_name)
-        views.append((name, flat[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)))
-    return views
 
 
 def _no_mtp_completeness_check() -> contextlib.AbstractContextManager:
@@ -146,4 +135,4 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:  # abstract on vLLM 0.26
-        raise NotImplementedError("vime's backends are driven by vime's trainer (vime_core/trainer/transport/)")
+        raise NotImplementedError("vime's backends are driven by vime's trainer (vime_core/weight_sync/transport/)")

@@ -19,7 +19,12 @@ class adds methods callable through `POST /collective_rpc`:
   whose server keeps none (vLLM 0.26, see `vime_core/engines/vllm_api.py`); a restarted engine
   reports None (the checkpoint's weights, version 0), as `/weight_info` would.
 
-Runs inside the vLLM worker: imports only vllm, torch and the standard library.
+The RPC names and the formats they answer in are shared with the trainer:
+`vime_core/weight_sync/wire/` (`spec_format.SPEC_RPC`, `ipc_format.DEVICE_UUID_RPC`,
+`broadcast_format.GROUP_ID_RPC`).
+
+Runs inside the vLLM worker: imports only vllm, torch, the standard library and the shared wire
+formats (`vime_core.weight_sync.wire`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vime_core.engines.vllm_side.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
-from vime_core.engines.vllm_side.checkpoint_layout import read_safetensors_layout
-from vime_core.engines.vllm_side.shm_format import BACKEND_NAME, FLOATING
+from vime_core.weight_sync.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
+from vime_core.weight_sync.wire.ipc_format import gpu_uuid
+from vime_core.weight_sync.wire.shm_format import BACKEND_NAME
+from vime_core.weight_sync.wire.spec_format import engine_spec
 
 
 BACKENDS = {  # name -> (module, class), registered with vLLM when a worker imports this module
@@ -65,12 +71,7 @@ class VimeWorkerExtension:
         source = model_config.model
         if not os.path.isdir(source):
             raise FileNotFoundError(f"vime_weight_spec needs a local checkpoint folder; model is {source!r}")
-        served = str(model_config.dtype).removeprefix("torch.")
-        tensors = read_safetensors_layout(source)
-        for entry in tensors.values():
-            if entry["dtype"] in FLOATING:
-                entry["dtype"] = served
-        spec = {"source": source, "served_dtype": served, "tensors": tensors}
+        spec = engine_spec(source, str(model_config.dtype).removeprefix("torch."))
         self._vime_weight_spec = spec
         return spec
 
@@ -96,7 +97,7 @@ class VimeWorkerExtension:
 
         if not torch.cuda.is_available():
             return None
-        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return gpu_uuid(torch.cuda.current_device())
 
     def vime_broadcast_group_id(self) -> str | None:
         """The `vime_broadcast` group this worker is in (None: none, or another backend)."""

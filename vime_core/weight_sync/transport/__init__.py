@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vime_core.trainer.transport.base import WeightTransport
+from vime_core.weight_sync.transport.base import WeightTransport
 
 if TYPE_CHECKING:
     from vime_core.config.schema import VimeConfig
-    from vime_core.trainer.publish_loop import PublishLoop
-    from vime_core.trainer.transport.ipc_peers import PeerChannel
+    from vime_core.weight_sync.publish_loop import PublishLoop
+    from vime_core.weight_sync.transport.ipc_peers import PeerChannel
 
 __all__ = ["WeightTransport", "make_transport"]
 
@@ -30,21 +30,21 @@ def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "Publis
 
     kind = weight_transport(cfg)
     if kind == "shm":
-        from vime_core.trainer.transport.shm import ShmTransport
+        from vime_core.weight_sync.transport.shm import ShmTransport
 
         return ShmTransport(shm_dir, pool=keeper.shm_pool(shm_dir) if keeper is not None else None)
     if kind == "disk":
-        from vime_core.trainer.transport.disk import DiskTransport
+        from vime_core.weight_sync.transport.disk import DiskTransport
 
         return DiskTransport(shm_dir)
     if kind == "ipc":
-        from vime_core.trainer.transport.ipc import IpcTransport
+        from vime_core.weight_sync.transport.ipc import IpcTransport
 
         return IpcTransport(peers=peers)
     if kind in ("nccl", "gloo"):
         import torch
 
-        from vime_core.trainer.transport.broadcast import BroadcastTransport, rendezvous_host
+        from vime_core.weight_sync.transport.broadcast import BroadcastTransport, rendezvous_host
 
         device = torch.device("cuda", torch.cuda.current_device()) if kind == "nccl" else torch.device("cpu")
         return BroadcastTransport(kind, rendezvous_host(cfg.engine_bind_host), device, keeper=keeper)

@@ -18,8 +18,8 @@ import shutil
 import tempfile
 import time
 
-from vime_core.trainer.buckets import Bucket
-from vime_core.trainer.transport.base import WeightTransport
+from vime_core.weight_sync.buckets import Bucket
+from vime_core.weight_sync.transport.base import WeightTransport
 
 
 def write_bucket_safetensors(bucket: Bucket, folder: str) -> str:

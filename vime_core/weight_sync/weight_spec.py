@@ -3,7 +3,8 @@
 A vLLM server whose weight update fails half-way keeps a half-loaded model and dies on the next
 request, so `publish_weights` checks names, shapes and dtypes first. The spec comes from the
 worker extension (`vime_weight_spec` over `/collective_rpc`), which reads it once from the
-checkpoint the server started from and caches it in the worker.
+checkpoint the server started from and caches it in the worker; its format is
+`wire/spec_format.py`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vime_core.weight_sync.wire.spec_format import SPEC_RPC
+
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
 
-SPEC_RPC = "vime_weight_spec"
 _SHOW = 5  # names quoted in an error message
 
 

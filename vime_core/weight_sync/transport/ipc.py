@@ -2,15 +2,12 @@
 
 Colocated trainer and engine share a GPU; the engine maps the trainer's device memory and copies
 out of it (~2 TB/s on an H200), so the bytes never cross PCIe or HTTP. Per bucket, packed mode:
-
-    buffer   one uint8 CUDA tensor; tensor i (cast to its wire dtype) at byte
-             sum(tensor_sizes[:i]), no padding (vLLM splits the buffer by `tensor_sizes`)
-    payload  {"names", "dtype_names", "shapes", "tensor_sizes",
-              "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1], ...}))}
+one uint8 CUDA buffer (`buckets.pack_ipc`) and one `update_info` with the handle of each GPU's
+buffer (`wire/ipc_format.py` has the payload).
 
 One handle per trainer rank's GPU: with more than one rank, every rank packs the same bucket on
 its own GPU (transport/ipc_peers.py) and each engine worker opens the handle of its GPU. Before
-the first bucket moves, every engine worker's GPU (`vime_device_uuid`) must be one of those: a
+the first bucket moves, every engine worker's GPU (`DEVICE_UUID_RPC`) must be one of those: a
 worker elsewhere would find no handle of its GPU (the error says to use the nccl transport).
 
 The `packed` flag goes in `init_weight_transfer`'s info on vLLM >= 0.27 and in each bucket's
@@ -23,21 +20,15 @@ until its layer is complete (layerwise reload), so buffers live until `finish` r
 
 from __future__ import annotations
 
-import base64
-import pickle
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from vime_core.trainer.allocator import plain_segments
-from vime_core.trainer.buckets import Bucket, pack_flat
-from vime_core.trainer.transport.base import WeightTransport
-from vime_core.trainer.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
-
-
-DEVICE_UUID_RPC = "vime_device_uuid"
+from vime_core.weight_sync.buckets import Bucket, pack_ipc
+from vime_core.weight_sync.transport.base import WeightTransport
+from vime_core.weight_sync.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
+from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC, gpu_uuid, ipc_update_info
 
 
 def unshared_workers(worker_gpus: list[tuple[str, list]], handle_gpus: set[str]) -> list[str]:
@@ -48,7 +39,7 @@ def unshared_workers(worker_gpus: list[tuple[str, list]], handle_gpus: set[str])
 
 
 def cuda_device_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+    return gpu_uuid(device.index or 0)
 
 
 def default_reduce(buffer: torch.Tensor) -> tuple:
@@ -56,32 +47,6 @@ def default_reduce(buffer: torch.Tensor) -> tuple:
 
     _, args = reduce_tensor(buffer)
     return args
-
-
-def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """`buckets.pack_flat` into memory CUDA IPC can share: cudaMalloc'd segments only
-    (vime_core/trainer/allocator.py)."""
-
-    def shareable(nbytes: int) -> torch.Tensor:
-        with plain_segments():
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    return pack_flat(bucket, device, shareable)
-
-
-def ipc_update_info(bucket: Bucket, sizes: list[int], handle: dict[str, tuple], packed_flag: bool = False) -> dict[str, Any]:
-    """The `update_info` vLLM's `IPCWeightTransferUpdateInfo` accepts over HTTP (packed);
-    `packed_flag` adds `"packed": true` (vLLM 0.26 reads it there)."""
-    info = {
-        "names": list(bucket.names),
-        "dtype_names": bucket.dtype_names,
-        "shapes": [list(t.shape) for t in bucket.tensors],
-        "tensor_sizes": sizes,
-        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handle)).decode("ascii"),
-    }
-    if packed_flag:
-        info["packed"] = True
-    return info
 
 
 class IpcTransport(WeightTransport):
@@ -118,7 +83,7 @@ class IpcTransport(WeightTransport):
 
     async def send_bucket(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
-        buffer, sizes = pack_bucket(bucket, self.device)
+        buffer, sizes = pack_ipc(bucket, self.device)
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
         self._buffers.append(buffer)

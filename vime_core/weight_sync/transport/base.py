@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
-    from vime_core.trainer.buckets import Bucket
+    from vime_core.weight_sync.buckets import Bucket
 
 
 class WeightTransport(ABC):

@@ -1,45 +1,27 @@
 """The wire format of one weight bucket passed through shared memory (backend `vime_shm`).
 
-Both sides import this module: the trainer (which writes the bucket) and the vLLM worker
-(which reads it), so it uses the standard library only.
+Both sides import this module: the trainer (which writes the bucket,
+`vime_core/weight_sync/transport/shm.py`) and the vLLM worker (which reads it,
+`vime_core/engines/vllm_side/shm_backend.py`), so it uses the standard library only.
 
 A bucket is one file on a tmpfs (`/dev/shm`) holding a flat byte buffer; tensor `i` occupies
-bytes `[offsets[i], offsets[i] + numel(shapes[i]) * itemsize(dtype_names[i]))`, C-contiguous.
-Offsets are multiples of `ALIGNMENT` so every tensor can be viewed in place with its dtype.
-The descriptor (this dataclass as a dict) travels as the `update_info` of vLLM's
+bytes `[offsets[i], offsets[i] + numel(shapes[i]) * itemsize(dtype_names[i]))`, C-contiguous
+(`layout.py`). Offsets are multiples of `ALIGNMENT` so every tensor can be viewed in place with
+its dtype. The descriptor (this dataclass as a dict) travels as the `update_info` of vLLM's
 `POST /update_weights`; it is plain JSON, so no insecure serialization is needed.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
+
+from vime_core.weight_sync.wire.layout import tensor_nbytes
 
 BACKEND_NAME = "vime_shm"
 ALIGNMENT = 64  # bytes; a cache line, and a multiple of every dtype's size
 FILE_PREFIX = "vime-wb-"  # every bucket file's name starts with this
 DEFAULT_SHM_DIR = "/dev/shm"
-
-# dtype name (torch's, without "torch.") -> bytes per element
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
-FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    """Smallest multiple of `alignment` that is >= n."""
-    return (n + alignment - 1) // alignment * alignment
-
-
-def tensor_nbytes(dtype_name: str, shape: list[int] | tuple[int, ...]) -> int:
-    """numel(shape) * itemsize(dtype)."""
-    if dtype_name not in ITEMSIZE:
-        raise ValueError(f"unsupported dtype {dtype_name!r}; supported: {sorted(ITEMSIZE)}")
-    return math.prod(shape) * ITEMSIZE[dtype_name]
 
 
 @dataclass

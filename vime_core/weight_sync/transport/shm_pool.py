@@ -25,8 +25,8 @@ import uuid
 
 import torch
 
-from vime_core.engines.vllm_side.shm_format import FILE_PREFIX
 from vime_core.utils.processes import pid_alive
+from vime_core.weight_sync.wire.shm_format import FILE_PREFIX
 
 
 class ShmBufferPool:

@@ -18,10 +18,10 @@ import asyncio
 import time
 from dataclasses import asdict
 
-from vime_core.engines.vllm_side.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
-from vime_core.trainer.buckets import Bucket, copy_into, packed_layout
-from vime_core.trainer.transport.base import WeightTransport
-from vime_core.trainer.transport.shm_pool import ShmBufferPool
+from vime_core.weight_sync.buckets import Bucket, copy_into, packed_layout
+from vime_core.weight_sync.transport.base import WeightTransport
+from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
+from vime_core.weight_sync.wire.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
 
 
 def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vime_core.trainer.buckets import Bucket
+from vime_core.weight_sync.buckets import Bucket, pack_ipc
 
 BUCKET, DONE = "bucket", "done"
 
@@ -68,8 +68,6 @@ def follow_publish(
 ) -> int:
     """A rank r > 0's side of one IPC publish: pack each bucket rank 0 names on this rank's
     device and hand rank 0 its handle; free the buffers at "done". Returns the buckets packed."""
-    from vime_core.trainer.transport.ipc import pack_bucket
-
     tensors = dict(named_tensors)  # the TP gathers, in step with rank 0's "gather" phase
     buffers: list[torch.Tensor] = []
     failed: Exception | None = None
@@ -80,7 +78,7 @@ def follow_publish(
                 bucket = Bucket(len(buffers))
                 for name, dtype_name in zip(names, dtype_names):
                     bucket.add(name, tensors[name], getattr(torch, dtype_name))
-                buffer, _ = pack_bucket(bucket, device)
+                buffer, _ = pack_ipc(bucket, device)
                 if buffer.is_cuda:
                     torch.cuda.synchronize(buffer.device)  # engines read it from other processes
                 buffers.append(buffer)

@@ -21,8 +21,8 @@ from vime_core.utils.loop_thread import LoopThread
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
-    from vime_core.trainer.transport.broadcast import KeptGroup
-    from vime_core.trainer.transport.shm_pool import ShmBufferPool
+    from vime_core.weight_sync.transport.broadcast import KeptGroup
+    from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
 
 class PublishLoop(LoopThread):
@@ -43,7 +43,7 @@ class PublishLoop(LoopThread):
 
     def shm_pool(self, shm_dir: str) -> "ShmBufferPool":
         """The bucket pool of `shm_dir` kept for this publisher's publishes (made on first use)."""
-        from vime_core.trainer.transport.shm_pool import ShmBufferPool
+        from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
         key = os.path.realpath(shm_dir)
         if key not in self._pools:

@@ -2,9 +2,11 @@
 spans the trainer's rank 0 (group rank 0) and every worker of every engine, and one broadcast
 per weight bucket from rank 0.
 
-Both sides import this module: the trainer and the vLLM worker, so it uses the standard library
-only. The descriptors travel as JSON (`init_info` of `/init_weight_transfer_engine`,
-`update_info` of `/update_weights`); no insecure serialization is needed.
+Both sides import this module: the trainer (`vime_core/weight_sync/transport/broadcast.py`) and
+the vLLM worker (`vime_core/engines/vllm_side/broadcast_backend.py`), so it uses the standard
+library only. The carriers themselves are in `broadcast_group.py`. The descriptors travel as
+JSON (`init_info` of `/init_weight_transfer_engine`, `update_info` of `/update_weights`); no
+insecure serialization is needed.
 
     carrier     "nccl": CUDA tensors over NCCL (engines on other GPUs, here or on other nodes);
                 "gloo": CPU tensors over gloo (CPU engines on other machines)
@@ -23,10 +25,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from vime_core.engines.vllm_side.shm_format import tensor_nbytes
+from vime_core.weight_sync.wire.layout import place, tensor_nbytes
 
 BACKEND_NAME = "vime_broadcast"
 CARRIERS = ("nccl", "gloo")
+# the worker extension's `/collective_rpc` method that names the group a worker is in (one
+# answer per worker: the trainer also learns how many workers an engine has)
+GROUP_ID_RPC = "vime_broadcast_group_id"
 
 
 @dataclass
@@ -79,11 +84,8 @@ class BroadcastBucketInfo:
         return sum(self.tensor_sizes)
 
     def offsets(self) -> list[int]:
-        out, at = [], 0
-        for size in self.tensor_sizes:
-            out.append(at)
-            at += size
-        return out
+        """Where each tensor starts: back to back (`layout.place`, alignment 1)."""
+        return place(self.tensor_sizes)[0]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,16 +33,16 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vime_core.engines.client import call_all as _on_all
-from vime_core.trainer.weight_spec import check_against_spec, fetch_spec
+from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:
     import torch
 
     from vime_core.config.schema import VimeConfig
     from vime_core.engines.client import EngineClient
-    from vime_core.trainer.publish_loop import PublishLoop
-    from vime_core.trainer.transport.base import WeightTransport
-    from vime_core.trainer.transport.ipc_peers import PeerChannel
+    from vime_core.weight_sync.publish_loop import PublishLoop
+    from vime_core.weight_sync.transport.base import WeightTransport
+    from vime_core.weight_sync.transport.ipc_peers import PeerChannel
 
 
 class PublishError(RuntimeError):
@@ -95,8 +95,8 @@ def publish_weights(
     `loop`: the caller's PublishLoop (engine clients and bucket pools kept between its
     publishes); None makes one for this call and closes it afterwards. `peers`: the other
     trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py)."""
-    from vime_core.trainer.publish_loop import PublishLoop
-    from vime_core.trainer.transport import make_transport
+    from vime_core.weight_sync.publish_loop import PublishLoop
+    from vime_core.weight_sync.transport import make_transport
 
     if loop is None:
         own = PublishLoop()
@@ -189,7 +189,7 @@ async def _apply(
 ) -> tuple[int, int]:
     """pause -> start -> buckets -> finish; on failure undo what can be undone (see the module
     docstring). Returns (buckets, bytes)."""
-    from vime_core.trainer.buckets import iter_buckets
+    from vime_core.weight_sync.buckets import iter_buckets
 
     engines = transport.engines
     buckets = nbytes = 0

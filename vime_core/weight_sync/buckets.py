@@ -7,6 +7,11 @@ weights sent as bf16 take half the room).
 Rule, in the order tensors arrive: a tensor joins the open bucket if the bucket's bytes plus its
 own stay <= `bucket_bytes`; otherwise the open bucket is closed and a new one starts with it. A
 tensor larger than `bucket_bytes` therefore travels alone, and no bucket is empty.
+
+Packing: a bucket's tensors go into one flat uint8 buffer by the byte layout both ends share
+(`wire/layout.py`): `pack_flat` back to back (what `vime_broadcast` and vLLM's `ipc` backend
+split by sizes), `pack_ipc` the same into memory CUDA IPC can share, `copy_into` at the aligned
+offsets of a shared-memory bucket file (`transport/shm.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from vime_core.weight_sync.allocator import plain_segments
+from vime_core.weight_sync.wire.layout import place
 
 
 @dataclass
@@ -68,14 +76,9 @@ def iter_buckets(
 
 def packed_layout(bucket: Bucket, alignment: int = 1) -> tuple[list[int], int]:
     """Byte offsets of the bucket's tensors in one flat buffer, each rounded up to a multiple
-    of `alignment`, and the buffer's total size: offset_i = align(offset_{i-1} + bytes_{i-1})."""
-    offsets: list[int] = []
-    end = 0
-    for tensor, dtype in zip(bucket.tensors, bucket.dtypes):
-        start = (end + alignment - 1) // alignment * alignment
-        offsets.append(start)
-        end = start + wire_nbytes(tensor, dtype)
-    return offsets, end
+    of `alignment`, and the buffer's total size: offset_i = align(offset_{i-1} + bytes_{i-1})
+    (`wire/layout.place`)."""
+    return place([wire_nbytes(t, d) for t, d in zip(bucket.tensors, bucket.dtypes)], alignment)
 
 
 def copy_into(flat: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -103,3 +106,15 @@ def pack_flat(bucket: Bucket, device: torch.device,
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
         copy_into(buffer, offset, tensor, dtype)
     return buffer, [wire_nbytes(t, d) for t, d in zip(bucket.tensors, bucket.dtypes)]
+
+
+def pack_ipc(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """`pack_flat` into memory CUDA IPC can share: cudaMalloc'd segments only (`allocator.py`).
+    Every trainer rank that publishes over IPC packs with it (`transport/ipc.py` on rank 0,
+    `transport/ipc_peers.py` on the others)."""
+
+    def shareable(nbytes: int) -> torch.Tensor:
+        with plain_segments():
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    return pack_flat(bucket, device, shareable)

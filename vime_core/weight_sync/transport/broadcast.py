@@ -2,13 +2,14 @@
 on other devices, on this node or others) and `gloo` (CPU engines on other machines). The
 trainer's rank 0 is rank 0 of one group with every worker of every engine and broadcasts each
 bucket once; the engines receive it through vime's `vime_broadcast` vLLM backend
-(`vime_core/engines/vllm_side/broadcast_backend.py`, format in `broadcast_format.py`).
+(`vime_core/engines/vllm_side/broadcast_backend.py`; format and carriers, shared by both ends,
+in `vime_core/weight_sync/wire/broadcast_format.py` and `broadcast_group.py`).
 
 The group outlives a publish (forming one costs a rendezvous and, for NCCL, seconds of setup):
-the publisher's `PublishLoop` keeps it. Before each publish `prepare` asks every engine worker
-which group it is in (`vime_broadcast_group_id`, one answer per worker) and forms a new group
-for all engines when any answer differs or the set of engines changed (an engine restarted or
-was replaced) — never a broadcast to a worker that is not listening.
+the publisher's `PublishLoop` keeps it (the `GroupKeeper` here). Before each publish `prepare`
+asks every engine worker which group it is in (`GROUP_ID_RPC`, one answer per worker) and forms
+a new group for all engines when any answer differs or the set of engines changed (an engine
+restarted or was replaced) — never a broadcast to a worker that is not listening.
 
 Per bucket: the tensors are packed into one uint8 buffer (on the trainer's GPU for nccl), the
 engines are told what comes (`/update_weights`, which returns once they loaded it) and, at the
@@ -27,21 +28,17 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from vime_core.engines.vllm_side.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.engines.vllm_side.broadcast_group import (
+from vime_core.weight_sync.buckets import Bucket, pack_flat
+from vime_core.weight_sync.transport.base import WeightTransport
+from vime_core.weight_sync.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.weight_sync.wire.broadcast_group import (
     LOOPBACK, BroadcastGroup, open_group, pooled_host_buffer, serve_rendezvous,
 )
-from vime_core.trainer.buckets import Bucket, pack_flat
-from vime_core.trainer.transport.base import WeightTransport
 
-if TYPE_CHECKING:
-    from vime_core.trainer.publish_loop import PublishLoop
-
-GROUP_ID_RPC = "vime_broadcast_group_id"
 T = TypeVar("T")
 
 
@@ -59,6 +56,14 @@ class KeptGroup:
         if device.type != "cpu":
             return pack_flat(bucket, device)
         return pack_flat(bucket, device, lambda nbytes: pooled_host_buffer(self.host_buffers, bucket.index, nbytes))
+
+
+class GroupKeeper(Protocol):
+    """Who keeps a formed group between publishes: the publisher's `PublishLoop`."""
+
+    def broadcast_group(self, carrier: str) -> KeptGroup | None: ...
+
+    def keep_broadcast_group(self, carrier: str, kept: KeptGroup | None) -> None: ...
 
 
 def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
@@ -103,7 +108,7 @@ def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
 
 
 class BroadcastTransport(WeightTransport):
-    def __init__(self, carrier: str, host: str, device: torch.device, keeper: "PublishLoop | None" = None,
+    def __init__(self, carrier: str, host: str, device: torch.device, keeper: GroupKeeper | None = None,
                  timeout_s: float = 300.0) -> None:
         super().__init__()
         self.name = carrier  # "nccl" or "gloo"

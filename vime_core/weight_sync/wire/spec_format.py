@@ -1,4 +1,13 @@
-"""Names, shapes and dtypes of a safetensors checkpoint, read from the file headers only.
+"""What an engine's model accepts, as the worker reports it and the trainer checks it.
+
+    spec = {"source": the checkpoint folder the server started from,
+            "served_dtype": the model's parameter dtype ("bfloat16"),
+            "tensors": {HF name: {"shape": [...], "dtype": the dtype it travels in}}}
+
+The worker extension answers `SPEC_RPC` over `/collective_rpc` with `engine_spec(...)`, read
+from the checkpoint's safetensors headers (floating tensors travel in the served dtype, others
+in the checkpoint's); the trainer checks a publish against it before any byte moves
+(`vime_core/weight_sync/weight_spec.py`).
 
 Standard library only: the vLLM worker uses it (`VimeWorkerExtension.vime_weight_spec`) and the
 trainer's tests can import it without vllm.
@@ -11,6 +20,10 @@ import json
 import os
 import struct
 from typing import Any
+
+from vime_core.weight_sync.wire.layout import FLOATING
+
+SPEC_RPC = "vime_weight_spec"  # the worker extension's method that answers with `engine_spec`
 
 # safetensors header dtype codes -> torch dtype names
 SAFETENSORS_DTYPES = {
@@ -48,3 +61,13 @@ def read_safetensors_layout(model_dir: str) -> dict[str, dict[str, Any]]:
                 raise ValueError(f"{path}: tensor {name!r} also appears in another file of {model_dir!r}")
             layout[name] = {"shape": list(entry["shape"]), "dtype": SAFETENSORS_DTYPES[code]}
     return layout
+
+
+def engine_spec(model_dir: str, served_dtype: str) -> dict[str, Any]:
+    """The spec (module docstring) of a server that started from `model_dir` and serves
+    `served_dtype`."""
+    tensors = read_safetensors_layout(model_dir)
+    for entry in tensors.values():
+        if entry["dtype"] in FLOATING:
+            entry["dtype"] = served_dtype
+    return {"source": model_dir, "served_dtype": served_dtype, "tensors": tensors}

@@ -1,0 +1,62 @@
+"""The RolloutManager starts its engines at once and waits for all of them; a failure names its
+engine (vime_core/rollout/manager.py, `_start_servers`). Stand-in servers, no process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vime_core.engines.server import EngineStartError
+from vime_core.rollout.manager import RolloutManager
+
+
+class Server:
+    def __init__(self, index: int, start=None) -> None:
+        self.name = f"engine-{index}"
+        self._start = start
+        self.started = False
+
+    def start(self) -> str:
+        if self._start is not None:
+            self._start()
+        self.started = True
+        return f"http://{self.name}"
+
+
+def _start(servers) -> None:
+    RolloutManager._start_servers(SimpleNamespace(servers=servers))
+
+
+def test_engines_start_at_the_same_time():
+    together = threading.Barrier(3, timeout=10)  # breaks (and fails the start) unless all three wait in it at once
+    servers = [Server(i, together.wait) for i in range(3)]
+    _start(servers)
+    assert all(s.started for s in servers)
+
+
+def test_a_failed_start_is_raised_after_every_start_ended_naming_each_engine_that_failed():
+    def no_binary():
+        raise FileNotFoundError("vllm: no such file")
+
+    def unhealthy():
+        raise EngineStartError("engine-2: not healthy after engine_startup_timeout_s=600.0 s")
+
+    slow = Server(0, lambda: time.sleep(0.3))
+    servers = [slow, Server(1, no_binary), Server(2, unhealthy)]
+    with pytest.raises(FileNotFoundError) as info:
+        _start(servers)
+    assert slow.started  # waited for, so a shutdown after the failure cannot race it
+    assert info.value.__notes__ == [
+        "while starting engine-1",
+        "engine-2 failed to start as well: EngineStartError: engine-2: not healthy after engine_startup_timeout_s=600.0 s",
+    ]
+
+
+def test_one_engine_starts_in_the_calling_thread():
+    caller = threading.current_thread()
+    seen = []
+    _start([Server(0, lambda: seen.append(threading.current_thread()))])
+    assert seen == [caller]
