@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up (idempotently) and runs the whole test suite: unit tests and integration
 # tests that start the real servers they need (vLLM CPU, vllm-router, Ray, Prefect, SeaweedFS)
-# and stop them afterwards. `.ci/run` calls exactly this. Extra arguments go to pytest.
+# and stop them afterwards. `.ci/run` calls exactly this. Extra arguments go to pytest, e.g. the
+# fast tier: `bash infra/test.sh -m unit` (in-process tests only; docs/testing.md has the tiers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/setup_env.sh

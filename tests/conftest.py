@@ -1,10 +1,17 @@
-"""Session-wide fixtures shared by every test folder.
+"""Session-wide fixtures shared by every test folder, and the test tiers.
 
 Folder-specific fixtures (servers, clusters) live in the conftest.py of their folder.
+
+Tiers (docs/testing.md): every test has exactly one of `unit`, `integration`, `e2e`. A test gets
+the tier of its folder (tests/unit, tests/integration, tests/e2e) unless its module
+(`pytestmark = pytest.mark.e2e`) or the test itself (`@pytest.mark.integration`) names one; a test
+with no tier, or with two, stops the run before anything runs. `gpu(gpus=N)` is orthogonal: such
+a test is skipped, with the reason, where torch sees fewer than N CUDA devices.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -29,6 +36,54 @@ for _key, _value in LOOPBACK_ENV.items():
 from flows.settings import apply_env_defaults  # noqa: E402
 
 apply_env_defaults()
+
+
+TIERS = ("unit", "integration", "e2e")
+FOLDER_TIERS = {"unit": "unit", "integration": "integration", "e2e": "e2e"}  # tests/<folder>/...
+
+
+def _tier_problem(item) -> str | None:
+    """Give `item` its folder's tier when nothing closer names one; say what is wrong otherwise."""
+    named = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+    if len(named) > 1:
+        return f"{item.nodeid}: two tiers ({', '.join(named)}); keep one"
+    if named:
+        return None
+    parts = Path(item.path).resolve().relative_to(REPO / "tests").parts
+    tier = FOLDER_TIERS.get(parts[0]) if len(parts) > 1 else None
+    if tier is None:
+        return (f"{item.nodeid}: no tier: tests/{parts[0]}/ gives none; add `pytestmark = pytest.mark.<tier>` "
+                f"({' | '.join(TIERS)}) to the module")
+    item.add_marker(tier)
+    return None
+
+
+@functools.cache
+def cuda_devices() -> tuple[int, str]:
+    """(CUDA devices torch sees, why there are none)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return 0, f"torch does not import ({exc})"
+    if not torch.cuda.is_available():
+        return 0, f"torch.cuda.is_available() is False (torch {torch.__version__})"
+    return torch.cuda.device_count(), ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the folder's tier must be on the test by then
+def pytest_collection_modifyitems(config, items):
+    problems = [p for p in map(_tier_problem, items) if p]
+    if problems:
+        raise pytest.UsageError("every test needs exactly one tier (tests/conftest.py, docs/testing.md):\n  "
+                                + "\n  ".join(problems))
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        need = marker.kwargs.get("gpus", 1)
+        have, why = cuda_devices()
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {have}" + (f": {why}" if why else "")))
 
 
 @pytest.fixture(scope="session")

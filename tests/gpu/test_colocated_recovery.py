@@ -29,7 +29,7 @@ import pytest
 
 from tests.gpu.scripts import run_script
 
-pytestmark = pytest.mark.gpu(gpus=1)
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu(gpus=1)]
 
 WORK = Path(os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
 
@@ -38,7 +38,7 @@ WORK = Path(os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
 def colocated_run(tmp_path_factory):
     parts = Path(os.environ.get("PARTS", "/tmp/parts"))
     if not (parts / "install_bundle.sh").exists():
-        pytest.skip(f"needs the GPU host's bundle in {parts} ($PARTS; ../shared/gpu-host/build_bundle.sh)")
+        pytest.skip(f"needs the GPU host's bundle of pinned wheels in {parts} ($PARTS, with its install_bundle.sh)")
     env = {"RUN_NAME": f"gpu-checks-{int(time.time())}", "VIME_GPU_WORK": str(WORK), "KEEP_ACTORS": "1",
            "TRAIN_TIMEOUT": "480", "OUT": str(tmp_path_factory.mktemp("run"))}
     proc = run_script(["bash", "bench/gpu/run_colocated_h200.sh", "2"], env, timeout=900)

@@ -12,6 +12,8 @@ import pytest
 
 from tests.gpu.scripts import run_script
 
+pytestmark = pytest.mark.integration
+
 CHECK = "tests/gpu/check_nccl_group.py"
 
 

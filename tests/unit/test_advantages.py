@@ -1,4 +1,4 @@
-"""Group normalisation and per-token advantages (walkthrough steps 30 and 39)."""
+"""Group normalisation (the build phase) and per-token advantages (the train phase)."""
 
 from __future__ import annotations
 

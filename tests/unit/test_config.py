@@ -1,4 +1,4 @@
-"""Configuration: derived values (walkthrough steps 1-2), error messages, files, CLI, --help."""
+"""Configuration: derived values (the run's layout and engine options), error messages, files, CLI, --help."""
 
 from __future__ import annotations
 
@@ -148,6 +148,7 @@ def _timed(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - start, proc
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_help_is_instant():
     code = "from vime_core.config import parse_args; parse_args(['--help'])"
     elapsed, proc = _timed([sys.executable, "-c", code])
@@ -156,6 +157,7 @@ def test_help_is_instant():
     assert elapsed < 2.0, f"config --help took {elapsed:.2f}s"
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_vime_train_help_is_instant():
     script = Path(sys.executable).parent / "vime"
     if not script.exists():

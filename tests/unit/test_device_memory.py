@@ -4,6 +4,8 @@ nvidia-smi on PATH that answers the two queries the module makes."""
 import os
 import stat
 
+import pytest
+
 from vime_core.utils import device_memory as dm
 
 FAKE = """#!/bin/sh
@@ -21,12 +23,14 @@ def _fake_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
 
 
+@pytest.mark.integration  # runs a stand-in nvidia-smi
 def test_process_bytes_counts_only_the_given_pids(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch)
     assert dm.processes_bytes({os.getpid()}) == 1024 * dm.MIB
     assert dm.processes_bytes({1}) is None  # listed apps hold none of these pids
 
 
+@pytest.mark.integration  # runs a stand-in nvidia-smi
 def test_free_and_total_per_device_and_group_memory(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch)
     assert dm.free_and_total() == {"0": (61440 * dm.MIB, 81920 * dm.MIB), "1": (81920 * dm.MIB, 81920 * dm.MIB)}

@@ -102,6 +102,7 @@ def test_the_registration_decides_normalisation_advantages_gates_and_loss(own_re
     assert acc.pg_loss != pytest.approx(float(aggregate_loss(ppo, mask, cfg.loss_agg_mode)))
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_the_configuration_reads_the_registered_names_without_torch():
     """`vime train --help` stays instant: the registry, the built-in estimators' module and the
     configuration import no torch."""

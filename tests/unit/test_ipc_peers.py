@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from vime_core.utils.processes import free_port
 from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Policy losses, KL estimators, entropy, TIS and aggregation (walkthrough step 40)."""
+"""Policy losses, KL estimators, entropy, TIS and aggregation (the train phase's loss)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import pid_alive, terminate_group
 from vime_core.utils.retry import poll_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def _gone_within(pid: int, seconds: float) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from vime_core.utils.processes import cmdline, group_tree, pid_alive
 from vime_core.utils.retry import poll_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def test_group_tree_follows_descendants_and_zombies_count_as_gone():

@@ -1,5 +1,7 @@
 """Run records: append/replace semantics, the console line, the reward gain, the curve."""
 
+import pytest
+
 from vime_core.report.curve import reward_curve_png
 from vime_core.report.records import append_record, console_line, read_records, reward_gain
 
@@ -96,6 +98,7 @@ def test_report_table_artifact_holds_the_latest_iterations_and_the_file_all(tmp_
     assert f"{tmp_path}/reports/rep/metrics.jsonl" in tables[-1]["description"]
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_preload_imports_pyplot_in_the_calling_thread():
     """A fresh interpreter: pyplot is imported when preload returns, and no thread is left
     importing beside the caller (why: the docstring of vime_core.report.curve.preload)."""

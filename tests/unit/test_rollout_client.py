@@ -414,6 +414,7 @@ def _fake_python(tmp_path: Path, script: str) -> str:
     return str(path)
 
 
+@pytest.mark.integration  # starts server processes (stand-ins, or the vLLM environment's interpreter)
 def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
@@ -430,6 +431,7 @@ def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
     server.shutdown()
 
 
+@pytest.mark.integration  # starts server processes (stand-ins, or the vLLM environment's interpreter)
 def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_dir):
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
@@ -443,6 +445,7 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
     assert server._proc is None  # terminated, not left behind
 
 
+@pytest.mark.integration  # starts server processes (stand-ins, or the vLLM environment's interpreter)
 def test_engine_server_command_and_environment(tiny_model_dir):
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values

@@ -1,4 +1,4 @@
-"""Sample.append_response_tokens (walkthrough step 24) and round trips."""
+"""Sample.append_response_tokens (a generated response joining its sample) and round trips."""
 
 from __future__ import annotations
 

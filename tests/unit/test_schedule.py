@@ -1,4 +1,4 @@
-"""The DP schedule (walkthrough step 31)."""
+"""The DP schedule: a batch split into steps, micro-batches and DP ranks (the build phase)."""
 
 from __future__ import annotations
 

@@ -81,6 +81,7 @@ def test_scalars_keep_numbers_flatten_dicts_and_leave_out_the_rest():
     assert out == {"a": 1.0, "b": 0.5, "c": 1.0, "g/h/i": 3.0, "j": 0.25}
 
 
+@pytest.mark.integration  # driver processes and wandb's reader
 def test_wandb_and_tensorboard_read_back_and_resume_into_the_same_run(tmp_path, monkeypatch):
     """Two driver processes (the second resumes): steps 0-1, then 2-3. W&B: one run id, the
     resolved configuration, every record's numbers at step = rollout id, nothing twice.
@@ -192,6 +193,7 @@ def test_a_misspelled_wandb_mode_flag_is_refused(capsys):
     assert "--wandb-mode" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # driver processes and wandb's reader
 def test_no_tracking_imports_neither_wandb_nor_tensorboard():
     code = (
         "import sys\n"

@@ -39,6 +39,7 @@ def test_shm_bucket_file_holds_each_tensor_at_its_aligned_offset(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.integration  # a child process, to have a dead pid
 def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_processes(tmp_path):
     import subprocess
     import sys

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 WORKER_IP = "127.0.0.2"
 LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_train_flow.py

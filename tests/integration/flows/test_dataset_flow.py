@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_train_flow_on_a_local_dataset_folder(tmp_path, ray_head, tiny_model_dir):

@@ -35,7 +35,7 @@ def _wait_http(url: str, timeout: float) -> None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    # the process worker ignores SIGTERM (shared ENVIRONMENT.md): kill the whole group
+    # Prefect's process worker ignores SIGTERM: kill the whole group
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_train_flow.py
 KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint is of rollout 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 # vLLM's CPU build computes in the model's dtype (fp32 here) with its own kernels; measured
 # max |trainer - engine| log-prob difference on the tiny model was well below this bound.

@@ -12,7 +12,7 @@ import pytest
 
 from .conftest import local_ray_head
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = "files-on-s3"
 

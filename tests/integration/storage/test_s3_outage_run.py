@@ -40,7 +40,7 @@ from vime_core.storage.s3_server import start_s3_server, stop_s3_server
 from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, local_ray_head
 from .test_s3_outage import Outage
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 RUN = "s3-outage-run"
 BUCKET = "vime-outage-run"

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU: the varlen FlashAttention path exists only there (bf16/fp16); "
     "the CPU runs per-segment SDPA, covered by the CPU tests",
-)
+)]
 
 # Segments of a real micro-batch's sizes, plus very short ones; one segment per sample.
 LENGTHS = [300, 17, 1270, 2, 64, 511, 1023]
