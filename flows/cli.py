@@ -3,6 +3,7 @@
     vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
     vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
     vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches | --quarantined)
+    vime lineage --run RUN --turns K [--sample ROW ...]      a stored sample's turns (model / tool spans)
     vime cluster up [--num-gpus N] [--temp-dir DIR] | down | status   a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
     vime prune   [--run RUN] [--older-than-days D] [--yes]
@@ -87,7 +88,7 @@ def _store(args):
 
 
 def cmd_lineage(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime lineage", description="Lineage queries over the batch index (no batch is read).")
+    parser = argparse.ArgumentParser(prog="vime lineage", description="Lineage queries over the batch index (no batch is read, except by --turns).")
     _add_storage_arguments(parser)
     q = parser.add_mutually_exclusive_group(required=True)
     q.add_argument("--weight-version", type=int, help="Batches produced by this weight version.")
@@ -95,11 +96,23 @@ def cmd_lineage(argv: list[str]) -> int:
     q.add_argument("--reward-by-iteration", action="store_true", help="Mean reward per rollout id.")
     q.add_argument("--batches", action="store_true", help="The index itself.")
     q.add_argument("--quarantined", action="store_true", help="Stored batches set aside because they could not be trained on, with the reason.")
+    q.add_argument("--turns", type=int, metavar="ROLLOUT_ID",
+                   help="Read this rollout's stored batch (needs --run) and show each sample turn by turn: the response "
+                        "token spans the model generated and those a tool appended, their trained (loss mask 1) token "
+                        "count and text (vime_core/data/turns.py). A single-turn sample shows one model turn.")
+    parser.add_argument("--sample", type=int, nargs="+", metavar="ROW", help="With --turns: only these rows of the batch (0-based; groups in order).")
+    parser.add_argument("--tokenizer", default=None, help="With --turns: the tokenizer folder or hub id that decodes the text (default: the batch's model_id; when none loads, token ids only).")
     args = parser.parse_args(argv)
+    if args.turns is None and (args.sample is not None or args.tokenizer is not None):
+        parser.error("--sample and --tokenizer go with --turns")
+    if args.turns is not None and not args.run:
+        parser.error("--turns needs --run")
     from vime_core.storage import lineage
 
     store = _store(args)
-    if args.weight_version is not None:
+    if args.turns is not None:
+        result = _sample_turns(parser, store, args)
+    elif args.weight_version is not None:
         result = lineage.batches_by_weight_version(store, args.weight_version, run=args.run)
     elif args.prompts_seen_twice:
         result = lineage.prompts_seen_twice(store, run=args.run)
@@ -112,6 +125,34 @@ def cmd_lineage(argv: list[str]) -> int:
     rows = result.to_pylist() if hasattr(result, "to_pylist") else result
     print(json.dumps(rows, indent=2, default=str))
     return 0
+
+
+def _sample_turns(parser: argparse.ArgumentParser, store, args) -> list[dict]:
+    """`vime lineage --turns`: the chosen samples of one stored batch, turn by turn."""
+    from vime_core.data.turns import sample_turns
+
+    batch, lineage = store.read(args.run, args.turns)
+    num_rows = len(batch["tokens"])
+    rows = args.sample if args.sample is not None else list(range(num_rows))
+    outside = [r for r in rows if not 0 <= r < num_rows]
+    if outside:
+        parser.error(f"--sample {outside[0]}: batch {args.turns} of run {args.run!r} has rows 0..{num_rows - 1}")
+    decode = _decoder(args.tokenizer or lineage.get("model_id") or "")
+    return [sample_turns(batch, r, decode) for r in rows]
+
+
+def _decoder(tokenizer_path: str):
+    """token ids -> text with the tokenizer at `tokenizer_path` (special tokens shown), or None
+    (said on stderr) when it does not load."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except Exception as exc:  # no such folder, no hub access, not a tokenizer
+        sys.stderr.write(f"[vime] no text: tokenizer {tokenizer_path!r} did not load ({type(exc).__name__}); "
+                         f"token ids only (--tokenizer names another)\n")
+        return None
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def cmd_cluster(argv: list[str]) -> int:
