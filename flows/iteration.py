@@ -26,7 +26,7 @@ from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import check_weight_update, sync_weights
 from tasks.train import train
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import iteration_record, plan_step, version_before
+from vime_core.step_protocol import Phase, iteration_record, plan_step, version_before
 from vime_core.utils import interrupt
 
 
@@ -40,23 +40,23 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
-    done: dict[str, dict] = {}
+    done: dict[Phase, dict] = {}
     out = rollout(cfg, k, plan.version)  # generate
     persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
     try:
-        done["offload_rollout"] = offload_rollout(cfg, k) if plan.engines_sleep else {}
-        done["train"] = train(cfg, k, out.batch_ref, out.dispatched)
+        done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k) if plan.engines_sleep else {}
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref, out.dispatched)
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
-    done["persist"] = persisting.result()
-    done["offload_train"] = offload_train(cfg, k) if plan.trainer_sleeps else {}
-    done["onload_weights"] = onload_weights(cfg, k) if plan.engines_sleep else {}
-    done["publish"] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
+    done[Phase.PERSIST] = persisting.result()
+    done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
+    done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k) if plan.engines_sleep else {}
+    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
                                    start_rollout_id=plan.publish_starts_next(out.next_stored), dispatched=out.dispatched)
-    done["onload_kv"] = onload_kv(cfg, k) if plan.engines_sleep else {}
-    done["check_weights"] = check_weight_update(cfg, plan.next_version, done["publish"]) if plan.check_weights else {}
-    done["eval"] = evaluate(cfg, k) if plan.eval_due else {}
-    done["save"] = save_checkpoint(cfg, k) if plan.save_due else {}
+    done[Phase.ONLOAD_KV] = onload_kv(cfg, k) if plan.engines_sleep else {}
+    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
+    done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)

@@ -9,9 +9,10 @@ from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 
 
-@task(name="save", task_run_name="save-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
+@task(name=Phase.SAVE, task_run_name="save-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def save_checkpoint(config: VimeConfig, rollout_id: int) -> dict:
     manager, trainers = run_handles(config)
     t0 = time.perf_counter()

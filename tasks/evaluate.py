@@ -7,9 +7,10 @@ from prefect import task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 
 
-@task(name="eval", task_run_name="eval-{rollout_id}", retries=1, **TASK_DEFAULTS)
+@task(name=Phase.EVAL, task_run_name="eval-{rollout_id}", retries=1, **TASK_DEFAULTS)
 def evaluate(config: VimeConfig, rollout_id: int) -> dict:
     manager, _ = run_handles(config)
     return dict(ray.get(manager.eval.remote(rollout_id)))

@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 from vime_core.report.curve import reward_curve_png, write_reward_curve
 from vime_core.report.records import METRICS, append_record, console_line, read_records, run_dir, sparkline
 from vime_core.report.tracking import track
@@ -30,7 +31,7 @@ def _artifact_key(run_name: str, what: str) -> str:
 TABLE_ROWS = 20
 
 
-@task(name="report", task_run_name="report-{rollout_id}", retries=2, **TASK_DEFAULTS)
+@task(name=Phase.REPORT, task_run_name="report-{rollout_id}", retries=2, **TASK_DEFAULTS)
 def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_curve: bool = True) -> str:
     endpoint = S3Endpoint.of(config)
     append_record(config.storage_uri, config.run_name, record, endpoint)

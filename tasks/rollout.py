@@ -11,6 +11,7 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from tasks.dispatch import Dispatched, dispatch, settle
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 
 
 @dataclass
@@ -24,7 +25,7 @@ class RolloutOutput:
     replaces_quarantined: bool = False  # the stored batch could not be trained on: persist overwrites it
 
 
-@task(name="rollout", task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
+@task(name=Phase.ROLLOUT, task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> RolloutOutput:
     """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
     already stored for this rollout id is loaded (checksum verified) instead of regenerated, unless
@@ -64,7 +65,7 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
                          replaces_quarantined=quarantined is not None)
 
 
-@task(name="start-next-rollout", task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
+@task(name=Phase.START_NEXT_ROLLOUT, task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)
 def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> bool:
     """Start rollout `rollout_id` on the engines now that they hold weights `version`, so it runs
     while this flow run ends and the next one starts (the iteration flow calls it when
@@ -82,7 +83,7 @@ def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> boo
 PERSIST_RETRY_DELAYS_S = [2, 5, 10]
 
 
-@task(name="persist", task_run_name="persist-{rollout_id}", retries=len(PERSIST_RETRY_DELAYS_S),
+@task(name=Phase.PERSIST, task_run_name="persist-{rollout_id}", retries=len(PERSIST_RETRY_DELAYS_S),
       retry_delay_seconds=PERSIST_RETRY_DELAYS_S, **TASK_DEFAULTS)
 def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
     """Design phase persist: the batch as an Arrow table with its lineage, written atomically

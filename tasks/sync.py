@@ -10,9 +10,10 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from tasks.dispatch import Dispatched, settle
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 
 
-@task(name="sync", task_run_name="sync-v{target_version}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
+@task(name=Phase.SYNC, task_run_name="sync-v{target_version}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool = True,
                  start_rollout_id: int | None = None, dispatched: Dispatched | None = None) -> dict:
     """Pause admission, publish (v -> target_version), resume admission and, when
@@ -86,7 +87,7 @@ def _collect_failed(ref) -> None:
         pass
 
 
-@task(name="check-weights", task_run_name="check-weights-v{target_version}", **TASK_DEFAULTS)
+@task(name=Phase.CHECK_WEIGHTS, task_run_name="check-weights-v{target_version}", **TASK_DEFAULTS)
 def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -> dict:
     """check_weight_update_equal: the engines' log-probs of the probe sequence against the
     trainer's (computed by the publish, before its weights were released), and against the

@@ -9,9 +9,10 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from tasks.dispatch import Dispatched
 from vime_core.config import VimeConfig
+from vime_core.step_protocol import Phase
 
 
-@task(name="train", task_run_name="train-{rollout_id}", retries=1, retry_delay_seconds=5, **TASK_DEFAULTS)
+@task(name=Phase.TRAIN, task_run_name="train-{rollout_id}", retries=1, retry_delay_seconds=5, **TASK_DEFAULTS)
 def train(config: VimeConfig, rollout_id: int, batch_ref, dispatched: Dispatched | None = None) -> dict:
     """Design phase train. `dispatched`: the calls the rollout task already submitted on this
     batch (tasks.dispatch); the first try waits for their training, a retry calls the trainer

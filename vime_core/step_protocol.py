@@ -1,35 +1,68 @@
-"""The step's protocol: the phases of one RL iteration, in slime's `train.py` order, and what
-differs between CPU and GPU, colocated and disaggregated runs (walkthrough steps 33-54).
+"""The step's protocol: the names of one RL iteration's phases, and what differs between CPU and
+GPU, colocated and disaggregated runs. The order is flows/iteration.py's, read top to bottom
+(tests/unit/test_iteration_order.py fails when it changes):
 
-    generate        rollout k on weights v = k + 1 (engines awake); persist runs beside the next two
-    offload_rollout engines sleep: level 2 when they receive weight updates, else 1; mode keep
+    rollout         rollout k on weights v = k + 1 (engines awake); persist runs beside the next three
+    offload-rollout engines sleep: level 2 when they receive weight updates, else 1; mode keep
     train           the trainer wakes (when it slept) and trains on the batch
-    offload_train   the trainer frees optimizer state and gradient buffers; its weights stay on the
+    offload-train   the trainer frees optimizer state and gradient buffers; its weights stay on the
                     device until the publish has copied them (CUDA IPC reads the trainer's memory)
-    onload_weights  engines wake `weights`, so new weights can be written into that memory
-    publish         v -> v + 1 (sync); the trainer releases its weights once engines copied them
-    onload_kv       engines wake `kv_cache`
-    check_weights   engines' log-probs of a probe == the trainer's (check_weight_update_equal)
+    onload-weights  engines wake `weights`, so new weights can be written into that memory
+    sync            the publish v -> v + 1; the trainer releases its weights once engines copied them
+    onload-kv       engines wake `kv_cache`
+    check-weights   engines' log-probs of a probe == the trainer's (check_weight_update_equal)
     eval, save      at their intervals (and on the last rollout)
 
 Where engines cannot sleep (CPU; engines on their own GPUs) the three engine moves are not run
 at all (each would be a no-op task run costing Prefect bookkeeping), and the overlaps apply:
-the rollout task dispatches training and the publish to Ray chained on the batch
-(tasks/dispatch.py), and with `rollout_prefetch` the publish itself starts rollout k + 1 on the
-new weights, unless an evaluation is due first (then the flow starts it after the evaluation).
-Where engines sleep, nothing is prefetched: their KV cache is awake only after onload_kv.
+right after the rollout the flow submits training and the publish to Ray, chained by object
+references (tasks/sync.train_then_publish), so the train and sync tasks wait for calls already
+running; with `rollout_prefetch` the sync itself starts rollout k + 1 on the new weights,
+unless an evaluation is due first (then the flow starts it after the evaluation). Where engines
+sleep, nothing is prefetched: their KV cache is awake only after onload-kv.
 
-The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing
-(flows/iteration.py runs the phases as Prefect tasks).
+The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Optional
 
-PHASES = ("generate", "offload_rollout", "train", "offload_train", "onload_weights", "publish", "onload_kv",
-          "check_weights", "eval", "save")
+
+class Phase(StrEnum):
+    """The phases' one vocabulary: each is its Prefect task's name (a task run is named
+    `<phase>-<rollout id>`, the sync `sync-v<version>`) and its key in what the flow hands to
+    iteration_record."""
+
+    ROLLOUT = "rollout"
+    PERSIST = "persist"
+    OFFLOAD_ROLLOUT = "offload-rollout"
+    TRAIN = "train"
+    OFFLOAD_TRAIN = "offload-train"
+    ONLOAD_WEIGHTS = "onload-weights"
+    SYNC = "sync"
+    ONLOAD_KV = "onload-kv"
+    CHECK_WEIGHTS = "check-weights"
+    EVAL = "eval"
+    SAVE = "save"
+    START_NEXT_ROLLOUT = "start-next-rollout"
+    REPORT = "report"
+
+
+# The record's phase times `t_<term>` (DESIGN.md's T_step = T_rollout + T_build + ...), in step
+# order, and the phases each term sums: build is the rollout's own batch building; offload and
+# onload add the engines' and the trainer's moves. Stored records are read by these keys.
+T_STEP_TERMS = {
+    "rollout": (Phase.ROLLOUT,),
+    "build": (Phase.ROLLOUT,),
+    "persist": (Phase.PERSIST,),
+    "offload": (Phase.OFFLOAD_ROLLOUT, Phase.OFFLOAD_TRAIN),
+    "train": (Phase.TRAIN,),
+    "onload": (Phase.ONLOAD_WEIGHTS, Phase.ONLOAD_KV),
+    "sync": (Phase.SYNC,),
+}
 # The reward curve and its artifact every 10th iteration and on the last (drawing costs ~0.4 s
 # on the 2-core machine, the artifact one more API call); the metrics table every iteration.
 CURVE_EVERY = 10
@@ -119,11 +152,12 @@ def iteration_record(
     t_step: float,
 ) -> dict:
     """The iteration's record (metrics.jsonl, the Prefect artifact, the console line) from
-    what each phase returned; `phases` maps a name of PHASES (plus "persist") to that phase's
-    result ({} when it did not run). Times are seconds; memory is bytes, per engine / rank."""
-    get = lambda name: phases.get(name) or {}  # noqa: E731
-    trained, stored, synced = get("train"), get("persist"), get("publish")
-    off_r, off_t, on_w, on_kv = get("offload_rollout"), get("offload_train"), get("onload_weights"), get("onload_kv")
+    what each phase returned; `phases` maps a Phase to that phase's result ({} when it did not
+    run). Times are seconds; memory is bytes, per engine / rank."""
+    get = lambda phase: phases.get(phase) or {}  # noqa: E731
+    trained, stored, synced = get(Phase.TRAIN), get(Phase.PERSIST), get(Phase.SYNC)
+    off_r, off_t = get(Phase.OFFLOAD_ROLLOUT), get(Phase.OFFLOAD_TRAIN)
+    on_w, on_kv = get(Phase.ONLOAD_WEIGHTS), get(Phase.ONLOAD_KV)
     record = {
         "rollout_id": plan.rollout_id,
         "version_before": plan.version,
@@ -157,11 +191,11 @@ def iteration_record(
             "trainer_after_publish": synced.get("trainer_memory_after_publish"),
             "engines_after_onload_kv": on_kv.get("memory"),
         }
-    if get("check_weights"):
-        record["weight_check"] = get("check_weights")
+    if get(Phase.CHECK_WEIGHTS):
+        record["weight_check"] = get(Phase.CHECK_WEIGHTS)
     if plan.eval_due:
-        record["eval_reward_mean"] = get("eval").get("eval/reward_mean")  # RolloutManager.eval's keys
+        record["eval_reward_mean"] = get(Phase.EVAL).get("eval/reward_mean")  # RolloutManager.eval's keys
     if plan.save_due:
-        record["checkpoint"] = get("save").get("path")
+        record["checkpoint"] = get(Phase.SAVE).get("path")
     record["t_step"] = t_step
     return record

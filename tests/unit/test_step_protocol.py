@@ -2,16 +2,11 @@
 eval and save happen, and how the phases' results become the iteration record."""
 
 from vime_core.config.loader import make_config
-from vime_core.step_protocol import PHASES, due, iteration_record, plan_step
+from vime_core.step_protocol import Phase, due, iteration_record, plan_step
 
 
 def _cfg(**kw):
     return make_config({"run_name": "p", "num_rollout": 10, **kw})
-
-
-def test_phases_are_in_slime_order():
-    assert PHASES.index("offload_rollout") < PHASES.index("train") < PHASES.index("offload_train") \
-        < PHASES.index("onload_weights") < PHASES.index("publish") < PHASES.index("onload_kv")
 
 
 def test_cpu_runs_no_engine_moves_and_prefetches():
@@ -54,16 +49,16 @@ def test_due_every_interval_and_on_the_last():
 def test_record_from_the_phases_results():
     plan = plan_step(_cfg(device="cuda", save_interval=1), 2)
     done = {
-        "train": {"loss": 0.5, "pg_clipfrac": 0.1, "wake_time_s": 0.2, "memory_after_wake": [{"allocated_bytes": 9}], "per_rank": [1]},
-        "persist": {"t_persist": 0.3, "key": "batches/p/2"},
-        "offload_rollout": {"seconds": 0.1, "memory": [{"process_bytes": 1}]},
-        "offload_train": {"seconds": 0.4},
-        "onload_weights": {"seconds": 0.05},
-        "onload_kv": {"seconds": 0.07},
-        "publish": {"seconds": {"gather": 0.01, "transfer": 0.2, "total": 0.25}, "transport_seconds": {"pack": 0.1},
+        Phase.TRAIN: {"loss": 0.5, "pg_clipfrac": 0.1, "wake_time_s": 0.2, "memory_after_wake": [{"allocated_bytes": 9}], "per_rank": [1]},
+        Phase.PERSIST: {"t_persist": 0.3, "key": "batches/p/2"},
+        Phase.OFFLOAD_ROLLOUT: {"seconds": 0.1, "memory": [{"process_bytes": 1}]},
+        Phase.OFFLOAD_TRAIN: {"seconds": 0.4},
+        Phase.ONLOAD_WEIGHTS: {"seconds": 0.05},
+        Phase.ONLOAD_KV: {"seconds": 0.07},
+        Phase.SYNC: {"seconds": {"gather": 0.01, "transfer": 0.2, "total": 0.25}, "transport_seconds": {"pack": 0.1},
                     "t_sync": 0.3, "trainer_memory_after_publish": [{"allocated_bytes": 1}]},
-        "check_weights": {"max_abs_diff": 0.01},
-        "save": {"path": "ckpt/2"},
+        Phase.CHECK_WEIGHTS: {"max_abs_diff": 0.01},
+        Phase.SAVE: {"path": "ckpt/2"},
     }
     rec = iteration_record(plan, {"rollout/reward_mean": 0.7, "rollout/time_build_s": 0.02, "rollout/hist": [1]}, False, done, 9.0)
     assert (rec["version_before"], rec["version_after"]) == (3, 4)

@@ -17,11 +17,11 @@ import json
 import math
 from typing import TYPE_CHECKING, Iterable
 
+from vime_core.step_protocol import T_STEP_TERMS
+
 if TYPE_CHECKING:
     from vime_core.storage.endpoint import S3Endpoint
     from vime_core.storage.fs import StorageLocation
-
-PHASES = ("rollout", "build", "persist", "offload", "train", "onload", "sync")
 
 # the files of a run's report folder
 CONFIG, METRICS, REWARD_CURVE, SUMMARY = "config.json", "metrics.jsonl", "reward_curve.png", "summary.json"
@@ -81,7 +81,7 @@ def _fmt(x, spec=".3f") -> str:
 
 def console_line(rec: dict) -> str:
     """`iter 7 v8->v9 reward 0.531 len 2.1 clip 0.012 T_step 2.41s [rollout 0.62 build 0.01 ...]`"""
-    phases = " ".join(f"{p} {_fmt(rec.get('t_' + p), '.2f')}" for p in PHASES)
+    phases = " ".join(f"{term} {_fmt(rec.get('t_' + term), '.2f')}" for term in T_STEP_TERMS)
     # a prefetched rollout started in the previous iteration: its T_rollout is the wait for it
     early = f" (started early, {_fmt(rec.get('time_total_s'), '.2f')} generating)" if rec.get("prefetched") else ""
     return (
