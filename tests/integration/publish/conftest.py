@@ -88,15 +88,27 @@ def hf_logprobs(model_dir: Path, state_dict: dict, prompt: list[int], tokens: li
     return logp[positions, torch.tensor(tokens)]
 
 
-def assert_serves(engine, model_dir, weights: dict, version: int) -> None:
-    """The engine's log-probs equal a transformers forward of `weights`, and it reports `version`."""
-    tokens, logprobs, spans = engine_sample(engine.url)
+def served(engine) -> tuple:
+    """What the engine serves now: a sample of PROMPT (tokens, log-probs, weight-version spans)
+    and the version it reports."""
+    return (*engine_sample(engine.url), engine_call(engine.url, "weight_version"))
+
+
+def check_served(observed: tuple, model_dir, weights: dict, version: int) -> None:
+    """`observed` (from served()) has the log-probs of a transformers forward of `weights`, and
+    the engine reported `version`."""
+    tokens, logprobs, spans, reported = observed
     expected = hf_logprobs(model_dir, weights, PROMPT, tokens)
     assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL), (logprobs, expected.tolist())
-    assert engine_call(engine.url, "weight_version") == version
+    assert reported == version
     from vime_core.engines.client import parse_weight_version
 
     assert [(parse_weight_version(s["version"]), s["start"], s["end"]) for s in spans] == [(version, 0, len(tokens))]
+
+
+def assert_serves(engine, model_dir, weights: dict, version: int) -> None:
+    """The engine's log-probs equal a transformers forward of `weights`, and it reports `version`."""
+    check_served(served(engine), model_dir, weights, version)
 
 
 def perturbed(state_dict: dict, seed: int, scale: float = 0.05) -> dict:

@@ -1,7 +1,8 @@
 """publish_weights against a real vLLM CPU server: versions, flushes, log-probs after the
 update, refused updates that leave the old weights serving, and the disk fallback.
 
-The tests share one server and run in file order: the first publish must find version 0.
+The tests share one server and run in any order: the first publish (from version 0) is made by
+a module fixture before any test, and every other test starts from the version the engine holds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from tests.integration.publish.conftest import (
-    LOGPROB_ATOL, PROMPT, assert_serves, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
+    LOGPROB_ATOL, PROMPT, assert_serves, check_served, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
+    served,
 )
 
 pytestmark = pytest.mark.slow
@@ -23,32 +25,40 @@ def publish(engine, weights: dict, version: int, **cfg_overrides) -> dict:
     return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0)
 
 
-def test_first_publish_is_version_1_flushes_and_serves_new_weights(publish_engine, tiny_model_dir, base_weights):
-    assert engine_call(publish_engine.url, "weight_version") == 0
-    assert_serves(publish_engine, tiny_model_dir, base_weights, 0)  # also fills the prefix cache
+@pytest.fixture(scope="module", autouse=True)
+def first_publish(publish_engine, base_weights) -> dict:
+    """The first publish to the engine as it started (version 0), before any test of the module
+    whichever runs first: what the engine served before and right after it."""
     new = perturbed(base_weights, seed=1)
-    tokens, _, _ = engine_sample(publish_engine.url)
+    before = served(publish_engine)  # also fills the prefix cache
+    stats = publish(publish_engine, new, 1)
+    return {"new": new, "before": before, "stats": stats, "after": served(publish_engine)}
+
+
+def test_first_publish_is_version_1_flushes_and_serves_new_weights(first_publish, tiny_model_dir, base_weights):
+    new, stats = first_publish["new"], first_publish["stats"]
+    check_served(first_publish["before"], tiny_model_dir, base_weights, 0)
+    tokens = first_publish["before"][0]
     moved = (hf_logprobs(tiny_model_dir, new, PROMPT, tokens) - hf_logprobs(tiny_model_dir, base_weights, PROMPT, tokens)).abs().max()
     assert moved > 10 * LOGPROB_ATOL  # the noise is visible in the log-probs
-
-    stats = publish(publish_engine, new, 1)
 
     assert stats["version"] == 1 and stats["flushed"] is True and stats["transport"] == "shm"
     total_bytes = sum(t.numel() * 4 for t in new.values())  # fp32 engine: fp32 on the wire
     assert stats["bytes"] == total_bytes
     assert stats["buckets"] >= -(-total_bytes // (64 * 1024))  # 64 KiB buckets (make_cfg)
     assert set(stats["seconds"]) >= {"validate", "pause", "transfer", "finish", "resume", "verify", "total"}
-    assert_serves(publish_engine, tiny_model_dir, new, 1)  # the cached prompt prefix was flushed
+    check_served(first_publish["after"], tiny_model_dir, new, 1)  # the cached prompt prefix was flushed
 
 
 def test_publish_without_flush_keeps_requests_and_updates(publish_engine, tiny_model_dir, base_weights):
     new = perturbed(base_weights, seed=2)
-    # interval 2: version 2 is not a flush version ((2 - 0 - 1) % 2 == 1)
-    stats = publish(publish_engine, new, 2, flush_cache_interval=2)
+    version = engine_call(publish_engine.url, "weight_version") + 1  # >= 2: the first publish was made
+    # interval = version: not a flush version ((version - 0 - 1) % version != 0); 2 and 2 in file order
+    stats = publish(publish_engine, new, version, flush_cache_interval=version)
     assert stats["flushed"] is False
-    assert engine_call(publish_engine.url, "weight_version") == 2
+    assert engine_call(publish_engine.url, "weight_version") == version
     engine_call(publish_engine.url, "reset_prefix_cache")  # not flushed above, by design
-    assert_serves(publish_engine, tiny_model_dir, new, 2)
+    assert_serves(publish_engine, tiny_model_dir, new, version)
 
 
 def _shape_mismatch(w):
