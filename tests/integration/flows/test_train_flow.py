@@ -4,8 +4,10 @@ the engine's version and log-probs against the trainer, load the checkpoint and 
 retry a failed task, re-run a killed iteration, and replay a stored batch bit for bit. The model
 is given as a hub id (``--hf-checkpoint vime-test/tiny-qwen3``) resolved from a prepared HF cache.
 
-One run is shared by the module (engines take ~40 s to start on 2 cores); tests that extend it
-run in file order.
+One run is shared by the module (engines take ~40 s to start on 2 cores). The tests run in any
+order: those that read the run look at the train flow's three iterations (or at the state the
+engines and the trainer agree on now), and each test that extends it runs the run's next
+iteration, whichever ran before (3, 4 and 5 in file order).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def _handles(cfg):
     return attach(cfg)
 
 
+def _next_rollout_id(trainers) -> int:
+    """The rollout id the run goes on with: 3 after the train flow, one more for every test that
+    has extended the run since."""
+    return trainers.rank0("state")["last_trained_rollout_id"] + 1
+
+
 def test_three_batches_stored_with_lineage(trained):
     from vime_core.config import config_hash
     from vime_core.run_assets import resolve_run_config
@@ -97,7 +105,8 @@ def test_every_publish_is_checked_against_the_trainer(trained):
     from vime_core.report.records import read_records
 
     cfg, _ = trained
-    checks = [r["weight_check"] for r in read_records(cfg.storage_uri, cfg.run_name)]
+    records = read_records(cfg.storage_uri, cfg.run_name)
+    checks = [r["weight_check"] for r in records if r["rollout_id"] < cfg.num_rollout]  # the train flow's
     assert [c["version"] for c in checks] == [k + 2 for k in range(cfg.num_rollout)]
     assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
     assert all(c["changed_max"] > LOGPROB_TOLERANCE for c in checks[1:]), checks
@@ -106,9 +115,15 @@ def test_every_publish_is_checked_against_the_trainer(trained):
 def test_engine_reports_version_4(trained):
     import ray
 
+    from vime_core.report.records import read_records
+
     cfg, _ = trained
     manager, trainers = _handles(cfg)
-    final = 1 + cfg.num_rollout  # v1 after bootstrap, one more per iteration (the spec's 1 -> 4)
+    # v1 after bootstrap, one more per iteration: the train flow went 1 -> 4 (the spec's 1 -> 4)
+    records = read_records(cfg.storage_uri, cfg.run_name)[:cfg.num_rollout]
+    assert [(r["version_before"], r["version_after"]) for r in records] == [(1, 2), (2, 3), (3, 4)]
+    # the engine reports what the trainer published last: 4, or one more per iteration a test added
+    final = 1 + _next_rollout_id(trainers)
     assert ray.get(manager.weight_versions.remote()) == [final]
     assert trainers.rank0("state")["weight_version"] == final
 
@@ -118,7 +133,7 @@ def test_sync_to_the_version_the_engines_hold_publishes_nothing(trained):
 
     cfg, _ = trained
     _, trainers = _handles(cfg)
-    final = 1 + cfg.num_rollout
+    final = 1 + _next_rollout_id(trainers)  # 4 after the train flow
     out = sync_weights(cfg, final)  # a task run of its own, outside any flow
     assert out["skipped"] is True and out["started_rollout"] is False
     assert trainers.rank0("state")["weight_version"] == final
@@ -133,7 +148,8 @@ def test_sync_whose_publish_fails_changes_nothing_and_starts_no_rollout(trained,
 
     cfg, _ = trained
     manager, trainers = _handles(cfg)
-    final = 1 + cfg.num_rollout
+    next_id = _next_rollout_id(trainers)  # 3 after the train flow
+    final = 1 + next_id
     real = sync_task.run_handles
 
     class PublishToNoEngine:  # publish_weights refuses an empty engine list
@@ -149,7 +165,7 @@ def test_sync_whose_publish_fails_changes_nothing_and_starts_no_rollout(trained,
     monkeypatch.setattr(sync_task, "run_handles", lambda c: (real(c)[0], PublishToNoEngine(real(c)[1])))
     monkeypatch.setattr(sync_task.sync_weights, "retry_delay_seconds", 0)
     with pytest.raises(Exception, match="engine_urls is empty"):
-        sync_task.sync_weights(cfg, final + 1, start_rollout_id=cfg.num_rollout)
+        sync_task.sync_weights(cfg, final + 1, start_rollout_id=next_id)
     assert ray.get(manager.weight_versions.remote()) == [final]
     assert trainers.rank0("state")["weight_version"] == final
     assert ray.get(manager.prefetched.remote()) is None
@@ -198,13 +214,15 @@ def test_checkpoint_and_hf_export_load_in_transformers(trained):
 
 
 def test_failed_task_is_retried_and_trains_once(trained, monkeypatch):
-    """train-3 fails after the trainer trained; Prefect retries it; no second optimizer step."""
+    """train-k (the run's next iteration, 3 in file order) fails after the trainer trained;
+    Prefect retries it; no second optimizer step."""
     import tasks.train as train_task
     from flows.iteration import iteration
 
     cfg, _ = trained
-    cfg4 = cfg.model_copy(update={"num_rollout": 4})
-    _, trainers = _handles(cfg4)
+    _, trainers = _handles(cfg)
+    k = _next_rollout_id(trainers)
+    cfg_k = cfg.model_copy(update={"num_rollout": k + 1})
     steps_before = trainers.rank0("state")["optimizer_steps"]
     real = train_task.run_handles
     failures = {"left": 1}
@@ -226,11 +244,11 @@ def test_failed_task_is_retried_and_trains_once(trained, monkeypatch):
             return self._fail_once(self.group.wait(refs))
 
     monkeypatch.setattr(train_task, "run_handles", lambda c: (real(c)[0], FailAfterTrain(real(c)[1])))
-    record = iteration(cfg4, 3)
+    record = iteration(cfg_k, k)
     assert failures["left"] == 0
-    assert trainers.rank0("state")["last_trained_rollout_id"] == 3
-    assert trainers.rank0("state")["optimizer_steps"] == steps_before + cfg4.num_steps_per_rollout
-    assert record["version_after"] == 5  # rollout 3 samples v4 and trains it into v5
+    assert trainers.rank0("state")["last_trained_rollout_id"] == k
+    assert trainers.rank0("state")["optimizer_steps"] == steps_before + cfg_k.num_steps_per_rollout
+    assert record["version_after"] == k + 2  # rollout 3 samples v4 and trains it into v5
 
 
 def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
@@ -239,22 +257,23 @@ def test_killed_iteration_resumes_from_stored_batch(trained, monkeypatch):
     from vime_core.storage import BatchStore
 
     cfg, _ = trained
-    cfg5 = cfg.model_copy(update={"num_rollout": 5})
+    k = _next_rollout_id(_handles(cfg)[1])  # 4 in file order
+    cfg_k = cfg.model_copy(update={"num_rollout": k + 1})
 
-    def killed(c):  # every try of train-4 dies: the iteration fails after persisting
-        raise RuntimeError("simulated crash during train-4")
+    def killed(c):  # every try of train-k dies: the iteration fails after persisting
+        raise RuntimeError(f"simulated crash during train-{k}")
 
     monkeypatch.setattr(train_task, "run_handles", killed)
-    with pytest.raises(RuntimeError, match="simulated crash during train-4"):
-        iteration(cfg5, 4)
-    assert BatchStore(cfg.storage_uri).exists(cfg.run_name, 4)
+    with pytest.raises(RuntimeError, match=f"simulated crash during train-{k}"):
+        iteration(cfg_k, k)
+    assert BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
     monkeypatch.undo()
-    record = iteration(cfg5, 4)
-    assert record["from_store"] is True and record["version_after"] == 6  # rollout 4: v5 -> v6
+    record = iteration(cfg_k, k)
+    assert record["from_store"] is True and record["version_after"] == k + 2  # rollout 4: v5 -> v6
 
 
 def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(trained, monkeypatch):
-    """persist-5 fails on every try while train-5 trains beside it: the iteration fails and no
+    """persist-k (5 in file order) fails on every try while train-k trains beside it: the iteration fails and no
     rollout is started on the weights trained on the unstored batch; the re-run stores the very
     batch the trainer trained on (the RolloutManager hands it out again) and does not train a
     second time."""
@@ -266,8 +285,9 @@ def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(traine
     from vime_core.storage import BatchStore
 
     cfg, _ = trained
-    cfg6 = cfg.model_copy(update={"num_rollout": 7})  # not the last iteration: sync would start rollout 6
-    manager, trainers = _handles(cfg6)
+    manager, trainers = _handles(cfg)
+    k = _next_rollout_id(trainers)
+    cfg_k = cfg.model_copy(update={"num_rollout": k + 2})  # not the last iteration: sync would start rollout k + 1
 
     def store_down(*args, **kwargs):
         raise OSError("simulated object store outage")
@@ -275,18 +295,18 @@ def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(traine
     monkeypatch.setattr(batch_io, "save", store_down)
     monkeypatch.setattr(rollout_task.persist, "retry_delay_seconds", 0)
     with pytest.raises(OSError, match="simulated object store outage"):
-        iteration(cfg6, 5)
-    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
-    assert trainers.rank0("state")["last_trained_rollout_id"] == 5
+        iteration(cfg_k, k)
+    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
+    assert trainers.rank0("state")["last_trained_rollout_id"] == k
     steps = trainers.rank0("state")["optimizer_steps"]
-    assert ray.get(manager.prefetched.remote()) is None  # rollout 6 not started
+    assert ray.get(manager.prefetched.remote()) is None  # rollout k + 1 not started
     monkeypatch.undo()
-    record = iteration(cfg6, 5)
+    record = iteration(cfg_k, k)
     assert record["reused"] == 1.0 and not record["from_store"]
-    assert BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
+    assert BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
     assert trainers.rank0("state")["optimizer_steps"] == steps  # not trained again
-    assert record["version_after"] == 7
-    assert ray.get(manager.prefetched.remote()) == (6, 7)  # the re-run's sync started it
+    assert record["version_after"] == k + 2
+    assert ray.get(manager.prefetched.remote()) == (k + 1, k + 2)  # the re-run's sync started it
     ray.get(manager.discard_prefetch.remote())
 
 
