@@ -1,8 +1,9 @@
 """A run survives its processes being killed (issue 15), on real actors: a Ray head, one vLLM CPU
 engine behind vllm-router, one Megatron actor, Prefect.
 
-One run is shared by the module (engines take ~40 s to start on 2 cores); its tests run in file
-order, each extending it:
+One run is shared by the module (engines take ~40 s to start on 2 cores). The run the module's
+fixture makes (the first case below) is checked when it ends; each test after it takes the run
+on from wherever it stands, so the tests run in any order:
 - the trainer actor's process is SIGKILLed as train-3 starts (training was dispatched with the
   rollout: the trainer is training rollout 3 or has just trained it, and what it trained since
   its checkpoint is lost either way): the train flow retries the iteration, bootstrap rebuilds
@@ -108,6 +109,9 @@ def killed_trainer(tmp_path_factory, ray_head, tiny_model_dir):
         mp.setattr(train_task.train, "retry_delay_seconds", 0)
         summary = train(cfg)
     assert seen["killed"]
+    # the run as it ended, before any test takes it further (the tests run in any order)
+    _check_run(cfg, cfg.num_rollout)
+    summary["raw_records"] = _raw_records(cfg)
     yield cfg, summary, seen["pid"]
     teardown(cfg.run_name)
 
@@ -154,10 +158,9 @@ def test_killed_trainer_is_rebuilt_and_the_run_continues_exactly(killed_trainer)
     cfg, summary, old_pid = killed_trainer
     _, trainers = _handles(cfg)
     assert _trainer_pid(trainers) != old_pid  # a new process
-    assert summary["failed_attempts"] == {KILLED_ROLLOUT: 1}
-    _check_run(cfg, cfg.num_rollout)
+    assert summary["failed_attempts"] == {KILLED_ROLLOUT: 1}  # and _check_run held as the run ended
 
-    raw = _raw_records(cfg)
+    raw = summary["raw_records"]
     # the dead trainer finished 0-2; the rebuilt one (checkpoint of rollout 1) trained 2, 3, 4
     assert [r["rollout_id"] for r in raw] == [0, 1, 2, 2, 3, 4]
     first, again = raw[2], raw[3]
@@ -169,8 +172,9 @@ def test_killed_trainer_is_rebuilt_and_the_run_continues_exactly(killed_trainer)
 
 
 def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
-    """The trainer refuses rollout 5's batch (a response of length 0): the iteration runs once,
-    the train flow fails with one line naming the error and what to do, and nothing moved."""
+    """The trainer refuses the batch of the run's next rollout (5 in file order; a response of
+    length 0): the iteration runs once, the train flow fails with one line naming the error and
+    what to do, and nothing moved."""
     import ray
 
     import flows.iteration as iteration_flow
@@ -180,10 +184,11 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
     from vime_core.storage import BatchStore
 
     cfg, _, _ = killed_trainer
-    cfg6 = cfg.model_copy(update={"num_rollout": 6})
-    _, trainers = _handles(cfg6)
+    _, trainers = _handles(cfg)
     before = trainers.rank0("state")
-    batch, _ = BatchStore(cfg.storage_uri).read(cfg.run_name, 4)
+    k = before["last_trained_rollout_id"] + 1
+    cfg_k = cfg.model_copy(update={"num_rollout": k + 1})
+    batch, _ = BatchStore(cfg.storage_uri).read(cfg.run_name, k - 1)
     batch["response_length"][0] = 0
     bad = ray.put(batch)
     attempts = []
@@ -201,15 +206,15 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
         mp.setattr(train_flow, "iteration", counted)
         mp.setattr(train_task.train, "retry_delay_seconds", 0)
         with pytest.raises(train_flow.IterationFailedError) as info:
-            train_flow.train(cfg6)
-    assert attempts == [5]
+            train_flow.train(cfg_k)
+    assert attempts == [k]
     message = str(info.value)
-    assert message.startswith("iteration 5 failed: sample 0"), message
+    assert message.startswith(f"iteration {k} failed: sample 0"), message
     assert "response_length=0" in message and "(UntrainableBatchError)" in message
     assert "a configuration or data error, not retried; fix it" in message and "\n" not in message
     after = trainers.rank0("state")
     assert (after["last_trained_rollout_id"], after["optimizer_steps"]) == (before["last_trained_rollout_id"], before["optimizer_steps"])
-    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, 5)
+    assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
 
 
 def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None) -> subprocess.Popen:
