@@ -162,7 +162,7 @@ def test_tasks_import_no_flows():
     assert _violations("tasks", {"flows"}) == []
 
 
-# "Pure math stays free of Ray, HTTP and Prefect" (DESIGN.md section 2): these modules, and every
+# "Pure math stays free of Ray, HTTP and Prefect" (docs/architecture.md, the import contract): these modules, and every
 # module they import, directly or not, stay inside algo/ and data/ and import none of LIBRARIES.
 MATH = ("vime_core.algo", "vime_core.data.batch", "vime_core.data.schedule")
 ACTOR_AND_NETWORK_LIBRARIES = {"ray", "prefect", "httpx", "aiohttp", "requests", "urllib3", "fastapi", "uvicorn"}

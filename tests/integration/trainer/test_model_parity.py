@@ -1,5 +1,5 @@
 """The Megatron model built from an HF checkpoint computes what transformers computes, and the
-HF -> Megatron -> HF conversion is exact (TP=1 here; TP=2 in test_tensor_parallel.py)."""
+HF -> Megatron -> HF conversion is exact (TP=1 here; TP=2 in test_distributed.py and test_sharded_checkpoint.py)."""
 
 from __future__ import annotations
 
