@@ -10,7 +10,7 @@ fixed 2 s client back-off that the iteration loop waits out. The colliding write
 task-run recorder (batched here: the UI shows task states up to 5 s later) and the event
 persister (off here: runs, task runs, logs and artifacts are still recorded, only the UI's event
 feed stays empty; PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=true keeps it). A
-Postgres-backed server needs none of this. Measurements: bench/results/README.md.
+Postgres-backed server needs none of this. Measurements: docs/measurements.md.
 
 Heartbeats: a flow run's heartbeat thread sleeps in 1-second steps and is joined when the run
 ends, so every flow run waits up to ~1 s at exit. The train flow keeps its heartbeat (the UI

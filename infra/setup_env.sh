@@ -40,8 +40,7 @@ if [ ! -x .venv/bin/vime ] || [ "$(cat "$editable_stamp" 2>/dev/null)" != "$edit
 fi
 
 build_env .venv-vllm requirements/vllm.lock.txt vLLM
-# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch
-# (see shared ENVIRONMENT.md); text models do not need them.
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch; text models do not need them.
 .venv-vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # tcmalloc makes the vLLM CPU server 5-8% faster; optional (needs root and Debian's apt).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the trainer side imports that the shared GPU bundle (../shared/gpu-host/pins-trainer.txt)
+# Wheels the trainer side imports that the GPU host's bundle of pinned wheels (built outside this repository)
 # does not carry, at the versions of requirements/trainer.lock.txt, for the H200 host's Python
 # 3.12 on x86_64. Put them beside the bundle's parts (e.g. .gpu/p4/): run_colocated_h200.sh
 # unpacks every *.whl it finds there into /tmp/site-trainer. Any Python with pip runs it.

@@ -17,7 +17,7 @@
 #   KEEP_ACTORS=1  engines and trainer stay up: the same command with a larger ITERATIONS
 #                  attaches to them and goes on (tests/gpu's checks start from such a run)
 #   BASELINES_FROM=N  then bench/gpu/colocated_baselines.py against the iterations from N
-# Needs the bundle's pieces in $PARTS (default /tmp/parts; ../shared/gpu-host/build_bundle.sh)
+# Needs the bundle's pieces in $PARTS (default /tmp/parts: the GPU host's bundle of pinned wheels, built outside this repository)
 # and the wheels of bench/gpu/extra_wheels.sh: unpacked into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -9,7 +9,7 @@
         --num-gpus 1 --resources '{"vime_engine": 1}' --temp-dir /tmp/vime-ray-w
     python -m vime_core.cluster.local_head leave --temp-dir /tmp/vime-ray-w
 
-What it takes care of (shared ENVIRONMENT.md, "Ray on one machine"):
+What it takes care of:
 - loopback only: `--node-ip-address=127.0.0.1` plus RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (without
   it Ray silently picks a non-loopback address); drivers need the same variable
   (vime_core.cluster.connect sets it);

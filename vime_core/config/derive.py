@@ -225,7 +225,7 @@ def _check_weight_transport(cfg: ConfigFields) -> None:
 
 
 def engine_server_args(cfg: ConfigFields) -> dict:
-    """The vLLM server options the configuration implies (step 2 of the walkthrough)."""
+    """The vLLM server options the configuration implies."""
     vllm_backend = _vllm_backends()[weight_transport(cfg)]
     return {
         "enable_sleep_mode": bool(cfg.offload_rollout),

@@ -2,7 +2,7 @@
 
 Field names are the flag names users of slime / verl already know (`--rollout-batch-size 32`).
 Each field's description is its documentation: it is what `vime train --help` prints, what the
-Prefect UI shows in the parameter form, and what the README's configuration table is generated
+Prefect UI shows in the parameter form, and what docs/configuration.md is generated
 from. A field's constraints are its own (type, bounds, pattern, the registered estimator names).
 
 This module is a leaf of the configuration: the configuration a run uses, `VimeConfig`

@@ -1,5 +1,5 @@
 """The DP schedule: which samples each data-parallel rank trains on, in which step and
-micro-batch (walkthrough step 31).
+micro-batch (the build phase).
 
     num_steps      = N // global_batch_size            (N must be a multiple; nothing is dropped)
     per_rank       = global_batch_size // dp_size      samples of each step on each rank

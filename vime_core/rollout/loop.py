@@ -1,4 +1,4 @@
-"""The default rollout function (steps 14-29 of the worked example), asynchronous end to end.
+"""The default rollout function (the rollout phase), asynchronous end to end.
 
     target = rollout_batch_size groups
     while kept < target:

@@ -4,7 +4,7 @@ Asleep (offload_train), a trainer rank should hold on the device only what it st
 PyTorch's default allocator a segment (one cudaMalloc) goes back to the driver only once every
 block in it is free, so a few small tensors left in segments that held activations keep those
 whole segments reserved: on an H200, 0.07 GiB still allocated after the publish kept 3.3 GiB
-reserved (39% of the awake 8.5 GiB; bench/results/README.md). With expandable segments a segment
+reserved (39% of the awake 8.5 GiB; docs/measurements.md). With expandable segments a segment
 is virtual memory mapped page by page, and `torch.cuda.empty_cache()` unmaps every free page.
 
 The publish's buckets are shared with the engines over CUDA IPC, which needs cudaMalloc'd memory:

@@ -1,5 +1,5 @@
 """Publish the trainer's HF-named weights into running vLLM engines as version `new_version`
-(walkthrough steps 45-52; the first publish at startup is version 1).
+(the sync phase; the first publish at startup is version 1).
 
     gather    materialise the (name, tensor) stream (TP gathers happen here, in the caller's
               iterator); everything is checked before anything moves, so it is held whole
