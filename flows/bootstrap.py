@@ -1,4 +1,4 @@
-"""The bootstrap job on its own (design steps 1-13): bring up a run's engines, router and
+"""The bootstrap job on its own: bring up a run's engines, router and
 trainer group, restore its latest checkpoint, publish the weights. Idempotent."""
 
 from __future__ import annotations
