@@ -1,4 +1,4 @@
-"""Train one rollout on this rank (walkthrough steps 37-40): DP partition, old/reference
+"""Train one rollout on this rank: DP partition, old/reference
 log-probs, advantages, then ``num_steps`` optimizer steps.
 
     check       validate_trainable, requiring rollout_log_probs where a flag reads them

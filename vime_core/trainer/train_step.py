@@ -1,4 +1,4 @@
-"""One training step over this DP rank's micro-batches (walkthrough steps 38-40).
+"""One training step over this DP rank's micro-batches.
 
 For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
 
