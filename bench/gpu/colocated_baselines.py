@@ -40,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 
 def _median(values):
@@ -49,25 +50,12 @@ def _median(values):
 
 async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: int) -> dict:
     """Every prompt once, straight to the server; the same budget rule as rollout/generate."""
-    from vime_core.engines.client import EngineClient
+    from rollout_vs_offline import through_server
+
     from vime_core.rollout.generate import base_sampling_params
 
-    base = base_sampling_params(cfg)
-    gate = asyncio.Semaphore(concurrency)
-    async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2)) as client:
-        await client.reset_prefix_cache()
-
-        async def one(tokens: list[int]) -> int:
-            room = cfg.rollout_max_context_len - len(tokens)
-            params = dict(base, max_tokens=min(cfg.rollout_max_response_len, room))
-            async with gate:
-                answer = await client.generate(tokens, params)
-            return len(answer["choices"][0]["token_ids"])
-
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / wall}
+    params = dict(base_sampling_params(cfg), max_tokens=cfg.rollout_max_response_len)
+    return await through_server(url, prompts, params, concurrency, cfg.rollout_max_context_len)
 
 
 def device_copy_s(nbytes: int, repeats: int = 20) -> float:

@@ -73,7 +73,11 @@ def offline(cfg, prompts: list[list[int]], flags: list[str], params: dict, repea
     return json.loads((work / "offline.json").read_text())
 
 
-async def through_server(url: str, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
+async def through_server(url: str, prompts: list[list[int]], params: dict, concurrency: int,
+                         max_context_len: int | None = None) -> dict:
+    """Every prompt once, straight to the server, `concurrency` in flight (prefix cache reset
+    first); with `max_context_len`, max_tokens is cut to the room each prompt leaves, as
+    rollout/generate does."""
     from vime_core.engines.client import EngineClient
 
     gate = asyncio.Semaphore(concurrency)
@@ -81,8 +85,11 @@ async def through_server(url: str, prompts: list[list[int]], params: dict, concu
         await client.reset_prefix_cache()
 
         async def one(tokens: list[int]) -> int:
+            asked = params
+            if max_context_len is not None:
+                asked = dict(params, max_tokens=min(params["max_tokens"], max_context_len - len(tokens)))
             async with gate:
-                answer = await client.generate(tokens, params)
+                answer = await client.generate(tokens, asked)
             return len(answer["choices"][0]["token_ids"])
 
         t0 = time.perf_counter()
