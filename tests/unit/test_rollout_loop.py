@@ -544,3 +544,24 @@ def test_a_router_that_never_lets_a_request_through_fails_the_rollout_naming_it(
     state.generate_fn = failing_generate(lambda s: True, retryable=True)
     with pytest.raises(RolloutFailedError, match=r"no request got through fake within rollout_engine_wait_s=0.3 s.*HTTP 503"):
         run_loop(state)
+
+
+def test_eval_generates_through_the_runs_generate_hook(make_cfg, tokenizer):
+    """A multi-turn recipe's eval runs in turns too: eval calls the state's generate_fn, not the
+    single-turn default."""
+    from vime_core.data.data_source import load_prompt_rows
+    from vime_core.rollout.eval import run_eval
+    from vime_core.rollout.generate import generate_sample
+
+    cfg = make_cfg()
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    hooked = []
+
+    async def hook(ctx, sample, params):
+        hooked.append(sample.session_id)
+        return await generate_sample(ctx, sample, params)
+
+    state.generate_fn = hook
+    rows = load_prompt_rows(cfg.prompt_data, cfg, tokenizer)[:2]
+    samples, _ = asyncio.run(run_eval(state, rows, rollout_id=0))
+    assert sorted(hooked) == sorted(s.session_id for s in samples) and len(samples) == 2 * cfg.n_samples_per_eval_prompt

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from vime_core.data.sample import Sample, Status
-from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+from vime_core.rollout.generate import GenerateContext, base_sampling_params
 
 
 def eval_samples(rows: list[Any], n_samples: int) -> list[list[Sample]]:
@@ -42,7 +42,7 @@ async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[S
 
     async def one(sample: Sample) -> Sample:
         async with sem:
-            await generate_sample(ctx, sample, dict(params))
+            await state.generate_fn(ctx, sample, dict(params))  # the run's hook: a multi-turn recipe evaluates in turns
         if sample.status in (Status.COMPLETED, Status.TRUNCATED):
             await state.reward_hub.score(sample)
         if sample.reward is None:
