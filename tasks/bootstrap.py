@@ -1,5 +1,5 @@
-"""bootstrap: design steps 1-13. Idempotent: attaches to the run's actors when they exist,
-creates what is missing, restores the latest checkpoint of the run, wakes the weights of engines
+"""bootstrap: the run's startup (resources, engines, router, trainer actors, checkpoint, version 1,
+KV wake). Idempotent: attaches to the run's actors when they exist, creates what is missing, restores the latest checkpoint of the run, wakes the weights of engines
 a stopped iteration left asleep, publishes the trainer's weights to the engines when they differ
 or were asleep, and wakes the KV cache."""
 
@@ -74,7 +74,7 @@ def bootstrap(config: VimeConfig) -> dict:
     seconds["published"] = time.perf_counter() - t0
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
-    ray.get(manager.onload_kv.remote())  # steps 10-13
+    ray.get(manager.onload_kv.remote())  # the last startup step: the engines' KV caches
     seconds["kv_onloaded"] = time.perf_counter() - t0
     last = state.get("last_trained_rollout_id")
     out = {

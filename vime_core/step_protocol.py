@@ -50,7 +50,7 @@ class Phase(StrEnum):
     REPORT = "report"
 
 
-# The record's phase times `t_<term>` (DESIGN.md's T_step = T_rollout + T_build + ...), in step
+# The record's phase times `t_<term>` (docs/architecture.md's T_step = T_rollout + T_build + ...), in step
 # order, and the phases each term sums: build is the rollout's own batch building; offload and
 # onload add the engines' and the trainer's moves. Stored records are read by these keys.
 T_STEP_TERMS = {
