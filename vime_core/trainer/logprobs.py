@@ -141,12 +141,7 @@ def packed_response_log_probs_full(
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The full head: logits at every position, then the response rows (reference and baseline)."""
-    logits = model(
-        packed.input_ids,
-        packed.position_ids,
-        None,  # THD packing: attention is causal inside each sample (cu_seqlens)
-        packed_seq_params=packed.packed_seq_params(),
-    )
+    logits = forward_packed(model, packed)
     response_logits = logits[0].index_select(0, packed.logit_index)
     return log_probs_and_entropy(response_logits, packed.targets, vocab_size, temperature, with_entropy, entropy_grad)
 
@@ -168,14 +163,14 @@ def packed_response_log_probs(
 
     gpt = unwrap(model)
     with hidden_states_only(gpt):
-        hidden = model(
-            packed.input_ids,
-            packed.position_ids,
-            None,  # THD packing: attention is causal inside each sample (cu_seqlens)
-            packed_seq_params=packed.packed_seq_params(),
-        )  # [T, 1, hidden]: the decoder's output after the final norm
+        hidden = forward_packed(model, packed)  # [T, 1, hidden]: the decoder's output after the final norm
     rows = hidden[:, 0].index_select(0, packed.logit_index)
     return response_log_probs(rows, output_weight(gpt), packed.targets, vocab_size, temperature, with_entropy, entropy_grad)
+
+
+def forward_packed(model: torch.nn.Module, packed: "PackedMicroBatch") -> torch.Tensor:  # noqa: F821
+    """The model on a THD-packed micro-batch: attention is causal inside each sample (cu_seqlens)."""
+    return model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.packed_seq_params())
 
 
 @contextmanager
