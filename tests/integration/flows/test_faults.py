@@ -318,7 +318,10 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
         time.sleep(0.5)
         t0 = time.monotonic()
         os.killpg(driver.pid, signal.SIGTERM)
-        rc = driver.wait(timeout=GRACE_S + 30)
+        try:
+            rc = driver.wait(timeout=GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver outlived its grace period after SIGTERM:\n{_tail(log)}")
         elapsed = time.monotonic() - t0
     finally:
         if driver.poll() is None:
