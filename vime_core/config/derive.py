@@ -49,8 +49,7 @@ def samples_per_rollout(cfg: ConfigFields) -> int:
 
 
 def platform_supports_sleep(cfg: ConfigFields) -> bool:
-    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none (the same
-    answer as vime_core.engines.server.platform_supports_sleep, without importing the engines)."""
+    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none."""
     return cfg.device == "cuda"
 
 

@@ -70,9 +70,10 @@ class RolloutManager:
         the current weights (the trainer's publisher); without it a restarted engine serves the
         checkpoint's weights, and a warning says so."""
         from vime_core.config import num_engines
+        from vime_core.config.derive import platform_supports_sleep
         from vime_core.data.data_source import DataSource, load_tokenizer
         from vime_core.engines.health import HealthMonitor
-        from vime_core.engines.server import EngineServer, platform_supports_sleep
+        from vime_core.engines.server import EngineServer
         from vime_core.rewards.filters import load_filter
         from vime_core.rewards.hub import RewardHub
         from vime_core.rollout.generate import generate_sample
