@@ -15,10 +15,12 @@ GPU, colocated and disaggregated runs. The order is flows/iteration.py's, read t
 
 Where engines cannot sleep (CPU; engines on their own GPUs) the three engine moves are not run
 at all (each would be a no-op task run costing Prefect bookkeeping), and the overlaps apply:
-the rollout task submits training and the publish to Ray, chained on the batch by object
-references (tasks/dispatch.py), so the train and sync tasks wait for calls already running; with `rollout_prefetch` the sync itself starts rollout k + 1 on the new weights,
-unless an evaluation is due first (then the flow starts it after the evaluation). Where engines
-sleep, nothing is prefetched: their KV cache is awake only after onload-kv.
+the iteration flow submits training and the publish to Ray right after the rollout, chained on
+the batch by object references (tasks.sync.train_then_publish), so the train and sync tasks
+wait for calls already running; with `rollout_prefetch` the sync itself starts rollout k + 1 on
+the new weights, unless an evaluation is due first (then the flow starts it after the
+evaluation). Where engines sleep, nothing is prefetched: their KV cache is awake only after
+onload-kv.
 
 The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing.
 """

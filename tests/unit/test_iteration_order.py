@@ -23,7 +23,7 @@ class _Done:
 
 
 class _Out:
-    batch_ref, metrics, from_store, next_stored, dispatched = "batch", {}, False, False, None
+    batch_ref, metrics, from_store, next_stored = "batch", {}, False, False
 
 
 def _run(monkeypatch, **overrides) -> list[str]:
@@ -41,8 +41,8 @@ def _run(monkeypatch, **overrides) -> list[str]:
         name = getattr(it, attr).name
         assert name in set(Phase), f"{attr}'s task name {name!r} is not a Phase"
         monkeypatch.setattr(it, attr, stub(name, _Out() if name == Phase.ROLLOUT else {}))
-    if hasattr(it, "train_then_publish"):  # submitted to Ray by the flow, ahead of the train task
-        monkeypatch.setattr(it, "train_then_publish", stub("train_then_publish", None))
+    # training and the publish, submitted to Ray by the flow ahead of the train and sync tasks
+    monkeypatch.setattr(it, "train_then_publish", stub("train_then_publish", None))
     monkeypatch.setattr(it.interrupt, "reinstall", lambda: None)
     cfg = make_config({"run_name": "order", "num_rollout": 10, **overrides})
     it.iteration.fn(cfg, 4)
@@ -51,7 +51,8 @@ def _run(monkeypatch, **overrides) -> list[str]:
 
 def test_cpu_iteration_order(monkeypatch):
     calls = _run(monkeypatch, device="cpu", rollout_prefetch=True, eval_interval=5, save_interval=5)
-    assert calls == ["rollout", "persist", "train", "sync", "eval", "save", "start-next-rollout", "report"]
+    assert calls == ["rollout", "train_then_publish", "persist", "train", "sync", "eval", "save", "start-next-rollout",
+                     "report"]
 
 
 def test_colocated_gpu_iteration_order(monkeypatch):

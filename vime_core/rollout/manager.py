@@ -22,8 +22,8 @@ flow stores a batch while the trainer trains on it; if the store fails and the i
 re-run, the trainer (which already trained rollout k) skips it and the batch stored is the one
 it trained on. Calls of `generate` run one at a time (a lock): a retried rollout task that asks
 while its first try's call still runs gets that call's result, not a second rollout; the
-trainer may already be training on the first (the rollout task dispatches training on the
-batch's reference).
+trainer may already be training on an earlier result (the iteration flow submits training
+on the batch's reference as soon as the rollout task returns).
 """
 
 from __future__ import annotations
@@ -403,13 +403,12 @@ class RolloutManager:
     def resume_admission(self) -> None:
         self.admission_open.set()
 
-    def begin_sync(self, target_version: int, *after: Any) -> Optional[list[str]]:
+    def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
         """The engine side of sync's start, in one actor call: None when every engine already
-        reports `target_version` (nothing to publish), else admission paused and the engines'
-        URLs to publish to. `after` is ignored: a reference passed there (the rollout's metrics,
-        tasks.dispatch) makes Ray run this call only once the rollout has ended."""
+        reports `target_version` (nothing to publish) and not `force`, else admission paused and
+        the engines' URLs to publish to (tasks.sync.publish)."""
         versions = self.weight_versions()
-        if versions and all(v == target_version for v in versions):
+        if not force and versions and all(v == target_version for v in versions):
             return None
         self.pause_admission()
         return self.engine_urls()
@@ -420,8 +419,9 @@ class RolloutManager:
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
 
-        `published` is ignored: sync passes the trainer ranks' `update_weights` references there
-        so that Ray runs this call the moment the publish ends (and not at all when it fails)."""
+        `published` is not read: the sync task passes the trainer ranks' `update_weights`
+        references there, top-level arguments that Ray resolves before it runs a call, so this
+        call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:

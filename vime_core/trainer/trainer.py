@@ -195,7 +195,7 @@ class MegatronTrainer:
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
         answer inside Ray, without a round trip through the driver. ``after`` is ignored:
-        references passed there (every rank's train call, tasks.dispatch) make Ray run the
+        references passed there (every rank's train call, tasks.sync.publish) make Ray run the
         publish only once they succeeded."""
         if engine_urls is None:
             return None
