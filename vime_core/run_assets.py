@@ -1,5 +1,5 @@
 """Resolving a configuration for the actors of a run: absolute paths (actors do not share the
-driver's working directory), a hub id in ``hf_checkpoint`` replaced by its local snapshot folder
+driver's working directory), a hub id in ``hf_checkpoint`` (and ``opd_teacher_load``) replaced by its local snapshot folder
 (vime_core/models/hub.py), and the embedded default model and task data when the configuration
 names none (the default job on a fresh machine)."""
 
@@ -48,6 +48,7 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
     updates = {
         "storage_uri": _abs(cfg.storage_uri, base),
         "hf_checkpoint": _checkpoint_folder(cfg.hf_checkpoint, base),
+        "opd_teacher_load": _checkpoint_folder(cfg.opd_teacher_load, base) if cfg.opd_teacher_load else None,
         "prompt_data": resolve_local(cfg.prompt_data, base),
         "eval_prompt_data": resolve_local(cfg.eval_prompt_data, base),
         "vllm_python": _abs(cfg.vllm_python, REPO) if not Path(cfg.vllm_python).is_absolute() else cfg.vllm_python,
