@@ -206,3 +206,29 @@ def test_the_teacher_needs_the_students_vocabulary(tiny_model_dir, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no HF checkpoint there"):
         check_teacher_checkpoint(tiny_model_dir, tmp_path / "missing")
+
+
+def test_the_teacher_is_a_folder_or_hub_id_resolved_like_hf_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """resolve_run_config (the driver, before the actors start): a relative folder becomes
+    absolute, a hub id its cached snapshot; an uncached one is an error naming the flag."""
+    from tests.unit.test_hub_checkpoint import cache_snapshot
+    from vime_core.config import make_config
+    from vime_core.models.hub import HubCheckpointError
+    from vime_core.run_assets import resolve_run_config
+
+    cache = tmp_path / "hf" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = cache_snapshot(cache, "vime-test/teacher", tiny_model_dir)
+    shutil.copytree(tiny_model_dir, tmp_path / "teachers" / "local")
+
+    def resolved(teacher):
+        cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "storage_uri": str(tmp_path / "storage"),
+                           "prompt_data": str(tmp_path / "p.jsonl"), "use_opd": True, "opd_type": "megatron",
+                           "opd_teacher_load": teacher})
+        return resolve_run_config(cfg, base=tmp_path).opd_teacher_load
+
+    assert resolved("vime-test/teacher") == str(snapshot)
+    assert resolved("teachers/local") == str(tmp_path / "teachers" / "local")
+    with pytest.raises(HubCheckpointError, match=r"^opd_teacher_load: hub model 'vime-test/absent' has no cached snapshot"):
+        resolved("vime-test/absent")
