@@ -1,7 +1,7 @@
 """Resolving a configuration for the actors of a run: absolute paths (actors do not share the
-driver's working directory), a hub id in ``hf_checkpoint`` (and ``opd_teacher_load``) replaced by its local snapshot folder
-(vime_core/models/hub.py), and the embedded default model and task data when the configuration
-names none (the default job on a fresh machine)."""
+driver's working directory), a hub id in ``hf_checkpoint`` (and ``opd_teacher_load``) replaced
+by its local snapshot folder (vime_core/models/hub.py), and the embedded default model and task
+data when the configuration names none (the default job on a fresh machine)."""
 
 from __future__ import annotations
 

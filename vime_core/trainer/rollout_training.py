@@ -121,8 +121,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
     ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if trainer.ref_model is not None else None
-    teacher_model = getattr(trainer, "teacher_model", None)
-    teacher = forward_log_probs(teacher_model, batch, all_mine, vocab, temp, device) if teacher_model is not None else None
+    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, temp, device)
+               if trainer.teacher_model is not None else None)
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
     per_step: list[dict[str, float]] = []
