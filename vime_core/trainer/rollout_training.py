@@ -10,13 +10,15 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 skipped when use_rollout_logprobs without get_mismatch_metrics
     reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
                 term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
+    teacher     a forward of the frozen teacher (opd_teacher_load) when use_opd (gates.needs_teacher)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
                 kl = KL(pi_old || ref) when kl_coef > 0) over this rank's samples of each step
-                (estimators that whiten do so over the rank's share of the step)
+                (estimators that whiten do so over the rank's share of the step); then, when
+                use_opd, apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
 
 pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
 use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
-rewards takes the rollout log-probs under --use-rollout-logprobs.
+rewards and the distillation signal take the rollout log-probs under --use-rollout-logprobs.
 
 Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
 num_steps and tokens.
@@ -43,7 +45,8 @@ def old_policy_log_probs(
     else the recomputed `old`."""
     if not cfg.use_rollout_logprobs:
         if old is None:
-            raise ValueError(f"kl_coef={cfg.kl_coef} needs the old log-probs, which were not recomputed")
+            raise ValueError("the KL penalty (kl_coef) and distillation (use_opd) need the old log-probs, "
+                             "which were not recomputed")
         return old
     out = {}
     for i in indices:
@@ -61,8 +64,9 @@ def step_advantages(
     indices: Sequence[int],
     old: Mapping[int, torch.Tensor] | None,
     ref: Mapping[int, torch.Tensor] | None,
+    teacher: Mapping[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
-    from vime_core.algo.advantages import compute_advantages
+    from vime_core.algo.advantages import apply_opd_kl, compute_advantages
     from vime_core.algo.kl import compute_approx_kl
 
     scalars = advantage_column(batch)
@@ -79,6 +83,12 @@ def step_advantages(
         [batch["loss_mask"][i] for i in indices],
         kl=kl, gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
     )
+    if cfg.use_opd:
+        if teacher is None:
+            raise ValueError("use_opd needs the teacher's log-probs (opd_teacher_load)")
+        student = old_policy_log_probs(cfg, batch, indices, old)
+        advantages, _ = apply_opd_kl(advantages, [student[i] for i in indices], [teacher[i] for i in indices],
+                                     cfg.opd_kl_coef)
     return dict(zip(indices, advantages))
 
 
@@ -111,6 +121,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
     ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if trainer.ref_model is not None else None
+    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, temp, device)
+               if trainer.teacher_model is not None else None)
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
     per_step: list[dict[str, float]] = []
@@ -122,9 +134,10 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
             batch=batch,
             micro_batches=micro_batches,
             denominators=StepDenominators.of(batch, step_indices),
-            advantages=step_advantages(cfg, batch, my_indices, old, ref) if cfg.loss_type == "policy_loss" else {},
+            advantages=step_advantages(cfg, batch, my_indices, old, ref, teacher) if cfg.loss_type == "policy_loss" else {},
             old_log_probs=old,
             ref_log_probs=ref,
+            teacher_log_probs=teacher,
             step_tokens=sum(lengths[i] for i in step_indices),
         )
         per_step.append(train_step(
