@@ -31,7 +31,7 @@ from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import check_weight_update, sync_weights, train_then_publish
 from tasks.train import train
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase, iteration_record, plan_step, version_before
+from vime_core.step_protocol import Phase, StepPlan, iteration_record, plan_step, version_before
 from vime_core.utils import interrupt
 
 
@@ -47,6 +47,8 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
     done: dict[Phase, dict] = {}
     out = rollout(cfg, k, plan.version)
+    if plan.off_policy:
+        return _one_step_off_policy(cfg, plan, out, t0)
     ahead = None if plan.engines_sleep else train_then_publish(config, k, out.batch_ref, plan.next_version)  # in Ray
     persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
     try:
@@ -65,6 +67,31 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
+    record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
+    report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
+    return record
+
+
+def _one_step_off_policy(cfg, plan: StepPlan, out, t0: float) -> dict:
+    """The rest of iteration k with async_staleness 1 (engines awake): the weights trained
+    through k - 1 are published first and rollout k + 1 starts on them, in the sync's last actor
+    call; the trainer then trains on k while rollout k + 1 generates. The last iteration also
+    publishes what it trained, so a run ends with the engines on its final weights."""
+    k, done = plan.rollout_id, {}
+    done[Phase.SYNC] = sync_weights(cfg, plan.version, start_rollout_id=plan.publish_starts_next(out.next_stored))
+    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
+    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    try:
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
+    finally:
+        persisting.wait()  # stored even when training fails: a re-run loads it
+    done[Phase.PERSIST] = persisting.result()
+    if plan.last:
+        done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
+        if plan.check_weights:
+            done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC])
+    done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
+    done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record

@@ -143,6 +143,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_kl(cfg)
     _check_tis(cfg)
     _check_opd(cfg)
+    _check_async_staleness(cfg)
     _check_loss_scale(cfg)
     from vime_core.algo.shaping import check_overlong_buffer
 
@@ -196,6 +197,19 @@ def _check_tis(cfg: ConfigFields) -> None:
             raise ValueError(f"tis_clip_low={cfg.tis_clip_low} has no effect without tis_mode=mask")
         if cfg.tis_clip_low >= cfg.tis_clip:
             raise ValueError(f"tis_clip_low={cfg.tis_clip_low} must be below tis_clip={cfg.tis_clip}")
+
+
+def _check_async_staleness(cfg: ConfigFields) -> None:
+    """One step off-policy overlaps a rollout with training: the engines must be awake while the
+    trainer trains, and the lag of the sampling weights must be corrected."""
+    if not cfg.async_staleness:
+        return
+    if cfg.offload_rollout and platform_supports_sleep(cfg):
+        raise ValueError(f"async_staleness={cfg.async_staleness} needs engines that stay awake while the trainer "
+                         "trains: add --no-offload-rollout (memory permitting) or give the engines their own GPUs")
+    if not (cfg.use_tis or cfg.use_rollout_logprobs):
+        raise ValueError(f"async_staleness={cfg.async_staleness} trains on samples of the previous weights: add "
+                         "--use-tis (or --use-rollout-logprobs) to correct for it")
 
 
 def _check_opd(cfg: ConfigFields) -> None:
