@@ -163,6 +163,13 @@ class ConfigFields(BaseModel):
     tis_clip_low: Optional[float] = Field(None, gt=0, description="Lower bound c of tis_mode=mask: w < c is rejected (slime's --tis-clip-low, its MIS tis_lower_bound; verl's lower bound in rollout_rs_threshold). Default: 1 / tis_clip.")
     get_mismatch_metrics: bool = Field(False, description="Report train-vs-rollout log-prob mismatch metrics (forces a log-prob recompute).")
 
+    # ---- critic (advantage_estimator=ppo; vime_core/trainer/critic.py) ----------------------------
+    critic_load: Optional[str] = Field(None, description="HF checkpoint folder the critic's body starts from (a causal LM of a supported architecture with hf_checkpoint's vocabulary; its LM head is not used); the scalar value head (hidden -> 1) starts at zero. Default: hf_checkpoint. A resumed run takes the critic from the trainer checkpoint instead (slime's --critic-load).")
+    critic_lr: Optional[float] = Field(None, gt=0, description="Adam learning rate of the critic, under the same schedule settings as lr (lr_decay_style, min_lr, ...). Default: lr (slime's --critic-lr).")
+    critic_lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of the critic's linear warmup from lr_warmup_init to critic_lr. Default 0: none (slime's --critic-lr-warmup-iters).")
+    num_critic_only_steps: int = Field(0, ge=0, description="Rollouts, from rollout id 0, that train the critic only: the policy is not updated until the value head has learnt something (slime's --num-critic-only-steps).")
+    value_clip: float = Field(0.2, gt=0, description="Clip range of the value loss: the critic's value of a token moves at most this far from its value at rollout time, 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - R)^2) (slime's --value-clip). Formula: vime_core/algo/value_loss.py.")
+
     # ---- training ------------------------------------------------------------------------------
     num_steps_per_rollout: Optional[int] = Field(1, ge=1, description="Optimizer steps per rollout; sets global_batch_size.")
     global_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step. Default: rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout.")

@@ -46,6 +46,7 @@ class MegatronTrainer:
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
         self.ref_model: Any = None
+        self.critic: Any = None  # the value model of an estimator with a critic (trainer/critic.py)
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._asleep = False  # optimizer state and gradient buffers are on the host
@@ -87,9 +88,10 @@ class MegatronTrainer:
         self.arch = architecture_from_hf(read_hf_config(path))
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
-        def load_model(checkpoint) -> Any:
-            model = build_gpt_model(self.arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
-            load_hf_into_model(model, checkpoint, self.arch, lay.tp_size, lay.tp_rank)
+        def load_model(checkpoint, arch=None) -> Any:
+            arch = arch or self.arch
+            model = build_gpt_model(arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
+            load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 
         self.model = self._wrap_ddp(load_model(path))
@@ -99,6 +101,13 @@ class MegatronTrainer:
 
         if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
+        from vime_core.algo import get_adv_estimator
+
+        if get_adv_estimator(self.cfg.advantage_estimator).critic:  # same layout, own optimizer
+            from vime_core.trainer.critic import Critic
+
+            self.critic = Critic.build(self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch),
+                                       self._wrap_ddp, dtype, self.device)
         self.hf_checkpoint = str(path)
         log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
         return self.state()
@@ -154,7 +163,7 @@ class MegatronTrainer:
         t_wake = time.perf_counter()
         woke = self.wake()
         start = time.perf_counter()
-        metrics = train_on_rollout(self, batch)
+        metrics = train_on_rollout(self, batch, rollout_id)
         metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
                        wake_time_s=start - t_wake, memory_after_wake=woke)
         self.last_trained_rollout_id = rollout_id
@@ -311,13 +320,17 @@ class MegatronTrainer:
         }
         endpoint = S3Endpoint.of(self.cfg)  # the run's store, whatever this node's environment says
         ckpt.save_rank_state(path, self.layout.rank, state, endpoint)
+        if self.critic is not None:
+            ckpt.save_rank_state(path, self.layout.rank, self.critic.state(), endpoint, critic=True)
         torch.distributed.barrier()
         if self.layout.rank == 0:
             lay = self.layout
+            ranks = range(lay.world_size)
             ckpt.write_manifest(path, {
                 "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
                 "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
-                "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
+                "files": [ckpt.rank_file_name(r) for r in ranks],
+                "critic_files": [ckpt.rank_file_name(r, critic=True) for r in ranks] if self.critic is not None else [],
             }, endpoint)
         torch.distributed.barrier()
 
@@ -338,7 +351,22 @@ class MegatronTrainer:
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
         restore_scheduler(self.scheduler, state.get("scheduler"), self.optimizer_steps, path)
         self._metrics = dict(state.get("metrics") or {})
+        if self.critic is not None:
+            self._load_critic(path)
         return dict(state["extra_state"])
+
+    def _load_critic(self, path: str) -> None:
+        """The critic's weights, optimizer and schedule from the checkpoint's critic files; one
+        written without a critic (another estimator) leaves the critic as initialised, logged."""
+        from vime_core.trainer import checkpoint as ckpt
+
+        lay, endpoint = self.layout, S3Endpoint.of(self.cfg)
+        if not ckpt.read_manifest(path, endpoint).get("critic_files"):
+            log.warning("%s holds no critic (saved by a run without one): the critic starts from %s",
+                        path, self.cfg.critic_load or self.hf_checkpoint)
+            return
+        state = ckpt.load_rank_state(path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True)
+        self.critic.load_state(state, path)
 
     # ---- memory between phases ---------------------------------------------------------------
 
@@ -356,6 +384,8 @@ class MegatronTrainer:
             if self.ref_model is not None:  # the reference sleeps with the policy; wake restores both
                 ref_freed, ref_copies = offload_params(self.ref_model)
                 freed, copies = freed + ref_freed, copies + ref_copies
+            if self.critic is not None:  # all of it: no publish reads the critic
+                freed += self.critic.sleep()
             self._offloaded += copies
             self._asleep = True
         if not keep_weights:
@@ -379,6 +409,8 @@ class MegatronTrainer:
         if not self._asleep and not self._params_asleep:
             return {"allocated_bytes": 0, "asleep": False, **device_memory()}
         allocated = onload(self.model, self._offloaded)
+        if self.critic is not None:
+            allocated += self.critic.wake()
         self._offloaded = []
         self._asleep = self._params_asleep = False
         return {"woken_bytes": allocated, "asleep": False, **device_memory()}
