@@ -19,6 +19,8 @@ needs_reference(cfg): a KL term uses the reference policy's log-probs:
 
     use_kl_loss  or  kl_coef > 0          (the loss's KL term; the token rewards' KL penalty)
 
+needs_critic(cfg): the estimator's advantages need a value model's values (est.critic: ppo).
+
 should_flush_cache(interval, v, v0): the engines' prefix cache holds KV of the old weights, so it
 is flushed on the first publish after v0 and then every `interval` versions:
 
@@ -34,6 +36,10 @@ from vime_core.algo import get_adv_estimator  # the populated registry
 
 def needs_reference(cfg) -> bool:
     return bool(cfg.use_kl_loss) or cfg.kl_coef > 0
+
+
+def needs_critic(cfg) -> bool:
+    return get_adv_estimator(cfg.advantage_estimator).critic
 
 
 def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:

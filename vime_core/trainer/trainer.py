@@ -3,7 +3,8 @@
 Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
 builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
-``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py). Then per rollout:
+``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py), and, for an estimator
+with a critic (ppo), the value model beside it (vime_core/trainer/critic.py). Then per rollout:
 ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
 ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
 
@@ -97,13 +98,11 @@ class MegatronTrainer:
         self.model = self._wrap_ddp(load_model(path))
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        from vime_core.algo.gates import needs_reference
+        from vime_core.algo.gates import needs_critic, needs_reference
 
         if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
-        from vime_core.algo import get_adv_estimator
-
-        if get_adv_estimator(self.cfg.advantage_estimator).critic:  # same layout, own optimizer
+        if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
             from vime_core.trainer.critic import Critic
 
             self.critic = Critic.build(self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch),
