@@ -187,8 +187,8 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
     cfg = _config(advantage_estimator="ppo", lambd=0.5, num_critic_only_steps=1)
     trainer = _Trainer(cfg, with_ref=False)
     trainer.critic = _Critic()
-    policy_steps = []
-    monkeypatch.setattr(train_step, "forward_log_probs", lambda model, batch, mbs, *a: {
+    policy_steps, forwards = [], []
+    monkeypatch.setattr(train_step, "forward_log_probs", lambda model, batch, mbs, *a: forwards.append(model) or {
         i: torch.full((int(batch["response_length"][i]),), OLD_LOG_PROB) for mb in mbs for i in mb})
     monkeypatch.setattr(train_step, "train_step", lambda model, optimizer, inputs, *a, **k: policy_steps.append(inputs) or {"lr": 0.0, "loss": 0.0})
     metrics = train_on_rollout(trainer, _batch(cfg), rollout_id)
@@ -200,6 +200,7 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
         assert step["old_values"][i].tolist() == pytest.approx(v)
     assert metrics["value_loss"] == 0.25 and metrics["critic_lr"] == 0.1
     assert metrics["num_steps"] == (1 if policy_trains else 0) == len(policy_steps)
+    assert forwards == (["policy"] if policy_trains else [])  # critic-only: no KL penalty, no policy forward
     if policy_trains:
         flat = [x for a in gae for x in a]
         mean, std = statistics.fmean(flat), statistics.stdev(flat)

@@ -86,12 +86,10 @@ class Critic:
         """From critic_load, else the policy's HF folder ``policy_checkpoint``. ``load_body(arch,
         checkpoint)``: the trainer's GPTModel of this rank loaded from an HF folder;
         ``wrap_ddp``: the trainer's DDP wrapper."""
-        from vime_core.trainer.model import architecture_from_hf, read_hf_config
         from vime_core.trainer.optimizer import build_optimizer, build_scheduler
 
         source = cfg.critic_load or policy_checkpoint
-        arch = policy_arch if not cfg.critic_load else _critic_arch(cfg.critic_load, policy_arch,
-                                                                     architecture_from_hf, read_hf_config)
+        arch = _critic_arch(cfg.critic_load, policy_arch) if cfg.critic_load else policy_arch
         body = load_body(arch, source)
         add_value_head(body, dtype)
         model = wrap_ddp(body.to(device))
@@ -207,9 +205,11 @@ class Critic:
         return allocated
 
 
-def _critic_arch(path: str, policy_arch: Any, architecture_from_hf: Callable, read_hf_config: Callable) -> Any:
+def _critic_arch(path: str, policy_arch: Any) -> Any:
     """The architecture of critic_load, which must read the policy's token ids."""
     from pathlib import Path
+
+    from vime_core.trainer.model import architecture_from_hf, read_hf_config
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"critic_load={path!r}: no HF checkpoint there (config.json missing)")

@@ -17,7 +17,8 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 of each step (estimators that whiten do so over the rank's share of the step)
     steps       per step: the critic's optimizer step on the value loss against the returns (with
                 a critic), then the policy's; rollout ids below num_critic_only_steps train the
-                critic only (num_steps 0: the policy and its schedule do not move)
+                critic only (num_steps 0: the policy and its schedule do not move, and the old and
+                reference forwards run only when kl_coef's penalty enters the returns)
 
 pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
 use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
@@ -115,13 +116,16 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     all_mine = [mb for step in mine for mb in step]
     vocab, temp, device = trainer.arch.vocab_size, cfg.rollout_temperature, trainer.device
 
-    reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
-    need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse
-    old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
-    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if trainer.ref_model is not None else None
     critic = getattr(trainer, "critic", None)  # None: an estimator without one
-    values = critic.values(batch, all_mine) if critic is not None else None
     train_policy = critic is None or rollout_id >= cfg.num_critic_only_steps
+    # a critic-only rollout reads the policy's log-probs only for the KL penalty of the returns
+    policy_forwards = train_policy or cfg.kl_coef > 0
+    reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
+    need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
+    old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
+    need_ref = trainer.ref_model is not None and policy_forwards
+    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if need_ref else None
+    values = critic.values(batch, all_mine) if critic is not None else None
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
     per_step: list[dict[str, float]] = []
