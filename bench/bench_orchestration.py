@@ -71,7 +71,17 @@ class PrefectRetryCounter(logging.Handler):
             self.count += 1
 
 
-def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
+# Each mode's flags over the default job. `tis` is the on-policy baseline of `off_policy`: both
+# request the engines' log-probs and weight the loss by TIS; only the overlap differs.
+MODES = {
+    "prefetch": {"rollout_prefetch": True},
+    "serial": {"rollout_prefetch": False},
+    "tis": {"rollout_prefetch": True, "use_tis": True},
+    "off_policy": {"rollout_prefetch": True, "use_tis": True, "async_staleness": 1},
+}
+
+
+def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
     """One run of the real `train` flow on its own local Ray head; its summary has the wall time
     of every iteration flow run as the train flow saw it."""
     from flows.settings import apply_env_defaults
@@ -86,8 +96,8 @@ def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
     retries = PrefectRetryCounter.attach()
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
-    cfg = VimeConfig(run_name=f"bench-orch-{'prefetch' if prefetch else 'serial'}", storage_uri=str(work / "store"),
-                     ray_address=address, num_rollout=iterations, save_interval=10**6, rollout_prefetch=prefetch)
+    cfg = VimeConfig(run_name=f"bench-orch-{mode.replace('_', '-')}", storage_uri=str(work / "store"),
+                     ray_address=address, num_rollout=iterations, save_interval=10**6, **MODES[mode])
     profiler = cProfile.Profile() if profile else None
     try:
         if profiler is not None:
@@ -115,7 +125,8 @@ def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
     steady = steady_window(rows)
     split = overhead(walls, records)
     return {
-        "rollout_prefetch": prefetch,
+        "mode": mode,
+        "flags": MODES[mode],
         "iterations_in_window": split["window"],
         "mean_t_iteration_s": split["mean_wall_s"],
         "median_t_iteration_s": statistics.median(r["t_iteration"] for r in steady),
@@ -134,7 +145,7 @@ def run_mode(iterations: int, prefetch: bool, profile: str = "") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=32)
-    p.add_argument("--modes", default="prefetch,serial", help="comma list of prefetch / serial")
+    p.add_argument("--modes", default="prefetch,serial", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)")
     p.add_argument("--profile", default="", help="write cProfile stats of each train flow run to PATH.<mode>")
     p.add_argument("--out", default=None, help="also write the JSON here, with every iteration's row")
@@ -150,7 +161,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
-            runs.setdefault(mode, []).append(run_mode(args.iterations, mode == "prefetch", f"{args.profile}.{mode}" if args.profile else ""))
+            runs.setdefault(mode, []).append(run_mode(args.iterations, mode, f"{args.profile}.{mode}" if args.profile else ""))
     summary_keys = ("mean_t_iteration_s", "mean_compute_s", "mean_overhead_s", "overhead_frac")
     modes = {
         mode: {
@@ -173,6 +184,11 @@ def main() -> None:
         result["t_iteration_ratio_prefetch_over_serial"] = (
             modes["prefetch"]["median_of_runs_mean_t_iteration_s"] / modes["serial"]["median_of_runs_mean_t_iteration_s"])
         result["per_repeat_ratio"] = [a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])]
+    if "off_policy" in modes and "tis" in modes:  # one step off-policy against the same job on-policy
+        result["t_iteration_ratio_off_policy_over_tis"] = (
+            modes["off_policy"]["median_of_runs_mean_t_iteration_s"] / modes["tis"]["median_of_runs_mean_t_iteration_s"])
+        result["per_repeat_ratio_off_policy_over_tis"] = [
+            a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["off_policy"], runs["tis"])]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n")

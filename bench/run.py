@@ -69,11 +69,14 @@ def _persist(f: dict) -> str:
 
 
 def _orchestration(f: dict) -> str:
-    m = f["modes"]
-    text = f"overhead {_pct(m['prefetch']['median_of_runs_overhead_frac'])} of an iteration"
+    m, parts = f["modes"], []
+    if "prefetch" in m:
+        parts.append(f"overhead {_pct(m['prefetch']['median_of_runs_overhead_frac'])} of an iteration")
     if "serial" in m:
-        text += f" (serial {_pct(m['serial']['median_of_runs_overhead_frac'])})"
-    return text + f", {f['iterations_per_run']} iterations x {f['repeats']}"
+        parts.append(f"serial {_pct(m['serial']['median_of_runs_overhead_frac'])}")
+    if "t_iteration_ratio_off_policy_over_tis" in f:
+        parts.append(f"T_iteration one step off-policy / on-policy (both TIS) {f['t_iteration_ratio_off_policy_over_tis']:.2f}")
+    return "; ".join(parts) + f", {f['iterations_per_run']} iterations x {f['repeats']}"
 
 
 def _publish(f: dict) -> str:
@@ -175,7 +178,8 @@ SUITES = {s.name: s for s in [
           _rollout, lock=True),
     Suite("train", "bench/bench_train.py", "Megatron train step tokens/s vs a plain transformers step", _train),
     Suite("orchestration", "bench/bench_orchestration.py",
-          "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial", _orchestration,
+          "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial; "
+          "--modes tis,off_policy: --async-staleness 1 vs on-policy", _orchestration,
           lock=True, drop=("rows",)),
     Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
           lock=True),

@@ -1,9 +1,14 @@
-"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. The phases, their order and
-what differs between CPU/GPU and colocated/disaggregated runs are vime_core/step_protocol.py;
-this flow runs them as tasks.
+"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. The phases run in the order read
+below; vime_core/step_protocol.py names them and decides which run (CPU/GPU, colocated or not).
+
+Where engines stay awake (CPU; engines on their own devices) the flow submits training and the
+publish to Ray right after the rollout, chained by object references (tasks.sync.
+train_then_publish: the publish starts the moment training ends); the train and sync tasks then
+wait for those calls, and the sync task ends the sync (admission resumed or rollout k + 1
+started). Where engines sleep, the train and sync tasks make their own calls, one after another.
 
 Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
-failed. Persist runs beside offload + train (both only read the batch), and the publish comes
+failed. Persist runs beside offload + train (both only read the batch), and the sync ends
 only after it: no rollout is started on weights trained on a batch that is not stored. If the
 store fails after the trainer trained, a re-run gets the same batch from the RolloutManager (it
 keeps its last result until another rollout starts), the trainer does not train it again and
@@ -23,10 +28,10 @@ from tasks.evaluate import evaluate
 from tasks.placement import offload_rollout, offload_train, onload_kv, onload_weights
 from tasks.report import report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
-from tasks.sync import check_weight_update, sync_weights
+from tasks.sync import check_weight_update, sync_weights, train_then_publish
 from tasks.train import train
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase, iteration_record, plan_step, version_before
+from vime_core.step_protocol import Phase, StepPlan, iteration_record, plan_step, version_before
 from vime_core.utils import interrupt
 
 
@@ -41,24 +46,52 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
     done: dict[Phase, dict] = {}
-    out = rollout(cfg, k, plan.version)  # generate
+    out = rollout(cfg, k, plan.version)
+    if plan.off_policy:
+        return _one_step_off_policy(cfg, plan, out, t0)
+    ahead = None if plan.engines_sleep else train_then_publish(config, k, out.batch_ref, plan.next_version)  # in Ray
     persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k) if plan.engines_sleep else {}
-        done[Phase.TRAIN] = train(cfg, k, out.batch_ref, out.dispatched)
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k) if plan.engines_sleep else {}
     done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
-                                   start_rollout_id=plan.publish_starts_next(out.next_stored), dispatched=out.dispatched)
+                                   start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
     done[Phase.ONLOAD_KV] = onload_kv(cfg, k) if plan.engines_sleep else {}
     done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
     done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
+    record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
+    report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
+    return record
+
+
+def _one_step_off_policy(cfg, plan: StepPlan, out, t0: float) -> dict:
+    """The rest of iteration k with async_staleness 1 (engines awake): the weights trained
+    through k - 1 are published first and rollout k + 1 starts on them, in the sync's last actor
+    call; the trainer then trains on k while rollout k + 1 generates. The last iteration also
+    publishes what it trained, so a run ends with the engines on its final weights."""
+    k, done = plan.rollout_id, {}
+    done[Phase.SYNC] = sync_weights(cfg, plan.version, start_rollout_id=plan.publish_starts_next(out.next_stored))
+    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
+    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    try:
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
+    finally:
+        persisting.wait()  # stored even when training fails: a re-run loads it
+    done[Phase.PERSIST] = persisting.result()
+    if plan.last:
+        done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
+        if plan.check_weights:
+            done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC])
+    done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
+    done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record

@@ -11,6 +11,7 @@ import ray
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS
+from tasks.sync import publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
 
@@ -69,8 +70,8 @@ def bootstrap(config: VimeConfig) -> dict:
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
     if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
-        urls = ray.get(manager.engine_urls.remote())
-        trainers.call("update_weights", urls, target)
+        trainers.wait(publish(manager, trainers, target, force=True))
+        ray.get(manager.end_sync.remote(resume=True))  # admission open again
     seconds["published"] = time.perf_counter() - t0
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")

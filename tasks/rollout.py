@@ -9,7 +9,6 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
-from tasks.dispatch import Dispatched, dispatch, settle
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
 
@@ -21,7 +20,6 @@ class RolloutOutput:
     from_store: bool = False
     storage_key: str = ""
     next_stored: bool = False  # rollout k+1's batch is already stored (a resumed run): not prefetched
-    dispatched: Dispatched | None = None  # this rollout's training and publish (tasks.dispatch)
     replaces_quarantined: bool = False  # the stored batch could not be trained on: persist overwrites it
 
 
@@ -31,14 +29,13 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     already stored for this rollout id is loaded (checksum verified) instead of regenerated, unless
     the trainer could not train on it (it is then quarantined and generated again); a
     rollout the previous iteration started for this id and version (sync or start_next_rollout) is
-    claimed instead of started. Training on the batch and publishing the result as `version + 1`
-    are submitted right after the rollout (tasks.dispatch); the train and sync tasks wait for them."""
+    claimed instead of started."""
     import ray
 
     from vime_core.cluster import batch_io
 
     log = get_run_logger()
-    manager, trainers = run_handles(config)
+    manager, _ = run_handles(config)
     t0 = time.perf_counter()
     usable, quarantined = batch_io.usable_stored(config, rollout_id)
     if quarantined is not None:
@@ -47,22 +44,15 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     if usable:
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
-        dispatched = dispatch(config, manager, trainers, rollout_id, version, ref)
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = time.perf_counter() - t0
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
-                             next_stored=batch_io.stored(config, rollout_id + 1), dispatched=dispatched)
+                             next_stored=batch_io.stored(config, rollout_id + 1))
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
-    dispatched = dispatch(config, manager, trainers, rollout_id, version, batch_ref, metrics_ref)
-    try:
-        next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
-        metrics = dict(ray.get(metrics_ref))
-    except BaseException:
-        settle(dispatched)
-        raise
+    next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
+    metrics = dict(ray.get(metrics_ref))
     metrics.setdefault("t_rollout", time.perf_counter() - t0)
-    return RolloutOutput(batch_ref, metrics, next_stored=next_stored, dispatched=dispatched,
-                         replaces_quarantined=quarantined is not None)
+    return RolloutOutput(batch_ref, metrics, next_stored=next_stored, replaces_quarantined=quarantined is not None)
 
 
 @task(name=Phase.START_NEXT_ROLLOUT, task_run_name="start-rollout-{rollout_id}", **TASK_DEFAULTS)

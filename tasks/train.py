@@ -7,21 +7,21 @@ import time
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
-from tasks.dispatch import Dispatched
+from tasks.sync import Submitted
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
 
 
 @task(name=Phase.TRAIN, task_run_name="train-{rollout_id}", retries=1, retry_delay_seconds=5, **TASK_DEFAULTS)
-def train(config: VimeConfig, rollout_id: int, batch_ref, dispatched: Dispatched | None = None) -> dict:
-    """Design phase train. `dispatched`: the calls the rollout task already submitted on this
-    batch (tasks.dispatch); the first try waits for their training, a retry calls the trainer
-    afresh. Idempotent: a trainer that already trained this rollout id returns its recorded
+def train(config: VimeConfig, rollout_id: int, batch_ref, submitted: Submitted | None = None) -> dict:
+    """Design phase train. `submitted`: the calls the flow submitted on this batch right after
+    the rollout (tasks.sync.train_then_publish); the first try waits for their training, a retry
+    calls the trainer afresh. Idempotent: a trainer that already trained this rollout id returns its recorded
     metrics without a second optimizer step."""
     _, trainers = run_handles(config)
     t0 = time.perf_counter()
-    if dispatched is not None and first_try():
-        per_rank = trainers.wait(dispatched.train)
+    if submitted is not None and first_try():
+        per_rank = trainers.wait(submitted.train)
     else:
         per_rank = trainers.call("train", rollout_id, batch_ref)
     metrics = dict(per_rank[0] or {})

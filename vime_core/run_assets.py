@@ -1,7 +1,7 @@
 """Resolving a configuration for the actors of a run: absolute paths (actors do not share the
-driver's working directory), a hub id in ``hf_checkpoint`` replaced by its local snapshot folder
-(vime_core/models/hub.py), and the embedded default model and task data when the configuration
-names none (the default job on a fresh machine)."""
+driver's working directory), a hub id in ``hf_checkpoint`` (and ``opd_teacher_load``) replaced
+by its local snapshot folder (vime_core/models/hub.py), and the embedded default model and task
+data when the configuration names none (the default job on a fresh machine)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def _abs(path: str, base: Path) -> str:
     return os.path.abspath(p if p.is_absolute() else base / p)
 
 
-def _checkpoint_folder(value: str, base: Path) -> str:
+def _checkpoint_folder(value: str, base: Path, field: str = "hf_checkpoint") -> str:
     if not value or _is_remote(value):
         return value
     from vime_core.models.hub import resolve_hf_checkpoint
 
-    return resolve_hf_checkpoint(value, base)
+    return resolve_hf_checkpoint(value, base, field)
 
 
 def assets_dir(cfg: VimeConfig) -> Path:
@@ -48,6 +48,7 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
     updates = {
         "storage_uri": _abs(cfg.storage_uri, base),
         "hf_checkpoint": _checkpoint_folder(cfg.hf_checkpoint, base),
+        "opd_teacher_load": _checkpoint_folder(cfg.opd_teacher_load, base, "opd_teacher_load") if cfg.opd_teacher_load else None,
         "prompt_data": resolve_local(cfg.prompt_data, base),
         "eval_prompt_data": resolve_local(cfg.eval_prompt_data, base),
         "vllm_python": _abs(cfg.vllm_python, REPO) if not Path(cfg.vllm_python).is_absolute() else cfg.vllm_python,

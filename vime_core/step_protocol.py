@@ -15,10 +15,19 @@ GPU, colocated and disaggregated runs. The order is flows/iteration.py's, read t
 
 Where engines cannot sleep (CPU; engines on their own GPUs) the three engine moves are not run
 at all (each would be a no-op task run costing Prefect bookkeeping), and the overlaps apply:
-the rollout task submits training and the publish to Ray, chained on the batch by object
-references (tasks/dispatch.py), so the train and sync tasks wait for calls already running; with `rollout_prefetch` the sync itself starts rollout k + 1 on the new weights,
-unless an evaluation is due first (then the flow starts it after the evaluation). Where engines
-sleep, nothing is prefetched: their KV cache is awake only after onload-kv.
+the iteration flow submits training and the publish to Ray right after the rollout, chained on
+the batch by object references (tasks.sync.train_then_publish), so the train and sync tasks
+wait for calls already running; with `rollout_prefetch` the sync itself starts rollout k + 1 on
+the new weights, unless an evaluation is due first (then the flow starts it after the
+evaluation). Where engines sleep, nothing is prefetched: their KV cache is awake only after
+onload-kv.
+
+One step off-policy (`async_staleness` 1; engines awake) the sync moves to the iteration's
+start: rollout k (generated on v - 1 while the trainer trained on k - 1) -> sync v (the weights
+trained through k - 1), whose last actor call starts rollout k + 1 on v -> check-weights -> train
+on k beside persist, while rollout k + 1 generates -> eval, save; the last iteration then
+publishes v + 1. Rollout k + 1 starts on weights trained on batches already stored (k - 1 and
+before), and a sample trains at most one version behind the weights it was sampled with.
 
 The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing.
 """
@@ -103,6 +112,7 @@ class StepPlan:
     save_due: bool
     draw_curve: bool
     prefetch_wanted: bool
+    off_policy: bool = False  # async_staleness: one step off-policy (module docstring)
 
     @property
     def next_version(self) -> int:
@@ -114,17 +124,19 @@ class StepPlan:
         return self.prefetch_wanted and not next_stored
 
     def publish_starts_next(self, next_stored: bool) -> Optional[int]:
-        """The rollout id the publish's last actor call starts, or None."""
-        return self.rollout_id + 1 if self.prefetch(next_stored) and not self.eval_due else None
+        """The rollout id the publish's last actor call starts, or None. One step off-policy,
+        rollout k + 1 starts even when an evaluation is due: overlapping is the point."""
+        return self.rollout_id + 1 if self.prefetch(next_stored) and (self.off_policy or not self.eval_due) else None
 
     def flow_starts_next(self, next_stored: bool) -> bool:
         """The evaluation came first: the flow starts rollout k + 1 after it."""
-        return self.prefetch(next_stored) and self.eval_due
+        return self.prefetch(next_stored) and self.eval_due and not self.off_policy
 
 
 def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
     last_id = cfg.num_rollout - 1
     sleeping = engines_sleep(cfg)
+    off_policy = bool(getattr(cfg, "async_staleness", 0)) and not sleeping
     return StepPlan(
         rollout_id=rollout_id,
         version=version_before(rollout_id),
@@ -135,7 +147,8 @@ def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
         eval_due=bool(cfg.eval_interval) and due(cfg.eval_interval, rollout_id, last_id),
         save_due=due(cfg.save_interval, rollout_id, last_id),
         draw_curve=due(CURVE_EVERY, rollout_id, last_id),
-        prefetch_wanted=bool(cfg.rollout_prefetch) and rollout_id != last_id and not sleeping,
+        prefetch_wanted=(bool(cfg.rollout_prefetch) or off_policy) and rollout_id != last_id and not sleeping,
+        off_policy=off_policy,
     )
 
 
@@ -181,6 +194,8 @@ def iteration_record(
         "batch_key": stored.get("key", ""),
         "from_store": from_store,
     }
+    if record.get("weight_version_min") is not None:  # how many versions the oldest sampled token lags the trainer
+        record["staleness"] = plan.version - int(record["weight_version_min"])
     if plan.engines_sleep or plan.trainer_sleeps:  # device memory after each move
         record["memory"] = {
             "engines_after_offload_rollout": off_r.get("memory"),

@@ -1,7 +1,9 @@
 """Ctrl-C or SIGTERM on `vime train`: the process ends within the grace period even when the
 unwinding code swallows the interrupt and hangs (as Prefect's crash reporting does against its own
 temporary server, which the same signal killed), also inside a Prefect flow run, which takes
-SIGTERM over (vime_core/utils/interrupt.py)."""
+SIGTERM over, also when the signal finds Prefect's handler and the code swallows its
+TerminationSignal, and when it lands while the main thread holds threading's own lock
+(vime_core/utils/interrupt.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,24 @@ CHILD = textwrap.dedent("""
         scope = capture_sigterm()
         scope.__enter__()
         interrupt.reinstall()
+    if sys.argv[1:] == ["prefect-window"]:  # a flow run starting: Prefect's handler, not ours yet
+        from prefect.utilities.engine import capture_sigterm
+        window = capture_sigterm()  # kept: collected, it would put our handler back
+        window.__enter__()
+        print("ready", flush=True)
+        while True:
+            try:
+                time.sleep(60)
+            except BaseException:  # a retry that took the stop for an ordinary failure
+                pass
+    if sys.argv[1:] == ["lock-held"]:  # threading's lock, held as a thread starts
+        import threading
+        print("ready", flush=True)
+        with threading._active_limbo_lock:
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                time.sleep(60)
     try:
         print("ready", flush=True)
         time.sleep(60)
@@ -48,6 +68,8 @@ def _start(*args: str) -> subprocess.Popen:
     (signal.SIGINT, "outside", 130),
     (signal.SIGTERM, "outside", 143),  # a scheduler preempting the job
     (signal.SIGTERM, "in-flow", 143),  # while a Prefect flow run holds SIGTERM
+    (signal.SIGTERM, "prefect-window", 143),  # before the flow's body put our handler back
+    (signal.SIGTERM, "lock-held", 143),
 ])
 def test_first_signal_exits_within_the_grace_period_with_the_resume_hint(signum, where, status):
     proc = _start(where)

@@ -23,10 +23,10 @@ class _Done:
 
 
 class _Out:
-    batch_ref, metrics, from_store, next_stored, dispatched = "batch", {}, False, False, None
+    batch_ref, metrics, from_store, next_stored = "batch", {}, False, False
 
 
-def _run(monkeypatch, **overrides) -> list[str]:
+def _run(monkeypatch, rollout_id: int = 4, **overrides) -> list[str]:
     calls: list[str] = []
 
     def stub(name, returns):
@@ -41,17 +41,18 @@ def _run(monkeypatch, **overrides) -> list[str]:
         name = getattr(it, attr).name
         assert name in set(Phase), f"{attr}'s task name {name!r} is not a Phase"
         monkeypatch.setattr(it, attr, stub(name, _Out() if name == Phase.ROLLOUT else {}))
-    if hasattr(it, "train_then_publish"):  # submitted to Ray by the flow, ahead of the train task
-        monkeypatch.setattr(it, "train_then_publish", stub("train_then_publish", None))
+    # training and the publish, submitted to Ray by the flow ahead of the train and sync tasks
+    monkeypatch.setattr(it, "train_then_publish", stub("train_then_publish", None))
     monkeypatch.setattr(it.interrupt, "reinstall", lambda: None)
     cfg = make_config({"run_name": "order", "num_rollout": 10, **overrides})
-    it.iteration.fn(cfg, 4)
+    it.iteration.fn(cfg, rollout_id)
     return calls
 
 
 def test_cpu_iteration_order(monkeypatch):
     calls = _run(monkeypatch, device="cpu", rollout_prefetch=True, eval_interval=5, save_interval=5)
-    assert calls == ["rollout", "persist", "train", "sync", "eval", "save", "start-next-rollout", "report"]
+    assert calls == ["rollout", "train_then_publish", "persist", "train", "sync", "eval", "save", "start-next-rollout",
+                     "report"]
 
 
 def test_colocated_gpu_iteration_order(monkeypatch):
@@ -59,6 +60,15 @@ def test_colocated_gpu_iteration_order(monkeypatch):
                  eval_interval=5, save_interval=5)
     assert calls == ["rollout", "persist", "offload-rollout", "train", "offload-train", "onload-weights", "sync",
                      "onload-kv", "check-weights", "eval", "save", "report"]
+
+
+@pytest.mark.parametrize("rollout_id, last_publish", [(4, []), (9, ["sync", "check-weights"])])
+def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_publish):
+    """async_staleness 1: the sync (which starts rollout k + 1) before training on k; the last
+    iteration (9 of 10) publishes what it trained too."""
+    calls = _run(monkeypatch, rollout_id, device="cpu", async_staleness=1, use_tis=True, check_weight_update_equal=True,
+                 eval_interval=5, save_interval=5)
+    assert calls == ["rollout", "sync", "check-weights", "persist", "train", *last_publish, "eval", "save", "report"]
 
 
 @pytest.mark.parametrize("phase", list(Phase))

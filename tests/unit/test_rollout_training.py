@@ -41,6 +41,7 @@ class _Trainer:
         self.device = "cpu"
         self.model = "policy"
         self.ref_model = "reference" if with_ref else None
+        self.teacher_model = None
         self.optimizer = self.scheduler = None
 
 

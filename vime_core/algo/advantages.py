@@ -26,6 +26,21 @@ kl_t = per-token KL to the reference policy, zero when kl_coef = 0):
     whiten(x) = (x - mean_m(x)) / sqrt(var_m(x) + 1e-8), mean and unbiased variance over the
     loss_mask == 1 tokens of every sample passed in (the caller passes one whole step).
 
+On-policy distillation (use_opd; slime's --use-opd, applied after the estimator, whitening
+included, so on top of any of them): for sample i and response token t, with y_{i,t} the sampled
+token, pi_s the student's old policy (the loss's pi_old: the engine's log-probs when
+use_rollout_logprobs, else the recomputed ones) and pi_T the frozen teacher,
+
+    rkl_{i,t} = log pi_s(y_{i,t}) - log pi_T(y_{i,t})           (one-sample estimate of the
+                                                                 reverse KL(pi_s || pi_T) at t)
+    A'_{i,t}  = A_{i,t} - opd_kl_coef * rkl_{i,t}
+              = A_{i,t} + opd_kl_coef * (log pi_T(y_{i,t}) - log pi_s(y_{i,t}))
+
+so a token the teacher finds likelier than the student does is pushed up. With rewards of 0 (or a
+constant within each group, which the group normalisation zeroes) A = 0 and it is pure on-policy
+distillation (Agarwal et al. 2024; Thinking Machines' tinker cookbook; slime's
+apply_opd_kl_to_advantages, whose formula this is).
+
 REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016. RLOO: Ahmadian et al. 2024
 (arXiv:2402.14740), as verl's `rloo` (whose group of one keeps r_i: here it is 0, as GRPO's
 r_i - mean, and the configuration refuses rloo with n_samples_per_prompt < 2; a group shrinks to
@@ -271,6 +286,29 @@ def gae_advantages(
         advantages.append(a)
         returns.append(g)
     return masked_whiten(advantages, loss_masks), returns
+
+
+def apply_opd_kl(
+    advantages: Sequence[torch.Tensor],
+    student_log_probs: Sequence[torch.Tensor],
+    teacher_log_probs: Sequence[torch.Tensor],
+    opd_kl_coef: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On-policy distillation (module docstring): (A' = A - opd_kl_coef * rkl, rkl) per sample,
+    rkl = log pi_s - log pi_T of the sampled tokens; float32 on the CPU."""
+    import torch
+
+    for name, seqs in (("student_log_probs", student_log_probs), ("teacher_log_probs", teacher_log_probs)):
+        if len(seqs) != len(advantages):
+            raise ValueError(f"{len(seqs)} {name} tensors but {len(advantages)} samples")
+    shaped, reverse_kls = [], []
+    for i, (a, s, t) in enumerate(zip(advantages, student_log_probs, teacher_log_probs)):
+        if not len(a) == len(s) == len(t):
+            raise ValueError(f"sample {i}: {len(a)} advantages, {len(s)} student and {len(t)} teacher log-probs")
+        rkl = s.detach().float().cpu() - t.detach().float().cpu()
+        shaped.append(a.float() - opd_kl_coef * rkl)
+        reverse_kls.append(rkl)
+    return shaped, reverse_kls
 
 
 def compute_advantages(

@@ -7,6 +7,8 @@ be skipped when ALL of these hold:
     len(num_microbatches) == 1            one optimizer step per rollout (the policy has not moved)
     loss_type == "policy_loss"
     not needs_reference(cfg)              no KL term needs the reference model's forward
+    not use_opd                           distillation's advantages read the student's old
+                                          log-probs before the step (as slime)
     not use_rollout_logprobs              old = engine log-probs is a different choice
     not get_mismatch_metrics              train-vs-rollout metrics need the recomputed ones
     not est.critic                        a critic's estimator (ppo) trains a value head too
@@ -20,6 +22,10 @@ needs_reference(cfg): a KL term uses the reference policy's log-probs:
     use_kl_loss  or  kl_coef > 0          (the loss's KL term; the token rewards' KL penalty)
 
 needs_critic(cfg): the estimator's advantages need a value model's values (est.critic: ppo).
+
+needs_teacher(cfg): the trainer loads and forwards a frozen teacher (opd_teacher_load):
+
+    use_opd  and  opd_type == "megatron"
 
 should_flush_cache(interval, v, v0): the engines' prefix cache holds KV of the old weights, so it
 is flushed on the first publish after v0 and then every `interval` versions:
@@ -42,12 +48,17 @@ def needs_critic(cfg) -> bool:
     return get_adv_estimator(cfg.advantage_estimator).critic
 
 
+def needs_teacher(cfg) -> bool:
+    return bool(cfg.use_opd) and cfg.opd_type == "megatron"
+
+
 def can_reuse_log_probs_in_loss(num_microbatches: Sequence[int], cfg) -> bool:
     est = get_adv_estimator(cfg.advantage_estimator)
     return (
         len(num_microbatches) == 1
         and cfg.loss_type == "policy_loss"
         and not needs_reference(cfg)
+        and not cfg.use_opd
         and not cfg.use_rollout_logprobs
         and not cfg.get_mismatch_metrics
         and not est.critic

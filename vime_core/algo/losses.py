@@ -46,6 +46,15 @@ Aggregation over loss_mask m (per sequence i, T_i tokens):
     token_mean:           sum_{i,t} m l / sum_{i,t} m
     seq_mean_token_mean:  mean_i over sequences with sum_t m > 0 of (sum_t m l / sum_t m)
     seq_mean_token_sum:   mean_i of sum_t m l
+    seq_mean_token_sum_norm:  mean_i of sum_t m l, divided by a constant L (loss_scale_factor,
+                          default rollout_max_response_len) = seq_mean_token_sum / L
+
+seq_mean_token_sum_norm with grpo_std_normalization=false is Dr. GRPO (Liu et al. 2025,
+"Understanding R1-Zero-Like Training", arXiv:2503.20783): no 1/|o_i| length normalisation and no
+std normalisation, the sum over a sequence's tokens divided by the same constant for every
+sequence (their code: the generation budget). verl's seq-mean-token-sum-norm divides
+sum_{i,t} m l by L without averaging over the sequences, which differs from this by the constant
+number of sequences (here the step's, through the train step's shares, as seq_mean_token_sum).
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ import torch
 # runs the package's __init__, which registers them.
 from vime_core.algo.registry import get_adv_estimator, register_policy_loss
 
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def compute_policy_loss(
@@ -154,11 +163,12 @@ def aggregate_loss(
     loss_mask: torch.Tensor,
     mode: str,
     response_lengths: Optional[Sequence[int]] = None,
+    scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss over loss_mask == 1 tokens (formulas in the module docstring).
 
     `per_token` is either [B, T] (one row per sequence, padding masked out) or flat [sum T_i]
-    with `response_lengths` giving each sequence's T_i.
+    with `response_lengths` giving each sequence's T_i; `scale` is seq_mean_token_sum_norm's L.
     """
     if per_token.shape != loss_mask.shape:
         raise ValueError(f"per-token loss {tuple(per_token.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
@@ -176,6 +186,10 @@ def aggregate_loss(
         _, seq_sums, seq_counts = _per_sequence_sums(per_token, mask, response_lengths)
     if mode == "seq_mean_token_sum":
         return seq_sums.mean() if len(seq_sums) else per_token.sum() * 0
+    if mode == "seq_mean_token_sum_norm":
+        if scale is None or scale <= 0:
+            raise ValueError(f"loss_agg_mode=seq_mean_token_sum_norm needs a positive scale (loss_scale_factor), got {scale}")
+        return seq_sums.mean() / scale if len(seq_sums) else per_token.sum() * 0
     valid = seq_counts > 0
     if not bool(valid.any()):
         return per_token.sum() * 0  # keeps the graph; nothing to train on

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from vime_core.config import VimeConfig, config_hash
 from vime_core.config.loader import config_dict
+from vime_core.data.batch import weight_version_range
 from vime_core.storage.endpoint import S3Endpoint
 
 
@@ -138,4 +139,5 @@ def batch_summary(batch: dict) -> dict:
         "response_len_mean": statistics.fmean(lengths) if lengths else None,
         "response_len_max": max(lengths) if lengths else None,
         "num_samples": len(rewards),
+        **weight_version_range(batch),
     }

@@ -12,6 +12,7 @@
     critic_lr              = lr                             (when unset, with a critic: ppo)
     rollout_logprob_readers = the set flags of ROLLOUT_LOGPROB_FLAGS; the rollout requests the
                              engines' log-probs (needs_rollout_logprobs) only when one is set
+    loss_scale_factor      = rollout_max_response_len       (when unset and loss_agg_mode=seq_mean_token_sum_norm)
     lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
 
 Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
@@ -50,8 +51,7 @@ def samples_per_rollout(cfg: ConfigFields) -> int:
 
 
 def platform_supports_sleep(cfg: ConfigFields) -> bool:
-    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none (the same
-    answer as vime_core.engines.server.platform_supports_sleep, without importing the engines)."""
+    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none."""
     return cfg.device == "cuda"
 
 
@@ -143,6 +143,9 @@ def derive_in_place(cfg: ConfigFields) -> None:
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)
+    _check_opd(cfg)
+    _check_async_staleness(cfg)
+    _check_loss_scale(cfg)
     from vime_core.algo.shaping import check_overlong_buffer
 
     check_overlong_buffer(cfg)
@@ -225,6 +228,49 @@ def _check_tis(cfg: ConfigFields) -> None:
             raise ValueError(f"tis_clip_low={cfg.tis_clip_low} has no effect without tis_mode=mask")
         if cfg.tis_clip_low >= cfg.tis_clip:
             raise ValueError(f"tis_clip_low={cfg.tis_clip_low} must be below tis_clip={cfg.tis_clip}")
+
+
+def _check_async_staleness(cfg: ConfigFields) -> None:
+    """One step off-policy overlaps a rollout with training: the engines must be awake while the
+    trainer trains, and the lag of the sampling weights must be corrected."""
+    if not cfg.async_staleness:
+        return
+    if cfg.offload_rollout and platform_supports_sleep(cfg):
+        raise ValueError(f"async_staleness={cfg.async_staleness} needs engines that stay awake while the trainer "
+                         "trains: add --no-offload-rollout (memory permitting) or give the engines their own GPUs")
+    if not (cfg.use_tis or cfg.use_rollout_logprobs):
+        raise ValueError(f"async_staleness={cfg.async_staleness} trains on samples of the previous weights: add "
+                         "--use-tis (or --use-rollout-logprobs) to correct for it")
+
+
+def _check_opd(cfg: ConfigFields) -> None:
+    """slime's checks of the --use-opd family: the type and teacher with use_opd, none of the
+    family without it (a teacher that would be loaded and never used)."""
+    if not cfg.use_opd:
+        if cfg.opd_teacher_load:
+            raise ValueError(f"opd_teacher_load={cfg.opd_teacher_load!r} is set but use_opd is not: "
+                             f"add --use-opd --opd-type megatron (slime refuses it too)")
+        for name, default in (("opd_type", None), ("opd_kl_coef", 1.0)):
+            if getattr(cfg, name) != default:
+                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without use_opd=true")
+        return
+    if cfg.opd_type is None:
+        raise ValueError("use_opd=true needs --opd-type: megatron (the trainer forwards the teacher of "
+                         "--opd-teacher-load); sglang, a teacher on an external server, is not provided")
+    if not cfg.opd_teacher_load:
+        raise ValueError("use_opd=true with opd_type=megatron needs --opd-teacher-load: the teacher's HF "
+                         "checkpoint (a folder or hub id, with the student's vocabulary)")
+
+
+def _check_loss_scale(cfg: ConfigFields) -> None:
+    """loss_scale_factor is the constant of seq_mean_token_sum_norm only (default: the response budget)."""
+    if cfg.loss_agg_mode != "seq_mean_token_sum_norm":
+        if cfg.loss_scale_factor is not None:
+            raise ValueError(f"loss_scale_factor={cfg.loss_scale_factor} has no effect without "
+                             f"loss_agg_mode=seq_mean_token_sum_norm")
+        return
+    if cfg.loss_scale_factor is None:
+        cfg.loss_scale_factor = float(cfg.rollout_max_response_len)
 
 
 def _vllm_backends() -> dict[str, str | None]:

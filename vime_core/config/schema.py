@@ -28,7 +28,7 @@ LossType = Literal["policy_loss", "sft_loss"]
 KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 RouterPolicy = Literal["round_robin", "random", "consistent_hash", "power_of_two", "cache_aware"]
 WeightTransport = Literal["auto", "ipc", "shm", "disk", "nccl", "gloo"]
-LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
@@ -110,6 +110,7 @@ class ConfigFields(BaseModel):
     rollout_function_path: str = Field("vime_core.rollout.loop:generate_rollout", description="Rollout function, `module:function`.")
     custom_generate_function_path: str = Field("", description="Per-sample generate function, `module:function` (multi-turn / tool use). Empty: single-turn token-in/token-out.")
     rollout_prefetch: bool = Field(True, description="Start rollout k+1 as soon as iteration k has synced (in sync's last actor call; after the evaluation when one is due), so it runs while the checkpoint is saved and Prefect ends flow run k and starts k+1; same weights, same prompts as without it.")
+    async_staleness: int = Field(0, ge=0, le=1, description="1: one step off-policy. Rollout k+1 starts on the weights trained through k-1 right after rollout k, and generates while the trainer trains on k; every sample is at most this many weight versions behind the policy it trains (its weight_versions record which). Needs engines that stay awake (CPU, separate GPUs, or --no-offload-rollout) and --use-tis or --use-rollout-logprobs to correct for the lag. 0: on-policy.")
     rollout_request_max_attempts: int = Field(8, ge=1, description="Attempts of one generate request whose engine did not answer (dead, restarting, connection reset), with back-off of 0.5 s doubling up to 5 s; then the sample fails and its group is generated again (rollout_group_max_attempts).")
     rollout_group_max_attempts: int = Field(3, ge=1, description="A group with a sample the engines failed to generate (engine died, connection reset, timeout) is generated again on a live engine, up to this many attempts in all; then it is dropped and a new prompt group takes its place.")
     rollout_engine_wait_s: float = Field(600.0, gt=0, description="After a generate failure, how long the rollout waits for a live engine (a restarting one comes back) before it fails naming the engines.")
@@ -143,7 +144,8 @@ class ConfigFields(BaseModel):
     advantage_estimator: AdvantageEstimator = Field("grpo", description=f"One of the registered advantage estimators (vime_core.algo.register_adv_est): {describe_adv_estimators()}.", json_schema_extra=lambda schema: schema.update(enum=registered_adv_estimators()))
     grpo_std_normalization: bool = Field(True, description="Divide group-centred rewards by the group's unbiased std + 1e-6 (Dr. GRPO turns this off).")
     loss_type: LossType = Field("policy_loss", description="policy_loss (PPO-clip family) or sft_loss.")
-    loss_agg_mode: LossAggregation = Field("token_mean", description="Aggregation over loss_mask==1 tokens: token_mean (per token), seq_mean_token_mean / seq_mean_token_sum (per sequence).")
+    loss_agg_mode: LossAggregation = Field("token_mean", description="Aggregation over loss_mask==1 tokens: token_mean (per token), seq_mean_token_mean / seq_mean_token_sum (per sequence), seq_mean_token_sum_norm (each sequence's token sum divided by the constant loss_scale_factor, then the mean over sequences: Dr. GRPO's length-unbiased loss, Liu et al. 2025, with grpo_std_normalization=false; verl's seq-mean-token-sum-norm).")
+    loss_scale_factor: Optional[float] = Field(None, gt=0, description="The constant L of loss_agg_mode=seq_mean_token_sum_norm: loss = mean_i(sum_t m_{i,t} l_{i,t}) / L (verl's actor.loss_scale_factor). Default: rollout_max_response_len (Dr. GRPO's generation budget).")
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range below 1 (ratio >= 1 - eps_clip).")
     eps_clip_high: Optional[float] = Field(None, gt=0, description="PPO clip range above 1 (ratio <= 1 + eps_clip_high). Default: eps_clip. DAPO uses 0.28.")
     eps_clip_c: Optional[float] = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (Ye et al. 2020); must be > 1. None: off.")
@@ -169,6 +171,12 @@ class ConfigFields(BaseModel):
     critic_lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of the critic's linear warmup from lr_warmup_init to critic_lr. Default 0: none (slime's --critic-lr-warmup-iters).")
     num_critic_only_steps: int = Field(0, ge=0, description="Rollouts, from rollout id 0, that train the critic only: the policy is not updated until the value head has learnt something (slime's --num-critic-only-steps).")
     value_clip: float = Field(0.2, gt=0, description="Clip range of the value loss: the critic's value of a token moves at most this far from its value at rollout time, 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - R)^2) (slime's --value-clip). Formula: vime_core/algo/value_loss.py.")
+
+    # ---- on-policy distillation (slime's --use-opd family) ------------------------------------
+    use_opd: bool = Field(False, description="On-policy distillation (slime's --use-opd; Agarwal et al. 2024, Thinking Machines 2025): a frozen teacher scores the student's own samples and each token's advantage becomes A_t - opd_kl_coef * (log pi_student(y_t) - log pi_teacher(y_t)), on top of any advantage_estimator (with a reward of 0 the teacher is the only signal). pi_student is the old policy of the loss. Reported as opd_reverse_kl. Formula: vime_core/algo/advantages.py (apply_opd_kl).")
+    opd_type: Optional[Literal["megatron"]] = Field(None, description="Where the teacher runs (slime's --opd-type), required with use_opd: megatron, a second frozen model in the trainer loaded from opd_teacher_load, forwarded over each rollout beside the reference. (slime's sglang, a teacher on an external server queried during the rollout, is not provided.)")
+    opd_kl_coef: float = Field(1.0, ge=0, description="Weight of the teacher's reverse-KL signal in the advantages when use_opd (slime's --opd-kl-coef).")
+    opd_teacher_load: Optional[str] = Field(None, description="HF checkpoint of the teacher when opd_type=megatron (slime's --opd-teacher-load, a Megatron checkpoint there): a local folder or hub id as hf_checkpoint. Any architecture the trainer builds, with the student's vocabulary: its config.json vocab_size and its tokenizer's vocabulary must equal the student's (checked when the trainer loads it).")
 
     # ---- training ------------------------------------------------------------------------------
     num_steps_per_rollout: Optional[int] = Field(1, ge=1, description="Optimizer steps per rollout; sets global_batch_size.")

@@ -77,3 +77,11 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
     batch = {name: values[name] for name in COLUMN_NAMES}
     validate_trainable(batch, lengths_only=True)
     return batch
+
+
+def weight_version_range(batch: dict) -> dict[str, int]:
+    """{"weight_version_min", "weight_version_max"} over every span of every sample's
+    weight_versions (the engines' versions that generated its tokens); {} when none recorded."""
+    versions = [int(span["version"]) for spans in batch.get("weight_versions", []) for span in spans
+                if span.get("version") is not None]
+    return {"weight_version_min": min(versions), "weight_version_max": max(versions)} if versions else {}

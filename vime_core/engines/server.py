@@ -35,6 +35,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from vime_core.config.derive import platform_supports_sleep
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
@@ -130,11 +131,6 @@ def advertised_host(bind_host: str) -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
-
-
-def platform_supports_sleep(cfg: "VimeConfig") -> bool:
-    """vLLM's sleep mode frees memory through CUDA's allocator; the CPU build has none."""
-    return cfg.device == "cuda"
 
 
 class EngineServer:

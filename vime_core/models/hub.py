@@ -54,20 +54,21 @@ def parse_hub_id(value: str) -> tuple[str, str | None] | None:
     return repo_id, revision or None
 
 
-def resolve_hf_checkpoint(value: str, base: Path) -> str:
+def resolve_hf_checkpoint(value: str, base: Path, field: str = "hf_checkpoint") -> str:
     """The local folder of ``hf_checkpoint=value``: itself (absolute) when it is a folder, else
-    the hub snapshot of ``org/name[@revision]`` (downloaded, or from the cache offline)."""
+    the hub snapshot of ``org/name[@revision]`` (downloaded, or from the cache offline). `field`
+    names the setting in errors (opd_teacher_load resolves the same way)."""
     local = Path(value.removeprefix("file://")).expanduser()
     local = local if local.is_absolute() else base / local
     if local.is_dir():
         return os.path.abspath(local)
     parsed = parse_hub_id(value)
     if parsed is None or value.startswith(("/", ".", "~", "file://")):
-        raise HubCheckpointError(f"hf_checkpoint: {value!r} is not a folder ({local} does not exist) and not a hub id (org/name)")
-    return str(snapshot_folder(*parsed, note=f"; no folder {local} either" if "/" in value else ""))
+        raise HubCheckpointError(f"{field}: {value!r} is not a folder ({local} does not exist) and not a hub id (org/name)")
+    return str(snapshot_folder(*parsed, note=f"; no folder {local} either" if "/" in value else "", field=field))
 
 
-def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "") -> Path:
+def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "", field: str = "hf_checkpoint") -> Path:
     """The snapshot folder of a hub model, downloaded when online, from the cache offline."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -80,14 +81,14 @@ def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "") -
     except LocalEntryNotFoundError:
         how = "HF_HUB_OFFLINE=1" if offline else "the hub could not be reached"
         raise HubCheckpointError(
-            f"hf_checkpoint: hub model {shown!r} has no cached snapshot in {cache} and {how}{note}; download it where "
+            f"{field}: hub model {shown!r} has no cached snapshot in {cache} and {how}{note}; download it where "
             f"there is network (`hf download {repo_id}` with the same HF_HUB_CACHE/HF_HOME) or pass a local folder"
         ) from None
     except (HfHubHTTPError, ValueError) as error:  # not found, gated (needs HF_TOKEN), bad revision
-        raise HubCheckpointError(f"hf_checkpoint: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}") from None
+        raise HubCheckpointError(f"{field}: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}") from None
     if not (folder / "config.json").is_file():
-        raise HubCheckpointError(f"hf_checkpoint: the snapshot of {shown!r} at {folder} has no config.json")
-    log.info("hf_checkpoint %s -> %s", shown, folder)
+        raise HubCheckpointError(f"{field}: the snapshot of {shown!r} at {folder} has no config.json")
+    log.info("%s %s -> %s", field, shown, folder)
     return folder
 
 

@@ -11,9 +11,10 @@ Weight pushes themselves go from the trainer straight to `engine_urls()`.
 Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
 weights v, and `generate(k, v)` returns that result. The iteration flow starts rollout k+1 as
 soon as iteration k has synced (and saved), so the rollout runs while Prefect closes flow run k
-and opens k+1 instead of after it. A prefetched rollout is used only for the same rollout id
-and weight version; anything else waits for it, puts the data source back to where it was
-before it, and generates afresh. A checkpoint taken while one is pending records that earlier
+and opens k+1 instead of after it; one step off-policy (async_staleness), as soon as rollout k
+ended. A prefetched rollout is used only for the same rollout id and a weight version at most
+async_staleness behind the one asked for (`usable_prefetch`); anything else waits for it, puts
+the data source back to where it was before it, and generates afresh. A checkpoint taken while one is pending records that earlier
 data-source state, so resuming from it repeats the prefetched prompts, never skips them.
 
 Re-asked: the last rollout's result is kept until another rollout starts, and `generate(k, v)`
@@ -22,8 +23,8 @@ flow stores a batch while the trainer trains on it; if the store fails and the i
 re-run, the trainer (which already trained rollout k) skips it and the batch stored is the one
 it trained on. Calls of `generate` run one at a time (a lock): a retried rollout task that asks
 while its first try's call still runs gets that call's result, not a second rollout; the
-trainer may already be training on the first (the rollout task dispatches training on the
-batch's reference).
+trainer may already be training on an earlier result (the iteration flow submits training
+on the batch's reference as soon as the rollout task returns).
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ class RolloutManager:
         the current weights (the trainer's publisher); without it a restarted engine serves the
         checkpoint's weights, and a warning says so."""
         from vime_core.config import num_engines
+        from vime_core.config.derive import platform_supports_sleep
         from vime_core.data.data_source import DataSource, load_tokenizer
         from vime_core.engines.health import HealthMonitor
-        from vime_core.engines.server import EngineServer, platform_supports_sleep
+        from vime_core.engines.server import EngineServer
         from vime_core.rewards.filters import load_filter
         from vime_core.rewards.hub import RewardHub
         from vime_core.rollout.generate import generate_sample
@@ -231,7 +233,8 @@ class RolloutManager:
         with self._prefetch_lock:
             pending, self._prefetched = self._prefetched, None
         result = None
-        if pending is not None and (pending.rollout_id, pending.version) == (rollout_id, version):
+        if pending is not None and usable_prefetch(pending.rollout_id, pending.version, rollout_id, version,
+                                                   self.cfg.async_staleness):
             t0 = time.perf_counter()
             result = pending.future.result()
             result[1]["rollout/prefetched"] = 1.0
@@ -278,7 +281,7 @@ class RolloutManager:
 
     def _generate_now(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
         from vime_core.config.derive import rollout_logprob_readers
-        from vime_core.data.batch import build_batch
+        from vime_core.data.batch import build_batch, weight_version_range
         from vime_core.data.validation import validate_trainable
 
         self._last = None  # a new rollout: the previous result is no longer asked for
@@ -291,6 +294,7 @@ class RolloutManager:
         # (a custom rollout function may hand on samples the default loop would have retried)
         validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
+        metrics.update({f"rollout/{k}": v for k, v in weight_version_range(batch).items()})
         metrics["rollout/engine_restarts"] = float(self.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),
         # so a run resumed past its checkpoint continues from the last stored batch's prompts
@@ -402,13 +406,12 @@ class RolloutManager:
     def resume_admission(self) -> None:
         self.admission_open.set()
 
-    def begin_sync(self, target_version: int, *after: Any) -> Optional[list[str]]:
+    def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
         """The engine side of sync's start, in one actor call: None when every engine already
-        reports `target_version` (nothing to publish), else admission paused and the engines'
-        URLs to publish to. `after` is ignored: a reference passed there (the rollout's metrics,
-        tasks.dispatch) makes Ray run this call only once the rollout has ended."""
+        reports `target_version` (nothing to publish) and not `force`, else admission paused and
+        the engines' URLs to publish to (tasks.sync.publish)."""
         versions = self.weight_versions()
-        if versions and all(v == target_version for v in versions):
+        if not force and versions and all(v == target_version for v in versions):
             return None
         self.pause_admission()
         return self.engine_urls()
@@ -419,8 +422,9 @@ class RolloutManager:
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
 
-        `published` is ignored: sync passes the trainer ranks' `update_weights` references there
-        so that Ray runs this call the moment the publish ends (and not at all when it fails)."""
+        `published` is not read: the sync task passes the trainer ranks' `update_weights`
+        references there, top-level arguments that Ray resolves before it runs a call, so this
+        call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:
@@ -483,6 +487,18 @@ class RolloutManager:
                     server.shutdown()
                 except Exception as exc:
                     logger.warning("shutting down %s: %s", getattr(server, "name", server), exc)
+
+
+def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id: int, version: Optional[int],
+                    staleness: int = 0) -> bool:
+    """Whether a rollout started as (`started_id`, `started_version`) answers a request for
+    (`rollout_id`, `version`): the same rollout id, on weights v with version - staleness <= v <=
+    version (exactly `version` when on-policy; None matches only None)."""
+    if started_id != rollout_id:
+        return False
+    if version is None or started_version is None:
+        return started_version == version
+    return version - staleness <= started_version <= version
 
 
 async def _close_all(clients: list[Any]) -> None:

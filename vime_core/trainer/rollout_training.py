@@ -10,11 +10,13 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 skipped when use_rollout_logprobs without get_mismatch_metrics
     reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
                 term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
+    teacher     a forward of the frozen teacher (opd_teacher_load) when use_opd (gates.needs_teacher)
     values      with a critic (ppo): V_old, the critic's values of all of this rank's samples, once
                 before the first step (vime_core/trainer/critic.py)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
                 kl = KL(pi_old || ref) when kl_coef > 0, values = V_old) over this rank's samples
-                of each step (estimators that whiten do so over the rank's share of the step)
+                of each step (estimators that whiten do so over the rank's share of the step); then,
+                when use_opd, apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
     steps       per step: the critic's optimizer step on the value loss against the returns (with
                 a critic), then the policy's; rollout ids below num_critic_only_steps train the
                 critic only (num_steps 0: the policy and its schedule do not move, and the old and
@@ -22,7 +24,7 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
 
 pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
 use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
-rewards takes the rollout log-probs under --use-rollout-logprobs.
+rewards and the distillation signal take the rollout log-probs under --use-rollout-logprobs.
 
 Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
 num_steps (the policy's optimizer steps) and tokens.
@@ -49,7 +51,8 @@ def old_policy_log_probs(
     else the recomputed `old`."""
     if not cfg.use_rollout_logprobs:
         if old is None:
-            raise ValueError(f"kl_coef={cfg.kl_coef} needs the old log-probs, which were not recomputed")
+            raise ValueError("the KL penalty (kl_coef) and distillation (use_opd) need the old log-probs, "
+                             "which were not recomputed")
         return old
     out = {}
     for i in indices:
@@ -68,9 +71,11 @@ def step_advantages(
     old: Mapping[int, torch.Tensor] | None,
     ref: Mapping[int, torch.Tensor] | None,
     values: Mapping[int, torch.Tensor] | None = None,
+    teacher: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """(advantages, returns) of `indices`, per sample; `values`: the critic's V_old (ppo)."""
-    from vime_core.algo.advantages import compute_advantages
+    """(advantages, returns) of `indices`, per sample; `values`: the critic's V_old (ppo);
+    `teacher`: the teacher's log-probs (use_opd)."""
+    from vime_core.algo.advantages import apply_opd_kl, compute_advantages
     from vime_core.algo.kl import compute_approx_kl
 
     scalars = advantage_column(batch)
@@ -88,6 +93,12 @@ def step_advantages(
         kl=kl, values=None if values is None else [values[i] for i in indices],
         gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
     )
+    if cfg.use_opd:
+        if teacher is None:
+            raise ValueError("use_opd needs the teacher's log-probs (opd_teacher_load)")
+        student = old_policy_log_probs(cfg, batch, indices, old)
+        advantages, _ = apply_opd_kl(advantages, [student[i] for i in indices], [teacher[i] for i in indices],
+                                     cfg.opd_kl_coef)
     return dict(zip(indices, advantages)), dict(zip(indices, returns))
 
 
@@ -125,6 +136,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
     need_ref = trainer.ref_model is not None and policy_forwards
     ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if need_ref else None
+    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, temp, device)
+               if trainer.teacher_model is not None else None)
     values = critic.values(batch, all_mine) if critic is not None else None
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
@@ -133,7 +146,7 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     for step, micro_batches in enumerate(mine):
         step_indices = list(range(step * gbs, (step + 1) * gbs))
         my_indices = [i for mb in micro_batches for i in mb]
-        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values)
+        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values, teacher)
                                if cfg.loss_type == "policy_loss" else ({}, {}))
         inputs = StepInputs(
             batch=batch,
@@ -142,6 +155,7 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
             advantages=advantages,
             old_log_probs=old,
             ref_log_probs=ref,
+            teacher_log_probs=teacher,
             step_tokens=sum(lengths[i] for i in step_indices),
         )
         step_metrics: dict[str, float] = {}

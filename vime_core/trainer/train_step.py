@@ -15,7 +15,8 @@ For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
 with ``agg = aggregate_loss(., loss_mask, loss_agg_mode)`` inside the micro-batch. So that the
 step's loss is the same whatever the TP/DP layout and micro-batch split, each micro-batch's loss
 is weighted by its share of the step-wide denominator D (tokens for token_mean, sequences with
-a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum):
+a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum and
+seq_mean_token_sum_norm):
 
     backward( L(B_m) * d(B_m) / D(S) * dp_size )          (DDP averages gradients over DP)
 
@@ -46,7 +47,9 @@ from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
-METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff", "tis_weight", "tis_rejected_frac")
+# opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
+METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff", "tis_weight", "tis_rejected_frac",
+               "opd_reverse_kl")
 
 
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
@@ -145,6 +148,7 @@ class StepInputs:
     advantages: Mapping[int, torch.Tensor]
     old_log_probs: Optional[Mapping[int, torch.Tensor]]  # None: reuse the current ones (detached)
     ref_log_probs: Optional[Mapping[int, torch.Tensor]] = None
+    teacher_log_probs: Optional[Mapping[int, torch.Tensor]] = None  # use_opd's teacher, for its metric
     step_tokens: int = 0  # prompt + response tokens of the whole step (all DP ranks)
 
 
@@ -200,7 +204,7 @@ def micro_batch_loss(
     count = sum(mb.mask_counts)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(per_token, mask, cfg.loss_agg_mode, lengths)
+        return aggregate_loss(per_token, mask, cfg.loss_agg_mode, lengths, cfg.loss_scale_factor)
 
     # The trainer's log-probs of the sampled tokens before this rollout's updates: recomputed
     # beforehand, or (reuse) the current ones, since the policy has not moved yet.
@@ -214,6 +218,9 @@ def micro_batch_loss(
     else:
         old = recomputed
     acc.add("entropy", entropy, mask, count)
+    if inputs.teacher_log_probs is not None:
+        teacher = to_device(gather_per_token(inputs.teacher_log_probs, mb.indices), old.device)
+        acc.add("opd_reverse_kl", old - teacher, mask, count)
 
     if cfg.loss_type == "sft_loss":
         per_token = -log_probs

@@ -48,6 +48,7 @@ class MegatronTrainer:
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
         self.ref_model: Any = None
         self.critic: Any = None  # the value model of an estimator with a critic (trainer/critic.py)
+        self.teacher_model: Any = None  # use_opd's frozen teacher (opd_teacher_load)
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._asleep = False  # optimizer state and gradient buffers are on the host
@@ -89,7 +90,7 @@ class MegatronTrainer:
         self.arch = architecture_from_hf(read_hf_config(path))
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
-        def load_model(checkpoint, arch=None) -> Any:
+        def load_model(checkpoint, arch: Any = None) -> Any:
             arch = arch or self.arch
             model = build_gpt_model(arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
@@ -107,6 +108,13 @@ class MegatronTrainer:
 
             self.critic = Critic.build(self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch),
                                        self._wrap_ddp, dtype, self.device)
+        from vime_core.algo.gates import needs_teacher
+
+        if needs_teacher(self.cfg):  # frozen, its own architecture, the student's vocabulary (trainer/teacher.py)
+            from vime_core.trainer.teacher import check_teacher_checkpoint
+
+            teacher_arch = architecture_from_hf(check_teacher_checkpoint(path, self.cfg.opd_teacher_load))
+            self.teacher_model = load_model(self.cfg.opd_teacher_load, teacher_arch).eval().requires_grad_(False)
         self.hf_checkpoint = str(path)
         log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
         return self.state()
@@ -203,7 +211,7 @@ class MegatronTrainer:
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
         answer inside Ray, without a round trip through the driver. ``after`` is ignored:
-        references passed there (every rank's train call, tasks.dispatch) make Ray run the
+        references passed there (every rank's train call, tasks.sync.publish) make Ray run the
         publish only once they succeeded."""
         if engine_urls is None:
             return None
@@ -380,9 +388,10 @@ class MegatronTrainer:
         freed = 0
         if self.device.type == "cuda" and not self._asleep:
             freed, copies = offload(self.model, self.optimizer, keep_params=True)
-            if self.ref_model is not None:  # the reference sleeps with the policy; wake restores both
-                ref_freed, ref_copies = offload_params(self.ref_model)
-                freed, copies = freed + ref_freed, copies + ref_copies
+            for frozen in (self.ref_model, self.teacher_model):  # they sleep with the policy; wake restores all
+                if frozen is not None:
+                    frozen_freed, frozen_copies = offload_params(frozen)
+                    freed, copies = freed + frozen_freed, copies + frozen_copies
             if self.critic is not None:  # all of it: no publish reads the critic
                 freed += self.critic.sleep()
             self._offloaded += copies

@@ -9,20 +9,30 @@ resumes.
 Why a deadline: the signal also reaches Prefect's temporary server (same process group), and
 Prefect then reports the crash to that dead server with retries and backoff (measured: 75 s).
 
-Why `reinstall`: every Prefect flow run replaces the SIGTERM handler with its own for the run's
-duration (prefect.utilities.engine.capture_sigterm). Its TerminationSignal, raised inside a C
-call, arrives as a SystemError that a task retry took for an ordinary failure (seen on the
-H200: a driver SIGTERMed by `timeout` retried its train task and ran on until SIGKILL). The
-train and iteration flows call `reinstall()` first; it does nothing unless the CLI called
-`install` (under a Prefect worker SIGTERM is the runner's cancellation and stays Prefect's).
+Why a watcher thread and not a timer started by the handler: the deadline must hold whichever
+Python handler the signal finds. Every Prefect flow run replaces the SIGTERM handler with its own
+for the run's duration (prefect.utilities.engine.capture_sigterm), from before the flow's body
+runs until after it returns; a SIGTERM in that window raises Prefect's TerminationSignal, which
+code inside a C call turns into an ordinary SystemError that a retry may swallow. And a handler
+that starts a thread can deadlock: it runs between two bytecodes of the main thread, which may
+hold threading's own lock. So `install` starts one thread at once and points the interpreter's
+wakeup fd (signal.set_wakeup_fd) at it: the C-level handler writes every caught signal's number
+there, whatever Python handler runs, and the thread prints the message and ends the process when
+the grace period is over. The Python handler only raises KeyboardInterrupt (takes no lock).
+
+`reinstall` puts our handler back after Prefect replaced it (the train and iteration flows call
+it first); it does nothing unless the CLI called `install` (under a Prefect worker SIGTERM is the
+runner's cancellation and stays Prefect's).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from typing import Optional
 
 GRACE_S = 10.0
@@ -32,26 +42,52 @@ _installed: Optional["_Handler"] = None
 
 
 class _Handler:
+    """The Python-level handler (main thread) and the watcher thread that enforces the deadline."""
+
     def __init__(self, message: str, grace_s: float) -> None:
         self.message = message
         self.grace_s = grace_s
         self.received: Optional[int] = None
+        self._raised = False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # the C-level handler must never block on it
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="vime-interrupt", daemon=True).start()
 
     def __call__(self, signum: int, frame: object) -> None:
-        status = EXIT_STATUS.get(signum, 128 + signum)
-        if self.received is not None:
-            os._exit(status)
-        self.received = signum
-        sys.stderr.write(self.message)
-        sys.stderr.flush()
-        timer = threading.Timer(self.grace_s, os._exit, args=(status,))
-        timer.daemon = True
-        timer.start()
+        if self._raised:  # a second signal: no more unwinding
+            os._exit(EXIT_STATUS.get(signum, 128 + signum))
+        self._raised = True
+        if self.received is None:
+            self.received = signum
+        try:  # in case something replaced the wakeup fd: the watcher still hears of it
+            os.write(self._write_fd, bytes([signum]))
+        except OSError:
+            pass
         raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        deadline: Optional[float] = None
+        status = 130
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._read_fd], [], [], timeout)
+            if not ready:  # the grace period is over
+                os._exit(status)
+            for signum in os.read(self._read_fd, 64):
+                if signum not in EXIT_STATUS or deadline is not None:
+                    continue
+                if self.received is None:
+                    self.received = signum
+                status = EXIT_STATUS[self.received]
+                deadline = time.monotonic() + self.grace_s
+                sys.stderr.write(self.message)
+                sys.stderr.flush()
 
 
 def install(message: str, grace_s: float = GRACE_S) -> None:
-    """Handle SIGINT and SIGTERM as the module docstring says; `message` goes to stderr once."""
+    """Handle SIGINT and SIGTERM as the module docstring says; `message` goes to stderr once.
+    Main thread only (the wakeup fd and signal handlers are the main thread's)."""
     global _installed
     _installed = _Handler(message, grace_s)
     reinstall()

@@ -4,7 +4,7 @@ engine behind vllm-router, one Megatron actor, Prefect.
 One run is shared by the module (engines take ~40 s to start on 2 cores). The run the module's
 fixture makes (the first case below) is checked when it ends; each test after it takes the run
 on from wherever it stands, so the tests run in any order:
-- the trainer actor's process is SIGKILLed as train-3 starts (training was dispatched with the
+- the trainer actor's process is SIGKILLed as train-3 starts (training was submitted after the
   rollout: the trainer is training rollout 3 or has just trained it, and what it trained since
   its checkpoint is lost either way): the train flow retries the iteration, bootstrap rebuilds
   the trainer from the checkpoint of rollout 1, and rollouts 2-3 are trained again from their
@@ -94,12 +94,12 @@ def killed_trainer(tmp_path_factory, ray_head, tiny_model_dir):
     seen = {"pid": None, "killed": False}
 
     @functools.wraps(real)
-    def kill_during_train_3(config, rollout_id, batch_ref, dispatched=None):
+    def kill_during_train_3(config, rollout_id, batch_ref, submitted=None):
         if rollout_id == KILLED_ROLLOUT and not seen["killed"]:
-            # training was dispatched with the rollout: the trainer is training or has just trained
+            # training was submitted after the rollout: the trainer is training or has just trained
             os.kill(seen["pid"], signal.SIGKILL)
             seen["killed"] = True
-        out = real(config, rollout_id, batch_ref, dispatched)
+        out = real(config, rollout_id, batch_ref, submitted)
         if seen["pid"] is None:  # asked while the trainer is idle: a call waits behind training
             seen["pid"] = _trainer_pid(_handles(config)[1])
         return out
@@ -304,7 +304,7 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
         assert stored == list(range(len(stored))), (at, stored)  # nothing partial, no gap
 
     # SIGTERM to the driver's process group (with its Prefect server) 0.5 s after it went on from
-    # train-term_k's start. Training was dispatched with the rollout, so on the tiny model the
+    # train-term_k's start. Training was submitted right after the rollout, so on the tiny model the
     # driver may be an iteration further by then; the iteration it lands in is the first one not
     # reported. The driver retries nothing and exits 143 within the grace period
     # (vime_core/utils/interrupt.py).
@@ -318,7 +318,10 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
         time.sleep(0.5)
         t0 = time.monotonic()
         os.killpg(driver.pid, signal.SIGTERM)
-        rc = driver.wait(timeout=GRACE_S + 30)
+        try:
+            rc = driver.wait(timeout=GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver outlived its grace period after SIGTERM:\n{_tail(log)}")
         elapsed = time.monotonic() - t0
     finally:
         if driver.poll() is None:

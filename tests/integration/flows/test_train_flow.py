@@ -240,7 +240,7 @@ def test_failed_task_is_retried_and_trains_once(trained, monkeypatch):
         def call(self, method, *args):  # a retry calls the trainer afresh
             return self._fail_once(self.group.call(method, *args))
 
-        def wait(self, refs):  # the first try waits for the training the rollout task dispatched
+        def wait(self, refs):  # the first try waits for the training the flow submitted
             return self._fail_once(self.group.wait(refs))
 
     monkeypatch.setattr(train_task, "run_handles", lambda c: (real(c)[0], FailAfterTrain(real(c)[1])))

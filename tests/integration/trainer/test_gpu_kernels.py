@@ -173,9 +173,28 @@ def test_micro_batch_loop_does_not_sync(single_rank, cache_dir):
 
     micro_batch()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        micro_batch()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    sites = _sync_sites(micro_batch)
+    assert not sites, f"{len(sites)} synchronizing call(s):\n\n" + "\n\n".join(sites)
     torch.cuda.synchronize()
+
+
+def _sync_sites(fn) -> list[str]:
+    """Every synchronizing CUDA call `fn` makes, each with the Python stack that made it (CUDA's
+    sync debug mode in "warn": all of them in one run, where "error" stops at the first)."""
+    import traceback
+    import warnings
+
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        sites.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
+
+    with warnings.catch_warnings():  # restores showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
