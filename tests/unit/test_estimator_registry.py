@@ -81,7 +81,7 @@ def test_the_registration_decides_normalisation_advantages_gates_and_loss(own_re
     assert batch["reward"] == pytest.approx([r - mean for r in RAW])  # centred, not divided by the std
 
     indices = list(range(len(RAW)))
-    advantages = step_advantages(cfg, batch, indices, None, None)
+    advantages, _ = step_advantages(cfg, batch, indices, None, None)
     expected = torch.cat([torch.full((n,), 2 * (r - mean)) for r, n in zip(RAW, RESPONSE_LENGTHS)])
     assert torch.cat([advantages[i] for i in indices]).tolist() == pytest.approx(expected.tolist())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_core.algo.gates import can_reuse_log_probs_in_loss, should_flush_cache
+from vime_core.algo.gates import can_reuse_log_probs_in_loss, needs_critic, should_flush_cache
 from vime_core.config import load_config
 from vime_core.data.schedule import build_dp_schedule
 
@@ -35,6 +35,7 @@ def test_four_steps_per_rollout_recomputes():
         {"use_rollout_logprobs": True},
         {"get_mismatch_metrics": True},
         {"advantage_estimator": "gspo"},
+        {"advantage_estimator": "ppo"},  # est.critic
         {"loss_type": "sft_loss"},
     ],
 )
@@ -72,3 +73,9 @@ def test_kl_settings_mean_what_they_mean_in_slime():
     cfg = load_config(overrides={"use_kl_loss": True, "kl_loss_coef": 0.1, "ref_load": "some/ref"})
     assert cfg.ref_load.startswith("/") and cfg.ref_load.endswith("some/ref")
     assert load_config(overrides={"kl_coef": 0.05, "advantage_estimator": "reinforce_plus_plus_baseline"}).kl_coef == 0.05
+
+
+def test_only_ppo_needs_a_critic():
+    assert needs_critic(load_config(overrides={"advantage_estimator": "ppo"})) is True
+    assert not any(needs_critic(load_config(overrides={"advantage_estimator": name}))
+                   for name in ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))

@@ -51,6 +51,13 @@ def test_console_line_names_versions_and_phases():
     assert "iter   7 v8->v9" in line and "reward 0.500" in line and "rollout 1.00" in line and "sync -" in line
 
 
+def test_console_line_shows_the_critic_with_one():
+    base = {"rollout_id": 3, "clip_fraction": 0.01, "t_step": 1.0}
+    assert "clip 0.010 vloss 0.250 ev 0.31 T_step" in console_line({**base, "value_loss": 0.25, "explained_variance": 0.314})
+    assert "clip 0.010 vloss 0.250 ev - T_step" in console_line({**base, "value_loss": 0.25})  # constant returns
+    assert "vloss" not in console_line(base)
+
+
 def test_console_line_says_when_the_rollout_started_early():
     base = {"rollout_id": 3, "t_rollout": 0.4, "time_total_s": 1.3}
     assert "started early, 1.30 generating" in console_line({**base, "prefetched": 1.0})

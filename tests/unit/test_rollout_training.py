@@ -153,3 +153,57 @@ def test_a_batch_without_engine_log_probs_is_refused_before_any_forward_where_a_
     monkeypatch.setattr(train_step, "forward_log_probs", lambda *a, **k: pytest.fail("a forward ran"))
     with pytest.raises(UntrainableBatchError, match=rf"^sample 0 \(group 0 index 0, prompt 'p0'\): rollout_log_probs is empty .*and {flag} needs them$"):
         train_on_rollout(_Trainer(cfg, with_ref=False), batch)
+
+
+# ---- ppo: the critic's values, GAE, and which of the two models step --------------------------
+
+VALUES = [[0.5, 0.2, -0.1], [0.3], [0.0, 0.4]]  # V_old per response token of each sample
+
+
+class _Critic:
+    """A critic with given values, recording what each of its steps was given."""
+
+    def __init__(self):
+        self.steps = []
+
+    def values(self, batch, micro_batches):
+        return {i: torch.tensor(VALUES[i]) for mb in micro_batches for i in mb}
+
+    def train_step(self, batch, micro_batches, denominators, returns, old_values, dp_size, dp_group):
+        self.steps.append({"returns": returns, "old_values": old_values, "micro_batches": micro_batches})
+        return {"value_loss": 0.25, "critic_lr": 0.1}
+
+
+@pytest.mark.parametrize("rollout_id, policy_trains", [(0, False), (1, True)])
+def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monkeypatch, rollout_id, policy_trains):
+    """gamma = 1, lambd = 0.5, reward at the last token (RAW: no group baseline for ppo), by hand:
+    sample 0: deltas (t = 2, 1, 0) 1 + 0.1 = 1.1, -0.1 - 0.2 = -0.3, 0.2 - 0.5 = -0.3
+              A = [-0.3 + 0.5 * 0.25, -0.3 + 0.5 * 1.1, 1.1] = [-0.175, 0.25, 1.1]
+    sample 1: A = [0 - 0.3]; sample 2: A = [0.4 + 0.5 * 0.6, 1 - 0.4] = [0.7, 0.6]
+    returns = A + V; the policy's advantages are A whitened over the step's six tokens. The
+    critic steps every rollout; the policy from num_critic_only_steps = 1 on."""
+    from vime_core.trainer import train_step
+    from vime_core.trainer.rollout_training import train_on_rollout
+
+    cfg = _config(advantage_estimator="ppo", lambd=0.5, num_critic_only_steps=1)
+    trainer = _Trainer(cfg, with_ref=False)
+    trainer.critic = _Critic()
+    policy_steps, forwards = [], []
+    monkeypatch.setattr(train_step, "forward_log_probs", lambda model, batch, mbs, *a: forwards.append(model) or {
+        i: torch.full((int(batch["response_length"][i]),), OLD_LOG_PROB) for mb in mbs for i in mb})
+    monkeypatch.setattr(train_step, "train_step", lambda model, optimizer, inputs, *a, **k: policy_steps.append(inputs) or {"lr": 0.0, "loss": 0.0})
+    metrics = train_on_rollout(trainer, _batch(cfg), rollout_id)
+
+    gae = [[-0.175, 0.25, 1.1], [-0.3], [0.7, 0.6]]
+    (step,) = trainer.critic.steps
+    for i, (a, v) in enumerate(zip(gae, VALUES)):
+        assert step["returns"][i].tolist() == pytest.approx([x + y for x, y in zip(a, v)])
+        assert step["old_values"][i].tolist() == pytest.approx(v)
+    assert metrics["value_loss"] == 0.25 and metrics["critic_lr"] == 0.1
+    assert metrics["num_steps"] == (1 if policy_trains else 0) == len(policy_steps)
+    assert forwards == (["policy"] if policy_trains else [])  # critic-only: no KL penalty, no policy forward
+    if policy_trains:
+        flat = [x for a in gae for x in a]
+        mean, std = statistics.fmean(flat), statistics.stdev(flat)
+        advantages = torch.cat([policy_steps[0].advantages[i] for i in range(len(RAW))]).tolist()
+        assert advantages == pytest.approx([(x - mean) / math.sqrt(std ** 2 + 1e-8) for x in flat], abs=1e-6)

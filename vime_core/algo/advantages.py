@@ -265,7 +265,7 @@ def reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
-@register_adv_est("ppo", policy_loss="ppo", token_rewards=True, critic=True, summary="GAE with a value head")
+@register_adv_est("ppo", policy_loss="ppo", token_rewards=True, critic=True, summary="Schulman et al. 2017, GAE with a critic")
 def gae_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],

@@ -21,6 +21,8 @@ needs_reference(cfg): a KL term uses the reference policy's log-probs:
 
     use_kl_loss  or  kl_coef > 0          (the loss's KL term; the token rewards' KL penalty)
 
+needs_critic(cfg): the estimator's advantages need a value model's values (est.critic: ppo).
+
 needs_teacher(cfg): the trainer loads and forwards a frozen teacher (opd_teacher_load):
 
     use_opd  and  opd_type == "megatron"
@@ -40,6 +42,10 @@ from vime_core.algo import get_adv_estimator  # the populated registry
 
 def needs_reference(cfg) -> bool:
     return bool(cfg.use_kl_loss) or cfg.kl_coef > 0
+
+
+def needs_critic(cfg) -> bool:
+    return get_adv_estimator(cfg.advantage_estimator).critic
 
 
 def needs_teacher(cfg) -> bool:

@@ -58,7 +58,8 @@ class AdvEstimator:
     False when the policy loss needs the old log-probs as an input of its own (GSPO's sequence
     ratio)."""
     critic: bool = False
-    """Needs a value head. The trainer does not build one yet: the configuration refuses it."""
+    """Needs a value head: the trainer builds a critic beside the policy (trainer/critic.py), whose
+    values of the rollout's samples reach the estimator as `values`."""
     summary: str = ""
     """A few words shown beside its name in the configuration's description (the paper it comes from)."""
 

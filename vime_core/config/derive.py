@@ -9,6 +9,7 @@
     num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
     rollout_concurrency    = vllm_server_concurrency * num_engines
     dp_size                = trainer devices // tensor_model_parallel_size
+    critic_lr              = lr                             (when unset, with a critic: ppo)
     rollout_logprob_readers = the set flags of ROLLOUT_LOGPROB_FLAGS; the rollout requests the
                              engines' log-probs (needs_rollout_logprobs) only when one is set
     loss_scale_factor      = rollout_max_response_len       (when unset and loss_agg_mode=seq_mean_token_sum_norm)
@@ -149,17 +150,47 @@ def derive_in_place(cfg: ConfigFields) -> None:
 
     check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
+    _check_critic(cfg)
     estimator = get_adv_estimator(cfg.advantage_estimator)
-    if estimator.critic:
-        raise ValueError(
-            f"advantage_estimator={estimator.name} needs a critic, which the trainer does not build yet; "
-            f"its math is in {estimator.fn.__module__}"
-        )
     if estimator.group_normalisation == "leave_one_out" and cfg.n_samples_per_prompt < 2:
         raise ValueError(
             f"advantage_estimator={estimator.name} needs n_samples_per_prompt >= 2 (got {cfg.n_samples_per_prompt}): "
             f"a sample's baseline is the mean reward of the other samples of its group"
         )
+
+
+# The critic's fields (schema.py, "critic") with their defaults: any other value needs a critic.
+CRITIC_FIELDS: dict[str, object] = {
+    "critic_load": None, "critic_lr": None, "critic_lr_warmup_iters": 0, "num_critic_only_steps": 0, "value_clip": 0.2,
+}
+
+
+def _check_critic(cfg: ConfigFields) -> None:
+    """The critic's settings only with an estimator that has one (ppo); with it, critic_lr
+    defaults to lr and its schedule must be one Megatron's scheduler accepts (as lr's,
+    config/optimizer.py). Needs lr_decay_iters derived."""
+    estimator = get_adv_estimator(cfg.advantage_estimator)
+    if not estimator.critic:
+        for name, default in CRITIC_FIELDS.items():
+            if getattr(cfg, name) != default:
+                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without a critic "
+                                 f"(advantage_estimator=ppo; it is {cfg.advantage_estimator})")
+        return
+    if cfg.loss_type != "policy_loss":
+        raise ValueError(f"advantage_estimator={estimator.name} trains a critic for the policy loss; "
+                         f"loss_type={cfg.loss_type} has no advantages")
+    if cfg.critic_lr is None:
+        cfg.critic_lr = cfg.lr
+    if cfg.min_lr > cfg.critic_lr:
+        raise ValueError(f"critic_lr={cfg.critic_lr} is below min_lr={cfg.min_lr}; the decay goes from it down to min_lr")
+    if cfg.lr_warmup_init > cfg.critic_lr:
+        raise ValueError(f"critic_lr={cfg.critic_lr} is below lr_warmup_init={cfg.lr_warmup_init}; warmup rises from it")
+    if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= cfg.lr_decay_iters:
+        raise ValueError(f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
+                         f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)")
+    if cfg.critic_load and "://" not in cfg.critic_load:
+        # relative to where the run was started: the trainer actors run elsewhere
+        cfg.critic_load = os.path.abspath(os.path.expanduser(cfg.critic_load))
 
 
 def _check_kl(cfg: ConfigFields) -> None:

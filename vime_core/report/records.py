@@ -84,10 +84,13 @@ def console_line(rec: dict) -> str:
     phases = " ".join(f"{term} {_fmt(rec.get('t_' + term), '.2f')}" for term in T_STEP_TERMS)
     # a prefetched rollout started in the previous iteration: its T_rollout is the wait for it
     early = f" (started early, {_fmt(rec.get('time_total_s'), '.2f')} generating)" if rec.get("prefetched") else ""
+    # with a critic (ppo): its value loss and how much of the returns' variance its values explain
+    critic = (f"vloss {_fmt(rec.get('value_loss'))} ev {_fmt(rec.get('explained_variance'), '.2f')} "
+              if "value_loss" in rec else "")
     return (
         f"iter {rec['rollout_id']:>3} v{rec.get('version_before', '?')}->v{rec.get('version_after', '?')} "
         f"reward {_fmt(rec.get('reward_mean'))} len {_fmt(rec.get('response_len_mean'), '.2f')} "
-        f"clip {_fmt(rec.get('clip_fraction'))} T_step {_fmt(rec.get('t_step'), '.2f')}s [{phases}]{early}"
+        f"clip {_fmt(rec.get('clip_fraction'))} {critic}T_step {_fmt(rec.get('t_step'), '.2f')}s [{phases}]{early}"
     )
 
 

@@ -3,9 +3,11 @@
     <storage>/checkpoints/<run>/rollout_<k:06d>/
         rank_<r>.pt        torch.save of one dict per rank: this rank's Megatron weights (its TP
                            shard), optimizer state, RNG states, counters, extra_state
+        critic_rank_<r>.pt with a critic (advantage_estimator=ppo): the same rank's value model
+                           (body and head), its optimizer state and schedule (trainer/critic.py)
         manifest.json      written last by rank 0, after every rank's file is in place:
                            {format, version, rollout_id, world_size, tp, dp, weight_version,
-                            files, hf_checkpoint, created_at}
+                            files, critic_files (empty without a critic), hf_checkpoint, created_at}
 
 Every file is written atomically (`StorageLocation.put_atomic`: beside and renamed on a local
 file system, one PUT on an object store), and a checkpoint counts only once its manifest
@@ -45,17 +47,20 @@ def checkpoint_dir(cfg: Any, rollout_id: int) -> str:
     return f"{checkpoint_root(cfg)}/rollout_{rollout_id:06d}"
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank_{rank}.pt"
+def rank_file_name(rank: int, critic: bool = False) -> str:
+    return f"critic_rank_{rank}.pt" if critic else f"rank_{rank}.pt"
 
 
-def save_rank_state(path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None) -> str:
+def save_rank_state(path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None,
+                    critic: bool = False) -> str:
+    """One rank's file (its critic's with `critic`)."""
     from vime_core.storage.fs import open_location
 
+    name = rank_file_name(rank, critic)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    open_location(path, endpoint=endpoint).put_atomic(rank_file_name(rank), buffer.getvalue())
-    return f"{path.rstrip('/')}/{rank_file_name(rank)}"
+    open_location(path, endpoint=endpoint).put_atomic(name, buffer.getvalue())
+    return f"{path.rstrip('/')}/{name}"
 
 
 def write_manifest(path: str, manifest: dict[str, Any], endpoint: Optional[S3Endpoint] = None) -> None:
@@ -82,15 +87,18 @@ def read_manifest(path: str, endpoint: Optional[S3Endpoint] = None) -> dict[str,
     return manifest
 
 
-def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None) -> dict[str, Any]:
-    """This rank's state dict, after checking the manifest matches the current layout."""
+def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None,
+                    critic: bool = False) -> dict[str, Any]:
+    """This rank's state dict (its critic's with `critic`), after checking the manifest matches
+    the current layout."""
     manifest = read_manifest(path, endpoint)
     if manifest["world_size"] != world_size or manifest["tp"] != tp_size:
         raise CheckpointError(
             f"{path}: written with world_size={manifest['world_size']}, tp={manifest['tp']}; "
             f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
         )
-    data = _read(path, rank_file_name(rank), f"{rank_file_name(rank)} is missing although the manifest lists it", endpoint)
+    name = rank_file_name(rank, critic)
+    data = _read(path, name, f"{name} is missing although the manifest lists it", endpoint)
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 

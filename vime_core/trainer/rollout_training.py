@@ -11,17 +11,23 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
     reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
                 term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
     teacher     a forward of the frozen teacher (opd_teacher_load) when use_opd (gates.needs_teacher)
+    values      with a critic (ppo): V_old, the critic's values of all of this rank's samples, once
+                before the first step (vime_core/trainer/critic.py)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
-                kl = KL(pi_old || ref) when kl_coef > 0) over this rank's samples of each step
-                (estimators that whiten do so over the rank's share of the step); then, when
-                use_opd, apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
+                kl = KL(pi_old || ref) when kl_coef > 0, values = V_old) over this rank's samples
+                of each step (estimators that whiten do so over the rank's share of the step); then,
+                when use_opd, apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
+    steps       per step: the critic's optimizer step on the value loss against the returns (with
+                a critic), then the policy's; rollout ids below num_critic_only_steps train the
+                critic only (num_steps 0: the policy and its schedule do not move, and the old and
+                reference forwards run only when kl_coef's penalty enters the returns)
 
 pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
 use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
 rewards and the distillation signal take the rollout log-probs under --use-rollout-logprobs.
 
 Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
-num_steps and tokens.
+num_steps (the policy's optimizer steps) and tokens.
 """
 
 from __future__ import annotations
@@ -64,8 +70,11 @@ def step_advantages(
     indices: Sequence[int],
     old: Mapping[int, torch.Tensor] | None,
     ref: Mapping[int, torch.Tensor] | None,
+    values: Mapping[int, torch.Tensor] | None = None,
     teacher: Mapping[int, torch.Tensor] | None = None,
-) -> dict[int, torch.Tensor]:
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """(advantages, returns) of `indices`, per sample; `values`: the critic's V_old (ppo);
+    `teacher`: the teacher's log-probs (use_opd)."""
     from vime_core.algo.advantages import apply_opd_kl, compute_advantages
     from vime_core.algo.kl import compute_approx_kl
 
@@ -77,11 +86,12 @@ def step_advantages(
         # On the CPU, where the advantage estimators build their tensors (old/ref live on the device).
         policy = old_policy_log_probs(cfg, batch, indices, old)
         kl = [compute_approx_kl(policy[i].cpu(), ref[i].cpu(), cfg.kl_loss_type) for i in indices]
-    advantages, _ = compute_advantages(
+    advantages, returns = compute_advantages(
         cfg.advantage_estimator,
         [float(scalars[i]) for i in indices],
         [batch["loss_mask"][i] for i in indices],
-        kl=kl, gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
+        kl=kl, values=None if values is None else [values[i] for i in indices],
+        gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
     )
     if cfg.use_opd:
         if teacher is None:
@@ -89,10 +99,10 @@ def step_advantages(
         student = old_policy_log_probs(cfg, batch, indices, old)
         advantages, _ = apply_opd_kl(advantages, [student[i] for i in indices], [teacher[i] for i in indices],
                                      cfg.opd_kl_coef)
-    return dict(zip(indices, advantages))
+    return dict(zip(indices, advantages)), dict(zip(indices, returns))
 
 
-def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_id: int = 0) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from vime_core.algo.gates import can_reuse_log_probs_in_loss
@@ -117,12 +127,18 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
     all_mine = [mb for step in mine for mb in step]
     vocab, temp, device = trainer.arch.vocab_size, cfg.rollout_temperature, trainer.device
 
+    critic = getattr(trainer, "critic", None)  # None: an estimator without one
+    train_policy = critic is None or rollout_id >= cfg.num_critic_only_steps
+    # a critic-only rollout reads the policy's log-probs only for the KL penalty of the returns
+    policy_forwards = train_policy or cfg.kl_coef > 0
     reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
-    need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse
+    need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
-    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if trainer.ref_model is not None else None
+    need_ref = trainer.ref_model is not None and policy_forwards
+    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if need_ref else None
     teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, temp, device)
                if trainer.teacher_model is not None else None)
+    values = critic.values(batch, all_mine) if critic is not None else None
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
     per_step: list[dict[str, float]] = []
@@ -130,23 +146,33 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]]) -> dict[s
     for step, micro_batches in enumerate(mine):
         step_indices = list(range(step * gbs, (step + 1) * gbs))
         my_indices = [i for mb in micro_batches for i in mb]
+        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values, teacher)
+                               if cfg.loss_type == "policy_loss" else ({}, {}))
         inputs = StepInputs(
             batch=batch,
             micro_batches=micro_batches,
             denominators=StepDenominators.of(batch, step_indices),
-            advantages=step_advantages(cfg, batch, my_indices, old, ref, teacher) if cfg.loss_type == "policy_loss" else {},
+            advantages=advantages,
             old_log_probs=old,
             ref_log_probs=ref,
             teacher_log_probs=teacher,
             step_tokens=sum(lengths[i] for i in step_indices),
         )
-        per_step.append(train_step(
-            trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler
-        ))
+        step_metrics: dict[str, float] = {}
+        if critic is not None:
+            step_metrics.update(critic.train_step(batch, micro_batches, inputs.denominators, returns, values,
+                                                  lay.dp_size, dp_group))
+        if train_policy:
+            step_metrics.update(train_step(
+                trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler
+            ))
+        per_step.append(step_metrics)
     keys = sorted({k for m in per_step for k in m})
     metrics: dict[str, Any] = {k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
-    metrics["lr"] = per_step[-1]["lr"] if per_step else None
-    metrics["num_steps"] = len(per_step)
+    metrics["lr"] = per_step[-1].get("lr") if per_step else None
+    if critic is not None and per_step:
+        metrics["critic_lr"] = per_step[-1]["critic_lr"]
+    metrics["num_steps"] = len(per_step) if train_policy else 0
     metrics["num_samples"] = n
     metrics["tokens"] = sum(lengths)
     metrics["reused_log_probs"] = reuse

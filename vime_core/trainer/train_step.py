@@ -154,12 +154,18 @@ class StepInputs:
 
 @dataclass
 class _Accumulator:
-    """Metric sums as device tensors (summed without reading them back), counts on the host."""
+    """Metric sums as device tensors (summed without reading them back), counts on the host;
+    ``keys`` the token-mean metrics (the policy's, or the critic's: trainer/critic.py)."""
 
-    sums: dict[str, Any] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
-    counts: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in METRIC_SUMS})
+    keys: tuple[str, ...] = METRIC_SUMS
+    sums: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
     loss: Any = 0.0
     pg_loss: Any = 0.0
+
+    def __post_init__(self) -> None:
+        self.sums = {k: 0.0 for k in self.keys}
+        self.counts = {k: 0.0 for k in self.keys}
 
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor, count: float) -> None:
         """Add sum(per_token * mask); ``count`` = sum(mask), known on the host."""
@@ -167,7 +173,7 @@ class _Accumulator:
         self.counts[name] += count
 
     def all_reduced(self, dp_group: Any, dp_size: int, device: Any = "cpu") -> dict[str, float]:
-        keys = list(METRIC_SUMS)
+        keys = list(self.keys)
         # On the trainer's device: NCCL (the GPU backend) cannot reduce CPU tensors.
         values = [self.sums[k] for k in keys] + [self.loss, self.pg_loss]
         t = torch.cat([
@@ -263,8 +269,6 @@ def train_step(
 ) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches, one optimizer step (then one step of
     Megatron's lr ``scheduler``, when given); returns the metrics."""
-    from vime_core.trainer.optimizer import current_lr
-
     start = time.perf_counter()
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -273,10 +277,26 @@ def train_step(
         mb = make_micro_batch(inputs.batch, indices, device)
         loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
         (loss * dp_size).backward()
-    # Average the accumulated grads over DP, and sum over TP the grads of parameters that each
-    # TP rank only sees part of (Qwen3's per-head q/k norms).
+    grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg)
+    metrics = acc.all_reduced(dp_group, dp_size, device)
+    elapsed = time.perf_counter() - start
+    metrics["grad_norm"] = grad_norm
+    metrics["lr"] = lr
+    metrics["step_time_s"] = elapsed
+    metrics["tokens_per_s"] = inputs.step_tokens / elapsed if elapsed > 0 else 0.0
+    return metrics
+
+
+def step_optimizer(model: Any, optimizer: Any, scheduler: Any, cfg: Any) -> tuple[float, float]:
+    """After the micro-batches' backward: finalize the gradients, one optimizer step (clipped to
+    clip_grad) at the schedule's learning rate, one step of the schedule (when given); returns
+    (grad_norm, lr). The policy's step and the critic's (trainer/critic.py)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+    from vime_core.trainer.optimizer import current_lr
+
+    # Average the accumulated grads over DP, and sum over TP the grads of parameters that each
+    # TP rank only sees part of (Qwen3's per-head q/k norms).
     finalize_model_grads([model])
     grad_norm = None if cfg.clip_grad > 0 else optimizer.get_grad_norm()
     lr = current_lr(optimizer)
@@ -285,10 +305,4 @@ def train_step(
         raise RuntimeError("optimizer step failed (non-finite gradients)")
     if scheduler is not None:
         scheduler.step(increment=1)
-    metrics = acc.all_reduced(dp_group, dp_size, device)
-    elapsed = time.perf_counter() - start
-    metrics["grad_norm"] = float(clipped_norm if clipped_norm is not None else grad_norm)
-    metrics["lr"] = lr
-    metrics["step_time_s"] = elapsed
-    metrics["tokens_per_s"] = inputs.step_tokens / elapsed if elapsed > 0 else 0.0
-    return metrics
+    return float(clipped_norm if clipped_norm is not None else grad_norm), lr

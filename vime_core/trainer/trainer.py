@@ -3,7 +3,8 @@
 Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
 builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
-``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py). Then per rollout:
+``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py), and, for an estimator
+with a critic (ppo), the value model beside it (vime_core/trainer/critic.py). Then per rollout:
 ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
 ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
 
@@ -46,6 +47,7 @@ class MegatronTrainer:
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
         self.ref_model: Any = None
+        self.critic: Any = None  # the value model of an estimator with a critic (trainer/critic.py)
         self.teacher_model: Any = None  # use_opd's frozen teacher (opd_teacher_load)
         self.arch: Any = None
         self._metrics: dict[int, dict[str, Any]] = {}
@@ -97,10 +99,15 @@ class MegatronTrainer:
         self.model = self._wrap_ddp(load_model(path))
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        from vime_core.algo.gates import needs_reference
+        from vime_core.algo.gates import needs_critic, needs_reference
 
         if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
+        if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
+            from vime_core.trainer.critic import Critic
+
+            self.critic = Critic.build(self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch),
+                                       self._wrap_ddp, dtype, self.device)
         from vime_core.algo.gates import needs_teacher
 
         if needs_teacher(self.cfg):  # frozen, its own architecture, the student's vocabulary (trainer/teacher.py)
@@ -163,7 +170,7 @@ class MegatronTrainer:
         t_wake = time.perf_counter()
         woke = self.wake()
         start = time.perf_counter()
-        metrics = train_on_rollout(self, batch)
+        metrics = train_on_rollout(self, batch, rollout_id)
         metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
                        wake_time_s=start - t_wake, memory_after_wake=woke)
         self.last_trained_rollout_id = rollout_id
@@ -320,13 +327,17 @@ class MegatronTrainer:
         }
         endpoint = S3Endpoint.of(self.cfg)  # the run's store, whatever this node's environment says
         ckpt.save_rank_state(path, self.layout.rank, state, endpoint)
+        if self.critic is not None:
+            ckpt.save_rank_state(path, self.layout.rank, self.critic.state(), endpoint, critic=True)
         torch.distributed.barrier()
         if self.layout.rank == 0:
             lay = self.layout
+            ranks = range(lay.world_size)
             ckpt.write_manifest(path, {
                 "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
                 "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
-                "files": [ckpt.rank_file_name(r) for r in range(lay.world_size)],
+                "files": [ckpt.rank_file_name(r) for r in ranks],
+                "critic_files": [ckpt.rank_file_name(r, critic=True) for r in ranks] if self.critic is not None else [],
             }, endpoint)
         torch.distributed.barrier()
 
@@ -347,7 +358,22 @@ class MegatronTrainer:
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
         restore_scheduler(self.scheduler, state.get("scheduler"), self.optimizer_steps, path)
         self._metrics = dict(state.get("metrics") or {})
+        if self.critic is not None:
+            self._load_critic(path)
         return dict(state["extra_state"])
+
+    def _load_critic(self, path: str) -> None:
+        """The critic's weights, optimizer and schedule from the checkpoint's critic files; one
+        written without a critic (another estimator) leaves the critic as initialised, logged."""
+        from vime_core.trainer import checkpoint as ckpt
+
+        lay, endpoint = self.layout, S3Endpoint.of(self.cfg)
+        if not ckpt.read_manifest(path, endpoint).get("critic_files"):
+            log.warning("%s holds no critic (saved by a run without one): the critic starts from %s",
+                        path, self.cfg.critic_load or self.hf_checkpoint)
+            return
+        state = ckpt.load_rank_state(path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True)
+        self.critic.load_state(state, path)
 
     # ---- memory between phases ---------------------------------------------------------------
 
@@ -366,6 +392,8 @@ class MegatronTrainer:
                 if frozen is not None:
                     frozen_freed, frozen_copies = offload_params(frozen)
                     freed, copies = freed + frozen_freed, copies + frozen_copies
+            if self.critic is not None:  # all of it: no publish reads the critic
+                freed += self.critic.sleep()
             self._offloaded += copies
             self._asleep = True
         if not keep_weights:
@@ -389,6 +417,8 @@ class MegatronTrainer:
         if not self._asleep and not self._params_asleep:
             return {"allocated_bytes": 0, "asleep": False, **device_memory()}
         allocated = onload(self.model, self._offloaded)
+        if self.critic is not None:
+            allocated += self.critic.wake()
         self._offloaded = []
         self._asleep = self._params_asleep = False
         return {"woken_bytes": allocated, "asleep": False, **device_memory()}

@@ -56,3 +56,25 @@ def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: s
     from vime_core.trainer.parallel import destroy_parallel
 
     destroy_parallel()
+
+
+def train_ppo_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str) -> None:
+    """Train three rollouts of the hand batch with ppo at (TP=tp, DP=world/tp); dump each
+    rollout's metrics and the critic's values of the hand batch afterwards."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from tests.integration.trainer.hand_batch import hand_batch, hand_config
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    cfg = hand_config(Path(checkpoint), Path(storage), tensor_model_parallel_size=tp, actor_num_gpus_per_node=world_size,
+                      colocate=False, rollout_num_gpus=1, advantage_estimator="ppo", critic_lr=1e-3)
+    trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
+    trainer.init()
+    metrics = [trainer.train(k, hand_batch()) for k in range(3)]
+    values = trainer.critic.values(hand_batch(), [[0, 1, 2, 3]])
+    torch.save({"metrics": metrics, "values": values}, Path(out) / f"rank{rank}.pt")
+    from vime_core.trainer.parallel import destroy_parallel
+
+    destroy_parallel()
