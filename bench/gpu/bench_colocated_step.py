@@ -142,6 +142,10 @@ def phase_report(a, paths: dict) -> dict:
                                                                             "t_offload_rollout", "t_offload_train", "t_persist")},
                 "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),
                 "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
+                # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
+                "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
+                "rollout_logprob_abs_diff_max": max((r.get("train_rollout_logprob_abs_diff") or 0.0 for r in recs), default=None),
+                "tis_weight": _median([r.get("tis_weight") for r in recs]),
                 "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs) if recs else None}
         out["vime"] = vime
         if meta:
