@@ -79,6 +79,12 @@ def _orchestration(f: dict) -> str:
     return "; ".join(parts) + f", {f['iterations_per_run']} iterations x {f['repeats']}"
 
 
+def _startup(f: dict) -> str:
+    m = f["startup_s_median"]
+    return (f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
+            f"(ratio {f['ratio_early_over_bootstrap']:.2f}), x{f['repeats']}")
+
+
 def _publish(f: dict) -> str:
     parts = []
     for name, m in f["models"].items():
@@ -181,6 +187,8 @@ SUITES = {s.name: s for s in [
           "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial; "
           "--modes tis,off_policy: --async-staleness 1 vs on-policy", _orchestration,
           lock=True, drop=("rows",)),
+    Suite("startup", "bench/bench_startup.py", "`vime train` from the command to its first iteration, early start vs "
+          "--no-early-start", _startup, lock=True),
     Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
           lock=True),
     Suite("default_job", "bench/default_job_report.py", "infra/main_job.sh per seed: reward gain, T_step, overhead",

@@ -46,6 +46,7 @@ def train(config: VimeConfig) -> dict:
         except Exception as exc:
             raise start_failed(exc) from exc
         start = config.start_rollout_id if config.start_rollout_id is not None else first_unfinished(config, boot)
+        startup_s = process_age_s()  # the command's start to the first iteration, as a user waits for it
         with without_heartbeats():
             iteration_walls, failed_attempts = run_iterations(config, start)
     compact_index(config)
@@ -59,6 +60,8 @@ def train(config: VimeConfig) -> dict:
         "reward_last3": _mean([r.get("reward_mean") for r in records[-3:]]),
         "reward_gain": reward_gain(records),
         "t_step_median": _median([r.get("t_step") for r in records]),
+        "startup_s": startup_s,
+        "bootstrap_marks_s": boot.get("bootstrap_marks_s"),
         # the period of the loop: T_step plus the flow run's own start and end (what a user waits)
         "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
         "iteration_walls": iteration_walls,
@@ -74,6 +77,13 @@ def train(config: VimeConfig) -> dict:
     printed = {k: v for k, v in summary.items() if k != "iteration_walls"}  # the file has them all
     log.info("summary:\n%s", json.dumps(printed, indent=2))
     return summary
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (for `vime train`, since the command)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def first_unfinished(config: VimeConfig, boot: dict) -> int:

@@ -1,11 +1,22 @@
 """bootstrap: the run's startup (resources, engines, router, trainer actors, checkpoint, version 1,
-KV wake). Idempotent: attaches to the run's actors when they exist, creates what is missing, restores the latest checkpoint of the run, wakes the weights of engines
-a stopped iteration left asleep, publishes the trainer's weights to the engines when they differ
-or were asleep, and wakes the KV cache."""
+KV wake). Idempotent: attaches to the run's actors when they exist, creates what is missing,
+restores the latest checkpoint of the run, wakes the weights of engines a stopped iteration left
+asleep, publishes the trainer's weights to the engines when they differ or were asleep, and wakes
+the KV cache.
+
+Early start: `vime train` calls `start_early` before its first flow run, so the actors are
+created, the engines start and the trainer loads its weights while Prefect's temporary server
+starts (~24 s on the 2-core machine); bootstrap then claims what was started instead of starting
+it. `start_actors` is the one place either creates them.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import ray
 from prefect import get_run_logger, task
@@ -14,6 +25,77 @@ from tasks.common import TASK_DEFAULTS
 from tasks.sync import publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
+
+
+@dataclass
+class RunActors:
+    """The run's actors as `start_actors` found or made them."""
+
+    manager: Any
+    trainers: Any  # vime_core.cluster.trainer_group.TrainerGroup
+    new_manager: bool  # the RolloutManager was created (its data source starts at the beginning)
+    created: bool  # the trainer group was created: `init` holds its first call, every rank's
+    init: Optional[list]
+    seconds: float  # finding or creating them
+
+
+def start_actors(config: VimeConfig) -> RunActors:
+    """Find the run's actors or create what is missing: the placement group, one actor per
+    engine, the RolloutManager (its constructor starts the engines and the router) and the
+    trainer group, whose `init` (the weights from hf_checkpoint) is submitted at once when the
+    group is new. Returns without waiting for the engines or `init`. Plain (no Prefect):
+    bootstrap calls it, and `vime train` before its first flow run (`start_early`)."""
+    from vime_core.cluster.run_actors import (
+        get_or_create_engines,
+        get_or_create_placement_group,
+        get_or_create_rollout_manager,
+        get_or_create_trainer_group,
+        rollout_manager_exists,
+    )
+
+    t0 = time.perf_counter()
+    ensure_ray(config.ray_address)
+    pg = get_or_create_placement_group(config)
+    engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
+    new_manager = not rollout_manager_exists(config)
+    manager = get_or_create_rollout_manager(config, engines)
+    trainers, created = get_or_create_trainer_group(config, pg)
+    init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
+    return RunActors(manager, trainers, new_manager, created, init, time.perf_counter() - t0)
+
+
+# run name -> its start_actors call, running in a thread
+_EARLY: dict[str, concurrent.futures.Future] = {}
+
+
+def start_early(config: VimeConfig) -> bool:
+    """Begin `start_actors(config)` in a thread (`vime train`, before its first flow run).
+    `config` is the resolved one (vime_core.run_assets.resolve_run_config), as bootstrap gets
+    it. False when the cluster cannot be reached: bootstrap then says why, as without it."""
+    try:
+        ensure_ray(config.ray_address)  # in the main thread, not the worker's
+    except Exception as exc:
+        logging.getLogger("vime.bootstrap").debug("no early start: %s", exc)
+        return False
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vime-early-start")
+    _EARLY[config.run_name] = pool.submit(start_actors, config)
+    pool.shutdown(wait=False)
+    return True
+
+
+def claim_early(config: VimeConfig) -> Optional[RunActors]:
+    """What `start_early` started for this run (once), or None: nothing was started early, or
+    it failed (bootstrap then starts the actors itself, and fails the way it would have). The
+    actors are the run's whatever configuration started them, as when bootstrap attaches to the
+    actors of an earlier driver."""
+    future = _EARLY.pop(config.run_name, None)
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception as exc:
+        logging.getLogger("vime.bootstrap").warning("starting the actors early failed (%s); starting them now", exc)
+        return None
 
 
 @task(name="prepare-assets", retries=1, **TASK_DEFAULTS)
@@ -28,28 +110,21 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 def bootstrap(config: VimeConfig) -> dict:
     from vime_core.step_protocol import trainer_sleeps
     from tasks.common import ATTACHED
-    from vime_core.cluster.run_actors import (
-        get_or_create_engines,
-        get_or_create_placement_group,
-        get_or_create_rollout_manager,
-        get_or_create_trainer_group,
-        rollout_manager_exists,
-    )
     from vime_core.trainer.checkpoint import latest_checkpoint
 
     log = get_run_logger()
     t0 = time.perf_counter()
     ensure_ray(config.ray_address)
     ATTACHED.forget(config.run_name)  # actors may be created now: no handle from before is reused
-    pg = get_or_create_placement_group(config)
-    engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
-    new_manager = not rollout_manager_exists(config)
-    manager = get_or_create_rollout_manager(config, engines)  # starts engines + router (steps 2, 4-7)
-    trainers, created = get_or_create_trainer_group(config, pg)  # step 3
+    early = claim_early(config)
+    actors = early or start_actors(config)
+    manager, trainers, created, new_manager = actors.manager, actors.trainers, actors.created, actors.new_manager
     seconds: dict[str, float] = {"actors_created": time.perf_counter() - t0}
+    if early is not None:
+        seconds["started_early"] = actors.seconds  # start_early's own seconds, before this task
     extra: dict = {}
     if created:  # the engines start meanwhile: the RolloutManager's constructor starts them
-        trainers.call("init", config.hf_checkpoint)
+        trainers.wait(actors.init)
         seconds["trainer_init"] = time.perf_counter() - t0
         ckpt = latest_checkpoint(config)
         extra = (trainers.call("load", ckpt)[0] or {}) if ckpt is not None else {}

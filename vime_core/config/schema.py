@@ -90,6 +90,7 @@ class ConfigFields(BaseModel):
     trainer_node_resource: Optional[str] = Field(None, description="A custom Ray resource (declared by `ray start --resources='{\"NAME\": 1}'` on the nodes trainer ranks may use) that each trainer rank's device bundle asks a share of, so trainer ranks land only on those nodes. None: any node with devices.")
     engine_node_resource: Optional[str] = Field(None, description="The same for the engines' device bundles (with colocate=false: engines on other nodes than the trainer, e.g. inference nodes). None: any node with devices.")
     ray_address: str = Field("auto", description="Ray cluster address; `auto` attaches to the running local head (infra/ray_head.sh).")
+    early_start: bool = Field(True, description="`vime train` creates the run's actors, starts the engines and loads the trainer's weights before its first flow run, while Prefect's temporary server starts; bootstrap then takes them over (tasks/bootstrap.py). False: bootstrap starts them. A deployment's flow runs always start them in bootstrap.")
 
     # ---- rollout -------------------------------------------------------------------------------
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")

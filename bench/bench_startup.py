@@ -1,0 +1,89 @@
+"""Startup of `vime train`: from the command to its first iteration, with the early start (the
+default: the actors start while the first flow run starts Prefect's temporary server) against
+`--no-early-start` (bootstrap starts them, after Prefect's server is up).
+
+    startup_s   the train flow's summary: seconds from the process's start to the first
+                iteration flow run (flows/train.py, process_age_s)
+    marks       bootstrap's own marks (actors created, trainer init, engines ready, published, KV)
+
+Each run is the real command (`python -m flows.cli train`) on the default job with one
+iteration, on a fresh loopback Ray head, with its own Prefect home (so each starts Prefect's
+temporary server as a first run does); the modes interleave `--repeats` times. Prints JSON with
+the medians and their ratio; --out gets it too. Run: bench/run.py startup [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = {"early": "--early-start", "bootstrap": "--no-early-start"}
+
+
+def run_once(mode: str, work: Path) -> dict:
+    """One `vime train --num-rollout 1` on its own Ray head; its summary's startup figures."""
+    from vime_core.cluster import local_head
+
+    work.mkdir(parents=True)
+    address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
+    env = dict(os.environ, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-name", f"bench-startup-{mode}", "--storage-uri",
+           str(work / "store"), "--ray-address", address, "--num-rollout", "1", MODES[mode]]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        subprocess.run([sys.executable, "-m", "flows.cli", "teardown", "--run-name", f"bench-startup-{mode}", "--ray-address", address],
+                       cwd=REPO, env=env, capture_output=True, timeout=120)
+        local_head.stop_local_head(temp_dir=work / "ray")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode}: vime train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    return {"mode": mode, "startup_s": summary["startup_s"], "wall_s": time.monotonic() - t0,
+            "bootstrap_marks_s": summary.get("bootstrap_marks_s")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    load_start = os.getloadavg()[0]
+    root = Path(tempfile.mkdtemp(prefix="vime-bench-startup-"))
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for i in range(args.repeats):
+        for mode in MODES:
+            runs[mode].append(run_once(mode, root / f"{mode}-{i}"))
+    medians = {m: statistics.median(r["startup_s"] for r in rs) for m, rs in runs.items()}
+    result = {
+        "bench": "startup",
+        "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, "
+                   f"{os.getloadavg()[0]:.1f} at end",
+        "config": "the default job, one iteration, one engine + one Megatron actor colocated, a fresh Ray head and Prefect home per run",
+        "repeats": args.repeats,
+        "startup_s_median": medians,
+        "ratio_early_over_bootstrap": medians["early"] / medians["bootstrap"],
+        "per_repeat_ratio": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["bootstrap"])],
+        "runs": runs,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""`vime train`'s early start (tasks/bootstrap.py): the actors' start begun in a thread before
+the first flow run, and claimed by bootstrap once; a start that could not begin or failed leaves
+bootstrap to start them itself."""
+
+import threading
+
+import pytest
+
+import tasks.bootstrap as boot
+from vime_core.config.loader import make_config
+
+
+@pytest.fixture
+def cfg():
+    return make_config({"run_name": "early", "device": "cpu"})
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    boot._EARLY.clear()
+
+
+def test_the_early_start_runs_in_a_thread_and_is_claimed_once(monkeypatch, cfg):
+    calls, started = [], threading.Event()
+
+    def start_actors(config):
+        calls.append((config.run_name, threading.current_thread().name))
+        started.set()
+        return "actors"
+
+    monkeypatch.setattr(boot, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(boot, "start_actors", start_actors)
+    assert boot.start_early(cfg)
+    assert started.wait(10)
+    assert calls == [("early", calls[0][1])] and calls[0][1].startswith("vime-early-start")
+    assert boot.claim_early(cfg) == "actors"
+    assert boot.claim_early(cfg) is None  # a retried bootstrap starts or attaches on its own
+
+
+def test_no_cluster_no_early_start(monkeypatch, cfg):
+    def unreachable(address):
+        raise RuntimeError("no Ray cluster at address 'auto'")
+
+    monkeypatch.setattr(boot, "ensure_ray", unreachable)
+    assert boot.start_early(cfg) is False
+    assert boot.claim_early(cfg) is None
+
+
+def test_a_failed_early_start_leaves_the_start_to_bootstrap(monkeypatch, cfg, caplog):
+    def start_actors(config):
+        raise RuntimeError("placement group timed out")
+
+    monkeypatch.setattr(boot, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(boot, "start_actors", start_actors)
+    assert boot.start_early(cfg)
+    with caplog.at_level("WARNING", logger="vime.bootstrap"):
+        assert boot.claim_early(cfg) is None
+    assert "placement group timed out" in caplog.text
+
+
+def test_another_run_claims_nothing(monkeypatch, cfg):
+    monkeypatch.setattr(boot, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(boot, "start_actors", lambda config: "actors")
+    boot.start_early(cfg)
+    assert boot.claim_early(cfg.model_copy(update={"run_name": "other"})) is None
+    assert boot.claim_early(cfg) == "actors"
