@@ -34,3 +34,13 @@ def hand_config(checkpoint: Path, storage: Path, **overrides):
     )
     fields.update(overrides)
     return demo_config(**fields)
+
+
+def single_rank_trainer(cfg):
+    """A MegatronTrainer of one rank, initialised from cfg.hf_checkpoint (with the single_rank
+    fixture: the session's process group is reused)."""
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)
+    trainer.init()
+    return trainer

@@ -9,21 +9,13 @@ import pytest
 import torch
 
 from tests.integration.trainer.conftest import tiny_checkpoint
-from tests.integration.trainer.hand_batch import hand_batch, hand_config
+from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 
 ALL = [[0, 1, 2, 3]]  # hand_batch's samples as one micro-batch
 
 
 def _critic_tensors(trainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in trainer.critic.model.state_dict().items() if isinstance(t, torch.Tensor)}
-
-
-def _trainer(cfg):
-    from vime_core.trainer.trainer import MegatronTrainer
-
-    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
-    trainer.init()
-    return trainer
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +30,7 @@ def test_critic_only_rollouts_fit_the_values_and_leave_the_policy(single_rank, c
     (two steps each) must halve the loss and explain a good part of the returns, while the policy
     stays as it was; the seventh trains the policy too."""
     cfg = hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_lr=1e-3, num_critic_only_steps=6)
-    trainer = _trainer(cfg)
+    trainer = single_rank_trainer(cfg)
     batch = hand_batch()
     assert all(torch.equal(v, torch.zeros_like(v)) for v in trainer.critic.values(batch, ALL).values())
     policy = trainer.compute_log_probs(batch)
@@ -61,7 +53,7 @@ def test_critic_only_rollouts_fit_the_values_and_leave_the_policy(single_rank, c
 
 def test_the_value_loss_of_the_first_step_is_half_the_mean_squared_return(single_rank, ckpt, tmp_path):
     cfg = hand_config(ckpt, tmp_path, advantage_estimator="ppo", num_steps_per_rollout=1)
-    metrics = _trainer(cfg).train(0, hand_batch(scale=2.0))
+    metrics = single_rank_trainer(cfg).train(0, hand_batch(scale=2.0))
     # V = V_old = 0: no clip, 0.5 * (0 - (+-2))^2 = 2 on every token
     assert metrics["value_loss"] == pytest.approx(2.0, abs=1e-12) and metrics["value_clipfrac"] == 0.0
     assert metrics["critic_grad_norm"] > 0 and metrics["critic_lr"] == cfg.critic_lr == cfg.lr
@@ -75,7 +67,7 @@ def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tm
     from vime_core.trainer.checkpoint import read_manifest
 
     cfg = hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_lr=2e-3, critic_lr_warmup_iters=3)
-    first = _trainer(cfg)
+    first = single_rank_trainer(cfg)
     first.train(0, hand_batch())
     path = first.save(0)
     assert read_manifest(path)["critic_files"] == ["critic_rank_0.pt"]
@@ -83,7 +75,7 @@ def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tm
     want_policy = {n: t.clone() for n, t in first.iter_hf_weights()}
     want_critic = _critic_tensors(first)
 
-    second = _trainer(cfg)
+    second = single_rank_trainer(cfg)
     fresh_critic = _critic_tensors(second)
     second.load(path)
     assert second.critic.scheduler.num_steps == 2  # two steps of rollout 0: still in the warmup
@@ -103,14 +95,14 @@ def test_critic_load_builds_the_body_from_another_checkpoint(single_rank, ckpt, 
 
     deeper = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=2, tie_word_embeddings=True,
                               num_heads=4, num_kv_heads=2, num_layers=3)
-    trainer = _trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(deeper)))
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(deeper)))
     assert len(unwrap(trainer.critic.model).decoder.layers) == 3 != len(unwrap(trainer.model).decoder.layers)
     assert trainer.train(0, hand_batch())["value_loss"] > 0
 
     other_vocab = build_tiny_model(tmp_path / "other-vocab", family="qwen3", seed=2, tie_word_embeddings=True,
                                    num_heads=4, num_kv_heads=2, vocab_size=40)
     with pytest.raises(ValueError, match=r"critic_load=.* has vocab_size=40"):
-        _trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(other_vocab)))
+        single_rank_trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(other_vocab)))
 
 
 @pytest.mark.slow
@@ -123,7 +115,7 @@ def test_the_critic_trains_the_same_at_tp2_and_dp2(single_rank, ckpt, tmp_path, 
     from tests.integration.trainer.dist_workers import spawn, train_ppo_and_dump
 
     cfg = hand_config(ckpt, tmp_path / "single", advantage_estimator="ppo", critic_lr=1e-3)
-    single = _trainer(cfg)
+    single = single_rank_trainer(cfg)
     want = [single.train(k, hand_batch()) for k in range(3)]
     want_values = single.critic.values(hand_batch(), ALL)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration.trainer.conftest import tiny_checkpoint
-from tests.integration.trainer.hand_batch import hand_batch, hand_config
+from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 
 LR, MIN_LR, WARMUP = 1e-3, 1e-4, 2
 # 4 rollouts x 2 optimizer steps: decay over the run's 8 steps, warmup 2, cosine.
@@ -27,14 +27,6 @@ def lr_at(n: int, decay: int = 8) -> float:
     return MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * r))
 
 
-def _trainer(cfg):
-    from vime_core.trainer.trainer import MegatronTrainer
-
-    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
-    trainer.init()
-    return trainer
-
-
 def _adam_steps(trainer) -> set[int]:
     inner = [getattr(o, "optimizer", o) for o in trainer.optimizer.chained_optimizers]
     return {int(s["step"]) for o in inner for s in o.state.values()}
@@ -47,7 +39,7 @@ def ckpt(cache_dir):
 
 def test_resumed_trainer_continues_the_schedule_exactly(single_rank, ckpt, tmp_path):
     cfg = hand_config(ckpt, tmp_path, **SCHEDULE)
-    first = _trainer(cfg)
+    first = single_rank_trainer(cfg)
     lrs = [first.train(0, hand_batch())["lr"]]
     path = first.save(0)
     for k in (1, 2, 3):
@@ -57,7 +49,7 @@ def test_resumed_trainer_continues_the_schedule_exactly(single_rank, ckpt, tmp_p
     assert lrs == pytest.approx([lr_at(2 * k + 1) for k in range(4)], rel=1e-12)
     assert first.optimizer_steps == first.scheduler.num_steps == 8 and _adam_steps(first) == {8}
 
-    second = _trainer(cfg)
+    second = single_rank_trainer(cfg)
     second.load(path)
     assert second.optimizer_steps == second.scheduler.num_steps == 2 and _adam_steps(second) == {2}
     resumed = [second.train(k, hand_batch(scale=1.0 / (k + 1)))["lr"] for k in (1, 2, 3)]
@@ -74,7 +66,7 @@ def test_checkpoint_without_schedule_state_starts_at_its_step_count(single_rank,
     from vime_core.trainer import checkpoint as ckpt_io
 
     cfg = hand_config(ckpt, tmp_path, **SCHEDULE)
-    first = _trainer(cfg)
+    first = single_rank_trainer(cfg)
     first.train(0, hand_batch())
     first.train(1, hand_batch())
     path = first.save(1)
@@ -84,7 +76,7 @@ def test_checkpoint_without_schedule_state_starts_at_its_step_count(single_rank,
     del state["scheduler"]
     ckpt_io.save_rank_state(path, 0, state)
 
-    second = _trainer(cfg)
+    second = single_rank_trainer(cfg)
     with caplog.at_level(logging.INFO, logger="vime_core.trainer.optimizer"):
         second.load(path)
     assert "holds no learning-rate schedule" in caplog.text and "optimizer step count, 4" in caplog.text
@@ -95,10 +87,10 @@ def test_checkpoint_without_schedule_state_starts_at_its_step_count(single_rank,
 def test_this_runs_settings_win_on_resume(single_rank, ckpt, tmp_path, caplog):
     """A checkpoint of a constant lr 1e-3 resumed with lr 2e-3: the new lr applies (Megatron's
     parameter groups carry max_lr, which loading the optimizer state must not bring back)."""
-    first = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
+    first = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
     assert first.train(0, hand_batch())["lr"] == 1e-3
     path = first.save(0)
-    second = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1, lr=2e-3))
+    second = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1, lr=2e-3))
     with caplog.at_level(logging.WARNING, logger="vime_core.trainer.optimizer"):
         second.load(path)
     assert "max_lr 0.001 -> 0.002" in caplog.text

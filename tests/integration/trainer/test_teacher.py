@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration.trainer.conftest import tiny_checkpoint
-from tests.integration.trainer.hand_batch import hand_batch, hand_config
+from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +40,12 @@ def _hf_log_probs(path, batch) -> list[torch.Tensor]:
     return out
 
 
-def _trainer(cfg):
-    from vime_core.trainer.trainer import MegatronTrainer
-
-    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
-    trainer.init()
-    return trainer
-
-
 def test_a_teacher_of_another_architecture_scores_the_students_tokens(single_rank, student, teacher, tmp_path):
     from vime_core.trainer.train_step import forward_log_probs
 
     cfg = hand_config(student, tmp_path, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher),
                       num_steps_per_rollout=1)
-    trainer = _trainer(cfg)
+    trainer = single_rank_trainer(cfg)
     assert trainer.teacher_model is not None and trainer.teacher_model is not trainer.model
     assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
     batch = hand_batch()
@@ -76,4 +68,4 @@ def test_a_teacher_of_another_vocabulary_stops_init_naming_its_config(single_ran
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 40}))
     cfg = hand_config(student, tmp_path, use_opd=True, opd_type="megatron", opd_teacher_load=str(other))
     with pytest.raises(ValueError, match=rf"{other / 'config.json'} has vocab_size=40"):
-        _trainer(cfg)
+        single_rank_trainer(cfg)

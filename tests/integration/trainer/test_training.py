@@ -8,15 +8,7 @@ import pytest
 import torch
 
 from tests.integration.trainer.conftest import tiny_checkpoint
-from tests.integration.trainer.hand_batch import hand_batch, hand_config
-
-
-def _trainer(cfg):
-    from vime_core.trainer.trainer import MegatronTrainer
-
-    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
-    trainer.init()
-    return trainer
+from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +18,7 @@ def ckpt(cache_dir):
 
 def test_grpo_step_moves_log_probs_with_the_advantage_sign(single_rank, ckpt, tmp_path):
     cfg = hand_config(ckpt, tmp_path, num_steps_per_rollout=1)
-    trainer = _trainer(cfg)
+    trainer = single_rank_trainer(cfg)
     batch = hand_batch()
     before = trainer.compute_log_probs(batch)
     metrics = trainer.train(0, batch)
@@ -48,7 +40,7 @@ def test_grpo_step_moves_log_probs_with_the_advantage_sign(single_rank, ckpt, tm
 
 
 def test_bad_batches_name_the_problem(single_rank, ckpt, tmp_path):
-    trainer = _trainer(hand_config(ckpt, tmp_path))
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path))
     batch = hand_batch()
     del batch["loss_mask"]
     with pytest.raises(ValueError, match="loss_mask"):
@@ -86,7 +78,7 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(single_rank, ckpt, 
     from vime_core.trainer.checkpoint import latest_checkpoint
 
     cfg = hand_config(ckpt, tmp_path)  # two steps per rollout: recomputed old log-probs, Adam state
-    first = _trainer(cfg)
+    first = single_rank_trainer(cfg)
     first.train(0, hand_batch())
     first.weight_version = 3
     path = first.save(0, {"data_source": {"cursor": 17}})
@@ -94,7 +86,7 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(single_rank, ckpt, 
     uninterrupted = first.train(1, hand_batch(scale=0.5))
     want = {n: t.clone() for n, t in first.iter_hf_weights()}
 
-    second = _trainer(cfg)
+    second = single_rank_trainer(cfg)
     assert second.load(path) == {"data_source": {"cursor": 17}}
     assert second.weight_version == 3 and second.last_trained_rollout_id == 0
     assert second.train(0, hand_batch())["skipped"] is True
@@ -108,7 +100,7 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(single_rank, ckpt, 
 def test_export_hf_loads_in_transformers_with_trained_weights(single_rank, ckpt, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
     trainer.train(0, hand_batch())
     out = trainer.export_hf(str(tmp_path / "export"))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -130,7 +122,7 @@ def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
     so KL = 0; the entropy bonus and TIS weights enter the loss without breaking the step."""
     cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
                       num_steps_per_rollout=1)
-    trainer = _trainer(cfg)
+    trainer = single_rank_trainer(cfg)
     assert trainer.ref_model is not None
     first = trainer.train(0, hand_batch())
     assert first["reused_log_probs"] is False  # KL needs the recomputed old log-probs
@@ -154,7 +146,7 @@ def test_ref_load_is_the_reference_of_the_kl_loss(single_rank, ckpt, tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(str(perturbed))
     cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.5, ref_load=str(perturbed), num_steps_per_rollout=1)
-    first = _trainer(cfg).train(0, hand_batch())
+    first = single_rank_trainer(cfg).train(0, hand_batch())
     assert first["kl"] > 1e-4
     assert first["loss"] == pytest.approx(first["pg_loss"] + 0.5 * first["kl"], rel=1e-4, abs=1e-6)
 
@@ -163,7 +155,7 @@ def test_ref_load_is_the_reference_of_the_kl_loss(single_rank, ckpt, tmp_path):
     other = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=1, tie_word_embeddings=True,
                              num_heads=4, num_kv_heads=2, num_layers=3)
     with pytest.raises(ValueError, match=r"ref_load=.* is not the architecture of hf_checkpoint"):
-        _trainer(hand_config(ckpt, tmp_path, use_kl_loss=True, ref_load=str(other), num_steps_per_rollout=1))
+        single_rank_trainer(hand_config(ckpt, tmp_path, use_kl_loss=True, ref_load=str(other), num_steps_per_rollout=1))
 
 
 def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, tmp_path):
@@ -172,7 +164,7 @@ def test_sleep_is_a_noop_on_cpu_and_finds_every_state_tensor(single_rank, ckpt, 
     ChainedOptimizer."""
     from vime_core.trainer.offload import _tensors
 
-    trainer = _trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
     trainer.train(0, hand_batch())
     assert trainer.sleep() == {"freed_bytes": 0, "asleep": False, "weights_asleep": False}
     assert trainer.wake() == {"allocated_bytes": 0, "asleep": False}
