@@ -45,24 +45,25 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
-    done: dict[Phase, dict] = {}
     out = rollout(cfg, k, plan.version)
     if plan.off_policy:
-        return _one_step_off_policy(cfg, plan, out, t0)
-    ahead = None if plan.engines_sleep else train_then_publish(config, k, out.batch_ref, plan.next_version)  # in Ray
-    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
-    try:
-        done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k) if plan.engines_sleep else {}
-        done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
-    finally:
-        persisting.wait()  # stored even when training fails: a re-run loads it
-    done[Phase.PERSIST] = persisting.result()
-    done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
-    done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k) if plan.engines_sleep else {}
-    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
-                                   start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
-    done[Phase.ONLOAD_KV] = onload_kv(cfg, k) if plan.engines_sleep else {}
-    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+        done = _one_step_off_policy(cfg, plan, out)
+    else:
+        done = {}
+        ahead = None if plan.engines_sleep else train_then_publish(config, k, out.batch_ref, plan.next_version)  # in Ray
+        persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+        try:
+            done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k) if plan.engines_sleep else {}
+            done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
+        finally:
+            persisting.wait()  # stored even when training fails: a re-run loads it
+        done[Phase.PERSIST] = persisting.result()
+        done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
+        done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k) if plan.engines_sleep else {}
+        done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
+                                       start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
+        done[Phase.ONLOAD_KV] = onload_kv(cfg, k) if plan.engines_sleep else {}
+        done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
     done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
@@ -72,11 +73,11 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     return record
 
 
-def _one_step_off_policy(cfg, plan: StepPlan, out, t0: float) -> dict:
-    """The rest of iteration k with async_staleness 1 (engines awake): the weights trained
-    through k - 1 are published first and rollout k + 1 starts on them, in the sync's last actor
-    call; the trainer then trains on k while rollout k + 1 generates. The last iteration also
-    publishes what it trained, so a run ends with the engines on its final weights."""
+def _one_step_off_policy(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+    """Iteration k's phases up to eval with async_staleness 1 (engines awake): the weights
+    trained through k - 1 are published first and rollout k + 1 starts on them, in the sync's
+    last actor call; the trainer then trains on k while rollout k + 1 generates. The last
+    iteration also publishes what it trained, so a run ends with the engines on its final weights."""
     k, done = plan.rollout_id, {}
     done[Phase.SYNC] = sync_weights(cfg, plan.version, start_rollout_id=plan.publish_starts_next(out.next_stored))
     done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
@@ -90,8 +91,4 @@ def _one_step_off_policy(cfg, plan: StepPlan, out, t0: float) -> dict:
         done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
         if plan.check_weights:
             done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC])
-    done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
-    done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
-    record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
-    report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
-    return record
+    return done

@@ -136,7 +136,7 @@ class StepPlan:
 def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
     last_id = cfg.num_rollout - 1
     sleeping = engines_sleep(cfg)
-    off_policy = bool(getattr(cfg, "async_staleness", 0)) and not sleeping
+    off_policy = bool(cfg.async_staleness) and not sleeping
     return StepPlan(
         rollout_id=rollout_id,
         version=version_before(rollout_id),

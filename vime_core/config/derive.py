@@ -171,10 +171,7 @@ def _check_critic(cfg: ConfigFields) -> None:
     config/optimizer.py). Needs lr_decay_iters derived."""
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if not estimator.critic:
-        for name, default in CRITIC_FIELDS.items():
-            if getattr(cfg, name) != default:
-                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without a critic "
-                                 f"(advantage_estimator=ppo; it is {cfg.advantage_estimator})")
+        _refuse_set(cfg, CRITIC_FIELDS, f"a critic (advantage_estimator=ppo; it is {cfg.advantage_estimator})")
         return
     if cfg.loss_type != "policy_loss":
         raise ValueError(f"advantage_estimator={estimator.name} trains a critic for the policy loss; "
@@ -191,6 +188,13 @@ def _check_critic(cfg: ConfigFields) -> None:
     if cfg.critic_load and "://" not in cfg.critic_load:
         # relative to where the run was started: the trainer actors run elsewhere
         cfg.critic_load = os.path.abspath(os.path.expanduser(cfg.critic_load))
+
+
+def _refuse_set(cfg: ConfigFields, defaults: dict[str, object], without: str) -> None:
+    """A field of `defaults` set to another value has no effect `without` what it belongs to."""
+    for name, default in defaults.items():
+        if getattr(cfg, name) != default:
+            raise ValueError(f"{name}={getattr(cfg, name)} has no effect without {without}")
 
 
 def _check_kl(cfg: ConfigFields) -> None:
@@ -216,9 +220,7 @@ def _check_tis(cfg: ConfigFields) -> None:
     """The use_tis family (slime's flags): its level, mode and lower bound only with it, and not
     beside use_rollout_logprobs, where the old policy is the engine's and every weight is 1."""
     if not cfg.use_tis:
-        for name, default in (("tis_level", "token"), ("tis_mode", "truncate"), ("tis_clip_low", None)):
-            if getattr(cfg, name) != default:
-                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without use_tis=true")
+        _refuse_set(cfg, {"tis_level": "token", "tis_mode": "truncate", "tis_clip_low": None}, "use_tis=true")
         return
     if cfg.use_rollout_logprobs:
         raise ValueError("use_tis=true with use_rollout_logprobs=true: the old policy is then the engine's, so every "
@@ -250,9 +252,7 @@ def _check_opd(cfg: ConfigFields) -> None:
         if cfg.opd_teacher_load:
             raise ValueError(f"opd_teacher_load={cfg.opd_teacher_load!r} is set but use_opd is not: "
                              f"add --use-opd --opd-type megatron (slime refuses it too)")
-        for name, default in (("opd_type", None), ("opd_kl_coef", 1.0)):
-            if getattr(cfg, name) != default:
-                raise ValueError(f"{name}={getattr(cfg, name)} has no effect without use_opd=true")
+        _refuse_set(cfg, {"opd_type": None, "opd_kl_coef": 1.0}, "use_opd=true")
         return
     if cfg.opd_type is None:
         raise ValueError("use_opd=true needs --opd-type: megatron (the trainer forwards the teacher of "

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_train_flow.py (vLLM CPU vs the trainer, fp32)
+from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 
 @pytest.fixture(scope="module")
