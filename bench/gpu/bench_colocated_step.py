@@ -141,6 +141,12 @@ def phase_report(a, paths: dict) -> dict:
                 "phases_s": {k: _median([r.get(k) for r in recs]) for k in ("t_rollout", "t_train", "t_sync", "t_onload",
                                                                             "t_offload_rollout", "t_offload_train", "t_persist")},
                 "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),
+                # inside t_rollout: the rollout loop's generation (first request to the last kept
+                # group), its reward calls, and the batch's build (vime_core/rollout/loop.py)
+                "rollout_split_s": {k: _median([r.get(k) for r in recs]) for k in ("time_generate_s", "time_reward_s",
+                                                                                   "time_abort_s", "time_finalize_s",
+                                                                                   "time_total_s", "t_build")},
+                "generate_tokens_per_s": _median([r.get("tokens_per_s") for r in recs]),
                 "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
                 # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
                 "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
