@@ -238,7 +238,7 @@ def one_step(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], 
         batch=batch,
         micro_batches=micro_batches,
         denominators=StepDenominators.of(batch, step_indices),
-        advantages=step_advantages(cfg, batch, [i for mb in micro_batches for i in mb], old, None),
+        advantages=step_advantages(cfg, batch, [i for mb in micro_batches for i in mb], old, None)[0],
         old_log_probs=old,
         step_tokens=sum(len(batch["tokens"][i]) for i in step_indices),
     )

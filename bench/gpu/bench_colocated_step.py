@@ -33,7 +33,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,6 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 CONFIG = REPO / "bench" / "gpu" / "colocated_0.5b.yaml"
 PHASES = ("model", "offline", "train", "trainer", "report")
-ITER0 = re.compile(r"^(\d\d:\d\d:\d\d\.\d+) .*Beginning subflow run 'iter-0")
 
 
 def _median(values) -> float | None:
@@ -104,16 +102,11 @@ def batch_shape(report: dict) -> dict:
             "response_len": int(round(_median([b["mean_response_length"] for b in batches])))}
 
 
-def startup_seconds(meta: dict, console: str) -> float | None:
-    """From the command's launch to the first iteration's flow run (console times are local)."""
-    launched = dt.datetime.fromtimestamp(meta["launched_epoch"])
-    for line in console.splitlines():
-        if m := ITER0.match(line):
-            t = dt.datetime.combine(launched.date(), dt.time.fromisoformat(m.group(1)))
-            if t < launched:
-                t += dt.timedelta(days=1)
-            return (t - launched).total_seconds()
-    return None
+def run_summary(a, paths: dict) -> dict | None:
+    """The run's summary.json (vime train writes startup_s, the command to its first iteration,
+    and bootstrap's marks there)."""
+    path = Path(a.work) / "runs" / "reports" / a.run_name / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def phase_report(a, paths: dict) -> dict:
@@ -146,7 +139,7 @@ def phase_report(a, paths: dict) -> dict:
                 "rollout_split_s": {k: _median([r.get(k) for r in recs]) for k in ("time_generate_s", "time_reward_s",
                                                                                    "time_abort_s", "time_finalize_s",
                                                                                    "time_total_s", "t_build")},
-                "generate_tokens_per_s": _median([r.get("tokens_per_s") for r in recs]),
+                "generate_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in recs]),
                 "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
                 # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
                 "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
@@ -155,12 +148,10 @@ def phase_report(a, paths: dict) -> dict:
                 "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs) if recs else None}
         out["vime"] = vime
         if meta:
-            console = (res / "train" / "train.log").read_text(errors="replace") if (res / "train" / "train.log").exists() else ""
             out["vime"]["exit"] = meta["exit"]
-            out["startup_s"] = startup_seconds(meta, console)
-            marks = re.findall(r"bootstrap done in ([\d.]+)s.*?\(seconds from its start: ([^)]*)\)", console)
-            if marks:
-                out["bootstrap"] = {"total_s": float(marks[0][0]), "marks_s": marks[0][1]}
+        if summary := run_summary(a, paths):
+            out["startup_s"] = summary.get("startup_s")
+            out["bootstrap_marks_s"] = summary.get("bootstrap_marks_s")
         if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
             ratios["rollout_vs_offline"] = vime["rollout_tokens_per_s"] / out["offline_rollout"]["tokens_per_s"]
     if trainer:

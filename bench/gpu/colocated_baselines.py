@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "phases_median_s": {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")},
             "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")]),
             # the rollout loop's own count over its generation time (excludes reward and batch build)
-            "generation_tokens_per_s": _median([r.get("tokens_per_s") for r in records]),
+            "generation_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in records]),
             "publish_median_s": _median([r.get("publish_s") for r in records])}
     phases = vime["phases_median_s"]
     vime["sleep_wake_median_s"] = {

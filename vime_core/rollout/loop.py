@@ -266,7 +266,7 @@ def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: in
         "rollout/requeued_count": float(requeued),
         "rollout/missing_logprob_count": float(sum(s.metadata.get("missing_logprobs", 0) for s in samples)),
         "rollout/output_tokens": float(progress.output_tokens),
-        "rollout/tokens_per_s": progress.output_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/generate_tokens_per_s": progress.output_tokens / gen_s if gen_s > 0 else 0.0,
         "rollout/time_reward_s": progress.time_reward_s,
         **times,
     }
@@ -350,5 +350,5 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
         "rollout/time_total_s": t_end - t_start,
     }
     metrics = rollout_metrics(groups, progress, aborted, requeued, times)
-    logger.info("rollout %d: %d groups, reward %.3f, %.0f tok/s", rollout_id, len(groups), metrics["rollout/reward_mean"], metrics["rollout/tokens_per_s"])
+    logger.info("rollout %d: %d groups, reward %.3f, %.0f tok/s", rollout_id, len(groups), metrics["rollout/reward_mean"], metrics["rollout/generate_tokens_per_s"])
     return samples, metrics

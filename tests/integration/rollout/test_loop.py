@@ -146,7 +146,7 @@ def test_full_loop_router_arith_reward(make_manager):
     assert metrics["rollout/response_len_max"] == max(lengths)
     assert metrics["rollout/truncated_rate"] == pytest.approx(batch["status"].count("truncated") / 16)
     assert metrics["rollout/output_tokens"] >= sum(lengths)
-    assert metrics["rollout/tokens_per_s"] > 0
+    assert metrics["rollout/generate_tokens_per_s"] > 0
     assert metrics["rollout/missing_logprob_count"] == 0
 
 
