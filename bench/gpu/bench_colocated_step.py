@@ -16,7 +16,8 @@ Phases, in this order, on the same GPU (each can run alone: `--phases`; results 
 
 Ratios (medians over the run's iterations after the first, which includes compile warm-up):
 
-    step_vs_parts        = T_step / (offline rollout s + trainer alone s)
+    step_vs_parts        = T_step / (offline rollout s + trainer alone s), the trainer's
+                           old-log-prob recompute counted only where the run recomputed
     rollout_vs_offline   = vime rollout output tokens/s / offline output tokens/s
                            (vime's: output tokens / t_rollout)
     logprobs_cost        = server tokens/s with log-probs / without
@@ -161,7 +162,11 @@ def phase_report(a, paths: dict) -> dict:
         step_s, lp_s = variant["step_time_s"], variant["logprob_time_s"]
         ratios["trainer_mfu"] = (variant["mfu_with_attention"] * step_s + variant["logprob_mfu_with_attention"] * lp_s) / (step_s + lp_s)
     if run and rollout and trainer and out["offline_rollout"]["wall_s"]:
-        parts = out["offline_rollout"]["wall_s"] + variant["step_time_s"] + variant["logprob_time_s"]
+        # the trainer's part is what the run's trainer did: the old-log-prob recompute only where
+        # the run did not reuse the step's own log-probs (one step per rollout reuses them)
+        recomputed = not all(r.get("reused_log_probs") for r in recs)
+        parts = out["offline_rollout"]["wall_s"] + variant["step_time_s"] + (variant["logprob_time_s"] if recomputed else 0.0)
+        out["parts_include_logprob_recompute"] = recomputed
         ratios["step_vs_parts"] = out["vime"]["t_step_s"] / parts
         out["parts_s"] = parts
     out["ratios"] = ratios
