@@ -85,6 +85,14 @@ def _startup(f: dict) -> str:
             f"(ratio {f['ratio_early_over_bootstrap']:.2f}), x{f['repeats']}")
 
 
+def _bf16_noise(f: dict) -> str:
+    line = (f"{f['shape']} on the CPU, {f['response_tokens']} response tokens: mean |bf16 - fp32| log-prob "
+            f"{f['mean_abs_bf16_vs_fp32']:.4f}, tolerance (2x) {f['tolerance']:.4f}")
+    if "ratio_gpu_run_over_tolerance" in f:
+        line += f"; the H200 run's engine-vs-trainer difference / tolerance {f['ratio_gpu_run_over_tolerance']:.2f}"
+    return line
+
+
 def _publish(f: dict) -> str:
     parts = []
     for name, m in f["models"].items():
@@ -187,6 +195,8 @@ SUITES = {s.name: s for s in [
           "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial; "
           "--modes tis,off_policy: --async-staleness 1 vs on-policy", _orchestration,
           lock=True, drop=("rows",)),
+    Suite("bf16_noise", "bench/bench_bf16_noise.py", "bf16 vs fp32 sampled-token log-probs of the GPU step's model: "
+          "the tolerance of the engine-vs-trainer difference", _bf16_noise),
     Suite("startup", "bench/bench_startup.py", "`vime train` from the command to its first iteration, early start vs "
           "--no-early-start", _startup, lock=True),
     Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
