@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(model_dir)
         rows = [json.loads(line) for line in prompt_file.read_text().splitlines()[: a.samples]]
         prompts = [tok.encode(r["prompt"]) for r in rows]  # as build_model.py counts them
-        fp32 = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         torch.manual_seed(a.seed)
         sequences = []
         for ids in prompts:
