@@ -1,0 +1,64 @@
+"""bench/gpu/bench_colocated_step.py's report, from a GPU run's files laid out as its phases leave
+them: the ratios come from the stored figures, the trainer's part counts the log-prob recompute
+only where the run recomputed, the rollout's own split is read from the records (not the
+trainer's tokens/s), and the startup from the run's summary.json."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_colocated_step", REPO / "bench" / "gpu" / "bench_colocated_step.py")
+step = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = step
+spec.loader.exec_module(step)
+
+
+def _record(rollout_id: int, reused: bool) -> dict:
+    return {"rollout_id": rollout_id, "t_step": 10.0 + rollout_id, "t_rollout": 6.0, "t_train": 3.0, "output_tokens": 240_000,
+            "time_generate_s": 5.0, "generate_tokens_per_s": 48_000.0, "tokens_per_s": 99_999.0,
+            "reused_log_probs": reused, "missing_logprob_count": 0.0, "weight_check": {"max_abs_diff": 0.01}}
+
+
+def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
+    res = work / "bench"
+    (res / "train").mkdir(parents=True)
+    (res / "rollout.json").write_text(json.dumps({
+        "offline": {"wall_s_median": 4.0, "tokens_per_s_median": 60_000.0, "ready_s": 50.0},
+        "server": {"nologprobs": {"tokens_per_s_median": 50_000.0, "vs_offline": 50 / 60},
+                   "logprobs": {"tokens_per_s_median": 10_000.0, "vs_offline": 10 / 60}}}))
+    (res / "trainer.json").write_text(json.dumps({"variants": [
+        {"variant": "pack32768", "step_time_s": 2.0, "logprob_time_s": 1.0, "mfu_with_attention": 0.4,
+         "logprob_mfu_with_attention": 0.1}]}))
+    (res / "train_meta.json").write_text(json.dumps({"launched_epoch": 0.0, "exit": 0, "wall_s": 100.0}))
+    records = [_record(i, reused) for i in range(4)]
+    (res / "train" / "colocated_0.5b.json").write_text(json.dumps({"records": records, "batches": []}))
+    summary = work / "runs" / "reports" / "bench" / "summary.json"
+    summary.parent.mkdir(parents=True)
+    summary.write_text(json.dumps({"startup_s": 42.5, "bootstrap_marks_s": {"engines_ready": 30.0}}))
+    return argparse.Namespace(work=str(work), run_name="bench", prompt_tokens=512)
+
+
+@pytest.mark.parametrize("reused", [True, False])
+def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
+    monkeypatch.setattr(step, "gpu_name", lambda: "a GPU")  # no nvidia-smi, no git: a unit test starts no process
+    monkeypatch.setenv("VIME_GIT_SHA", "abc1234")
+    a = _lay_out(tmp_path, reused)
+    out = step.phase_report(a, {"results": tmp_path / "bench"})
+    t_step = 12.0  # median of 11, 12, 13 (iteration 0 left out)
+    parts = 4.0 + 2.0 + (0.0 if reused else 1.0)
+    assert out["parts_s"] == pytest.approx(parts) and out["parts_include_logprob_recompute"] is (not reused)
+    assert out["ratios"]["step_vs_parts"] == pytest.approx(t_step / parts)
+    assert out["ratios"]["rollout_vs_offline"] == pytest.approx((240_000 / 6.0) / 60_000.0)
+    assert out["ratios"]["logprobs_cost"] == pytest.approx(10_000 / 50_000)
+    assert out["ratios"]["trainer_mfu"] == pytest.approx((0.4 * 2.0 + 0.1 * 1.0) / 3.0)
+    assert out["vime"]["generate_tokens_per_s"] == 48_000.0  # the rollout's, not the trainer's tokens_per_s
+    assert out["vime"]["rollout_split_s"]["time_generate_s"] == 5.0
+    assert out["git_sha"] == "abc1234" and out["machine"] == "a GPU"
+    assert out["startup_s"] == 42.5 and out["bootstrap_marks_s"] == {"engines_ready": 30.0}
