@@ -16,15 +16,18 @@ def test_ppo_is_accepted_and_critic_lr_defaults_to_lr():
     assert own.critic_lr == 1e-5 and own.num_critic_only_steps == 2
 
 
-def test_critic_load_is_made_absolute(tmp_path, monkeypatch):
+@pytest.mark.parametrize("field", ["critic_load", "critic_save"])
+def test_critic_paths_are_made_absolute_and_uris_kept(tmp_path, monkeypatch, field):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(overrides={"advantage_estimator": "ppo", "critic_load": "critic-hf"})
-    assert cfg.critic_load == str(tmp_path / "critic-hf")
+    cfg = load_config(overrides={"advantage_estimator": "ppo", field: "critic-dir"})
+    assert getattr(cfg, field) == str(tmp_path / "critic-dir")
+    uri = load_config(overrides={"advantage_estimator": "ppo", field: "s3://bucket/critic"})
+    assert getattr(uri, field) == "s3://bucket/critic"
 
 
 @pytest.mark.parametrize("field, value", [
-    ("critic_lr", 1e-5), ("critic_load", "/models/critic"), ("critic_lr_warmup_iters", 3),
-    ("num_critic_only_steps", 1), ("value_clip", 0.5),
+    ("critic_lr", 1e-5), ("critic_load", "/models/critic"), ("critic_save", "/ckpt/critic"),
+    ("critic_lr_warmup_iters", 3), ("num_critic_only_steps", 1), ("value_clip", 0.5),
 ])
 def test_critic_settings_without_a_critic_are_refused(field, value):
     with pytest.raises(ConfigError) as err:
@@ -38,6 +41,11 @@ def test_the_cli_names_the_flag_of_a_critic_setting_without_ppo(capsys):
         parse_args(["--critic-lr", "1e-5"])
     assert "critic_lr=1e-05 has no effect without a critic" in capsys.readouterr().err
     assert parse_args(["--advantage-estimator", "ppo", "--critic-lr", "1e-5"]).critic_lr == 1e-5
+    with pytest.raises(SystemExit):
+        parse_args(["--critic-save", "s3://bucket/critic", "--advantage-estimator", "reinforce_plus_plus"])
+    assert ("critic_save=s3://bucket/critic has no effect without a critic (advantage_estimator=ppo; "
+            "it is reinforce_plus_plus)") in capsys.readouterr().err
+    assert parse_args(["--advantage-estimator", "ppo", "--critic-save", "s3://b/c"]).critic_save == "s3://b/c"
 
 
 @pytest.mark.parametrize("over, message", [

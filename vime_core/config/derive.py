@@ -161,14 +161,15 @@ def derive_in_place(cfg: ConfigFields) -> None:
 
 # The critic's fields (schema.py, "critic") with their defaults: any other value needs a critic.
 CRITIC_FIELDS: dict[str, object] = {
-    "critic_load": None, "critic_lr": None, "critic_lr_warmup_iters": 0, "num_critic_only_steps": 0, "value_clip": 0.2,
+    "critic_load": None, "critic_save": None, "critic_lr": None, "critic_lr_warmup_iters": 0, "num_critic_only_steps": 0, "value_clip": 0.2,
 }
 
 
 def _check_critic(cfg: ConfigFields) -> None:
     """The critic's settings only with an estimator that has one (ppo); with it, critic_lr
     defaults to lr and its schedule must be one Megatron's scheduler accepts (as lr's,
-    config/optimizer.py). Needs lr_decay_iters derived."""
+    config/optimizer.py); local critic_load and critic_save paths are made absolute. Needs
+    lr_decay_iters derived."""
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if not estimator.critic:
         _refuse_set(cfg, CRITIC_FIELDS, f"a critic (advantage_estimator=ppo; it is {cfg.advantage_estimator})")
@@ -185,9 +186,11 @@ def _check_critic(cfg: ConfigFields) -> None:
     if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= cfg.lr_decay_iters:
         raise ValueError(f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
                          f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)")
+    # relative to where the run was started: the trainer actors run elsewhere
     if cfg.critic_load and "://" not in cfg.critic_load:
-        # relative to where the run was started: the trainer actors run elsewhere
         cfg.critic_load = os.path.abspath(os.path.expanduser(cfg.critic_load))
+    if cfg.critic_save and "://" not in cfg.critic_save:
+        cfg.critic_save = os.path.abspath(os.path.expanduser(cfg.critic_save))
 
 
 def _refuse_set(cfg: ConfigFields, defaults: dict[str, object], without: str) -> None:

@@ -168,6 +168,7 @@ class ConfigFields(BaseModel):
 
     # ---- critic (advantage_estimator=ppo; vime_core/trainer/critic.py) ----------------------------
     critic_load: Optional[str] = Field(None, description="HF checkpoint folder the critic's body starts from (a causal LM of a supported architecture with hf_checkpoint's vocabulary; its LM head is not used); the scalar value head (hidden -> 1) starts at zero. Default: hf_checkpoint. A resumed run takes the critic from the trainer checkpoint instead (slime's --critic-load).")
+    critic_save: Optional[str] = Field(None, description="Where the critic's checkpoint files go: a local folder or s3:// URI (the run's S3 endpoint), each checkpoint's `critic_rank_<r>.pt` written under `<critic_save>/<run_name>/rollout_<k:06d>/`. The checkpoint's manifest records the folder and a resumed run loads the critic from it. Default: beside the policy's rank files in the trainer checkpoint (slime's --critic-save).")
     critic_lr: Optional[float] = Field(None, gt=0, description="Adam learning rate of the critic, under the same schedule settings as lr (lr_decay_style, min_lr, ...). Default: lr (slime's --critic-lr).")
     critic_lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of the critic's linear warmup from lr_warmup_init to critic_lr. Default 0: none (slime's --critic-lr-warmup-iters).")
     num_critic_only_steps: int = Field(0, ge=0, description="Rollouts, from rollout id 0, that train the critic only: the policy is not updated until the value head has learnt something (slime's --num-critic-only-steps).")

@@ -4,16 +4,20 @@
         rank_<r>.pt        torch.save of one dict per rank: this rank's Megatron weights (its TP
                            shard), optimizer state, RNG states, counters, extra_state
         critic_rank_<r>.pt with a critic (advantage_estimator=ppo): the same rank's value model
-                           (body and head), its optimizer state and schedule (trainer/critic.py)
+                           (body and head), its optimizer state and schedule (trainer/critic.py);
+                           with critic_save in <critic_save>/<run>/rollout_<k:06d>/ instead
         manifest.json      written last by rank 0, after every rank's file is in place:
                            {format, version, rollout_id, world_size, tp, dp, weight_version,
-                            files, critic_files (empty without a critic), hf_checkpoint, created_at}
+                            files, critic_files (empty without a critic), critic_dir (the
+                            folder of critic_files; null: this one), hf_checkpoint, created_at}
 
 Every file is written atomically (`StorageLocation.put_atomic`: beside and renamed on a local
 file system, one PUT on an object store), and a checkpoint counts only once its manifest
-exists, so a reader never sees a partial one. Paths are local folders or ``s3://...`` URIs,
-opened like the batch store (`vime_core.storage.fs.open_location`), at the run's S3 endpoint
-(`endpoint`: the trainer passes its configuration's; None: this process's environment).
+exists, so a reader never sees a partial one; critic files in critic_save count only through
+the manifest that names their folder (the critic folder has none of its own). Nothing is
+removed: every checkpoint is kept. Paths are local folders or ``s3://...`` URIs, opened like
+the batch store (`vime_core.storage.fs.open_location`), at the run's S3 endpoint (`endpoint`:
+the trainer passes its configuration's; None: this process's environment).
 """
 
 from __future__ import annotations
@@ -37,14 +41,25 @@ class CheckpointError(ValueError):
     """A checkpoint folder is incomplete or was written by a different layout."""
 
 
-def checkpoint_root(cfg: Any) -> str:
+def checkpoint_root(cfg: Any, critic: bool = False) -> str:
+    """The run's checkpoints, `<storage>/checkpoints/<run>`; with `critic`, where its critic
+    files go: `<critic_save>/<run>` when critic_save is set, else the same."""
+    if critic and cfg.critic_save:
+        return f"{cfg.critic_save.rstrip('/')}/{cfg.run_name}"
     from vime_core.report.records import run_dir
 
     return run_dir(cfg.storage_uri, cfg.run_name, "checkpoints")
 
 
-def checkpoint_dir(cfg: Any, rollout_id: int) -> str:
-    return f"{checkpoint_root(cfg)}/rollout_{rollout_id:06d}"
+def checkpoint_dir(cfg: Any, rollout_id: int, critic: bool = False) -> str:
+    """The folder of the checkpoint after `rollout_id` (with `critic`: of its critic files)."""
+    return f"{checkpoint_root(cfg, critic)}/rollout_{rollout_id:06d}"
+
+
+def critic_dir(path: str, manifest: dict[str, Any]) -> str:
+    """The folder of the critic files of the checkpoint at `path`: the one its manifest names,
+    else `path` itself (the default, and every checkpoint written before critic_save)."""
+    return manifest.get("critic_dir") or path
 
 
 def rank_file_name(rank: int, critic: bool = False) -> str:
@@ -89,8 +104,8 @@ def read_manifest(path: str, endpoint: Optional[S3Endpoint] = None) -> dict[str,
 
 def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None,
                     critic: bool = False) -> dict[str, Any]:
-    """This rank's state dict (its critic's with `critic`), after checking the manifest matches
-    the current layout."""
+    """This rank's state dict (its critic's with `critic`, from the manifest's critic_dir),
+    after checking the manifest matches the current layout."""
     manifest = read_manifest(path, endpoint)
     if manifest["world_size"] != world_size or manifest["tp"] != tp_size:
         raise CheckpointError(
@@ -98,7 +113,8 @@ def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoin
             f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
         )
     name = rank_file_name(rank, critic)
-    data = _read(path, name, f"{name} is missing although the manifest lists it", endpoint)
+    folder = critic_dir(path, manifest) if critic else path
+    data = _read(folder, name, f"{name} is missing although {path}/{MANIFEST} lists it", endpoint)
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 

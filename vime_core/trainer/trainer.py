@@ -326,9 +326,10 @@ class MegatronTrainer:
             "extra_state": dict(extra_state or {}),
         }
         endpoint = S3Endpoint.of(self.cfg)  # the run's store, whatever this node's environment says
+        critic_path = ckpt.checkpoint_dir(self.cfg, rollout_id, critic=True)  # `path` unless critic_save
         ckpt.save_rank_state(path, self.layout.rank, state, endpoint)
         if self.critic is not None:
-            ckpt.save_rank_state(path, self.layout.rank, self.critic.state(), endpoint, critic=True)
+            ckpt.save_rank_state(critic_path, self.layout.rank, self.critic.state(), endpoint, critic=True)
         torch.distributed.barrier()
         if self.layout.rank == 0:
             lay = self.layout
@@ -338,6 +339,7 @@ class MegatronTrainer:
                 "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
                 "files": [ckpt.rank_file_name(r) for r in ranks],
                 "critic_files": [ckpt.rank_file_name(r, critic=True) for r in ranks] if self.critic is not None else [],
+                "critic_dir": critic_path if self.critic is not None and critic_path != path else None,
             }, endpoint)
         torch.distributed.barrier()
 
@@ -363,17 +365,20 @@ class MegatronTrainer:
         return dict(state["extra_state"])
 
     def _load_critic(self, path: str) -> None:
-        """The critic's weights, optimizer and schedule from the checkpoint's critic files; one
-        written without a critic (another estimator) leaves the critic as initialised, logged."""
+        """The critic's weights, optimizer and schedule from the checkpoint's critic files, in
+        the folder its manifest names (critic_save when it was saved with one, whatever this
+        run's critic_save); one written without a critic (another estimator) leaves the critic
+        as initialised, logged."""
         from vime_core.trainer import checkpoint as ckpt
 
         lay, endpoint = self.layout, S3Endpoint.of(self.cfg)
-        if not ckpt.read_manifest(path, endpoint).get("critic_files"):
+        manifest = ckpt.read_manifest(path, endpoint)
+        if not manifest.get("critic_files"):
             log.warning("%s holds no critic (saved by a run without one): the critic starts from %s",
                         path, self.cfg.critic_load or self.hf_checkpoint)
             return
         state = ckpt.load_rank_state(path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True)
-        self.critic.load_state(state, path)
+        self.critic.load_state(state, ckpt.critic_dir(path, manifest))
 
     # ---- memory between phases ---------------------------------------------------------------
 

@@ -60,17 +60,27 @@ def test_the_value_loss_of_the_first_step_is_half_the_mean_squared_return(single
     assert metrics["num_steps"] == 1 and "pg_loss" in metrics
 
 
-def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tmp_path):
+@pytest.mark.parametrize("critic_save", [False, True], ids=["beside", "critic_save"])
+def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tmp_path, critic_save):
     """Train rollout 0, save, train rollout 1 (the uninterrupted run); a fresh trainer loads the
     checkpoint and trains rollout 1: the same policy and critic weights and value metrics, bit
-    for bit (the critic's Adam moments and schedule come back, or its step would differ)."""
+    for bit (the critic's Adam moments and schedule come back, or its step would differ). With
+    critic_save the critic's file is there, not in the checkpoint, and the resume reads it there."""
+    from pathlib import Path
+
     from vime_core.trainer.checkpoint import read_manifest
 
-    cfg = hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_lr=2e-3, critic_lr_warmup_iters=3)
+    saved = {"critic_save": str(tmp_path / "critics")} if critic_save else {}
+    cfg = hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_lr=2e-3, critic_lr_warmup_iters=3, **saved)
     first = single_rank_trainer(cfg)
     first.train(0, hand_batch())
     path = first.save(0)
-    assert read_manifest(path)["critic_files"] == ["critic_rank_0.pt"]
+    manifest = read_manifest(path)
+    assert manifest["critic_files"] == ["critic_rank_0.pt"]
+    folder = tmp_path / "critics" / cfg.run_name / "rollout_000000" if critic_save else Path(path)
+    assert manifest["critic_dir"] == (str(folder) if critic_save else None)
+    assert (folder / "critic_rank_0.pt").is_file()
+    assert (Path(path) / "critic_rank_0.pt").is_file() is not critic_save
     uninterrupted = first.train(1, hand_batch(scale=0.5))
     want_policy = {n: t.clone() for n, t in first.iter_hf_weights()}
     want_critic = _critic_tensors(first)
