@@ -123,14 +123,17 @@ def bootstrap(config: VimeConfig) -> dict:
     if early is not None:
         seconds["started_early"] = actors.seconds  # start_early's own seconds, before this task
     extra: dict = {}
-    if created:  # the engines start meanwhile: the RolloutManager's constructor starts them
-        trainers.wait(actors.init)
+    # a group found alive may be one an earlier attempt created and stopped between its init and
+    # its restore: it starts as a created one (init is idempotent, restore happens once per actor)
+    starting = created or not trainers.rank0("state")["restored"]
+    if starting:  # the engines start meanwhile: the RolloutManager's constructor starts them
+        trainers.wait(actors.init if created else trainers.call_async("init", config.hf_checkpoint))
         seconds["trainer_init"] = time.perf_counter() - t0
         ckpt = latest_checkpoint(config)
-        extra = (trainers.call("load", ckpt)[0] or {}) if ckpt is not None else {}
+        extra = trainers.call("restore", ckpt)[0] or {}
         if ckpt is not None:
             log.info("restored checkpoint %s (rollout %s)", ckpt, extra.get("rollout_id"))
-    if new_manager or created:
+    if new_manager or starting:
         _restore_data_source(config, manager, extra.get("data_source"), new_manager)
     # an engine whose server died, or that failed to wake, is restarted (and given the trainer's
     # weights) before its version is asked; one the health monitor is restarting is waited for
@@ -158,6 +161,7 @@ def bootstrap(config: VimeConfig) -> dict:
         "next_rollout_id": (last + 1) if last is not None else 0,
         "t_bootstrap": time.perf_counter() - t0,
         "created_trainers": created,
+        "started_trainers": starting,
         "bootstrap_marks_s": seconds,
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],

@@ -43,6 +43,7 @@ class MegatronTrainer:
         self.last_trained_rollout_id: Optional[int] = None
         self.optimizer_steps = 0  # a retried rollout id must not add any (tests check it)
         self.hf_checkpoint: Optional[str] = None
+        self._restored: Optional[dict[str, Any]] = None  # what `restore` returned: the run's startup is done
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
@@ -152,6 +153,7 @@ class MegatronTrainer:
             "optimizer_steps": self.optimizer_steps,
             "hf_checkpoint": self.hf_checkpoint,
             "initialised": self.model is not None,
+            "restored": self._restored is not None,
         }
 
     def _require_init(self) -> None:
@@ -342,6 +344,16 @@ class MegatronTrainer:
                 "critic_dir": critic_path if self.critic is not None and critic_path != path else None,
             }, endpoint)
         torch.distributed.barrier()
+
+    def restore(self, path: Optional[str]) -> dict[str, Any]:
+        """The run's startup restore, once per actor: `load(path)` when a checkpoint is given (its
+        extra_state is returned), nothing when the run starts fresh. A bootstrap retried, or a
+        driver restarted, that finds this rank alive sees `state()["restored"]`: a rank whose
+        startup stopped between `init` and here is restored then, and one restored already is
+        not restored twice (which would roll back what it trained since)."""
+        if self._restored is None:
+            self._restored = self.load(path) if path is not None else {}
+        return dict(self._restored)
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""

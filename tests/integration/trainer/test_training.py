@@ -97,6 +97,31 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(single_rank, ckpt, 
         assert resumed[key] == uninterrupted[key], key
 
 
+def test_restore_happens_once_per_trainer(single_rank, ckpt, tmp_path):
+    """bootstrap's `restore`: the checkpoint is loaded on the first call only, so a retried
+    bootstrap or a new driver that finds the trainer alive cannot roll back what it trained
+    since; `state()["restored"]` tells them whether it still has to be done."""
+    cfg = hand_config(ckpt, tmp_path)
+    first = single_rank_trainer(cfg)
+    first.train(0, hand_batch())
+    path = first.save(0, {"data_source": {"cursor": 5}})
+
+    second = single_rank_trainer(cfg)
+    assert second.state()["restored"] is False
+    assert second.restore(path) == {"data_source": {"cursor": 5}}
+    assert second.state()["restored"] is True and second.last_trained_rollout_id == 0
+    second.train(1, hand_batch(scale=0.5))
+    trained = {n: t.clone() for n, t in second.iter_hf_weights()}
+    assert second.restore(path) == {"data_source": {"cursor": 5}}  # the same answer, nothing loaded
+    assert second.last_trained_rollout_id == 1
+    for name, tensor in second.iter_hf_weights():
+        assert torch.equal(tensor, trained[name]), name
+
+    fresh = single_rank_trainer(cfg)
+    assert fresh.restore(None) == {} and fresh.state()["restored"] is True
+    assert fresh.last_trained_rollout_id is None
+
+
 def test_export_hf_loads_in_transformers_with_trained_weights(single_rank, ckpt, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
