@@ -52,9 +52,9 @@ async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: i
     """Every prompt once, straight to the server; the same budget rule as rollout/generate."""
     from rollout_vs_offline import through_server
 
-    from vime_core.rollout.generate import base_sampling_params
+    from vime_core.rollout.generate import base_sampling_params, request_params
 
-    params = dict(base_sampling_params(cfg), max_tokens=cfg.rollout_max_response_len)
+    params = request_params(base_sampling_params(cfg), cfg.rollout_max_response_len)
     return await through_server(url, prompts, params, concurrency, cfg.rollout_max_context_len)
 
 

@@ -8,9 +8,10 @@ configuration), same sampling parameters (`rollout/generate.base_sampling_params
    (aiohttp `EngineClient`, as the rollout does; no router, no reward) with the run's
    concurrency. Variants are request shapes, measured interleaved (A B A B ...), prefix cache
    reset before each:
-       vime         the sampling parameters a run sends (log-probs as its flags ask)
-       logprobs     + the sampled token's log-prob (`logprobs: 0`)
-       nologprobs   without log-probs
+       vime         the sampling parameters a run sends (log-probs as its flags ask; no
+                    server-side text unless stop strings are set: generate.request_params)
+       logprobs     + the sampled token's log-prob (`logprobs: 0`), server-side text
+       nologprobs   without log-probs, server-side text
        tokens       without log-probs and without server-side detokenization (`detokenize: false`)
 
 Server variants (`--server-variants`, `;`-separated sets of extra server flags, `default` for
@@ -48,14 +49,16 @@ def run_prompts(cfg) -> list[list[int]]:
 
 
 def variant_params(cfg, name: str) -> dict:
-    from vime_core.rollout.generate import base_sampling_params
+    from vime_core.rollout.generate import base_sampling_params, request_params
 
-    params = dict(base_sampling_params(cfg), max_tokens=cfg.rollout_max_response_len)
+    params = request_params(base_sampling_params(cfg), cfg.rollout_max_response_len)
     if name == "logprobs":
         params["logprobs"] = 0
     elif name in ("nologprobs", "tokens"):
         params.pop("logprobs", None)
-    if name == "tokens":
+    if name in ("logprobs", "nologprobs"):
+        params["detokenize"] = True
+    elif name == "tokens":
         params["detokenize"] = False
     return params
 

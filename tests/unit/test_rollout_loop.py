@@ -153,6 +153,17 @@ def test_sampling_params_send_stop_only_when_set(make_cfg):
     assert params["stop"] == ["\n"] and params["stop_token_ids"] == [7] and params["temperature"] == 0.0
 
 
+def test_the_server_detokenizes_only_to_match_stop_strings(make_cfg):
+    from vime_core.rollout.generate import request_params
+
+    plain = request_params(base_sampling_params(make_cfg()), 12)
+    assert plain["detokenize"] is False and plain["max_tokens"] == 12
+    stops = request_params(base_sampling_params(make_cfg(rollout_stop=["\n"])), 12)
+    assert stops["detokenize"] is True and stops["stop"] == ["\n"]
+    # a caller that adds stop strings itself (multi-turn's tool-call marker) gets the text back
+    assert request_params({**base_sampling_params(make_cfg()), "stop": ["</call>"]}, 5)["detokenize"] is True
+
+
 @pytest.mark.parametrize("flags", [{}, {"use_rollout_logprobs": True}, {"use_tis": True}, {"get_mismatch_metrics": True},
                                    {"use_tis": True, "get_mismatch_metrics": True}])
 def test_log_probs_are_asked_for_only_when_a_flag_reads_them(make_cfg, flags):
