@@ -23,6 +23,8 @@ Ratios (medians over the run's iterations after the first, which includes compil
     logprobs_cost        = server tokens/s with log-probs / without
     trainer_mfu          = model FLOPs / (step s * peak), LM head counted (bench/gpu_common.py)
     startup_s            = seconds from the `vime train` command to its first iteration's start
+                           (engine_startup: each engine's milestones from its log, and whether
+                           vLLM's compile cache answered: vime_core/engines/startup_log.py)
 
     python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
     bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row
@@ -110,6 +112,13 @@ def run_summary(a, paths: dict) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def run_engine_starts(logs: dict | None, launched_epoch: float) -> list[dict]:
+    """The engine starts of the `vime train` launched at `launched_epoch` (the engine logs of the
+    machine may hold earlier ones), from run_colocated_h200.sh's engine_startup.json."""
+    starts = [m for m in (logs or {}).values() if (m.get("launched_epoch") or 0) >= launched_epoch]
+    return sorted(starts, key=lambda m: m["launched_epoch"])
+
+
 def phase_report(a, paths: dict) -> dict:
     res = paths["results"]
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
@@ -153,6 +162,8 @@ def phase_report(a, paths: dict) -> dict:
         if summary := run_summary(a, paths):
             out["startup_s"] = summary.get("startup_s")
             out["bootstrap_marks_s"] = summary.get("bootstrap_marks_s")
+        if meta and (engines := run_engine_starts(read("train/engine_startup.json"), meta["launched_epoch"])):
+            out["engine_startup"] = engines
         if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
             ratios["rollout_vs_offline"] = vime["rollout_tokens_per_s"] / out["offline_rollout"]["tokens_per_s"]
     if trainer:

@@ -13,6 +13,8 @@ configuration), same sampling parameters (`rollout/generate.base_sampling_params
        logprobs     + the sampled token's log-prob (`logprobs: 0`), server-side text
        nologprobs   without log-probs, server-side text
        tokens       without log-probs and without server-side detokenization (`detokenize: false`)
+   each optionally with modifiers, e.g. `logprobs+final+nodetok` (MODIFIERS: output_kind
+   FINAL_ONLY, flat_logprobs, detokenize on/off)
 
 Server variants (`--server-variants`, `;`-separated sets of extra server flags, `default` for
 none) start one server each, measured one after the other.
@@ -48,9 +50,27 @@ def run_prompts(cfg) -> list[list[int]]:
     return [list(rows[i % len(rows)].tokens) for i in range(cfg.rollout_batch_size) for _ in range(cfg.n_samples_per_prompt)]
 
 
-def variant_params(cfg, name: str) -> dict:
+# request variant modifiers ("+name" after a variant): SamplingParams fields the token endpoint
+# accepts in its `sampling_params`
+MODIFIERS = {
+    "final": {"output_kind": 2},  # RequestOutputKind.FINAL_ONLY: no per-step output object
+    "flat": {"flat_logprobs": True},  # log-probs kept as flat lists, not a dict per token
+    "detok": {"detokenize": True},
+    "nodetok": {"detokenize": False},
+}
+
+
+# what --ignore-eos adds to every request, offline's included
+EVERY_REQUEST: dict = {}
+
+
+def variant_params(cfg, variant: str) -> dict:
     from vime_core.rollout.generate import base_sampling_params, request_params
 
+    name, *modifiers = variant.split("+")
+    unknown = [m for m in modifiers if m not in MODIFIERS]
+    if unknown or name not in ("vime", "logprobs", "nologprobs", "tokens"):
+        raise SystemExit(f"--variants: {variant!r} is not vime|logprobs|nologprobs|tokens[+{'|'.join(MODIFIERS)}...]")
     params = request_params(base_sampling_params(cfg), cfg.rollout_max_response_len)
     if name == "logprobs":
         params["logprobs"] = 0
@@ -60,6 +80,9 @@ def variant_params(cfg, name: str) -> dict:
         params["detokenize"] = True
     elif name == "tokens":
         params["detokenize"] = False
+    for m in modifiers:
+        params.update(MODIFIERS[m])
+    params.update(EVERY_REQUEST)
     return params
 
 
@@ -111,7 +134,7 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
     server = EngineServer(cfg.model_copy(update={"vllm_extra_args": list(cfg.vllm_extra_args) + extra_flags}))
     t0 = time.perf_counter()
     url = server.start()
-    out: dict = {"ready_s": time.perf_counter() - t0, "extra_flags": extra_flags}
+    out: dict = {"ready_s": time.perf_counter() - t0, "extra_flags": extra_flags, "startup": server.startup_marks()}
     try:
         runs: dict[str, list] = {v: [] for v in variants}
         for _ in range(repeats):
@@ -139,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-variants", default="default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every sample runs to max_tokens (a random model's EOS would end it early)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
     cfg = load_config(a.config, {"hf_checkpoint": a.hf_checkpoint, "prompt_data": a.prompt_data})
+    if a.ignore_eos:
+        EVERY_REQUEST["ignore_eos"] = True
     prompts = run_prompts(cfg)
     variants = a.variants.split(",")
     server = EngineServer(cfg)

@@ -62,6 +62,8 @@ timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/
 echo "[gpu] train exit $status after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true
 cp -r "$work/runs/reports/$run" "$out/reports" 2>/dev/null || true
+# where each engine's start went (vime_core/engines/startup_log.py), from the whole logs
+python3 -m vime_core.engines.startup_log .cache/engine-logs/*.log > "$out/engine_startup.json" 2>/dev/null || true
 mkdir -p "$out/engine-logs" && for f in .cache/engine-logs/*.log; do grep -v "it/s]" "$f" | tail -n 300 > "$out/engine-logs/$(basename $f)"; done 2>/dev/null || true
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 # the actors' own errors (a trainer or engine actor that died says why only in its worker log)

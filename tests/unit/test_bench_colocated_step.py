@@ -36,7 +36,12 @@ def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
     (res / "trainer.json").write_text(json.dumps({"variants": [
         {"variant": "pack32768", "step_time_s": 2.0, "logprob_time_s": 1.0, "mfu_with_attention": 0.4,
          "logprob_mfu_with_attention": 0.1}]}))
-    (res / "train_meta.json").write_text(json.dumps({"launched_epoch": 0.0, "exit": 0, "wall_s": 100.0}))
+    (res / "train_meta.json").write_text(json.dumps({"launched_epoch": 1000.0, "exit": 0, "wall_s": 100.0}))
+    # the machine's engine logs: one start from before this run (a lone server), two of this run
+    (res / "train" / "engine_startup.json").write_text(json.dumps({
+        "engine-0-1-2.log": {"launched_epoch": 1010.0, "compile_cache": "hit", "marks_s": {"serving": 50.0}},
+        "engine-0-9-9.log": {"launched_epoch": 900.0, "compile_cache": "miss", "marks_s": {"serving": 90.0}},
+        "engine-1-1-3.log": {"launched_epoch": 1005.0, "compile_cache": "hit", "marks_s": {"serving": 52.0}}}))
     records = [_record(i, reused) for i in range(4)]
     (res / "train" / "colocated_0.5b.json").write_text(json.dumps({"records": records, "batches": []}))
     summary = work / "runs" / "reports" / "bench" / "summary.json"
@@ -62,3 +67,4 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     assert out["vime"]["rollout_split_s"]["time_generate_s"] == 5.0
     assert out["git_sha"] == "abc1234" and out["machine"] == "a GPU"
     assert out["startup_s"] == 42.5 and out["bootstrap_marks_s"] == {"engines_ready": 30.0}
+    assert [e["launched_epoch"] for e in out["engine_startup"]] == [1005.0, 1010.0]  # this run's, in launch order

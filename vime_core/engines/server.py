@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.config.derive import platform_supports_sleep
 from vime_core.engines.client import SyncEngineClient, redact_url
+from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
@@ -327,6 +328,8 @@ class EngineServer:
         self.log_path = self.log_dir / f"{self.name}-{os.getpid()}-{self.port}.log"
         cmd = self.command(self.port)
         self._log_file = open(self.log_path, "ab")
+        self._log_file.write(launch_line().encode())  # the zero of startup_marks
+        self._log_file.flush()
         logger.info("%s: starting %s (log %s)", self.name, " ".join(cmd), self.log_path)
         # Own session: shutdown signals the whole group (API server + engine-core child); under
         # the guard, which stops the group when this process dies (utils/orphan_guard.py).
@@ -370,6 +373,12 @@ class EngineServer:
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
 
+    def startup_marks(self) -> dict[str, Any]:
+        """Where the server's last start went, from its log (`startup_log`); empty when attached."""
+        if self.log_path is None or not self.log_path.exists():
+            return {}
+        return startup_marks(self.log_path.read_text(errors="replace"))
+
     def _wait_healthy(self, timeout_s: float) -> None:
         client = SyncEngineClient(self.url, self.name)  # type: ignore[arg-type]
 
@@ -383,7 +392,7 @@ class EngineServer:
             return client.is_healthy(timeout_s=2.0)
 
         if poll_until(healthy, timeout_s, interval_s=0.5):
-            logger.info("%s: healthy at %s", self.name, self.url)
+            logger.info("%s: healthy at %s (seconds from launch: %s)", self.name, self.url, describe(self.startup_marks()))
             return
         tail = self.log_tail()
         self._terminate(grace_s=5.0)

@@ -228,3 +228,25 @@ def test_attach_checks_parallel_size(healthy_engines, tiny_model_dir, vllm_pytho
     cfg = make_cfg(tiny_model_dir, vllm_python, engine_urls=[url], rollout_num_gpus_per_engine=2)
     with pytest.raises(ValueError, match=r"TP x PP = 1, but rollout_num_gpus_per_engine=2"):
         EngineServer(cfg, 0, attach_url=url).start()
+
+
+def test_the_engine_log_says_where_its_start_went(healthy_engines):
+    """A real start leaves vime's launch line and vLLM's milestones in the engine's log: the
+    seconds to its arguments and to serving, in launch order, within the time it took."""
+    server = healthy_engines[0]
+    marks = server.startup_marks()
+    assert marks["launched_epoch"] is not None and marks["launched_epoch"] <= time.time()
+    seconds = marks["marks_s"]
+    assert {"args", "serving"} <= set(seconds), seconds
+    assert 0 < seconds["args"] <= seconds["serving"] <= time.time() - marks["launched_epoch"]
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(healthy_engines):
+    """What a rollout sends without stop strings (rollout/generate.request_params): the server
+    skips its detokenizer and still returns every token and log-prob, as with text."""
+    url = healthy_engines[0].url
+    with_text = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=True))
+    without = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=False))
+    a, b = with_text["choices"][0], without["choices"][0]
+    assert a["token_ids"] and a["token_ids"] == b["token_ids"]
+    assert len(b["logprobs"]["content"]) == len(b["token_ids"])
