@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = run_prompts(cfg)
     variants = a.variants.split(",")
     server = EngineServer(cfg)
-    flags = server.command(0)[3:]  # after "python -m vllm.entrypoints.openai.api_server"
+    command = server.command(0)
+    flags = command[command.index("--model"):]  # after the interpreter and vLLM's entry point
     result: dict = {"bench": "rollout_vs_offline", "samples": len(prompts),
                     "prompt_tokens_mean": statistics.mean(len(t) for t in prompts),
                     "concurrency": rollout_concurrency(cfg), "server_flags": flags}

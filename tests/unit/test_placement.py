@@ -68,6 +68,20 @@ def test_engine_command_follows_the_vllm_release_and_gets_its_devices(tiny_model
     assert old.environment()["CUDA_VISIBLE_DEVICES"] == "2,3"
     new = EngineServer(cfg, 0, api=VllmApi.for_version("0.32.0"))
     assert "--enable-scale-out" in new.command(4321)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--api-server-count" not in cmd
+
+
+def test_several_front_ends_go_through_vllm_serve(tiny_model_dir):
+    from vime_core.config import make_config
+    from vime_core.engines.server import EngineServer
+    from vime_core.engines.vllm_api import VllmApi
+
+    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_api_server_count": 4})
+    cmd = EngineServer(cfg, 0, api=VllmApi.for_version("0.32.0")).command(4321)
+    assert cmd[1:6] == ["-m", "vllm.entrypoints.cli.main", "serve", "--api-server-count", "4"]
+    assert cmd[cmd.index("--model") + 1] == str(tiny_model_dir.resolve()) and cmd[cmd.index("--port") + 1] == "4321"
+    with pytest.raises(ValueError, match="vllm_api_server_count"):
+        make_config({"vllm_api_server_count": 0})
 
 
 def test_an_engine_refuses_to_start_without_the_memory_it_is_set_to_take(tiny_model_dir, monkeypatch, tmp_path):

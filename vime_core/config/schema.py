@@ -135,6 +135,7 @@ class ConfigFields(BaseModel):
     vllm_cpu_kvcache_gb: float = Field(1.0, gt=0, description="KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE).")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction when colocated on GPUs.")
     vllm_enforce_eager: Optional[bool] = Field(None, description="Start engines without compilation/CUDA graphs: a faster start, less generation throughput. Default: true on CPU, false on CUDA.")
+    vllm_api_server_count: int = Field(1, ge=1, le=64, description="HTTP front-end processes of each vLLM server (`vllm serve --api-server-count`), sharing its engine: a front end builds every response in Python on one core, and per-token log-probs make that the rollout's bottleneck on a fast GPU. 1: vLLM's single-process server.")
     vllm_extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the vLLM server.")
     engine_urls: list[str] = Field(default_factory=list, description="Attach to external vLLM servers at these URLs instead of starting engines.")
     engine_bind_host: str = Field("127.0.0.1", description="Address the engines' vLLM servers bind to. Loopback (the default) keeps them private to one machine; 0.0.0.0 (or a node address) lets trainer ranks and the router on other Ray nodes reach them (a wildcard bind is advertised as the node's Ray address).")
