@@ -16,7 +16,8 @@ configuration), same sampling parameters (`rollout/generate.base_sampling_params
    each optionally with modifiers, e.g. `logprobs+final+nodetok` (MODIFIERS: output_kind
    FINAL_ONLY, flat_logprobs, detokenize on/off)
 
-Server variants (`--server-variants`, `;`-separated sets of extra server flags, `default` for
+Server variants (`--server-variants`, `;`-separated sets of extra server flags or
+configuration fields as `name=value`, e.g. `vllm_api_server_count=4`, `default` for
 none) start one server each, measured one after the other.
 
     ratio(variant) = server output tokens/s / offline output tokens/s      (medians)
@@ -131,7 +132,12 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
     from vime_core.config import rollout_concurrency
     from vime_core.engines.server import EngineServer
 
-    server = EngineServer(cfg.model_copy(update={"vllm_extra_args": list(cfg.vllm_extra_args) + extra_flags}))
+    fields = dict(word.split("=", 1) for word in extra_flags if not word.startswith("-") and "=" in word)
+    flags = [word for word in extra_flags if word.startswith("-") or "=" not in word]
+    from vime_core.config import make_config
+
+    varied = make_config({**cfg.model_dump(), **fields, "vllm_extra_args": list(cfg.vllm_extra_args) + flags})
+    server = EngineServer(varied)
     t0 = time.perf_counter()
     url = server.start()
     out: dict = {"ready_s": time.perf_counter() - t0, "extra_flags": extra_flags, "startup": server.startup_marks()}

@@ -250,3 +250,39 @@ def test_detokenize_false_gives_the_same_tokens_without_text(healthy_engines):
     a, b = with_text["choices"][0], without["choices"][0]
     assert a["token_ids"] and a["token_ids"] == b["token_ids"]
     assert len(b["logprobs"]["content"]) == len(b["token_ids"])
+
+
+def test_two_front_ends_share_one_engine(tiny_model_dir, vllm_python, tmp_path):
+    """vllm_api_server_count 2: `vllm serve` with two HTTP front-end processes on one port and
+    one engine. Requests on fresh connections (spread over both by the kernel) all generate;
+    the control calls vime makes through one front end (pause, weight version, resume) act on
+    the engine every front end serves, so no answer carries another version."""
+    from vime_core.engines.server import EngineServer
+    from tests.integration.rollout.conftest import make_cfg
+
+    cfg = make_cfg(tiny_model_dir, vllm_python, vllm_api_server_count=2)
+    server = EngineServer(cfg, 0, engines_per_node=1, log_dir=str(tmp_path))
+    url = server.start()
+    try:
+        log = server.log_path.read_text(errors="replace")
+        front_ends = set(re.findall(r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)", log))
+        assert len(front_ends) >= 2, f"one front end in the log: {front_ends}"
+
+        async def on_fresh_connections(count: int) -> list[dict]:
+            async def one(i: int) -> dict:
+                async with EngineClient(url) as client:  # a new connection each
+                    return await client.generate(PROMPT, {"temperature": 1.0, "max_tokens": 4, "seed": i})
+            return await asyncio.gather(*(one(i) for i in range(count)))
+
+        assert all(a["choices"][0]["token_ids"] for a in run(on_fresh_connections(8)))
+        sync = SyncEngineClient(url)
+        sync.pause("keep")
+        sync.update_weight_version(7)
+        sync.resume()
+        answers = run(on_fresh_connections(8))
+        versions = {span["version"] for a in answers for span in a["choices"][0]["weight_versions"]}
+        assert versions == {"7"}, versions
+        assert all(SyncEngineClient(url).weight_version() == 7 for _ in range(4))
+    finally:
+        server.shutdown()
+    assert server.process_exited()
