@@ -23,7 +23,7 @@ def _log(compile_lines: list[str], relaunch: bool = False) -> str:
     text += _line(75, "torch.compile took 19.84 s in total")
     text += _line(80, "Graph capturing finished in 5 secs, took 0.50 GiB")
     text += _line(97, "init engine (profile, create kv cache, warmup model) took 45.20 s")
-    text += _line(99, "Application startup complete.", "APIServer pid=40")
+    text += _line(99, "Available routes are:", "APIServer pid=40") + "INFO:     Application startup complete.\n"
     if relaunch:  # a restarted server appends to its log: the last launch counts
         text = "(APIServer pid=9) INFO 12-03 15:00:00 [x.py:1] non-default args: {}\n" + text
     return text

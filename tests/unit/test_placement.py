@@ -78,7 +78,7 @@ def test_several_front_ends_go_through_vllm_serve(tiny_model_dir):
 
     cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "vllm_api_server_count": 4})
     cmd = EngineServer(cfg, 0, api=VllmApi.for_version("0.32.0")).command(4321)
-    assert cmd[1:6] == ["-m", "vllm.entrypoints.cli.main", "serve", "--api-server-count", "4"]
+    assert cmd[1:6] == ["-m", "vime_core.engines.vllm_side.serve_cli", "serve", "--api-server-count", "4"]
     assert cmd[cmd.index("--model") + 1] == str(tiny_model_dir.resolve()) and cmd[cmd.index("--port") + 1] == "4321"
     with pytest.raises(ValueError, match="vllm_api_server_count"):
         make_config({"vllm_api_server_count": 0})

