@@ -28,6 +28,13 @@ def test_seq_mean_token_sum_aggregation_stays_on_the_input_device():
     assert out.device.type == "meta"
 
 
+def test_seq_mean_token_mean_aggregation_stays_on_the_input_device():
+    lengths = [4, 1, 2]
+    per_token = torch.randn(sum(lengths)).to("meta")
+    out = aggregate_loss(per_token, torch.ones(sum(lengths)).to("meta"), "seq_mean_token_mean", lengths)
+    assert out.device.type == "meta" and out.shape == ()
+
+
 def test_sequence_sums_on_cpu_unchanged():
     lengths = [3, 2]
     kl = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0])

@@ -190,20 +190,26 @@ def aggregate_loss(
         if scale is None or scale <= 0:
             raise ValueError(f"loss_agg_mode=seq_mean_token_sum_norm needs a positive scale (loss_scale_factor), got {scale}")
         return seq_sums.mean() / scale if len(seq_sums) else per_token.sum() * 0
-    valid = seq_counts > 0
-    if not bool(valid.any()):
-        return per_token.sum() * 0  # keeps the graph; nothing to train on
-    return (seq_sums[valid] / seq_counts[valid]).mean()
+    # the mean over sequences with a trainable token, without reading anything back from the
+    # device (no .any(), no boolean indexing: each would be a host sync per micro-batch); with
+    # none, 0 that keeps the graph
+    valid = (seq_counts > 0).to(per_token.dtype)
+    return (seq_sums / seq_counts.clamp_min(1) * valid).sum() / valid.sum().clamp_min(1)
 
 
 def _per_sequence_sums(
     values: torch.Tensor, mask: torch.Tensor, response_lengths: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence id of each flat token, sum_t m*v per sequence, sum_t m per sequence)."""
-    # Built on the values' device (the GPU in training); output_size spares a device sync.
+    # The sequence ids are made on the host and copied without blocking (pinned memory; a plain
+    # copy to the GPU waits for the device), so a micro-batch never waits here.
     device = values.device
-    lengths = torch.as_tensor(list(response_lengths), device=device)
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=values.numel())
+    lengths = torch.as_tensor(list(response_lengths))
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths, output_size=values.numel())
+    if device.type == "cuda":
+        seq_ids = seq_ids.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        seq_ids = seq_ids.to(device)
     sums = torch.zeros(len(lengths), dtype=values.dtype, device=device).index_add(0, seq_ids, values * mask)
     counts = torch.zeros(len(lengths), dtype=values.dtype, device=device).index_add(0, seq_ids, mask)
     return seq_ids, sums, counts

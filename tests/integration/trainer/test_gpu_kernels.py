@@ -143,15 +143,18 @@ def test_model_new_path_as_close_to_fp32_as_old_path(single_rank, cache_dir, mon
         assert err <= max(3 * err_old, 0.05), (n, err, err_old)
 
 
-def test_micro_batch_loop_does_not_sync(single_rank, cache_dir):
+@pytest.mark.parametrize("overrides", [{}, {"loss_agg_mode": "seq_mean_token_mean"}, {"advantage_estimator": "gspo"}],
+                         ids=["default", "seq-mean", "gspo"])
+def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
     """A micro-batch's packing, forward, loss and backward queue GPU work without waiting for it
     (no .item(), no blocking copy): CUDA's sync debug mode turns any sync into an error, naming
-    the op. Once warmed up (the first call compiles the response head)."""
+    the op. Once warmed up (the first call compiles the response head). Also for the losses
+    that aggregate per sequence (their sequence ids go to the device)."""
     from vime_core.config.loader import load_config
     from vime_core.trainer import train_step
 
     model, _, arch = _models(cache_dir)
-    cfg = load_config()
+    cfg = load_config(None, overrides)
     gen = torch.Generator().manual_seed(5)
     lengths = [(40, 200), (300, 500), (17, 90)]
     batch = {
