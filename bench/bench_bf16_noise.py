@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_common import write_json  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "colocated_step.jsonl"
 
 
@@ -108,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu:
         result["gpu_run"] = gpu
         result["ratio_gpu_run_over_tolerance"] = gpu["mean_abs_diff"] / result["tolerance"]
-    text = json.dumps(result, indent=1)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
-    print(text)
+    write_json(result, a.out)
     return 0
 
 

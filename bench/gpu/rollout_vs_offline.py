@@ -40,6 +40,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_common import write_json  # noqa: E402
 
 
 def run_prompts(cfg) -> list[list[int]]:
@@ -129,13 +132,11 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
                       offline_tps: float | None) -> dict:
     """One server for the configuration (plus `extra_flags`); each request variant `repeats`
     times, interleaved."""
-    from vime_core.config import rollout_concurrency
+    from vime_core.config import make_config, rollout_concurrency
     from vime_core.engines.server import EngineServer
 
     fields = dict(word.split("=", 1) for word in extra_flags if not word.startswith("-") and "=" in word)
     flags = [word for word in extra_flags if word.startswith("-") or "=" not in word]
-    from vime_core.config import make_config
-
     varied = make_config({**cfg.model_dump(), **fields, "vllm_extra_args": list(cfg.vllm_extra_args) + flags})
     server = EngineServer(varied)
     t0 = time.perf_counter()
@@ -193,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [] if server_variant == "default" else server_variant.split()
         result["servers"][server_variant] = serve_and_measure(cfg, extra, prompts, variants, a.repeats, offline_tps)
     result["server"] = result["servers"][a.server_variants.split(";")[0]]
-    text = json.dumps(result, indent=1)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
-    print(text)
+    write_json(result, a.out)
     return 0
 
 

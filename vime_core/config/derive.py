@@ -186,11 +186,10 @@ def _check_critic(cfg: ConfigFields) -> None:
     if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= cfg.lr_decay_iters:
         raise ValueError(f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
                          f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)")
-    # relative to where the run was started: the trainer actors run elsewhere
-    if cfg.critic_load and "://" not in cfg.critic_load:
-        cfg.critic_load = os.path.abspath(os.path.expanduser(cfg.critic_load))
-    if cfg.critic_save and "://" not in cfg.critic_save:
-        cfg.critic_save = os.path.abspath(os.path.expanduser(cfg.critic_save))
+    for field in ("critic_load", "critic_save"):  # relative to where the run was started: the actors run elsewhere
+        path = getattr(cfg, field)
+        if path and "://" not in path:
+            setattr(cfg, field, os.path.abspath(os.path.expanduser(path)))
 
 
 def _refuse_set(cfg: ConfigFields, defaults: dict[str, object], without: str) -> None:
