@@ -150,16 +150,26 @@ def _colocated_baselines(f: dict) -> str:
 
 
 def _colocated_step(f: dict) -> str:
-    r, v = f["ratios"], f["vime"]
-    return (f"T_step {v['t_step_s']:.1f} s; step / parts {r['step_vs_parts']:.2f}; rollout / offline "
-            f"{r['rollout_vs_offline']:.2f}; server tok/s with / without log-probs {r['logprobs_cost']:.2f}; "
-            f"trainer MFU {_pct(r['trainer_mfu'])}; "
-            f"startup {f['startup_s']:.0f} s")
+    """The figures a row has: a call may run some of the phases only."""
+    r, v = f.get("ratios", {}), f.get("vime") or {}
+    parts = [f"T_step {v['t_step_s']:.1f} s"] if v.get("t_step_s") else []
+    for key, label, fmt in (("step_vs_parts", "step / parts", "{:.2f}"), ("rollout_vs_offline", "rollout / offline", "{:.2f}"),
+                            ("logprobs_cost", "server tok/s with / without log-probs", "{:.2f}")):
+        if r.get(key) is not None:
+            parts.append(f"{label} {fmt.format(r[key])}")
+    if r.get("trainer_mfu") is not None:
+        parts.append(f"trainer MFU {_pct(r['trainer_mfu'])}")
+    if f.get("startup_s") is not None:
+        parts.append(f"startup {f['startup_s']:.0f} s")
+    return "; ".join(parts) or "no figures"
 
 
 def _rollout_vs_offline(f: dict) -> str:
     parts = [f"offline {f['offline']['tokens_per_s_median'] / 1e3:.1f}k tok/s; server / offline"]
     for server, variants in f["servers"].items():
+        if "error" in variants:
+            parts.append(f"{server}: failed ({variants['error'][:80]})")
+            continue
         ratios = [f"{name} {v['vs_offline']:.2f}" for name, v in variants.items() if isinstance(v, dict) and "vs_offline" in v]
         parts.append(f"{server}: {', '.join(ratios)}")
     return "; ".join(parts)

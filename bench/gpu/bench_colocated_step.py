@@ -73,7 +73,8 @@ def phase_model(a, paths: dict) -> None:
 def phase_offline(a, paths: dict) -> None:
     subprocess.run([sys.executable, str(REPO / "bench/gpu/rollout_vs_offline.py"), "--config", str(CONFIG),
                     "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["prompts"]),
-                    "--repeats", str(a.repeats), "--out", str(paths["results"] / "rollout.json")], check=True, cwd=REPO)
+                    "--repeats", str(a.repeats), "--variants", a.offline_variants, "--server-variants", a.server_variants,
+                    "--out", str(paths["results"] / "rollout.json")], check=True, cwd=REPO)
 
 
 def phase_train(a, paths: dict) -> None:
@@ -94,7 +95,8 @@ def phase_trainer(a, paths: dict) -> None:
     report = json.loads((paths["results"] / "train" / "colocated_0.5b.json").read_text())
     shape = batch_shape(report)
     cfg = load_config(CONFIG)
-    trainer_alone(shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json")
+    extra = tuple(v for v in a.trainer_variants.split(",") if v)
+    trainer_alone(shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json", extra)
 
 
 def batch_shape(report: dict) -> dict:
@@ -119,6 +121,24 @@ def run_engine_starts(logs: dict | None, launched_epoch: float) -> list[dict]:
     return sorted(starts, key=lambda m: m["launched_epoch"])
 
 
+def trainer_mfu(variant: dict) -> float:
+    """Log-prob recompute (forward) and step (forward + backward) together: their FLOPs over their
+    seconds, i.e. the two MFUs (attention counted) weighted by time."""
+    step_s, lp_s = variant["step_time_s"], variant["logprob_time_s"]
+    return (variant["mfu_with_attention"] * step_s + variant["logprob_mfu_with_attention"] * lp_s) / (step_s + lp_s)
+
+
+def logprobs_cost(server: dict) -> float | None:
+    """Tokens/s with the sampled tokens' log-probs over without, both as a run sends them: the
+    `logprobs+nodetok` shape (or `logprobs`) against `vime` (or `nologprobs`)."""
+    with_lp = server.get("logprobs+nodetok") or server.get("logprobs")
+    without = server.get("vime") if "logprobs" not in (server.get("vime") or {}).get("params", {"logprobs": 0}) else None
+    without = without or server.get("nologprobs")
+    if not (with_lp and without):
+        return None
+    return with_lp["tokens_per_s_median"] / without["tokens_per_s_median"]
+
+
 def phase_report(a, paths: dict) -> dict:
     res = paths["results"]
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
@@ -129,14 +149,17 @@ def phase_report(a, paths: dict) -> dict:
     ratios: dict = {}
     if rollout:
         offline = rollout.get("offline") or {}
-        server = rollout["server"]
         out["offline_rollout"] = {"wall_s": offline.get("wall_s_median"), "tokens_per_s": offline.get("tokens_per_s_median"),
                                   "ready_s": offline.get("ready_s")}
-        out["server_direct"] = {v: {"tokens_per_s": s["tokens_per_s_median"], "vs_offline": s["vs_offline"]}
-                                for v, s in server.items() if isinstance(s, dict) and "tokens_per_s_median" in s}
-        without = server.get("nologprobs") or (server["vime"] if "logprobs" not in server.get("vime", {}).get("params", {"logprobs": 0}) else None)
-        if "logprobs" in server and without:
-            ratios["logprobs_cost"] = server["logprobs"]["tokens_per_s_median"] / without["tokens_per_s_median"]
+        servers = rollout.get("servers") or {"default": rollout["server"]}
+        # per server configuration: each request shape's tokens/s and its ratio to offline
+        out["server_direct"] = {name: {v: {"tokens_per_s": s["tokens_per_s_median"], "vs_offline": s["vs_offline"]}
+                                       for v, s in server.items() if isinstance(s, dict) and "tokens_per_s_median" in s}
+                                for name, server in servers.items()}
+        costs = {name: cost for name, server in servers.items() if (cost := logprobs_cost(server)) is not None}
+        if costs:
+            ratios["logprobs_cost"] = costs.get("default", next(iter(costs.values())))
+            out["logprobs_cost_by_server"] = costs
     if run:
         recs = [r for r in run.get("records", []) if r.get("rollout_id", 0) >= 1] or run.get("records", [])
         vime = {"iterations": len(run.get("records", [])),
@@ -169,9 +192,11 @@ def phase_report(a, paths: dict) -> dict:
     if trainer:
         variant = next(v for v in trainer["variants"] if "step_time_s" in v)
         out["trainer_alone"] = {k: variant.get(k) for k in variant if k.endswith(("_s", "mfu", "tokens_per_s")) or "mfu" in k}
-        # recompute (forward) and step (forward + backward) together: FLOPs over seconds
-        step_s, lp_s = variant["step_time_s"], variant["logprob_time_s"]
-        ratios["trainer_mfu"] = (variant["mfu_with_attention"] * step_s + variant["logprob_mfu_with_attention"] * lp_s) / (step_s + lp_s)
+        ratios["trainer_mfu"] = trainer_mfu(variant)
+        # the --trainer-variants measured beside the run's packing, each with its MFU
+        out["trainer_variants"] = {v["variant"]: {"step_time_s": v["step_time_s"], "logprob_time_s": v["logprob_time_s"],
+                                                  "mfu": trainer_mfu(v), "peak_memory_gib": v.get("peak_memory_gib")}
+                                   for v in trainer["variants"] if "step_time_s" in v}
     if run and rollout and trainer and out["offline_rollout"]["wall_s"]:
         # the trainer's part is what the run's trainer did: the old-log-prob recompute only where
         # the run did not reuse the step's own log-probs (one step per rollout reuses them)
@@ -197,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--offline-variants", default="vime,logprobs+nodetok",
+                   help="offline phase: request shapes sent straight to the server (rollout_vs_offline --variants); "
+                        "`vime` is what a run sends without log-probs, `logprobs+nodetok` what it sends when a flag needs them")
+    p.add_argument("--server-variants", default="default",
+                   help="offline phase: server configurations (rollout_vs_offline --server-variants), e.g. "
+                        "'default;vllm_api_server_count=4'")
+    p.add_argument("--trainer-variants", default="",
+                   help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")
     p.add_argument("--out", required=True)

@@ -76,10 +76,13 @@ def device_copy_s(nbytes: int, repeats: int = 20) -> float:
     return statistics.median(times[2:])
 
 
-def trainer_alone(samples: int, prompt_len: int, response_len: int, cfg, out: Path) -> dict:
+def trainer_alone(samples: int, prompt_len: int, response_len: int, cfg, out: Path, extra_variants: tuple[str, ...] = ()) -> dict:
+    """bench_trainer_gpu on a batch of this shape: the run's own packing first (the variant the
+    figures below are of), then `extra_variants` measured in the same process for comparison."""
+    variants = ",".join((f"pack{cfg.max_tokens_per_gpu}", *extra_variants))
     cmd = [sys.executable, str(REPO / "bench" / "bench_trainer_gpu.py"), "--shape", "0.5b",
            "--samples", str(samples), "--prompt-len", str(prompt_len), "--response-len", str(response_len),
-           "--lr", str(cfg.lr), "--variants", f"pack{cfg.max_tokens_per_gpu}", "--warmup", "1",
+           "--lr", str(cfg.lr), "--variants", variants, "--warmup", "1",
            "--repeats", "3", "--check-steps", "0", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=REPO)
     result = json.loads(out.read_text())

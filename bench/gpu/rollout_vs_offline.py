@@ -16,9 +16,11 @@ configuration), same sampling parameters (`rollout/generate.base_sampling_params
    each optionally with modifiers, e.g. `logprobs+final+nodetok` (MODIFIERS: output_kind
    FINAL_ONLY, flat_logprobs, detokenize on/off)
 
-Server variants (`--server-variants`, `;`-separated sets of extra server flags or
-configuration fields as `name=value`, e.g. `vllm_api_server_count=4`, `default` for
-none) start one server each, measured one after the other.
+Server variants (`--server-variants`, `;`-separated sets of extra server flags, configuration
+fields as `name=value` (e.g. `vllm_api_server_count=4`) or the server's environment as
+`env:NAME=value` (e.g. `env:VLLM_USE_RUST_FRONTEND=1`, vLLM 0.26's Rust front end), `default`
+for none) start one server each, measured one after the other; a server that fails to start or
+serve is recorded with its error and the next one runs. The JSON is rewritten after each server.
 
     ratio(variant) = server output tokens/s / offline output tokens/s      (medians)
 
@@ -135,10 +137,12 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
     from vime_core.config import make_config, rollout_concurrency
     from vime_core.engines.server import EngineServer
 
-    fields = dict(word.split("=", 1) for word in extra_flags if not word.startswith("-") and "=" in word)
-    flags = [word for word in extra_flags if word.startswith("-") or "=" not in word]
+    env = dict(word[len("env:"):].split("=", 1) for word in extra_flags if word.startswith("env:"))
+    words = [word for word in extra_flags if not word.startswith("env:")]
+    fields = dict(word.split("=", 1) for word in words if not word.startswith("-") and "=" in word)
+    flags = [word for word in words if word.startswith("-") or "=" not in word]
     varied = make_config({**cfg.model_dump(), **fields, "vllm_extra_args": list(cfg.vllm_extra_args) + flags})
-    server = EngineServer(varied)
+    server = EngineServer(varied, extra_env=env)
     t0 = time.perf_counter()
     url = server.start()
     out: dict = {"ready_s": time.perf_counter() - t0, "extra_flags": extra_flags, "startup": server.startup_marks()}
@@ -192,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     result["servers"] = {}
     for server_variant in a.server_variants.split(";"):
         extra = [] if server_variant == "default" else server_variant.split()
-        result["servers"][server_variant] = serve_and_measure(cfg, extra, prompts, variants, a.repeats, offline_tps)
-    result["server"] = result["servers"][a.server_variants.split(";")[0]]
-    write_json(result, a.out)
+        try:
+            result["servers"][server_variant] = serve_and_measure(cfg, extra, prompts, variants, a.repeats, offline_tps)
+        except Exception as exc:  # a bench of alternatives: one that does not serve is a finding, not the end
+            result["servers"][server_variant] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        result["server"] = result["servers"][a.server_variants.split(";")[0]]
+        write_json(result, a.out)
     return 0
 
 

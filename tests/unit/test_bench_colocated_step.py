@@ -31,10 +31,14 @@ def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
     (res / "train").mkdir(parents=True)
     (res / "rollout.json").write_text(json.dumps({
         "offline": {"wall_s_median": 4.0, "tokens_per_s_median": 60_000.0, "ready_s": 50.0},
-        "server": {"nologprobs": {"tokens_per_s_median": 50_000.0, "vs_offline": 50 / 60},
-                   "logprobs": {"tokens_per_s_median": 10_000.0, "vs_offline": 10 / 60}}}))
+        "servers": {"default": {"vime": {"tokens_per_s_median": 50_000.0, "vs_offline": 50 / 60, "params": {}},
+                                "logprobs+nodetok": {"tokens_per_s_median": 10_000.0, "vs_offline": 10 / 60}},
+                    "vllm_api_server_count=4": {"vime": {"tokens_per_s_median": 54_000.0, "vs_offline": 0.9, "params": {}},
+                                                "logprobs+nodetok": {"tokens_per_s_median": 27_000.0, "vs_offline": 0.45}}}}))
     (res / "trainer.json").write_text(json.dumps({"variants": [
         {"variant": "pack32768", "step_time_s": 2.0, "logprob_time_s": 1.0, "mfu_with_attention": 0.4,
+         "logprob_mfu_with_attention": 0.1},
+        {"variant": "pack65536", "step_time_s": 1.5, "logprob_time_s": 1.0, "mfu_with_attention": 0.5,
          "logprob_mfu_with_attention": 0.1}]}))
     (res / "train_meta.json").write_text(json.dumps({"launched_epoch": 1000.0, "exit": 0, "wall_s": 100.0}))
     # the machine's engine logs: one start from before this run (a lone server), two of this run
@@ -61,7 +65,10 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     assert out["parts_s"] == pytest.approx(parts) and out["parts_include_logprob_recompute"] is (not reused)
     assert out["ratios"]["step_vs_parts"] == pytest.approx(t_step / parts)
     assert out["ratios"]["rollout_vs_offline"] == pytest.approx((240_000 / 6.0) / 60_000.0)
-    assert out["ratios"]["logprobs_cost"] == pytest.approx(10_000 / 50_000)
+    assert out["ratios"]["logprobs_cost"] == pytest.approx(10_000 / 50_000)  # the default server's
+    assert out["logprobs_cost_by_server"]["vllm_api_server_count=4"] == pytest.approx(0.5)
+    assert out["server_direct"]["vllm_api_server_count=4"]["vime"]["vs_offline"] == 0.9
+    assert out["trainer_variants"]["pack65536"]["mfu"] == pytest.approx((0.5 * 1.5 + 0.1 * 1.0) / 2.5)
     assert out["ratios"]["trainer_mfu"] == pytest.approx((0.4 * 2.0 + 0.1 * 1.0) / 3.0)
     assert out["vime"]["generate_tokens_per_s"] == 48_000.0  # the rollout's, not the trainer's tokens_per_s
     assert out["vime"]["rollout_split_s"]["time_generate_s"] == 5.0
