@@ -181,6 +181,20 @@ def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
     torch.cuda.synchronize()
 
 
+def test_sync_sites_sees_a_sync_and_nothing_else():
+    """The detector of the test above: a host read-back is found, a plain warning is not."""
+    import warnings
+
+    x = torch.ones(4, device="cuda")
+
+    def reads_back():
+        warnings.warn("not a sync", DeprecationWarning)
+        (x * 2).sum().item()
+
+    assert len(_sync_sites(reads_back)) == 1
+    assert _sync_sites(lambda: warnings.warn("not a sync", DeprecationWarning)) == []
+
+
 def _sync_sites(fn) -> list[str]:
     """Every synchronizing CUDA call `fn` makes, each with the Python stack that made it (CUDA's
     sync debug mode in "warn": all of them in one run, where "error" stops at the first)."""
@@ -190,7 +204,10 @@ def _sync_sites(fn) -> list[str]:
     sites: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        sites.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
+        # only the sync warnings: others raised meanwhile (Megatron's deprecations, the debug
+        # mode's own "prototype feature" notice) are not synchronizing calls
+        if "called a synchronizing CUDA operation" in str(message):
+            sites.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
 
     with warnings.catch_warnings():  # restores showwarning on exit
         warnings.simplefilter("always")
