@@ -463,6 +463,9 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     assert "--enable-sleep-mode" not in cmd  # CPU: no sleep mode
     assert "--weight-transfer-config" not in cmd  # nccl needs CUDA
     assert cmd[-2:] == ["--max-num-seqs", "64"]
+    assert "--disable-log-stats" in cmd  # vllm_log_stats off by default
+    logging_stats = EngineServer(make_config({**cfg.model_dump(), "vllm_log_stats": True}), 1).command(4321)
+    assert "--disable-log-stats" not in logging_stats
     env = server.environment()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind(1, 2)

@@ -211,6 +211,8 @@ class EngineServer:
             # grows by rollout_batch_size * n_samples_per_prompt lines every iteration
             "--disable-uvicorn-access-log",
         ]
+        if not cfg.vllm_log_stats:  # per-token statistics in the front end (schema: vllm_log_stats)
+            cmd.append("--disable-log-stats")
         if cfg.vllm_enforce_eager:
             cmd.append("--enforce-eager")
         # Serve in the trainer's precision so rollout log-probs match its recompute.
