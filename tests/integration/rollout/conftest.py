@@ -48,7 +48,8 @@ def engines(tiny_model_dir, vllm_python, cache_dir):
     """Two started EngineServers (started side by side), shut down after the folder's tests."""
     from vime_core.engines.server import EngineServer
 
-    cfg = make_cfg(tiny_model_dir, vllm_python)
+    # vLLM's statistics on: the router's test counts each engine's requests in its Prometheus /metrics
+    cfg = make_cfg(tiny_model_dir, vllm_python, vllm_log_stats=True)
     servers = [EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs")) for i in range(2)]
     errors: list[BaseException] = []
 
