@@ -25,6 +25,8 @@ options joined with ``+``:
     +fullhead     logits at every position, fp32 copy of the response rows, Megatron's
                   cross-entropy and an entropy with its own passes (the head before the chunked
                   response head; logprobs.packed_response_log_probs_full)
+    +unfusedrope  Megatron's unfused RoPE (--no-rope-fusion) instead of vime's packed one (rope.py)
+    +unfusedswiglu  SwiGLU unfused (--no-bias-swiglu-fusion) instead of Megatron's compiled one
 
 The old path is ``packT+oldattn+fullhead``; the sync-free micro-batch loop (train_step.py,
 packing.to_device) is in every variant.
@@ -140,7 +142,8 @@ class Options:
 
     def apply(self, spec: str) -> None:
         batching, *flags = spec.split("+")
-        unknown = set(flags) - {"fused", "recompute", "compile", "devseq", "oldattn", "fullhead", "eagerhead"}
+        unknown = set(flags) - {"fused", "recompute", "compile", "devseq", "oldattn", "fullhead", "eagerhead",
+                                "unfusedrope", "unfusedswiglu"}
         if unknown:
             raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
         if batching.startswith("mbs"):
@@ -159,6 +162,20 @@ class Options:
         self.set_compiled_loss_head("compile" in flags)
         self.logprobs.COMPILE_ON_CUDA = "eagerhead" not in flags
         self.set_device_offsets("devseq" in flags)
+        self.set_fusions(rope_fusion="unfusedrope" not in flags, swiglu_fusion="unfusedswiglu" not in flags)
+
+    def set_fusions(self, rope_fusion: bool, swiglu_fusion: bool) -> None:
+        """The run's fusions (model.fusion_settings: on CUDA unless switched off) less the variant's."""
+        from vime_core.trainer import rope
+        from vime_core.trainer.hf_convert import unwrap
+        from vime_core.trainer.model import fusion_settings
+
+        base = fusion_settings(self.base_cfg, self.trainer.device)
+        config = unwrap(self.trainer.model).config
+        config.apply_rope_fusion = base["apply_rope_fusion"] and rope_fusion
+        config.bias_activation_fusion = base["bias_activation_fusion"] and swiglu_fusion
+        if config.apply_rope_fusion:
+            rope.install()
 
     def set_old_attention(self, on: bool) -> None:
         from vime_core.trainer.attention import SDPACoreAttention

@@ -55,13 +55,12 @@ fails falls back to the eager functions once, with a warning.
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from vime_core.trainer.compiled import run_compiled
 
 # Logits per chunk (rows x vocabulary columns): 512 Mi elements, 1 GiB in bf16, so a chunk is a
 # few thousand rows of the 152k vocabulary, large enough for efficient matmuls and few launches.
@@ -307,32 +306,9 @@ class ResponseHead(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-_compiled: dict[str, Optional[Callable[..., Any]]] = {}  # name -> compiled chunk function; None: failed
-
-
 def run_chunk_fn(fn: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
-    """``fn(x, *args)``: through ``torch.compile`` on CUDA (``COMPILE_ON_CUDA``), eager elsewhere
-    or once compiling ``fn`` has failed (warned once; the eager function computes the same)."""
-    if not _compiles(x):
-        return fn(x, *args)
-    name = fn.__name__
-    if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=True)
-    compiled = _compiled[name]
-    if compiled is None:
-        return fn(x, *args)
-    try:
-        return compiled(x, *args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # a compiler failure: run eagerly from now on
-        log.warning("torch.compile of logprobs.%s failed (%s: %s); running it eagerly", name, type(err).__name__, err)
-        _compiled[name] = None
-        return fn(x, *args)
-
-
-def _compiles(x: torch.Tensor) -> bool:
-    return x.is_cuda and COMPILE_ON_CUDA
+    """``fn(x, *args)``: compiled on CUDA while ``COMPILE_ON_CUDA`` (``compiled.run_compiled``)."""
+    return run_compiled(fn, x, *args, enabled=COMPILE_ON_CUDA)
 
 
 def forward_chunk(

@@ -140,15 +140,27 @@ def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
 
 
 def transformer_config(
-    arch: HFArchitecture, tp_size: int, dtype: torch.dtype, recompute: dict[str, Any] | None = None
+    arch: HFArchitecture,
+    tp_size: int,
+    dtype: torch.dtype,
+    recompute: dict[str, Any] | None = None,
+    fusions: dict[str, bool] | None = None,
 ) -> Any:
-    """Megatron's ``TransformerConfig`` for ``arch``: no dropout, no fused kernels (they need TE
-    or apex), weights created on the CPU and left uninitialised (a checkpoint is loaded next).
-    ``recompute``: Megatron's activation-recompute fields (``recompute_settings(cfg)``)."""
+    """Megatron's ``TransformerConfig`` for ``arch``: no dropout, weights created on the CPU and
+    left uninitialised (a checkpoint is loaded next). ``recompute``: Megatron's activation-recompute
+    fields (``recompute_settings(cfg)``). ``fusions``: ``apply_rope_fusion`` (vime's packed RoPE at
+    Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
+    SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
+    Engine or apex and stay off."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_tp_divides(arch, tp_size)
+    fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
+    if fusions["apply_rope_fusion"]:
+        from vime_core.trainer import rope
+
+        rope.install()  # before the config: its checks look for a fused RoPE
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -165,10 +177,8 @@ def transformer_config(
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
@@ -179,6 +189,7 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
         **(recompute or {}),
+        **fusions,
     )
 
 
@@ -188,6 +199,16 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
         "recompute_granularity": cfg.recompute_granularity,
         "recompute_method": cfg.recompute_method,
         "recompute_num_layers": cfg.recompute_num_layers,
+    }
+
+
+def fusion_settings(cfg: Any, device: torch.device | str) -> dict[str, bool]:
+    """The run's kernel fusions, named as in Megatron's ``TransformerConfig``: on CUDA only, where
+    they compile (on the CPU the unfused layers are the tested reference)."""
+    on_cuda = torch.device(device).type == "cuda"
+    return {
+        "apply_rope_fusion": bool(cfg.rope_fusion) and on_cuda,
+        "bias_activation_fusion": bool(cfg.bias_swiglu_fusion) and on_cuda,
     }
 
 
@@ -208,6 +229,7 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recompute: dict[str, Any] | None = None,
+    fusions: dict[str, bool] | None = None,
 ) -> Any:
     """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
 
@@ -219,7 +241,7 @@ def build_gpt_model(
 
     compat_cpu.activate()
     model = GPTModel(
-        config=transformer_config(arch, tp_size, dtype, recompute),
+        config=transformer_config(arch, tp_size, dtype, recompute, fusions),
         transformer_layer_spec=layer_spec(arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,

@@ -66,7 +66,13 @@ class MegatronTrainer:
             return self.state()
         from vime_core.trainer.compat_cpu import seed_everything
         from vime_core.trainer.hf_convert import load_hf_into_model
-        from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config, recompute_settings
+        from vime_core.trainer.model import (
+            architecture_from_hf,
+            build_gpt_model,
+            fusion_settings,
+            read_hf_config,
+            recompute_settings,
+        )
         from vime_core.trainer.optimizer import build_optimizer, build_scheduler
         from vime_core.trainer.parallel import init_parallel
 
@@ -93,7 +99,9 @@ class MegatronTrainer:
 
         def load_model(checkpoint, arch: Any = None) -> Any:
             arch = arch or self.arch
-            model = build_gpt_model(arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg))
+            model = build_gpt_model(
+                arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg), fusion_settings(self.cfg, self.device)
+            )
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 

@@ -78,7 +78,7 @@ def test_varlen_attention_matches_per_segment_sdpa(single_rank, monkeypatch):
         assert err <= max(2 * err_old, 0.01 * scale), (name, err, err_old, scale)
 
 
-def _models(cache_dir):
+def _models(cache_dir, fusions=None):
     from vime_core.demo.model import build_tiny_model
     from vime_core.trainer.hf_convert import load_hf_into_model
     from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
@@ -89,7 +89,7 @@ def _models(cache_dir):
         max_position_embeddings=4096, tie_word_embeddings=True,
     )
     arch = architecture_from_hf(read_hf_config(ckpt))
-    m16 = build_gpt_model(arch, 1, torch.bfloat16, "cuda")
+    m16 = build_gpt_model(arch, 1, torch.bfloat16, "cuda", fusions=fusions)
     load_hf_into_model(m16, ckpt, arch, tp=1, rank=0)
     m32 = build_gpt_model(arch, 1, torch.float32, "cuda")
     with torch.no_grad():  # the fp32 reference runs the bf16 weights exactly
@@ -143,6 +143,40 @@ def test_model_new_path_as_close_to_fp32_as_old_path(single_rank, cache_dir, mon
         assert err <= max(3 * err_old, 0.05), (n, err, err_old)
 
 
+def test_fused_rope_and_swiglu_as_close_to_fp32_as_unfused(single_rank, cache_dir):
+    """bf16 model with vime's packed RoPE and Megatron's compiled SwiGLU against the same bf16
+    model unfused, each against the fp32 (unfused) model on the same weights: log-probs,
+    entropy and every parameter's gradient."""
+    import vime_core.trainer.logprobs as logprobs
+    from vime_core.trainer import rope
+    from vime_core.trainer.packing import pack_samples
+
+    m16, m32, arch = _models(cache_dir)
+    gen = torch.Generator().manual_seed(6)
+    tokens = [torch.randint(3, arch.vocab_size, (n,), generator=gen).tolist() for n in LENGTHS if n > 2]
+    packed = pack_samples(tokens, [max(1, len(t) * 3 // 4) for t in tokens], device="cuda")
+    head = logprobs.packed_response_log_probs
+    ref = _forward_backward(m32, head, packed, arch.vocab_size)
+    unfused = _forward_backward(m16, head, packed, arch.vocab_size)
+    rope.install()
+    m16.config.apply_rope_fusion = m16.config.bias_activation_fusion = True
+    calls, rotate = [], rope.rotate
+    rope.rotate = lambda t, cos, sin: calls.append(1) or rotate(t, cos, sin)  # noqa: E731  (compiled anew)
+    try:
+        fused = _forward_backward(m16, head, packed, arch.vocab_size)
+    finally:
+        rope.rotate = rotate
+    assert calls, "the fused RoPE was not called"
+    for i, name in enumerate(("log_probs", "entropy")):
+        err, err_unfused = float((fused[i] - ref[i]).abs().max()), float((unfused[i] - ref[i]).abs().max())
+        assert err <= max(2 * err_unfused, 0.02), (name, err, err_unfused)
+    total = lambda g: torch.cat([g[n] for n in sorted(g)])  # noqa: E731
+    norm = float(total(ref[2]).norm())
+    err = float((total(fused[2]) - total(ref[2])).norm()) / norm
+    err_unfused = float((total(unfused[2]) - total(ref[2])).norm()) / norm
+    assert err <= max(2 * err_unfused, 0.01), ("gradients", err, err_unfused)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"loss_agg_mode": "seq_mean_token_mean"}, {"advantage_estimator": "gspo"}],
                          ids=["default", "seq-mean", "gspo"])
 def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
@@ -152,9 +186,10 @@ def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
     that aggregate per sequence (their sequence ids go to the device)."""
     from vime_core.config.loader import load_config
     from vime_core.trainer import train_step
+    from vime_core.trainer.model import fusion_settings
 
-    model, _, arch = _models(cache_dir)
     cfg = load_config(None, overrides)
+    model, _, arch = _models(cache_dir, fusion_settings(cfg, "cuda"))  # the run's kernels
     gen = torch.Generator().manual_seed(5)
     lengths = [(40, 200), (300, 500), (17, 90)]
     batch = {

@@ -3,6 +3,8 @@ HF -> Megatron -> HF conversion is exact (TP=1 here; TP=2 in test_distributed.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -13,14 +15,14 @@ from tests.integration.trainer.conftest import FAMILY_CASES, tiny_checkpoint
 LOGITS_ATOL = 1e-5
 
 
-def _megatron_model(ckpt):
+def _megatron_model(ckpt, fusions=None):
     from vime_core.trainer.compat_cpu import seed_everything
     from vime_core.trainer.hf_convert import load_hf_into_model
     from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
 
     seed_everything(0)
     arch = architecture_from_hf(read_hf_config(ckpt))
-    model = build_gpt_model(arch, tp_size=1)
+    model = build_gpt_model(arch, tp_size=1, fusions=fusions)
     load_hf_into_model(model, ckpt, arch, tp=1, rank=0)
     return model.eval(), arch
 
@@ -69,6 +71,40 @@ def test_packed_log_probs_match_transformers_per_sample(single_rank, cache_dir):
         ref_ent.append(-(logp[pos].exp() * logp[pos]).sum(-1))
     torch.testing.assert_close(ours, torch.cat(ref_lp), atol=LOGITS_ATOL, rtol=0)
     torch.testing.assert_close(entropy, torch.cat(ref_ent), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_fused_rope_model_equals_the_unfused_one(single_rank, cache_dir, monkeypatch):
+    """apply_rope_fusion routes Megatron's attention through vime's packed RoPE (rope.py; eager on
+    the CPU): the same log-probs and gradients as Megatron's own unfused RoPE."""
+    from vime_core.trainer import rope
+    from vime_core.trainer.logprobs import packed_response_log_probs
+    from vime_core.trainer.packing import pack_samples
+
+    ckpt = tiny_checkpoint(cache_dir, "qwen3", False)
+    gen = torch.Generator().manual_seed(8)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    tokens = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (9, 4, 13)]
+    packed = pack_samples(tokens, [4, 2, 6])
+    calls, rotate = [], rope.rotate
+
+    def counted(t, cos, sin):
+        calls.append(tuple(t.shape))
+        return rotate(t, cos, sin)
+
+    monkeypatch.setattr(rope, "rotate", counted)
+    results = []
+    for fusions in ({"apply_rope_fusion": False}, {"apply_rope_fusion": True}):
+        model, arch = _megatron_model(ckpt, fusions)
+        assert model.config.apply_rope_fusion == fusions["apply_rope_fusion"]
+        lp, _ = packed_response_log_probs(model, packed, arch.vocab_size)
+        lp.sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(calls) == 2 * arch.num_layers  # q and k in every layer, through the hook
+    (lp0, g0), (lp1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-6, rtol=0)
+    assert sorted(g0) == sorted(g1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False)])

@@ -247,6 +247,7 @@ def test_chunk_functions_trace_under_torch_compile():
 
 
 def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
+    import vime_core.trainer.compiled as compiled
     import vime_core.trainer.logprobs as logprobs
 
     attempts = []
@@ -258,8 +259,8 @@ def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
 
         return run
 
-    monkeypatch.setattr(logprobs, "_compiled", {})
-    monkeypatch.setattr(logprobs, "_compiles", lambda x: True)
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_wanted", lambda x, enabled: True)
     monkeypatch.setattr(torch, "compile", broken_compile)
     x, w, targets, _, _ = _inputs(seed=5)
     args = (x.detach(), w.detach(), targets, 1.0, True)
