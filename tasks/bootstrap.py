@@ -25,6 +25,7 @@ from tasks.common import TASK_DEFAULTS
 from tasks.sync import publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
+from vime_core.utils.processes import process_age_s
 
 
 @dataclass
@@ -66,6 +67,8 @@ def start_actors(config: VimeConfig) -> RunActors:
 
 # run name -> its start_actors call, running in a thread
 _EARLY: dict[str, concurrent.futures.Future] = {}
+# run name -> when its early start began and when start_actors returned, seconds since the command
+_EARLY_MARKS: dict[str, dict[str, float]] = {}
 
 
 def start_early(config: VimeConfig) -> bool:
@@ -77,8 +80,15 @@ def start_early(config: VimeConfig) -> bool:
     except Exception as exc:
         logging.getLogger("vime.bootstrap").debug("no early start: %s", exc)
         return False
+    marks = _EARLY_MARKS[config.run_name] = {"early_start": process_age_s()}
+
+    def start_and_mark() -> RunActors:
+        actors = start_actors(config)
+        marks["early_actors_created"] = process_age_s()
+        return actors
+
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vime-early-start")
-    _EARLY[config.run_name] = pool.submit(start_actors, config)
+    _EARLY[config.run_name] = pool.submit(start_and_mark)
     pool.shutdown(wait=False)
     return True
 
@@ -114,6 +124,7 @@ def bootstrap(config: VimeConfig) -> dict:
 
     log = get_run_logger()
     t0 = time.perf_counter()
+    started = process_age_s()
     ensure_ray(config.ray_address)
     ATTACHED.forget(config.run_name)  # actors may be created now: no handle from before is reused
     early = claim_early(config)
@@ -163,10 +174,18 @@ def bootstrap(config: VimeConfig) -> dict:
         "created_trainers": created,
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,
+        "startup_marks_s": startup_marks(_EARLY_MARKS.pop(config.run_name, {}), started, seconds),
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
              target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     return out
+
+
+def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float]) -> dict[str, float]:
+    """Startup's marks in seconds since the command: the early start's (`early`, already in those
+    seconds), bootstrap's start, and bootstrap's marks (`seconds`, from its start) moved by it."""
+    moved = {k: bootstrap_started + v for k, v in seconds.items() if k != "started_early"}  # started_early is a length
+    return {**early, "bootstrap_started": bootstrap_started, **moved}
 
 
 def publish_needed(target: int, engine_versions: list[int], engines_woken: bool) -> bool:

@@ -19,6 +19,7 @@ def cfg():
 def _no_leftovers():
     yield
     boot._EARLY.clear()
+    boot._EARLY_MARKS.clear()
 
 
 def test_the_early_start_runs_in_a_thread_and_is_claimed_once(monkeypatch, cfg):
@@ -65,3 +66,22 @@ def test_another_run_claims_nothing(monkeypatch, cfg):
     boot.start_early(cfg)
     assert boot.claim_early(cfg.model_copy(update={"run_name": "other"})) is None
     assert boot.claim_early(cfg) == "actors"
+
+
+def test_the_early_start_marks_its_begin_and_end_in_seconds_since_the_command(monkeypatch, cfg):
+    ages = iter([3.0, 11.5])
+    monkeypatch.setattr(boot, "process_age_s", lambda: next(ages))
+    monkeypatch.setattr(boot, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(boot, "start_actors", lambda config: "actors")
+    assert boot.start_early(cfg)
+    assert boot.claim_early(cfg) == "actors"
+    assert boot._EARLY_MARKS["early"] == {"early_start": 3.0, "early_actors_created": 11.5}
+
+
+def test_startup_marks_move_bootstraps_marks_to_the_commands_clock():
+    marks = boot.startup_marks({"early_start": 3.0, "early_actors_created": 11.5}, 20.0,
+                               {"actors_created": 0.5, "started_early": 8.5, "engines_ready": 60.0})
+    # started_early is the early start's length, not a moment: it stays out
+    assert marks == {"early_start": 3.0, "early_actors_created": 11.5, "bootstrap_started": 20.0,
+                     "actors_created": 20.5, "engines_ready": 80.0}
+    assert boot.startup_marks({}, 4.0, {"kv_onloaded": 1.0}) == {"bootstrap_started": 4.0, "kv_onloaded": 5.0}

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections import deque
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,16 @@ from typing import Optional
 import psutil
 
 logger = logging.getLogger(__name__)
+
+
+def process_started_epoch() -> float:
+    """When this process started (epoch seconds; for `vime train`, the command)."""
+    return psutil.Process().create_time()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (for `vime train`, since the command)."""
+    return time.time() - process_started_epoch()
 
 
 def free_port() -> int:
