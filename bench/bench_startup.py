@@ -1,10 +1,14 @@
 """Startup of `vime train`: from the command to its first iteration, with the early start (the
 default: the actors start while the first flow run starts Prefect's temporary server) against
-`--no-early-start` (bootstrap starts them, after Prefect's server is up).
+`--no-early-start` (bootstrap starts them, after Prefect's server is up), and the early start
+without `engine_prestart` (each engine's server launched when the RolloutManager starts it, not
+as soon as its actor exists).
 
     startup_s   the train flow's summary: seconds from the process's start to the first
-                iteration flow run (flows/train.py, process_age_s)
-    marks       bootstrap's own marks (actors created, trainer init, engines ready, published, KV)
+                iteration flow run (vime_core/utils/processes.py, process_age_s)
+    marks       the summary's startup_marks_s: the early start's begin and end, bootstrap's start,
+                actors created, trainer init, engines ready, published, KV; seconds since the
+                command
 
 Each run is the real command (`python -m flows.cli train`) on the default job with one
 iteration, on a fresh loopback Ray head, with its own Prefect home (so each starts Prefect's
@@ -27,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODES = {"early": "--early-start", "bootstrap": "--no-early-start"}
+MODES = {"early": ["--early-start"], "early_no_prestart": ["--early-start", "--no-engine-prestart"],
+         "bootstrap": ["--no-early-start"]}
 
 
 def run_once(mode: str, work: Path) -> dict:
@@ -38,7 +43,7 @@ def run_once(mode: str, work: Path) -> dict:
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
     env = dict(os.environ, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "flows.cli", "train", "--run-name", f"bench-startup-{mode}", "--storage-uri",
-           str(work / "store"), "--ray-address", address, "--num-rollout", "1", MODES[mode]]
+           str(work / "store"), "--ray-address", address, "--num-rollout", "1", *MODES[mode]]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -50,7 +55,7 @@ def run_once(mode: str, work: Path) -> dict:
         raise RuntimeError(f"{mode}: vime train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     return {"mode": mode, "startup_s": summary["startup_s"], "wall_s": time.monotonic() - t0,
-            "bootstrap_marks_s": summary.get("bootstrap_marks_s")}
+            "startup_marks_s": summary.get("startup_marks_s")}
 
 
 def main() -> None:
@@ -77,6 +82,8 @@ def main() -> None:
         "startup_s_median": medians,
         "ratio_early_over_bootstrap": medians["early"] / medians["bootstrap"],
         "per_repeat_ratio": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["bootstrap"])],
+        "ratio_prestart": medians["early"] / medians["early_no_prestart"],
+        "per_repeat_ratio_prestart": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["early_no_prestart"])],
         "runs": runs,
     }
     if args.out:

@@ -81,8 +81,11 @@ def _orchestration(f: dict) -> str:
 
 def _startup(f: dict) -> str:
     m = f["startup_s_median"]
-    return (f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
-            f"(ratio {f['ratio_early_over_bootstrap']:.2f}), x{f['repeats']}")
+    line = (f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
+            f"(ratio {f['ratio_early_over_bootstrap']:.2f})")
+    if "ratio_prestart" in f:  # rows since the engines' prestart
+        line += f", early start without engine prestart {m['early_no_prestart']:.1f} s (ratio {f['ratio_prestart']:.2f})"
+    return line + f", x{f['repeats']}"
 
 
 def _bf16_noise(f: dict) -> str:
@@ -208,7 +211,7 @@ SUITES = {s.name: s for s in [
     Suite("bf16_noise", "bench/bench_bf16_noise.py", "bf16 vs fp32 sampled-token log-probs of the GPU step's model: "
           "the tolerance of the engine-vs-trainer difference", _bf16_noise),
     Suite("startup", "bench/bench_startup.py", "`vime train` from the command to its first iteration, early start vs "
-          "--no-early-start", _startup, lock=True),
+          "--no-early-start and vs --no-engine-prestart", _startup, lock=True),
     Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
           lock=True),
     Suite("default_job", "bench/default_job_report.py", "infra/main_job.sh per seed: reward gain, T_step, overhead",

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import ray
 from prefect import get_run_logger, task
@@ -25,7 +25,7 @@ from tasks.common import TASK_DEFAULTS
 from tasks.sync import publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
-from vime_core.utils.processes import process_age_s
+from vime_core.utils.processes import process_age_s, process_started_epoch
 
 
 @dataclass
@@ -150,6 +150,7 @@ def bootstrap(config: VimeConfig) -> dict:
     # weights) before its version is asked; one the health monitor is restarting is waited for
     ray.get(manager.engine_urls.remote())  # returns once the manager's constructor has started the engines
     seconds["engines_ready"] = time.perf_counter() - t0
+    engine_starts = ray.get(manager.engine_startup_marks.remote()) if (new_manager or starting) else []
     if restarted := ray.get(manager.check_engines.remote()):
         log.warning("restarted %d engine(s) whose server had died or could not wake", restarted)
     if woken := ray.get(manager.wake_asleep_engines.remote()):
@@ -174,18 +175,29 @@ def bootstrap(config: VimeConfig) -> dict:
         "created_trainers": created,
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,
-        "startup_marks_s": startup_marks(_EARLY_MARKS.pop(config.run_name, {}), started, seconds),
+        "startup_marks_s": startup_marks(_EARLY_MARKS.pop(config.run_name, {}), started, seconds, engine_starts),
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
              target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     return out
 
 
-def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float]) -> dict[str, float]:
-    """Startup's marks in seconds since the command: the early start's (`early`, already in those
-    seconds), bootstrap's start, and bootstrap's marks (`seconds`, from its start) moved by it."""
+def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float],
+                  engine_starts: Sequence[dict] = (), command_epoch: Optional[float] = None) -> dict[str, float]:
+    """Startup's marks in seconds since the command, in the order they happened: the early
+    start's (`early`, already in those seconds), bootstrap's start, bootstrap's marks (`seconds`,
+    from its start) moved by it, and each engine's launch and vLLM milestones (`engine_starts`:
+    EngineServer.startup_marks, from its launch epoch) as engine<i>_<milestone>."""
     moved = {k: bootstrap_started + v for k, v in seconds.items() if k != "started_early"}  # started_early is a length
-    return {**early, "bootstrap_started": bootstrap_started, **moved}
+    marks = {**early, "bootstrap_started": bootstrap_started, **moved}
+    command_epoch = process_started_epoch() if command_epoch is None else command_epoch
+    for i, engine in enumerate(engine_starts):
+        if engine.get("launched_epoch") is None:
+            continue  # attached: no launch of ours
+        launched = engine["launched_epoch"] - command_epoch
+        marks[f"engine{i}_launched"] = launched
+        marks.update({f"engine{i}_{k}": launched + v for k, v in (engine.get("marks_s") or {}).items()})
+    return dict(sorted(marks.items(), key=lambda kv: kv[1]))
 
 
 def publish_needed(target: int, engine_versions: list[int], engines_woken: bool) -> bool:

@@ -25,8 +25,9 @@ Ratios (medians over the run's iterations after the first, which includes compil
     startup_s            = seconds from the `vime train` command to its first iteration's start
                            (engine_startup: each engine's milestones from its log, and whether
                            vLLM's compile cache answered: vime_core/engines/startup_log.py;
-                           startup_timeline_s: the run's and the engines' marks in seconds
-                           since the command, in the order they happened)
+                           startup_timeline_s: the run's and its engines' marks in seconds
+                           since the command, in the order they happened: the summary's
+                           startup_marks_s, tasks/bootstrap.py)
 
     python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
     bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row
@@ -123,18 +124,6 @@ def run_engine_starts(logs: dict | None, launched_epoch: float) -> list[dict]:
     return sorted(starts, key=lambda m: m["launched_epoch"])
 
 
-def startup_timeline(summary: dict, engines: list[dict]) -> dict[str, float]:
-    """Where the startup's seconds go, every mark in seconds since the `vime train` command: the
-    run's own marks (summary's startup_marks_s) and each engine's milestones from its log
-    (engine<i>_<milestone>, engines numbered in launch order, the launch included), ordered by time."""
-    marks = dict(summary.get("startup_marks_s") or {})
-    for i, engine in enumerate(engines):
-        launched = engine["launched_epoch"] - summary["command_epoch"]
-        marks[f"engine{i}_launched"] = launched
-        marks.update({f"engine{i}_{k}": launched + v for k, v in (engine.get("marks_s") or {}).items()})
-    return dict(sorted(marks.items(), key=lambda kv: kv[1]))
-
-
 def trainer_mfu(variant: dict) -> float:
     """Log-prob recompute (forward) and step (forward + backward) together: their FLOPs over their
     seconds, i.e. the two MFUs (attention counted) weighted by time."""
@@ -199,10 +188,9 @@ def phase_report(a, paths: dict) -> dict:
         if summary := run_summary(a, paths):
             out["startup_s"] = summary.get("startup_s")
             out["bootstrap_marks_s"] = summary.get("bootstrap_marks_s")
+            out["startup_timeline_s"] = summary.get("startup_marks_s")  # the run's and its engines' marks since the command
         if meta and (engines := run_engine_starts(read("train/engine_startup.json"), meta["launched_epoch"])):
             out["engine_startup"] = engines
-            if summary and summary.get("command_epoch"):
-                out["startup_timeline_s"] = startup_timeline(summary, engines)
         if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
             ratios["rollout_vs_offline"] = vime["rollout_tokens_per_s"] / out["offline_rollout"]["tokens_per_s"]
     if trainer:

@@ -50,7 +50,7 @@ def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
     (res / "train" / "colocated_0.5b.json").write_text(json.dumps({"records": records, "batches": []}))
     summary = work / "runs" / "reports" / "bench" / "summary.json"
     summary.parent.mkdir(parents=True)
-    summary.write_text(json.dumps({"startup_s": 42.5, "bootstrap_marks_s": {"engines_ready": 30.0}, "command_epoch": 1001.0,
+    summary.write_text(json.dumps({"startup_s": 42.5, "bootstrap_marks_s": {"engines_ready": 30.0},
                                    "startup_marks_s": {"early_start": 2.0, "bootstrap_started": 10.0,
                                                        "engines_ready": 40.0, "first_iteration": 42.5}}))
     return argparse.Namespace(work=str(work), run_name="bench", prompt_tokens=512)
@@ -77,10 +77,5 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     assert out["git_sha"] == "abc1234" and out["machine"] == "a GPU"
     assert out["startup_s"] == 42.5 and out["bootstrap_marks_s"] == {"engines_ready": 30.0}
     assert [e["launched_epoch"] for e in out["engine_startup"]] == [1005.0, 1010.0]  # this run's, in launch order
-    # the command at 1001; engines numbered in launch order: the first at 1005 (4 s), serving 52 s
-    # later, the second at 1010
-    assert out["startup_timeline_s"] == {"early_start": 2.0, "engine0_launched": 4.0, "engine1_launched": 9.0,
-                                         "bootstrap_started": 10.0, "engines_ready": 40.0, "first_iteration": 42.5,
-                                         "engine0_serving": 56.0, "engine1_serving": 59.0}
-    timeline = list(out["startup_timeline_s"].values())
-    assert timeline == sorted(timeline)  # in the order they happened
+    assert out["startup_timeline_s"] == {"early_start": 2.0, "bootstrap_started": 10.0, "engines_ready": 40.0,
+                                         "first_iteration": 42.5}  # the summary's, as the run wrote them

@@ -85,3 +85,13 @@ def test_startup_marks_move_bootstraps_marks_to_the_commands_clock():
     assert marks == {"early_start": 3.0, "early_actors_created": 11.5, "bootstrap_started": 20.0,
                      "actors_created": 20.5, "engines_ready": 80.0}
     assert boot.startup_marks({}, 4.0, {"kv_onloaded": 1.0}) == {"bootstrap_started": 4.0, "kv_onloaded": 5.0}
+
+
+def test_startup_marks_put_each_engines_milestones_on_the_commands_clock_in_order():
+    engines = [{"launched_epoch": 1012.0, "marks_s": {"args": 20.0, "serving": 60.0}},
+               {},  # attached: no launch of ours
+               {"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}}]
+    marks = boot.startup_marks({"early_start": 3.0}, 20.0, {"engines_ready": 60.0}, engines, command_epoch=1000.0)
+    assert marks == {"early_start": 3.0, "engine2_launched": 5.0, "engine0_launched": 12.0, "bootstrap_started": 20.0,
+                     "engine0_args": 32.0, "engine2_serving": 55.0, "engine0_serving": 72.0, "engines_ready": 80.0}
+    assert list(marks) == sorted(marks, key=marks.get)  # in the order they happened

@@ -130,8 +130,10 @@ def bundle_devices(pg, num_bundles: int) -> list[BundleDevice]:
 
 
 def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
-    """The run's engine actors (not yet started: the RolloutManager starts them). External
-    servers (`engine_urls`) need none: returns []."""
+    """The run's engine actors; with cfg.engine_prestart, each one created here launches its
+    server at once (`prestart`: the RolloutManager's start waits for it and watches the
+    engine). One found alive is left as it is. External servers (`engine_urls`) need none:
+    returns []."""
     import ray
 
     from vime_core.cluster.connect import actor_env
@@ -152,7 +154,7 @@ def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
             continue
         node_ip, device_ids = devices[e]
         log.info("engine %d: bundles %s on %s, devices %s", e, plan.engine_bundles[e], node_ip, device_ids)
-        actors.append(actor_cls.options(
+        actor = actor_cls.options(
             name=names.engine(e),
             namespace=names.namespace(cfg.run_name),
             lifetime="detached",
@@ -161,7 +163,13 @@ def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
             max_concurrency=4,  # health checks and memory reads while a start or restart runs
             scheduling_strategy=_in_bundle(pg, plan.engine_bundles[e][0]),
             runtime_env={"env_vars": actor_env()},
-        ).remote(cfg, e, device_ids=device_ids))
+        ).remote(cfg, e, device_ids=device_ids)
+        # vLLM launches as soon as the actor exists, not once the RolloutManager is made and
+        # calls start() (which then waits for this start): its ~20 s of imports and ~20 s of
+        # engine-core start overlap the manager's own start
+        if cfg.engine_prestart:
+            actor.prestart.remote()
+        actors.append(actor)
     return actors
 
 

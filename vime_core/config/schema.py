@@ -91,6 +91,7 @@ class ConfigFields(BaseModel):
     engine_node_resource: Optional[str] = Field(None, description="The same for the engines' device bundles (with colocate=false: engines on other nodes than the trainer, e.g. inference nodes). None: any node with devices.")
     ray_address: str = Field("auto", description="Ray cluster address; `auto` attaches to the running local head (infra/ray_head.sh).")
     early_start: bool = Field(True, description="`vime train` creates the run's actors, starts the engines and loads the trainer's weights before its first flow run, while Prefect's temporary server starts; bootstrap then takes them over (tasks/bootstrap.py). False: bootstrap starts them. A deployment's flow runs always start them in bootstrap.")
+    engine_prestart: bool = Field(True, description="Each engine actor launches its vLLM server as soon as it is created, while the RolloutManager that waits for the engines and watches them is still being made (vLLM's imports and engine-core start then overlap it). False: the server launches when the RolloutManager starts it.")
 
     # ---- rollout -------------------------------------------------------------------------------
     rollout_batch_size: int = Field(32, ge=1, description="Prompts (groups) per rollout.")

@@ -35,6 +35,9 @@ class RemoteEngine:
     def is_alive(self) -> bool:
         return bool(self._call("is_alive", timeout_s=30))
 
+    def startup_marks(self) -> dict[str, Any]:
+        return self._call("startup_marks", timeout_s=30)
+
     def process_exited(self) -> bool:
         return bool(self._call("process_exited", timeout_s=30))
 

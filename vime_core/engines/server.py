@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -141,7 +142,8 @@ class EngineServer:
 
     `url` is the server's base URL once started. `start()` blocks until /health answers (or
     raises `EngineStartError` with the last log lines), `shutdown()` pauses with abort then
-    terminates, `restart()` does both and returns the (possibly new) URL.
+    terminates, `restart()` does both and returns the (possibly new) URL. `prestart()` begins a
+    start that a later `start()` waits for (an actor's start begun before its caller is ready).
     """
 
     def __init__(
@@ -186,6 +188,10 @@ class EngineServer:
         self.log_path: Optional[Path] = None
         self._proc: Optional[subprocess.Popen] = None
         self._log_file: Any = None
+        # one start at a time: a start() that comes while prestart() launches waits for it,
+        # then finds its server (not a second launch, not a URL that is not serving yet)
+        self._start_lock = threading.Lock()
+        self._prestart_failure: Optional[BaseException] = None
 
     # ---- what is launched -------------------------------------------------------------------
 
@@ -324,7 +330,26 @@ class EngineServer:
         return self.url is not None and self.client().is_healthy(timeout_s=5.0)
 
     def start(self) -> str:
-        """Launch (or attach) and wait until healthy; the base URL."""
+        """Launch (or attach) and wait until healthy; the base URL. After a `prestart()`: waits
+        for it, then returns its URL or raises its failure (once: a start after that launches)."""
+        with self._start_lock:
+            if (failure := self._prestart_failure) is not None:
+                self._prestart_failure = None
+                raise failure
+            return self._start()
+
+    def prestart(self) -> None:
+        """`start()` begun before the caller that waits for it: `vime train`'s early start
+        launches each engine as soon as its actor exists, while the RolloutManager that starts
+        and watches the engines is still being made (cluster/run_actors.py). Its failure is
+        kept for that caller's `start()`, which raises it as a start of its own would."""
+        with self._start_lock:
+            try:
+                self._start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the start() that waits
+                self._prestart_failure = exc
+
+    def _start(self) -> str:
         if self.attach_url:
             return self._attach()
         if self._proc is not None and self._proc.poll() is None:

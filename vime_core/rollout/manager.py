@@ -209,6 +209,11 @@ class RolloutManager:
     def engine_urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
+    def engine_startup_marks(self) -> list[dict[str, Any]]:
+        """Each engine's last start from its log (launched_epoch, seconds from the launch to
+        vLLM's milestones: engines/startup_log.py); empty for an attached one."""
+        return [s.startup_marks() for s in self.servers]
+
     def _each_engine(self, method: str, *args: Any) -> list[Any]:
         """A control call on every engine directly, concurrently."""
         from vime_core.engines.client import call_all

@@ -22,6 +22,7 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
         "run_name": f"placement-{'colo' if colocate else 'disagg'}", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),
         "colocate": colocate, "actor_num_gpus_per_node": 4, "tensor_model_parallel_size": 2,
         "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2,
+        "engine_prestart": False,  # the actors are created, their servers not launched
     }))
     ensure_ray(cfg.ray_address)
     try:
