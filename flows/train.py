@@ -29,7 +29,7 @@ from vime_core.report.curve import preload as preload_curve
 from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.utils import interrupt
-from vime_core.utils.processes import process_age_s, process_started_epoch
+from vime_core.utils.processes import process_age_s
 
 
 @flow(name="train", flow_run_name="train-{config.run_name}", log_prints=True)
@@ -63,9 +63,8 @@ def train(config: VimeConfig) -> dict:
         "t_step_median": _median([r.get("t_step") for r in records]),
         "startup_s": startup_s,
         "bootstrap_marks_s": boot.get("bootstrap_marks_s"),
-        # where the startup's seconds go, each mark in seconds since the command (the epoch below)
+        # where the startup's seconds go, each mark in seconds since the command
         "startup_marks_s": {**(boot.get("startup_marks_s") or {}), "first_iteration": startup_s},
-        "command_epoch": process_started_epoch(),
         # the period of the loop: T_step plus the flow run's own start and end (what a user waits)
         "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
         "iteration_walls": iteration_walls,

@@ -38,6 +38,7 @@ class RunActors:
     created: bool  # the trainer group was created: `init` holds its first call, every rank's
     init: Optional[list]
     seconds: float  # finding or creating them
+    began_s: Optional[float] = None  # when start_actors began, seconds since the command
 
 
 def start_actors(config: VimeConfig) -> RunActors:
@@ -54,7 +55,7 @@ def start_actors(config: VimeConfig) -> RunActors:
         rollout_manager_exists,
     )
 
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), process_age_s()
     ensure_ray(config.ray_address)
     pg = get_or_create_placement_group(config)
     engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
@@ -62,13 +63,11 @@ def start_actors(config: VimeConfig) -> RunActors:
     manager = get_or_create_rollout_manager(config, engines)
     trainers, created = get_or_create_trainer_group(config, pg)
     init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
-    return RunActors(manager, trainers, new_manager, created, init, time.perf_counter() - t0)
+    return RunActors(manager, trainers, new_manager, created, init, time.perf_counter() - t0, began)
 
 
 # run name -> its start_actors call, running in a thread
 _EARLY: dict[str, concurrent.futures.Future] = {}
-# run name -> when its early start began and when start_actors returned, seconds since the command
-_EARLY_MARKS: dict[str, dict[str, float]] = {}
 
 
 def start_early(config: VimeConfig) -> bool:
@@ -80,15 +79,8 @@ def start_early(config: VimeConfig) -> bool:
     except Exception as exc:
         logging.getLogger("vime.bootstrap").debug("no early start: %s", exc)
         return False
-    marks = _EARLY_MARKS[config.run_name] = {"early_start": process_age_s()}
-
-    def start_and_mark() -> RunActors:
-        actors = start_actors(config)
-        marks["early_actors_created"] = process_age_s()
-        return actors
-
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vime-early-start")
-    _EARLY[config.run_name] = pool.submit(start_and_mark)
+    _EARLY[config.run_name] = pool.submit(start_actors, config)
     pool.shutdown(wait=False)
     return True
 
@@ -175,11 +167,19 @@ def bootstrap(config: VimeConfig) -> dict:
         "created_trainers": created,
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,
-        "startup_marks_s": startup_marks(_EARLY_MARKS.pop(config.run_name, {}), started, seconds, engine_starts),
+        "startup_marks_s": startup_marks(early_marks(early), started, seconds, engine_starts),
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
              target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     return out
+
+
+def early_marks(early: Optional[RunActors]) -> dict[str, float]:
+    """When the early start began and when its actors were created, seconds since the command;
+    empty without an early start."""
+    if early is None or early.began_s is None:
+        return {}
+    return {"early_start": early.began_s, "early_actors_created": early.began_s + early.seconds}
 
 
 def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float],

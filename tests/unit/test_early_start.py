@@ -19,7 +19,6 @@ def cfg():
 def _no_leftovers():
     yield
     boot._EARLY.clear()
-    boot._EARLY_MARKS.clear()
 
 
 def test_the_early_start_runs_in_a_thread_and_is_claimed_once(monkeypatch, cfg):
@@ -68,14 +67,10 @@ def test_another_run_claims_nothing(monkeypatch, cfg):
     assert boot.claim_early(cfg) == "actors"
 
 
-def test_the_early_start_marks_its_begin_and_end_in_seconds_since_the_command(monkeypatch, cfg):
-    ages = iter([3.0, 11.5])
-    monkeypatch.setattr(boot, "process_age_s", lambda: next(ages))
-    monkeypatch.setattr(boot, "ensure_ray", lambda address: None)
-    monkeypatch.setattr(boot, "start_actors", lambda config: "actors")
-    assert boot.start_early(cfg)
-    assert boot.claim_early(cfg) == "actors"
-    assert boot._EARLY_MARKS["early"] == {"early_start": 3.0, "early_actors_created": 11.5}
+def test_the_early_start_marks_its_begin_and_end_in_seconds_since_the_command():
+    actors = boot.RunActors("manager", "trainers", new_manager=True, created=True, init=None, seconds=8.5, began_s=3.0)
+    assert boot.early_marks(actors) == {"early_start": 3.0, "early_actors_created": 11.5}
+    assert boot.early_marks(None) == {}  # bootstrap started the actors itself
 
 
 def test_startup_marks_move_bootstraps_marks_to_the_commands_clock():
