@@ -25,6 +25,10 @@ is an error: the tool appends nothing and the turn's span records why.
                   text after its last '>' is the label's integer
            = 0.0  otherwise
 
+The reward reads the response text, so the recipes decode it with special tokens skipped
+(rollout_skip_special_tokens): a special token's text such as '<bos>' or '<|endoftext|>' ends
+with '>' and would otherwise read as the answer marker.
+
 Recipe-level settings are this module's constants (the configuration has no field for them):
 edit them, or point custom_generate_function_path at a function of your own that calls
 generate_multi_turn with others.

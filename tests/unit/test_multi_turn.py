@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from vime_core.rollout.multi_turn import ToolResult, generate_multi_turn
 
 pytestmark = pytest.mark.timeout(60)
 EOS = 2
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LOGPROB = -0.5
 
 
@@ -174,6 +176,20 @@ def test_turns_alternate_model_and_tool_and_only_model_tokens_are_trained(make_c
     assert all(r[1]["stop"] == ["="] for r in engine.requests)
     assert [r[1]["max_tokens"] for r in engine.requests] == [32, 26, 21]  # the budget covers tool tokens too
     assert reward(sample) == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["cpu_tiny.yaml", "gpu_qwen2.5_0.5b.yaml"])
+def test_a_special_token_is_no_answer_marker_under_the_recipes_settings(make_cfg, tokenizer, recipe):
+    """'<bos>' ends with '>': decoded into the response text it would read as the answer marker
+    and reward "...-<bos>3" as the answer 3. The recipes skip special tokens, so it does not."""
+    from vime_core.config import load_config
+
+    script = ["=", "48>7-<bos>3<eos>"]  # an unreadable call, then a non-answer with <bos> inside
+    skip = load_config(RECIPES / "tool_use" / recipe).rollout_skip_special_tokens
+    sample, _ = run(make_cfg(rollout_skip_special_tokens=skip), tokenizer, script, prompt="3+0*4", label="3")
+    assert (sample.response, reward(sample)) == ("=48>7-3", 0.0)
+    unskipped, _ = run(make_cfg(rollout_skip_special_tokens=False), tokenizer, script, prompt="3+0*4", label="3")
+    assert (unskipped.response, reward(unskipped)) == ("=48>7-<bos>3", 1.0)  # the hazard the setting removes
 
 
 def test_the_turn_limit_leaves_the_last_call_unanswered(make_cfg, tokenizer):
