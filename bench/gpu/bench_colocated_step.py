@@ -10,6 +10,9 @@ Phases, in this order, on the same GPU (each can run alone: `--phases`; results 
              (bench/gpu/rollout_vs_offline.py)
     train    `vime train` for `--iterations` iterations, colocated, both sides sleeping
              (bench/gpu/run_colocated_h200.sh)
+    startup  `vime train` for one iteration per `--startup-variants` entry (the default
+             settings first, then each variant's extra flags), e.g. vLLM's engine core forked
+             instead of spawned: each one's startup_s and its ratio to the default
     trainer  the trainer alone on a batch of the stored batches' shape: old-log-prob recompute
              plus one step (bench/bench_trainer_gpu.py)
     report   one JSON: the git SHA, the parts and the ratios
@@ -39,6 +42,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -51,7 +55,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 CONFIG = REPO / "bench" / "gpu" / "colocated_0.5b.yaml"
-PHASES = ("model", "offline", "train", "trainer", "report")
+PHASES = ("model", "offline", "train", "startup", "trainer", "report")
 
 
 def _median(values) -> float | None:
@@ -88,6 +92,51 @@ def phase_train(a, paths: dict) -> None:
     proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), str(a.iterations), *a.train_args], env=env, cwd=REPO)
     (paths["results"] / "train_meta.json").write_text(json.dumps({"launched_epoch": launched, "exit": proc.returncode,
                                                                   "wall_s": time.time() - launched}))
+
+
+def startup_variants(text: str) -> dict[str, list[str]]:
+    """'default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork' -> {name: extra vime train flags}."""
+    variants: dict[str, list[str]] = {}
+    for item in filter(None, (v.strip() for v in text.split(";"))):
+        name, _, flags = item.partition(":")
+        if name in variants:
+            raise SystemExit(f"--startup-variants: {name!r} twice")
+        variants[name] = shlex.split(flags)
+    return variants
+
+
+def phase_startup(a, paths: dict) -> None:
+    """One-iteration runs, one per variant, in the order given (a warm host: the train phase or
+    an earlier call filled vLLM's compile cache), each with its own run name and report."""
+    out = paths["results"] / "startup"
+    for name, flags in startup_variants(a.startup_variants).items():
+        run = f"{a.run_name}-startup-{name}"
+        env = dict(os.environ, OUT=str(out / name), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work),
+                   RUN_NAME=run, TRAIN_TIMEOUT=os.environ.get("TRAIN_TIMEOUT", "300"))
+        (out / name).mkdir(parents=True, exist_ok=True)
+        print(f"[bench] startup {name}: {' '.join(flags) or '(defaults)'}", flush=True)
+        proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), "1", *a.train_args, *flags], env=env, cwd=REPO)
+        summary = Path(a.work) / "runs" / "reports" / run / "summary.json"
+        (out / name / "meta.json").write_text(json.dumps({"exit": proc.returncode, "flags": flags, "run_name": run,
+                                                          "summary": json.loads(summary.read_text()) if summary.exists() else None}))
+
+
+def startup_report(results: Path) -> dict | None:
+    """{variant: startup_s, its ratio to the `default` variant's, its marks}, in the order run."""
+    folder = results / "startup"
+    metas = sorted(folder.glob("*/meta.json"), key=lambda p: p.stat().st_mtime) if folder.exists() else []
+    if not metas:
+        return None
+    out: dict = {}
+    for path in metas:
+        meta = json.loads(path.read_text())
+        summary = meta.get("summary") or {}
+        out[path.parent.name] = {"flags": meta["flags"], "exit": meta["exit"], "startup_s": summary.get("startup_s"),
+                                 "startup_timeline_s": summary.get("startup_marks_s")}
+    base = (out.get("default") or {}).get("startup_s")
+    for v in out.values():
+        v["vs_default"] = v["startup_s"] / base if base and v["startup_s"] else None
+    return out
 
 
 def phase_trainer(a, paths: dict) -> None:
@@ -193,6 +242,8 @@ def phase_report(a, paths: dict) -> dict:
             out["engine_startup"] = engines
         if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
             ratios["rollout_vs_offline"] = vime["rollout_tokens_per_s"] / out["offline_rollout"]["tokens_per_s"]
+    if startups := startup_report(res):
+        out["startup_variants"] = startups
     if trainer:
         variant = next(v for v in trainer["variants"] if "step_time_s" in v)
         out["trainer_alone"] = {k: variant.get(k) for k in variant if k.endswith(("_s", "mfu", "tokens_per_s")) or "mfu" in k}
@@ -234,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                         "'default;vllm_api_server_count=4'")
     p.add_argument("--trainer-variants", default="",
                    help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
+    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork",
+                   help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first")
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")
     p.add_argument("--out", required=True)

@@ -79,3 +79,23 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     assert [e["launched_epoch"] for e in out["engine_startup"]] == [1005.0, 1010.0]  # this run's, in launch order
     assert out["startup_timeline_s"] == {"early_start": 2.0, "bootstrap_started": 10.0, "engines_ready": 40.0,
                                          "first_iteration": 42.5}  # the summary's, as the run wrote them
+
+
+def test_startup_variants_parse_and_report_against_the_default(tmp_path):
+    assert step.startup_variants("default; fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;graphs:--vllm-extra-args='-O 3'") == {
+        "default": [], "fork": ["--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"], "graphs": ["--vllm-extra-args=-O 3"]}
+    with pytest.raises(SystemExit, match="'a' twice"):
+        step.startup_variants("a;a:--x")
+    import os
+
+    for i, (name, startup) in enumerate((("default", 80.0), ("fork", 60.0), ("broken", None))):
+        folder = tmp_path / "startup" / name
+        folder.mkdir(parents=True)
+        summary = {"startup_s": startup, "startup_marks_s": {"first_iteration": startup}} if startup else None
+        (folder / "meta.json").write_text(json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary}))
+        os.utime(folder / "meta.json", (1000 + i, 1000 + i))  # the order they ran
+    out = step.startup_report(tmp_path)
+    assert list(out) == ["default", "fork", "broken"]
+    assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
+    assert out["broken"] == {"flags": ["broken"], "exit": 1, "startup_s": None, "startup_timeline_s": None, "vs_default": None}
+    assert step.startup_report(tmp_path / "nothing") is None

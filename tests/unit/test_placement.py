@@ -100,3 +100,30 @@ def test_an_engine_refuses_to_start_without_the_memory_it_is_set_to_take(tiny_mo
         server.start()
     assert server._proc is None and not list(tmp_path.iterdir())
     assert device_memory.free_and_total(["1"]) == {"1": (140 * gib, 140 * gib)}
+
+
+def test_vllm_env_reaches_the_engine_and_cannot_touch_what_vime_sets(tiny_model_dir, monkeypatch):
+    import os
+
+    from vime_core.config import make_config
+    from vime_core.config.derive import ENGINE_MANAGED_ENV
+    from vime_core.engines.server import EngineServer
+
+    base = {"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "bf16": True, "weight_transport": "ipc"}
+    cfg = make_config({**base, "vllm_env": ["VLLM_WORKER_MULTIPROC_METHOD=fork", "TRITON_CACHE_DIR=/x=y"]})
+    env = EngineServer(cfg, 0, device_ids=["1"]).environment()
+    assert (env["VLLM_WORKER_MULTIPROC_METHOD"], env["TRITON_CACHE_DIR"]) == ("fork", "/x=y")  # split at the first '='
+    # every variable the server sets over its actor's environment is one vllm_env may not set
+    for device in ("cuda", "cpu"):
+        values = {**base, "device": device, "bf16": device == "cuda", "weight_transport": "ipc" if device == "cuda" else "shm"}
+        monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", "")})
+        env = EngineServer(make_config(values), 0, device_ids=["0"] if device == "cuda" else None).environment()
+        monkeypatch.undo()
+        assert set(env) - {"PATH"} <= ENGINE_MANAGED_ENV, set(env) - {"PATH"} - ENGINE_MANAGED_ENV
+    for entries, needle in ([["CUDA_VISIBLE_DEVICES=0"]], "vllm_env sets CUDA_VISIBLE_DEVICES"), \
+                           ([["HF_TOKEN=hf_abc123"]], "vllm_env names HF_TOKEN, which looks like a secret"), \
+                           ([["VLLM_API_KEY=sk-1"]], "looks like a secret"), \
+                           ([["nonsense sk-hidden"]], "vllm_env entry 0 is not NAME=VALUE"):
+        with pytest.raises(ValueError, match=needle) as raised:
+            make_config({**base, "vllm_env": entries[0]})
+        assert "abc123" not in str(raised.value) and "sk-" not in str(raised.value)  # no value in the error

@@ -150,6 +150,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
 
     check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
+    engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_critic(cfg)
     estimator = get_adv_estimator(cfg.advantage_estimator)
     if estimator.group_normalisation == "leave_one_out" and cfg.n_samples_per_prompt < 2:
@@ -301,6 +302,33 @@ def _check_weight_transport(cfg: ConfigFields) -> None:
     if cfg.weight_transport == "nccl" and cfg.colocate:
         raise ValueError("weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
                          "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
+
+
+# What EngineServer.environment sets itself (vime_core/engines/server.py): vllm_env may not
+# change them (the device binding, the dev-mode routes and offline mode a run relies on).
+ENGINE_MANAGED_ENV = frozenset({
+    "VLLM_SERVER_DEV_MODE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "PYTHONPATH",
+    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES",
+})
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def engine_env(cfg: ConfigFields) -> dict[str, str]:
+    """vllm_env as {NAME: VALUE}; ValueError naming the entry when it is not NAME=VALUE, names a
+    secret (stored with the configuration, it would reach config.json and the logs) or a variable
+    vime sets itself (ENGINE_MANAGED_ENV)."""
+    out: dict[str, str] = {}
+    for i, entry in enumerate(cfg.vllm_env):
+        name, sep, value = entry.partition("=")
+        if not sep or not name.isidentifier():  # the entry is not echoed: it may hold a secret's value
+            raise ValueError(f"vllm_env entry {i} is not NAME=VALUE (no '=', or no variable name before it)")
+        if any(word in name.upper() for word in _SECRET_WORDS):
+            raise ValueError(f"vllm_env names {name}, which looks like a secret: vllm_env is stored with the run's "
+                             f"configuration; export {name} in the engine actor's environment instead (engines inherit it)")
+        if name in ENGINE_MANAGED_ENV:
+            raise ValueError(f"vllm_env sets {name}, which vime sets itself for every engine")
+        out[name] = value
+    return out
 
 
 def engine_server_args(cfg: ConfigFields) -> dict:

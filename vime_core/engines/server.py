@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from vime_core.config.derive import platform_supports_sleep
+from vime_core.config.derive import engine_env, platform_supports_sleep
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.utils.orphan_guard import guard_command
@@ -275,6 +275,7 @@ class EngineServer:
     def environment(self) -> dict[str, str]:
         cfg = self.cfg
         env = dict(os.environ)
+        env.update(engine_env(cfg))  # vllm_env: none of the names set below (config/derive.py)
         env.update(
             VLLM_SERVER_DEV_MODE="1",
             HF_HUB_OFFLINE="1",
