@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'default;vllm_api_server_count=4'")
     p.add_argument("--trainer-variants", default="",
                    help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
-    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork",
+    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;prepin:--offload-train-prepin",
                    help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first")
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")

@@ -49,3 +49,23 @@ def test_gradient_hook_still_fires_after_release_and_restore(device):
     assert fired == [1]
     torch.testing.assert_close(param.grad, torch.full((4, 3), 2.0, device=device))
 
+
+
+def test_prepin_makes_the_buffers_a_release_asks_for():
+    from vime_core.trainer.offload import prepin_host_memory
+
+    a, b = torch.randn(5, 2), torch.randn(7, dtype=torch.float64)
+    tensors = [a, a[1:3], b, torch.empty(0)]  # a view shares a's storage; an empty one needs nothing
+    assert prepin_host_memory(tensors) == sum(c.host.numel() for c in release_to_host(tensors)) == 5 * 2 * 4 + 7 * 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: only a GPU pins host memory")
+def test_after_a_prepin_a_release_pins_no_new_host_memory():
+    from vime_core.trainer.offload import prepin_host_memory
+
+    tensors = [torch.randn(3 << 20, device="cuda"), torch.randn(5 << 18, device="cuda", dtype=torch.bfloat16)]
+    prepin_host_memory(tensors)
+    made = torch.cuda.host_memory_stats()["num_host_alloc"]
+    copies = release_to_host(tensors)
+    assert all(c.host.is_pinned() for c in copies)
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == made  # every buffer came from the cache

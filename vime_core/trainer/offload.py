@@ -64,20 +64,40 @@ def _bytes_of(storage: Any, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def release_to_host(tensors: Iterable[torch.Tensor]) -> list[HostCopy]:
-    """Copy each distinct storage of ``tensors`` to the host and resize it to 0 bytes."""
-    copies: list[HostCopy] = []
+def _distinct_storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, Any]]:
+    """(a tensor, its storage) for each distinct storage of ``tensors`` that holds bytes."""
     seen: set[int] = set()
     for t in tensors:
         storage = t.untyped_storage()
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+        yield t, storage
+
+
+def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def release_to_host(tensors: Iterable[torch.Tensor]) -> list[HostCopy]:
+    """Copy each distinct storage of ``tensors`` to the host and resize it to 0 bytes."""
+    copies: list[HostCopy] = []
+    for t, storage in _distinct_storages(tensors):
+        host = _host_buffer(storage.nbytes(), t.device)
         host.copy_(_bytes_of(storage, t.device))
         storage.resize_(0)
         copies.append(HostCopy(t, host))
     return copies
+
+
+def prepin_host_memory(tensors: Iterable[torch.Tensor]) -> int:
+    """Make, then free, the host buffers ``release_to_host(tensors)`` will ask for; returns their
+    bytes. On a GPU they are pinned, and torch's caching host allocator keeps a freed pinned
+    block for the next request of its size: a later release then only copies, where pinning new
+    pages (cudaHostAlloc) costs about as long as the copy. Run while nothing waits on it (the
+    trainer's start, beside the engines'), it takes that cost off the first sleep."""
+    buffers = [_host_buffer(storage.nbytes(), t.device) for t, storage in _distinct_storages(tensors)]
+    return sum(b.numel() for b in buffers)  # freed on return: to the allocator's cache, not the OS
 
 
 def restore_from_host(copies: Iterable[HostCopy]) -> None:
@@ -103,6 +123,13 @@ def offload(model: Any, optimizer: Any, keep_params: bool = False) -> tuple[int,
     freed = before - torch.cuda.memory_allocated()
     log.info("sleep: freed %.1f MiB of device memory%s", freed / 2**20, " (parameters kept)" if keep_params else "")
     return freed, copies
+
+
+def sleep_tensors(model: Any, optimizer: Any, frozen: Iterable[Any] = ()) -> list[torch.Tensor]:
+    """The device tensors a sleep copies to the host: ``offload``'s, then ``offload_params``'
+    (the model's parameters, and each frozen model's)."""
+    tensors = [t for t in _tensors(model, optimizer) if t.device.type == "cuda"]
+    return tensors + [p for m in frozen for p in m.parameters() if p.device.type == "cuda"]
 
 
 def offload_params(model: Any) -> tuple[int, list[HostCopy]]:

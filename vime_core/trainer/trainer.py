@@ -125,8 +125,19 @@ class MegatronTrainer:
             teacher_arch = architecture_from_hf(check_teacher_checkpoint(path, self.cfg.opd_teacher_load))
             self.teacher_model = load_model(self.cfg.opd_teacher_load, teacher_arch).eval().requires_grad_(False)
         self.hf_checkpoint = str(path)
+        if self.cfg.offload_train and self.cfg.offload_train_prepin and self.device.type == "cuda":
+            self._prepin_host_memory()
         log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
         return self.state()
+
+    def _prepin_host_memory(self) -> None:
+        from vime_core.trainer.offload import prepin_host_memory, sleep_tensors
+
+        t0 = time.perf_counter()
+        frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
+        pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, frozen))
+        log.info("trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
+                 self.layout.rank, pinned / 2**30, time.perf_counter() - t0)
 
     def _reference_checkpoint(self, policy_path: Any) -> Any:
         """The reference policy's HF folder: ref_load when set (checked to be the policy's
