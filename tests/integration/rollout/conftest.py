@@ -14,6 +14,7 @@ import pytest
 
 HOOKS = Path(__file__).with_name("hooks.py")
 ENGINE_CONTEXT = 256
+ENGINE_ENV = "VIME_TEST_ENGINE_ENV=from-vllm-env"  # a variable vLLM ignores, set through vllm_env
 
 
 def make_cfg(model_dir: Path, vllm_python: str, prompt_data: str = "", **overrides):
@@ -48,8 +49,9 @@ def engines(tiny_model_dir, vllm_python, cache_dir):
     """Two started EngineServers (started side by side), shut down after the folder's tests."""
     from vime_core.engines.server import EngineServer
 
-    # vLLM's statistics on: the router's test counts each engine's requests in its Prometheus /metrics
-    cfg = make_cfg(tiny_model_dir, vllm_python, vllm_log_stats=True)
+    # vLLM's statistics on: the router's test counts each engine's requests in its Prometheus /metrics;
+    # ENGINE_ENV: test_engine.py finds it in every process of each server
+    cfg = make_cfg(tiny_model_dir, vllm_python, vllm_log_stats=True, vllm_env=[ENGINE_ENV])
     servers = [EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs")) for i in range(2)]
     errors: list[BaseException] = []
 

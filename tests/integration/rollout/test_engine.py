@@ -15,7 +15,7 @@ import pytest
 
 from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient
 
-from tests.integration.rollout.conftest import ENGINE_CONTEXT
+from tests.integration.rollout.conftest import ENGINE_CONTEXT, ENGINE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -67,6 +67,21 @@ def test_token_in_token_out_and_logprob_parity(healthy_engines, tiny_model_dir):
     # Processed (tempered) log-probs, not raw ones: at T=1 they would differ by far more.
     raw = reference_logprobs(tiny_model_dir, PROMPT, tokens, 1.0)
     assert max(abs(a - b) for a, b in zip(engine, raw)) > 10 * LOGPROB_ATOL
+
+
+def test_vllm_env_reaches_the_server_processes(healthy_engines):
+    """vllm_env is in the environment of the orphan guard and of vLLM's front end under it (the
+    process that reads VLLM_WORKER_MULTIPROC_METHOD), not only in the command vime builds. The
+    processes vLLM renames (VLLM::EngineCore, VLLM::Worker) are left out: setproctitle writes
+    their title over the memory /proc/<pid>/environ shows."""
+    import psutil
+
+    name, value = ENGINE_ENV.split("=")
+    for server in healthy_engines:
+        guard = psutil.Process(server._proc.pid)
+        processes = [guard, *(p for p in guard.children(recursive=True) if not p.name().startswith("VLLM::"))]
+        assert any("vllm.entrypoints.openai.api_server" in p.cmdline() for p in processes)
+        assert all(p.environ().get(name) == value for p in processes), [(p.pid, p.cmdline()[:3]) for p in processes]
 
 
 def _perturbed_checkpoint(model_dir: Path, out_dir: Path) -> Path:
