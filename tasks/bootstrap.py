@@ -157,6 +157,7 @@ def bootstrap(config: VimeConfig) -> dict:
     seconds["published"] = time.perf_counter() - t0
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
+        seconds["trainer_asleep"] = time.perf_counter() - t0
     ray.get(manager.onload_kv.remote())  # the last startup step: the engines' KV caches
     seconds["kv_onloaded"] = time.perf_counter() - t0
     last = state.get("last_trained_rollout_id")
