@@ -8,8 +8,7 @@ as soon as its actor exists).
                 iteration flow run (vime_core/utils/processes.py, process_age_s)
     marks       the summary's startup_marks_s: the early start's begin and end, bootstrap's start,
                 actors created, trainer init, engines ready, published, the trainer asleep (where it
-                sleeps), KV; seconds since the
-                command
+                sleeps), KV; seconds since the command
 
 Each run is the real command (`python -m flows.cli train`) on the default job with one
 iteration, on a fresh loopback Ray head, with its own Prefect home (so each starts Prefect's
