@@ -143,6 +143,7 @@ def bootstrap(config: VimeConfig) -> dict:
     ray.get(manager.engine_urls.remote())  # returns once the manager's constructor has started the engines
     seconds["engines_ready"] = time.perf_counter() - t0
     engine_starts = ray.get(manager.engine_startup_marks.remote()) if (new_manager or starting) else []
+    manager_epochs = ray.get(manager.startup_epochs.remote()) if new_manager else {}
     if restarted := ray.get(manager.check_engines.remote()):
         log.warning("restarted %d engine(s) whose server had died or could not wake", restarted)
     if woken := ray.get(manager.wake_asleep_engines.remote()):
@@ -168,7 +169,7 @@ def bootstrap(config: VimeConfig) -> dict:
         "created_trainers": created,
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,
-        "startup_marks_s": startup_marks(early_marks(early), started, seconds, engine_starts),
+        "startup_marks_s": startup_marks(early_marks(early), started, seconds, engine_starts, manager_epochs),
     }
     log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
              target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
@@ -184,14 +185,18 @@ def early_marks(early: Optional[RunActors]) -> dict[str, float]:
 
 
 def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float],
-                  engine_starts: Sequence[dict] = (), command_epoch: Optional[float] = None) -> dict[str, float]:
+                  engine_starts: Sequence[dict] = (), manager_epochs: Optional[dict[str, float]] = None,
+                  command_epoch: Optional[float] = None) -> dict[str, float]:
     """Startup's marks in seconds since the command, in the order they happened: the early
     start's (`early`, already in those seconds), bootstrap's start, bootstrap's marks (`seconds`,
-    from its start) moved by it, and each engine's launch and vLLM milestones (`engine_starts`:
-    EngineServer.startup_marks, from its launch epoch) as engine<i>_<milestone>."""
+    from its start) moved by it, the RolloutManager's steps (`manager_epochs`:
+    RolloutManager.startup_epochs) as manager_<step>, and each engine's launch and vLLM
+    milestones (`engine_starts`: EngineServer.startup_marks, from its launch epoch) as
+    engine<i>_<milestone>."""
     moved = {k: bootstrap_started + v for k, v in seconds.items() if k != "started_early"}  # started_early is a length
     marks = {**early, "bootstrap_started": bootstrap_started, **moved}
     command_epoch = process_started_epoch() if command_epoch is None else command_epoch
+    marks.update({f"manager_{k}": epoch - command_epoch for k, epoch in (manager_epochs or {}).items()})
     for i, engine in enumerate(engine_starts):
         if engine.get("launched_epoch") is None:
             continue  # attached: no launch of ours

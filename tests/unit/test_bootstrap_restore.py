@@ -26,7 +26,8 @@ class _Manager:
         for name, value in {"engine_urls": ["http://127.0.0.1:1"], "check_engines": 0, "wake_asleep_engines": [],
                             "weight_versions": [3], "end_sync": None, "onload_kv": None,
                             "discard_prefetch": None, "load_data_source_state": None,
-                            "engine_startup_marks": [{"launched_epoch": 1.0, "marks_s": {"serving": 2.0}}]}.items():
+                            "engine_startup_marks": [{"launched_epoch": 1.0, "marks_s": {"serving": 2.0}}],
+                            "startup_epochs": {"engines_started": 3.0}}.items():
             setattr(self, name, _Remote(lambda *a, _v=value, **k: _v))
 
 

@@ -90,3 +90,11 @@ def test_startup_marks_put_each_engines_milestones_on_the_commands_clock_in_orde
     assert marks == {"early_start": 3.0, "engine2_launched": 5.0, "engine0_launched": 12.0, "bootstrap_started": 20.0,
                      "engine0_args": 32.0, "engine2_serving": 55.0, "engine0_serving": 72.0, "engines_ready": 80.0}
     assert list(marks) == sorted(marks, key=marks.get)  # in the order they happened
+
+
+def test_startup_marks_put_the_managers_steps_between_the_engines_and_bootstraps():
+    marks = boot.startup_marks({}, 20.0, {"engines_ready": 60.0}, [{"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}}],
+                               {"engines_started": 1056.5, "router_ready": 1057.0, "ready": 1078.0}, command_epoch=1000.0)
+    assert marks == {"bootstrap_started": 20.0, "engine0_launched": 5.0, "engine0_serving": 55.0,
+                     "manager_engines_started": 56.5, "manager_router_ready": 57.0, "manager_ready": 78.0, "engines_ready": 80.0}
+    assert list(marks) == sorted(marks, key=marks.get)

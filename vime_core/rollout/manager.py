@@ -117,10 +117,13 @@ class RolloutManager:
         else:
             self.servers = [EngineServer(cfg, i, log_dir=log_dir) for i in range(num_engines(cfg))]
         self.router = None
+        self._startup_epochs: dict[str, float] = {}
         try:
             if self._owns_servers:
                 self._start_servers()
+            self._startup_epochs["engines_started"] = time.time()
             self.router = self._make_router(log_dir)
+            self._startup_epochs["router_ready"] = time.time()
         except BaseException:
             self.shutdown()
             raise
@@ -133,6 +136,7 @@ class RolloutManager:
         )
         self.health = HealthMonitor(self.servers, on_restarted=self._engine_restarted, on_url_changed=self._url_changed, interval_s=health_interval_s)
         self.health.start()
+        self._startup_epochs["ready"] = time.time()
 
     # ---- topology ----------------------------------------------------------------------------
 
@@ -208,6 +212,12 @@ class RolloutManager:
 
     def engine_urls(self) -> list[str]:
         return [s.url for s in self.servers]
+
+    def startup_epochs(self) -> dict[str, float]:
+        """When this manager's start reached each step, as epochs: every engine started
+        (`engines_started`), the router in front of them (`router_ready`), the manager's own
+        state and health monitor (`ready`)."""
+        return dict(self._startup_epochs)
 
     def engine_startup_marks(self) -> list[dict[str, Any]]:
         """Each engine's last start from its log (launched_epoch, seconds from the launch to
