@@ -117,21 +117,20 @@ def phase_startup(a, paths: dict) -> None:
         print(f"[bench] startup {name}: {' '.join(flags) or '(defaults)'}", flush=True)
         proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), "1", *a.train_args, *flags], env=env, cwd=REPO)
         summary = Path(a.work) / "runs" / "reports" / run / "summary.json"
-        (out / name / "meta.json").write_text(json.dumps({"exit": proc.returncode, "flags": flags, "run_name": run,
+        (out / name / "meta.json").write_text(json.dumps({"exit": proc.returncode, "flags": flags, "run_name": run, "ended_epoch": time.time(),
                                                           "summary": json.loads(summary.read_text()) if summary.exists() else None}))
 
 
 def startup_report(results: Path) -> dict | None:
     """{variant: startup_s, its ratio to the `default` variant's, its marks}, in the order run."""
     folder = results / "startup"
-    metas = sorted(folder.glob("*/meta.json"), key=lambda p: p.stat().st_mtime) if folder.exists() else []
+    metas = [(path.parent.name, json.loads(path.read_text())) for path in folder.glob("*/meta.json")] if folder.exists() else []
     if not metas:
         return None
     out: dict = {}
-    for path in metas:
-        meta = json.loads(path.read_text())
+    for name, meta in sorted(metas, key=lambda m: m[1]["ended_epoch"]):
         summary = meta.get("summary") or {}
-        out[path.parent.name] = {"flags": meta["flags"], "exit": meta["exit"], "startup_s": summary.get("startup_s"),
+        out[name] = {"flags": meta["flags"], "exit": meta["exit"], "startup_s": summary.get("startup_s"),
                                  "startup_timeline_s": summary.get("startup_marks_s")}
     base = (out.get("default") or {}).get("startup_s")
     for v in out.values():

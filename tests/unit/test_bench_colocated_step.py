@@ -86,16 +86,36 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
         "default": [], "fork": ["--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"], "graphs": ["--vllm-extra-args=-O 3"]}
     with pytest.raises(SystemExit, match="'a' twice"):
         step.startup_variants("a;a:--x")
-    import os
-
     for i, (name, startup) in enumerate((("default", 80.0), ("fork", 60.0), ("broken", None))):
         folder = tmp_path / "startup" / name
         folder.mkdir(parents=True)
         summary = {"startup_s": startup, "startup_marks_s": {"first_iteration": startup}} if startup else None
-        (folder / "meta.json").write_text(json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary}))
-        os.utime(folder / "meta.json", (1000 + i, 1000 + i))  # the order they ran
+        (folder / "meta.json").write_text(json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary,
+                                                      "ended_epoch": 1000 + i}))
     out = step.startup_report(tmp_path)
     assert list(out) == ["default", "fork", "broken"]
     assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
     assert out["broken"] == {"flags": ["broken"], "exit": 1, "startup_s": None, "startup_timeline_s": None, "vs_default": None}
     assert step.startup_report(tmp_path / "nothing") is None
+
+
+def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, env, cwd):
+        calls.append((cmd, env["RUN_NAME"], env["OUT"]))
+        summary = tmp_path / "work" / "runs" / "reports" / env["RUN_NAME"] / "summary.json"
+        summary.parent.mkdir(parents=True)
+        summary.write_text(json.dumps({"startup_s": 70.0 + len(calls)}))
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(step.subprocess, "run", fake_run)
+    a = argparse.Namespace(startup_variants="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork", run_name="b",
+                           prompt_tokens=512, work=str(tmp_path / "work"), train_args=["--use-tis"])
+    step.phase_startup(a, {"results": tmp_path / "bench"})
+    assert [c[0][2:] for c in calls] == [["1", "--use-tis"], ["1", "--use-tis", "--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"]]
+    assert [c[0][1].endswith("bench/gpu/run_colocated_h200.sh") for c in calls] == [True, True]
+    assert [c[1] for c in calls] == ["b-startup-default", "b-startup-fork"]
+    out = step.startup_report(tmp_path / "bench")
+    assert (out["default"]["startup_s"], out["fork"]["startup_s"]) == (71.0, 72.0)
+    assert out["fork"]["vs_default"] == pytest.approx(72.0 / 71.0)
