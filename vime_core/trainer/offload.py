@@ -93,9 +93,9 @@ def release_to_host(tensors: Iterable[torch.Tensor]) -> list[HostCopy]:
 def prepin_host_memory(tensors: Iterable[torch.Tensor]) -> int:
     """Make, then free, the host buffers ``release_to_host(tensors)`` will ask for; returns their
     bytes. On a GPU they are pinned, and torch's caching host allocator keeps a freed pinned
-    block for the next request of its size: a later release then only copies, where pinning new
-    pages (cudaHostAlloc) costs about as long as the copy. Run while nothing waits on it (the
-    trainer's start, beside the engines'), it takes that cost off the first sleep."""
+    block for the next request of its size: a later release then only copies, without pinning
+    new pages (cudaHostAlloc) on top. Run while nothing waits on it (the trainer's start, beside
+    the engines'), it takes the pinning off the first sleep."""
     buffers = [_host_buffer(storage.nbytes(), t.device) for t, storage in _distinct_storages(tensors)]
     return sum(b.numel() for b in buffers)  # freed on return: to the allocator's cache, not the OS
 
