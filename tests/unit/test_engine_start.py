@@ -60,3 +60,55 @@ def test_one_engine_starts_in_the_calling_thread():
     seen = []
     _start([Server(0, lambda: seen.append(threading.current_thread()))])
     assert seen == [caller]
+
+
+class Router:
+    """A stand-in vllm-router: `start` runs `on_start` (a barrier, an error)."""
+
+    made: list["Router"] = []
+
+    def __init__(self, policy, log_dir=None) -> None:
+        self.stopped = False
+        Router.made.append(self)
+
+    def start(self) -> str:
+        Router.on_start()
+        return "http://router"
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def _manager(monkeypatch, servers, on_router_start):
+    monkeypatch.setattr("vime_core.engines.router.Router", Router)
+    Router.made, Router.on_start = [], staticmethod(on_router_start)
+    manager = SimpleNamespace(servers=servers, _owns_servers=True, router=None,
+                              cfg=SimpleNamespace(use_router=True, router_policy="round_robin"))
+    manager._start_servers = lambda: RolloutManager._start_servers(manager)
+    return manager
+
+
+def _raise(exc: BaseException):
+    def fail():
+        raise exc
+    return fail
+
+
+def test_the_router_starts_beside_the_engines(monkeypatch):
+    together = threading.Barrier(3, timeout=10)  # the router and both engines inside their starts at once
+    manager = _manager(monkeypatch, [Server(i, together.wait) for i in range(2)], together.wait)
+    RolloutManager._start_servers_and_router(manager, None)
+    [router] = Router.made
+    assert manager.router is router and not router.stopped
+
+
+@pytest.mark.parametrize("engine_fails, router_fails", [(False, True), (True, True), (True, False)])
+def test_a_failed_start_raises_the_engines_error_first_and_leaves_no_router_unowned(monkeypatch, engine_fails, router_fails):
+    engine = _raise(EngineStartError("engine down")) if engine_fails else None
+    manager = _manager(monkeypatch, [Server(0, engine)], _raise(RuntimeError("router down")) if router_fails else (lambda: None))
+    with pytest.raises(EngineStartError if engine_fails else RuntimeError, match="engine down" if engine_fails else "router down"):
+        RolloutManager._start_servers_and_router(manager, None)
+    [router] = Router.made
+    # a router that failed is stopped here; one that started is the manager's, which the
+    # constructor's shutdown (on any failure) stops
+    assert (router.stopped, manager.router) == ((True, None) if router_fails else (False, router))

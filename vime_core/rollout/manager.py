@@ -119,10 +119,9 @@ class RolloutManager:
         self.router = None
         self._startup_epochs: dict[str, float] = {}
         try:
-            if self._owns_servers:
-                self._start_servers()
+            self._start_servers_and_router(log_dir)
             self._startup_epochs["engines_started"] = time.time()
-            self.router = self._make_router(log_dir)
+            self._connect_router()
             self._startup_epochs["router_ready"] = time.time()
         except BaseException:
             self.shutdown()
@@ -162,19 +161,46 @@ class RolloutManager:
                 first.add_note(f"{server.name} failed to start as well: {type(err).__name__}: {err}")
             raise first
 
-    def _make_router(self, log_dir: Optional[str]) -> Any:
-        from vime_core.engines.router import PolicyRouter, Router
+    def _start_servers_and_router(self, log_dir: Optional[str]) -> None:
+        """The engines (when this manager owns them) and, with use_router, vllm-router with no
+        workers yet, side by side: the router's own start is then off the startup's path. A
+        router that fails is logged; its error is raised unless an engine's is."""
+        if not self.cfg.use_router:
+            if self._owns_servers:
+                self._start_servers()
+            return
+        from vime_core.engines.router import Router
+
+        router = Router(self.cfg.router_policy, log_dir=log_dir)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-start") as pool:
+            started = pool.submit(router.start)
+            try:
+                if self._owns_servers:
+                    self._start_servers()
+            finally:
+                error = started.exception()  # the router's start waited for, either way
+                if error is None:
+                    self.router = router  # a failed engine start's shutdown stops it too
+                else:
+                    router.shutdown()
+                    logger.warning("vllm-router failed to start: %s", error)
+            if error is not None:  # reached only when the engines started
+                raise error
+
+    def _connect_router(self) -> None:
+        """Clients for every engine; the router (started beside the engines) given them as its
+        workers, or, without it, the in-client policy router."""
+        from vime_core.engines.router import PolicyRouter
 
         urls = self.engine_urls()
         self._engine_clients = [self._client(u, f"engine-{i}") for i, u in enumerate(urls)]
-        if self.cfg.use_router:
-            router = Router(self.cfg.router_policy, worker_urls=urls, log_dir=log_dir)
-            router.start()
-            self._wait_router_workers(router, urls)
-            self._generator = self._client(router.url, "router")
-            return router
+        if self.router is not None:
+            for url in urls:
+                self.router.add_worker(url)
+            self._wait_router_workers(self.router, urls)
+            self._generator = self._client(self.router.url, "router")
+            return
         self._generator = PolicyRouter(self._engine_clients, self.cfg.router_policy, seed=self.cfg.seed)
-        return None
 
     @staticmethod
     def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
