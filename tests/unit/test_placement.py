@@ -114,12 +114,12 @@ def test_vllm_env_reaches_the_engine_and_cannot_touch_what_vime_sets(tiny_model_
     env = EngineServer(cfg, 0, device_ids=["1"]).environment()
     assert (env["VLLM_WORKER_MULTIPROC_METHOD"], env["TRITON_CACHE_DIR"]) == ("fork", "/x=y")  # split at the first '='
     # every variable the server sets over its actor's environment is one vllm_env may not set
-    for device in ("cuda", "cpu"):
-        values = {**base, "device": device, "bf16": device == "cuda", "weight_transport": "ipc" if device == "cuda" else "shm"}
-        monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", "")})
-        env = EngineServer(make_config(values), 0, device_ids=["0"] if device == "cuda" else None).environment()
-        monkeypatch.undo()
-        assert set(env) - {"PATH"} <= ENGINE_MANAGED_ENV, set(env) - {"PATH"} - ENGINE_MANAGED_ENV
+    servers = [EngineServer(make_config(base), 0, device_ids=["0"]),
+               EngineServer(make_config({**base, "device": "cpu", "bf16": False, "weight_transport": "shm"}), 0)]
+    monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", "")})  # the actor's own: PATH only
+    for server in servers:
+        added = set(server.environment()) - {"PATH"}
+        assert added <= ENGINE_MANAGED_ENV, added - ENGINE_MANAGED_ENV
     for entries, needle in ([["CUDA_VISIBLE_DEVICES=0"]], "vllm_env sets CUDA_VISIBLE_DEVICES"), \
                            ([["HF_TOKEN=hf_abc123"]], "vllm_env names HF_TOKEN, which looks like a secret"), \
                            ([["VLLM_API_KEY=sk-1"]], "looks like a secret"), \

@@ -127,7 +127,7 @@ def offload(model: Any, optimizer: Any, keep_params: bool = False) -> tuple[int,
 
 def sleep_tensors(model: Any, optimizer: Any, frozen: Iterable[Any] = ()) -> list[torch.Tensor]:
     """The device tensors a sleep copies to the host: ``offload``'s, then ``offload_params``'
-    (the model's parameters, and each frozen model's)."""
+    (the model's parameters, and each frozen model's). A critic sleeps on its own (trainer/critic.py)."""
     tensors = [t for t in _tensors(model, optimizer) if t.device.type == "cuda"]
     return tensors + [p for m in frozen for p in m.parameters() if p.device.type == "cuda"]
 

@@ -134,8 +134,7 @@ class MegatronTrainer:
         from vime_core.trainer.offload import prepin_host_memory, sleep_tensors
 
         t0 = time.perf_counter()
-        frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
-        pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, frozen))
+        pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
         log.info("trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
                  self.layout.rank, pinned / 2**30, time.perf_counter() - t0)
 
@@ -424,10 +423,9 @@ class MegatronTrainer:
         freed = 0
         if self.device.type == "cuda" and not self._asleep:
             freed, copies = offload(self.model, self.optimizer, keep_params=True)
-            for frozen in (self.ref_model, self.teacher_model):  # they sleep with the policy; wake restores all
-                if frozen is not None:
-                    frozen_freed, frozen_copies = offload_params(frozen)
-                    freed, copies = freed + frozen_freed, copies + frozen_copies
+            for frozen in self._frozen_models():  # they sleep with the policy; wake restores all
+                frozen_freed, frozen_copies = offload_params(frozen)
+                freed, copies = freed + frozen_freed, copies + frozen_copies
             if self.critic is not None:  # all of it: no publish reads the critic
                 freed += self.critic.sleep()
             self._offloaded += copies
@@ -435,6 +433,10 @@ class MegatronTrainer:
         if not keep_weights:
             freed += self._release_params()
         return {"freed_bytes": freed, "asleep": self._asleep, "weights_asleep": self._params_asleep, **device_memory()}
+
+    def _frozen_models(self) -> list[Any]:
+        """The frozen models that sleep with the policy: the reference and the teacher, when loaded."""
+        return [m for m in (self.ref_model, self.teacher_model) if m is not None]
 
     def _release_params(self) -> int:
         from vime_core.trainer.offload import offload_params
