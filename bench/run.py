@@ -164,6 +164,10 @@ def _colocated_step(f: dict) -> str:
         parts.append(f"trainer MFU {_pct(r['trainer_mfu'])}")
     if f.get("startup_s") is not None:
         parts.append(f"startup {f['startup_s']:.0f} s")
+    if groups := (f.get("startup_variants") or {}).get("by_flags"):
+        parts.append("one-iteration startups, median: " + ", ".join(
+            f"{g['name']} " + (f"{g['startup_s_median']:.1f} s" if g["startup_s_median"] else "failed") + f" (x{len(g['runs'])})"
+            for g in groups))
     return "; ".join(parts) or "no figures"
 
 

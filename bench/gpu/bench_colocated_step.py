@@ -12,7 +12,8 @@ Phases, in this order, on the same GPU (each can run alone: `--phases`; results 
              (bench/gpu/run_colocated_h200.sh)
     startup  `vime train` for one iteration per `--startup-variants` entry (the default
              settings first, then each variant's extra flags), e.g. vLLM's engine core forked
-             instead of spawned: each one's startup_s and its ratio to the default
+             instead of spawned, `--startup-repeats` rounds: each one's startup_s, where its
+             seconds went (STARTUP_STAGES) and its ratio to the default settings' median
     trainer  the trainer alone on a batch of the stored batches' shape: old-log-prob recompute
              plus one step (bench/bench_trainer_gpu.py)
     report   one JSON: the git SHA, the parts and the ratios
@@ -101,16 +102,24 @@ def startup_variants(text: str) -> dict[str, list[str]]:
         name, _, flags = item.partition(":")
         if name in variants:
             raise SystemExit(f"--startup-variants: {name!r} twice")
+        if not name or "#" in name or name == "by_flags":
+            raise SystemExit(f"--startup-variants: {name!r} is no variant name (not empty, no '#', not 'by_flags')")
         variants[name] = shlex.split(flags)
     return variants
 
 
+def startup_runs(variants: dict[str, list[str]], repeats: int) -> list[tuple[str, list[str]]]:
+    """(run folder, flags) in the order run: the variants in turn, `repeats` rounds, so a drift of
+    the host over the call falls on every variant alike; round r > 1 names its runs `<name>#r`."""
+    return [(name if r == 1 else f"{name}#{r}", flags) for r in range(1, repeats + 1) for name, flags in variants.items()]
+
+
 def phase_startup(a, paths: dict) -> None:
-    """One-iteration runs, one per variant, in the order given (a warm host: the train phase or
-    an earlier call filled vLLM's compile cache), each with its own run name and report."""
+    """One-iteration runs, one per variant and round, in the order given (a warm host: the train
+    phase or an earlier call filled vLLM's compile cache), each with its own run name and report."""
     out = paths["results"] / "startup"
-    for name, flags in startup_variants(a.startup_variants).items():
-        run = f"{a.run_name}-startup-{name}"
+    for name, flags in startup_runs(startup_variants(a.startup_variants), a.startup_repeats):
+        run = f"{a.run_name}-startup-{name.replace('#', '-')}"
         env = dict(os.environ, OUT=str(out / name), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work),
                    RUN_NAME=run, TRAIN_TIMEOUT=os.environ.get("TRAIN_TIMEOUT", "300"))
         (out / name).mkdir(parents=True, exist_ok=True)
@@ -121,8 +130,36 @@ def phase_startup(a, paths: dict) -> None:
                                                           "summary": json.loads(summary.read_text()) if summary.exists() else None}))
 
 
+# Where a start's seconds go, along its critical path: (stage, from mark, to mark) over the run's
+# startup_marks_s (seconds since the command; None: the command itself). The engine's marks are
+# the first engine's (engine0_*, vime_core/engines/startup_log.py); the trainer's own start
+# (trainer_init) runs beside the engine's and is not a stage.
+STARTUP_STAGES = (
+    ("before_engine_launch", None, "engine0_launched"),  # imports, configuration, Ray's actors
+    ("vllm_front_end_imports", "engine0_launched", "engine0_args"),
+    ("engine_core_start_and_load", "engine0_args", "engine0_weights_loaded"),  # the engine core's process, then the weights
+    ("compile_kv_and_graphs", "engine0_weights_loaded", "engine0_graphs_captured"),
+    ("vllm_warmup", "engine0_graphs_captured", "engine0_engine_ready"),
+    ("serving_and_router", "engine0_engine_ready", "engines_ready"),
+    ("first_publish", "engines_ready", "published"),
+    ("trainer_sleep", "published", "trainer_asleep"),
+    ("kv_wake", "trainer_asleep", "kv_onloaded"),
+    ("to_first_iteration", "kv_onloaded", "first_iteration"),
+)
+
+
+def startup_stages(marks: dict | None) -> dict[str, float | None]:
+    """{stage: seconds}: each STARTUP_STAGES entry's `to - from`; None where either mark is missing."""
+    marks = marks or {}
+    at = lambda m: 0.0 if m is None else marks.get(m)  # noqa: E731
+    return {stage: (at(b) - at(a) if at(a) is not None and at(b) is not None else None) for stage, a, b in STARTUP_STAGES}
+
+
 def startup_report(results: Path) -> dict | None:
-    """{variant: startup_s, its ratio to the `default` variant's, its marks}, in the order run."""
+    """{run: its flags, exit, startup_s, marks, stages and ratio to the default settings}, in the
+    order run, and `by_flags`: per distinct flag set (named by its first run) its runs and the
+    medians of startup_s and of each stage. The default settings are the flags of the run named
+    `default`; each ratio is against their median."""
     folder = results / "startup"
     metas = [(path.parent.name, json.loads(path.read_text())) for path in folder.glob("*/meta.json")] if folder.exists() else []
     if not metas:
@@ -130,12 +167,25 @@ def startup_report(results: Path) -> dict | None:
     out: dict = {}
     for name, meta in sorted(metas, key=lambda m: m[1]["ended_epoch"]):
         summary = meta.get("summary") or {}
+        marks = summary.get("startup_marks_s")
         out[name] = {"flags": meta["flags"], "exit": meta["exit"], "startup_s": summary.get("startup_s"),
-                                 "startup_timeline_s": summary.get("startup_marks_s")}
-    base = (out.get("default") or {}).get("startup_s")
+                     "startup_timeline_s": marks, "stages_s": startup_stages(marks) if marks else None}
+    groups: dict[tuple, dict] = {}
+    for name, v in out.items():
+        groups.setdefault(tuple(v["flags"]), {"name": name, "flags": v["flags"], "runs": []})["runs"].append(name)
+    by_flags = []
+    for g in groups.values():
+        runs = [out[n] for n in g["runs"]]
+        by_flags.append({**g, "startup_s_median": _median([r["startup_s"] for r in runs]),
+                         "stages_s_median": {stage: _median([(r["stages_s"] or {}).get(stage) for r in runs])
+                                             for stage, _, _ in STARTUP_STAGES}})
+    default_flags = tuple(out["default"]["flags"]) if "default" in out else None
+    base = next((g["startup_s_median"] for g in by_flags if tuple(g["flags"]) == default_flags), None)
     for v in out.values():
         v["vs_default"] = v["startup_s"] / base if base and v["startup_s"] else None
-    return out
+    for g in by_flags:
+        g["vs_default"] = g["startup_s_median"] / base if base and g["startup_s_median"] else None
+    return {**out, "by_flags": by_flags}
 
 
 def phase_trainer(a, paths: dict) -> None:
@@ -286,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
     p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;prepin:--offload-train-prepin",
                    help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first")
+    p.add_argument("--startup-repeats", type=int, default=1,
+                   help="startup phase: rounds over the variants (round r > 1 names its runs <name>#r); the report gives medians per flag set")
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")
     p.add_argument("--out", required=True)

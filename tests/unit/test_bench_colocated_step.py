@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -93,10 +94,51 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
         (folder / "meta.json").write_text(json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary,
                                                       "ended_epoch": 1000 + i}))
     out = step.startup_report(tmp_path)
-    assert list(out) == ["default", "fork", "broken"]
+    assert list(out) == ["default", "fork", "broken", "by_flags"]
     assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
-    assert out["broken"] == {"flags": ["broken"], "exit": 1, "startup_s": None, "startup_timeline_s": None, "vs_default": None}
+    assert out["broken"] == {"flags": ["broken"], "exit": 1, "startup_s": None, "startup_timeline_s": None, "stages_s": None,
+                             "vs_default": None}
     assert step.startup_report(tmp_path / "nothing") is None
+    for bad in ("a#2:--x", ":--x", "by_flags"):
+        with pytest.raises(SystemExit, match="no variant name"):
+            step.startup_variants(bad)
+
+
+def _marks(launched: float, warmup: float, sleep: float) -> dict:
+    """A start's marks: each stage takes `i + 1` seconds, but the warm-up and the trainer's sleep."""
+    seconds = {"engine0_launched": launched, "engine0_args": 2, "engine0_weights_loaded": 3, "engine0_graphs_captured": 4,
+               "engine0_engine_ready": warmup, "engines_ready": 6, "published": 7, "trainer_asleep": sleep,
+               "kv_onloaded": 9, "first_iteration": 10}
+    marks, t = {}, 0.0
+    for mark, s in seconds.items():
+        t += s
+        marks[mark] = t
+    return {**marks, "trainer_init": 1.0}  # beside the engine's start: no stage
+
+
+def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
+    marks = _marks(launched=1, warmup=5, sleep=8)
+    stages = step.startup_stages(marks)
+    assert list(stages) == [name for name, _, _ in step.STARTUP_STAGES]
+    assert sum(stages.values()) == pytest.approx(marks["first_iteration"])  # the stages tile the start
+    assert stages["vllm_warmup"] == 5 and stages["trainer_sleep"] == 8
+    assert step.startup_stages({"engines_ready": 3.0})["first_publish"] is None  # a missing mark
+    # two rounds of two variants; the second round's default is slower in its warm-up only
+    runs = [("default", [], _marks(1, 5, 8)), ("pin", ["--pin"], _marks(1, 5, 1)), ("default#2", [], _marks(1, 25, 8)),
+            ("pin#2", ["--pin"], _marks(1, 5, 1))]
+    for i, (name, flags, m) in enumerate(runs):
+        (tmp_path / "startup" / name).mkdir(parents=True)
+        (tmp_path / "startup" / name / "meta.json").write_text(json.dumps(
+            {"exit": 0, "flags": flags, "ended_epoch": i, "summary": {"startup_s": m["first_iteration"], "startup_marks_s": m}}))
+    out = step.startup_report(tmp_path)
+    groups = {g["name"]: g for g in out["by_flags"]}
+    assert [g["runs"] for g in out["by_flags"]] == [["default", "default#2"], ["pin", "pin#2"]]
+    default_median = statistics.median([runs[0][2]["first_iteration"], runs[2][2]["first_iteration"]])
+    assert groups["default"]["startup_s_median"] == pytest.approx(default_median)
+    assert groups["pin"]["vs_default"] == pytest.approx(runs[1][2]["first_iteration"] / default_median)
+    assert out["default#2"]["vs_default"] == pytest.approx(runs[2][2]["first_iteration"] / default_median)
+    assert groups["default"]["stages_s_median"]["vllm_warmup"] == pytest.approx(statistics.median([5, 25]))
+    assert groups["pin"]["stages_s_median"]["trainer_sleep"] == 1
 
 
 def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_path, monkeypatch):
@@ -111,7 +153,7 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
 
     monkeypatch.setattr(step.subprocess, "run", fake_run)
     a = argparse.Namespace(startup_variants="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork", run_name="b",
-                           prompt_tokens=512, work=str(tmp_path / "work"), train_args=["--use-tis"])
+                           prompt_tokens=512, work=str(tmp_path / "work"), train_args=["--use-tis"], startup_repeats=1)
     step.phase_startup(a, {"results": tmp_path / "bench"})
     assert [c[0][2:] for c in calls] == [["1", "--use-tis"], ["1", "--use-tis", "--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"]]
     assert [c[0][1].endswith("bench/gpu/run_colocated_h200.sh") for c in calls] == [True, True]
@@ -119,3 +161,9 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
     out = step.startup_report(tmp_path / "bench")
     assert (out["default"]["startup_s"], out["fork"]["startup_s"]) == (71.0, 72.0)
     assert out["fork"]["vs_default"] == pytest.approx(72.0 / 71.0)
+
+
+def test_startup_rounds_take_the_variants_in_turn():
+    variants = step.startup_variants("default;fork:--f")
+    assert step.startup_runs(variants, 2) == [("default", []), ("fork", ["--f"]), ("default#2", []), ("fork#2", ["--f"])]
+    assert step.startup_runs(variants, 1) == list(variants.items())
