@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'default;vllm_api_server_count=4'")
     p.add_argument("--trainer-variants", default="",
                    help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
-    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;prepin:--offload-train-prepin",
+    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;noprepin:--no-offload-train-prepin",
                    help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first")
     p.add_argument("--startup-repeats", type=int, default=1,
                    help="startup phase: rounds over the variants (round r > 1 names its runs <name>#r); the report gives medians per flag set")
