@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -197,6 +197,9 @@ class Suite:
     lock: bool = False  # starts servers: hold LOCK while it runs
     out: str = "--out"  # "--out": the script takes --out FILE; else the file it writes under $OUT
     drop: tuple[str, ...] = field(default=())  # bulky keys left out of the row (kept in the raw output)
+    # a row with every figure the suite can give (its calls may run some phases only): the table
+    # shows the latest such row too when the latest row is not one
+    full: Optional[Callable[[dict], bool]] = None
 
 
 SUITES = {s.name: s for s in [
@@ -229,7 +232,8 @@ SUITES = {s.name: s for s in [
     Suite("colocated_baselines", "bench/gpu/colocated_baselines.py",
           "a live colocated run vs its rollout sent straight to its engine and the trainer alone", _colocated_baselines, gpu=True),
     Suite("colocated_step", "bench/gpu/bench_colocated_step.py",
-          "the colocated step vs its parts in one command: offline vLLM, server direct, trainer alone", _colocated_step, gpu=True),
+          "the colocated step vs its parts in one command: offline vLLM, server direct, trainer alone", _colocated_step, gpu=True,
+          full=lambda f: {"step_vs_parts", "rollout_vs_offline", "trainer_mfu"} <= set(f.get("ratios") or {})),
     Suite("rollout_vs_offline", "bench/gpu/rollout_vs_offline.py", "vime's vLLM server vs offline LLM.generate, request knobs",
           _rollout_vs_offline, gpu=True),
     Suite("learning_gpu", "bench/gpu/run_learning_h200.sh", "the default job on a GPU, colocated and sleeping: reward gain",
@@ -384,11 +388,15 @@ def write_table(results: Path = RESULTS) -> Path:
         rows = read_rows(path)
         if not rows:
             continue
-        last = rows[-1]
-        cell = headline(SUITES.get(last["suite"]), last["figures"]).replace("|", "/")
-        sha = last["sha"].split("-")[0][:9] + ("-dirty" if last["sha"].endswith("-dirty") else "")
-        lines.append(f"| [{last['suite']}]({path.name}) | {cell} | `{sha}` | {last['date'][:10]} | "
-                     f"{last['machine']} | {len(rows)} |\n")
+        suite = SUITES.get(rows[-1]["suite"])
+        shown = [(rows[-1], "")]
+        if suite and suite.full and not suite.full(rows[-1]["figures"]):
+            shown += [(r, " (latest full run)") for r in rows[-1::-1] if suite.full(r["figures"])][:1]
+        for row, label in shown:
+            cell = headline(suite, row["figures"]).replace("|", "/")
+            sha = row["sha"].split("-")[0][:9] + ("-dirty" if row["sha"].endswith("-dirty") else "")
+            lines.append(f"| [{row['suite']}]({path.name}){label} | {cell} | `{sha}` | {row['date'][:10]} | "
+                         f"{row['machine']} | {len(rows)} |\n")
     out = results / "README.md"
     out.write_text("".join(lines))
     return out
