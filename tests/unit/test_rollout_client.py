@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -443,6 +444,50 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
     with pytest.raises(EngineStartError, match="not healthy after engine_startup_timeout_s=2"):
         server.start()
     assert server._proc is None  # terminated, not left behind
+
+
+# A stand-in server: exits as vLLM does when its port was taken (the first `taken` launches), then
+# answers every GET with 200 on the port it was given.
+_PORT_TAKEN_THEN_SERVE = """
+port=""; prev=""
+for a in "$@"; do [ "$prev" = "--port" ] && port=$a; prev=$a; done
+[ -n "$port" ] || exit 1  # not a server launch (vime asks the interpreter for vLLM's version)
+echo "$port" >> {launches}
+if [ "$(wc -l < {launches})" -le {taken} ]; then echo "OSError: [Errno 98] Address already in use"; exit 1; fi
+exec {python} -c "
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{{}}')
+    def log_message(self, *a): pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+" "$port"
+"""
+
+
+@pytest.mark.integration  # starts server processes (stand-ins)
+@pytest.mark.parametrize("taken", [1, 3])
+def test_a_server_whose_port_was_taken_launches_again_on_another(tmp_path, tiny_model_dir, taken):
+    from vime_core.config import make_config
+    from vime_core.demo.settings import demo_values
+    from vime_core.engines.server import PORT_ATTEMPTS, EngineServer, EngineStartError
+
+    launches = tmp_path / "launches"
+    python = _fake_python(tmp_path, _PORT_TAKEN_THEN_SERVE.format(launches=launches, taken=taken, python=sys.executable))
+    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30}))
+    server = EngineServer(cfg, log_dir=str(tmp_path), warmup=False)
+    try:
+        if taken < PORT_ATTEMPTS:
+            url = server.start()
+            ports = [int(line) for line in launches.read_text().split()]
+            assert len(ports) == taken + 1 and len(set(ports)) == len(ports)  # a new port each time
+            assert url.endswith(f":{ports[-1]}") and server.is_alive()
+        else:  # every attempt lost its port: the last one's failure, after PORT_ATTEMPTS launches
+            with pytest.raises(EngineStartError, match="Address already in use"):
+                server.start()
+            assert len(launches.read_text().split()) == PORT_ATTEMPTS
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.integration  # starts server processes (stand-ins, or the vLLM environment's interpreter)

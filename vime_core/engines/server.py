@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 40
+# A port picked free may be taken before vLLM binds it, ~20 s of imports later (an outbound
+# connection's ephemeral port, another server's): the launch then fails at once, and is made
+# again on another port, at most this many times in all.
+PORT_ATTEMPTS = 3
+ADDRESS_IN_USE = "Address already in use"
 BUILTIN_WEIGHT_BACKENDS = ("ipc", "nccl")  # vLLM's own, CUDA only
 # Loaded into vLLM's workers for vime's own weight-transfer backends (e.g. "vime_shm" on CPU).
 VIME_WORKER_EXTENSION = "vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension"
@@ -357,7 +362,28 @@ class EngineServer:
             return self.url  # type: ignore[return-value]
         if self.cfg.device == "cuda":
             self._check_device_memory()
-        self.port = self.port or free_port()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._launch(self.port or free_port())
+            try:
+                self._wait_healthy(self.cfg.engine_startup_timeout_s)
+                break
+            except EngineStartError:
+                if attempt == PORT_ATTEMPTS or not self._lost_its_port():
+                    raise
+                logger.warning("%s: port %d was taken before vLLM bound it; launching again on another port",
+                               self.name, self.port)
+                self._terminate(grace_s=5.0)
+                self.port = None
+        if self.warmup:
+            self._warm_up()
+        return self.url  # type: ignore[return-value]
+
+    def _lost_its_port(self) -> bool:
+        """The server exited because its port was taken (its log says so)."""
+        return self._proc is not None and self._proc.poll() is not None and ADDRESS_IN_USE in self.log_tail()
+
+    def _launch(self, port: int) -> None:
+        self.port = port
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{self.name}-{os.getpid()}-{self.port}.log"
         cmd = self.command(self.port)
@@ -372,10 +398,6 @@ class EngineServer:
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT),
         )
         self.url = f"http://{advertised_host(self.cfg.engine_bind_host)}:{self.port}"
-        self._wait_healthy(self.cfg.engine_startup_timeout_s)
-        if self.warmup:
-            self._warm_up()
-        return self.url
 
     def _check_device_memory(self) -> None:
         """vLLM claims vllm_gpu_memory_utilization of each device's total memory; refuse before
