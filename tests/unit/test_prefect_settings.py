@@ -38,3 +38,17 @@ def test_vimes_main_batches_the_task_run_recorder_and_importing_the_flows_change
 
 def test_a_value_already_in_the_environment_wins():
     assert _env_after({BATCH: "7"}) == {"imported": "7", "after_main": "7"}
+
+
+def test_the_temporary_servers_own_errors_stay_off_the_console_and_the_runs_do_not():
+    """With the defaults applied, Prefect's logging configuration (which its temporary server
+    loads too) drops the server's error lines, such as the recorder's flush cancelled at its stop,
+    and keeps the flow and task runs' warnings."""
+    code = ("import json, logging, flows.cli; flows.cli.main(['--help']); "
+            "from prefect.logging.configuration import setup_logging; setup_logging(incremental=False); "
+            "print(json.dumps([logging.getLogger(n).isEnabledFor(logging.ERROR) for n in "
+            "('prefect.server.services.task_run_recorder', 'uvicorn.error', 'prefect.flow_runs', 'prefect.task_runs')]))")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_LOGGING_LEVEL"}
+    env.update(PYTHONPATH=str(REPO), PREFECT_LOGGING_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == [False, False, True, True]
