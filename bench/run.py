@@ -392,7 +392,8 @@ def write_table(results: Path = RESULTS) -> Path:
         suite = SUITES.get(rows[-1]["suite"])
         shown = [(rows[-1], "")]
         if suite and suite.full and not suite.full(rows[-1]["figures"]):
-            shown += [(r, " (latest full run)") for r in rows[-1::-1] if suite.full(r["figures"])][:1]
+            if full := next((r for r in reversed(rows) if suite.full(r["figures"])), None):
+                shown.append((full, " (latest full run)"))
         for row, label in shown:
             cell = headline(suite, row["figures"]).replace("|", "/")
             sha = row["sha"].split("-")[0][:9] + ("-dirty" if row["sha"].endswith("-dirty") else "")

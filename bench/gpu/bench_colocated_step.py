@@ -181,10 +181,11 @@ def startup_report(results: Path) -> dict | None:
                                              for stage, _, _ in STARTUP_STAGES}})
     default_flags = tuple(out["default"]["flags"]) if "default" in out else None
     base = next((g["startup_s_median"] for g in by_flags if tuple(g["flags"]) == default_flags), None)
+    vs_default = lambda s: s / base if base and s else None  # noqa: E731
     for v in out.values():
-        v["vs_default"] = v["startup_s"] / base if base and v["startup_s"] else None
+        v["vs_default"] = vs_default(v["startup_s"])
     for g in by_flags:
-        g["vs_default"] = g["startup_s_median"] / base if base and g["startup_s_median"] else None
+        g["vs_default"] = vs_default(g["startup_s_median"])
     return {**out, "by_flags": by_flags}
 
 

@@ -117,15 +117,16 @@ def _marks(launched: float, warmup: float, sleep: float) -> dict:
 
 
 def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
-    marks = _marks(launched=1, warmup=5, sleep=8)
+    warm, slow_warm, sleep, pinned_sleep = 5, 25, 8, 1
+    marks = _marks(launched=1, warmup=warm, sleep=sleep)
     stages = step.startup_stages(marks)
     assert list(stages) == [name for name, _, _ in step.STARTUP_STAGES]
     assert sum(stages.values()) == pytest.approx(marks["first_iteration"])  # the stages tile the start
-    assert stages["vllm_warmup"] == 5 and stages["trainer_sleep"] == 8
+    assert stages["vllm_warmup"] == warm and stages["trainer_sleep"] == sleep
     assert step.startup_stages({"engines_ready": 3.0})["first_publish"] is None  # a missing mark
     # two rounds of two variants; the second round's default is slower in its warm-up only
-    runs = [("default", [], _marks(1, 5, 8)), ("pin", ["--pin"], _marks(1, 5, 1)), ("default#2", [], _marks(1, 25, 8)),
-            ("pin#2", ["--pin"], _marks(1, 5, 1))]
+    runs = [("default", [], _marks(1, warm, sleep)), ("pin", ["--pin"], _marks(1, warm, pinned_sleep)),
+            ("default#2", [], _marks(1, slow_warm, sleep)), ("pin#2", ["--pin"], _marks(1, warm, pinned_sleep))]
     for i, (name, flags, m) in enumerate(runs):
         (tmp_path / "startup" / name).mkdir(parents=True)
         (tmp_path / "startup" / name / "meta.json").write_text(json.dumps(
@@ -137,8 +138,8 @@ def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
     assert groups["default"]["startup_s_median"] == pytest.approx(default_median)
     assert groups["pin"]["vs_default"] == pytest.approx(runs[1][2]["first_iteration"] / default_median)
     assert out["default#2"]["vs_default"] == pytest.approx(runs[2][2]["first_iteration"] / default_median)
-    assert groups["default"]["stages_s_median"]["vllm_warmup"] == pytest.approx(statistics.median([5, 25]))
-    assert groups["pin"]["stages_s_median"]["trainer_sleep"] == 1
+    assert groups["default"]["stages_s_median"]["vllm_warmup"] == pytest.approx(statistics.median([warm, slow_warm]))
+    assert groups["pin"]["stages_s_median"]["trainer_sleep"] == pinned_sleep
 
 
 def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_path, monkeypatch):
