@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_math import median_seconds  # noqa: E402
+from gpu_common import pairs_of_samples  # noqa: E402
 
 
 def write_checkpoint(out: Path, args: argparse.Namespace) -> Path:
@@ -71,7 +72,7 @@ def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
     from vime_core.trainer.trainer import MegatronTrainer
 
     cfg = demo_config(
-        rollout_batch_size=args.samples, n_samples_per_prompt=1, num_steps_per_rollout=1,
+        **pairs_of_samples(args.samples), num_steps_per_rollout=1,
         micro_batch_size=args.micro_batch, lr=1e-6, clip_grad=1.0, hf_checkpoint=str(ckpt),
         storage_uri=str(storage), device=args.device, bf16=args.dtype == "bf16", colocate=False,
         rollout_num_gpus=1,

@@ -169,6 +169,14 @@ def shared_checkpoint(root: Path, shape: str, seed: int, device: str, local_rank
     return path
 
 
+def pairs_of_samples(samples: int) -> dict[str, int]:
+    """A trainer-only step of `samples` samples as prompt groups of two: GRPO refuses groups of one
+    (every advantage 0), and the benchmark's batch brings its own advantages anyway."""
+    if samples % 2:
+        raise ValueError(f"a trainer benchmark's step has an even number of samples (got {samples})")
+    return {"rollout_batch_size": samples // 2, "n_samples_per_prompt": 2}
+
+
 def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: Path, **cfg_fields: Any) -> Any:
     """A ``MegatronTrainer`` (initialised: process group, model, HF load, DDP, optimizer) for this
     process, over a random checkpoint of ``shape``; rank and world from torchrun's variables."""
@@ -183,10 +191,11 @@ def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: 
     ckpt = shared_checkpoint(checkpoint_root, shape, seed, device, local_rank)
     fields: dict[str, Any] = dict(
         hf_checkpoint=str(ckpt), device=device, bf16=device == "cuda", tensor_model_parallel_size=tp,
-        actor_num_gpus_per_node=world, colocate=False, rollout_num_gpus=1, n_samples_per_prompt=1,
+        actor_num_gpus_per_node=world, colocate=False, rollout_num_gpus=1,
         num_steps_per_rollout=1, clip_grad=1.0, seed=seed, storage_uri="/tmp/vime_bench_runs",
     )
     fields.update(cfg_fields)
+    fields.update(pairs_of_samples(fields.pop("rollout_batch_size", 8)))
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
     # the demo's optimizer settings (lr, micro-batch, entropy bonus) that these benchmarks measured with

@@ -209,5 +209,21 @@ def test_rloo_in_the_batch_and_the_configuration():
     live = [i for i in range(len(samples)) if i != 3]
     expected = dict(zip(live, _rloo_reference([RLOO_REWARDS[i] for i in live], [RLOO_GROUPS[i] for i in live])))
     assert batch["advantage"] == pytest.approx([expected.get(i, 0.0) for i in order])
-    with pytest.raises(ConfigError, match=r"advantage_estimator=rloo needs n_samples_per_prompt >= 2 \(got 1\)"):
-        load_config(overrides={"advantage_estimator": "rloo", "n_samples_per_prompt": 1})
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_relative_estimators_refuse_groups_of_one(estimator):
+    """A group baseline over one sample is that sample: every advantage 0 by construction."""
+    with pytest.raises(ConfigError, match=rf"n_samples_per_prompt=1 with advantage_estimator={estimator}: .* every advantage 0"):
+        load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1})
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus"])
+def test_estimators_without_a_group_baseline_take_groups_of_one(estimator):
+    assert load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1}).n_samples_per_prompt == 1
+
+
+def test_rollout_temperature_zero_is_refused_naming_the_field():
+    """The trainer divides its logits by the rollout temperature: 0 has no distribution to score."""
+    with pytest.raises(ConfigError, match=r"rollout_temperature"):
+        load_config(overrides={"rollout_temperature": 0.0})

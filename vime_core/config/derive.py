@@ -152,11 +152,19 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_critic(cfg)
+    _check_group_size(cfg)
+
+
+def _check_group_size(cfg: ConfigFields) -> None:
+    """A group-relative estimator (its group_normalisation subtracts a group baseline) needs two
+    samples per prompt: in a group of one every advantage is 0 by construction, so the run would
+    train on nothing."""
     estimator = get_adv_estimator(cfg.advantage_estimator)
-    if estimator.group_normalisation == "leave_one_out" and cfg.n_samples_per_prompt < 2:
+    if estimator.group_normalisation != "none" and cfg.n_samples_per_prompt < 2:
         raise ValueError(
-            f"advantage_estimator={estimator.name} needs n_samples_per_prompt >= 2 (got {cfg.n_samples_per_prompt}): "
-            f"a sample's baseline is the mean reward of the other samples of its group"
+            f"n_samples_per_prompt={cfg.n_samples_per_prompt} with advantage_estimator={estimator.name}: its "
+            f"baseline is the mean reward of the sample's group, so a group of one gives every advantage 0; "
+            f"set n_samples_per_prompt >= 2 or an estimator without a group baseline (reinforce_plus_plus, ppo)"
         )
 
 
