@@ -214,16 +214,24 @@ def test_rloo_in_the_batch_and_the_configuration():
 @pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline"])
 def test_group_relative_estimators_refuse_groups_of_one(estimator):
     """A group baseline over one sample is that sample: every advantage 0 by construction."""
+    from vime_core.config import load_config
+    from vime_core.config.loader import ConfigError
+
     with pytest.raises(ConfigError, match=rf"n_samples_per_prompt=1 with advantage_estimator={estimator}: .* every advantage 0"):
         load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1})
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus"])
 def test_estimators_without_a_group_baseline_take_groups_of_one(estimator):
+    from vime_core.config import load_config
+
     assert load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1}).n_samples_per_prompt == 1
 
 
 def test_rollout_temperature_zero_is_refused_naming_the_field():
     """The trainer divides its logits by the rollout temperature: 0 has no distribution to score."""
+    from vime_core.config import load_config
+    from vime_core.config.loader import ConfigError
+
     with pytest.raises(ConfigError, match=r"rollout_temperature"):
         load_config(overrides={"rollout_temperature": 0.0})
