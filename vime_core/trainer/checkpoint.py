@@ -17,17 +17,22 @@ exists, so a reader never sees a partial one; critic files in critic_save count 
 the manifest that names their folder (the critic folder has none of its own). Nothing is
 removed: every checkpoint is kept. Paths are local folders or ``s3://...`` URIs, opened like
 the batch store (`vime_core.storage.fs.open_location`), at the run's S3 endpoint (`endpoint`:
-the trainer passes its configuration's; None: this process's environment).
+the trainer passes its configuration's; None: this process's environment). Rank files are read
+with torch's weights-only unpickler (load_state_bytes): a file that holds any other pickled
+object is refused, so writing to the run's storage does not let anyone run code in the trainer.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
+import re
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from vime_core.storage.endpoint import S3Endpoint
@@ -115,7 +120,37 @@ def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoin
     name = rank_file_name(rank, critic)
     folder = critic_dir(path, manifest) if critic else path
     data = _read(folder, name, f"{name} is missing although {path}/{MANIFEST} lists it", endpoint)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return load_state_bytes(data, f"{folder.rstrip('/')}/{name}")
+
+
+# numpy's RNG state (capture_rng_state) is a tuple holding a uint32 array: these rebuild plain arrays.
+_NUMPY_RNG_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _refusal_reason(exc: pickle.UnpicklingError) -> str:
+    """The global torch's weights-only unpickler refused, from its long message."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if found:
+        return f"unsupported global {found.group(1)}"
+    found = re.search(r"WeightsUnpickler error: ([^\n]+)", str(exc))
+    return found.group(1).strip() if found else type(exc).__name__
+
+
+def load_state_bytes(data: bytes, where: str) -> dict[str, Any]:
+    """A rank file's state dict, unpickled with torch's weights-only unpickler: tensors, numbers,
+    strings and the containers of them (and numpy's RNG state arrays) load; any other object is
+    refused with CheckpointError naming `where`. Rule: nothing read from storage runs code; whoever
+    can write to the run's bucket must not be able to run code in every trainer rank."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_RNG_GLOBALS):
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{where}: refused to load: it holds a pickled object that is not tensors or plain "
+                              f"data ({_refusal_reason(exc)}); vime writes none, so the file was not written by vime or was changed "
+                              f"since") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: holds a {type(state).__name__}, not a vime rank state (a dict)")
+    return state
 
 
 def latest_checkpoint(cfg: Any) -> Optional[str]:
@@ -134,7 +169,6 @@ def latest_checkpoint(cfg: Any) -> Optional[str]:
 
 def capture_rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from (torch CPU/CUDA, Megatron's tracker, python, numpy)."""
-    import numpy as np
     from megatron.core import tensor_parallel
 
     state: dict[str, Any] = {
@@ -149,7 +183,6 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
