@@ -27,7 +27,7 @@ from vime_core.storage.schema import (
     table_to_batch,
     upgrade_table,
 )
-from vime_core.storage.secrets import REDACTED, redact_secrets, redact_text
+from vime_core.utils.secrets import REDACTED, redact_secrets, redact_text
 from vime_core.storage.synthetic import synthetic_batch
 
 LINEAGE = {"run": "unit", "rollout_id": 3, "config_hash": "abc", "config": json.dumps({"lr": 1e-6}), "flow_run_id": "f-1"}

@@ -37,6 +37,7 @@ from pydantic import ValidationError, field_validator, model_validator
 from vime_core.config.derive import derive_in_place
 from vime_core.config.schema import ConfigFields
 from vime_core.demo.settings_table import DEMO_SETTINGS, with_demo_settings
+from vime_core.utils.secrets import redact_secrets
 
 
 class VimeConfig(ConfigFields):
@@ -212,7 +213,11 @@ def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> V
 
 
 def config_dict(cfg: VimeConfig) -> dict:
-    return cfg.model_dump(mode="json")
+    """The configuration as JSON values with its credentials redacted (vime_core/utils/secrets.py):
+    the form that is stored (config.json, a batch's lineage), hashed (config_hash), shown (the
+    startup log) and tracked (W&B, TensorBoard). A credential in a field (a token in rm_url's query,
+    `--api-key` in vllm_extra_args) stays in the live configuration only."""
+    return redact_secrets(cfg.model_dump(mode="json"))
 
 
 def config_hash(cfg: VimeConfig) -> str:

@@ -44,6 +44,7 @@ from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
+from vime_core.utils.secrets import redact_secrets
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 
 if TYPE_CHECKING:
@@ -390,7 +391,7 @@ class EngineServer:
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(launch_line().encode())  # the zero of startup_marks
         self._log_file.flush()
-        logger.info("%s: starting %s (log %s)", self.name, " ".join(cmd), self.log_path)
+        logger.info("%s: starting %s (log %s)", self.name, " ".join(redact_secrets(cmd)), self.log_path)
         # Own session: shutdown signals the whole group (API server + engine-core child); under
         # the guard, which stops the group when this process dies (utils/orphan_guard.py).
         self._proc = subprocess.Popen(

@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 
 from vime_core.data.columns import BATCH_COLUMNS
 from vime_core.data.validation import UntrainableBatchError, validate_trainable
-from vime_core.storage.secrets import redact_secrets
+from vime_core.utils.secrets import redact_secrets
 
 SCHEMA_VERSION = 1
 """Bump when a column is added, removed or changes meaning; add an upgrade to `UPGRADES`."""

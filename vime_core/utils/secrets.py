@@ -1,0 +1,99 @@
+"""Keeping credentials out of stored configurations, metadata, logs and error messages.
+
+Rules, applied recursively to dicts, lists and strings:
+- a value under a key that names a credential (secret, password, token, access key, api key,
+  signature, ...) becomes `REDACTED`; keys that name where a credential is kept (`*_env`,
+  `*_file`, `*_path`: rm_api_key_env holds a variable's name, not its value) and `tokens`-style
+  data keys such as `max_tokens_per_gpu` are not credentials;
+- in a URI, the password of `scheme://user:password@host` and the value of a query parameter
+  named like a credential (`?api_key=...`, `&token=...`, `&X-Amz-Signature=...`) become `REDACTED`;
+- in a list of command-line words (vllm_extra_args), the value after a flag named like a
+  credential (`--api-key VALUE`, `--api-key=VALUE`) and the value of a `NAME=VALUE` word whose
+  NAME is one becomes `REDACTED`;
+- any occurrence of the current process's AWS credential values (from the environment) becomes
+  `REDACTED`, wherever it appears.
+Redacting twice gives the same text as redacting once, so a stored configuration's hash is
+that of the redacted configuration (config_hash) whichever of the two is hashed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+REDACTED = "<redacted>"
+
+_CREDENTIAL_WORDS = (
+    r"secret|passw(or)?d|access[_-]?key|session[_-]?token|auth[_-]?token|api[_-]?key|credential|"
+    r"private[_-]?key|signature|bearer|^token$|[_-]token$|^key$"
+)
+_CREDENTIAL_KEY = re.compile(f"({_CREDENTIAL_WORDS})", re.IGNORECASE)
+# Where a credential is kept is not a credential: rm_api_key_env, rm_api_key_file, ..._path.
+_LOCATION_KEY = re.compile(r"(_env|_file|_path|_dir)$", re.IGNORECASE)
+_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]+:)[^/@\s]+(?P<tail>@)")
+_QUERY_CREDENTIAL = re.compile(
+    r"(?P<head>[?&;](?P<name>[^=&#\s\"']*(key|token|secret|signature|sig|passw|auth|credential)[^=&#\s\"']*)=)"
+    + "(?!" + re.escape(REDACTED) + r")[^&#\s\"']*",
+    re.IGNORECASE,
+)
+_CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
+
+
+def credential_values() -> list[str]:
+    """The credential values set in this process's environment (long enough to be one)."""
+    return [v for v in (os.environ.get(name, "") for name in _CREDENTIAL_ENV) if len(v) >= 8]
+
+
+def is_credential_name(name: str) -> bool:
+    """Whether a key, flag or variable name names a credential (module docstring)."""
+    bare = name.lstrip("-")
+    return bool(_CREDENTIAL_KEY.search(bare)) and not _LOCATION_KEY.search(bare)
+
+
+def redact_text(text: str, secrets: list[str] | None = None) -> str:
+    """`text` with the environment's credential values, URI passwords and credential-named query
+    parameters' values replaced by REDACTED."""
+    for value in credential_values() if secrets is None else secrets:
+        text = text.replace(value, REDACTED)
+    text = _URI_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), text)
+    return _QUERY_CREDENTIAL.sub(lambda m: m.group("head") + REDACTED, text)
+
+
+def _redact_words(words: list[Any] | tuple[Any, ...], secrets: list[str]) -> list[Any]:
+    """A list with the values of credential-named flags (`--api-key V`, `--api-key=V`) and
+    `NAME=VALUE` words redacted, then every item by redact_secrets."""
+    out: list[Any] = []
+    hide_next = False
+    for word in words:
+        if hide_next and isinstance(word, str):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if isinstance(word, str):
+            name, sep, value = word.partition("=")
+            if sep and value and " " not in name and is_credential_name(name):
+                out.append(f"{name}={REDACTED}")
+                continue
+            if word.startswith("-") and not sep and is_credential_name(word):
+                hide_next = True
+        out.append(redact_secrets(word, secrets))
+    return out
+
+
+def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
+    """A copy of `obj` with credentials replaced by REDACTED (see module docstring)."""
+    secrets = credential_values() if secrets is None else secrets
+    if isinstance(obj, dict):
+        return {
+            k: (REDACTED if isinstance(k, str) and is_credential_name(k) and v not in (None, "", REDACTED)
+                and not isinstance(v, (bool, int, float))
+                else redact_secrets(v, secrets))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return _redact_words(obj, secrets)
+    if isinstance(obj, str):
+        return redact_text(obj, secrets)
+    return obj
