@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 
 import pytest
 
@@ -82,16 +83,209 @@ def test_json_array_file(tmp_path):
     assert [r.prompt_id for r in load_prompt_rows(str(path), _cfg())] == ["p0", "p1"]
 
 
-def test_prompt_length_filter_drops_and_logs(tmp_path, caplog):
-    rows = [{"prompt": "x" * n, "label": "a"} for n in (3, 10, 4, 11)]
+# ---- bad prompt rows (vime_core/data/prompt_checks.py) -----------------------------------------
+
+SECRET = "SECRET"  # in every bad row's prompt: no message may carry a prompt's text
+MAX_LEN = 20
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _templated_length(prompt):
+    """Tokens of a prompt by CharTokenizer, through its chat template for a message list."""
+    return len(CharTokenizer().apply_chat_template(prompt)) if isinstance(prompt, list) else len(prompt)
+
+
+TOO_LONG, TOO_LONG_TEMPLATED = SECRET * 5, [{"role": "user", "content": SECRET}]  # 6 tokens before the template
+# kind -> (the bad prompt, or MISSING for a row without the field; the reason it is counted under;
+# what the one-line refusal says about it)
+MISSING = object()
+BAD = {
+    "null": (None, "null", "the prompt field 'prompt' is null"),
+    "missing": (MISSING, "missing", r"no field 'prompt' \(input_key\)"),
+    "empty": ("", "empty", "the prompt field 'prompt' is empty or only whitespace"),
+    "whitespace": (" \n\t ", "empty", "the prompt field 'prompt' is empty or only whitespace"),
+    "no_messages": ([], "empty", "the prompt field 'prompt' is an empty list of messages"),
+    "number": (17, "not text", "the prompt field 'prompt' is of type int, not text or a list of chat messages"),
+    "bool": (True, "not text", "is of type bool, not text"),
+    "dict": ({"role": "user", "content": SECRET}, "not text", "is of type dict, not text"),
+    "list_of_text": ([SECRET, "x"], "not text", "is a list but not of chat messages"),
+    "too_long": (TOO_LONG, "too long",
+                 f"has {_templated_length(TOO_LONG)} tokens, more than rollout_max_prompt_len={MAX_LEN}"),
+    "too_long_templated": (TOO_LONG_TEMPLATED, "too long", f"has {_templated_length(TOO_LONG_TEMPLATED)} tokens after "
+                           f"the chat template, more than rollout_max_prompt_len={MAX_LEN}"),
+}
+
+
+def _row(prompt, i):
+    row = {"label": f"{SECRET}-label-{i}", "prompt_id": f"p{i}"}
+    return row if prompt is MISSING else {"prompt": prompt, **row}
+
+
+def _clean(n):
+    return [_row(f"{i}+1=", i) if i % 2 else _row(MESSAGES, i) for i in range(n)]
+
+
+def test_the_bad_kinds_are_bad_and_the_clean_rows_fit():
+    assert _templated_length(TOO_LONG) > MAX_LEN and len(SECRET) <= MAX_LEN < _templated_length(TOO_LONG_TEMPLATED)
+    assert all(_templated_length(r["prompt"]) <= MAX_LEN for r in _clean(6))
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_each_bad_prompt_is_refused_naming_file_and_row(kind, tmp_path, caplog):
+    prompt, _, says = BAD[kind]
+    rows = _clean(6)
+    bad_at = 3
+    rows[bad_at] = _row(prompt, bad_at)
+    path = _write_jsonl(tmp_path / "prompts.jsonl", rows)
+    error = KeyError if kind == "missing" else ValueError
+    with caplog.at_level(logging.INFO), pytest.raises(error) as refused:
+        DataSource(_cfg(rollout_max_prompt_len=MAX_LEN), path, tokenizer=CharTokenizer())
+    message = str(refused.value)
+    assert re.search(f"prompt data {re.escape(path)}, row {bad_at}: .*{says}", message), message
+    assert "1 of 6 rows is bad" in message and "--drop-bad-prompts" in message and "\n" not in message
+    assert SECRET not in message and SECRET not in caplog.text
+    from vime_core.faults import CONFIGURATION, classify
+
+    fault = classify(refused.value)  # a data error: the train flow does not retry it
+    assert fault.kind == CONFIGURATION and not fault.retryable
+
+
+def test_drop_bad_prompts_drops_exactly_the_bad_rows_and_counts_them(tmp_path, caplog):
+    rows = _clean(3 * len(BAD))
+    bad_rows = {3 * j + 1: kind for j, kind in enumerate(sorted(BAD))}  # row -> kind
+    for i, kind in bad_rows.items():
+        rows[i] = _row(BAD[kind][0], i)
+    path = _write_jsonl(tmp_path / "prompts.jsonl", rows)
+    cfg = _cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=True, rollout_shuffle=False)
+    with caplog.at_level(logging.INFO):
+        src = DataSource(cfg, path, tokenizer=CharTokenizer())
+    kept = [r for i, r in enumerate(rows) if i not in bad_rows]
+    assert [r.prompt_id for r in src.rows] == [r["prompt_id"] for r in kept]
+    assert [r.prompt for r in src.rows] == [r["prompt"] for r in kept]
+    expected = {}
+    for kind in bad_rows.values():
+        expected[BAD[kind][1]] = expected.get(BAD[kind][1], 0) + 1
+    assert src.dropped == expected and src.state_dict()["dropped_rows"] == expected
+    assert src.state_dict()["num_rows"] == len(rows) - len(bad_rows)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    line = warnings[0].getMessage()
+    assert f"dropped {len(bad_rows)} of {len(rows)} rows (drop_bad_prompts)" in line
+    for reason, count in expected.items():
+        first = [i for i, kind in sorted(bad_rows.items()) if BAD[kind][1] == reason]
+        assert f"({'rows' if count > 1 else 'row'} {', '.join(map(str, first[:5]))}" in line
+    assert f"{expected['null']} null (row " in line
+    assert f"{expected['too long']} longer than rollout_max_prompt_len={MAX_LEN} tokens (rows " in line
+    assert SECRET not in caplog.text
+    # every group handed out comes from a kept row
+    handed = {s.prompt_id for g in src.get_groups(2 * len(kept)) for s in g}
+    assert handed == {r["prompt_id"] for r in kept}
+
+
+def test_clean_data_loads_unchanged_in_either_mode(tmp_path, caplog):
+    rows = _clean(6)
+    path = _write_jsonl(tmp_path / "prompts.jsonl", rows)
+    tok = CharTokenizer()
+    text = [tok.apply_chat_template(r["prompt"]) if isinstance(r["prompt"], list) else r["prompt"] for r in rows]
+    expected = [(r["prompt_id"], r["prompt"], r["label"], [ord(c) for c in t]) for r, t in zip(rows, text)]
+    states = []
+    for drop in (False, True):
+        with caplog.at_level(logging.WARNING):
+            src = DataSource(_cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=drop), path, tokenizer=tok)
+        assert [(r.prompt_id, r.prompt, r.label, r.tokens) for r in src.rows] == expected
+        assert src.dropped == {} and caplog.text == ""
+        states.append(src.state_dict())
+    assert states[0] == states[1]  # the same fingerprint: a run may turn drop_bad_prompts on and resume
+
+
+def test_bad_prompts_in_parquet_are_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = ["1+1=", None, "2+2=", "   ", SECRET * 5, ""]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "label": [str(i) for i in range(len(prompts))]}), path)
+    with pytest.raises(ValueError, match=r"p\.parquet, row 1: the prompt field 'prompt' is null; 4 of 6 rows are") as e:
+        DataSource(_cfg(rollout_max_prompt_len=MAX_LEN), str(path), tokenizer=CharTokenizer())
+    assert SECRET not in str(e.value)
+    src = DataSource(_cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=True), str(path), tokenizer=CharTokenizer())
+    assert [r.prompt_id for r in src.rows] == ["row-0", "row-2"]  # ids from the original row numbers
+    assert src.dropped == {"null": 1, "empty": 2, "too long": 1}
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"prompt": [1, 2]}), ints)
+    with pytest.raises(ValueError, match=r"ints\.parquet, row 0: the prompt field 'prompt' is of type int"):
+        load_prompt_rows(str(ints), _cfg())  # without a tokenizer too: the checks that need none
+
+
+def test_every_row_bad_fails_in_either_mode(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [_row(None, 0), _row("", 1), _row(TOO_LONG, 2)])
+    for drop, match in ((True, "every row is bad, no prompt left"), (False, "row 0: .*is null; 3 of 3 rows are bad")):
+        with pytest.raises(ValueError, match=match) as e:
+            DataSource(_cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=drop), path, tokenizer=CharTokenizer())
+        summary = f"1 null (row 0), 1 empty (row 1), 1 longer than rollout_max_prompt_len={MAX_LEN} tokens (row 2)"
+        assert summary in str(e.value)
+        assert SECRET not in str(e.value)
+    wrong_key = _write_jsonl(tmp_path / "q.jsonl", [{"question": SECRET}] * 2)
+    with pytest.raises(ValueError, match=r"every row is bad.*2 without field 'prompt'.*fields: \['question'\]"):
+        load_prompt_rows(wrong_key, _cfg(drop_bad_prompts=True))
+    (tmp_path / "none.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="none.jsonl: no rows"):
+        load_prompt_rows(str(tmp_path / "none.jsonl"), _cfg(drop_bad_prompts=True))
+
+
+def test_eval_loader_follows_the_same_rules(tmp_path):
+    """RolloutManager.eval loads eval_prompt_data with load_prompt_rows and the tokenizer."""
+    rows = _clean(4)
+    rows[2] = _row(TOO_LONG, 2)
+    path = _write_jsonl(tmp_path / "eval.jsonl", rows)
+    says = f"has {len(TOO_LONG)} tokens, more than rollout_max_prompt_len={MAX_LEN}"
+    with pytest.raises(ValueError, match=rf"eval\.jsonl, row 2: .*{says}"):
+        load_prompt_rows(path, _cfg(rollout_max_prompt_len=MAX_LEN), CharTokenizer())
+    kept = load_prompt_rows(path, _cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=True), CharTokenizer())
+    assert [r.prompt_id for r in kept] == ["p0", "p1", "p3"]
+
+
+def test_some_rows_without_a_label_are_warned_about(tmp_path, caplog):
+    rows = _clean(8)
+    for i in (2, 5):
+        del rows[i]["label"]
+    rows[6]["label"] = None
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
-    with caplog.at_level(logging.INFO, logger="vime_core.data.data_source"):
-        src = DataSource(_cfg(rollout_max_prompt_len=4), path, tokenizer=CharTokenizer())
-    assert len(src) == 2
-    assert [r.prompt_id for r in src.rows] == ["row-0", "row-2"]  # ids from the original row index
-    assert "dropped 2 of 4" in caplog.text and "rollout_max_prompt_len=4" in caplog.text
-    with pytest.raises(ValueError, match="no prompt fits rollout_max_prompt_len=2"):
-        DataSource(_cfg(rollout_max_prompt_len=2), path, tokenizer=CharTokenizer())
+    with caplog.at_level(logging.WARNING):
+        src = DataSource(_cfg(rollout_max_prompt_len=MAX_LEN), path, tokenizer=CharTokenizer())
+    assert [r.label is None for r in src.rows] == [i in (2, 5, 6) for i in range(8)]
+    assert "rows 2, 5, 6 (3 of 8 prompts) have no label (label_key 'label')" in caplog.text
+    caplog.clear()
+    unlabelled = _write_jsonl(tmp_path / "u.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    with caplog.at_level(logging.WARNING):
+        DataSource(_cfg(rollout_max_prompt_len=MAX_LEN), unlabelled, tokenizer=CharTokenizer())
+    assert caplog.text == ""  # no labels at all: a reward function that needs none
+
+
+def test_resume_with_dropped_rows_is_exact_and_refuses_other_drops(tmp_path):
+    rows = _clean(9)
+    for i, kind in ((1, "null"), (4, "too_long"), (7, "number")):
+        rows[i] = _row(BAD[kind][0], i)
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = _cfg(rollout_max_prompt_len=MAX_LEN, drop_bad_prompts=True, rollout_shuffle=True, seed=4)
+    plan_before, plan_after = [2, 3], [4, 3]  # crosses an epoch of 6 kept prompts
+
+    straight = DataSource(cfg, path, tokenizer=CharTokenizer())
+    expected = _drain(straight, plan_before + plan_after)
+    interrupted = DataSource(cfg, path, tokenizer=CharTokenizer())
+    got = _drain(interrupted, plan_before)
+    state = json.loads(json.dumps(interrupted.state_dict()))
+    resumed = DataSource(cfg, path, tokenizer=CharTokenizer())
+    resumed.load_state_dict(state)
+    got += _drain(resumed, plan_after)
+    assert got == expected and resumed.epoch == straight.epoch >= 1
+    # a longer limit keeps row 4: other rows, so the saved cursor would point elsewhere
+    longer_cfg = _cfg(rollout_max_prompt_len=len(TOO_LONG), drop_bad_prompts=True)
+    longer = DataSource(longer_cfg, path, tokenizer=CharTokenizer())
+    assert len(longer) == len(straight) + 1 == len(rows) - 2
+    with pytest.raises(ValueError, match=rf"{len(rows) - 3} prompts, 3 rows dropped \(1 null, 1 too long, 1 not text\)"
+                                         rf".*{len(rows) - 2} prompts, 2 rows dropped \(1 null, 1 not text\)"):
+        longer.load_state_dict(state)
 
 
 def test_chat_template_and_message_prompts(tmp_path):

@@ -50,29 +50,29 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
-def _saved_dataset(tmp_path):
+def _saved_dataset(tmp_path, rows=ROWS):
     path = tmp_path / "saved"
-    datasets.Dataset.from_list(ROWS).save_to_disk(str(path))
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
     return str(path)
 
 
-def _saved_dataset_dict(tmp_path):
+def _saved_dataset_dict(tmp_path, rows=ROWS):
     path = tmp_path / "saved-dict"
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])})
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(ROWS[:2])})
     dd.save_to_disk(str(path))
     return str(path)
 
 
-def _data_files_folder(tmp_path):
+def _data_files_folder(tmp_path, rows=ROWS):
     """A folder of data files as on the hub (train/test by file name), read by load_dataset."""
     path = tmp_path / "files"
     path.mkdir()
-    _write_jsonl(path / "train.jsonl", ROWS)
+    _write_jsonl(path / "train.jsonl", rows)
     _write_jsonl(path / "test.jsonl", ROWS[:3])
     return str(path)
 
 
-def _hub_cache(tmp_path, cache):
+def _hub_cache(tmp_path, cache, rows=ROWS):
     """The HF datasets cache as `load_dataset("vime-test/arith", "main")` leaves it after a
     download (<namespace>___<name>/<config>/<version>/<hash>/ with Arrow files and
     dataset_info.json): built with the json builder, then put where the hub download goes."""
@@ -80,7 +80,7 @@ def _hub_cache(tmp_path, cache):
 
     src = tmp_path / "hub-src"
     src.mkdir()
-    files = {"train": _write_jsonl(src / "train.jsonl", ROWS), "test": _write_jsonl(src / "test.jsonl", ROWS[:3])}
+    files = {"train": _write_jsonl(src / "train.jsonl", rows), "test": _write_jsonl(src / "test.jsonl", ROWS[:3])}
     builder = Json(cache_dir=str(tmp_path / "scratch"), dataset_name="arith", config_name="main", data_files=files)
     builder.download_and_prepare()
     shutil.copytree(builder.cache_dir, cache / "vime-test___arith" / "main" / "0.0.0" / "0123456789abcdef")
@@ -208,6 +208,33 @@ def test_run_config_checks_sources_before_anything_starts(tmp_path, tiny_model_d
         resolve_run_config(_cfg(prompt_data=HUB_NAME, input_key="prompt", **base), base=tmp_path)
     with pytest.raises(FileNotFoundError, match="nobody/nothing"):
         resolve_run_config(_cfg(prompt_data="nobody/nothing", **base), base=tmp_path)
+
+
+DATASET_KINDS = {  # kind -> (maker, whether the source has splits)
+    "saved_dataset": (lambda tmp_path, cache, rows: _saved_dataset(tmp_path, rows), False),
+    "saved_dataset_dict": (lambda tmp_path, cache, rows: _saved_dataset_dict(tmp_path, rows), True),
+    "data_files_folder": (lambda tmp_path, cache, rows: _data_files_folder(tmp_path, rows), True),
+    "hub_cache": (_hub_cache, True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DATASET_KINDS))
+def test_bad_rows_of_datasets_are_named_with_their_split(kind, tmp_path, datasets_cache):
+    """A null and a blank question: refused naming the dataset, its split and the row; dropped
+    and counted with drop_bad_prompts (vime_core/data/prompt_checks.py)."""
+    bad = {4: None, 5: "  "}  # row -> question
+    rows = [{**r, "question": bad.get(i, r["question"])} for i, r in enumerate(ROWS)]
+    make, has_splits = DATASET_KINDS[kind]
+    spec = make(tmp_path, datasets_cache, rows)
+    where = f"{spec} (split 'train')" if has_splits else spec
+    with pytest.raises(ValueError) as refused:
+        DataSource(_cfg(), spec, tokenizer=CharTokenizer())
+    assert str(refused.value).startswith(
+        f"prompt data {where}, row 4: the prompt field 'question' is null; 2 of {len(rows)} rows are bad: "
+        "1 null (row 4), 1 empty (row 5)")
+    src = DataSource(_cfg(drop_bad_prompts=True), spec, tokenizer=CharTokenizer())
+    assert [r.prompt_id for r in src.rows] == [f"row-{i}" for i in range(len(rows)) if i not in bad]
+    assert src.dropped == {"null": 1, "empty": 1}
 
 
 # ---- resume of the data cursor, for every kind --------------------------------------------------

@@ -6,8 +6,10 @@ prompt = row[cfg.input_key] (text, or a list of chat messages), label = row[cfg.
 (None when absent), prompt_id = row["prompt_id"] when present else "row-<i>", and the other
 columns in metadata. The prompt is tokenised (through the chat template when
 cfg.apply_chat_template or when it is a message list, with cfg.apply_chat_template_kwargs passed
-to the template); prompts longer than cfg.rollout_max_prompt_len tokens are dropped, and the
-count is logged.
+to the template). A row whose prompt is missing, null, empty, not text or longer than
+cfg.rollout_max_prompt_len tokens stops the load, or is dropped and counted with
+cfg.drop_bad_prompts (vime_core/data/prompt_checks.py); the counts go with the dataset's size into
+`state_dict()`, which every stored batch's lineage holds.
 
 Handing out: `get_groups(k)` returns k groups, first those returned by `add_back` (oldest first,
 exactly as they came back, partial responses included), then new ones: for the next prompt of
@@ -19,8 +21,9 @@ An epoch is one pass over the prompts in the order random.Random(seed + epoch).s
 (identity when not cfg.rollout_shuffle); at its end the next epoch starts.
 
 Resume: `state_dict()` holds the epoch, cursor, seed, shuffle flag, the group counter, the
-returned-samples buffer and a fingerprint of the dataset; `load_state_dict()` on a source built
-from the same data continues exactly where the saved one stopped.
+returned-samples buffer and a fingerprint of the dataset (the kept rows' ids and tokens: the same
+data and settings drop the same rows on every load); `load_state_dict()` on a source built from
+the same data continues exactly where the saved one stopped.
 """
 
 from __future__ import annotations
@@ -28,15 +31,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from vime_core.data.prompt_checks import FIRST_ROWS, BadRows, length_problem, prompt_problem, warn_partial_labels
 from vime_core.data.sample import Sample
-from vime_core.data.sources import read_records
-
-log = logging.getLogger(__name__)
+from vime_core.data.sources import describe, read_records
 
 STATE_VERSION = 1
 
@@ -53,27 +54,50 @@ class PromptRow:
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def load_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str] = None) -> list[PromptRow]:
+@dataclass
+class LoadedPrompts:
+    rows: list[PromptRow]  # the usable rows, in the source's order
+    dropped: dict[str, int]  # reason -> rows dropped with drop_bad_prompts (prompt_checks.py)
+
+
+def read_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str] = None) -> LoadedPrompts:
     """Rows of a prompt source (also the eval set; `split` of a folder or hub dataset, default
-    cfg.prompt_data_split); tokenised and length-filtered when a tokenizer is given (module
-    docstring)."""
-    records = read_records(path, split or cfg.prompt_data_split)
+    cfg.prompt_data_split), each checked (vime_core/data/prompt_checks.py) and, when a tokenizer
+    is given, tokenised and checked for length (module docstring)."""
+    split = split or cfg.prompt_data_split
+    where = describe(path, split)
+    records = read_records(path, split)
+    if not records:
+        raise ValueError(f"prompt data {where}: no rows")
+    bad = BadRows(where, cfg.input_key, cfg.rollout_max_prompt_len)
     rows: list[PromptRow] = []
+    unlabelled: list[int] = []  # the first few rows kept without a label, and how many
+    num_unlabelled = 0
     for i, record in enumerate(records):
-        if cfg.input_key not in record:
-            raise KeyError(f"prompt data {path}, row {i}: no field {cfg.input_key!r} (input_key); fields: {sorted(record)}")
+        problem = prompt_problem(record, cfg.input_key)
+        prompt = record.get(cfg.input_key)
+        tokens: list[int] = []
+        if problem is None and tokenizer is not None:
+            tokens = tokenize_prompt(tokenizer, prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs)
+            templated = isinstance(prompt, list) or cfg.apply_chat_template
+            problem = length_problem(len(tokens), cfg.rollout_max_prompt_len, cfg.input_key, templated)
+        if problem is not None:
+            bad.add(i, *problem)
+            continue
         prompt_id = str(record["prompt_id"]) if record.get("prompt_id") is not None else f"row-{i}"
         extra = {k: v for k, v in record.items() if k not in (cfg.input_key, cfg.label_key, "prompt_id")}
-        rows.append(PromptRow(prompt_id, record[cfg.input_key], record.get(cfg.label_key), extra))
-    if tokenizer is None:
-        return rows
-    for row in rows:
-        row.tokens = tokenize_prompt(tokenizer, row.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs)
-    kept = [r for r in rows if len(r.tokens) <= cfg.rollout_max_prompt_len]
-    if len(kept) < len(rows):
-        log.info("prompt data %s: dropped %d of %d prompts longer than rollout_max_prompt_len=%d tokens",
-                 path, len(rows) - len(kept), len(rows), cfg.rollout_max_prompt_len)
-    return kept
+        rows.append(PromptRow(prompt_id, prompt, record.get(cfg.label_key), extra, tokens))
+        if rows[-1].label is None:
+            num_unlabelled += 1
+            unlabelled += [i] if len(unlabelled) <= FIRST_ROWS else []
+    bad.settle(len(records), cfg.drop_bad_prompts)
+    warn_partial_labels(where, unlabelled, num_unlabelled, len(rows), cfg.label_key)
+    return LoadedPrompts(rows, bad.counts)
+
+
+def load_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str] = None) -> list[PromptRow]:
+    """The usable rows of `read_prompt_rows`."""
+    return read_prompt_rows(path, cfg, tokenizer, split).rows
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool, chat_template_kwargs: Optional[dict] = None) -> list[int]:
@@ -110,9 +134,9 @@ class DataSource:
         self.run_name = cfg.run_name
         self.shuffle = cfg.rollout_shuffle
         self.seed = cfg.seed
-        self.rows = load_prompt_rows(self.path, cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg), self.split)
-        if not self.rows:
-            raise ValueError(f"prompt data {self.path}: no prompt fits rollout_max_prompt_len={cfg.rollout_max_prompt_len}")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        loaded = read_prompt_rows(self.path, cfg, tokenizer, self.split)
+        self.rows, self.dropped = loaded.rows, loaded.dropped
         self.fingerprint = hashlib.sha256(
             json.dumps([[r.prompt_id, r.tokens] for r in self.rows]).encode()
         ).hexdigest()[:16]
@@ -195,6 +219,7 @@ class DataSource:
             "split": self.split,
             "fingerprint": self.fingerprint,
             "num_rows": len(self.rows),
+            "dropped_rows": dict(self.dropped),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "epoch": self.epoch,
@@ -208,8 +233,9 @@ class DataSource:
             raise ValueError(f"data source state version {state.get('version')!r}; this code reads {STATE_VERSION}")
         if state["fingerprint"] != self.fingerprint or state["num_rows"] != len(self.rows):
             raise ValueError(
-                f"data source state was saved for {state['path']} ({state['num_rows']} prompts, fingerprint "
-                f"{state['fingerprint']}); this source reads {self.path} ({len(self.rows)} prompts, {self.fingerprint})"
+                f"data source state was saved for {state['path']} ({state['num_rows']} prompts"
+                f"{_dropped(state.get('dropped_rows'))}, fingerprint {state['fingerprint']}); this source reads "
+                f"{self.path} ({len(self.rows)} prompts{_dropped(self.dropped)}, {self.fingerprint})"
             )
         # The saved seed/shuffle win: they define the order the saved cursor points into.
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
@@ -217,3 +243,11 @@ class DataSource:
         self.next_group_index = int(state["next_group_index"])
         self.buffer = [[Sample.from_dict(copy.deepcopy(d)) for d in g] for g in state["buffer"]]
         self._order = self._epoch_order(self.epoch)
+
+
+def _dropped(counts: Optional[dict]) -> str:
+    """", 3 rows dropped (2 null, 1 too long)" for a state's drop counts; "" for none."""
+    if not counts:
+        return ""
+    total = sum(counts.values())
+    return f", {total} row{'s' if total > 1 else ''} dropped ({', '.join(f'{n} {reason}' for reason, n in counts.items())})"

@@ -64,6 +64,15 @@ def resolve_local(spec: str, base: Path) -> str:
     return os.path.abspath(absolute)
 
 
+def describe(spec: str, split: str) -> str:
+    """The source as messages name it: the file, the folder or hub name with its split (a
+    `Dataset.save_to_disk` folder has none)."""
+    kind = source_kind(spec)
+    if kind == "file" or (kind == "folder" and (Path(spec).expanduser() / "state.json").is_file()):
+        return spec
+    return f"{spec} (split {split!r})"
+
+
 def read_records(spec: str, split: str) -> list[dict]:
     """Every row of the source as a dict of column -> value, in the source's order."""
     kind = source_kind(spec)

@@ -1,0 +1,129 @@
+"""Which prompt rows can be trained on: checked while a prompt source loads (training and eval).
+
+A row's prompt is row[input_key]; the row is bad when that prompt is
+
+    missing    the row has no field input_key
+    null       None ("None" would be trained on as text)
+    empty      "" or only whitespace, an empty message list, or no token after tokenisation
+               (the engines answer such a request with a 400)
+    not text   anything but a str or a list of chat messages (dicts with a "role"): a number,
+               a bool, a dict, a list of anything else
+    too long   more than rollout_max_prompt_len tokens, counted after the chat template
+
+(the last one only where the loader tokenises). Each one can only mean nothing, so by default the
+load stops at the source's first bad row, in one line naming the source, the row (counted from 0,
+as in prompt_id "row-<i>"), the reason and how many rows are bad in all. With drop_bad_prompts the
+bad rows are dropped and counted instead: one warning per source with the count per reason and the
+first rows' numbers; a source with no row left fails. The same rows are dropped on every load of
+the same data with the same settings, so the data source's resume fingerprint (built from the kept
+rows) holds across restarts. Messages never hold a prompt's text, which may be private: only row
+numbers, counts, types and token counts.
+
+Labels are not checked: whether a row needs one is the reward function's business (a reward model
+or a format reward needs none). A source where some rows have a label and others none gets a
+warning naming how many and which, since that is most likely a data error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+FIRST_ROWS = 5  # row numbers named per reason in a summary
+
+
+def _rows(numbers: list[int]) -> str:
+    """e.g. "row 3", "rows 3, 17", "rows 1, 2, 3, 4, 5, ..." (`numbers`: the first FIRST_ROWS + 1
+    row numbers, or all when fewer)"""
+    named = ", ".join(str(r) for r in numbers[:FIRST_ROWS]) + (", ..." if len(numbers) > FIRST_ROWS else "")
+    return f"row{'s' if len(numbers) > 1 else ''} {named}"
+
+
+def prompt_problem(record: dict, input_key: str) -> Optional[tuple[str, str]]:
+    """(reason, one line saying why) for a row whose prompt cannot be used (module docstring),
+    else None. Nothing of the prompt's text goes into the line."""
+    if input_key not in record:
+        return "missing", f"no field {input_key!r} (input_key); fields: {sorted(record)}"
+    prompt = record[input_key]
+    what = f"the prompt field {input_key!r}"
+    if prompt is None:
+        return "null", f"{what} is null"
+    if isinstance(prompt, str):
+        return ("empty", f"{what} is empty or only whitespace") if not prompt.strip() else None
+    if isinstance(prompt, list):
+        if not prompt:
+            return "empty", f"{what} is an empty list of messages"
+        if all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+            return None
+        return "not text", f"{what} is a list but not of chat messages (objects with a 'role'), nor text"
+    return "not text", f"{what} is of type {type(prompt).__name__}, not text or a list of chat messages"
+
+
+def length_problem(num_tokens: int, max_len: int, input_key: str, templated: bool) -> Optional[tuple[str, str]]:
+    """(reason, line) for a tokenised prompt of `num_tokens` that cannot be used, else None."""
+    what = f"the prompt field {input_key!r}"
+    after = " after the chat template" if templated else ""
+    if num_tokens == 0:
+        return "empty", f"{what} has no token{after}"
+    if num_tokens > max_len:
+        return "too long", f"{what} has {num_tokens} tokens{after}, more than rollout_max_prompt_len={max_len}"
+    return None
+
+
+@dataclass
+class BadRows:
+    """The bad rows of one source, in row order: `add` each, then `settle` once."""
+
+    where: str  # the source, as messages name it
+    input_key: str
+    max_len: int  # rollout_max_prompt_len
+    counts: dict[str, int] = field(default_factory=dict)  # reason -> bad rows
+    rows: dict[str, list[int]] = field(default_factory=dict)  # reason -> its first FIRST_ROWS + 1 rows
+    first: Optional[tuple[int, str, str]] = None  # (row, reason, line) of the first bad row
+
+    def add(self, row: int, reason: str, line: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        rows = self.rows.setdefault(reason, [])
+        rows += [row] if len(rows) <= FIRST_ROWS else []
+        if self.first is None:
+            self.first = (row, reason, line)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        """e.g. "2 null (rows 3, 17), 1 longer than rollout_max_prompt_len=1024 tokens (row 8)"."""
+        says = {"missing": f"without field {self.input_key!r}",
+                "too long": f"longer than rollout_max_prompt_len={self.max_len} tokens"}
+        return ", ".join(f"{self.counts[reason]} {says.get(reason, reason)} ({_rows(rows)})"
+                         for reason, rows in self.rows.items())
+
+    def settle(self, num_rows: int, drop: bool) -> None:
+        """Refuse the source (drop False) or warn once about what was dropped (drop True); a
+        source whose every row is bad fails either way. KeyError when the named row lacks the
+        field (as a missing column), else ValueError: both are configuration or data errors
+        that the train flow does not retry (vime_core/faults.py)."""
+        if self.first is None:
+            return
+        row, reason, line = self.first
+        of = f"{self.total} of {num_rows} rows"
+        if not drop:
+            error = KeyError if reason == "missing" else ValueError
+            raise error(f"prompt data {self.where}, row {row}: {line}; {of} {'is' if self.total == 1 else 'are'} bad: "
+                        f"{self.summary()} (set --drop-bad-prompts to drop such rows)")
+        if self.total == num_rows:
+            raise ValueError(f"prompt data {self.where}: every row is bad, no prompt left ({self.summary()}; "
+                             f"row {row}: {line})")
+        log.warning("prompt data %s: dropped %s (drop_bad_prompts): %s", self.where, of, self.summary())
+
+
+def warn_partial_labels(where: str, unlabelled: list[int], num_unlabelled: int, num_kept: int, label_key: str) -> None:
+    """One warning when some of the `num_kept` rows kept have a label and `num_unlabelled` none
+    (module docstring); `unlabelled`: the first of those rows' numbers (FIRST_ROWS + 1 suffice)."""
+    if 0 < num_unlabelled < num_kept:
+        log.warning("prompt data %s: %s (%d of %d prompts) have no label (label_key %r); the reward function gets "
+                    "None for them", where, _rows(unlabelled), num_unlabelled, num_kept, label_key)
