@@ -40,6 +40,7 @@ import re
 
 from vime_core.data.sample import Sample, Status
 from vime_core.rollout.multi_turn import ToolResult, generate_multi_turn
+from vime_core.rollout.sandbox import SandboxedTool, SandboxLimits
 
 MAX_TURNS = 4  # model turns per sample: at most 3 calculator calls
 MAX_DIGITS = 12  # per number in a call, and of a result
@@ -94,9 +95,21 @@ class Calculator:
 CALCULATOR = Calculator()
 
 
+def answer(response_text: str) -> dict:
+    """The calculator's answer as JSON values: what the sandboxed calculator's child returns."""
+    result = CALCULATOR(response_text)
+    return {"call": result.call, "output": result.output, "error": result.error}
+
+
+# The rollout's calls run in the sandbox (vime_core/rollout/sandbox.py): the calculator reads text
+# the model wrote, so a call gets a time and memory limit and no file system or network.
+SANDBOXED_CALCULATOR = SandboxedTool("recipes.tool_use.calculator:answer", CALL_MARKER,
+                                     SandboxLimits(wall_s=5.0, memory_mb=256))
+
+
 async def generate(ctx, sample: Sample, sampling_params: dict) -> Sample:
-    """The custom generate hook: up to MAX_TURNS model turns, the calculator between them."""
-    return await generate_multi_turn(ctx, sample, sampling_params, CALCULATOR, MAX_TURNS)
+    """The custom generate hook: up to MAX_TURNS model turns, the sandboxed calculator between them."""
+    return await generate_multi_turn(ctx, sample, sampling_params, SANDBOXED_CALCULATOR, MAX_TURNS)
 
 
 def final_answer(response: str) -> str | None:

@@ -297,9 +297,11 @@ def test_a_slow_tool_answers_nothing_after_its_timeout(make_cfg, tokenizer):
     assert tool["start"] == tool["end"] and "within 0.05 s" in tool["error"] and sample.status is Status.COMPLETED
 
 
+@pytest.mark.integration  # the recipe's calculator answers from its sandbox's child processes
 def test_the_recipe_hook_runs_in_the_rollout_loop(make_cfg, tokenizer, tmp_path):
     """The hooks loaded by path as the RolloutManager does, through the real rollout loop and
-    the batch builder: every sample has its turns, tool tokens untrained."""
+    the batch builder: every sample has its turns, tool tokens untrained, the calculator's
+    answers from its sandbox."""
     from tests.unit.test_rollout_loop import make_state
     from vime_core.data.batch import build_batch
     from vime_core.rollout.loop import generate_rollout
