@@ -71,7 +71,7 @@ class ConfigFields(BaseModel):
     label_key: str = Field("label", description="Field of a dataset row holding the reference answer given to the reward function.")
     apply_chat_template: bool = Field(False, description="Wrap each prompt in the tokenizer's chat template before tokenising.")
     apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description='Extra keyword arguments for the tokenizer\'s chat template wherever it is applied (training and eval prompts), a JSON object, e.g. \'{"enable_thinking": false}\'.')
-    drop_bad_prompts: bool = Field(False, description="A prompt row that is null, empty, not text (or chat messages), or longer than rollout_max_prompt_len tokens is dropped when the dataset loads and counted (a warning with the count and the first rows' numbers). False: such a row stops the load with an error naming the file and the row.")
+    drop_bad_prompts: bool = Field(False, description="A prompt row whose prompt field is missing, null, empty, not text (or chat messages), or longer than rollout_max_prompt_len tokens is dropped when the dataset loads and counted (a warning with the count and the first rows' numbers). False: such a row stops the load with an error naming the file and the row.")
     rollout_shuffle: bool = Field(True, description="Shuffle the prompt dataset each epoch (seeded).")
     eval_prompt_data: str = Field("", description="Eval dataset (same format as prompt_data). Empty: the embedded task's eval split.")
     eval_prompt_data_split: Optional[str] = Field(None, description="Split read from a dataset folder or hub dataset in eval_prompt_data. Default: prompt_data_split.")
