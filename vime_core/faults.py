@@ -22,7 +22,9 @@ every time: retrying only hides it, so the run stops and says what to fix.
     configuration or data (not retried)
         ValueError                      a bad setting (ConfigError, pydantic's ValidationError)
                                         or data (UntrainableBatchError, SchemaError,
-                                        CheckpointError, HookLoadError: all ValueErrors)
+                                        CheckpointError, HookLoadError, the rollout's
+                                        RewardFailureError and FilterExhaustedError: all
+                                        ValueErrors)
         TypeError, KeyError, LookupError, ImportError, FileNotFoundError, NotADirectoryError,
         PermissionError
     anything else (not retried)         most likely a bug: a second try would fail the same way

@@ -7,16 +7,21 @@ import asyncio
 import json
 import threading
 import time
+from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
+import torch
 
+from tests.unit.test_batch import _sample as _batch_sample
 from vime_core.config import load_config
+from vime_core.data.batch import build_batch
 from vime_core.data.sample import Sample, Status
 from vime_core.rewards.filters import check_reward_nonzero_std, keep_all, load_filter
 from vime_core.rewards.hub import RewardHub
 from vime_core.rewards.math_checker import extract_answer, extract_boxed, is_equiv, math_reward
-from vime_core.rewards.remote import RemoteRewardError, RemoteRewardModel, redact_url
+from vime_core.rewards.remote import RemoteRewardError, RemoteRewardModel, parse_reward, redact_url
 from vime_core.rewards.scorers import exact_match_reward, f1_score
 from vime_core.utils.imports import HookLoadError, load_function
 
@@ -169,10 +174,73 @@ def test_raising_reward_marks_sample_failed_and_goes_on(hooks):
 def test_non_numeric_reward_and_wrong_group_length_fail(hooks):
     s = _sample("a", None)
     asyncio.run(_hub(custom_rm_path=f"{hooks}:not_a_number").score(s))
-    assert s.status == Status.FAILED and s.metadata["reward_error"].startswith("TypeError")
+    assert s.status == Status.FAILED and s.metadata["reward_error"].startswith("InvalidRewardError")
+    assert s.metadata["reward_error_type"] == "returned str" and "high" not in s.metadata["reward_error"]
     group = [_sample("a", None), _sample("b", None)]
     asyncio.run(_hub(custom_rm_path=f"{hooks}:short_group", group_rm=True).score_group(group))
     assert all(g.status == Status.FAILED for g in group)
+
+
+REALS = [True, False, 7, -0.5, Fraction(1, 4), np.float32(0.25), np.float16(-2.0), np.int64(3), np.uint8(200),
+         np.bool_(True), np.array(2.5), np.array(1, dtype=np.int32), torch.tensor(1.5), torch.tensor(4),
+         torch.tensor(True), torch.tensor(0.5, dtype=torch.bfloat16)]
+
+
+def _returning(value, **over) -> RewardHub:
+    hub = _hub(**over)
+    hub.fn = lambda arg: value
+    return hub
+
+
+@pytest.mark.parametrize("value", REALS, ids=repr)
+def test_every_real_scalar_is_a_reward(value):
+    expected = float(value.item() if hasattr(value, "item") else value)
+    s = _sample("a", None)
+    asyncio.run(_returning(value).score(s))
+    assert s.reward == expected and s.status == Status.PENDING and "reward_error" not in s.metadata
+
+
+def test_a_group_function_may_answer_an_array_and_a_bad_value_fails_only_its_sample():
+    scores = [np.float32(0.5), np.int64(1), np.bool_(False)]
+    group = [_sample("a", None) for _ in scores]
+    asyncio.run(_returning(np.array(scores), custom_rm_path="vime_core.rewards.filters:keep_all", group_rm=True)
+                .score_group(group))
+    assert [g.reward for g in group] == [float(v) for v in scores]
+    group = [_sample("a", None) for _ in range(3)]
+    asyncio.run(_returning(torch.tensor([1.0, float("nan"), 0.0]), custom_rm_path="vime_core.rewards.filters:keep_all",
+                           group_rm=True).score_group(group))
+    assert [g.status for g in group] == [Status.PENDING, Status.FAILED, Status.PENDING]
+    assert group[1].metadata["reward_error_type"] == "returned a non-finite float (NaN or Inf)"
+
+
+SECRET = "sk-secret-0.9"
+
+
+@pytest.mark.parametrize("value, what", [
+    (1 + 2j, "returned complex"), (np.complex64(1), "returned numpy.complex64"), (SECRET, "returned str"),
+    (None, "returned NoneType"), ([0.9], "returned list"), (np.array([0.9]), "returned numpy.ndarray[shape (1,)]"),
+    (torch.tensor([0.9]), "returned torch.Tensor[shape (1,)]"), (float("nan"), "returned a non-finite float (NaN or Inf)"),
+    (np.float32("inf"), "returned a non-finite numpy.float32 (NaN or Inf)"),
+    (torch.tensor(float("-inf")), "returned a non-finite torch.Tensor[torch.float32] (NaN or Inf)"),
+], ids=repr)
+def test_what_is_not_a_finite_real_fails_the_sample_naming_its_type_only(value, what):
+    s = _sample("a", None)
+    asyncio.run(_returning(value).score(s))
+    assert s.status == Status.FAILED and s.reward == 0.0
+    assert s.metadata["reward_error_type"] == what
+    assert s.metadata["reward_error"] == f"InvalidRewardError: the reward function {what}; expected a finite real " \
+                                         f"number (int, float, bool, a numpy or torch scalar)"
+
+
+def test_the_remote_reward_follows_the_same_rule_and_never_quotes_the_answer():
+    assert parse_reward(True) == 1.0 and parse_reward({"reward": 0}) == 0.0
+    assert parse_reward(json.loads('{"reward": 2.5}')) == 2.5
+    for payload, shown in [({"reward": SECRET}, "{'reward': str}"), (json.loads("NaN"), "a non-finite float (NaN or Inf)"),
+                           ({"score": SECRET}, "{'reward': NoneType}"), ([SECRET], "list")]:
+        with pytest.raises(RemoteRewardError) as info:
+            parse_reward(payload, "http://rm:8000/score")
+        assert str(info.value) == (f"reward model http://rm:8000/score answered {shown}; expected a finite number "
+                                   f"or {{'reward': number}}")
 
 
 # ---- hook loading ---------------------------------------------------------------------------------
@@ -198,6 +266,28 @@ def test_bad_custom_rm_path_fails_at_hub_construction():
 
 
 # ---- filters --------------------------------------------------------------------------------------
+
+
+def _failed(group: int, index: int):
+    s = _batch_sample(group, index, 0.0, status=Status.FAILED)  # the hub's placeholder reward
+    s.metadata["reward_error"] = "ValueError: boom"
+    return s
+
+
+def test_a_group_whose_counted_rewards_are_equal_is_rejected():
+    """[1, 1, 1, FAILED]: the normalisation leaves FAILED out, so every advantage is 0; the filter
+    must drop the group too (it used to score FAILED as 0 and keep it)."""
+    group = [_batch_sample(0, i, 1.0) for i in range(3)] + [_failed(0, 3)]
+    assert check_reward_nonzero_std(group) is False
+
+
+@pytest.mark.parametrize("rewards", [[1, 1, 1, None], [1, 0, None, None], [None] * 4, [0.5, None], [1, 0, 1, 0],
+                                     [2, 2], [0.5, 0.5, None, 1.0]], ids=repr)
+def test_the_filter_keeps_a_group_exactly_when_its_advantages_are_not_all_zero(rewards):
+    """One rule for the filter and the normalisation (data/group_rewards.py): None is a FAILED sample."""
+    group = [_failed(0, i) if r is None else _batch_sample(0, i, float(r)) for i, r in enumerate(rewards)]
+    advantages = build_batch(group, load_config())["advantage"]
+    assert check_reward_nonzero_std(group) is any(a != 0.0 for a in advantages)
 
 
 def test_check_reward_nonzero_std():

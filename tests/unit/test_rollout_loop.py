@@ -4,9 +4,12 @@ generator answers like vLLM's /inference/v1/generate; data source and reward hub
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from vime_core.data.sample import Sample, Status, WeightSpan
 from vime_core.engines.client import EngineError
@@ -140,6 +143,26 @@ def constant_for_even_groups(sample) -> float:
 
 def group_reward(samples) -> list[float]:
     return [float(i) for i, _ in enumerate(samples)]
+
+
+def constant_reward(sample) -> float:
+    return 1.0
+
+
+SECRET = "sk-private-answer"
+
+
+def secret_failures(sample):
+    """Index 0 raises, index 1 returns a string: both carry text no log may show."""
+    if sample.index == 0:
+        raise ValueError(SECRET)
+    if sample.index == 1:
+        return SECRET
+    return float(sample.index)
+
+
+def always_raises(sample):
+    raise ValueError(SECRET)
 
 
 # ---- per-sample generate ------------------------------------------------------------------------
@@ -576,3 +599,173 @@ def test_eval_generates_through_the_runs_generate_hook(make_cfg, tokenizer):
     rows = load_prompt_rows(cfg.prompt_data, cfg, tokenizer)[:2]
     samples, _ = asyncio.run(run_eval(state, rows, rollout_id=0))
     assert sorted(hooked) == sorted(s.session_id for s in samples) and len(samples) == 2 * cfg.n_samples_per_eval_prompt
+
+
+# ---- reward failures: counted, logged once per rollout, bounded ----------------------------------
+
+
+def test_reward_failures_are_counted_and_logged_once_without_values(make_cfg, tokenizer, caplog):
+    path = f"{THIS}:secret_failures"
+    cfg = make_cfg(custom_rm_path=path)  # 2 of every 4 samples fail: 50%, not above the default bound
+    caplog.set_level(logging.INFO)
+    samples, metrics = run_loop(make_state(cfg, tokenizer, FakeGenerator()), rollout_id=7)
+    failed = [s for s in samples if s.index in (0, 1)]
+    assert all(s.status is Status.FAILED and s.reward == 0.0 for s in failed)
+    assert [s.reward for s in samples if s.index > 1] == [float(s.index) for s in samples if s.index > 1]
+    assert metrics["rollout/reward_failed_count"] == len(failed) == metrics["rollout/failed_count"]
+    assert metrics["rollout/reward_failure_share"] == len(failed) / len(samples)
+    lines = [r.getMessage() for r in caplog.records if "reward function" in r.getMessage()]
+    assert len(lines) == 1, lines
+    first = min((s.group_index, s.index) for s in failed)
+    assert f"rollout 7: the reward function {path} failed on {len(failed)} of {len(samples)} samples" in lines[0]
+    assert f"ValueError at group {first[0]} sample 0" in lines[0] and "returned str at group" in lines[0]
+    assert SECRET not in caplog.text
+    assert not any(s.prompt in caplog.text for s in samples)
+
+
+def test_a_reward_failure_share_above_the_bound_fails_naming_the_function(make_cfg, tokenizer):
+    from vime_core.faults import classify
+    from vime_core.rollout.loop import RewardFailureError
+
+    path = f"{THIS}:always_raises"
+    cfg = make_cfg(custom_rm_path=path)
+    n = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    with pytest.raises(RewardFailureError) as info:
+        run_loop(make_state(cfg, tokenizer, FakeGenerator()), rollout_id=3)
+    message = str(info.value)
+    assert message.startswith(f"rollout 3: the reward function {path} failed on {n} of {n} samples "
+                              f"(100% > max_reward_failure_share=50%): first failures ValueError at group 0 sample 0, ")
+    assert "\n" not in message and SECRET not in message
+    assert classify(info.value).retryable is False  # the reward function must change: not retried
+    # 1: never fail on reward failures
+    samples, metrics = run_loop(make_state(make_cfg(custom_rm_path=path, max_reward_failure_share=1.0), tokenizer,
+                                           FakeGenerator()))
+    assert metrics["rollout/reward_failed_count"] == len(samples) == n
+
+
+@pytest.mark.parametrize("value", [True, False, 3, 0.25, np.float32(0.25), np.float64(-1.5), np.int64(3), np.bool_(True),
+                                   np.array(2.5), torch.tensor(1.5), torch.tensor(4), torch.tensor(True),
+                                   torch.tensor(0.5, dtype=torch.bfloat16)], ids=repr)
+def test_every_real_scalar_is_a_reward_in_the_loop(make_cfg, tokenizer, value):
+    cfg = make_cfg(rollout_batch_size=1)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    state.reward_hub.fn = lambda sample: value
+    samples, metrics = run_loop(state)
+    assert [s.reward for s in samples] == [float(value.item() if hasattr(value, "item") else value)] * len(samples)
+    assert all(s.status is Status.COMPLETED for s in samples) and metrics["rollout/failed_count"] == 0
+
+
+# ---- the dynamic filter, bounded by max_num_gen_batches ------------------------------------------
+
+
+def count_submitted(state) -> list[int]:
+    """Groups the loop draws from the data source, one entry per batch."""
+    counts: list[int] = []
+    get_groups = state.data_source.get_groups
+
+    def counted(n):
+        groups = get_groups(n)
+        counts.append(len(groups))
+        return groups
+
+    state.data_source.get_groups = counted
+    return counts
+
+
+NONZERO_STD = "vime_core.rewards.filters:check_reward_nonzero_std"
+
+
+def test_a_filter_that_rejects_everything_stops_after_max_num_gen_batches(make_cfg, tokenizer):
+    """The issue's reproduction (40,958 groups submitted for a target of 2 after 5 s): every group
+    is rejected; the rollout stops after max_num_gen_batches batches, naming the filter, or
+    (keep_rejected) trains on rejected groups."""
+    from vime_core.faults import classify
+    from vime_core.rollout.loop import FilterExhaustedError
+
+    values = dict(rollout_batch_size=2, over_sampling_batch_size=3, max_num_gen_batches=4,
+                  custom_rm_path=f"{THIS}:constant_reward", dynamic_sampling_filter_path=NONZERO_STD)
+    cfg = make_cfg(**values)
+    submitted = cfg.max_num_gen_batches * cfg.over_sampling_batch_size
+    state = make_state(make_cfg(**values, filter_exhausted="keep_rejected"), tokenizer, FakeGenerator())
+    batches = count_submitted(state)
+    samples, metrics = run_loop(state)
+    assert sum(batches) == submitted == metrics["rollout/submitted_groups"]
+    assert sorted({s.group_index for s in samples}) == list(range(cfg.rollout_batch_size))  # the earliest rejected
+    assert metrics["rollout/filter_topped_up"] == cfg.rollout_batch_size and metrics["rollout/dropped_groups"] == submitted
+
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    batches = count_submitted(state)
+    with pytest.raises(FilterExhaustedError) as info:
+        run_loop(state, rollout_id=5)
+    assert batches == [cfg.over_sampling_batch_size] * cfg.max_num_gen_batches and sum(batches) == submitted
+    message = str(info.value)
+    assert message.startswith(
+        f"rollout 5: the dynamic filter {NONZERO_STD} kept 0 of the {submitted} groups answered ({submitted} rejected, "
+        f"0 more not generated; {submitted} submitted in max_num_gen_batches=4 batches of over_sampling_batch_size=3), "
+        f"short of rollout_batch_size=2")
+    assert "raise max_num_gen_batches, or set filter_exhausted=keep_rejected" in message and "\n" not in message
+    assert classify(info.value).retryable is False
+
+
+def test_keep_rejected_tops_the_batch_up_with_rejected_groups_and_counts_them(make_cfg, tokenizer):
+    from vime_core.data.batch import build_batch
+
+    cfg = make_cfg(over_sampling_batch_size=1, max_num_gen_batches=5, filter_exhausted="keep_rejected",
+                   custom_rm_path=f"{THIS}:constant_for_even_groups", dynamic_sampling_filter_path=NONZERO_STD)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    batches = count_submitted(state)
+    samples, metrics = run_loop(state)
+    # groups 0..4 are submitted (one per batch); the odd ones pass, the earliest even ones fill the rest
+    submitted = list(range(cfg.max_num_gen_batches * cfg.over_sampling_batch_size))
+    kept = [g for g in submitted if g % 2 == 1]
+    topped = [g for g in submitted if g % 2 == 0][: cfg.rollout_batch_size - len(kept)]
+    assert sum(batches) == len(submitted)
+    assert sorted({s.group_index for s in samples}) == sorted(kept + topped) and len(samples) == 16
+    assert metrics["rollout/filter_topped_up"] == len(topped)
+    assert metrics["rollout/dropped_groups"] == len(submitted) - len(kept)
+    assert metrics["rollout/filter_drop_rate"] == (len(submitted) - len(kept)) / len(submitted)
+    batch = build_batch(samples, cfg)
+    assert all(a == 0.0 for a, g in zip(batch["advantage"], batch["group_index"]) if g in topped)
+
+
+def test_groups_the_engines_fail_count_toward_max_num_gen_batches(make_cfg, tokenizer):
+    from vime_core.rollout.loop import RolloutFailedError
+
+    cfg = make_cfg(over_sampling_batch_size=2, max_num_gen_batches=2)
+    state = make_state(cfg, tokenizer, HealthyFake())
+    state.generate_fn = failing_generate(lambda s: True, retryable=False)
+    batches = count_submitted(state)
+    with pytest.raises(RolloutFailedError, match=r"kept 0 of the 0 groups answered \(0 rejected, 4 more not generated"):
+        run_loop(state)
+    assert sum(batches) == cfg.max_num_gen_batches * cfg.over_sampling_batch_size
+
+
+def test_batches_that_cannot_hold_the_rollout_are_refused(make_cfg, tokenizer):
+    cfg = make_cfg(over_sampling_batch_size=1, max_num_gen_batches=3)
+    with pytest.raises(ValueError, match=r"max_num_gen_batches=3 batches of over_sampling_batch_size=1 groups cannot "
+                                         r"hold rollout_batch_size=4 groups: set max_num_gen_batches >= 4"):
+        run_loop(make_state(cfg, tokenizer, FakeGenerator()))
+
+
+def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):
+    """The RolloutManager puts the data source back to where it stood before a failed rollout:
+    the failing iteration loses no prompt (the manager's rollout part only: no engines)."""
+    from types import SimpleNamespace
+
+    from vime_core.rollout.loop import FilterExhaustedError, generate_rollout
+    from vime_core.rollout.manager import RolloutManager
+
+    cfg = make_cfg(max_num_gen_batches=2, custom_rm_path=f"{THIS}:constant_reward",
+                   dynamic_sampling_filter_path=NONZERO_STD)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.cfg, manager.state, manager.data_source, manager.rollout_fn = cfg, state, state.data_source, generate_rollout
+    manager.health, manager._loop = SimpleNamespace(resume=lambda: None, restarts=0), SimpleNamespace(run=asyncio.run)
+    before = state.data_source.state_dict()
+    with pytest.raises(FilterExhaustedError):
+        manager._generate_now(0)
+    assert state.data_source.state_dict() == before
+    state.group_filter = lambda group: True  # fixed: the same prompts come first
+    batch, _ = manager._generate_now(0)
+    first = state.data_source.__class__(cfg, tokenizer=tokenizer).get_groups(cfg.rollout_batch_size)
+    assert sorted(set(batch["prompt_id"])) == sorted({g[0].prompt_id for g in first})

@@ -28,6 +28,7 @@ from typing import Sequence
 from vime_core.algo.advantages import postprocess_rewards
 from vime_core.algo.shaping import shape_rewards
 from vime_core.data.columns import COLUMN_NAMES
+from vime_core.data.group_rewards import counts_in_group
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import validate_trainable
 
@@ -44,7 +45,7 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
     ordered = sorted(samples, key=lambda s: (s.group_index, s.index))
     for s in ordered:
         _check_scored(s)
-    failed = [s.status == Status.FAILED for s in ordered]
+    failed = [not counts_in_group(s) for s in ordered]  # the filters' rule too (group_rewards.py)
     raw = [0.0 if f else float(s.reward) for s, f in zip(ordered, failed)]
     live = [i for i, f in enumerate(failed) if not f]
     live_rewards = postprocess_rewards(

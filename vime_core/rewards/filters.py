@@ -1,24 +1,28 @@
 """Dynamic-sampling group filters: `filter(group: list[Sample]) -> bool` (True keeps the group).
 
-check_reward_nonzero_std keeps a group only when its rewards are not all equal: with
-std = 0 every GRPO advantage (r - mean) / (std + 1e-6) is 0 and the group adds no gradient
-(DAPO's dynamic sampling, Yu et al. 2025).
+A filter gets the whole group, after scoring and before the normalisation. The rewards that count
+are those of its samples that are not FAILED, `data.group_rewards.live_rewards(group)`: the same set the
+normalisation uses (data/batch.py), so a filter never keeps a group whose advantages are all 0.
+
+check_reward_nonzero_std keeps a group only when at least two of its rewards count and they are
+not all equal: with std = 0 every GRPO advantage (r - mean) / (std + 1e-6) is 0 and the group adds
+no gradient (DAPO's dynamic sampling, Yu et al. 2025). [1, 1, 1, FAILED] is dropped: the three
+rewards that count are equal.
+
+How many batches a rollout may submit while a filter leaves it short, and what then, is the
+rollout loop's (max_num_gen_batches, filter_exhausted).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from vime_core.data.group_rewards import live_rewards
 from vime_core.utils.imports import load_function
 
 
-def _raw_reward(sample) -> float:
-    # The filter runs after scoring and before normalisation; a failed sample scored 0.0.
-    return float(sample.reward) if sample.reward is not None else 0.0
-
-
 def check_reward_nonzero_std(group: list) -> bool:
-    rewards = [_raw_reward(s) for s in group]
+    rewards = live_rewards(group)
     if len(rewards) < 2:
         return False
     mean = sum(rewards) / len(rewards)

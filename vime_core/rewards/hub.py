@@ -6,9 +6,16 @@ Resolution, at construction (so a bad path fails at start):
                                                and returns one reward per sample
     else cfg.rm_type in BUILTIN_REWARDS     -> math | exact_match | f1 | remote_rm | arith
 
-Failure policy: a reward function that raises (or returns something that is not a finite number)
-marks the sample FAILED, keeps "<Type>: <message>" in metadata["reward_error"], and sets reward
-0.0; the rollout goes on. The batch builder then gives failed samples a zero loss mask.
+A reward is any finite real scalar: int, float, bool (0/1), numpy and torch scalars and 0-d arrays
+(vime_core/rewards/values.py, as_reward); a group function may return a list, a tuple or a 1-d
+array of one per sample.
+
+Failure policy: a reward function that raises (or returns something as_reward refuses) marks the
+sample FAILED, keeps "<Type>: <message>" in metadata["reward_error"] (stored with the batch) and
+the exception's type, or the refused value's type, in metadata["reward_error_type"] (the only
+part logs show: a message may quote private text), and sets reward 0.0; the rollout goes on.
+The batch builder gives failed samples a zero loss mask; the rollout loop logs and counts them
+once per rollout and fails it above max_reward_failure_share.
 
 The remote reward model's bearer token is read once, here (`remote_rm_token`), from the file or
 environment variable the configuration names; it lives only in that client's request headers,
@@ -22,12 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from vime_core.data.sample import Sample, Status
+from vime_core.rewards.values import InvalidRewardError, as_reward, type_name
 from vime_core.utils.imports import load_function
 
 BUILTIN_REWARDS: dict[str, str] = {
@@ -99,45 +106,48 @@ class RewardHub:
         """Set sample.reward; on any error mark the sample FAILED (module docstring)."""
         try:
             if self.fn_takes_group:
-                rewards = _check_group_result(await self._call([sample]), 1)
-                reward = rewards[0]
+                reward = as_reward(_group_values(await self._call([sample]), 1)[0])
             else:
-                reward = _check_reward(await self._call(sample))
+                reward = as_reward(await self._call(sample))
         except Exception as exc:  # a user's reward function may raise anything
             mark_reward_failed(sample, exc)
             return
         sample.reward = reward
 
     async def score_group(self, samples: Sequence[Sample]) -> None:
-        """Score a group: one call with the group's list (group_rm) or each sample concurrently."""
+        """Score a group: one call with the group's list (group_rm) or each sample concurrently.
+        A group function's call that raises, or answers with the wrong length, fails every
+        sample; a refused value fails only its own sample."""
         if not self.fn_takes_group:
             await asyncio.gather(*(self.score(s) for s in samples))
             return
         try:
-            rewards = _check_group_result(await self._call(list(samples)), len(samples))
+            values = _group_values(await self._call(list(samples)), len(samples))
         except Exception as exc:
             for s in samples:
                 mark_reward_failed(s, exc)
             return
-        for s, r in zip(samples, rewards, strict=True):
-            s.reward = r
+        for s, value in zip(samples, values, strict=True):
+            try:
+                s.reward = as_reward(value)
+            except InvalidRewardError as exc:
+                mark_reward_failed(s, exc)
 
 
 def mark_reward_failed(sample: Sample, exc: BaseException) -> None:
     sample.reward = 0.0
     sample.status = Status.FAILED
     sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
+    sample.metadata["reward_error_type"] = exc.what if isinstance(exc, InvalidRewardError) else type(exc).__name__
 
 
-def _check_reward(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"reward function returned {type(value).__name__} {value!r}; expected a number")
-    if not math.isfinite(value):
-        raise ValueError(f"reward function returned {value}; expected a finite number")
-    return float(value)
-
-
-def _check_group_result(values: Any, n: int) -> list[float]:
+def _group_values(values: Any, n: int) -> list:
+    """A group function's answer as a list of `n` values: a list, a tuple, or a 1-d numpy array
+    or torch tensor (read with `.tolist()`)."""
+    if getattr(values, "ndim", None) == 1 and callable(getattr(values, "tolist", None)):
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
-        raise TypeError(f"group reward function returned {type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}; expected a list of {n} numbers")
-    return [_check_reward(v) for v in values]
+        length = f" of length {len(values)}" if isinstance(values, (list, tuple)) else ""
+        raise InvalidRewardError(f"returned {type_name(values)}{length} for a group of {n}",
+                                 expected=f"a list of {n} numbers")
+    return list(values)

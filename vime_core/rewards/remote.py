@@ -1,7 +1,8 @@
 """A reward model behind HTTP (rm_type=remote_rm).
 
 One POST per sample to `url` with JSON {"prompt", "response", "label", "metadata"}; the answer is
-a JSON number or {"reward": number}. Transport errors, timeouts, 429 and 5xx are retried up to
+a JSON number or {"reward": number}, read by the hub's rule (values.as_reward: a bool is 0/1, NaN
+and Infinity are refused). Transport errors, timeouts, 429 and 5xx are retried up to
 `max_retries` times, waiting backoff_s * 2^(n-1) after failed attempt n (`vime_core/utils/retry`);
 other 4xx fail at once.
 
@@ -12,10 +13,10 @@ without user-info or query string, which may carry credentials.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
+from vime_core.rewards.values import InvalidRewardError, as_reward
 from vime_core.utils.retry import RetryCallState, async_attempts
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,18 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def parse_reward(payload: Any) -> float:
+def parse_reward(payload: Any, shown: str = "") -> float:
+    """The reward in an answer, a JSON number or {"reward": number}, by the hub's rule (a bool is
+    0/1; NaN and Infinity are refused: values.as_reward). The error names the answer's type only:
+    a reward model's answer may quote private text."""
     value = payload.get("reward") if isinstance(payload, dict) else payload
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RemoteRewardError(f"reward model answered {str(payload)[:200]!r}; expected a number or {{'reward': number}}")
-    return float(value)
+    try:
+        return as_reward(value)
+    except InvalidRewardError as exc:
+        what = exc.what.removeprefix("returned ")
+        answer = f"{{'reward': {what}}}" if isinstance(payload, dict) else what
+        raise RemoteRewardError(f"reward model {shown or 'at rm_url'} answered {answer}; expected a finite number or "
+                                f"{{'reward': number}}") from None
 
 
 class RemoteRewardModel:
@@ -88,7 +96,7 @@ class RemoteRewardModel:
                 payload = response.json()
             except ValueError:
                 raise RemoteRewardError(f"reward model {shown} answered non-JSON: {response.text[:200]!r}") from None
-            return parse_reward(payload)
+            return parse_reward(payload, shown)
 
         def log_retry(state: RetryCallState) -> None:
             log.warning("reward model %s: %s; retry %d/%d in %.2fs", shown, state.outcome.exception(),

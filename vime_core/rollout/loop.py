@@ -2,9 +2,13 @@
 
     target = rollout_batch_size groups
     while kept < target:
-        while kept + in flight < target: submit over_sampling_batch_size new groups
+        while kept + in flight < target and batches < max_num_gen_batches:
+            submit a batch of over_sampling_batch_size groups (batches counts the first, and the
+            refills of groups the filter dropped or the engines failed to generate: a retried
+            group comes back through the data source into a batch)
             (one task per group, one per sample inside it; a semaphore of
              vllm_server_concurrency * engines bounds the requests in flight)
+        nothing in flight (max_num_gen_batches submitted, every group answered): exhausted, below
         take the first group that completes: check its size, score it (group_rm; otherwise each
         sample was scored right after its generation), apply the dynamic filter -> kept / dropped
         a group with a sample the engines did not generate is not kept: when the cause was the
@@ -20,6 +24,16 @@
     abort what is still running (abort_requests on every engine), wait for it to come back;
     partial_rollout: unfinished groups return to the data source with their partial responses,
     the off-policy part masked (loss_mask 0); otherwise they are dropped.
+    reward failures (a reward function that raised or returned no finite real number: FAILED
+    samples, rewards/hub.py), over every sample scored in this rollout, kept or not:
+        share = reward-failed samples / samples scored
+        share > max_reward_failure_share: RewardFailureError naming the reward function, the
+            counts and the first failures' sample indices and exception types; else one warning
+            line with the same (never a value, a prompt or a response: they may be private)
+    exhausted (kept < target): filter_exhausted=keep_rejected tops the kept groups up with the
+    earliest groups the filter rejected (rollout/filter_topped_up); otherwise, or when too few
+    were rejected, FilterExhaustedError naming the filter and the counts (RolloutFailedError
+    when the filter rejected nothing: the engines did not generate the groups).
 
 Exactly `rollout_batch_size` groups come back, groups contiguous, samples in index order, every
 sample with a response (the trainer's check, vime_core/data/validation.py, holds).
@@ -27,6 +41,11 @@ sample with a response (the trainer's check, vime_core/data/validation.py, holds
 The rollout function is loaded by path (`rollout_function_path`), default
 `vime_core.rollout.loop:generate_rollout`, called as `await fn(state, rollout_id)` and returning
 `(samples, metrics)`.
+
+RewardFailureError and FilterExhaustedError are ValueErrors: the data, the reward function or the
+filter must change, so the train flow does not retry them (vime_core/faults.py). A rollout that
+raises hands nothing on; the RolloutManager puts its data source back to where it was before
+the rollout, so its prompts are drawn again (rollout/manager.py, `_generate_now`).
 """
 
 from __future__ import annotations
@@ -85,10 +104,25 @@ class _Progress:
     retried_groups: int = 0
     failed_groups: int = 0  # dropped because the engines did not generate them
     failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+    gen_batches: int = 0  # batches of over_sampling_batch_size groups submitted
+    rejected: list[list[Sample]] = field(default_factory=list)  # kept only for filter_exhausted=keep_rejected
+    topped_up: int = 0
+    rewards_scored: int = 0  # samples the reward function was called on
+    reward_failures: list[tuple[int, int, str]] = field(default_factory=list)  # (group, index, error type)
 
 
 class RolloutFailedError(RuntimeError):
     """The rollout could not be filled with groups the trainer can train on."""
+
+
+class RewardFailureError(ValueError):
+    """More of a rollout's samples than max_reward_failure_share could not be scored: the reward
+    function must be fixed, so it is not retried (a ValueError: faults.py)."""
+
+
+class FilterExhaustedError(ValueError):
+    """max_num_gen_batches batches left the rollout short of groups the dynamic filter keeps: the
+    data, the reward or the filter must change, so it is not retried (a ValueError: faults.py)."""
 
 
 def generate_failure(group: list[Sample]) -> Optional[tuple[str, bool]]:
@@ -184,6 +218,7 @@ async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Se
         t0 = time.perf_counter()
         await state.reward_hub.score(sample)
         progress.time_reward_s += time.perf_counter() - t0
+        _count_scored(progress, [sample])
     if sample.status is not Status.ABORTED:
         bar.update(1)
     return sample
@@ -196,12 +231,99 @@ async def _run_group(state: RolloutState, ctx: GenerateContext, sem: asyncio.Sem
         t0 = time.perf_counter()
         await state.reward_hub.score_group(scorable)
         progress.time_reward_s += time.perf_counter() - t0
+        _count_scored(progress, scorable)
     for s in samples:
         if s.status is Status.FAILED and s.reward is None:
             s.reward = 0.0
         if state.sample_hook is not None:
             state.sample_hook(s)
     return list(samples)
+
+
+def _count_scored(progress: _Progress, scored: list[Sample]) -> None:
+    """Count samples the reward function was just called on, and its failures by sample index
+    and error type (metadata["reward_error_type"], set by the hub: never the value)."""
+    progress.rewards_scored += len(scored)
+    for s in scored:
+        if s.status is Status.FAILED:
+            what = str(s.metadata.get("reward_error_type", "error"))
+            progress.reward_failures.append((s.group_index, s.index, what))
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.3g}%"
+
+
+def check_reward_failures(state: RolloutState, rollout_id: int, progress: _Progress) -> None:
+    """Reward failures in one line per rollout: a warning, or RewardFailureError when
+    share = failed / scored > max_reward_failure_share (module docstring)."""
+    failures = progress.reward_failures
+    if not failures:
+        return
+    cfg = state.cfg
+    scored = progress.rewards_scored
+    share = len(failures) / scored
+    first = ", ".join(f"{what} at group {g} sample {i}" for g, i, what in sorted(failures)[:3])
+    name = getattr(state.reward_hub, "name", None) or cfg.custom_rm_path or cfg.rm_type
+    counts = f"the reward function {name} failed on {len(failures)} of {scored} samples"
+    if share > cfg.max_reward_failure_share:
+        raise RewardFailureError(
+            f"rollout {rollout_id}: {counts} ({_percent(share)} > max_reward_failure_share="
+            f"{_percent(cfg.max_reward_failure_share)}): first failures {first}; fix the reward function (each "
+            f"FAILED sample's metadata reward_error holds its message) or raise max_reward_failure_share")
+    logger.warning("rollout %d: %s (%s, max_reward_failure_share=%s): they are FAILED (loss mask 0); first failures %s",
+                   rollout_id, counts, _percent(share), _percent(cfg.max_reward_failure_share), first)
+
+
+def check_fill_bound(cfg: Any) -> None:
+    """max_num_gen_batches batches of over_sampling_batch_size groups must be able to hold
+    rollout_batch_size groups, even when the filter keeps every group; ValueError else."""
+    if cfg.max_num_gen_batches * cfg.over_sampling_batch_size < cfg.rollout_batch_size:
+        need = -(-cfg.rollout_batch_size // cfg.over_sampling_batch_size)
+        raise ValueError(f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
+                         f"{cfg.over_sampling_batch_size} groups cannot hold rollout_batch_size="
+                         f"{cfg.rollout_batch_size} groups: set max_num_gen_batches >= {need} or a larger "
+                         f"over_sampling_batch_size")
+
+
+def _filter_name(state: RolloutState) -> str:
+    fn = state.group_filter
+    path = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    return state.cfg.dynamic_sampling_filter_path or path
+
+
+def fill_exhausted(state: RolloutState, rollout_id: int, progress: _Progress) -> None:
+    """max_num_gen_batches batches submitted and answered, fewer than rollout_batch_size groups
+    kept: top up with rejected groups (filter_exhausted=keep_rejected) or raise (module docstring)."""
+    cfg = state.cfg
+    target = cfg.rollout_batch_size
+    short = target - len(progress.kept)
+    if cfg.filter_exhausted == "keep_rejected" and len(progress.rejected) >= short:
+        topped = sorted(progress.rejected, key=lambda g: g[0].group_index)[:short]
+        progress.kept.extend(topped)
+        progress.topped_up = short
+        logger.warning("rollout %d: the dynamic filter %s kept %d of rollout_batch_size=%d groups in "
+                       "max_num_gen_batches=%d batches; topped up with %d groups it rejected (filter_exhausted="
+                       "keep_rejected)",
+                       rollout_id, _filter_name(state), target - short, target, cfg.max_num_gen_batches, short)
+        return
+    answered = len(progress.kept) + progress.dropped_groups
+    counts = (f"kept {len(progress.kept)} of the {answered} groups answered ({progress.dropped_groups} rejected, "
+              f"{progress.failed_groups} more not generated; {progress.submitted_groups} submitted in "
+              f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
+              f"{cfg.over_sampling_batch_size}), short of rollout_batch_size={target}")
+    if progress.dropped_groups == 0 and progress.failed_groups > 0:
+        names = ", ".join(str(getattr(e, "name", e)) for e in state.engines)
+        reasons = "; ".join(f"{n} x {r}" for r, n in progress.failure_reasons.most_common(3))
+        raise RolloutFailedError(f"rollout {rollout_id}: the rollout {counts} (engines: {names}; reasons: {reasons})")
+    also = (f"; filter_exhausted=keep_rejected had only {len(progress.rejected)} rejected groups to top up with"
+            if cfg.filter_exhausted == "keep_rejected" else "")
+    name = _filter_name(state)
+    why = " (groups whose rewards are all equal)" if name.endswith(":check_reward_nonzero_std") else ""
+    raise FilterExhaustedError(
+        f"rollout {rollout_id}: the dynamic filter {name} {counts}{also}: the data or the reward gives groups it "
+        f"rejects{why}; check the reward function and the data, raise max_num_gen_batches, or set "
+        f"filter_exhausted=keep_rejected to train on rejected groups")
 
 
 def _group_is_complete(group: list[Sample]) -> bool:
@@ -247,7 +369,7 @@ def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: in
     samples = [s for g in groups for s in g]
     rewards = [float(s.reward or 0.0) for s in samples]
     lengths = [s.response_length for s in samples]
-    completed_groups = len(progress.kept) + progress.dropped_groups
+    completed_groups = len(progress.kept) - progress.topped_up + progress.dropped_groups
     gen_s = times.get("rollout/time_generate_s", 0.0)
     return {
         "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
@@ -256,12 +378,17 @@ def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: in
         "rollout/response_len_max": float(max(lengths, default=0)),
         "rollout/truncated_rate": sum(s.status is Status.TRUNCATED for s in samples) / max(1, len(samples)),
         "rollout/failed_count": float(sum(s.status is Status.FAILED for s in samples)),
+        # over every sample scored in the rollout, the groups the filter dropped included
+        "rollout/reward_failed_count": float(len(progress.reward_failures)),
+        "rollout/reward_failure_share": len(progress.reward_failures) / max(1, progress.rewards_scored),
         "rollout/filter_drop_rate": progress.dropped_groups / max(1, completed_groups),
         "rollout/dropped_groups": float(progress.dropped_groups),
         "rollout/surplus_groups": float(progress.surplus_groups),
         "rollout/retried_groups": float(progress.retried_groups),
         "rollout/failed_groups": float(progress.failed_groups),
         "rollout/submitted_groups": float(progress.submitted_groups),
+        "rollout/gen_batches": float(progress.gen_batches),
+        "rollout/filter_topped_up": float(progress.topped_up),
         "rollout/aborted_count": float(aborted),
         "rollout/requeued_count": float(requeued),
         "rollout/missing_logprob_count": float(sum(s.metadata.get("missing_logprobs", 0) for s in samples)),
@@ -277,6 +404,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     from tqdm.auto import tqdm
 
     cfg = state.cfg
+    check_fill_bound(cfg)
     target = cfg.rollout_batch_size
     t_start = time.perf_counter()
     ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open,
@@ -291,12 +419,15 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
 
     try:
         while len(progress.kept) < target:
-            while len(progress.kept) + len(in_flight) < target:
+            while len(progress.kept) + len(in_flight) < target and progress.gen_batches < cfg.max_num_gen_batches:
+                progress.gen_batches += 1
                 for group in state.data_source.get_groups(cfg.over_sampling_batch_size):
                     task = asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar))
                     in_flight.add(task)
                     all_tasks.append(task)
                     progress.submitted_groups += 1
+            if not in_flight:
+                break  # max_num_gen_batches submitted and answered: exhausted (fill_exhausted)
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 group = task.result()
@@ -316,6 +447,8 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     progress.kept.append(group)
                 else:
                     progress.dropped_groups += 1
+                    if cfg.filter_exhausted == "keep_rejected":
+                        progress.rejected.append(group)
         t_generated = time.perf_counter()
 
         leftovers: list[list[Sample]] = []
@@ -339,6 +472,9 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     unfinished = [g for g in leftovers if not _group_is_complete(g)]
     if cfg.partial_rollout and unfinished:
         requeued = requeue_partial(state.data_source, unfinished)
+    check_reward_failures(state, rollout_id, progress)  # first: a failing reward also empties the filter
+    if len(progress.kept) < target:
+        fill_exhausted(state, rollout_id, progress)
 
     groups = sorted(progress.kept[:target], key=lambda g: g[0].group_index)
     samples = [s for g in groups for s in sorted(g, key=lambda s: s.index)]

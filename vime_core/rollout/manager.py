@@ -15,7 +15,9 @@ and opens k+1 instead of after it; one step off-policy (async_staleness), as soo
 ended. A prefetched rollout is used only for the same rollout id and a weight version at most
 async_staleness behind the one asked for (`usable_prefetch`); anything else waits for it, puts
 the data source back to where it was before it, and generates afresh. A checkpoint taken while one is pending records that earlier
-data-source state, so resuming from it repeats the prefetched prompts, never skips them.
+data-source state, so resuming from it repeats the prefetched prompts, never skips them. A
+rollout that fails (or whose batch cannot be trained on) puts the data source back to where it
+was before it, too: its prompts are drawn again, never skipped.
 
 Re-asked: the last rollout's result is kept until another rollout starts, and `generate(k, v)`
 for that same id and version returns it again instead of generating new samples. The iteration
@@ -328,12 +330,20 @@ class RolloutManager:
         self._last = None  # a new rollout: the previous result is no longer asked for
         self.state.weight_version = version
 
-        samples, metrics = self.generate_samples(rollout_id)
-        t0 = time.perf_counter()
-        batch = build_batch(samples, self.cfg)
-        # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
-        # (a custom rollout function may hand on samples the default loop would have retried)
-        validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
+        before = self.data_source.state_dict()
+        try:
+            samples, metrics = self.generate_samples(rollout_id)
+            t0 = time.perf_counter()
+            batch = build_batch(samples, self.cfg)
+            # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
+            # (a custom rollout function may hand on samples the default loop would have retried)
+            validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
+        except BaseException:
+            # A failed rollout hands nothing on: its prompts go back, so a retry, or the run
+            # resumed after a fix, draws them again instead of skipping them (this manager lives
+            # on across the iteration's retries and a run's restart: tasks/bootstrap.py).
+            self.data_source.load_state_dict(before)
+            raise
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
         metrics.update({f"rollout/{k}": v for k, v in weight_version_range(batch).items()})
         metrics["rollout/engine_restarts"] = float(self.health.restarts)

@@ -201,13 +201,22 @@ def test_partial_rollout_requeues_aborted_samples(make_manager):
 
 
 def test_reward_function_raising_marks_samples_failed(make_manager):
+    from vime_core.rollout.loop import RewardFailureError
+
+    # the default bound (max_reward_failure_share 0.5) fails the rollout and gives its prompts back
     manager = make_manager(custom_rm_path=hook("raising_reward"))
+    before = manager.data_source.state_dict()
+    with pytest.raises(RewardFailureError, match=r"rollout 0: the reward function .*raising_reward failed on 16 of 16"):
+        manager.generate(0)
+    assert manager.data_source.state_dict() == before
+    # 1: the samples are FAILED and trained on with a zero loss mask
+    manager = make_manager(custom_rm_path=hook("raising_reward"), max_reward_failure_share=1.0)
     batch, metrics = manager.generate(0)
     check_batch_shape(batch, 4, 4)
     assert set(batch["status"]) == {"failed"}
     assert all(m == [0] * len(m) for m in batch["loss_mask"])
     assert all("RuntimeError: reward exploded" in md for md in batch["metadata"])
-    assert metrics["rollout/failed_count"] == 16
+    assert metrics["rollout/failed_count"] == 16 == metrics["rollout/reward_failed_count"]
 
 
 def test_in_client_consistent_hash_and_eval(make_manager, arith_data):
