@@ -740,11 +740,11 @@ def test_groups_the_engines_fail_count_toward_max_num_gen_batches(make_cfg, toke
     assert sum(batches) == cfg.max_num_gen_batches * cfg.over_sampling_batch_size
 
 
-def test_batches_that_cannot_hold_the_rollout_are_refused(make_cfg, tokenizer):
-    cfg = make_cfg(over_sampling_batch_size=1, max_num_gen_batches=3)
+def test_batches_that_cannot_hold_the_rollout_are_refused(make_cfg):
+    """Refused when the configuration is made (config/derive.py), before any rollout."""
     with pytest.raises(ValueError, match=r"max_num_gen_batches=3 batches of over_sampling_batch_size=1 groups cannot "
                                          r"hold rollout_batch_size=4 groups: set max_num_gen_batches >= 4"):
-        run_loop(make_state(cfg, tokenizer, FakeGenerator()))
+        make_cfg(over_sampling_batch_size=1, max_num_gen_batches=3)
 
 
 def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):

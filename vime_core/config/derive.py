@@ -153,6 +153,19 @@ def derive_in_place(cfg: ConfigFields) -> None:
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_critic(cfg)
     _check_group_size(cfg)
+    _check_fill_bound(cfg)
+
+
+def _check_fill_bound(cfg: ConfigFields) -> None:
+    """max_num_gen_batches batches of over_sampling_batch_size groups must be able to hold
+    rollout_batch_size groups even when the filter keeps every group: a rollout that can never
+    fill is refused before the run starts, not at its first iteration."""
+    if cfg.max_num_gen_batches * cfg.over_sampling_batch_size < cfg.rollout_batch_size:
+        need = -(-cfg.rollout_batch_size // cfg.over_sampling_batch_size)
+        raise ValueError(f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
+                         f"{cfg.over_sampling_batch_size} groups cannot hold rollout_batch_size="
+                         f"{cfg.rollout_batch_size} groups: set max_num_gen_batches >= {need} or a larger "
+                         f"over_sampling_batch_size")
 
 
 def _check_group_size(cfg: ConfigFields) -> None:

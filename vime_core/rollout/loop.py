@@ -275,17 +275,6 @@ def check_reward_failures(state: RolloutState, rollout_id: int, progress: _Progr
                    rollout_id, counts, _percent(share), _percent(cfg.max_reward_failure_share), first)
 
 
-def check_fill_bound(cfg: Any) -> None:
-    """max_num_gen_batches batches of over_sampling_batch_size groups must be able to hold
-    rollout_batch_size groups, even when the filter keeps every group; ValueError else."""
-    if cfg.max_num_gen_batches * cfg.over_sampling_batch_size < cfg.rollout_batch_size:
-        need = -(-cfg.rollout_batch_size // cfg.over_sampling_batch_size)
-        raise ValueError(f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
-                         f"{cfg.over_sampling_batch_size} groups cannot hold rollout_batch_size="
-                         f"{cfg.rollout_batch_size} groups: set max_num_gen_batches >= {need} or a larger "
-                         f"over_sampling_batch_size")
-
-
 def _filter_name(state: RolloutState) -> str:
     fn = state.group_filter
     path = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
@@ -404,7 +393,6 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     from tqdm.auto import tqdm
 
     cfg = state.cfg
-    check_fill_bound(cfg)
     target = cfg.rollout_batch_size
     t_start = time.perf_counter()
     ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open,
