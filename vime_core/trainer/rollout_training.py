@@ -15,8 +15,10 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 before the first step (vime_core/trainer/critic.py)
     advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
                 kl = KL(pi_old || ref) when kl_coef > 0, values = V_old) over this rank's samples
-                of each step (estimators that whiten do so over the rank's share of the step); then,
-                when use_opd, apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
+                of each step; estimators that whiten do so over the WHOLE step: their masked sums
+                are all-reduced over the DP group (dp_sum), so every rank's advantages are those one
+                rank holding the step would compute, whatever the DP layout; then, when use_opd,
+                apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
     steps       per step: the critic's optimizer step on the value loss against the returns (with
                 a critic), then the policy's; rollout ids below num_critic_only_steps train the
                 critic only (num_steps 0: the policy and its schedule do not move, and the old and
@@ -32,7 +34,7 @@ num_steps (the policy's optimizer steps) and tokens.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -64,6 +66,19 @@ def old_policy_log_probs(
     return out
 
 
+def dp_sum(dp_group: Any, device: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The whitening's reducer (algo.advantages.masked_whiten): partial sums of this rank -> their
+    sums over the DP group, by an all-reduce on the trainer's device (NCCL cannot reduce CPU
+    tensors), back on the CPU. Every rank of the group calls it at the same points (a collective)."""
+
+    def reduce_sums(sums: torch.Tensor) -> torch.Tensor:
+        summed = sums.to(device)
+        torch.distributed.all_reduce(summed, group=dp_group)
+        return summed.cpu()
+
+    return reduce_sums
+
+
 def step_advantages(
     cfg: Any,
     batch: Mapping[str, Sequence[Any]],
@@ -72,9 +87,11 @@ def step_advantages(
     ref: Mapping[int, torch.Tensor] | None,
     values: Mapping[int, torch.Tensor] | None = None,
     teacher: Mapping[int, torch.Tensor] | None = None,
+    reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """(advantages, returns) of `indices`, per sample; `values`: the critic's V_old (ppo);
-    `teacher`: the teacher's log-probs (use_opd)."""
+    """(advantages, returns) of `indices` (this rank's share of one step), per sample; `values`:
+    the critic's V_old (ppo); `teacher`: the teacher's log-probs (use_opd); `reduce_sums`: dp_sum
+    when the step is spread over DP ranks (the whitening then covers the whole step), else None."""
     from vime_core.algo.advantages import apply_opd_kl, compute_advantages
     from vime_core.algo.kl import compute_approx_kl
 
@@ -91,7 +108,7 @@ def step_advantages(
         [float(scalars[i]) for i in indices],
         [batch["loss_mask"][i] for i in indices],
         kl=kl, values=None if values is None else [values[i] for i in indices],
-        gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef,
+        gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef, reduce_sums=reduce_sums,
     )
     if cfg.use_opd:
         if teacher is None:
@@ -141,12 +158,13 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     values = critic.values(batch, all_mine) if critic is not None else None
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
+    reduce_sums = dp_sum(dp_group, device) if dp_group is not None else None
     per_step: list[dict[str, float]] = []
     gbs = cfg.global_batch_size
     for step, micro_batches in enumerate(mine):
         step_indices = list(range(step * gbs, (step + 1) * gbs))
         my_indices = [i for mb in micro_batches for i in mb]
-        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values, teacher)
+        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values, teacher, reduce_sums)
                                if cfg.loss_type == "policy_loss" else ({}, {}))
         inputs = StepInputs(
             batch=batch,
