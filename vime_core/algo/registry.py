@@ -43,7 +43,9 @@ class AdvEstimator:
 
     name: str
     fn: Callable
-    """(rewards[B], loss_masks: list[T_i], *, kl, values, gamma, lambd, kl_coef) -> (advantages, returns)."""
+    """(rewards[B], loss_masks: list[T_i], *, kl, values, gamma, lambd, kl_coef[, reduce_sums]) ->
+    (advantages, returns); an estimator that whitens declares `reduce_sums`, the DP reducer of its
+    sums (algo.advantages.masked_whiten), and is passed it; one without it is not."""
     group_normalisation: GroupNormalisation = "none"
     """Of the scalar rewards of one group, once per rollout: mean_std: (r - mean) / (std + 1e-6)
     (only centred when grpo_std_normalization is off or the group has one sample); mean: r - mean;
