@@ -22,7 +22,10 @@ every time: retrying only hides it, so the run stops and says what to fix.
     configuration or data (not retried)
         ValueError                      a bad setting (ConfigError, pydantic's ValidationError)
                                         or data (UntrainableBatchError, SchemaError,
-                                        CheckpointError, HookLoadError: all ValueErrors)
+                                        CheckpointError, HookLoadError: all ValueErrors), or
+                                        training gone non-finite (NonFiniteStepsError: more
+                                        than max_skipped_steps NaN/Inf steps in a row, which a
+                                        second try on the same batch and weights hits again)
         TypeError, KeyError, LookupError, ImportError, FileNotFoundError, NotADirectoryError,
         PermissionError
     anything else (not retried)         most likely a bug: a second try would fail the same way
