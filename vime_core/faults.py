@@ -24,7 +24,10 @@ every time: retrying only hides it, so the run stops and says what to fix.
                                         or data (UntrainableBatchError, SchemaError,
                                         CheckpointError, HookLoadError, the rollout's
                                         RewardFailureError and FilterExhaustedError: all
-                                        ValueErrors)
+                                        ValueErrors), or training gone non-finite
+                                        (NonFiniteStepsError: more than max_skipped_steps NaN/Inf
+                                        steps in a row, which a second try on the same batch and
+                                        weights hits again)
         TypeError, KeyError, LookupError, ImportError, FileNotFoundError, NotADirectoryError,
         PermissionError
     anything else (not retried)         most likely a bug: a second try would fail the same way

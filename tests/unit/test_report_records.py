@@ -58,6 +58,17 @@ def test_console_line_shows_the_critic_with_one():
     assert "vloss" not in console_line(base)
 
 
+def test_console_line_shows_nan_and_inf_and_the_skipped_steps():
+    """A NaN or Inf is shown as such ("-" is for a value the record lacks), and the optimizer steps
+    skipped for a non-finite loss or gradient are named when there are any."""
+    base = {"rollout_id": 3, "reward_mean": float("nan"), "response_len_mean": float("inf"), "t_step": 1.0}
+    line = console_line({**base, "clip_fraction": float("-inf"), "skipped_steps": 2})
+    assert "reward nan len inf clip -inf skipped 2 steps T_step" in line
+    assert "clip - skipped 1 step (critic 3) vloss" in console_line(
+        {**base, "skipped_steps": 1, "critic_skipped_steps": 3, "value_loss": 0.5})
+    assert "skipped" not in console_line({**base, "skipped_steps": 0})
+
+
 def test_console_line_says_when_the_rollout_started_early():
     base = {"rollout_id": 3, "t_rollout": 0.4, "time_total_s": 1.3}
     assert "started early, 1.30 generating" in console_line({**base, "prefetched": 1.0})

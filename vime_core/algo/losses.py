@@ -1,13 +1,14 @@
 """Policy losses (per token), entropy, truncated importance sampling and loss aggregation.
 
 Notation: per response token t, log_probs = log pi(a_t) (with grad), old_log_probs = log
-pi_old(a_t) (no grad), ppo_kl = old_log_probs - log_probs, A = advantage, eps = eps_clip,
-eps_high = eps_clip_high, c = eps_clip_c.
+pi_old(a_t) (no grad), ppo_kl = old_log_probs - log_probs where loss_mask is 1 and exactly 0
+where it is 0 (torch.where: kl.masked_log_ratio, so a masked token's ratio is 1 and cannot
+overflow into the backward), A = advantage, eps = eps_clip, eps_high = eps_clip_high, c = eps_clip_c.
 
 Each estimator names the loss it trains with when it registers (algo/registry.py). PPO clip
 (grpo, reinforce++, ppo; Schulman et al. 2017), with the dual clip of Ye et al. 2020:
 
-    ratio = exp(-ppo_kl)
+    ratio = exp(clamp(-ppo_kl, -20, 20))  (verl's bound: finite, as is its derivative)
     pg    = max(-ratio * A, -clip(ratio, 1 - eps, 1 + eps_high) * A)
     pg    = min(pg, -c * A)            where A < 0 and c is given (c > 1)
     clip_fraction_t = 1 where the clipped term won (-clip(ratio)*A > -ratio*A), else 0
@@ -67,8 +68,10 @@ import torch
 # The registry (a leaf) and not the package: the package's get_policy_loss_fn imports this module.
 # The estimators policy_loss_name looks up are there all the same, since importing this module
 # runs the package's __init__, which registers them.
+from vime_core.algo.kl import masked_log_ratio
 from vime_core.algo.registry import get_adv_estimator, register_policy_loss
 
+PPO_LOG_RATIO_BOUND = 20.0  # |log ratio| before exp, as verl: exp(20) ~ 5e8, far from fp32's overflow
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
@@ -80,7 +83,7 @@ def compute_policy_loss(
     eps_clip_c: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip with optional dual clip -> (per_token_loss, clip_fraction per token as float)."""
-    ratio = (-ppo_kl).exp()
+    ratio = (-ppo_kl).clamp(-PPO_LOG_RATIO_BOUND, PPO_LOG_RATIO_BOUND).exp()
     pg_losses1 = -ratio * advantages
     pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
@@ -241,6 +244,8 @@ def policy_loss_name(advantage_estimator: str) -> str:
 
 # Common signature (flat tensors over the response tokens of a micro-batch, sum T_i long):
 # (log_probs, old_log_probs, advantages, loss_mask, response_lengths, params) -> (loss, clipfrac)
+# Each takes ppo_kl = masked_log_ratio(old, current, loss_mask): 0 on a masked token (ratio 1), so
+# exp(-ppo_kl) cannot overflow there and poison the backward (kl.py states the rule).
 
 
 @register_policy_loss("ppo")
@@ -253,7 +258,7 @@ def ppo_policy_loss(
     params: PolicyLossParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip on the token ratio: compute_policy_loss(old - current, A, ...)."""
-    ppo_kl = old_log_probs - log_probs
+    ppo_kl = masked_log_ratio(old_log_probs, log_probs, loss_mask)
     return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
 
 
@@ -267,7 +272,7 @@ def gspo_policy_loss(
     params: PolicyLossParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip on the sequence ratio: compute_policy_loss(sequence_mean_kl(old - current), A, ...)."""
-    ppo_kl = sequence_mean_kl(old_log_probs - log_probs, loss_mask, response_lengths)
+    ppo_kl = sequence_mean_kl(masked_log_ratio(old_log_probs, log_probs, loss_mask), loss_mask, response_lengths)
     return compute_policy_loss(ppo_kl, advantages, params.eps_clip, params.eps_clip_high, params.eps_clip_c)
 
 
@@ -281,4 +286,5 @@ def cispo_policy_loss(
     params: PolicyLossParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO: compute_cispo_loss(old - current, current, A, eps_high)."""
-    return compute_cispo_loss(old_log_probs - log_probs, log_probs, advantages, params.eps_clip_high)
+    return compute_cispo_loss(masked_log_ratio(old_log_probs, log_probs, loss_mask), log_probs, advantages,
+                              params.eps_clip_high)

@@ -14,7 +14,6 @@ environment, for library callers).
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Iterable
 
 from vime_core.step_protocol import T_STEP_TERMS
@@ -74,13 +73,15 @@ def _jsonable(x):
 
 
 def _fmt(x, spec=".3f") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+    """`-` for a value the record lacks; NaN and Inf as `nan` and `inf`, never hidden as `-`."""
+    if x is None:
         return "-"
     return format(x, spec)
 
 
 def console_line(rec: dict) -> str:
-    """`iter 7 v8->v9 reward 0.531 len 2.1 clip 0.012 T_step 2.41s [rollout 0.62 build 0.01 ...]`"""
+    """`iter 7 v8->v9 reward 0.531 len 2.1 clip 0.012 T_step 2.41s [rollout 0.62 build 0.01 ...]`,
+    with `skipped 2 steps` after clip when optimizer steps had a non-finite loss or gradient."""
     phases = " ".join(f"{term} {_fmt(rec.get('t_' + term), '.2f')}" for term in T_STEP_TERMS)
     # a prefetched rollout started in the previous iteration: its T_rollout is the wait for it
     early = f" (started early, {_fmt(rec.get('time_total_s'), '.2f')} generating)" if rec.get("prefetched") else ""
@@ -90,8 +91,18 @@ def console_line(rec: dict) -> str:
     return (
         f"iter {rec['rollout_id']:>3} v{rec.get('version_before', '?')}->v{rec.get('version_after', '?')} "
         f"reward {_fmt(rec.get('reward_mean'))} len {_fmt(rec.get('response_len_mean'), '.2f')} "
-        f"clip {_fmt(rec.get('clip_fraction'))} {critic}T_step {_fmt(rec.get('t_step'), '.2f')}s [{phases}]{early}"
+        f"clip {_fmt(rec.get('clip_fraction'))} {_skipped(rec)}{critic}T_step {_fmt(rec.get('t_step'), '.2f')}s "
+        f"[{phases}]{early}"
     )
+
+
+def _skipped(rec: dict) -> str:
+    """`skipped 2 steps (critic 1) `: optimizer steps not applied (non-finite loss or gradient,
+    vime_core/trainer/nonfinite.py); empty when none was."""
+    policy, critic = int(rec.get("skipped_steps") or 0), int(rec.get("critic_skipped_steps") or 0)
+    if not policy and not critic:
+        return ""
+    return f"skipped {policy} step{'s' if policy != 1 else ''}{f' (critic {critic})' if critic else ''} "
 
 
 def reward_gain(records: Iterable[dict], window: int = 3) -> float | None:

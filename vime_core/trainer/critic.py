@@ -13,7 +13,8 @@
              value loss against the GAE returns (algo/value_loss.py), aggregated like the policy
              loss (loss_agg_mode, the step's StepDenominators), backward, one step of its own
              Megatron Adam at critic_lr under the policy's schedule settings (critic_lr_warmup_iters
-             for the warmup)
+             for the warmup); a step whose value loss or gradient is not finite on some rank is
+             skipped like the policy's (trainer/nonfinite.py), counted in critic_skipped_steps
 
 Tensor parallelism: without sequence parallelism every TP rank holds the same final hidden
 states, so the head is replicated (not split): each TP rank computes the same values and the same
@@ -24,7 +25,8 @@ The GPTModel's output layer (LM head) never runs: the forward stops at the final
 Adam keep state for it; a tied one is the input embedding, which trains.
 
 Metrics of a step (token means over the loss tokens of every DP rank): value_loss, value_clipfrac,
-explained_variance (of V_old for the returns), value_mean (V_old), critic_grad_norm, critic_lr.
+explained_variance (of V_old for the returns), value_mean (V_old), critic_grad_norm (of an applied
+step), critic_lr, critic_skipped_steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+
+from vime_core.trainer.nonfinite import SkipCounter
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class Critic:
 
     def __init__(self, cfg: Any, model: Any, optimizer: Any, scheduler: Any, device: Any) -> None:
         self.cfg, self.model, self.optimizer, self.scheduler, self.device = cfg, model, optimizer, scheduler, device
+        self.skips = SkipCounter(cfg.max_skipped_steps, whose="critic")  # its own, the policy's rule (nonfinite.py)
         self._offloaded: list[Any] = []
         self._asleep = False
 
@@ -133,9 +138,12 @@ class Critic:
             mb = make_micro_batch(batch, indices, self.device)
             loss = self._micro_batch_loss(mb, denominators, returns, old_values, acc)
             (loss * dp_size).backward()  # DDP averages over DP: the step's loss is layout-free
-        grad_norm, lr = step_optimizer(self.model, self.optimizer, self.scheduler, self.cfg)
+        grad_norm, lr = step_optimizer(self.model, self.optimizer, self.scheduler, self.cfg, acc.loss, self.device,
+                                       self.skips)
         sums = acc.all_reduced(dp_group, dp_size, self.device)
-        metrics = {"value_loss": sums["loss"], "critic_grad_norm": grad_norm, "critic_lr": lr}
+        metrics = {"value_loss": sums["loss"], "critic_lr": lr, "critic_skipped_steps": float(grad_norm is None)}
+        if grad_norm is not None:  # None: a non-finite step, skipped
+            metrics["critic_grad_norm"] = grad_norm
         for name in ("value_clipfrac", "value_mean"):
             if name in sums:
                 metrics[name] = sums[name]

@@ -182,7 +182,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
                                                   lay.dp_size, dp_group))
         if train_policy:
             step_metrics.update(train_step(
-                trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler
+                trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler,
+                skips=getattr(trainer, "skips", None),  # the skipped steps in a row (trainer/nonfinite.py)
             ))
         per_step.append(step_metrics)
     keys = sorted({k for m in per_step for k in m})

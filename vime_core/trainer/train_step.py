@@ -29,14 +29,19 @@ Gradients accumulate over the M micro-batches in Megatron's DDP grad buffers (``
 then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/k-norm grads
 that each TP rank only sees for its own heads), gradient clipping to ``clip_grad``, one optimizer
 step at the schedule's learning rate, and one step of the schedule (vime_core/trainer/optimizer.py).
-Metrics are token means over the whole step (all-reduced over DP) except grad_norm and lr (the
-step's learning rate). They stay on the device until the step ends: the micro-batch loop reads
-nothing back from the GPU (each read was a sync that kept the host from queueing the next
-micro-batch), and the masks' counts come from the batch's host lists.
+A step whose loss or gradient is NaN or Inf on any rank (one all-reduce of a flag) is skipped on
+every rank instead: nothing moves, the gradients are zeroed, the schedule stays, and too many in
+a row stop the run (vime_core/trainer/nonfinite.py).
+Metrics are token means over the whole step (all-reduced over DP) except grad_norm (absent for a
+skipped step), lr (the step's learning rate) and skipped_steps (1 for a skipped step, else 0).
+They stay on the device until the step ends: the micro-batch loop reads nothing back from the GPU
+(each read was a sync that kept the host from queueing the next micro-batch), and the masks'
+counts come from the batch's host lists.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -44,6 +49,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from vime_core.trainer.logprobs import packed_response_log_probs
+from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
@@ -245,7 +251,8 @@ def micro_batch_loss(
     if cfg.use_kl_loss:
         if inputs.ref_log_probs is None:
             raise ValueError("use_kl_loss needs reference log-probs")
-        kl = compute_approx_kl(log_probs, gather_per_token(inputs.ref_log_probs, mb.indices), cfg.kl_loss_type)
+        # masked: a token the loss leaves out gets a KL of exactly 0 and no gradient (algo/kl.py)
+        kl = compute_approx_kl(log_probs, gather_per_token(inputs.ref_log_probs, mb.indices), cfg.kl_loss_type, mask)
         acc.add("kl", kl, mask, count)
         loss = loss + cfg.kl_loss_coef * agg(kl)
     if cfg.entropy_coef > 0:
@@ -266,9 +273,12 @@ def train_step(
     dp_group: Any,
     device: Any,
     scheduler: Any = None,
+    skips: Optional[SkipCounter] = None,
 ) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches, one optimizer step (then one step of
-    Megatron's lr ``scheduler``, when given); returns the metrics."""
+    Megatron's lr ``scheduler``, when given) unless the loss or a gradient is not finite on some
+    rank (step_optimizer); returns the metrics, skipped_steps 1 for a skipped step (no grad_norm:
+    none was applied). ``skips``: the trainer's count of skipped steps in a row."""
     start = time.perf_counter()
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -277,20 +287,27 @@ def train_step(
         mb = make_micro_batch(inputs.batch, indices, device)
         loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
         (loss * dp_size).backward()
-    grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg)
+    grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg, acc.loss, device, skips)
     metrics = acc.all_reduced(dp_group, dp_size, device)
     elapsed = time.perf_counter() - start
-    metrics["grad_norm"] = grad_norm
+    if grad_norm is not None:
+        metrics["grad_norm"] = grad_norm
+    metrics["skipped_steps"] = float(grad_norm is None)
     metrics["lr"] = lr
     metrics["step_time_s"] = elapsed
     metrics["tokens_per_s"] = inputs.step_tokens / elapsed if elapsed > 0 else 0.0
     return metrics
 
 
-def step_optimizer(model: Any, optimizer: Any, scheduler: Any, cfg: Any) -> tuple[float, float]:
-    """After the micro-batches' backward: finalize the gradients, one optimizer step (clipped to
-    clip_grad) at the schedule's learning rate, one step of the schedule (when given); returns
-    (grad_norm, lr). The policy's step and the critic's (trainer/critic.py)."""
+def step_optimizer(
+    model: Any, optimizer: Any, scheduler: Any, cfg: Any, loss: Any, device: Any, skips: Optional[SkipCounter] = None
+) -> tuple[Optional[float], float]:
+    """After the micro-batches' backward: finalize the gradients; then, when the step's ``loss``
+    and gradients are finite on every rank (vime_core/trainer/nonfinite.py), one optimizer step
+    (clipped to clip_grad) at the schedule's learning rate and one step of the schedule (when
+    given), else nothing moves and the gradients are zeroed. ``skips`` counts the skipped steps in a
+    row and raises past max_skipped_steps (None: a count of this step alone). Returns (grad_norm,
+    lr), grad_norm None for a skipped step. The policy's step and the critic's (trainer/critic.py)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from vime_core.trainer.optimizer import current_lr
@@ -298,11 +315,19 @@ def step_optimizer(model: Any, optimizer: Any, scheduler: Any, cfg: Any) -> tupl
     # Average the accumulated grads over DP, and sum over TP the grads of parameters that each
     # TP rank only sees part of (Qwen3's per-head q/k norms).
     finalize_model_grads([model])
-    grad_norm = None if cfg.clip_grad > 0 else optimizer.get_grad_norm()
     lr = current_lr(optimizer)
-    ok, clipped_norm, _ = optimizer.step()
-    if not ok:
-        raise RuntimeError("optimizer step failed (non-finite gradients)")
-    if scheduler is not None:
+    grad_norm: Optional[float] = None
+    if step_is_finite(model, loss, device):
+        norm = None if cfg.clip_grad > 0 else optimizer.get_grad_norm()
+        ok, clipped_norm, _ = optimizer.step()
+        if ok:
+            grad_norm = float(clipped_norm if clipped_norm is not None else norm)
+        else:  # Megatron's own check (an fp16 grad scaler's found_inf) skipped it: nothing moved
+            log.warning("Megatron's optimizer found a non-finite gradient and skipped the step")
+    if grad_norm is None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    elif scheduler is not None:
         scheduler.step(increment=1)
-    return float(clipped_norm if clipped_norm is not None else grad_norm), lr
+    (skips or SkipCounter(cfg.max_skipped_steps)).record(skipped=grad_norm is None)
+    return grad_norm, lr

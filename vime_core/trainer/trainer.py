@@ -23,6 +23,7 @@ import torch
 
 from vime_core.config import VimeConfig
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.trainer.nonfinite import SkipCounter
 from vime_core.trainer.parallel import layout_for
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class MegatronTrainer:
         self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
         self.weight_version = 0
         self.last_trained_rollout_id: Optional[int] = None
-        self.optimizer_steps = 0  # a retried rollout id must not add any (tests check it)
+        self.optimizer_steps = 0  # a retried rollout id must not add any (tests check it); skipped ones neither
+        self.skips = SkipCounter(cfg.max_skipped_steps)  # the policy's skipped steps (trainer/nonfinite.py)
         self.hf_checkpoint: Optional[str] = None
         self._restored: Optional[dict[str, Any]] = None  # what `restore` returned: the run's startup is done
         self.model: Any = None
@@ -181,7 +183,10 @@ class MegatronTrainer:
     # ---- training ------------------------------------------------------------------------------
 
     def train(self, rollout_id: int, batch: dict[str, list]) -> dict[str, Any]:
-        """Train on this rank's DP partition of rollout ``rollout_id`` (idempotent per id)."""
+        """Train on this rank's DP partition of rollout ``rollout_id`` (idempotent per id).
+        skipped_steps (and critic_skipped_steps with a critic): how many of its optimizer steps had
+        a non-finite loss or gradient and were skipped; NonFiniteStepsError after too many in a
+        row (trainer/nonfinite.py), the rollout then not marked trained."""
         self._require_init()
         if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
@@ -190,11 +195,18 @@ class MegatronTrainer:
         t_wake = time.perf_counter()
         woke = self.wake()
         start = time.perf_counter()
+        counters = [self.skips] + ([self.critic.skips] if self.critic is not None else [])
+        for counter in counters:
+            counter.begin(rollout_id)
         metrics = train_on_rollout(self, batch, rollout_id)
         metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
                        wake_time_s=start - t_wake, memory_after_wake=woke)
+        # counts, where the per-step metrics (averaged over the steps) hold each step's 0 or 1
+        metrics["skipped_steps"] = self.skips.skipped
+        if self.critic is not None:
+            metrics["critic_skipped_steps"] = self.critic.skips.skipped
         self.last_trained_rollout_id = rollout_id
-        self.optimizer_steps += int(metrics.get("num_steps", 0))
+        self.optimizer_steps += int(metrics.get("num_steps", 0)) - self.skips.skipped
         self._metrics[rollout_id] = metrics
         for old in sorted(self._metrics)[:-KEEP_METRICS]:
             del self._metrics[old]
