@@ -231,7 +231,11 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     found = [a if a is not None and is_alive(a) else None
              for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))]
     if all(a is not None for a in found):
-        return TrainerGroup(cfg, found), False
+        diverged = ray.get(found[0].state.remote()).get("diverged_rollout_id")
+        if diverged is None:
+            return TrainerGroup(cfg, found), False
+        log.warning("the trainer group holds steps of rollout %d applied before its non-finite steps stopped the "
+                    "run: rebuilt from the last checkpoint, the stored batches since are trained again", diverged)
     if any(a is not None for a in found):
         # A partial group cannot rejoin torch.distributed: rebuild it whole.
         for a in found:

@@ -47,16 +47,19 @@ class SkipCounter:
     rollout_id: Optional[int] = None
     in_a_row: int = 0
     skipped: int = 0
+    applied: int = 0
+    """Steps of the rollout being trained that were applied (finite)."""
 
     def begin(self, rollout_id: int) -> None:
-        """A new rollout: its count starts at 0 (the count in a row goes on)."""
-        self.rollout_id, self.skipped = rollout_id, 0
+        """A new rollout: its counts start at 0 (the count in a row goes on)."""
+        self.rollout_id, self.skipped, self.applied = rollout_id, 0, 0
 
     def record(self, skipped: bool) -> None:
         """After each step: a finite one resets the count in a row, a skipped one adds to both
         and raises once there are more than max_skipped_steps in a row."""
         if not skipped:
             self.in_a_row = 0
+            self.applied += 1
             return
         self.in_a_row += 1
         self.skipped += 1

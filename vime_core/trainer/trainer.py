@@ -23,7 +23,7 @@ import torch
 
 from vime_core.config import VimeConfig
 from vime_core.storage.endpoint import S3Endpoint
-from vime_core.trainer.nonfinite import SkipCounter
+from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
 from vime_core.trainer.parallel import layout_for
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class MegatronTrainer:
         self.skips = SkipCounter(cfg.max_skipped_steps)  # the policy's skipped steps (trainer/nonfinite.py)
         self.hf_checkpoint: Optional[str] = None
         self._restored: Optional[dict[str, Any]] = None  # what `restore` returned: the run's startup is done
+        # the rollout whose non-finite steps stopped the run after some of its steps were applied:
+        # the weights are then neither the last trained rollout's nor the next one's (state())
+        self._diverged: Optional[int] = None
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
@@ -174,6 +177,9 @@ class MegatronTrainer:
             "hf_checkpoint": self.hf_checkpoint,
             "initialised": self.model is not None,
             "restored": self._restored is not None,
+            # not None: this rollout's finite steps were applied before its non-finite ones stopped
+            # the run; training it again would train them twice (run_actors rebuilds the group)
+            "diverged_rollout_id": self._diverged,
         }
 
     def _require_init(self) -> None:
@@ -198,7 +204,12 @@ class MegatronTrainer:
         counters = [self.skips] + ([self.critic.skips] if self.critic is not None else [])
         for counter in counters:
             counter.begin(rollout_id)
-        metrics = train_on_rollout(self, batch, rollout_id)
+        try:
+            metrics = train_on_rollout(self, batch, rollout_id)
+        except NonFiniteStepsError:
+            if any(counter.applied for counter in counters):
+                self._diverged = rollout_id
+            raise
         metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
                        wake_time_s=start - t_wake, memory_after_wake=woke)
         # counts, where the per-step metrics (averaged over the steps) hold each step's 0 or 1

@@ -113,3 +113,24 @@ def test_a_nan_on_one_dp_rank_makes_both_skip(tmp_path, cache_dir):
         assert all(torch.isfinite(t).all() for t in r["after_next"].values())
         assert r["optimizer_steps"] == 2
     _assert_bit_identical(ranks[1]["after_next"], ranks[0]["after_next"])
+
+
+def test_a_rollout_stopped_after_some_of_its_steps_applied_says_so(single_rank, ckpt, tmp_path):
+    """Two steps per rollout, the second's sample NaN, max_skipped_steps=0: the first step was
+    applied before the second stopped the run, so the weights are those of neither the last trained
+    rollout nor this one; the trainer says which (run_actors rebuilds such a group from the last
+    checkpoint rather than train that step twice). A rollout stopped with nothing applied does not."""
+    from vime_core.trainer.nonfinite import NonFiniteStepsError
+
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=2, max_skipped_steps=0))
+    trainer.train(0, hand_batch())
+    nothing_applied = hand_batch()
+    nothing_applied["advantage"][0] = math.nan  # the first step's sample
+    with pytest.raises(NonFiniteStepsError):
+        trainer.train(1, nothing_applied)
+    assert trainer.state()["diverged_rollout_id"] is None and trainer.last_trained_rollout_id == 0
+    half = hand_batch()
+    half["advantage"][2] = math.nan  # the second step's sample: the first step is applied
+    with pytest.raises(NonFiniteStepsError, match=r"^rollout 1: 1 policy optimizer steps in a row"):
+        trainer.train(1, half)
+    assert trainer.state()["diverged_rollout_id"] == 1 and trainer.last_trained_rollout_id == 0
