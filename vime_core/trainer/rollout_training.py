@@ -132,6 +132,7 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
         forward_log_probs,
         train_step,
     )
+    from vime_core.trainer.truncation import Sampling
 
     cfg, lay = trainer.cfg, trainer.layout
     # the trainability check (train_step.check_batch's), with the engines' log-probs required
@@ -142,7 +143,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     schedule = build_dp_schedule(lengths, cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
     mine = schedule.micro_batches[lay.dp_rank]
     all_mine = [mb for step in mine for mb in step]
-    vocab, temp, device = trainer.arch.vocab_size, cfg.rollout_temperature, trainer.device
+    # the engines' sampling (temperature, top-k, top-p): every forward scores what they sampled from
+    vocab, temp, device = trainer.arch.vocab_size, Sampling.of(cfg), trainer.device
 
     critic = getattr(trainer, "critic", None)  # None: an estimator without one
     train_policy = critic is None or rollout_id >= cfg.num_critic_only_steps

@@ -51,6 +51,7 @@ import torch
 from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
+from vime_core.trainer.truncation import Sampling
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
 # opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
@@ -110,14 +111,15 @@ def forward_log_probs(
     batch: Mapping[str, Sequence[Any]],
     micro_batches: Sequence[Sequence[int]],
     vocab_size: int,
-    temperature: float,
+    sampling: float | Sampling,
     device: Any,
 ) -> dict[int, torch.Tensor]:
-    """Response-token log-probs of every sample in ``micro_batches`` under the current weights."""
+    """Response-token log-probs of every sample in ``micro_batches`` under the current weights,
+    at the rollout's ``Sampling`` (or a bare temperature)."""
     out: dict[int, torch.Tensor] = {}
     for indices in micro_batches:
         mb = make_micro_batch(batch, indices, device)
-        lp, _ = packed_response_log_probs(model, mb.packed, vocab_size, temperature)
+        lp, _ = packed_response_log_probs(model, mb.packed, vocab_size, sampling)
         out.update(split_per_sample(lp.float(), mb.indices, mb.response_lengths))
     return out
 
@@ -204,7 +206,7 @@ def micro_batch_loss(
     from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, rollout_is_weights
 
     log_probs, entropy = packed_response_log_probs(
-        model, mb.packed, vocab_size, cfg.rollout_temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
+        model, mb.packed, vocab_size, Sampling.of(cfg), with_entropy=True, entropy_grad=cfg.entropy_coef > 0
     )
     mask, lengths = mb.loss_mask, mb.response_lengths
     count = sum(mb.mask_counts)

@@ -227,11 +227,12 @@ class MegatronTrainer:
         """Response-token log-probs of every sample under the current weights (sample order)."""
         self._require_init()
         from vime_core.trainer.train_step import check_batch, forward_log_probs
+        from vime_core.trainer.truncation import Sampling
 
         n = check_batch(batch)
         size = self.cfg.micro_batch_size
         mbs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        lps = forward_log_probs(self.model, batch, mbs, self.arch.vocab_size, self.cfg.rollout_temperature, self.device)
+        lps = forward_log_probs(self.model, batch, mbs, self.arch.vocab_size, Sampling.of(self.cfg), self.device)
         return [lps[i].tolist() for i in range(n)]
 
     # ---- weights out ---------------------------------------------------------------------------
