@@ -12,6 +12,7 @@ import ray.cloudpickle as cloudpickle
 def _instances():
     from vime_core.cluster.run_actors import ActorsMissingError
     from vime_core.engines.client import EngineError, EngineWakeError
+    from vime_core.rewards.values import InvalidRewardError
     from vime_core.storage.store import CorruptBatchError
     from vime_core.weight_sync.publish import PublishError
 
@@ -22,6 +23,7 @@ def _instances():
         (PublishError("publish v3: engine-0 reports 2", bytes_moved=True), ("bytes_moved",)),
         (ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)), ("missing",)),
         (CorruptBatchError("batches/r/00000001.parquet", "checksum mismatch"), ("key", "detail")),
+        (InvalidRewardError("returned str"), ("what", "expected")),
     ]
 
 

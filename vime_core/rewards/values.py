@@ -24,7 +24,10 @@ class InvalidRewardError(TypeError):
     def __init__(self, what: str, expected: str = "a finite real number (int, float, bool, a numpy or torch scalar)"
                  ) -> None:
         super().__init__(f"the reward function {what}; expected {expected}")
-        self.what = what
+        self.what, self.expected = what, expected
+
+    def __reduce__(self):  # rebuilt from its arguments when it crosses Ray, not from its message
+        return type(self), (self.what, self.expected)
 
 
 def type_name(value: Any) -> str:
