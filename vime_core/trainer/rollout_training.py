@@ -144,7 +144,7 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     mine = schedule.micro_batches[lay.dp_rank]
     all_mine = [mb for step in mine for mb in step]
     # the engines' sampling (temperature, top-k, top-p): every forward scores what they sampled from
-    vocab, temp, device = trainer.arch.vocab_size, Sampling.of(cfg), trainer.device
+    vocab, sampling, device = trainer.arch.vocab_size, Sampling.of(cfg), trainer.device
 
     critic = getattr(trainer, "critic", None)  # None: an estimator without one
     train_policy = critic is None or rollout_id >= cfg.num_critic_only_steps
@@ -152,10 +152,10 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     policy_forwards = train_policy or cfg.kl_coef > 0
     reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
-    old = forward_log_probs(trainer.model, batch, all_mine, vocab, temp, device) if need_old else None
+    old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device) if need_old else None
     need_ref = trainer.ref_model is not None and policy_forwards
-    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, temp, device) if need_ref else None
-    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, temp, device)
+    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, sampling, device) if need_ref else None
+    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
                if trainer.teacher_model is not None else None)
     values = critic.values(batch, all_mine) if critic is not None else None
 
