@@ -45,22 +45,27 @@ def start_actors(config: VimeConfig) -> RunActors:
     """Find the run's actors or create what is missing: the placement group, one actor per
     engine, the RolloutManager (its constructor starts the engines and the router) and the
     trainer group, whose `init` (the weights from hf_checkpoint) is submitted at once when the
-    group is new. Returns without waiting for the engines or `init`. Plain (no Prefect):
-    bootstrap calls it, and `vime train` before its first flow run (`start_early`)."""
+    group is new. New engine actors and a new RolloutManager get the run's engine token: the one
+    the existing actors hold, else a new one (vime_core/cluster/engine_token.py). Returns
+    without waiting for the engines or `init`. Plain (no Prefect): bootstrap calls it, and
+    `vime train` before its first flow run (`start_early`)."""
+    from vime_core.cluster.engine_token import run_engine_token
     from vime_core.cluster.run_actors import (
         get_or_create_engines,
         get_or_create_placement_group,
         get_or_create_rollout_manager,
         get_or_create_trainer_group,
+        plan_for,
         rollout_manager_exists,
     )
 
     t0, began = time.perf_counter(), process_age_s()
     ensure_ray(config.ray_address)
     pg = get_or_create_placement_group(config)
-    engines = get_or_create_engines(config, pg)  # one actor per engine, in its device bundles
+    token = run_engine_token(config, len(plan_for(config).engine_bundles))  # through Ray, never a file
+    engines = get_or_create_engines(config, pg, token)  # one actor per engine, in its device bundles
     new_manager = not rollout_manager_exists(config)
-    manager = get_or_create_rollout_manager(config, engines)
+    manager = get_or_create_rollout_manager(config, engines, token)
     trainers, created = get_or_create_trainer_group(config, pg)
     init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
     return RunActors(manager, trainers, new_manager, created, init, time.perf_counter() - t0, began)

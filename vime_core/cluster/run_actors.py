@@ -8,6 +8,9 @@ machines the Ray head declares device slots with --num-gpus so the same placemen
 Trainer rank i takes a share of bundle i; each engine actor sits in the first bundle of its
 range and gives its server the device ids Ray assigned to all of them. Custom node resources
 (`trainer_node_resource`, `engine_node_resource`) pin either side's bundles to chosen nodes.
+
+The engine actors and the RolloutManager are created with the run's engine token (constructor
+arguments: `cluster/engine_token.py`), which they keep for every later driver that asks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, PlacementPlan
 from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
+from vime_core.engines.auth import EngineToken
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +133,15 @@ def bundle_devices(pg, num_bundles: int) -> list[BundleDevice]:
     return [BundleDevice(ip, dev) for ip, dev in ray.get(refs)]
 
 
-def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
+def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = None) -> list[Any]:
     """The run's engine actors; with cfg.engine_prestart, each one created here launches its
     server at once (`prestart`: the RolloutManager's start waits for it and watches the
     engine). One found alive is left as it is. External servers (`engine_urls`) need none:
-    returns []."""
+    returns []. New ones get `token` (None: the run's, `engine_token.run_engine_token`)."""
     import ray
 
     from vime_core.cluster.connect import actor_env
+    from vime_core.cluster.engine_token import run_engine_token
     from vime_core.engines.server import EngineServer
 
     if cfg.engine_urls:
@@ -145,6 +150,8 @@ def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
     found = [_get_actor(names.engine(e), cfg.run_name) for e in range(len(plan.engine_bundles))]
     if all(a is not None for a in found):
         return found
+    if token is None:
+        token = run_engine_token(cfg, len(plan.engine_bundles))
     devices = engine_devices(plan, bundle_devices(pg, plan.num_bundles))
     actor_cls = ray.remote(EngineServer)
     actors = []
@@ -163,7 +170,7 @@ def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
             max_concurrency=4,  # health checks and memory reads while a start or restart runs
             scheduling_strategy=_in_bundle(pg, plan.engine_bundles[e][0]),
             runtime_env={"env_vars": actor_env()},
-        ).remote(cfg, e, device_ids=device_ids)
+        ).remote(cfg, e, device_ids=device_ids, token=token)
         # vLLM launches as soon as the actor exists, not once the RolloutManager is made and
         # calls start() (which then waits for this start): its ~20 s of imports and ~20 s of
         # engine-core start overlap the manager's own start
@@ -173,16 +180,21 @@ def get_or_create_engines(cfg: VimeConfig, pg) -> list[Any]:
     return actors
 
 
-def get_or_create_rollout_manager(cfg: VimeConfig, engines: Optional[list[Any]] = None):
+def get_or_create_rollout_manager(cfg: VimeConfig, engines: Optional[list[Any]] = None,
+                                  token: Optional[EngineToken] = None):
     """The RolloutManager; `engines`: the engine actors it starts and watches (None: it starts
-    engine processes itself, or attaches to cfg.engine_urls)."""
+    engine processes itself, or attaches to cfg.engine_urls). A new one gets `token` (None: the
+    run's, `engine_token.run_engine_token`), the token its engines were made with."""
     import ray
 
     from vime_core.cluster.connect import actor_env
+    from vime_core.cluster.engine_token import run_engine_token
 
     existing = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
     if existing is not None:
         return existing
+    if token is None:
+        token = run_engine_token(cfg, len(plan_for(cfg).engine_bundles))
     from vime_core.rollout.manager import RolloutManager
 
     actor_cls = ray.remote(RolloutManager)
@@ -195,7 +207,7 @@ def get_or_create_rollout_manager(cfg: VimeConfig, engines: Optional[list[Any]] 
         num_cpus=0,
         max_concurrency=8,
         runtime_env={"env_vars": actor_env()},
-    ).remote(cfg, engine_actors=engines or None, on_engine_restarted=restarted)
+    ).remote(cfg, engine_actors=engines or None, on_engine_restarted=restarted, token=token)
 
 
 def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:

@@ -23,11 +23,15 @@ one is made; the functions here read only the schema's fields (config/schema.py)
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
+
+logger = logging.getLogger(__name__)
 
 
 def trainer_num_devices(cfg: ConfigFields) -> int:
@@ -154,6 +158,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_critic(cfg)
     _check_group_size(cfg)
     _check_fill_bound(cfg)
+    check_engine_auth(cfg)
 
 
 def _check_fill_bound(cfg: ConfigFields) -> None:
@@ -297,6 +302,38 @@ def _check_loss_scale(cfg: ConfigFields) -> None:
         cfg.loss_scale_factor = float(cfg.rollout_max_response_len)
 
 
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1); a wildcard (0.0.0.0, ::, empty) or
+    any other name is not."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_engine_auth(cfg: ConfigFields) -> None:
+    """Nothing vime starts listens beyond loopback unauthenticated: engine_auth=false with an
+    engine_bind_host that is not loopback is refused, unless allow_unauthenticated_engines, and
+    then a warning names what is open. Servers vime does not start (engine_urls) are not bound
+    by vime: the check does not apply to them."""
+    if cfg.engine_auth or cfg.engine_urls or is_loopback(cfg.engine_bind_host):
+        return
+    if not cfg.allow_unauthenticated_engines:
+        raise ValueError(
+            f"engine_bind_host={cfg.engine_bind_host!r} is beyond loopback and engine_auth=false: anyone who reaches "
+            f"an engine's port could generate, pause it and load weights into it; keep engine_auth on (the default), "
+            f"bind 127.0.0.1, or add --allow-unauthenticated-engines to accept that"
+        )
+    logger.warning(
+        "engine_auth=false with engine_bind_host=%r (allow_unauthenticated_engines): every route of every engine is "
+        "open to anyone who reaches its port (each engine's URL is in the startup log): generate, /collective_rpc "
+        "(loads weights from any path), /sleep, /wake_up, /pause and the weight-update session, whose payloads are "
+        "unpickled (VLLM_ALLOW_INSECURE_SERIALIZATION)", cfg.engine_bind_host,
+    )
+
+
 def _vllm_backends() -> dict[str, str | None]:
     """transport -> the vLLM weight-transfer backend the engines start with (None: none needed)."""
     from vime_core.weight_sync.wire.broadcast_format import BACKEND_NAME as BROADCAST
@@ -330,6 +367,7 @@ def _check_weight_transport(cfg: ConfigFields) -> None:
 ENGINE_MANAGED_ENV = frozenset({
     "VLLM_SERVER_DEV_MODE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "PYTHONPATH",
     "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES",
+    "VIME_ENGINE_TOKEN", "VIME_ENGINE_OPEN_HEALTH",  # engine_auth (vime_core/engines/vllm_side/auth.py)
 })
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 

@@ -11,6 +11,9 @@ answer came: refused connection, timeout) and an excerpt of the body.
 Control calls go to each engine directly, never through vllm-router: the router sends a control
 call to one worker only and drops its query string (`/pause?mode=keep` arrives as `/pause`,
 i.e. abort).
+
+Every request carries the run's token (`token`: `Authorization: Bearer ...`, engines/auth.py)
+when the client has one; an engine that refuses it answers 401, an `EngineError` like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from vime_core.engines.auth import EngineToken, auth_headers
 from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
 from vime_core.utils.retry import async_attempts
 
@@ -148,9 +152,11 @@ class EngineClient:
         model: Optional[str] = None,
         max_connections: int = 1024,
         api: Optional[VllmApi] = None,
+        token: Optional[EngineToken] = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or redact_url(self.base_url)
+        self.token = token  # sent with every request (module docstring); may be replaced later
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self.supports_sleep = supports_sleep
@@ -197,9 +203,10 @@ class EngineClient:
         """One call; the decoded JSON body (None when empty). Raises `EngineError`."""
         endpoint = f"{method} {path}"
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
+        headers = {**(headers or {}), **auth_headers(self.token)}
         try:
             async with self._client().request(
-                method, path, params=params, json=json, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+                method, path, params=params, json=json, headers=headers or None, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 status, content = resp.status, await resp.read()
         except (asyncio.TimeoutError, TimeoutError) as exc:

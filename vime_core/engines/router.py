@@ -8,6 +8,15 @@ drops their query string).
 
 `PolicyRouter` is the in-client fallback (`use_router=False`): it picks an `EngineClient` per
 request with round_robin, random or consistent_hash on the session id.
+
+Authentication: vllm-router 0.1.17 asks nothing of inbound requests, and its `--api-key` is
+neither required inbound nor sent to workers (measured: not on health checks, not on forwarded
+requests). So it binds 127.0.0.1 always (and its Prometheus port too), whatever
+engine_bind_host says: its only caller is the RolloutManager that starts it, on the same node.
+It holds no token: it forwards the caller's `Authorization` header unchanged, and the engines
+check it, so a request through it without the run's token is refused by the engine (401). Its
+own routes (`/add_worker`, `/remove_worker`, `/list_workers`) are open to local users of that
+node (docs/gpus-and-clusters.md).
 """
 
 from __future__ import annotations
@@ -64,7 +73,8 @@ class RouterError(RuntimeError):
 
 
 class Router:
-    """The real vllm-router on 127.0.0.1, in front of `worker_urls` (more can be added later)."""
+    """The real vllm-router on 127.0.0.1 (never another address: module docstring), in front of
+    `worker_urls` (more can be added later)."""
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ environment never imports vllm:
         --logprobs-mode processed_logprobs        # log-probs after temperature, what training needs
         --dtype bfloat16|float32                  # the trainer's precision
         --worker-extension-cls VimeWorkerExtension  # weight spec, versions, CPU transfer backend
+        [--middleware EngineAuthMiddleware]       # every route needs the run's token (engine_auth)
         [--enable-sleep-mode] [--weight-transfer-config JSON] [--gpu-memory-utilization F] ...
 
 with VLLM_SERVER_DEV_MODE=1 (pause/resume, weight session, collective_rpc, reset cache),
@@ -19,7 +20,9 @@ per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a
 devices Ray gave the engine's placement bundles (`device_ids` -> CUDA_VISIBLE_DEVICES, so the
 engine's TP workers land on distinct GPUs), and the repository root on PYTHONPATH so modules
 under vime_core/engines/vllm_side load inside vLLM. Which vLLM release runs decides a few flags
-(`vllm_api`).
+(`vllm_api`). With engine_auth the run's token (`auth_token`) goes into the server's environment
+only (VIME_ENGINE_TOKEN, read by vllm_side/auth.py), never onto its command line, which is logged
+and which `ps` shows; every call this module makes to the server sends it.
 
 A run's engines are `EngineServer` Ray actors placed in their device bundles
 (`vime_core/cluster/run_actors.py`); this module does not import ray.
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.config.derive import engine_env, platform_supports_sleep
+from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.utils.orphan_guard import guard_command
@@ -168,7 +172,11 @@ class EngineServer:
         warmup: bool = True,
         device_ids: Optional[list[str]] = None,
         api: Optional[VllmApi] = None,
+        token: Optional[EngineToken] = None,
     ) -> None:
+        """`token`: the run's engine token (all of a run's engines share one: the router forwards
+        one client's header to any of them); None makes one for this server when cfg.engine_auth.
+        Attached servers (`attach_url`) are sent `token` when given, and nothing else."""
         from vime_core.config import engine_server_args, num_engines
 
         self.cfg = cfg
@@ -177,6 +185,10 @@ class EngineServer:
         model = model_path or cfg.hf_checkpoint
         self.model_path = str(Path(model).resolve()) if model else ""
         self.attach_url = attach_url
+        if attach_url:
+            self.auth_token = token
+        else:
+            self.auth_token = (token or EngineToken.new()) if cfg.engine_auth else None
         self.engines_per_node = engines_per_node or num_engines(cfg)
         self.server_args = dict(engine_server_args(cfg))
         self.server_args.update(server_args or {})
@@ -256,6 +268,8 @@ class EngineServer:
             cmd += ["--worker-extension-cls", extension]
         if transfer:
             cmd += ["--weight-transfer-config", json.dumps(transfer)]
+        if self.auth_token is not None:  # the token itself only in environment()
+            cmd += ["--middleware", MIDDLEWARE]
 
         for key, value in args.items():  # options added to engine_server_args later
             if value is None or value is False:
@@ -302,6 +316,12 @@ class EngineServer:
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
         env.update(self.extra_env)
+        env.pop(TOKEN_ENV, None)  # a user's token for engine_urls is not this server's
+        env.pop(OPEN_HEALTH_ENV, None)
+        if self.auth_token is not None:
+            env[TOKEN_ENV] = self.auth_token.reveal()
+            if cfg.use_router:  # vllm-router's health checks carry no token (vllm_side/auth.py)
+                env[OPEN_HEALTH_ENV] = "1"
         return env
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -309,11 +329,16 @@ class EngineServer:
     def client(self) -> SyncEngineClient:
         if self.url is None:
             raise RuntimeError(f"{self.name} is not started")
-        return SyncEngineClient(self.url, self.name, supports_sleep=platform_supports_sleep(self.cfg))
+        return SyncEngineClient(self.url, self.name, supports_sleep=platform_supports_sleep(self.cfg), token=self.auth_token)
 
     def get_url(self) -> Optional[str]:
         """`url` for Ray actor handles (attributes are not remote)."""
         return self.url
+
+    def engine_token(self) -> Optional[EngineToken]:
+        """`auth_token` for Ray actor handles: a later driver attaching to the run's engines asks
+        for it (vime_core/cluster/engine_token.py)."""
+        return self.auth_token
 
     def get_device_ids(self) -> Optional[list[str]]:
         return self.device_ids
@@ -437,7 +462,7 @@ class EngineServer:
         return startup_marks(self.log_path.read_text(errors="replace"))
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        client = SyncEngineClient(self.url, self.name)  # type: ignore[arg-type]
+        client = SyncEngineClient(self.url, self.name, token=self.auth_token)  # type: ignore[arg-type]
 
         def healthy() -> bool:
             code = self._proc.poll() if self._proc else None
@@ -465,9 +490,12 @@ class EngineServer:
 
         body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
         try:
-            httpx.post(f"{self.url}/inference/v1/generate", json=body, timeout=120.0)
+            resp = httpx.post(f"{self.url}/inference/v1/generate", json=body, headers=auth_headers(self.auth_token), timeout=120.0)
         except httpx.HTTPError as exc:
             logger.warning("%s: warm-up request failed: %s", self.name, exc)
+            return
+        if resp.status_code >= 400:  # e.g. 401: a second key asked by vllm_extra_args' --api-key
+            logger.warning("%s: warm-up request answered HTTP %d: %s", self.name, resp.status_code, resp.text[:300])
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         """Abort in-flight requests (SIGTERM alone hangs while requests run), then SIGTERM, then
@@ -476,7 +504,7 @@ class EngineServer:
             return
         if self._proc.poll() is None and self.url:
             try:
-                SyncEngineClient(self.url, self.name, control_timeout_s=5.0).pause("abort")
+                SyncEngineClient(self.url, self.name, control_timeout_s=5.0, token=self.auth_token).pause("abort")
             except Exception as exc:  # the server may already be broken; terminate anyway
                 logger.info("%s: pause(abort) before shutdown failed: %s", self.name, exc)
         self._terminate(grace_s)

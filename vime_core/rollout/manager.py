@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from vime_core.engines.auth import EngineToken
 from vime_core.engines.client import EngineClient
 from vime_core.utils.loop_thread import LoopThread
 from vime_core.utils.retry import poll_until
@@ -65,13 +66,17 @@ class RolloutManager:
         on_engine_restarted: Optional[Callable[[int, str], None]] = None,
         health_interval_s: float = 2.0,
         log_dir: Optional[str] = None,
+        token: Optional[EngineToken] = None,
     ) -> None:
         """`servers`: EngineServer objects already started by the caller (tests share them; the
         caller shuts them down). `engine_actors`: EngineServer actors placed on their devices
         (`cluster.run_actors`), started and watched here. Otherwise engine processes are
         started here, or attached when cfg.engine_urls is set. `on_engine_restarted(index, url)` must give a restarted engine
         the current weights (the trainer's publisher); without it a restarted engine serves the
-        checkpoint's weights, and a warning says so."""
+        checkpoint's weights, and a warning says so. `token`: the run's engine token, sent with
+        every request and kept for later drivers (`engine_token`); None: the one `servers` (or
+        `engine_actors`) were started with, else a new one for the engines started here
+        (engine_auth), else the environment's VIME_ENGINE_TOKEN for engine_urls (engines/auth.py)."""
         from vime_core.config import num_engines
         from vime_core.config.derive import platform_supports_sleep
         from vime_core.data.data_source import DataSource, load_tokenizer
@@ -84,6 +89,7 @@ class RolloutManager:
         from vime_core.utils.imports import load_function
 
         self.cfg = cfg
+        self.token = _engine_token(cfg, token, servers, engine_actors)
         self.receives_weight_updates = receives_weight_updates
         self.on_engine_restarted = on_engine_restarted
         self.supports_sleep = platform_supports_sleep(cfg)
@@ -115,9 +121,10 @@ class RolloutManager:
         elif cfg.engine_urls:
             if len(cfg.engine_urls) != num_engines(cfg):
                 logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs", len(cfg.engine_urls), num_engines(cfg))
-            self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir) for i, u in enumerate(cfg.engine_urls)]
+            self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir, token=self.token)
+                            for i, u in enumerate(cfg.engine_urls)]
         else:
-            self.servers = [EngineServer(cfg, i, log_dir=log_dir) for i in range(num_engines(cfg))]
+            self.servers = [EngineServer(cfg, i, log_dir=log_dir, token=self.token) for i in range(num_engines(cfg))]
         self.router = None
         self._startup_epochs: dict[str, float] = {}
         try:
@@ -210,7 +217,13 @@ class RolloutManager:
             raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
 
     def _client(self, url: str, name: str) -> EngineClient:
-        return EngineClient(url, name, supports_sleep=self.supports_sleep, max_connections=max(64, self.cfg.vllm_server_concurrency * 2))
+        return EngineClient(url, name, supports_sleep=self.supports_sleep, token=self.token,
+                            max_connections=max(64, self.cfg.vllm_server_concurrency * 2))
+
+    def engine_token(self) -> Optional[EngineToken]:
+        """The run's engine token, for whoever attaches to this actor later (the trainer's publisher,
+        a new flow run: vime_core/cluster/engine_token.py). Through Ray only."""
+        return self.token
 
     def _engine_restarted(self, index: int, url: str) -> None:
         if self.on_engine_restarted is not None:
@@ -538,6 +551,22 @@ class RolloutManager:
                     server.shutdown()
                 except Exception as exc:
                     logger.warning("shutting down %s: %s", getattr(server, "name", server), exc)
+
+
+def _engine_token(cfg: Any, token: Optional[EngineToken], servers: Optional[Sequence[Any]],
+                  engine_actors: Optional[Sequence[Any]]) -> Optional[EngineToken]:
+    """The token this manager sends (RolloutManager's `token` argument)."""
+    if token is not None:
+        return token
+    if servers:
+        return getattr(servers[0], "auth_token", None)
+    if engine_actors:  # the engines' own (they make one when created without it)
+        import ray
+
+        return ray.get(engine_actors[0].engine_token.remote())
+    if cfg.engine_urls:
+        return EngineToken.from_env()
+    return EngineToken.new() if cfg.engine_auth else None
 
 
 def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id: int, version: Optional[int],

@@ -26,6 +26,7 @@ Control calls go to each engine directly, never through the router (it drops que
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from vime_core.config.schema import VimeConfig
+    from vime_core.engines.auth import EngineToken
     from vime_core.engines.client import EngineClient
     from vime_core.weight_sync.publish_loop import PublishLoop
     from vime_core.weight_sync.transport.base import WeightTransport
@@ -87,6 +89,7 @@ def publish_weights(
     client_factory: "Callable[[str], EngineClient] | None" = None,
     loop: "PublishLoop | None" = None,
     peers: "PeerChannel | None" = None,
+    token: "EngineToken | None" = None,
 ) -> dict[str, Any]:
     """Blocking entry point for the trainer (rank 0). Returns stats: version, flushed, transport,
     engines, tensors, buckets, bytes, bytes_per_s, seconds per phase (+ "total"), and the
@@ -94,7 +97,9 @@ def publish_weights(
 
     `loop`: the caller's PublishLoop (engine clients and bucket pools kept between its
     publishes); None makes one for this call and closes it afterwards. `peers`: the other
-    trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py)."""
+    trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py).
+    `token`: the engine token every call sends; None: the loop's (`PublishLoop.engine_token`:
+    its own, else the run's, asked from the RolloutManager through Ray)."""
     from vime_core.weight_sync.publish_loop import PublishLoop
     from vime_core.weight_sync.transport import make_transport
 
@@ -102,20 +107,23 @@ def publish_weights(
         own = PublishLoop()
         try:
             return publish_weights(named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport,
-                                   shm_dir=shm_dir, client_factory=client_factory, loop=own, peers=peers)
+                                   shm_dir=shm_dir, client_factory=client_factory, loop=own, peers=peers, token=token)
         finally:
             own.close()
 
     # Gather and build the transport in the caller's thread: the iterator may run collectives
     # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
     clock = PhaseClock()
+    if client_factory is None:
+        token = token if token is not None else loop.engine_token(cfg)
+        client_factory = functools.partial(loop.client, token=token)
     with clock("gather"):
         tensors = list(named_tensors)
     return loop.run(
         publish_weights_async(
             tensors, engine_urls, new_version, cfg, initial_version,
             transport=transport if transport is not None else make_transport(cfg, shm_dir, keeper=loop, peers=peers),
-            client_factory=client_factory or loop.client, clock=clock,
+            client_factory=client_factory, clock=clock,
         )
     )
 

@@ -9,37 +9,54 @@ publish. The pools keep their tmpfs pages allocated between publishes (`transpor
 a broadcast group (`transport/broadcast.py`) is formed once, not per publish.
 Nothing here is process-wide: a trainer rebuilt after a failure is a new Ray actor (a new
 process), so there is no reuse across trainers to keep.
+
+The engine token its clients send: the one it was made with (`token`), else the run's, asked
+from the run's RolloutManager through Ray at each publish (`engine_token`), so a trainer that
+outlived the engines and their manager sends the token of the ones that replaced them.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vime_core.utils.loop_thread import LoopThread
 
 if TYPE_CHECKING:
+    from vime_core.engines.auth import EngineToken
     from vime_core.engines.client import EngineClient
     from vime_core.weight_sync.transport.broadcast import KeptGroup
     from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
 
 class PublishLoop(LoopThread):
-    def __init__(self) -> None:
+    def __init__(self, token: "EngineToken | None" = None) -> None:
         super().__init__("vime-publish-loop")
+        self._token = token
         self._clients: dict[str, "EngineClient"] = {}
         self._pools: dict[str, "ShmBufferPool"] = {}
         self._groups: dict[str, "KeptGroup"] = {}
         atexit.register(self.close)  # a process that ends without close() still gives its pools back
 
-    def client(self, url: str) -> "EngineClient":
-        """The cached client of `url`; only to be used by coroutines running on this loop."""
+    def engine_token(self, cfg: Any) -> "EngineToken | None":
+        """The token to send: this loop's own, else the run's RolloutManager's (None without one)."""
+        if self._token is not None:
+            return self._token
+        from vime_core.cluster.engine_token import manager_engine_token
+
+        return manager_engine_token(cfg)
+
+    def client(self, url: str, token: "EngineToken | None" = None) -> "EngineClient":
+        """The cached client of `url`, sending `token`; only to be used by coroutines running on
+        this loop."""
         from vime_core.engines.client import EngineClient
 
         if url not in self._clients:
             self._clients[url] = EngineClient(url)
-        return self._clients[url]
+        client = self._clients[url]
+        client.token = token  # the run's token may have changed since the last publish (module docstring)
+        return client
 
     def shm_pool(self, shm_dir: str) -> "ShmBufferPool":
         """The bucket pool of `shm_dir` kept for this publisher's publishes (made on first use)."""

@@ -9,7 +9,9 @@ address, the engine's worker on the worker node's). After 2 iterations: where ea
 URL the router holds, the weights published (engine version == trainer version, log-probs checked
 after each publish, one group for the whole run), and the stored batches. Last, the run goes
 two iterations further while the engine's vLLM server is SIGKILLed: its replacement joins a new
-broadcast group and the weight checks hold.
+broadcast group and the weight checks hold. Engine authentication is on (the default): the
+engine on the worker node refuses a request without the run's token, which the engine actor and
+the RolloutManager hand out through Ray.
 """
 
 from __future__ import annotations
@@ -130,9 +132,32 @@ def test_engine_advertises_its_bind_address_and_the_router_registered_it(trained
     assert host == WORKER_IP, url
     assert ray.get(manager.engine_urls.remote()) == [url]
     assert ray.get(manager.__ray_call__.remote(lambda self: self.router.workers())) == [url]
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # open to reads for the router's checks
     with pytest.raises(httpx.ConnectError):  # bound to 127.0.0.2 only, not to every address
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+
+
+def test_the_engine_on_the_other_node_needs_the_runs_token(trained):
+    import ray
+
+    from vime_core.cluster import names
+    from vime_core.cluster.connect import ensure_ray
+    from vime_core.cluster.run_actors import attach
+    from vime_core.engines.auth import auth_headers
+
+    cfg, _ = trained
+    ensure_ray(cfg.ray_address)
+    manager, _ = attach(cfg)
+    engine = ray.get_actor(names.engine(0), namespace=names.namespace(cfg.run_name))
+    token = ray.get(manager.engine_token.remote())
+    assert token is not None and ray.get(engine.engine_token.remote()) == token  # one token, through Ray
+    url = ray.get(engine.get_url.remote())
+    body = {"method": "vime_weight_version"}
+    for headers in ({}, {"Authorization": "Bearer not-the-run-token"}):
+        assert httpx.post(f"{url}/collective_rpc", json=body, headers=headers, timeout=10).status_code == 401
+        assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=headers, timeout=10).status_code == 401
+    answer = httpx.post(f"{url}/collective_rpc", json=body, headers=auth_headers(token), timeout=10)
+    assert answer.status_code == 200 and not httpx.get(f"{url}/is_paused", headers=auth_headers(token)).json()["is_paused"]
 
 
 def test_weights_published_and_batches_stored(trained):
@@ -188,7 +213,8 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     def groups() -> tuple[str, list]:
         kept = ray.get(trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id))
         [url] = ray.get(manager.engine_urls.remote())
-        return kept, SyncEngineClient(url).collective_rpc("vime_broadcast_group_id")
+        token = ray.get(manager.engine_token.remote())
+        return kept, SyncEngineClient(url, token=token).collective_rpc("vime_broadcast_group_id")
 
     kept_before, engine_before = groups()
     assert engine_before == [kept_before]

@@ -179,10 +179,11 @@ def test_trainer_and_engine_logprobs_agree(trained):
     cfg, _ = trained
     manager, trainers = _handles(cfg)
     url = ray.get(manager.engine_urls.remote())[0]
+    token = ray.get(manager.engine_token.remote())  # a later driver asks the run's actors for it
     prompt = [6, 13, 7, 15]  # "3+4="
 
     async def generate():
-        async with EngineClient(url, "e2e") as client:
+        async with EngineClient(url, "e2e", token=token) as client:
             return await client.generate(prompt, {"max_tokens": 4, "temperature": 1.0, "logprobs": 0, "seed": 3})
 
     out = run_blocking(generate)

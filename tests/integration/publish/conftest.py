@@ -49,23 +49,24 @@ def publish_engine(tiny_model_dir, vllm_python, cache_dir):
         yield server
 
 
-def engine_call(url: str, method: str, *args, **kwargs):
+def engine_call(engine, method: str, *args, **kwargs):
+    """`EngineClient.<method>` on a started EngineServer, with its token."""
     from vime_core.engines.client import EngineClient
 
     async def call():
-        async with EngineClient(url) as client:
+        async with EngineClient(engine.url, token=engine.auth_token) as client:
             return await getattr(client, method)(*args, **kwargs)
 
     return asyncio.run(call())
 
 
-def engine_sample(url: str, prompt: list[int] = PROMPT, n: int = NEW_TOKENS, seed: int | None = None) -> tuple[list[int], list[float], list]:
+def engine_sample(engine, prompt: list[int] = PROMPT, n: int = NEW_TOKENS, seed: int | None = None) -> tuple[list[int], list[float], list]:
     """Sampled tokens (temperature 1, so processed log-probs are the plain ones), their log-probs
     and the response's weight-version spans."""
     params = {"max_tokens": n, "temperature": 1.0, "logprobs": 0, "ignore_eos": True}
     if seed is not None:
         params["seed"] = seed
-    answer = engine_call(url, "generate", prompt, params)
+    answer = engine_call(engine, "generate", prompt, params)
     choice = answer["choices"][0]
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]], choice.get("weight_versions")
 
@@ -91,7 +92,7 @@ def hf_logprobs(model_dir: Path, state_dict: dict, prompt: list[int], tokens: li
 def served(engine) -> tuple:
     """What the engine serves now: a sample of PROMPT (tokens, log-probs, weight-version spans)
     and the version it reports."""
-    return (*engine_sample(engine.url), engine_call(engine.url, "weight_version"))
+    return (*engine_sample(engine), engine_call(engine, "weight_version"))
 
 
 def check_served(observed: tuple, model_dir, weights: dict, version: int) -> None:

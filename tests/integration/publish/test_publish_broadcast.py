@@ -25,7 +25,8 @@ def publish(engine, weights, version, publisher):
     from vime_core.weight_sync.publish import publish_weights
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, weight_transport="gloo")
-    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher)
+    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher,
+                           token=engine.auth_token)
 
 
 def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadcast_engine, tiny_model_dir, base_weights):
@@ -39,9 +40,9 @@ def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadca
         stats = publish(engine, first, 1, trainer)
         assert stats["transport"] == "gloo" and "form_group" in stats["transport_seconds"]
         assert_serves(engine, tiny_model_dir, first, 1)
-        [worker] = engine_call(engine.url, "collective_rpc", "vime_update_stats")
+        [worker] = engine_call(engine, "collective_rpc", "vime_update_stats")
         assert worker["buckets"] == stats["buckets"] > 1 and worker["bytes"] == stats["bytes"]
-        [group] = engine_call(engine.url, "collective_rpc", "vime_broadcast_group_id")
+        [group] = engine_call(engine, "collective_rpc", "vime_broadcast_group_id")
         assert group == trainer.broadcast_group("gloo").group_id
 
         second = perturbed(base_weights, seed=22)
@@ -57,6 +58,6 @@ def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadca
         stats = publish(engine, third, 3, rebuilt)
         assert "form_group" in stats["transport_seconds"]
         assert_serves(engine, tiny_model_dir, third, 3)
-        assert engine_call(engine.url, "collective_rpc", "vime_broadcast_group_id") == [rebuilt.broadcast_group("gloo").group_id] != [group]
+        assert engine_call(engine, "collective_rpc", "vime_broadcast_group_id") == [rebuilt.broadcast_group("gloo").group_id] != [group]
     finally:
         rebuilt.close()

@@ -22,7 +22,7 @@ def publish(engine, weights: dict, version: int, **cfg_overrides) -> dict:
     from vime_core.weight_sync.publish import publish_weights
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, **cfg_overrides)
-    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0)
+    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, token=engine.auth_token)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,12 +52,12 @@ def test_first_publish_is_version_1_flushes_and_serves_new_weights(first_publish
 
 def test_publish_without_flush_keeps_requests_and_updates(publish_engine, tiny_model_dir, base_weights):
     new = perturbed(base_weights, seed=2)
-    version = engine_call(publish_engine.url, "weight_version") + 1  # >= 2: the first publish was made
+    version = engine_call(publish_engine, "weight_version") + 1  # >= 2: the first publish was made
     # interval = version: not a flush version ((version - 0 - 1) % version != 0); 2 and 2 in file order
     stats = publish(publish_engine, new, version, flush_cache_interval=version)
     assert stats["flushed"] is False
-    assert engine_call(publish_engine.url, "weight_version") == version
-    engine_call(publish_engine.url, "reset_prefix_cache")  # not flushed above, by design
+    assert engine_call(publish_engine, "weight_version") == version
+    engine_call(publish_engine, "reset_prefix_cache")  # not flushed above, by design
     assert_serves(publish_engine, tiny_model_dir, new, version)
 
 
@@ -84,15 +84,15 @@ def _int_dtype(w):
 def test_bad_publish_is_refused_and_old_weights_keep_serving(publish_engine, base_weights, corrupt):
     from vime_core.weight_sync.weight_spec import WeightSpecError
 
-    version = engine_call(publish_engine.url, "weight_version")
-    before = engine_sample(publish_engine.url, seed=7)
+    version = engine_call(publish_engine, "weight_version")
+    before = engine_sample(publish_engine, seed=7)
     bad, culprit = corrupt(perturbed(base_weights, seed=3))
     with pytest.raises(WeightSpecError, match=culprit.replace(".", r"\.")) as err:
         publish(publish_engine, bad, version + 1)
     assert publish_engine.url in str(err.value)
-    assert engine_call(publish_engine.url, "is_paused") is False
-    assert engine_call(publish_engine.url, "weight_version") == version
-    assert engine_sample(publish_engine.url, seed=7) == before  # same weights: same tokens, same log-probs
+    assert engine_call(publish_engine, "is_paused") is False
+    assert engine_call(publish_engine, "weight_version") == version
+    assert engine_sample(publish_engine, seed=7) == before  # same weights: same tokens, same log-probs
 
 
 def test_failure_after_session_start_restores_old_weights(publish_engine, base_weights, monkeypatch):
@@ -104,17 +104,17 @@ def test_failure_after_session_start_restores_old_weights(publish_engine, base_w
         raise OSError("no space left on the shared-memory device (simulated)")
 
     monkeypatch.setattr(shm, "write_bucket_file", broken_write)
-    version = engine_call(publish_engine.url, "weight_version")
-    before = engine_sample(publish_engine.url, seed=11)
+    version = engine_call(publish_engine, "weight_version")
+    before = engine_sample(publish_engine, seed=11)
     with pytest.raises(OSError, match="simulated"):
         publish(publish_engine, perturbed(base_weights, seed=4), version + 1)
-    assert engine_call(publish_engine.url, "is_paused") is False
-    assert engine_call(publish_engine.url, "weight_version") == version
-    assert engine_sample(publish_engine.url, seed=11) == before
+    assert engine_call(publish_engine, "is_paused") is False
+    assert engine_call(publish_engine, "weight_version") == version
+    assert engine_sample(publish_engine, seed=11) == before
 
 
 def test_disk_fallback_publishes_a_new_version(publish_engine, tiny_model_dir, base_weights):
-    version = engine_call(publish_engine.url, "weight_version")
+    version = engine_call(publish_engine, "weight_version")
     new = perturbed(base_weights, seed=5)
     stats = publish(publish_engine, new, version + 1, weight_transport="disk")
     assert stats["transport"] == "disk" and stats["flushed"] is True

@@ -46,13 +46,17 @@ def arith_data(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="package")
 def engines(tiny_model_dir, vllm_python, cache_dir):
-    """Two started EngineServers (started side by side), shut down after the folder's tests."""
+    """Two started EngineServers (started side by side), shut down after the folder's tests. They
+    share one engine token (`auth_token`), as a run's engines do: the router forwards a client's
+    token to either."""
+    from vime_core.engines.auth import EngineToken
     from vime_core.engines.server import EngineServer
 
     # vLLM's statistics on: the router's test counts each engine's requests in its Prometheus /metrics;
     # ENGINE_ENV: test_engine.py finds it in every process of each server
     cfg = make_cfg(tiny_model_dir, vllm_python, vllm_log_stats=True, vllm_env=[ENGINE_ENV])
-    servers = [EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs")) for i in range(2)]
+    token = EngineToken.new()
+    servers = [EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs"), token=token) for i in range(2)]
     errors: list[BaseException] = []
 
     def start(server):

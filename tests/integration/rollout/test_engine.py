@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from vime_core.engines.auth import auth_headers
 from vime_core.engines.client import EngineClient, EngineError, SyncEngineClient
 
 from tests.integration.rollout.conftest import ENGINE_CONTEXT, ENGINE_ENV
@@ -32,8 +33,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def generate(url: str, token_ids: list[int], **params) -> dict:
-    async with EngineClient(url) as client:
+async def generate(url: str, token_ids: list[int], *, token=None, **params) -> dict:
+    async with EngineClient(url, token=token) as client:
         sampling = {"temperature": TEMPERATURE, "top_k": -1, "top_p": 1.0, "logprobs": 0, **params}
         return await client.generate(token_ids, sampling)
 
@@ -54,7 +55,7 @@ def reference_logprobs(model_dir: Path, prompt: list[int], response: list[int], 
 
 def test_token_in_token_out_and_logprob_parity(healthy_engines, tiny_model_dir):
     url = healthy_engines[0].url
-    answer = run(generate(url, PROMPT, max_tokens=12, ignore_eos=True))
+    answer = run(generate(url, PROMPT, max_tokens=12, ignore_eos=True, token=healthy_engines[0].auth_token))
     choice = answer["choices"][0]
     tokens = choice["token_ids"]
     assert len(tokens) == 12 and all(0 <= t < 19 for t in tokens)
@@ -102,7 +103,7 @@ def _swap_weights(client: SyncEngineClient, weights_dir: Path, version: int) -> 
     client.reset_prefix_cache()
 
 
-async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, **params) -> dict:
+async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, token=None, **params) -> dict:
     """Stream `/inference/v1/generate` (SSE) and await `on_first_tokens()` as soon as the first
     chunk with tokens arrives; returns the concatenated tokens and the final chunk's
     weight_versions (vLLM sets them on the last chunk only)."""
@@ -111,7 +112,7 @@ async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, **pa
     tokens: list[int] = []
     spans = None
     async with httpx.AsyncClient(timeout=120) as http:
-        async with http.stream("POST", f"{url}/inference/v1/generate", json=body) as resp:
+        async with http.stream("POST", f"{url}/inference/v1/generate", json=body, headers=auth_headers(token)) as resp:
             resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -132,7 +133,7 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
     version, proves nothing either way, and is tried again (a pause that never splits a request
     fails every attempt)."""
     server = healthy_engines[0]
-    sync = SyncEngineClient(server.url)
+    sync = SyncEngineClient(server.url, token=server.auth_token)
     new_weights = _perturbed_checkpoint(tiny_model_dir, tmp_path / "v1")
     max_tokens = ENGINE_CONTEXT - len(PROMPT) - 1
     old_versions = ("default", "0")  # a fresh server says "default"; one an earlier test swapped says "0"
@@ -142,7 +143,7 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
 
         async def generate_with_a_swap() -> dict:
             # the client is open before the request starts, so the pause is one call away
-            async with EngineClient(server.url) as client:
+            async with EngineClient(server.url, token=server.auth_token) as client:
 
                 async def swap_while_frozen() -> None:
                     await client.pause("keep")
@@ -151,7 +152,8 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
                     frozen_at.append(1)
                     await client.resume()
 
-                return await _stream_generate(server.url, PROMPT, swap_while_frozen, max_tokens=max_tokens, ignore_eos=True)
+                return await _stream_generate(server.url, PROMPT, swap_while_frozen, server.auth_token,
+                                              max_tokens=max_tokens, ignore_eos=True)
 
         try:
             answer = run(generate_with_a_swap())
@@ -178,7 +180,7 @@ def test_bad_input_prompt_longer_than_context(healthy_engines):
     from tests.integration.rollout.conftest import ENGINE_CONTEXT
 
     with pytest.raises(EngineError) as err:
-        run(generate(healthy_engines[0].url, [3] * (ENGINE_CONTEXT + 10), max_tokens=4))
+        run(generate(healthy_engines[0].url, [3] * (ENGINE_CONTEXT + 10), max_tokens=4, token=healthy_engines[0].auth_token))
     assert err.value.status == 400 and err.value.endpoint == "POST /inference/v1/generate"
     assert str(ENGINE_CONTEXT) in err.value.body
 
@@ -194,8 +196,8 @@ def test_unreachable_engine_is_a_clear_error_not_a_hang():
     assert time.monotonic() - t0 < 5
 
 
-def _requests_served(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def _requests_served(url: str, token) -> float:
+    text = httpx.get(f"{url}/metrics", headers=auth_headers(token), timeout=10).text
     return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
@@ -204,6 +206,7 @@ def test_router_spreads_load_and_keeps_sessions(healthy_engines, cache_dir, poli
     from vime_core.engines.router import Router
 
     urls = [s.url for s in healthy_engines]
+    token = healthy_engines[0].auth_token  # the engines' one token: the router forwards it
     router = Router(policy, worker_urls=urls, log_dir=str(cache_dir / "engine-logs"))
     router.start()
     try:
@@ -212,20 +215,20 @@ def test_router_spreads_load_and_keeps_sessions(healthy_engines, cache_dir, poli
             time.sleep(0.2)
 
         async def burst(session_ids: list[str]) -> list[dict]:
-            async with EngineClient(router.url, "router") as client:
+            async with EngineClient(router.url, "router", token=token) as client:
                 params = {"max_tokens": 4, "temperature": 1.0, "logprobs": 0}
                 return await asyncio.gather(*(client.generate(PROMPT, params, session_id=s) for s in session_ids))
 
-        before = [_requests_served(u) for u in urls]
+        before = [_requests_served(u, token) for u in urls]
         answers = run(burst([f"s-{i}" for i in range(16)]))
-        spread = [_requests_served(u) - b for u, b in zip(urls, before)]
+        spread = [_requests_served(u, token) - b for u, b in zip(urls, before)]
         assert sum(spread) == 16 and all(n > 0 for n in spread), spread
         assert all(len(a["choices"][0]["logprobs"]["content"]) == len(a["choices"][0]["token_ids"]) for a in answers)
         if policy == "consistent_hash":
             for session in ("alpha", "beta", "gamma"):
-                before = [_requests_served(u) for u in urls]
+                before = [_requests_served(u, token) for u in urls]
                 run(burst([session] * 6))
-                counts = sorted(_requests_served(u) - b for u, b in zip(urls, before))
+                counts = sorted(_requests_served(u, token) - b for u, b in zip(urls, before))
                 assert counts == [0, 6], f"session {session} split over engines: {counts}"
     finally:
         router.shutdown()
@@ -235,14 +238,14 @@ def test_attach_checks_parallel_size(healthy_engines, tiny_model_dir, vllm_pytho
     from tests.integration.rollout.conftest import make_cfg
     from vime_core.engines.server import EngineServer
 
-    url = healthy_engines[0].url
-    ok = EngineServer(make_cfg(tiny_model_dir, vllm_python, engine_urls=[url]), 0, attach_url=url)
+    url, token = healthy_engines[0].url, healthy_engines[0].auth_token
+    ok = EngineServer(make_cfg(tiny_model_dir, vllm_python, engine_urls=[url]), 0, attach_url=url, token=token)
     assert ok.start() == url
     ok.shutdown()  # attached: must leave the server running
     assert healthy_engines[0].is_alive()
     cfg = make_cfg(tiny_model_dir, vllm_python, engine_urls=[url], rollout_num_gpus_per_engine=2)
     with pytest.raises(ValueError, match=r"TP x PP = 1, but rollout_num_gpus_per_engine=2"):
-        EngineServer(cfg, 0, attach_url=url).start()
+        EngineServer(cfg, 0, attach_url=url, token=token).start()
 
 
 def test_the_engine_log_says_where_its_start_went(healthy_engines):
@@ -259,9 +262,9 @@ def test_the_engine_log_says_where_its_start_went(healthy_engines):
 def test_detokenize_false_gives_the_same_tokens_without_text(healthy_engines):
     """What a rollout sends without stop strings (rollout/generate.request_params): the server
     skips its detokenizer and still returns every token and log-prob, as with text."""
-    url = healthy_engines[0].url
-    with_text = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=True))
-    without = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=False))
+    url, token = healthy_engines[0].url, healthy_engines[0].auth_token
+    with_text = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=True, token=token))
+    without = run(generate(url, PROMPT, temperature=0.0, max_tokens=6, detokenize=False, token=token))
     a, b = with_text["choices"][0], without["choices"][0]
     assert a["token_ids"] and a["token_ids"] == b["token_ids"]
     assert len(b["logprobs"]["content"]) == len(b["token_ids"])
@@ -286,19 +289,19 @@ def test_two_front_ends_share_one_engine(tiny_model_dir, vllm_python, tmp_path):
 
         async def on_fresh_connections(count: int) -> list[dict]:
             async def one(i: int) -> dict:
-                async with EngineClient(url) as client:  # a new connection each
+                async with EngineClient(url, token=server.auth_token) as client:  # a new connection each
                     return await client.generate(PROMPT, {"temperature": 1.0, "max_tokens": 4, "seed": i})
             return await asyncio.gather(*(one(i) for i in range(count)))
 
         assert all(a["choices"][0]["token_ids"] for a in run(on_fresh_connections(8)))
-        sync = SyncEngineClient(url)
+        sync = SyncEngineClient(url, token=server.auth_token)
         sync.pause("keep")
         sync.update_weight_version(7)
         sync.resume()
         answers = run(on_fresh_connections(8))
         versions = {span["version"] for a in answers for span in a["choices"][0]["weight_versions"]}
         assert versions == {"7"}, versions
-        assert all(SyncEngineClient(url).weight_version() == 7 for _ in range(4))
+        assert all(SyncEngineClient(url, token=server.auth_token).weight_version() == 7 for _ in range(4))
     finally:
         server.shutdown()
     deadline = time.monotonic() + 30
