@@ -71,10 +71,11 @@ def memcpy_seconds(weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats
     return median(times[1:])
 
 
-def engine_rpc(url: str, method: str, *args, **kwargs):
+def engine_rpc(url: str, token, method: str, *args, **kwargs):
+    """One control call to the engine at `url` with the run's `token` (engines/auth.py)."""
     from vime_core.engines.client import SyncEngineClient
 
-    return getattr(SyncEngineClient(url), method)(*args, **kwargs)
+    return getattr(SyncEngineClient(url, token=token), method)(*args, **kwargs)
 
 
 def summarise(stats_list: list[dict], nbytes: int, reload_s: float, memcpy_s: float) -> dict:
@@ -117,7 +118,7 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
     floor_dir = tempfile.mkdtemp(prefix="vime-bench-floor-", dir="/dev/shm")
     # What a trainer keeps between its publishes (engine clients, shared-memory bucket files, a
     # broadcast group), as MegatronTrainer keeps it: without it every publish starts afresh.
-    publisher = PublishLoop()
+    publisher = PublishLoop(token=server.auth_token)
     try:
         save_file({n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors"))
         version = 0
@@ -128,11 +129,11 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
                 version += 1
                 stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0, loop=publisher)
                 if not key.startswith("publish_disk"):
-                    stats["engine"] = engine_rpc(server.url, "collective_rpc", "vime_update_stats")[0]
+                    stats["engine"] = engine_rpc(server.url, server.auth_token, "collective_rpc", "vime_update_stats")[0]
                 if rep:
                     runs[key].append(stats)
             t0 = time.perf_counter()
-            engine_rpc(server.url, "collective_rpc", "reload_weights", {"weights_path": floor_dir})
+            engine_rpc(server.url, server.auth_token, "collective_rpc", "reload_weights", {"weights_path": floor_dir})
             if rep:
                 reload_times.append(time.perf_counter() - t0)
         out["reload_s"] = median(reload_times)

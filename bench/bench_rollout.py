@@ -88,12 +88,12 @@ def vime_rollout(manager, rollout_id: int) -> tuple[float, int, dict]:
     return wall, sum(s.response_length for s in samples), metrics
 
 
-def direct_rollout(url: str, prompts: list[list[int]]) -> tuple[float, int]:
+def direct_rollout(url: str, prompts: list[list[int]], token) -> tuple[float, int]:
     from vime_core.engines.client import EngineClient
 
     async def go():
         params = {"max_tokens": NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0, "ignore_eos": True}
-        async with EngineClient(url, "direct") as client:
+        async with EngineClient(url, "direct", token=token) as client:
             t0 = time.perf_counter()
             answers = await asyncio.gather(*(client.generate(p, params) for p in prompts))
             return time.perf_counter() - t0, sum(len(a["choices"][0]["token_ids"]) for a in answers)
@@ -207,13 +207,13 @@ def main() -> None:
         assert prompts == prompt_ids(manager, args.groups), "the data source tokenised differently"
         # Warm both paths once (first requests pay one-off set-up costs).
         vime_rollout(manager, -1)
-        direct_rollout(url, prompts)
+        direct_rollout(url, prompts, manager.token)
         vime, direct, phase = [], [], []
         for r in range(args.repeats):
             wall, tokens, metrics = vime_rollout(manager, r)
             vime.append(tokens / wall)
             phase.append(metrics)
-            wall, tokens = direct_rollout(url, prompts)
+            wall, tokens = direct_rollout(url, prompts, manager.token)
             direct.append(tokens / wall)
         vime_tps, direct_tps = statistics.median(vime), statistics.median(direct)
         result.update({

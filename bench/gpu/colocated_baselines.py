@@ -48,14 +48,14 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: int) -> dict:
+async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: int, token=None) -> dict:
     """Every prompt once, straight to the server; the same budget rule as rollout/generate."""
     from rollout_vs_offline import through_server
 
     from vime_core.rollout.generate import base_sampling_params, request_params
 
     params = request_params(base_sampling_params(cfg), cfg.rollout_max_response_len)
-    return await through_server(url, prompts, params, concurrency, cfg.rollout_max_context_len)
+    return await through_server(url, prompts, params, concurrency, cfg.rollout_max_context_len, token)
 
 
 def device_copy_s(nbytes: int, repeats: int = 20) -> float:
@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def direct() -> dict:
         ray.init(address=a.ray_address, namespace=names.namespace(a.run_name), logging_level="ERROR")
-        url = ray.get(ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name)).get_url.remote())
-        runs = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency)) for _ in range(a.repeats)]
+        engine = ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name))
+        url, token = ray.get([engine.get_url.remote(), engine.engine_token.remote()])
+        runs = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency, token)) for _ in range(a.repeats)]
         return {"runs": runs, "wall_median_s": _median([d["wall_s"] for d in runs]),
                 "tokens_per_s_median": _median([d["tokens_per_s"] for d in runs])}
 

@@ -106,14 +106,14 @@ def offline(cfg, prompts: list[list[int]], flags: list[str], params: dict, repea
 
 
 async def through_server(url: str, prompts: list[list[int]], params: dict, concurrency: int,
-                         max_context_len: int | None = None) -> dict:
+                         max_context_len: int | None = None, token=None) -> dict:
     """Every prompt once, straight to the server, `concurrency` in flight (prefix cache reset
     first); with `max_context_len`, max_tokens is cut to the room each prompt leaves, as
     rollout/generate does."""
     from vime_core.engines.client import EngineClient
 
     gate = asyncio.Semaphore(concurrency)
-    async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2)) as client:
+    async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2), token=token) as client:
         await client.reset_prefix_cache()
 
         async def one(tokens: list[int]) -> int:
@@ -150,7 +150,7 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
         runs: dict[str, list] = {v: [] for v in variants}
         for _ in range(repeats):
             for v in variants:
-                runs[v].append(asyncio.run(through_server(url, prompts, variant_params(cfg, v), rollout_concurrency(cfg))))
+                runs[v].append(asyncio.run(through_server(url, prompts, variant_params(cfg, v), rollout_concurrency(cfg), token=server.auth_token)))
     finally:
         server.shutdown()
     for v, rs in runs.items():
