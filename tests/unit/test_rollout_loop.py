@@ -4,6 +4,7 @@ generator answers like vLLM's /inference/v1/generate; data source and reward hub
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 
@@ -769,3 +770,22 @@ def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):
     batch, _ = manager._generate_now(0)
     first = state.data_source.__class__(cfg, tokenizer=tokenizer).get_groups(cfg.rollout_batch_size)
     assert sorted(set(batch["prompt_id"])) == sorted({g[0].prompt_id for g in first})
+
+
+def test_a_bad_eval_set_stops_the_manager_before_its_engines_start(make_cfg, tmp_path):
+    """eval_prompt_data is read and checked when the RolloutManager is made (before any engine
+    starts), not at the run's first evaluation: a bad row stops the run at its start."""
+    from vime_core.rollout.manager import RolloutManager
+
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps({"prompt": None, "label": "3"}) + "\n")
+
+    class Untouchable:
+        auth_token = None  # what the manager reads of given servers to learn the run's token
+
+        def __getattr__(self, name):
+            raise AssertionError(f"an engine was used ({name}) before the eval set was checked")
+
+    cfg = make_cfg(eval_prompt_data=str(bad), eval_interval=5)
+    with pytest.raises(ValueError, match=r"eval\.jsonl, row 1: the prompt field 'prompt' is null"):
+        RolloutManager(cfg, servers=[Untouchable()])

@@ -95,6 +95,9 @@ class RolloutManager:
         self.supports_sleep = platform_supports_sleep(cfg)
         self.tokenizer = load_tokenizer(cfg)
         self.data_source = DataSource(cfg, tokenizer=self.tokenizer)
+        # the eval set is read and checked now, before the engines start, so that a bad row stops
+        # the run at its start rather than at its first evaluation (and is not read again per eval)
+        self._eval_rows = self._load_eval_rows() if cfg.eval_interval and cfg.eval_prompt_data else None
         self.reward_hub = RewardHub(cfg)
         self.rollout_fn = load_function(cfg.rollout_function_path, field="rollout_function_path")
         generate_fn = (
@@ -376,15 +379,22 @@ class RolloutManager:
         generators = getattr(self, "_generator", None)
         return [*getattr(self, "_engine_clients", []), *getattr(generators, "clients", [generators] if generators else [])]
 
+    def _load_eval_rows(self) -> list:
+        """eval_prompt_data's rows, checked as the training prompts are (vime_core/data/prompt_checks.py)."""
+        from vime_core.data.data_source import load_prompt_rows
+
+        split = self.cfg.eval_prompt_data_split or self.cfg.prompt_data_split
+        return load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer, split)
+
     def eval(self, rollout_id: int) -> dict:
         """Eval rollout over cfg.eval_prompt_data; metrics only. The training data is untouched."""
-        from vime_core.data.data_source import load_prompt_rows
         from vime_core.rollout.eval import run_eval
 
         if not self.cfg.eval_prompt_data:
             raise ValueError("eval_prompt_data is empty: nothing to evaluate")
-        split = self.cfg.eval_prompt_data_split or self.cfg.prompt_data_split
-        rows = load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer, split)
+        if self._eval_rows is None:
+            self._eval_rows = self._load_eval_rows()
+        rows = self._eval_rows
         self.health.resume()
         # The last iteration's sync leaves admission held (no rollout follows it), and its eval
         # comes after that sync: the eval's own requests go through, and the hold is restored.
