@@ -66,3 +66,17 @@ def test_redaction_is_idempotent_and_spares_settings():
     assert once == {"rm_url": f"https://h/s?token={REDACTED}&n=1", "max_tokens_per_gpu": 4096, "use_tis": True,
                     "args": [f"--api-key={REDACTED}", "--password", REDACTED, "--port", "80"]}
     assert redact_text("no secret here: s3://bucket/key/a?versionId=3", secrets=[]) == "no secret here: s3://bucket/key/a?versionId=3"
+
+
+def test_the_json_form_prefect_records_holds_no_credential_and_the_live_one_keeps_them(tmp_path):
+    """Prefect stores a flow run's parameters as FastAPI's jsonable_encoder makes them (its UI and
+    database): that is VimeConfig's JSON form, redacted; Python-mode dumps and pickles (how the
+    configuration reaches the run's actors) keep the values the run needs."""
+    import pickle
+
+    from fastapi.encoders import jsonable_encoder
+
+    cfg = _secret_cfg(tmp_path)
+    _no_canary(json.dumps(jsonable_encoder({"config": cfg})))
+    _no_canary(cfg.model_dump_json())
+    assert CANARIES[1] in cfg.model_dump()["rm_url"] and pickle.loads(pickle.dumps(cfg)).vllm_extra_args[1] == CANARIES[2]

@@ -32,7 +32,14 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import (
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from vime_core.config.derive import derive_in_place
 from vime_core.config.schema import ConfigFields
@@ -77,6 +84,15 @@ class VimeConfig(ConfigFields):
     def _derive(self) -> "VimeConfig":
         derive_in_place(self)
         return self
+
+    @model_serializer(mode="wrap")
+    def _credentials_redacted_as_json(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        """As JSON (model_dump(mode="json"), model_dump_json) the configuration leaves the process:
+        config.json, a batch's lineage, W&B, and Prefect's flow-run parameters (its UI and
+        database), so its credentials are redacted there (vime_core/utils/secrets.py); the live
+        object and its Python-mode dump keep them for the run."""
+        values = handler(self)
+        return redact_secrets(values) if info.mode_is_json() else values
 
 
 class ConfigError(ValueError):
@@ -213,11 +229,11 @@ def parse_args(argv: Iterable[str] | None = None, prog: str = "vime train") -> V
 
 
 def config_dict(cfg: VimeConfig) -> dict:
-    """The configuration as JSON values with its credentials redacted (vime_core/utils/secrets.py):
+    """The configuration as JSON values, its credentials redacted (VimeConfig's JSON serializer):
     the form that is stored (config.json, a batch's lineage), hashed (config_hash), shown (the
     startup log) and tracked (W&B, TensorBoard). A credential in a field (a token in rm_url's query,
     `--api-key` in vllm_extra_args) stays in the live configuration only."""
-    return redact_secrets(cfg.model_dump(mode="json"))
+    return cfg.model_dump(mode="json")
 
 
 def config_hash(cfg: VimeConfig) -> str:

@@ -17,6 +17,10 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
+# canary credentials in the run's configuration (the `trained` fixture)
+CANARIES = ("pw-canary-7f3a", "key-canary-19bd", "hf-canary-c2e0")
+RUN_STARTED = __import__("time").time()
+
 # vLLM's CPU build computes in the model's dtype (fp32 here) with its own kernels; measured
 # max |trainer - engine| log-prob difference on the tiny model was well below this bound.
 LOGPROB_TOLERANCE = 2e-3
@@ -60,6 +64,11 @@ def trained(tmp_path_factory, ray_head, hub_model_id):
         save_interval=1,
         vllm_server_concurrency=64,
         check_weight_update_equal=True,
+        # credentials a user may put in fields (unused by this run: rm_type is the demo's; vLLM
+        # takes --hf-token and, offline, never uses it): no file, batch, log or Prefect record
+        # of the run may hold them (test_no_credential_reaches_what_the_run_leaves)
+        rm_url=f"https://bob:{CANARIES[0]}@rm.invalid/score?api_key={CANARIES[1]}",
+        vllm_extra_args=["--hf-token", CANARIES[2]],
     )
     summary = train(cfg)
     yield cfg, summary
@@ -332,3 +341,39 @@ def test_replay_is_bit_identical(trained):
         from vime_core.cluster.run_actors import teardown
 
         teardown(replay_cfg.run_name)
+
+
+def test_no_credential_reaches_what_the_run_leaves(trained):
+    """Every file under the run's storage (config.json, batches and their Arrow metadata, the
+    index, checkpoints, reports, the export), the engine logs written since the run started, and
+    Prefect's records of the run (flow-run parameters, log lines) hold none of the canaries put
+    in rm_url and vllm_extra_args; the live configuration still has them."""
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    from vime_core.engines.server import REPO_ROOT
+
+    cfg, _ = trained
+    assert cfg.vllm_extra_args[1] == CANARIES[2]
+    files = [p for p in Path(cfg.storage_uri).rglob("*") if p.is_file()]
+    files += [p for p in (REPO_ROOT / ".cache" / "engine-logs").glob("*.log") if p.stat().st_mtime >= RUN_STARTED]
+    assert any(p.suffix == ".parquet" for p in files) and any(p.name == "config.json" for p in files)
+    for path in files:
+        blob = path.read_bytes()
+        for canary in CANARIES:
+            assert canary.encode() not in blob, f"{canary} in {path}"
+
+    async def prefect_records() -> str:
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=cfg.run_name)))
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs])))
+            return json.dumps([r.parameters for r in runs], default=str) + "\n".join(entry.message for entry in logs)
+
+    records = asyncio.run(prefect_records())
+    assert "rm.invalid" in records  # the parameters were read: the URL is there, its credentials are not
+    for canary in CANARIES:
+        assert canary not in records, f"{canary} in Prefect's records of the run"
