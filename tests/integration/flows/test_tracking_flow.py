@@ -9,6 +9,8 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SECRET = "wandb-key-that-must-not-be-written-9876543210"
+# credentials in configuration fields: W&B's config and TensorBoard get the redacted configuration
+FIELD_CANARIES = ("rm-pw-canary-41c7", "rm-key-canary-88e2", "hf-token-canary-05aa")
 
 
 def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny_model_dir):
@@ -24,6 +26,8 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
         run_name="e2e-tracking", storage_uri=str(tmp_path), hf_checkpoint=str(tiny_model_dir), ray_address=ray_head,
         num_rollout=2, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8, vllm_server_concurrency=64,
         use_wandb=True, wandb_mode="offline", use_tensorboard=True,
+        rm_url=f"https://bob:{FIELD_CANARIES[0]}@rm.invalid/score?token={FIELD_CANARIES[1]}",
+        vllm_extra_args=["--hf-token", FIELD_CANARIES[2]],
     )
     try:
         train(cfg)
@@ -48,5 +52,7 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
         assert {key: v for key, v in history[k].items() if not key.startswith("_")} == pytest.approx(expected[k], nan_ok=True)
     assert any(r["type"] == "exit" for r in records)  # the last iteration finished the W&B run
 
-    leaked = [p for p in tmp_path.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert run["config"]["update"]["rm_url"]["value"].startswith("https://bob:<redacted>@rm.invalid/")
+    leaked = [(p, s) for p in tmp_path.rglob("*") if p.is_file() for s in (SECRET, *FIELD_CANARIES)
+              if s.encode() in p.read_bytes()]
     assert leaked == []
