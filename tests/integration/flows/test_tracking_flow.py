@@ -52,7 +52,7 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
         assert {key: v for key, v in history[k].items() if not key.startswith("_")} == pytest.approx(expected[k], nan_ok=True)
     assert any(r["type"] == "exit" for r in records)  # the last iteration finished the W&B run
 
-    assert run["config"]["update"]["rm_url"]["value"].startswith("https://bob:<redacted>@rm.invalid/")
+    assert run["config"]["update"]["rm_url"].startswith("https://bob:<redacted>@rm.invalid/")
     leaked = [(p, s) for p in tmp_path.rglob("*") if p.is_file() for s in (SECRET, *FIELD_CANARIES)
               if s.encode() in p.read_bytes()]
     assert leaked == []
