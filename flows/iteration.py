@@ -1,18 +1,22 @@
-"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. The phases run in the order read
-below; vime_core/step_protocol.py names them and decides which run (CPU/GPU, colocated or not).
+"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. vime_core/step_protocol.py plans
+the step (which phases run, on CPU/GPU, colocated or not); `iteration` runs the rollout, then one
+of three schedules, each a function that reads in the order it runs:
 
-Where engines stay awake (CPU; engines on their own devices) the flow submits training and the
-publish to Ray right after the rollout, chained by object references (tasks.sync.
-train_then_publish: the publish starts the moment training ends); the train and sync tasks then
-wait for those calls, and the sync task ends the sync (admission resumed or rollout k + 1
-started). Where engines sleep, the train and sync tasks make their own calls, one after another.
+    _engines_asleep        engines sleep while the trainer trains (colocated on GPUs): offload the
+                           engines, train, offload the trainer, wake the weights, sync, wake the KV
+    _engines_awake         engines stay awake (CPU; engines on their own devices): training and the
+                           publish go to Ray at once, chained (tasks.sync.train_then_publish); the
+                           train and sync tasks wait for them
+    _one_step_off_policy   async_staleness 1: publish what k - 1 trained and start rollout k + 1
+                           on it, then train k while k + 1 generates
 
-Every task is idempotent per rollout id, so a retried or re-run iteration picks up where it
-failed. Persist runs beside offload + train (both only read the batch), and the sync ends
-only after it: no rollout is started on weights trained on a batch that is not stored. If the
-store fails after the trainer trained, a re-run gets the same batch from the RolloutManager (it
-keeps its last result until another rollout starts), the trainer does not train it again and
-engines already at v+1 are not published to again, so the stored batch is the one trained on.
+then eval, the checkpoint and the report. Every task is idempotent per rollout id, so a retried
+or re-run iteration picks up where it failed. Persist runs beside offload + train (both only read
+the batch), and the sync ends only after it: no rollout is started on weights trained on a batch
+that is not stored. If the store fails after the trainer trained, a re-run gets the same batch
+from the RolloutManager (it keeps its last result until another rollout starts), the trainer does
+not train it again and engines already at v+1 are not published to again, so the stored batch is
+the one trained on.
 """
 
 from __future__ import annotations
@@ -42,28 +46,17 @@ def _run_name() -> str:
 
 @flow(name="iteration", flow_run_name=_run_name, log_prints=True, retries=0)
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
+    """rollout, then the schedule's phases (one function each, below), then eval, save, report."""
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
     out = rollout(cfg, k, plan.version)
     if plan.off_policy:
         done = _one_step_off_policy(cfg, plan, out)
+    elif plan.engines_sleep:
+        done = _engines_asleep(cfg, plan, out)
     else:
-        done = {}
-        ahead = None if plan.engines_sleep else train_then_publish(config, k, out.batch_ref, plan.next_version)  # in Ray
-        persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
-        try:
-            done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k) if plan.engines_sleep else {}
-            done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
-        finally:
-            persisting.wait()  # stored even when training fails: a re-run loads it
-        done[Phase.PERSIST] = persisting.result()
-        done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
-        done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k) if plan.engines_sleep else {}
-        done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
-                                       start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
-        done[Phase.ONLOAD_KV] = onload_kv(cfg, k) if plan.engines_sleep else {}
-        done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+        done = _engines_awake(config, cfg, plan, out)
     done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
@@ -71,6 +64,46 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record
+
+
+def _engines_asleep(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+    """Iteration k's phases up to eval where the engines sleep while the trainer trains
+    (colocated on GPUs): each task makes its own calls, one after another, in the order read."""
+    k, done = plan.rollout_id, {}
+    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    try:
+        done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k)
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
+    finally:
+        persisting.wait()  # stored even when training fails: a re-run loads it
+    done[Phase.PERSIST] = persisting.result()
+    done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
+    done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k)
+    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
+                                   start_rollout_id=plan.publish_starts_next(out.next_stored))
+    done[Phase.ONLOAD_KV] = onload_kv(cfg, k)
+    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    return done
+
+
+def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+    """Iteration k's phases up to eval where the engines stay awake (CPU; engines on their own
+    devices): training and the publish go to Ray at once, chained by object references
+    (train_then_publish: the publish starts the moment training ends); the train and sync tasks
+    wait for those calls, and the sync ends the sync (admission resumed or rollout k + 1 started)."""
+    k, done = plan.rollout_id, {}
+    ahead = train_then_publish(config, k, out.batch_ref, plan.next_version)  # submitted to Ray
+    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    try:
+        done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
+    finally:
+        persisting.wait()  # stored even when training fails: a re-run loads it
+    done[Phase.PERSIST] = persisting.result()
+    done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
+    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
+                                   start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
+    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    return done
 
 
 def _one_step_off_policy(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
