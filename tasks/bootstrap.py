@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -26,6 +25,7 @@ from tasks.sync import publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
 from vime_core.utils.processes import process_age_s, process_started_epoch
+from vime_core.utils.timing import Stopwatch
 
 
 @dataclass
@@ -59,7 +59,7 @@ def start_actors(config: VimeConfig) -> RunActors:
         rollout_manager_exists,
     )
 
-    t0, began = time.perf_counter(), process_age_s()
+    since, began = Stopwatch(), process_age_s()
     ensure_ray(config.ray_address)
     pg = get_or_create_placement_group(config)
     token = run_engine_token(config, len(plan_for(config).engine_bundles))  # through Ray, never a file
@@ -68,7 +68,7 @@ def start_actors(config: VimeConfig) -> RunActors:
     manager = get_or_create_rollout_manager(config, engines, token)
     trainers, created = get_or_create_trainer_group(config, pg)
     init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
-    return RunActors(manager, trainers, new_manager, created, init, time.perf_counter() - t0, began)
+    return RunActors(manager, trainers, new_manager, created, init, since.seconds, began)
 
 
 # run name -> its start_actors call, running in a thread
@@ -120,14 +120,14 @@ def bootstrap(config: VimeConfig) -> dict:
     from vime_core.trainer.checkpoint import latest_checkpoint
 
     log = get_run_logger()
-    t0 = time.perf_counter()
+    since = Stopwatch()  # the marks below: seconds since this task began
     started = process_age_s()
     ensure_ray(config.ray_address)
     ATTACHED.forget(config.run_name)  # actors may be created now: no handle from before is reused
     early = claim_early(config)
     actors = early or start_actors(config)
     manager, trainers, created, new_manager = actors.manager, actors.trainers, actors.created, actors.new_manager
-    seconds: dict[str, float] = {"actors_created": time.perf_counter() - t0}
+    seconds: dict[str, float] = {"actors_created": since.seconds}
     if early is not None:
         seconds["started_early"] = actors.seconds  # start_early's own seconds, before this task
     extra: dict = {}
@@ -136,7 +136,7 @@ def bootstrap(config: VimeConfig) -> dict:
     starting = created or not trainers.rank0("state")["restored"]
     if starting:  # the engines start meanwhile: the RolloutManager's constructor starts them
         trainers.wait(actors.init if created else trainers.call_async("init", config.hf_checkpoint))
-        seconds["trainer_init"] = time.perf_counter() - t0
+        seconds["trainer_init"] = since.seconds
         ckpt = latest_checkpoint(config)
         extra = trainers.call("restore", ckpt)[0] or {}
         if ckpt is not None:
@@ -146,7 +146,7 @@ def bootstrap(config: VimeConfig) -> dict:
     # an engine whose server died, or that failed to wake, is restarted (and given the trainer's
     # weights) before its version is asked; one the health monitor is restarting is waited for
     ray.get(manager.engine_urls.remote())  # returns once the manager's constructor has started the engines
-    seconds["engines_ready"] = time.perf_counter() - t0
+    seconds["engines_ready"] = since.seconds
     engine_starts = ray.get(manager.engine_startup_marks.remote()) if (new_manager or starting) else []
     manager_epochs = ray.get(manager.startup_epochs.remote()) if new_manager else {}
     if restarted := ray.get(manager.check_engines.remote()):
@@ -160,17 +160,17 @@ def bootstrap(config: VimeConfig) -> dict:
     if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
         trainers.wait(publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(resume=True))  # admission open again
-    seconds["published"] = time.perf_counter() - t0
+    seconds["published"] = since.seconds
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
-        seconds["trainer_asleep"] = time.perf_counter() - t0
+        seconds["trainer_asleep"] = since.seconds
     ray.get(manager.onload_kv.remote())  # the last startup step: the engines' KV caches
-    seconds["kv_onloaded"] = time.perf_counter() - t0
+    seconds["kv_onloaded"] = since.seconds
     last = state.get("last_trained_rollout_id")
     out = {
         "weight_version": target,
         "next_rollout_id": (last + 1) if last is not None else 0,
-        "t_bootstrap": time.perf_counter() - t0,
+        "t_bootstrap": since.seconds,
         "created_trainers": created,
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,

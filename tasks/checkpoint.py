@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import time
-
 import ray
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
+from vime_core.utils.timing import timed
 
 
 @task(name=Phase.SAVE, task_run_name="save-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def save_checkpoint(config: VimeConfig, rollout_id: int) -> dict:
     manager, trainers = run_handles(config)
-    t0 = time.perf_counter()
-    extra = {"rollout_id": rollout_id, "data_source": ray.get(manager.data_source_state.remote())}
-    paths = trainers.call("save", rollout_id, extra)
-    get_run_logger().info("checkpoint of rollout %d: %s", rollout_id, paths[0])
-    return {"path": paths[0], "t_save": time.perf_counter() - t0}
+    with timed() as saving:
+        extra = {"rollout_id": rollout_id, "data_source": ray.get(manager.data_source_state.remote())}
+        paths = trainers.call("save", rollout_id, extra)
+        get_run_logger().info("checkpoint of rollout %d: %s", rollout_id, paths[0])
+    return {"path": paths[0], "t_save": saving.seconds}
 
 
 @task(name="export-hf", retries=1, **TASK_DEFAULTS)

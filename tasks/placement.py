@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import time
-
 import ray
 from prefect import task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
+from vime_core.utils.timing import timed
 
 
 def _engines(config: VimeConfig, method: str) -> dict:
     """One RolloutManager call (the flow calls these tasks only where engines sleep:
     vime_core.step_protocol); its
     seconds and the engines' device memory afterwards."""
-    t0 = time.perf_counter()
-    manager, _ = run_handles(config)
-    memory = ray.get(getattr(manager, method).remote())
-    return {"seconds": time.perf_counter() - t0, "memory": memory}
+    with timed() as moving:
+        manager, _ = run_handles(config)
+        memory = ray.get(getattr(manager, method).remote())
+    return {"seconds": moving.seconds, "memory": memory}
 
 
 @task(name=Phase.OFFLOAD_ROLLOUT, task_run_name="offload-rollout-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
@@ -32,10 +31,10 @@ def offload_rollout(config: VimeConfig, rollout_id: int) -> dict:
 def offload_train(config: VimeConfig, rollout_id: int) -> dict:
     """Every trainer rank moves its optimizer state and gradient buffers to host memory; the
     weights follow once the publish has copied them (MegatronTrainer.sleep)."""
-    t0 = time.perf_counter()
-    _, trainers = run_handles(config)
-    per_rank = trainers.call("sleep", keep_weights=True)
-    return {"seconds": time.perf_counter() - t0, "memory": per_rank}
+    with timed() as moving:
+        _, trainers = run_handles(config)
+        per_rank = trainers.call("sleep", keep_weights=True)
+    return {"seconds": moving.seconds, "memory": per_rank}
 
 
 @task(name=Phase.ONLOAD_WEIGHTS, task_run_name="onload-weights-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +10,7 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
+from vime_core.utils.timing import Stopwatch
 
 
 @dataclass
@@ -36,7 +36,7 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
 
     log = get_run_logger()
     manager, _ = run_handles(config)
-    t0 = time.perf_counter()
+    since = Stopwatch()  # t_rollout: to whichever return ends the phase
     usable, quarantined = batch_io.usable_stored(config, rollout_id)
     if quarantined is not None:
         log.warning("rollout %d: the stored batch cannot be trained on (%s); quarantined at %s, generating rollout %d again",
@@ -45,13 +45,13 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
         metrics = batch_io.summarize(ref)
-        metrics["t_rollout"] = time.perf_counter() - t0
+        metrics["t_rollout"] = since.seconds
         return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
                              next_stored=batch_io.stored(config, rollout_id + 1))
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
     next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
     metrics = dict(ray.get(metrics_ref))
-    metrics.setdefault("t_rollout", time.perf_counter() - t0)
+    metrics.setdefault("t_rollout", since.seconds)
     return RolloutOutput(batch_ref, metrics, next_stored=next_stored, replaces_quarantined=quarantined is not None)
 
 
@@ -83,17 +83,17 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
 
     if out.from_store:
         return {"key": out.storage_key, "t_persist": 0.0, "skipped": True}
-    t0 = time.perf_counter()
+    since = Stopwatch()  # t_persist: to whichever return ends the phase
     if not first_try() and not out.replaces_quarantined and batch_io.stored(config, rollout_id):
         from vime_core.storage import BatchStore
 
         key = BatchStore.for_config(config).ref(config.run_name, rollout_id).key
         get_run_logger().info("rollout %d: stored by an earlier try at %s", rollout_id, key)
-        return {"key": key, "t_persist": time.perf_counter() - t0, "stored_by_earlier_try": True}
+        return {"key": key, "t_persist": since.seconds, "stored_by_earlier_try": True}
     from vime_core.storage.schema import DATA_SOURCE_AFTER
 
     info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id, overwrite=out.replaces_quarantined,
                          data_source_state=out.metrics.get(DATA_SOURCE_AFTER))
-    info["t_persist"] = time.perf_counter() - t0
+    info["t_persist"] = since.seconds
     get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))
     return info

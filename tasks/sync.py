@@ -9,7 +9,6 @@ rollout started): the RolloutManager's.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,6 +18,7 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
 from vime_core.step_protocol import Phase
+from vime_core.utils.timing import Stopwatch
 
 
 def publish(manager, trainers, target_version: int, after: Sequence[Any] = (), force: bool = False) -> list:
@@ -81,7 +81,7 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
     waits for a round trip through this process."""
     manager, trainers = run_handles(config)
     log = get_run_logger()
-    t0 = time.perf_counter()
+    since = Stopwatch()  # t_sync
     per_rank = None
     if submitted is not None and first_try():
         try:
@@ -98,7 +98,7 @@ def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool
         stats = {"version": target_version, "skipped": True}
     else:
         stats = dict(per_rank[0]) if isinstance(per_rank[0], dict) else {"version": per_rank[0]}
-    stats["t_sync"] = time.perf_counter() - t0
+    stats["t_sync"] = since.seconds
     stats["started_rollout"] = started
     return stats
 

@@ -12,6 +12,7 @@ from vime_core.config import VimeConfig, config_hash
 from vime_core.config.loader import config_dict
 from vime_core.data.batch import weight_version_range
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.utils.timing import timed
 
 
 @lru_cache(maxsize=None)
@@ -20,15 +21,13 @@ def _remote_functions():
 
     @ray.remote(num_cpus=0)
     def write(uri: str, endpoint, batch: dict, lineage: dict, overwrite: bool = False) -> dict:
-        import time
-
         from vime_core.storage import BatchStore
 
         from dataclasses import asdict
 
-        t0 = time.perf_counter()
-        ref = BatchStore(uri, endpoint=endpoint).write(batch, lineage, overwrite=overwrite)
-        return {**asdict(ref), "t_write_s": time.perf_counter() - t0}
+        with timed() as writing:
+            ref = BatchStore(uri, endpoint=endpoint).write(batch, lineage, overwrite=overwrite)
+        return {**asdict(ref), "t_write_s": writing.seconds}
 
     @ray.remote(num_cpus=0)
     def read(uri: str, endpoint, run: str, rollout_id: int) -> dict:

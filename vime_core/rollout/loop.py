@@ -62,6 +62,7 @@ from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import UntrainableBatchError, log_probs_error
 from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+from vime_core.utils.timing import Stopwatch, timed
 
 logger = logging.getLogger(__name__)
 
@@ -215,9 +216,9 @@ async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Se
         await state.generate_fn(ctx, sample, dict(params))
     progress.output_tokens += sample.response_length - before
     if not state.cfg.group_rm and sample.status in (Status.COMPLETED, Status.TRUNCATED):
-        t0 = time.perf_counter()
-        await state.reward_hub.score(sample)
-        progress.time_reward_s += time.perf_counter() - t0
+        with timed() as scoring:
+            await state.reward_hub.score(sample)
+        progress.time_reward_s += scoring.seconds
         _count_scored(progress, [sample])
     if sample.status is not Status.ABORTED:
         bar.update(1)
@@ -228,9 +229,9 @@ async def _run_group(state: RolloutState, ctx: GenerateContext, sem: asyncio.Sem
     samples = await asyncio.gather(*(_run_sample(state, ctx, sem, s, params, progress, bar) for s in group))
     if state.cfg.group_rm and not any(s.status is Status.ABORTED for s in samples):
         scorable = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
-        t0 = time.perf_counter()
-        await state.reward_hub.score_group(scorable)
-        progress.time_reward_s += time.perf_counter() - t0
+        with timed() as scoring:
+            await state.reward_hub.score_group(scorable)
+        progress.time_reward_s += scoring.seconds
         _count_scored(progress, scorable)
     for s in samples:
         if s.status is Status.FAILED and s.reward is None:
@@ -394,7 +395,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
 
     cfg = state.cfg
     target = cfg.rollout_batch_size
-    t_start = time.perf_counter()
+    since = Stopwatch()  # the marks t_* below: seconds since the rollout began
     ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open,
                           weight_version=state.weight_version)
     sem = asyncio.Semaphore(state.concurrency)
@@ -437,7 +438,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     progress.dropped_groups += 1
                     if cfg.filter_exhausted == "keep_rejected":
                         progress.rejected.append(group)
-        t_generated = time.perf_counter()
+        t_generated = since.seconds
 
         leftovers: list[list[Sample]] = []
         if in_flight:
@@ -445,7 +446,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
             await abort_in_flight(state.engines, abort_tasks, ctx)
             finished = [t for t in in_flight if not t.cancelled() and t.exception() is None]
             leftovers = sorted((t.result() for t in finished), key=lambda g: g[0].group_index)
-        t_aborted = time.perf_counter()
+        t_aborted = since.seconds
     except BaseException:
         ctx.aborting.set()  # a failing group must not leave requests running behind it
         for task in all_tasks:
@@ -466,12 +467,12 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
 
     groups = sorted(progress.kept[:target], key=lambda g: g[0].group_index)
     samples = [s for g in groups for s in sorted(g, key=lambda s: s.index)]
-    t_end = time.perf_counter()
+    t_end = since.seconds
     times = {
-        "rollout/time_generate_s": t_generated - t_start,
+        "rollout/time_generate_s": t_generated,
         "rollout/time_abort_s": t_aborted - t_generated,
         "rollout/time_finalize_s": t_end - t_aborted,
-        "rollout/time_total_s": t_end - t_start,
+        "rollout/time_total_s": t_end,
     }
     metrics = rollout_metrics(groups, progress, aborted, requeued, times)
     logger.info("rollout %d: %d groups, reward %.3f, %.0f tok/s", rollout_id, len(groups), metrics["rollout/reward_mean"], metrics["rollout/generate_tokens_per_s"])

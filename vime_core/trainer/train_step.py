@@ -42,7 +42,6 @@ counts come from the batch's host lists.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -52,6 +51,7 @@ from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 from vime_core.trainer.truncation import Sampling
+from vime_core.utils.timing import timed
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
 # opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
@@ -281,17 +281,17 @@ def train_step(
     Megatron's lr ``scheduler``, when given) unless the loss or a gradient is not finite on some
     rank (step_optimizer); returns the metrics, skipped_steps 1 for a skipped step (no grad_norm:
     none was applied). ``skips``: the trainer's count of skipped steps in a row."""
-    start = time.perf_counter()
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    acc = _Accumulator()
-    for indices in inputs.micro_batches:
-        mb = make_micro_batch(inputs.batch, indices, device)
-        loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
-        (loss * dp_size).backward()
-    grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg, acc.loss, device, skips)
-    metrics = acc.all_reduced(dp_group, dp_size, device)
-    elapsed = time.perf_counter() - start
+    with timed() as step:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        acc = _Accumulator()
+        for indices in inputs.micro_batches:
+            mb = make_micro_batch(inputs.batch, indices, device)
+            loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
+            (loss * dp_size).backward()
+        grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg, acc.loss, device, skips)
+        metrics = acc.all_reduced(dp_group, dp_size, device)
+    elapsed = step.seconds
     if grad_norm is not None:
         metrics["grad_norm"] = grad_norm
     metrics["skipped_steps"] = float(grad_norm is None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 
 import logging
-import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -25,6 +24,7 @@ from vime_core.config import VimeConfig
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
 from vime_core.trainer.parallel import layout_for
+from vime_core.utils.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +138,10 @@ class MegatronTrainer:
     def _prepin_host_memory(self) -> None:
         from vime_core.trainer.offload import prepin_host_memory, sleep_tensors
 
-        t0 = time.perf_counter()
-        pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
+        with timed() as pinning:
+            pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
         log.info("trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
-                 self.layout.rank, pinned / 2**30, time.perf_counter() - t0)
+                 self.layout.rank, pinned / 2**30, pinning.seconds)
 
     def _reference_checkpoint(self, policy_path: Any) -> Any:
         """The reference policy's HF folder: ref_load when set (checked to be the policy's
@@ -198,20 +198,20 @@ class MegatronTrainer:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
         from vime_core.trainer.rollout_training import train_on_rollout
 
-        t_wake = time.perf_counter()
-        woke = self.wake()
-        start = time.perf_counter()
-        counters = [self.skips] + ([self.critic.skips] if self.critic is not None else [])
-        for counter in counters:
-            counter.begin(rollout_id)
-        try:
-            metrics = train_on_rollout(self, batch, rollout_id)
-        except NonFiniteStepsError:
-            if any(counter.applied for counter in counters):
-                self._diverged = rollout_id
-            raise
-        metrics.update(rollout_id=rollout_id, train_time_s=time.perf_counter() - start, skipped=False,
-                       wake_time_s=start - t_wake, memory_after_wake=woke)
+        with timed() as waking:
+            woke = self.wake()
+        with timed() as training:
+            counters = [self.skips] + ([self.critic.skips] if self.critic is not None else [])
+            for counter in counters:
+                counter.begin(rollout_id)
+            try:
+                metrics = train_on_rollout(self, batch, rollout_id)
+            except NonFiniteStepsError:
+                if any(counter.applied for counter in counters):
+                    self._diverged = rollout_id
+                raise
+        metrics.update(rollout_id=rollout_id, train_time_s=training.seconds, skipped=False,
+                       wake_time_s=waking.seconds, memory_after_wake=woke)
         # counts, where the per-step metrics (averaged over the steps) hold each step's 0 or 1
         metrics["skipped_steps"] = self.skips.skipped
         if self.critic is not None:

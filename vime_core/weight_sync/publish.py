@@ -28,12 +28,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vime_core.engines.client import call_all as _on_all
+from vime_core.utils.timing import PhaseClock
 from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:
@@ -56,25 +55,6 @@ class PublishError(RuntimeError):
 
     def __reduce__(self):  # crosses Ray (pickle) with its own arguments
         return type(self), (str(self), self.bytes_moved)
-
-
-class PhaseClock:
-    """Wall-clock seconds per named phase."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._t0 = time.perf_counter()
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-
-    def total(self) -> float:
-        return time.perf_counter() - self._t0
 
 
 def publish_weights(
