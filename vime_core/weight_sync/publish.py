@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vime_core.engines.client import call_all as _on_all
+from vime_core.utils.errors import InfrastructureError
 from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from vime_core.weight_sync.transport.ipc_peers import PeerChannel
 
 
-class PublishError(RuntimeError):
+class PublishError(RuntimeError, InfrastructureError):
     """A publish that failed; `bytes_moved` says whether engines may hold a partial update."""
 
     def __init__(self, message: str, bytes_moved: bool) -> None:
