@@ -118,7 +118,7 @@ class PipeEngine:
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list:
         from vime_core.weight_sync.transport.ipc import cuda_device_uuid
-        from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
+        from vime_core.wire.ipc_format import DEVICE_UUID_RPC
 
         assert method == DEVICE_UUID_RPC, method
         return [cuda_device_uuid(torch.device("cuda", torch.cuda.current_device()))]  # the receiver shares this GPU
@@ -150,7 +150,7 @@ def pack_and_handles(tensors: list, bucket_bytes: int, device: torch.device) -> 
     """The transport's per-bucket work in two timed parts: packing, then handle + payload."""
     from vime_core.weight_sync.buckets import iter_buckets, pack_ipc as pack_bucket  # the IPC packer
     from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
-    from vime_core.weight_sync.wire.ipc_format import ipc_update_info
+    from vime_core.wire.ipc_format import ipc_update_info
 
     uuid = cuda_device_uuid(device)
     pack_s = handle_s = 0.0

@@ -15,10 +15,13 @@ every time: retrying only hides it, so the run stops and says what to fix.
         httpx.TransportError            an HTTP call to an engine or the router that got no answer
         botocore ConnectionError,       the object store did not answer (S3 server down or
         HTTPClientError                 restarting; s3fs raises EndpointConnectionError)
-        RolloutFailedError              the rollout could not be filled (engines down)
-        EngineStartError, EngineError,  an engine did not start or a call to it failed; the
-        RouterError, PublishError       router failed; a weight publish failed
-        ActorsMissingError              the run's actors are gone (a dead actor's name is freed)
+        InfrastructureError             vime's own (vime_core/utils/errors.py, a marker base):
+                                        RolloutFailedError (the rollout could not be filled:
+                                        engines down), EngineStartError and EngineError (an
+                                        engine did not start or a call to it failed),
+                                        RouterError, PublishError (a weight publish failed),
+                                        ActorsMissingError (the run's actors are gone: a dead
+                                        actor's name is freed)
     configuration or data (not retried)
         ValueError                      a bad setting (ConfigError, pydantic's ValidationError)
                                         or data (UntrainableBatchError, SchemaError,
@@ -48,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from vime_core.utils.errors import InfrastructureError
+
 INFRASTRUCTURE = "infrastructure"
 CONFIGURATION = "configuration or data"
 UNKNOWN = "unknown"
@@ -69,21 +74,14 @@ class Fault:
 
 @functools.cache
 def _infrastructure_types() -> tuple[type, ...]:
-    """Built once (classify runs for every failed task's log record): imported lazily, since
-    Ray, httpx and botocore are not needed to import this module."""
+    """Built once (classify runs for every failed task's log record): vime's own classes carry
+    the InfrastructureError marker; Ray's, httpx's and botocore's are imported lazily, since they
+    are not needed to import this module."""
     import ray.exceptions as rx
-
-    from vime_core.cluster.run_actors import ActorsMissingError
-    from vime_core.engines.client import EngineError
-    from vime_core.engines.router import RouterError
-    from vime_core.engines.server import EngineStartError
-    from vime_core.rollout.loop import RolloutFailedError
-    from vime_core.weight_sync.publish import PublishError
 
     types = [rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.ObjectLostError,
              rx.ObjectFetchTimedOutError, rx.RaySystemError, rx.GetTimeoutError,
-             ConnectionError, TimeoutError, RolloutFailedError, EngineStartError, EngineError,
-             RouterError, PublishError, ActorsMissingError]
+             ConnectionError, TimeoutError, InfrastructureError]
     try:
         import httpx
 

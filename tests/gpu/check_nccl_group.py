@@ -1,4 +1,4 @@
-"""The `nccl` carrier of the broadcast weight transport (vime_core/weight_sync/wire/
+"""The `nccl` carrier of the broadcast weight transport (vime_core/wire/
 broadcast_group.py) on real GPUs, without vLLM: prints JSON.
 
 One GPU: a group of one (mint the id, ncclCommInitRank, broadcast, close) checks the C-API
@@ -26,7 +26,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from vime_core.weight_sync.wire.broadcast_group import NcclGroup, mint_nccl_unique_id
+from vime_core.wire.broadcast_group import NcclGroup, mint_nccl_unique_id
 
 
 def pattern(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 
 from vime_core.weight_sync.publish import PublishError, publish_weights
 from vime_core.weight_sync.transport.broadcast import rank_offsets
-from vime_core.weight_sync.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.weight_sync.wire.broadcast_group import open_group
+from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.wire.broadcast_group import open_group
 
 from tests.unit.test_publish import make_cfg, spec_of, weights
 
@@ -198,7 +198,7 @@ def test_nccl_on_cpu_is_a_configuration_error_and_broadcast_engines_load_vime_br
 
 
 def test_a_missing_nccl_library_is_named(monkeypatch):
-    from vime_core.weight_sync.wire.broadcast_group import nccl_library
+    from vime_core.wire.broadcast_group import nccl_library
 
     monkeypatch.setenv("VIME_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
     with pytest.raises(RuntimeError, match="VIME_NCCL_LIBRARY.*/nonexistent/libnccl.so.2"):
@@ -231,7 +231,7 @@ class _JoiningNccl:
 def test_nccl_init_gives_up_when_a_peer_never_joins_and_destroys_a_late_communicator():
     """NCCL's init has no timeout: a peer that never joins must not hang the worker or the
     trainer. The real library's run on a GPU: bench/gpu/check_nccl_group.py --init-timeout."""
-    from vime_core.weight_sync.wire.broadcast_group import _UniqueId, init_comm_with_deadline
+    from vime_core.wire.broadcast_group import _UniqueId, init_comm_with_deadline
 
     lib = _JoiningNccl()
     t0 = time.monotonic()

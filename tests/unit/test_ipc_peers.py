@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from vime_core.utils.processes import free_port
-from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
+from vime_core.wire.ipc_format import DEVICE_UUID_RPC
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

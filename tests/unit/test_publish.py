@@ -178,7 +178,7 @@ def test_failure_after_bytes_moved_leaves_engines_paused_and_says_so(tmp_path, p
 
 
 def test_the_publisher_keeps_its_bucket_files_between_publishes_and_gives_them_back_when_closed(tmp_path, publisher):
-    from vime_core.weight_sync.wire.shm_format import FILE_PREFIX
+    from vime_core.wire.shm_format import FILE_PREFIX
 
     def files() -> set[str]:
         return {p.name for p in tmp_path.glob(FILE_PREFIX + "*")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vime_core.weight_sync.weight_spec import WeightSpecError, check_against_spec, fetch_spec
-from vime_core.weight_sync.wire.spec_format import read_safetensors_layout
+from vime_core.wire.spec_format import read_safetensors_layout
 
 SPEC = {"tensors": {
     "a.weight": {"shape": [4, 2], "dtype": "bfloat16"},

@@ -2,7 +2,7 @@
 
 The receivers (`vime_core/engines/vllm_side/`) run inside vLLM's worker, whose environment has
 neither Megatron nor Prefect nor the trainer's other packages: they and the wire formats they
-share with the trainer (`vime_core/weight_sync/wire/`) import only the standard library, torch,
+share with the trainer (`vime_core/wire/`) import only the standard library, torch,
 vllm and each other. The format modules are also read by the configuration (backend names), so
 they do not load torch when imported. And weight_sync never reaches back into the Megatron
 trainer, which calls it. Read from the source (AST), nothing imported.
@@ -16,10 +16,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RECEIVERS = REPO / "vime_core" / "engines" / "vllm_side"
-WIRE = REPO / "vime_core" / "weight_sync" / "wire"
+WIRE = REPO / "vime_core" / "wire"
 # packages Python initialises on the way to a receiver or a wire module
-ON_THE_WAY = [REPO / "vime_core" / "__init__.py", REPO / "vime_core" / "engines" / "__init__.py",
-              REPO / "vime_core" / "weight_sync" / "__init__.py"]
+ON_THE_WAY = [REPO / "vime_core" / "__init__.py", REPO / "vime_core" / "engines" / "__init__.py"]
 ENGINE_SIDE_THIRD_PARTY = {"torch", "vllm"}
 
 
@@ -58,7 +57,7 @@ def _parse(path: Path) -> ast.Module:
 
 
 def test_the_engine_end_imports_only_stdlib_torch_vllm_and_the_wire_formats():
-    allowed_vime = ("vime_core.engines.vllm_side", "vime_core.weight_sync.wire")
+    allowed_vime = ("vime_core.engines.vllm_side", "vime_core.wire")
     bad = []
     for path in sorted(RECEIVERS.glob("*.py")) + sorted(WIRE.glob("*.py")) + ON_THE_WAY:
         for name in sorted(_imported(_parse(path))):
@@ -87,9 +86,9 @@ def test_weight_sync_does_not_import_the_megatron_trainer():
 
 
 def test_every_rpc_the_trainer_calls_is_a_method_of_the_worker_extension():
-    from vime_core.weight_sync.wire.broadcast_format import GROUP_ID_RPC
-    from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC
-    from vime_core.weight_sync.wire.spec_format import SPEC_RPC
+    from vime_core.wire.broadcast_format import GROUP_ID_RPC
+    from vime_core.wire.ipc_format import DEVICE_UUID_RPC
+    from vime_core.wire.spec_format import SPEC_RPC
 
     tree = _parse(RECEIVERS / "worker_ext.py")
     (extension,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VimeWorkerExtension"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vime_core.weight_sync.buckets import iter_buckets
-from vime_core.weight_sync.wire.shm_format import ALIGNMENT, ShmBucketInfo
+from vime_core.wire.shm_format import ALIGNMENT, ShmBucketInfo
 
 
 def bucket_of(tensors: dict, dtypes: dict | None = None):
@@ -88,7 +88,7 @@ def test_shm_descriptor_rejects_what_the_worker_must_not_map(change, message):
 
 def test_ipc_update_info_matches_what_vllm_unpacks():
     from vime_core.weight_sync.buckets import pack_ipc
-    from vime_core.weight_sync.wire.ipc_format import ipc_update_info
+    from vime_core.wire.ipc_format import ipc_update_info
 
     bucket = bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS})
     buffer, sizes = pack_ipc(bucket, torch.device("cpu"))

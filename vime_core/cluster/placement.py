@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vime_core.config.derive import check_layout  # the fields' rule, checked when a configuration is made
+
 TRAINER_SHARE_COLOCATED = 0.5
 ENGINE_SHARE = 0.2
 PROBE_SHARE = 0.01
@@ -41,20 +43,6 @@ class PlacementPlan:
     engine_bundles: list[list[int]]  # engine e -> its bundles, TP rank order
     trainer_share: float
     engine_share: float = ENGINE_SHARE
-
-
-def check_layout(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> None:
-    """Raise naming the fields when the engines' devices cannot be laid out (config derive
-    and the plan both call it)."""
-    if rollout_devices % devices_per_engine:
-        raise ValueError(
-            f"rollout_num_gpus_per_engine={devices_per_engine} does not divide rollout_num_gpus={rollout_devices}"
-        )
-    if colocate and rollout_devices != trainer_devices:
-        raise ValueError(
-            f"colocate needs rollout_num_gpus ({rollout_devices}) equal to the trainer's "
-            f"devices ({trainer_devices}); set colocate=false to place engines elsewhere"
-        )
 
 
 def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> PlacementPlan:

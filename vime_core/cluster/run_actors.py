@@ -25,6 +25,7 @@ from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 from vime_core.engines.auth import EngineToken
+from vime_core.utils.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def plan_for(cfg: VimeConfig) -> PlacementPlan:
     return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
 
 
-class ActorsMissingError(RuntimeError):
+class ActorsMissingError(RuntimeError, InfrastructureError):
     """The run's actors named in `missing` are not there (never created, or dead: Ray frees a
     dead actor's name)."""
 

@@ -82,6 +82,20 @@ def needs_rollout_logprobs(cfg: ConfigFields) -> bool:
     return bool(rollout_logprob_readers(cfg))
 
 
+def check_layout(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> None:
+    """Raise naming the fields when the engines' devices cannot be laid out (derive_in_place
+    and the placement plan, vime_core/cluster/placement.py, both call it)."""
+    if rollout_devices % devices_per_engine:
+        raise ValueError(
+            f"rollout_num_gpus_per_engine={devices_per_engine} does not divide rollout_num_gpus={rollout_devices}"
+        )
+    if colocate and rollout_devices != trainer_devices:
+        raise ValueError(
+            f"colocate needs rollout_num_gpus ({rollout_devices}) equal to the trainer's "
+            f"devices ({trainer_devices}); set colocate=false to place engines elsewhere"
+        )
+
+
 def derive_in_place(cfg: ConfigFields) -> None:
     rollout_samples = samples_per_rollout(cfg)
     if cfg.num_steps_per_rollout is not None:
@@ -130,8 +144,6 @@ def derive_in_place(cfg: ConfigFields) -> None:
         )
     if cfg.rollout_num_gpus is None:
         cfg.rollout_num_gpus = devices if cfg.colocate else 1
-    from vime_core.cluster.placement import check_layout
-
     check_layout(devices, cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
     if cfg.global_batch_size % dp_size(cfg):
         raise ValueError(
@@ -336,8 +348,8 @@ def check_engine_auth(cfg: ConfigFields) -> None:
 
 def _vllm_backends() -> dict[str, str | None]:
     """transport -> the vLLM weight-transfer backend the engines start with (None: none needed)."""
-    from vime_core.weight_sync.wire.broadcast_format import BACKEND_NAME as BROADCAST
-    from vime_core.weight_sync.wire.shm_format import BACKEND_NAME as SHM
+    from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
+    from vime_core.wire.shm_format import BACKEND_NAME as SHM
 
     return {"ipc": "ipc", "nccl": BROADCAST, "gloo": BROADCAST, "shm": SHM, "disk": None}
 

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from vime_core.config.schema import ConfigFields
-from vime_core.demo.settings_table import DEMO_SETTINGS
+from vime_core.config.demo_settings import DEMO_SETTINGS
+from vime_core.utils.doc_sections import replace_section
 
 START, END = "<!-- config:start -->", "<!-- config:end -->"
 
@@ -28,16 +29,6 @@ def config_table() -> str:
         desc = (field.description or "").replace("|", "\\|")
         rows.append(f"| `--{name.replace('_', '-')}` | {_default(name, field)} | {desc} |")
     return "\n".join(rows)
-
-
-def replace_section(text: str, start: str, end: str, body: str) -> str:
-    """`text` with the part between the `start` and `end` markers replaced by `body` (generated
-    documentation sections: docs/configuration.md's table, docs/lineage.md's schema)."""
-    if start not in text or end not in text:
-        raise ValueError(f"markers {start!r} / {end!r} not found")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def render_into(text: str) -> str:

@@ -4,7 +4,7 @@ or both (flags override the file).
 `VimeConfig` is the schema's fields (config/schema.py, a leaf) plus what reaches into the rest of
 vime, applied whenever one is made (`VimeConfig(...)`, a file, flags, the Prefect form):
 
-    1. no model named: the embedded demo's settings under the values (demo/settings_table.py)
+    1. no model named: the embedded demo's settings under the values (config/demo_settings.py)
     2. each field: apply_chat_template_kwargs parsed (data/sources.py), the storage endpoint and
        region from the environment when empty (storage/endpoint.py)
     3. the derived values and the cross-field checks (config/derive.py)
@@ -43,7 +43,7 @@ from pydantic import (
 
 from vime_core.config.derive import derive_in_place
 from vime_core.config.schema import ConfigFields
-from vime_core.demo.settings_table import DEMO_SETTINGS, with_demo_settings
+from vime_core.config.demo_settings import DEMO_SETTINGS, with_demo_settings
 from vime_core.utils.secrets import redact_secrets
 
 
@@ -244,9 +244,9 @@ def config_hash(cfg: VimeConfig) -> str:
 
 def run_config_uri(storage_uri: str, run_name: str) -> str:
     """Where a run's resolved configuration is kept: `<storage>/reports/<run>/config.json`."""
-    from vime_core.report.records import CONFIG, run_dir
+    from vime_core.storage.layout import RUN_CONFIG, run_dir
 
-    return f"{run_dir(storage_uri, run_name)}/{CONFIG}"
+    return f"{run_dir(storage_uri, run_name)}/{RUN_CONFIG}"
 
 
 def dump_config(cfg: VimeConfig, path: str | Path) -> str:

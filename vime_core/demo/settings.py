@@ -1,16 +1,16 @@
-"""The embedded demo's settings (the table: vime_core/demo/settings_table.py) and `demo_config`,
+"""The embedded demo's settings (the table: vime_core/config/demo_settings.py) and `demo_config`,
 a configuration of given fields over them.
 
-The table lives in a module of its own because the configuration reads it (the demo's settings
-apply to a configuration that names no model): this module makes configurations, so it imports
-the configuration and the configuration must not import it.
+The table lives in the configuration package because the configuration reads it (the demo's
+settings apply to a configuration that names no model): this module makes configurations, so it
+imports the configuration and the configuration must not import it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vime_core.demo.settings_table import DEMO_SETTINGS, demo_values, with_demo_settings
+from vime_core.config.demo_settings import DEMO_SETTINGS, demo_values, with_demo_settings
 
 __all__ = ["DEMO_SETTINGS", "demo_config", "demo_values", "with_demo_settings"]
 

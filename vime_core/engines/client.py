@@ -31,6 +31,7 @@ import aiohttp
 
 from vime_core.engines.auth import EngineToken, auth_headers
 from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
+from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ ANSWERED_BY = "vime_answered_by"
 T = TypeVar("T")
 
 
-class EngineError(RuntimeError):
+class EngineError(RuntimeError, InfrastructureError):
     """A vLLM server call that failed: which engine, which endpoint, what it answered."""
 
     def __init__(self, engine: str, endpoint: str, status: Optional[int], body: str) -> None:

@@ -37,6 +37,7 @@ import httpx
 
 from vime_core.engines.client import EngineClient, redact_url
 from vime_core.engines.server import REPO_ROOT
+from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, terminate_group
 from vime_core.utils.retry import poll_until
@@ -68,7 +69,7 @@ def router_command() -> list[str]:
     raise FileNotFoundError(f"vllm-router not found next to {sys.executable} nor at {fallback} (pip install vllm-router)")
 
 
-class RouterError(RuntimeError):
+class RouterError(RuntimeError, InfrastructureError):
     pass
 
 

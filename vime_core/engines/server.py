@@ -45,6 +45,7 @@ from vime_core.config.derive import engine_env, platform_supports_sleep
 from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
+from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
@@ -73,7 +74,7 @@ TCMALLOC_CANDIDATES = (
 )
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(RuntimeError, InfrastructureError):
     """The server did not become healthy; the message ends with its last log lines."""
 
 

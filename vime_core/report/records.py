@@ -17,19 +17,15 @@ import json
 from typing import TYPE_CHECKING, Iterable
 
 from vime_core.step_protocol import T_STEP_TERMS
+from vime_core.storage.layout import RUN_CONFIG, run_dir
 
 if TYPE_CHECKING:
     from vime_core.storage.endpoint import S3Endpoint
     from vime_core.storage.fs import StorageLocation
 
 # the files of a run's report folder
-CONFIG, METRICS, REWARD_CURVE, SUMMARY = "config.json", "metrics.jsonl", "reward_curve.png", "summary.json"
-
-
-def run_dir(storage_uri: str, run_name: str, kind: str = "reports") -> str:
-    """Where a run's files of one kind live: `<storage>/<kind>/<run>`, beside the batch store's
-    `batches/<run>` (kinds: reports, checkpoints, exports)."""
-    return f"{storage_uri.rstrip('/')}/{kind}/{run_name}"
+CONFIG = RUN_CONFIG  # read by the configuration too (vime_core/config/loader.py)
+METRICS, REWARD_CURVE, SUMMARY = "metrics.jsonl", "reward_curve.png", "summary.json"
 
 
 def report_location(storage_uri: str, run_name: str, endpoint: "S3Endpoint | None" = None) -> "StorageLocation":

@@ -62,6 +62,7 @@ from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import UntrainableBatchError, log_probs_error
 from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.timing import Stopwatch, timed
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class _Progress:
     reward_failures: list[tuple[int, int, str]] = field(default_factory=list)  # (group, index, error type)
 
 
-class RolloutFailedError(RuntimeError):
+class RolloutFailedError(RuntimeError, InfrastructureError):
     """The rollout could not be filled with groups the trainer can train on."""
 
 

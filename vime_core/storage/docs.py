@@ -18,6 +18,7 @@ import pyarrow as pa
 from vime_core.data.columns import BATCH_COLUMNS
 from vime_core.storage.index import INDEX_SCHEMA, INDEX_VERSION
 from vime_core.storage.schema import describe_schema
+from vime_core.utils.doc_sections import replace_section
 
 
 def python_type(t: pa.DataType) -> str:
@@ -62,8 +63,6 @@ SECTIONS: dict[tuple[str, str], Callable[[], str]] = {
 def render_into(text: str) -> str:
     """`text` with every generated section whose markers it holds replaced by its current body;
     raises ValueError when it holds none."""
-    from vime_core.config.docs import replace_section
-
     found = [(markers, body) for markers, body in SECTIONS.items() if markers[0] in text]
     if not found:
         raise ValueError(f"no generated section's markers in the text; known: {[m[0] for m in SECTIONS]}")

@@ -24,7 +24,15 @@ COMPACTED = "index/compacted"
 TMP = "tmp"
 QUARANTINE = "quarantine"
 
+RUN_CONFIG = "config.json"  # a run's resolved configuration, in its report folder (run_dir)
+
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def run_dir(storage_uri: str, run_name: str, kind: str = "reports") -> str:
+    """Where a run's files of one kind live: `<storage>/<kind>/<run>`, beside the batch store's
+    `batches/<run>` (kinds: reports, checkpoints, exports)."""
+    return f"{storage_uri.rstrip('/')}/{kind}/{run_name}"
 
 
 def check_run(run: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vime_core.weight_sync.allocator import plain_segments
-from vime_core.weight_sync.wire.layout import place
+from vime_core.wire.layout import place
 
 
 @dataclass

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vime_core.engines.client import call_all as _on_all
+from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.timing import PhaseClock
 from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from vime_core.weight_sync.transport.ipc_peers import PeerChannel
 
 
-class PublishError(RuntimeError):
+class PublishError(RuntimeError, InfrastructureError):
     """A publish that failed; `bytes_moved` says whether engines may hold a partial update."""
 
     def __init__(self, message: str, bytes_moved: bool) -> None:

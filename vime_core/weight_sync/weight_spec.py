@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vime_core.weight_sync.wire.spec_format import SPEC_RPC
+from vime_core.wire.spec_format import SPEC_RPC
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient

@@ -9,7 +9,7 @@ through `--worker-extension-cls`), the receivers, and the engine's authenticatio
     auth.py               the ASGI middleware that asks every request for the run's token
 
 Everything here imports only vllm, torch, the standard library and the wire formats it shares
-with the trainer (`vime_core.weight_sync.wire`): the vLLM environment has neither the trainer's
+with the trainer (`vime_core.wire`): the vLLM environment has neither the trainer's
 packages nor Prefect (tests/unit/test_weight_sync_layout.py checks it). The sending end is
 `vime_core/weight_sync/`.
 """

@@ -1,6 +1,6 @@
 """vLLM weight-transfer engine `vime_broadcast`: receives weight buckets by broadcast from the
 trainer's rank 0, over NCCL (GPU engines on devices the trainer does not share) or gloo (CPU
-engines on other machines). Format and ranks: `vime_core/weight_sync/wire/broadcast_format.py`;
+engines on other machines). Format and ranks: `vime_core/wire/broadcast_format.py`;
 carriers: `wire/broadcast_group.py` (the trainer's end uses both too).
 
 The session is vLLM's checkpoint-format reload (`reload_session`, as for `vime_shm`); vLLM
@@ -12,7 +12,7 @@ vLLM's `StatelessProcessGroup` with a pickled vLLM object as the NCCL id, which 
 without vLLM cannot join; here rank 0 mints the id and sends it as base64 in the init info.
 
 Runs inside the vLLM worker: imports only vllm, torch, the standard library, vime's vllm_side
-modules and the shared wire formats (`vime_core.weight_sync.wire`).
+modules and the shared wire formats (`vime_core.wire`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
-from vime_core.weight_sync.wire.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.weight_sync.wire.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
-from vime_core.weight_sync.wire.layout import bucket_views
+from vime_core.wire.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.wire.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
+from vime_core.wire.layout import bucket_views
 
 
 def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:

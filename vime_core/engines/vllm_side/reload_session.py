@@ -3,7 +3,7 @@ checkpoint-format reload.
 
     start    every layer goes into layerwise-reload mode (`initialize_layerwise_reload`)
     bucket   the backend receives the bucket's bytes, views its tensors in them
-             (`vime_core/weight_sync/wire/layout.bucket_views`) and `load`s them through the
+             (`vime_core/wire/layout.bucket_views`) and `load`s them through the
              model's own `load_weights`, which fuses q/k/v and gate/up and shards for TP
     finish   the deferred per-layer processing (`finalize_layerwise_reload`), then the tied
              layers' refresh (below)

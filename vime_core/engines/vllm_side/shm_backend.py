@@ -3,14 +3,14 @@
 vLLM's own `ipc` and `nccl` backends need CUDA. This one plugs into the same session
 (`start_weight_update` -> `update_weights` per bucket -> `finish_weight_update`) and reads
 each bucket from a tmpfs file described by a `ShmBucketInfo` (format shared with the trainer:
-`vime_core/weight_sync/wire/shm_format.py`).
+`vime_core/wire/shm_format.py`).
 
 Loading is vLLM's checkpoint-format reload (`reload_session`); vLLM keeps views of a bucket
 until its layers are complete, so the mapped buckets stay open until `finish` (the trainer may
 already have unlinked the files; the mapping keeps the pages alive).
 
 Runs inside the vLLM worker: imports only vllm, torch, the standard library and the shared wire
-formats (`vime_core.weight_sync.wire`).
+formats (`vime_core.wire`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 import torch
 
 from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
-from vime_core.weight_sync.wire.layout import bucket_views
-from vime_core.weight_sync.wire.shm_format import DEFAULT_SHM_DIR, ShmBucketInfo, ShmInitInfo
+from vime_core.wire.layout import bucket_views
+from vime_core.wire.shm_format import DEFAULT_SHM_DIR, ShmBucketInfo, ShmInitInfo
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # value from linux/mman.h
 

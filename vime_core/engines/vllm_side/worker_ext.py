@@ -20,11 +20,11 @@ class adds methods callable through `POST /collective_rpc`:
   reports None (the checkpoint's weights, version 0), as `/weight_info` would.
 
 The RPC names and the formats they answer in are shared with the trainer:
-`vime_core/weight_sync/wire/` (`spec_format.SPEC_RPC`, `ipc_format.DEVICE_UUID_RPC`,
+`vime_core/wire/` (`spec_format.SPEC_RPC`, `ipc_format.DEVICE_UUID_RPC`,
 `broadcast_format.GROUP_ID_RPC`).
 
 Runs inside the vLLM worker: imports only vllm, torch, the standard library and the shared wire
-formats (`vime_core.weight_sync.wire`).
+formats (`vime_core.wire`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vime_core.weight_sync.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
-from vime_core.weight_sync.wire.ipc_format import gpu_uuid
-from vime_core.weight_sync.wire.shm_format import BACKEND_NAME
-from vime_core.weight_sync.wire.spec_format import engine_spec
+from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
+from vime_core.wire.ipc_format import gpu_uuid
+from vime_core.wire.shm_format import BACKEND_NAME
+from vime_core.wire.spec_format import engine_spec
 
 
 BACKENDS = {  # name -> (module, class), registered with vLLM when a worker imports this module

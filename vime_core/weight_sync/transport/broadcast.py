@@ -3,7 +3,7 @@ on other devices, on this node or others) and `gloo` (CPU engines on other machi
 trainer's rank 0 is rank 0 of one group with every worker of every engine and broadcasts each
 bucket once; the engines receive it through vime's `vime_broadcast` vLLM backend
 (`vime_core/engines/vllm_side/broadcast_backend.py`; format and carriers, shared by both ends,
-in `vime_core/weight_sync/wire/broadcast_format.py` and `broadcast_group.py`).
+in `vime_core/wire/broadcast_format.py` and `broadcast_group.py`).
 
 The group outlives a publish (forming one costs a rendezvous and, for NCCL, seconds of setup):
 the publisher's `PublishLoop` keeps it (the `GroupKeeper` here). Before each publish `prepare`
@@ -34,8 +34,8 @@ import torch
 
 from vime_core.weight_sync.buckets import Bucket, pack_flat
 from vime_core.weight_sync.transport.base import WeightTransport
-from vime_core.weight_sync.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.weight_sync.wire.broadcast_group import (
+from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.wire.broadcast_group import (
     LOOPBACK, BroadcastGroup, open_group, pooled_host_buffer, serve_rendezvous,
 )
 

@@ -28,7 +28,7 @@ import torch
 from vime_core.weight_sync.buckets import Bucket, pack_ipc
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.weight_sync.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
-from vime_core.weight_sync.wire.ipc_format import DEVICE_UUID_RPC, gpu_uuid, ipc_update_info
+from vime_core.wire.ipc_format import DEVICE_UUID_RPC, gpu_uuid, ipc_update_info
 
 
 def unshared_workers(worker_gpus: list[tuple[str, list]], handle_gpus: set[str]) -> list[str]:

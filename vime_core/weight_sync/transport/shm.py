@@ -21,7 +21,7 @@ from dataclasses import asdict
 from vime_core.weight_sync.buckets import Bucket, copy_into, packed_layout
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
-from vime_core.weight_sync.wire.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
+from vime_core.wire.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
 
 
 def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:

@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from vime_core.utils.processes import pid_alive
-from vime_core.weight_sync.wire.shm_format import FILE_PREFIX
+from vime_core.wire.shm_format import FILE_PREFIX
 
 
 class ShmBufferPool:

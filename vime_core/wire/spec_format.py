@@ -21,7 +21,7 @@ import os
 import struct
 from typing import Any
 
-from vime_core.weight_sync.wire.layout import FLOATING
+from vime_core.wire.layout import FLOATING
 
 SPEC_RPC = "vime_weight_spec"  # the worker extension's method that answers with `engine_spec`
 

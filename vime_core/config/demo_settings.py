@@ -1,4 +1,5 @@
-"""The embedded demo's settings, as data (a leaf: the configuration reads it, imports nothing).
+"""The embedded demo's settings, as data (a leaf: the configuration reads it, imports nothing;
+vime_core/demo/ imports the configuration, so the table lives here).
 
 A configuration that names no model (`hf_checkpoint` empty) runs the embedded demo: a tiny
 Qwen3-style model learning single-digit addition on the CPU (vime_core/run_assets.py builds it).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from vime_core.weight_sync.wire.layout import tensor_nbytes
+from vime_core.wire.layout import tensor_nbytes
 
 BACKEND_NAME = "vime_shm"
 ALIGNMENT = 64  # bytes; a cache line, and a multiple of every dtype's size

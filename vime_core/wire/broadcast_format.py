@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from vime_core.weight_sync.wire.layout import place, tensor_nbytes
+from vime_core.wire.layout import place, tensor_nbytes
 
 BACKEND_NAME = "vime_broadcast"
 CARRIERS = ("nccl", "gloo")

@@ -1,0 +1,12 @@
+"""The marker of an infrastructure failure, kept in a leaf module so `vime_core/faults.py` can
+classify an error without importing the package that raises it."""
+
+from __future__ import annotations
+
+
+class InfrastructureError(Exception):
+    """A failure that a retry of the iteration can fix: a process died or could not be reached,
+    and is replaced or comes back on the next try (vime_core/faults.py retries only these and
+    Ray's, httpx's and botocore's own transport errors). An error class takes it as an extra
+    base beside its own (`class EngineError(RuntimeError, InfrastructureError)`), so
+    `except RuntimeError` still catches it."""
