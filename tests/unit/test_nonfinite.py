@@ -136,6 +136,43 @@ def test_step_optimizer_moves_nothing_on_a_non_finite_step(monkeypatch):
     assert calls == ["finalize", "step", "schedule"] and counter.in_a_row == 0
 
 
+def test_a_step_megatron_itself_skips_is_counted_and_logged(monkeypatch, caplog):
+    """Megatron's optimizer may refuse a step itself (an fp16 grad scaler's found_inf: step()
+    returns not-ok): nothing moved, so it counts as skipped, with a warning, and the schedule
+    does not advance."""
+    import importlib
+    import logging
+
+    from vime_core.trainer import optimizer as optimizer_module
+    from vime_core.trainer.train_step import step_optimizer
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    calls: list[str] = []
+    monkeypatch.setattr(finalize, "finalize_model_grads", lambda models: calls.append("finalize"))
+    monkeypatch.setattr(optimizer_module, "current_lr", lambda opt: 1e-3)
+
+    class RefusingOptimizer:
+        def step(self):
+            calls.append("step")
+            return False, None, None
+
+        def zero_grad(self):
+            calls.append("zero_grad")
+
+    class Scheduler:
+        def step(self, increment):
+            calls.append("schedule")
+
+    model = _linear_with_grad(1.0)
+    model.zero_grad_buffer = lambda: calls.append("zero_grad_buffer")
+    counter = SkipCounter(3)
+    with caplog.at_level(logging.WARNING):
+        assert step_optimizer(model, RefusingOptimizer(), Scheduler(), SimpleCfg(clip_grad=1.0, max_skipped_steps=3),
+                              0.0, "cpu", counter) == (None, 1e-3)
+    assert "schedule" not in calls and counter.in_a_row == 1 and counter.skipped == 1
+    assert "found a non-finite gradient and skipped the step" in caplog.text
+
+
 class SimpleCfg:
     def __init__(self, **fields):
         self.__dict__.update(fields)

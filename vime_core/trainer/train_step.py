@@ -53,6 +53,8 @@ from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
 
+log = logging.getLogger(__name__)
+
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
 # opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
 METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff", "tis_weight", "tis_rejected_frac",
