@@ -1,5 +1,5 @@
-"""The RolloutManager starts its engines at once and waits for all of them; a failure names its
-engine (vime_core/rollout/manager.py, `_start_servers`). Stand-in servers, no process."""
+"""The engine fleet starts its engines at once and waits for all of them; a failure names its
+engine (vime_core/engines/fleet.py, `_start_servers`). Stand-in servers, no process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime_core.engines.server import EngineStartError
-from vime_core.rollout.manager import RolloutManager
+from vime_core.engines.fleet import EngineFleet
 
 
 class Server:
@@ -27,7 +27,7 @@ class Server:
 
 
 def _start(servers) -> None:
-    RolloutManager._start_servers(SimpleNamespace(servers=servers))
+    EngineFleet._start_servers(SimpleNamespace(servers=servers))
 
 
 def test_engines_start_at_the_same_time():
@@ -79,13 +79,13 @@ class Router:
         self.stopped = True
 
 
-def _manager(monkeypatch, servers, on_router_start):
-    monkeypatch.setattr("vime_core.engines.router.Router", Router)
+def _fleet(monkeypatch, servers, on_router_start):
+    monkeypatch.setattr("vime_core.engines.fleet.Router", Router)
     Router.made, Router.on_start = [], staticmethod(on_router_start)
-    manager = SimpleNamespace(servers=servers, _owns_servers=True, router=None,
-                              cfg=SimpleNamespace(use_router=True, router_policy="round_robin"))
-    manager._start_servers = lambda: RolloutManager._start_servers(manager)
-    return manager
+    fleet = SimpleNamespace(servers=servers, _owns_servers=True, router=None,
+                          cfg=SimpleNamespace(use_router=True, router_policy="round_robin"))
+    fleet._start_servers = lambda: EngineFleet._start_servers(fleet)
+    return fleet
 
 
 def _raise(exc: BaseException):
@@ -96,19 +96,19 @@ def _raise(exc: BaseException):
 
 def test_the_router_starts_beside_the_engines(monkeypatch):
     together = threading.Barrier(3, timeout=10)  # the router and both engines inside their starts at once
-    manager = _manager(monkeypatch, [Server(i, together.wait) for i in range(2)], together.wait)
-    RolloutManager._start_servers_and_router(manager, None)
+    fleet = _fleet(monkeypatch, [Server(i, together.wait) for i in range(2)], together.wait)
+    EngineFleet._start_servers_and_router(fleet, None)
     [router] = Router.made
-    assert manager.router is router and not router.stopped
+    assert fleet.router is router and not router.stopped
 
 
 @pytest.mark.parametrize("engine_fails, router_fails", [(False, True), (True, True), (True, False)])
 def test_a_failed_start_raises_the_engines_error_first_and_leaves_no_router_unowned(monkeypatch, engine_fails, router_fails):
     engine = _raise(EngineStartError("engine down")) if engine_fails else None
-    manager = _manager(monkeypatch, [Server(0, engine)], _raise(RuntimeError("router down")) if router_fails else (lambda: None))
+    fleet = _fleet(monkeypatch, [Server(0, engine)], _raise(RuntimeError("router down")) if router_fails else (lambda: None))
     with pytest.raises(EngineStartError if engine_fails else RuntimeError, match="engine down" if engine_fails else "router down"):
-        RolloutManager._start_servers_and_router(manager, None)
+        EngineFleet._start_servers_and_router(fleet, None)
     [router] = Router.made
-    # a router that failed is stopped here; one that started is the manager's, which the
+    # a router that failed is stopped here; one that started is the fleet's, which the
     # constructor's shutdown (on any failure) stops
-    assert (router.stopped, manager.router) == ((True, None) if router_fails else (False, router))
+    assert (router.stopped, fleet.router) == ((True, None) if router_fails else (False, router))

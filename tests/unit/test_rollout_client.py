@@ -249,19 +249,19 @@ def _wake_handler(server: WakeableServer, asleep: bool):
     return handle
 
 
-def _manager(servers: list[WakeableServer], restarted: list) -> object:
-    """A RolloutManager reduced to what its wake calls and check_engines use: the engines'
+def _fleet(servers: list[WakeableServer], restarted: list) -> object:
+    """An EngineFleet reduced to what its wake calls and check_engines use: the engines'
     clients, the health monitor (paused: the engines slept) and the loop."""
-    from vime_core.rollout.manager import RolloutManager
+    from vime_core.engines.fleet import EngineFleet
     from vime_core.utils.loop_thread import LoopThread
 
-    manager = RolloutManager.__new__(RolloutManager)
-    manager.servers = servers
-    manager._engine_clients = [EngineClient(s.url, name=f"engine-{i}") for i, s in enumerate(servers)]
-    manager._loop = LoopThread("test-wake")
-    manager.health = HealthMonitor(servers, on_restarted=lambda i, url: restarted.append((i, url)))
-    manager.health.pause()
-    return manager
+    fleet = EngineFleet.__new__(EngineFleet)
+    fleet.servers = servers
+    fleet.clients = [EngineClient(s.url, name=f"engine-{i}") for i, s in enumerate(servers)]
+    fleet.loop = LoopThread("test-wake")
+    fleet.health = HealthMonitor(servers, on_restarted=lambda i, url: restarted.append((i, url)))
+    fleet.health.pause()
+    return fleet
 
 
 def _wakes(fake) -> list[str]:
@@ -274,11 +274,11 @@ def test_only_engines_left_asleep_wake_their_weights():
     servers = [WakeableServer(""), WakeableServer("")]
     with FakeEngine(_wake_handler(servers[0], False)) as awake, FakeEngine(_wake_handler(servers[1], True)) as asleep:
         servers[0].url, servers[1].url = awake.url, asleep.url
-        manager = _manager(servers, [])
+        fleet = _fleet(servers, [])
         try:
-            assert manager.wake_asleep_engines() == ["engine-1"]
+            assert fleet.wake_asleep_engines() == ["engine-1"]
         finally:
-            manager._loop.close()
+            fleet.loop.close()
     assert [(m, p) for m, p, _, _ in awake.requests] == [("GET", "/is_sleeping")]
     assert [(m, p) for m, p, _, _ in asleep.requests] == [("GET", "/is_sleeping"), ("POST", "/wake_up?tags=weights")]
 
@@ -293,28 +293,28 @@ def test_an_engine_that_fails_to_wake_is_restarted_before_it_is_woken_again():
     servers[1].wake_fails = True
     with FakeEngine(_wake_handler(servers[0], True)) as good, FakeEngine(_wake_handler(servers[1], True)) as bad:
         servers[0].url, servers[1].url = good.url, bad.url
-        manager = _manager(servers, restarted)
+        fleet = _fleet(servers, restarted)
         try:
             with pytest.raises(EngineWakeError) as err:
-                manager.onload_weights()
+                fleet.onload_weights()
             assert (err.value.engine, err.value.status, err.value.tags) == ("engine-1", 500, ["weights"])
             assert "out of memory" in str(err.value) and "restarted" in str(err.value)
             assert str(err.value).count("engine-1") == 1  # the engine's answer, not its client's message again
             assert _wakes(good) == ["/wake_up?tags=weights"] and _wakes(bad) == ["/wake_up?tags=weights"]
-            assert "out of memory" in manager.health.condemned(1) and manager.health.condemned(0) is None
+            assert "out of memory" in fleet.health.condemned(1) and fleet.health.condemned(0) is None
 
             with pytest.raises(EngineWakeError, match="engine-1"):
-                manager.onload_weights()  # a retry of the task: no call reaches either engine
+                fleet.onload_weights()  # a retry of the task: no call reaches either engine
             assert len(_wakes(good)) == 1 and len(_wakes(bad)) == 1
 
-            assert manager.health.check_now() == 0  # the monitor's own passes wait while engines sleep
-            assert manager.check_engines() == 1  # bootstrap's pass does not
+            assert fleet.health.check_now() == 0  # the monitor's own passes wait while engines sleep
+            assert fleet.check_engines() == 1  # bootstrap's pass does not
             assert servers[1].restarts == 1 and servers[0].restarts == 0 and restarted == [(1, bad.url)]
-            assert manager.health.condemned_engines() == {}
-            manager.onload_weights()
+            assert fleet.health.condemned_engines() == {}
+            fleet.onload_weights()
             assert len(_wakes(good)) == 2 and len(_wakes(bad)) == 2
         finally:
-            manager._loop.close()
+            fleet.loop.close()
 
 
 def test_an_engine_that_cannot_be_restarted_stops_bootstrap_naming_why():
@@ -325,17 +325,17 @@ def test_an_engine_that_cannot_be_restarted_stops_bootstrap_naming_why():
     servers[0].wake_answer = "Call to wake_up method failed: CUDA Error: out of memory " + "x" * BODY_EXCERPT_CHARS
     with FakeEngine(_wake_handler(servers[0], True)) as bad:
         servers[0].url = bad.url
-        manager = _manager(servers, [])
+        fleet = _fleet(servers, [])
         try:
             with pytest.raises(EngineWakeError):
-                manager.onload_kv()
+                fleet.onload_kv()
             with pytest.raises(EngineError) as err:
-                manager.check_engines()
+                fleet.check_engines()
             assert err.value.engine == "engine-0" and err.value.endpoint == "restart"
             assert "out of memory" in str(err.value) and "0.5 asks for 50%" in str(err.value)
-            assert manager.health.condemned(0) is not None  # the next bootstrap tries again
+            assert fleet.health.condemned(0) is not None  # the next bootstrap tries again
         finally:
-            manager._loop.close()
+            fleet.loop.close()
 
 
 def test_wake_tags_and_versions_are_normalised():

@@ -761,7 +761,7 @@ def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):
     state = make_state(cfg, tokenizer, FakeGenerator())
     manager = RolloutManager.__new__(RolloutManager)
     manager.cfg, manager.state, manager.data_source, manager.rollout_fn = cfg, state, state.data_source, generate_rollout
-    manager.health, manager._loop = SimpleNamespace(resume=lambda: None, restarts=0), SimpleNamespace(run=asyncio.run)
+    manager.fleet = SimpleNamespace(health=SimpleNamespace(resume=lambda: None, restarts=0), loop=SimpleNamespace(run=asyncio.run))
     before = state.data_source.state_dict()
     with pytest.raises(FilterExhaustedError):
         manager._generate_now(0)

@@ -1,12 +1,14 @@
 """RolloutManager: the rollout half of a run in one plain class (the cluster module makes it a
-detached Ray actor). It owns the engines (or attaches to `engine_urls`), the router, the data
-source and the reward hub, and runs every rollout on one long-lived event loop (its own thread),
-so the HTTP connections to the engines and the router stay open between rollouts.
+detached Ray actor). It owns the data source and the reward hub, runs generation, prefetch and
+evaluation, and holds the engines as an EngineFleet (`self.fleet`, vime_core/engines/fleet.py:
+topology, router, sleep and wake, versions, admission, health, the engine token), whose calls
+it delegates one line each so its Ray interface stays whole. Every rollout runs on the fleet's
+long-lived event loop, so the HTTP connections to the engines and the router stay open.
 
-Phases it serves (design section 1): rollout (`generate`, `eval`), offload rollout (`offload`),
-the engine side of sync (`begin_sync` = versions + pause admission + URLs, `onload_weights`,
-`end_sync` = resume admission + start the next rollout, `onload_kv`).
-Weight pushes themselves go from the trainer straight to `engine_urls()`.
+Phases it serves: rollout (`generate`, `eval`), offload rollout (`offload`), the engine side of
+sync (`begin_sync` = versions + pause admission + URLs, `onload_weights`, `end_sync` = resume
+admission or start the next rollout, `onload_kv`). Weight pushes themselves go from the
+trainer straight to `engine_urls()`.
 
 Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
 weights v, and `generate(k, v)` returns that result. The iteration flow starts rollout k+1 as
@@ -40,9 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from vime_core.engines.auth import EngineToken
-from vime_core.engines.client import EngineClient
-from vime_core.utils.loop_thread import LoopThread
-from vime_core.utils.retry import poll_until
+from vime_core.engines.fleet import EngineFleet
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ class RolloutManager:
         every request and kept for later drivers (`engine_token`); None: the one `servers` (or
         `engine_actors`) were started with, else a new one for the engines started here
         (engine_auth), else the environment's VIME_ENGINE_TOKEN for engine_urls (engines/auth.py)."""
-        from vime_core.config import num_engines
-        from vime_core.config.derive import platform_supports_sleep
         from vime_core.data.data_source import DataSource, load_tokenizer
-        from vime_core.engines.health import HealthMonitor
-        from vime_core.engines.server import EngineServer
         from vime_core.rewards.filters import load_filter
         from vime_core.rewards.hub import RewardHub
         from vime_core.rollout.generate import generate_sample
@@ -89,10 +85,6 @@ class RolloutManager:
         from vime_core.utils.imports import load_function
 
         self.cfg = cfg
-        self.token = _engine_token(cfg, token, servers, engine_actors)
-        self.receives_weight_updates = receives_weight_updates
-        self.on_engine_restarted = on_engine_restarted
-        self.supports_sleep = platform_supports_sleep(cfg)
         self.tokenizer = load_tokenizer(cfg)
         self.data_source = DataSource(cfg, tokenizer=self.tokenizer)
         # the eval set is read and checked now, before the engines start, so that a bad row stops
@@ -105,174 +97,78 @@ class RolloutManager:
             if cfg.custom_generate_function_path else generate_sample
         )
         group_filter = load_filter(cfg.dynamic_sampling_filter_path)
-        self.admission_open = threading.Event()
-        self.admission_open.set()
 
-        self._owns_servers = servers is None
-        self._loop = LoopThread("rollout-loop")
         self._prefetch_lock = threading.Lock()
         self._generate_lock = threading.Lock()  # generate calls one at a time (module docstring)
         self._prefetched: Optional[_Prefetched] = None
         self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
-        if servers is not None:
-            self.servers = list(servers)
-        elif engine_actors:
-            from vime_core.engines.remote import RemoteEngine
-
-            self.servers = [RemoteEngine(a, i) for i, a in enumerate(engine_actors)]
-        elif cfg.engine_urls:
-            if len(cfg.engine_urls) != num_engines(cfg):
-                logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs", len(cfg.engine_urls), num_engines(cfg))
-            self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir, token=self.token)
-                            for i, u in enumerate(cfg.engine_urls)]
-        else:
-            self.servers = [EngineServer(cfg, i, log_dir=log_dir, token=self.token) for i in range(num_engines(cfg))]
-        self.router = None
-        self._startup_epochs: dict[str, float] = {}
+        self.fleet = EngineFleet(cfg, servers=servers, engine_actors=engine_actors,
+                                 receives_weight_updates=receives_weight_updates,
+                                 on_engine_restarted=on_engine_restarted, health_interval_s=health_interval_s,
+                                 log_dir=log_dir, token=token)
+        self.token = self.fleet.token  # read in-process by bench/bench_rollout.py
         try:
-            self._start_servers_and_router(log_dir)
-            self._startup_epochs["engines_started"] = time.time()
-            self._connect_router()
-            self._startup_epochs["router_ready"] = time.time()
+            self.fleet.start(log_dir)
         except BaseException:
             self.shutdown()
             raise
 
         self.state = RolloutState(
             cfg=cfg, data_source=self.data_source, reward_hub=self.reward_hub,
-            generator=self._generator, engines=self._engine_clients, tokenizer=self.tokenizer,
+            generator=self.fleet.generator, engines=self.fleet.clients, tokenizer=self.tokenizer,
             group_filter=group_filter, eos_token_id=self.tokenizer.eos_token_id, generate_fn=generate_fn,
-            admission_open=self.admission_open, concurrency=cfg.vllm_server_concurrency * len(self.servers),
+            admission_open=self.fleet.admission_open,
+            concurrency=cfg.vllm_server_concurrency * len(self.fleet.servers),
         )
-        self.health = HealthMonitor(self.servers, on_restarted=self._engine_restarted, on_url_changed=self._url_changed, interval_s=health_interval_s)
-        self.health.start()
-        self._startup_epochs["ready"] = time.time()
+        self.fleet.watch()
 
-    # ---- topology ----------------------------------------------------------------------------
-
-    def _start_servers(self) -> None:
-        """Start every engine at once and wait for all of them: a start is mostly waiting (a
-        server loading its model, an engine actor's call), so N engines take about as long as
-        the slowest, not the sum. Once every start has ended, the first failure in engine order
-        is raised as it came, with notes naming its engine (where its message does not) and the
-        other engines that failed; waiting for all first means the shutdown that follows never
-        races a start still launching a server."""
-        if len(self.servers) <= 1:
-            for server in self.servers:
-                server.start()
-            return
-        with concurrent.futures.ThreadPoolExecutor(len(self.servers), thread_name_prefix="engine-start") as pool:
-            starts = [pool.submit(server.start) for server in self.servers]
-        failed = [(server, start.exception()) for server, start in zip(self.servers, starts) if start.exception() is not None]
-        if failed:
-            (server, first), *others = failed
-            if server.name not in str(first):
-                first.add_note(f"while starting {server.name}")
-            for server, err in others:
-                first.add_note(f"{server.name} failed to start as well: {type(err).__name__}: {err}")
-            raise first
-
-    def _start_servers_and_router(self, log_dir: Optional[str]) -> None:
-        """The engines (when this manager owns them) and, with use_router, vllm-router with no
-        workers yet, side by side: the router's own start is then off the startup's path. A
-        router that fails is logged; its error is raised unless an engine's is."""
-        if not self.cfg.use_router:
-            if self._owns_servers:
-                self._start_servers()
-            return
-        from vime_core.engines.router import Router
-
-        router = Router(self.cfg.router_policy, log_dir=log_dir)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-start") as pool:
-            started = pool.submit(router.start)
-            try:
-                if self._owns_servers:
-                    self._start_servers()
-            finally:
-                error = started.exception()  # the router's start waited for, either way
-                if error is None:
-                    self.router = router  # a failed engine start's shutdown stops it too
-                else:
-                    router.shutdown()
-                    logger.warning("vllm-router failed to start: %s", error)
-            if error is not None:  # reached only when the engines started
-                raise error
-
-    def _connect_router(self) -> None:
-        """Clients for every engine; the router (started beside the engines) given them as its
-        workers, or, without it, the in-client policy router."""
-        from vime_core.engines.router import PolicyRouter
-
-        urls = self.engine_urls()
-        self._engine_clients = [self._client(u, f"engine-{i}") for i, u in enumerate(urls)]
-        if self.router is not None:
-            for url in urls:
-                self.router.add_worker(url)
-            self._wait_router_workers(self.router, urls)
-            self._generator = self._client(self.router.url, "router")
-            return
-        self._generator = PolicyRouter(self._engine_clients, self.cfg.router_policy, seed=self.cfg.seed)
-
-    @staticmethod
-    def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
-        if not poll_until(lambda: not set(urls) - set(router.workers()), timeout_s, interval_s=0.2):
-            raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
-
-    def _client(self, url: str, name: str) -> EngineClient:
-        return EngineClient(url, name, supports_sleep=self.supports_sleep, token=self.token,
-                            max_connections=max(64, self.cfg.vllm_server_concurrency * 2))
+    # ---- the engines: the fleet's, delegated (vime_core/engines/fleet.py) --------------------
 
     def engine_token(self) -> Optional[EngineToken]:
         """The run's engine token, for whoever attaches to this actor later (the trainer's publisher,
         a new flow run: vime_core/cluster/engine_token.py). Through Ray only."""
-        return self.token
-
-    def _engine_restarted(self, index: int, url: str) -> None:
-        if self.on_engine_restarted is not None:
-            self.on_engine_restarted(index, url)
-        else:
-            logger.warning("engine %d restarted without a weight callback: it serves the checkpoint's weights", index)
-
-    def _url_changed(self, old_url: str, new_url: str) -> None:
-        """Point clients and routing at a restarted engine. On the same URL the router's own
-        health check re-admits it; on a new one it is re-registered."""
-        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
-        if old_url == new_url:
-            return
-        for i, client in enumerate(self._engine_clients):
-            if client.base_url == old_url:
-                self._engine_clients[i] = fresh = self._client(new_url, client.name)
-                self._loop.submit(client.aclose())
-                if self.router is None:
-                    self._generator.add(fresh)
-                    self._generator.remove(old_url)
-        if self.router is not None:
-            try:
-                self.router.remove_worker(old_url)
-            except Exception as exc:
-                logger.info("router remove_worker %s: %s", old_url, exc)
-            self.router.add_worker(new_url)
+        return self.fleet.engine_token()
 
     def engine_urls(self) -> list[str]:
-        return [s.url for s in self.servers]
+        return self.fleet.engine_urls()
 
     def startup_epochs(self) -> dict[str, float]:
-        """When this manager's start reached each step, as epochs: every engine started
-        (`engines_started`), the router in front of them (`router_ready`), the manager's own
-        state and health monitor (`ready`)."""
-        return dict(self._startup_epochs)
+        """When this manager's start reached each step, as epochs (EngineFleet.startup_epochs)."""
+        return self.fleet.startup_epochs()
 
     def engine_startup_marks(self) -> list[dict[str, Any]]:
-        """Each engine's last start from its log (launched_epoch, seconds from the launch to
-        vLLM's milestones: engines/startup_log.py); empty for an attached one."""
-        return [s.startup_marks() for s in self.servers]
+        return self.fleet.engine_startup_marks()
 
-    def _each_engine(self, method: str, *args: Any) -> list[Any]:
-        """A control call on every engine directly, concurrently."""
-        from vime_core.engines.client import call_all
+    def offload(self) -> list[dict]:
+        return self.fleet.offload()
 
-        return self._loop.run(call_all(self._engine_clients, method, *args))
+    def wake_asleep_engines(self) -> list[str]:
+        return self.fleet.wake_asleep_engines()
+
+    def onload_weights(self) -> list[dict]:
+        return self.fleet.onload_weights()
+
+    def onload_kv(self) -> list[dict]:
+        return self.fleet.onload_kv()
+
+    def engine_memory(self) -> list[dict]:
+        return self.fleet.engine_memory()
+
+    def pause_admission(self) -> None:
+        self.fleet.pause_admission()
+
+    def resume_admission(self) -> None:
+        self.fleet.resume_admission()
+
+    def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
+        return self.fleet.begin_sync(target_version, force)
+
+    def weight_versions(self) -> list[int]:
+        return self.fleet.weight_versions()
+
+    def check_engines(self) -> int:
+        return self.fleet.check_engines()
 
     # ---- rollout -----------------------------------------------------------------------------
 
@@ -362,7 +258,7 @@ class RolloutManager:
             raise
         metrics["rollout/time_build_s"] = time.perf_counter() - t0
         metrics.update({f"rollout/{k}": v for k, v in weight_version_range(batch).items()})
-        metrics["rollout/engine_restarts"] = float(self.health.restarts)
+        metrics["rollout/engine_restarts"] = float(self.fleet.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),
         # so a run resumed past its checkpoint continues from the last stored batch's prompts
         from vime_core.storage.schema import DATA_SOURCE_AFTER
@@ -372,12 +268,8 @@ class RolloutManager:
 
     def generate_samples(self, rollout_id: int) -> tuple[list, dict]:
         """The rollout function's raw output (samples, metrics), for tests and custom drivers."""
-        self.health.resume()
-        return self._loop.run(self.rollout_fn(self.state, rollout_id))
-
-    def _clients(self) -> list[Any]:
-        generators = getattr(self, "_generator", None)
-        return [*getattr(self, "_engine_clients", []), *getattr(generators, "clients", [generators] if generators else [])]
+        self.fleet.health.resume()
+        return self.fleet.loop.run(self.rollout_fn(self.state, rollout_id))
 
     def _load_eval_rows(self) -> list:
         """eval_prompt_data's rows, checked as the training prompts are (vime_core/data/prompt_checks.py)."""
@@ -395,65 +287,12 @@ class RolloutManager:
         if self._eval_rows is None:
             self._eval_rows = self._load_eval_rows()
         rows = self._eval_rows
-        self.health.resume()
+        self.fleet.health.resume()
         # The last iteration's sync leaves admission held (no rollout follows it), and its eval
         # comes after that sync: the eval's own requests go through, and the hold is restored.
-        held = not self.admission_open.is_set()
-        self.admission_open.set()
-        try:
-            _, metrics = self._loop.run(run_eval(self.state, rows, rollout_id))
-        finally:
-            if held:
-                self.admission_open.clear()
+        with self.fleet.admitting():
+            _, metrics = self.fleet.loop.run(run_eval(self.state, rows, rollout_id))
         return metrics
-
-    # ---- offload / onload / admission ----------------------------------------------------------
-
-    def offload(self) -> list[dict]:
-        """Engines sleep: level 2 (drop weights too) when the trainer will push new ones, else 1.
-        Returns each engine's device memory afterwards (as the wake calls do)."""
-        self.health.pause()
-        self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")
-        return self.engine_memory()
-
-    def wake_asleep_engines(self) -> list[str]:
-        """Engines a stopped iteration left asleep wake their weights; their names (bootstrap
-        publishes to them: vime_core.engines.client.which_asleep)."""
-        from vime_core.engines.client import which_asleep
-
-        asleep = self._loop.run(which_asleep(self._engine_clients))
-        self._wake(["weights"], asleep)
-        return [self._engine_clients[i].name for i in asleep]
-
-    def onload_weights(self) -> list[dict]:
-        self._wake(["weights"])
-        return self.engine_memory()
-
-    def onload_kv(self) -> list[dict]:
-        self._wake(["kv_cache"])
-        self.health.resume()
-        return self.engine_memory()
-
-    def _wake(self, tags: list[str], indices: Optional[Sequence[int]] = None) -> None:
-        """`wake_up(tags)` on the engines `indices` (None: all), concurrently. An engine whose wake
-        fails cannot wake again (EngineWakeError): it is condemned, check_engines restarts it,
-        and no wake is tried on it before that. Raises the first engine's EngineWakeError after
-        every engine's call ended."""
-        from vime_core.engines.client import EngineWakeError, answer_label, engine_answer, wake_each
-
-        indices = range(len(self._engine_clients)) if indices is None else indices
-        clients = [self._engine_clients[i] for i in indices]
-        for i, client in zip(indices, clients):
-            if (why := self.health.condemned(i)) is not None:
-                raise EngineWakeError(client.name, tags, None, f"not tried again before its restart: {why}")
-        failed = [(i, c, exc) for i, c, exc in zip(indices, clients, self._loop.run(wake_each(clients, tags))) if exc is not None]
-        for i, client, exc in failed:
-            logger.error("%s did not wake %s: %s", client.name, tags, exc)
-            status, answer = engine_answer(exc)
-            self.health.condemn(i, f"wake_up({','.join(tags)}) failed ({answer_label(status)}): {answer}")
-        if failed:
-            i, client, exc = failed[0]
-            raise EngineWakeError(client.name, tags, *engine_answer(exc)) from exc
 
     def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
@@ -461,34 +300,14 @@ class RolloutManager:
         from vime_core.weight_sync.weight_check import prompt_logprobs_of
 
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        clients = self.fleet.clients
 
         async def all_engines() -> list[dict]:
-            return list(await asyncio.gather(*(c.generate(tokens, params) for c in self._engine_clients)))
+            return list(await asyncio.gather(*(c.generate(tokens, params) for c in clients)))
 
-        now = [prompt_logprobs_of(answer, tokens) for answer in self._loop.run(all_engines())]
+        now = [prompt_logprobs_of(answer, tokens) for answer in self.fleet.loop.run(all_engines())]
         previous, self._last_probe = getattr(self, "_last_probe", None), now
         return now, previous
-
-    def engine_memory(self) -> list[dict]:
-        """Device memory of every engine (`EngineServer.memory`); empty dicts on CPU."""
-        return [s.memory() for s in self.servers]
-
-    def pause_admission(self) -> None:
-        """Hold new generate requests (those in flight continue) until resume_admission."""
-        self.admission_open.clear()
-
-    def resume_admission(self) -> None:
-        self.admission_open.set()
-
-    def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
-        """The engine side of sync's start, in one actor call: None when every engine already
-        reports `target_version` (nothing to publish) and not `force`, else admission paused and
-        the engines' URLs to publish to (tasks.sync.publish)."""
-        versions = self.weight_versions()
-        if not force and versions and all(v == target_version for v in versions):
-            return None
-        self.pause_admission()
-        return self.engine_urls()
 
     def end_sync(self, resume: bool = True, start_rollout_id: Optional[int] = None,
                  version: Optional[int] = None, *published: Any) -> bool:
@@ -502,29 +321,8 @@ class RolloutManager:
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:
-            self.resume_admission()
+            self.fleet.resume_admission()
         return False
-
-    def weight_versions(self) -> list[int]:
-        return self._each_engine("weight_version")
-
-    def check_engines(self) -> int:
-        """Restart every dead or condemned engine now (also while engines sleep), or wait for the
-        restart the health monitor is running (a restarted engine gets the trainer's weights
-        first); how many this call restarted. Raises EngineError when a condemned engine is
-        still not restarted (its restart failed, or it is attached and not ours to restart)."""
-        from vime_core.engines.client import EngineError
-
-        health = getattr(self, "health", None)
-        if health is None:
-            return 0
-        restarted = health.check_now(even_paused=True)
-        if stuck := health.condemned_engines():
-            i, why = min(stuck.items())
-            restart = health.restart_errors.get(i, "it is attached (engine_urls): restart it, then run again")
-            # the restart's own error first: EngineError keeps only the first BODY_EXCERPT_CHARS
-            raise EngineError(self._engine_clients[i].name, "restart", None, f"{restart} (it was to be restarted: {why})")
-        return restarted
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -539,44 +337,13 @@ class RolloutManager:
         self.data_source.load_state_dict(state)
 
     def shutdown(self) -> None:
-        health = getattr(self, "health", None)
-        if health is not None:
-            health.stop()
+        """Stop the prefetch pool, then the fleet (EngineFleet.shutdown)."""
         pool = getattr(self, "_prefetch_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            try:
-                loop.run(_close_all(self._clients()))
-            except Exception as exc:
-                logger.info("closing engine connections: %s", exc)
-            loop.close()
-        if getattr(self, "router", None) is not None:
-            self.router.shutdown()
-            self.router = None
-        if self._owns_servers:
-            for server in getattr(self, "servers", []):
-                try:
-                    server.shutdown()
-                except Exception as exc:
-                    logger.warning("shutting down %s: %s", getattr(server, "name", server), exc)
-
-
-def _engine_token(cfg: Any, token: Optional[EngineToken], servers: Optional[Sequence[Any]],
-                  engine_actors: Optional[Sequence[Any]]) -> Optional[EngineToken]:
-    """The token this manager sends (RolloutManager's `token` argument)."""
-    if token is not None:
-        return token
-    if servers:
-        return getattr(servers[0], "auth_token", None)
-    if engine_actors:  # the engines' own (they make one when created without it)
-        import ray
-
-        return ray.get(engine_actors[0].engine_token.remote())
-    if cfg.engine_urls:
-        return EngineToken.from_env()
-    return EngineToken.new() if cfg.engine_auth else None
+        fleet = getattr(self, "fleet", None)  # None when the constructor failed before making it
+        if fleet is not None:
+            fleet.shutdown()
 
 
 def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id: int, version: Optional[int],
@@ -590,9 +357,3 @@ def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id:
         return started_version == version
     return version - staleness <= started_version <= version
 
-
-async def _close_all(clients: list[Any]) -> None:
-    """Close engine clients. A module function, not a method: one coroutine method would make Ray
-    run RolloutManager as an asyncio actor, whose calls all share one event-loop thread (its
-    max_concurrency then counts coroutines), instead of the threaded actor it is written as."""
-    await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)

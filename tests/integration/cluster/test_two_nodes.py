@@ -131,7 +131,7 @@ def test_engine_advertises_its_bind_address_and_the_router_registered_it(trained
     host, port = url.removeprefix("http://").rsplit(":", 1)
     assert host == WORKER_IP, url
     assert ray.get(manager.engine_urls.remote()) == [url]
-    assert ray.get(manager.__ray_call__.remote(lambda self: self.router.workers())) == [url]
+    assert ray.get(manager.__ray_call__.remote(lambda self: self.fleet.router.workers())) == [url]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # open to reads for the router's checks
     with pytest.raises(httpx.ConnectError):  # bound to 127.0.0.2 only, not to every address
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)

@@ -95,10 +95,10 @@ def test_prefetched_rollout_is_claimed_or_discarded_with_the_data_source_put_bac
     # sync's two actor calls: nothing to do at the engines' own version; otherwise admission
     # paused and the URLs returned, then resumed with rollout 2 started on the new weights
     current = manager.weight_versions()[0]
-    assert manager.begin_sync(current) is None and manager.admission_open.is_set()
+    assert manager.begin_sync(current) is None and manager.fleet.admission_open.is_set()
     assert manager.begin_sync(current + 1) == manager.engine_urls()
-    assert not manager.admission_open.is_set()
-    assert manager.end_sync(True, 2, current + 1) and manager.admission_open.is_set()
+    assert not manager.fleet.admission_open.is_set()
+    assert manager.end_sync(True, 2, current + 1) and manager.fleet.admission_open.is_set()
     _, metrics4 = manager.generate(2, current + 1)
     assert metrics4["rollout/prefetched"] == 1.0
 
@@ -262,9 +262,9 @@ def test_killing_an_engine_mid_rollout_still_returns_a_full_batch(make_manager, 
     import time
 
     t0 = time.monotonic()
-    while manager.health.restarts == 0 and time.monotonic() - t0 < deadline_s:
+    while manager.fleet.health.restarts == 0 and time.monotonic() - t0 < deadline_s:
         time.sleep(1)
-    assert manager.health.restarts >= 1, manager.health.errors
+    assert manager.fleet.health.restarts >= 1, manager.fleet.health.errors
     assert victim.is_alive()
 
 
@@ -294,7 +294,7 @@ def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(healthy
         manager.state.sample_hook = kill_after_first_sample
         t0 = time.monotonic()
         batch, metrics = manager.generate(0)
-        assert killed.is_set() and manager.health.restarts >= 1, manager.health.errors
+        assert killed.is_set() and manager.fleet.health.restarts >= 1, manager.fleet.health.errors
         check_batch_shape(batch, 4, 4)
         assert validate_trainable(batch) == 16
         assert set(batch["status"]) <= {"completed", "truncated"}, [m for m in batch["metadata"] if "generate_error" in m]
