@@ -78,7 +78,8 @@ class EngineFleet:
             self.servers = [RemoteEngine(a, i) for i, a in enumerate(engine_actors)]
         elif cfg.engine_urls:
             if len(cfg.engine_urls) != num_engines(cfg):
-                logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs", len(cfg.engine_urls), num_engines(cfg))
+                logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs",
+                            len(cfg.engine_urls), num_engines(cfg))
             self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir, token=self.token)
                             for i, u in enumerate(cfg.engine_urls)]
         else:
@@ -119,7 +120,8 @@ class EngineFleet:
             return
         with concurrent.futures.ThreadPoolExecutor(len(self.servers), thread_name_prefix="engine-start") as pool:
             starts = [pool.submit(server.start) for server in self.servers]
-        failed = [(server, start.exception()) for server, start in zip(self.servers, starts) if start.exception() is not None]
+        failed = [(server, start.exception()) for server, start in zip(self.servers, starts)
+                  if start.exception() is not None]
         if failed:
             (server, first), *others = failed
             if server.name not in str(first):
@@ -168,7 +170,8 @@ class EngineFleet:
     @staticmethod
     def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
         if not poll_until(lambda: not set(urls) - set(router.workers()), timeout_s, interval_s=0.2):
-            raise RuntimeError(f"vllm-router did not register {sorted(set(urls) - set(router.workers()))} within {timeout_s} s:\n{router.log_tail()}")
+            missing = sorted(set(urls) - set(router.workers()))
+            raise RuntimeError(f"vllm-router did not register {missing} within {timeout_s} s:\n{router.log_tail()}")
 
     def _client(self, url: str, name: str) -> EngineClient:
         return EngineClient(url, name, supports_sleep=self.supports_sleep, token=self.token,
@@ -258,7 +261,8 @@ class EngineFleet:
         for i, client in zip(indices, clients):
             if (why := self.health.condemned(i)) is not None:
                 raise EngineWakeError(client.name, tags, None, f"not tried again before its restart: {why}")
-        failed = [(i, c, exc) for i, c, exc in zip(indices, clients, self.loop.run(wake_each(clients, tags))) if exc is not None]
+        answers = self.loop.run(wake_each(clients, tags))
+        failed = [(i, c, exc) for i, c, exc in zip(indices, clients, answers) if exc is not None]
         for i, client, exc in failed:
             logger.error("%s did not wake %s: %s", client.name, tags, exc)
             status, answer = engine_answer(exc)

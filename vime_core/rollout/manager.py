@@ -16,8 +16,9 @@ soon as iteration k has synced (and saved), so the rollout runs while Prefect cl
 and opens k+1 instead of after it; one step off-policy (async_staleness), as soon as rollout k
 ended. A prefetched rollout is used only for the same rollout id and a weight version at most
 async_staleness behind the one asked for (`usable_prefetch`); anything else waits for it, puts
-the data source back to where it was before it, and generates afresh. A checkpoint taken while one is pending records that earlier
-data-source state, so resuming from it repeats the prefetched prompts, never skips them. A
+the data source back to where it was before it, and generates afresh. A checkpoint taken
+while one is pending records that earlier data-source state, so resuming from it repeats the
+prefetched prompts, never skips them. A
 rollout that fails (or whose batch cannot be trained on) puts the data source back to where it
 was before it, too: its prompts are drawn again, never skipped.
 
@@ -71,7 +72,8 @@ class RolloutManager:
         """`servers`: EngineServer objects already started by the caller (tests share them; the
         caller shuts them down). `engine_actors`: EngineServer actors placed on their devices
         (`cluster.run_actors`), started and watched here. Otherwise engine processes are
-        started here, or attached when cfg.engine_urls is set. `on_engine_restarted(index, url)` must give a restarted engine
+        started here, or attached when cfg.engine_urls is set (all through `self.fleet`:
+        vime_core/engines/fleet.py). `on_engine_restarted(index, url)` must give a restarted engine
         the current weights (the trainer's publisher); without it a restarted engine serves the
         checkpoint's weights, and a warning says so. `token`: the run's engine token, sent with
         every request and kept for later drivers (`engine_token`); None: the one `servers` (or
