@@ -87,7 +87,7 @@ class EngineWakeError(EngineError):
     """An engine did not wake. vLLM maps an engine's memory back allocation by allocation and a
     second wake maps every allocation again, so an engine whose wake failed part-way (out of
     device memory) cannot wake any more: it is restarted, then given the trainer's weights, before
-    it serves again (RolloutManager._wake, HealthMonitor.condemn)."""
+    it serves again (EngineFleet._wake, HealthMonitor.condemn)."""
 
     def __init__(self, engine: str, tags: Iterable[str], status: Optional[int], why: str) -> None:
         self.tags = list(tags)
