@@ -35,13 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_common import write_json  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "colocated_step.jsonl"
 
 
 def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """log p(y_t | y_<t) of the response tokens (positions prompt_len..), fp32 log_softmax."""
     with torch.no_grad():
-        logits = model(tokens.unsqueeze(0)).logits[0, prompt_len - 1:-1].float()
+        logits = model(tokens.unsqueeze(0)).logits[0, prompt_len - 1 : -1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[prompt_len:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -76,9 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompt_file = Path(tmp) / "model", Path(tmp) / "prompts.jsonl"
-        subprocess.run([sys.executable, str(REPO / "bench/gpu/build_model.py"), "--shape", a.shape, "--out", str(model_dir),
-                        "--prompts", str(prompt_file), "--prompt-tokens", str(a.prompt_tokens), "--seed", str(a.seed)],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "bench/gpu/build_model.py"),
+                "--shape",
+                a.shape,
+                "--out",
+                str(model_dir),
+                "--prompts",
+                str(prompt_file),
+                "--prompt-tokens",
+                str(a.prompt_tokens),
+                "--seed",
+                str(a.seed),
+            ],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -89,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         sequences = []
         for ids in prompts:
             with torch.no_grad():
-                out = fp32.generate(torch.tensor([ids]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                    max_new_tokens=a.response_len, min_new_tokens=a.response_len)
+                out = fp32.generate(
+                    torch.tensor([ids]),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_new_tokens=a.response_len,
+                    min_new_tokens=a.response_len,
+                )
             sequences.append((out[0], len(ids)))
         t_sampled = time.perf_counter()
         ref = [sampled_log_probs(fp32, s, n) for s, n in sequences]
@@ -99,9 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     diffs = torch.cat([(l - r).abs() for l, r in zip(low, ref)])
     e = float(diffs.mean())
     result = {
-        "bench": "bf16_noise", "shape": a.shape, "samples": a.samples, "prompt_tokens": a.prompt_tokens,
-        "response_len": a.response_len, "response_tokens": int(diffs.numel()), "device": "cpu",
-        "mean_abs_bf16_vs_fp32": e, "max_abs_bf16_vs_fp32": float(diffs.max()),
+        "bench": "bf16_noise",
+        "shape": a.shape,
+        "samples": a.samples,
+        "prompt_tokens": a.prompt_tokens,
+        "response_len": a.response_len,
+        "response_tokens": int(diffs.numel()),
+        "device": "cpu",
+        "mean_abs_bf16_vs_fp32": e,
+        "max_abs_bf16_vs_fp32": float(diffs.max()),
         "per_sample_mean_abs": [float((l - r).abs().mean()) for l, r in zip(low, ref)],
         "mean_log_prob_fp32": statistics.fmean(float(r.mean()) for r in ref),
         "tolerance": 2 * e,

@@ -53,10 +53,20 @@ LOGPROB_TOLERANCE = 2e-3  # as tests/integration/flows/test_faults.py
 
 def settings(a: argparse.Namespace, store: Path, ray_address: str) -> dict:
     """The run's settings (VimeConfig fields): small batches, so an iteration takes seconds."""
-    return dict(run_name=a.run_name, storage_uri=str(store), ray_address=ray_address, seed=a.seed,
-                num_rollout=a.num_rollout, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8,
-                save_interval=a.save_interval, vllm_server_concurrency=64, iteration_retry_delay_s=0.5,
-                check_weight_update_equal=True)
+    return dict(
+        run_name=a.run_name,
+        storage_uri=str(store),
+        ray_address=ray_address,
+        seed=a.seed,
+        num_rollout=a.num_rollout,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        save_interval=a.save_interval,
+        vllm_server_concurrency=64,
+        iteration_retry_delay_s=0.5,
+        check_weight_update_equal=True,
+    )
 
 
 def job_args(run: dict) -> list[str]:
@@ -133,8 +143,9 @@ class Job:
         self.launches += 1
         self.log = self.workdir / f"driver-{self.launches}.log"
         env = {**os.environ, "PREFECT_HOME": str(self.workdir / "prefect")}
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def kill(self) -> None:
         try:
@@ -158,8 +169,7 @@ def run_with_kills(a: argparse.Namespace, job: Job, store: Path, pgid: int, rng:
         if job.proc.poll() is not None:
             if job.proc.returncode == 0:
                 return {"finished": True, "kills": kills, "wall_s": time.monotonic() - t0}
-            job.stops.append({"launch": job.launches, "rc": job.proc.returncode,
-                              "error": last_line(job.log, "failed")})
+            job.stops.append({"launch": job.launches, "rc": job.proc.returncode, "error": last_line(job.log, "failed")})
             if job.launches >= a.max_launches:
                 break
             job.launch()
@@ -172,8 +182,13 @@ def run_with_kills(a: argparse.Namespace, job: Job, store: Path, pgid: int, rng:
                 kind = plan[0]
                 pid = job.proc.pid if kind == "driver" else find_victim(kind, pgid)
                 if pid is not None:
-                    at = {"kind": kind, "pid": pid, "t_s": round(time.monotonic() - t0, 1),
-                          "records_before": progress, "rollout_in_progress": max(done, default=-1) + 1}
+                    at = {
+                        "kind": kind,
+                        "pid": pid,
+                        "t_s": round(time.monotonic() - t0, 1),
+                        "records_before": progress,
+                        "rollout_in_progress": max(done, default=-1) + 1,
+                    }
                     if kind == "driver":
                         job.kill()
                         job.launch()
@@ -183,7 +198,10 @@ def run_with_kills(a: argparse.Namespace, job: Job, store: Path, pgid: int, rng:
                         os.kill(pid, signal.SIGKILL)
                     kills.append(at)
                     plan.pop(0)
-                    print(f"[bench] killed {kind} (pid {pid}) at {at['t_s']} s, rollout {at['rollout_in_progress']}", flush=True)
+                    print(
+                        f"[bench] killed {kind} (pid {pid}) at {at['t_s']} s, rollout {at['rollout_in_progress']}",
+                        flush=True,
+                    )
                     progress_at_kill, next_kill_at = progress, None
         time.sleep(0.5)
     job.kill()
@@ -261,7 +279,9 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="seeds the kill order and times, and the run")
     p.add_argument("--min-gap-s", type=float, default=0.3, help="shortest pause before a kill, once the run moved on")
-    p.add_argument("--max-gap-s", type=float, default=2.0, help="longest pause (an iteration takes ~0.5 s on 2 CPU cores)")
+    p.add_argument(
+        "--max-gap-s", type=float, default=2.0, help="longest pause (an iteration takes ~0.5 s on 2 CPU cores)"
+    )
     p.add_argument("--save-interval", type=int, default=3)
     p.add_argument("--max-launches", type=int, default=8, help="launches of `vime train` in all")
     p.add_argument("--timeout-s", type=float, default=2400.0)
@@ -310,10 +330,17 @@ def main() -> int:
         "driver_stops": job.stops,  # launches that gave up by themselves (then run again)
         "wall_s": round(outcome["wall_s"], 1),
         "invariants": invariants,
-        "ok": bool(outcome["finished"] and invariants and invariants["one_batch_per_rollout_id"]
-                   and not invariants["untrainable_batches"] and not invariants["trained_twice"]
-                   and not invariants["skipped"] and invariants["engines_match_trainer"]
-                   and not invariants["quarantined"] and not invariants["weight_checks_over_tolerance"]),
+        "ok": bool(
+            outcome["finished"]
+            and invariants
+            and invariants["one_batch_per_rollout_id"]
+            and not invariants["untrainable_batches"]
+            and not invariants["trained_twice"]
+            and not invariants["skipped"]
+            and invariants["engines_match_trainer"]
+            and not invariants["quarantined"]
+            and not invariants["weight_checks_over_tolerance"]
+        ),
         "workdir": str(workdir),
     }
     text = json.dumps(result, indent=2)

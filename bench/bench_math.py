@@ -58,9 +58,17 @@ def make_samples(rng: random.Random) -> list[Sample]:
     for g in range(GROUPS):
         for i in range(GROUP_SIZE):
             n = rng.randint(1, MAX_RESPONSE)
-            s = Sample(prompt_id=f"p{g}", tokens=[rng.randrange(32000) for _ in range(PROMPT_LEN)], prompt_length=PROMPT_LEN,
-                       group_index=g, index=i, session_id=f"b-{g}-{i}", status=Status.COMPLETED, finish_reason="stop",
-                       reward=float(rng.random() < 0.5))
+            s = Sample(
+                prompt_id=f"p{g}",
+                tokens=[rng.randrange(32000) for _ in range(PROMPT_LEN)],
+                prompt_length=PROMPT_LEN,
+                group_index=g,
+                index=i,
+                session_id=f"b-{g}-{i}",
+                status=Status.COMPLETED,
+                finish_reason="stop",
+                reward=float(rng.random() < 0.5),
+            )
             s.append_response_tokens([rng.randrange(32000) for _ in range(n)], [-rng.random() for _ in range(n)])
             samples.append(s)
     return samples
@@ -78,12 +86,22 @@ def bench_build(repeats: int, cfg) -> dict:
         build_dp_schedule(batch["total_length"], 256, 4, 8, max_tokens_per_gpu=8192)
 
     def baseline():
-        {"tokens": [list(s.tokens) for s in samples], "loss_mask": [list(s.loss_mask) for s in samples],
-         "rollout_log_probs": [list(s.rollout_log_probs) for s in samples]}
+        {
+            "tokens": [list(s.tokens) for s in samples],
+            "loss_mask": [list(s.loss_mask) for s in samples],
+            "rollout_log_probs": [list(s.rollout_log_probs) for s in samples],
+        }
 
     base, fixed, packed = median_seconds(baseline, vime_fixed, vime_packed, repeats=repeats)
-    return {"samples": N, "tokens": sum(s.total_length for s in samples), "baseline_s": base,
-            "vime_fixed_s": fixed, "ratio_fixed": fixed / base, "vime_packed_s": packed, "ratio_packed": packed / base}
+    return {
+        "samples": N,
+        "tokens": sum(s.total_length for s in samples),
+        "baseline_s": base,
+        "vime_fixed_s": fixed,
+        "ratio_fixed": fixed / base,
+        "vime_packed_s": packed,
+        "ratio_packed": packed / base,
+    }
 
 
 def bench_loss(repeats: int) -> dict:
@@ -128,8 +146,14 @@ def bench_advantages(repeats: int) -> dict:
         lambda: compute_advantages("reinforce_plus_plus", rewards, masks, gamma=0.99),
         repeats=repeats,
     )
-    return {"tokens": N * MAX_RESPONSE, "baseline_s": base, "grpo_s": grpo, "ratio_grpo": grpo / base,
-            "reinforce_plus_plus_s": rpp, "ratio_reinforce_plus_plus": rpp / base}
+    return {
+        "tokens": N * MAX_RESPONSE,
+        "baseline_s": base,
+        "grpo_s": grpo,
+        "ratio_grpo": grpo / base,
+        "reinforce_plus_plus_s": rpp,
+        "ratio_reinforce_plus_plus": rpp / base,
+    }
 
 
 def main() -> None:
@@ -140,8 +164,13 @@ def main() -> None:
     cfg = load_config(overrides={"rollout_batch_size": GROUPS, "n_samples_per_prompt": GROUP_SIZE})
     result = {
         "bench": "bench_math",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "repeats": args.repeats,
         "build_and_schedule_256": bench_build(args.repeats, cfg),
         "policy_loss_fwd_bwd_256x1024": bench_loss(args.repeats),

@@ -26,7 +26,6 @@ mode and the per-repeat wall ratio. Prints JSON; --out gets it with every iterat
 spreads a 14-iteration window's result by about +-1 percentage point.
 """
 
-
 import argparse
 import cProfile
 import json
@@ -96,8 +95,14 @@ def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
     retries = PrefectRetryCounter.attach()
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
-    cfg = VimeConfig(run_name=f"bench-orch-{mode.replace('_', '-')}", storage_uri=str(work / "store"),
-                     ray_address=address, num_rollout=iterations, save_interval=10**6, **MODES[mode])
+    cfg = VimeConfig(
+        run_name=f"bench-orch-{mode.replace('_', '-')}",
+        storage_uri=str(work / "store"),
+        ray_address=address,
+        num_rollout=iterations,
+        save_interval=10**6,
+        **MODES[mode],
+    )
     profiler = cProfile.Profile() if profile else None
     try:
         if profiler is not None:
@@ -117,11 +122,19 @@ def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
             ray.shutdown()  # the next mode starts another head; this driver must not keep the old one
             local_head.stop_local_head(temp_dir=work / "ray")
 
-    rows = [{"rollout_id": rec["rollout_id"], "t_iteration": wall, "t_step_in_flow": rec.get("t_step"),
-             "t_persist": rec.get("t_persist", 0.0), "compute": compute_split(rec), "prefetched": bool(rec.get("prefetched")),
-             # each task's own time (inside the Prefect task run) next to the actors' compute
-             "task_s": {k: rec.get(k) for k in TASK_TIMES}}
-            for wall, rec in zip(walls, records)]
+    rows = [
+        {
+            "rollout_id": rec["rollout_id"],
+            "t_iteration": wall,
+            "t_step_in_flow": rec.get("t_step"),
+            "t_persist": rec.get("t_persist", 0.0),
+            "compute": compute_split(rec),
+            "prefetched": bool(rec.get("prefetched")),
+            # each task's own time (inside the Prefect task run) next to the actors' compute
+            "task_s": {k: rec.get(k) for k in TASK_TIMES},
+        }
+        for wall, rec in zip(walls, records)
+    ]
     steady = steady_window(rows)
     split = overhead(walls, records)
     return {
@@ -146,7 +159,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=32)
     p.add_argument("--modes", default="prefetch,serial", help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each mode, interleaved (prefetch, serial, prefetch, ...)"
+    )
     p.add_argument("--profile", default="", help="write cProfile stats of each train flow run to PATH.<mode>")
     p.add_argument("--out", default=None, help="also write the JSON here, with every iteration's row")
     args = p.parse_args()
@@ -161,7 +176,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
-            runs.setdefault(mode, []).append(run_mode(args.iterations, mode, f"{args.profile}.{mode}" if args.profile else ""))
+            runs.setdefault(mode, []).append(
+                run_mode(args.iterations, mode, f"{args.profile}.{mode}" if args.profile else "")
+            )
     summary_keys = ("mean_t_iteration_s", "mean_compute_s", "mean_overhead_s", "overhead_frac")
     modes = {
         mode: {
@@ -172,9 +189,11 @@ def main() -> None:
     }
     result = {
         "bench": "orchestration_overhead",
-        "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+        "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end",
         "config": "default job (32 prompts x 16 samples, tiny model), one engine + one Megatron actor colocated",
-        "definition": "vime_core/report/overhead.py: (sum of T_iteration - sum of actor compute) / sum of T_iteration over iterations 1..N-2",
+        "definition": "vime_core/report/overhead.py: (sum of T_iteration - sum of actor compute) / sum of T_iteration "
+        "over iterations 1..N-2",
         "iterations_per_run": args.iterations,
         "repeats": args.repeats,
         "target_overhead_frac": 0.02,
@@ -182,16 +201,24 @@ def main() -> None:
     }
     if "prefetch" in modes and "serial" in modes:
         result["t_iteration_ratio_prefetch_over_serial"] = (
-            modes["prefetch"]["median_of_runs_mean_t_iteration_s"] / modes["serial"]["median_of_runs_mean_t_iteration_s"])
-        result["per_repeat_ratio"] = [a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])]
+            modes["prefetch"]["median_of_runs_mean_t_iteration_s"]
+            / modes["serial"]["median_of_runs_mean_t_iteration_s"]
+        )
+        result["per_repeat_ratio"] = [
+            a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])
+        ]
     if "off_policy" in modes and "tis" in modes:  # one step off-policy against the same job on-policy
         result["t_iteration_ratio_off_policy_over_tis"] = (
-            modes["off_policy"]["median_of_runs_mean_t_iteration_s"] / modes["tis"]["median_of_runs_mean_t_iteration_s"])
+            modes["off_policy"]["median_of_runs_mean_t_iteration_s"] / modes["tis"]["median_of_runs_mean_t_iteration_s"]
+        )
         result["per_repeat_ratio_off_policy_over_tis"] = [
-            a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["off_policy"], runs["tis"])]
+            a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["off_policy"], runs["tis"])
+        ]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({**result, "rows": {m: [r["rows"] for r in rs] for m, rs in runs.items()}}, indent=2) + "\n"
+        )
     print(json.dumps(result, indent=2))
 
 

@@ -64,10 +64,12 @@ def measure(store: BatchStore, batch: dict, repeats: int) -> dict:
     t_write, t_raw_write, t_encode = median_seconds(write, raw_write, encode, repeats=repeats)
     t_read, t_raw_read = median_seconds(read, raw_read, repeats=repeats)
     return {
-        "write_s": round(t_write, 4), "raw_write_s": round(t_raw_write, 4),
+        "write_s": round(t_write, 4),
+        "raw_write_s": round(t_raw_write, 4),
         "write_ratio": round(t_write / t_raw_write, 2),
         "encode_s": round(t_encode, 4),
-        "read_s": round(t_read, 4), "raw_read_s": round(t_raw_read, 4),
+        "read_s": round(t_read, 4),
+        "raw_read_s": round(t_raw_read, 4),
         "read_ratio": round(t_read / t_raw_read, 2),
         "parquet_bytes": len(data),
     }
@@ -85,8 +87,11 @@ def main() -> None:
         "batch": {"samples": GROUPS * GROUP_SIZE, "tokens_per_sample": PROMPT_LEN + RESPONSE_LEN},
         "repeats": args.repeats,
         "statistic": "median seconds; ratio = vime / baseline (raw write/read of the same bytes)",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_1m_at_start": round(os.getloadavg()[0], 1)},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_1m_at_start": round(os.getloadavg()[0], 1),
+        },
     }
     work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
     try:

@@ -37,8 +37,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     # name: build_tiny_model shape
-    "qwen3-104m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=3072),
-    "qwen3-243m": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=4096),
+    "qwen3-104m": dict(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=3072
+    ),
+    "qwen3-243m": dict(
+        hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=4096
+    ),
 }
 MiB = 1024**2
 
@@ -46,9 +50,15 @@ MiB = 1024**2
 def engine_settings(model_dir: Path, bf16: bool) -> dict:
     """The configuration of the bench's CPU engine (tests/unit/test_bench_configs.py checks it
     still validates when the defaults move)."""
-    return {"hf_checkpoint": str(model_dir), "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
-            "device": "cpu", "bf16": bf16, "rollout_max_context_len": 256, "rollout_max_prompt_len": 128,
-            "vllm_cpu_kvcache_gb": 1}
+    return {
+        "hf_checkpoint": str(model_dir),
+        "vllm_python": str(REPO / ".venv-vllm" / "bin" / "python"),
+        "device": "cpu",
+        "bf16": bf16,
+        "rollout_max_context_len": 256,
+        "rollout_max_prompt_len": 128,
+        "vllm_cpu_kvcache_gb": 1,
+    }
 
 
 def median(xs: list[float]) -> float:
@@ -87,14 +97,20 @@ def summarise(stats_list: list[dict], nbytes: int, reload_s: float, memcpy_s: fl
         "ratio_to_reload": total / reload_s,
         "ratio_to_memcpy": total / memcpy_s,
         "buckets": stats_list[0]["buckets"],
-        "phases_s": {p: round(median([s["seconds"].get(p, 0.0) for s in stats_list]), 4) for p in stats_list[0]["seconds"]},
+        "phases_s": {
+            p: round(median([s["seconds"].get(p, 0.0) for s in stats_list]), 4) for p in stats_list[0]["seconds"]
+        },
         # the group a broadcast forms on its first publish is not in the repeats (round 0 warms up)
-        "transport_s": {p: round(median([s["transport_seconds"].get(p, 0.0) for s in stats_list]), 4)
-                        for p in stats_list[0]["transport_seconds"]},
+        "transport_s": {
+            p: round(median([s["transport_seconds"].get(p, 0.0) for s in stats_list]), 4)
+            for p in stats_list[0]["transport_seconds"]
+        },
     }
     if "engine" in stats_list[0]:
-        entry["engine_s"] = {p: round(median([s["engine"][p] for s in stats_list]), 4)
-                             for p in ("map_seconds", "load_seconds", "finish_seconds")}
+        entry["engine_s"] = {
+            p: round(median([s["engine"][p] for s in stats_list]), 4)
+            for p in ("map_seconds", "load_seconds", "finish_seconds")
+        }
     return entry
 
 
@@ -110,7 +126,6 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
     from vime_core.weight_sync.publish import publish_weights
     from vime_core.weight_sync.publish_loop import PublishLoop
 
-    nbytes = sum(t.numel() for t in weights.values()) * wire.itemsize
     server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
     t0 = time.perf_counter()
     server.start()
@@ -120,7 +135,9 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
     # broadcast group), as MegatronTrainer keeps it: without it every publish starts afresh.
     publisher = PublishLoop(token=server.auth_token)
     try:
-        save_file({n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors"))
+        save_file(
+            {n: t.to(wire).contiguous() for n, t in weights.items()}, os.path.join(floor_dir, "model.safetensors")
+        )
         version = 0
         runs: dict[str, list[dict]] = {k: [] for k in cfgs}
         reload_times: list[float] = []
@@ -129,7 +146,9 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
                 version += 1
                 stats = publish_weights(weights.items(), [server.url], version, cfg, initial_version=0, loop=publisher)
                 if not key.startswith("publish_disk"):
-                    stats["engine"] = engine_rpc(server.url, server.auth_token, "collective_rpc", "vime_update_stats")[0]
+                    stats["engine"] = engine_rpc(server.url, server.auth_token, "collective_rpc", "vime_update_stats")[
+                        0
+                    ]
                 if rep:
                     runs[key].append(stats)
             t0 = time.perf_counter()
@@ -151,8 +170,14 @@ def bench_model(name: str, shape: dict, args) -> dict:
     from vime_core.config import make_config
     from vime_core.demo.model import build_tiny_model
 
-    model_dir = build_tiny_model(REPO / ".cache" / "bench" / "models" / name, family="qwen3", seed=0,
-                                 tie_word_embeddings=False, max_position_embeddings=512, **shape)
+    model_dir = build_tiny_model(
+        REPO / ".cache" / "bench" / "models" / name,
+        family="qwen3",
+        seed=0,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        **shape,
+    )
     weights = load_file(str(model_dir / "model.safetensors"))
     params = sum(t.numel() for t in weights.values())
     wire = torch.bfloat16 if args.bf16 else torch.float32
@@ -168,12 +193,15 @@ def bench_model(name: str, shape: dict, args) -> dict:
         engines["shm"] = {f"publish_shm_{mib}MiB": {"update_weight_buffer_size": mib * MiB} for mib in args.bucket_mib}
         engines["shm"]["publish_disk_512MiB"] = {"weight_transport": "disk"}
     if "gloo" in args.transports:
-        engines["gloo"] = {f"publish_gloo_{mib}MiB": {"weight_transport": "gloo", "update_weight_buffer_size": mib * MiB}
-                           for mib in args.bucket_mib}
+        engines["gloo"] = {
+            f"publish_gloo_{mib}MiB": {"weight_transport": "gloo", "update_weight_buffer_size": mib * MiB}
+            for mib in args.bucket_mib
+        }
     for backend, overrides in engines.items():
         engine_cfg = {**base_cfg, "weight_transport": backend}
-        measured = bench_engine(engine_cfg, {k: make_config({**engine_cfg, **o}) for k, o in overrides.items()},
-                                weights, wire, args)
+        measured = bench_engine(
+            engine_cfg, {k: make_config({**engine_cfg, **o}) for k, o in overrides.items()}, weights, wire, args
+        )
         suffix = "" if backend == "shm" else f"_{backend}_engine"
         result["engine_start_s" + suffix] = measured["engine_start_s"]
         result["reload_s" + suffix] = measured["reload_s"]
@@ -189,9 +217,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--bucket-mib", type=int, nargs="*", default=[512, 64])
     parser.add_argument("--bf16", action="store_true", help="serve and send bf16 (default: fp32, the CPU default)")
-    parser.add_argument("--transports", nargs="*", default=["shm", "gloo"], choices=["shm", "gloo"],
-                        help="shm: an engine with the vime_shm backend (shm and disk publishes); gloo: one with "
-                             "vime_broadcast; each with its own reload floor")
+    parser.add_argument(
+        "--transports",
+        nargs="*",
+        default=["shm", "gloo"],
+        choices=["shm", "gloo"],
+        help="shm: an engine with the vime_shm backend (shm and disk publishes); gloo: one with "
+        "vime_broadcast; each with its own reload floor",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

@@ -66,11 +66,20 @@ def write_prompts(path: Path, groups: int, seed: int = 0) -> Path:
 
 def make_cfg(model_dir: Path, data: Path, groups: int, **extra):
     values = {
-        "hf_checkpoint": str(model_dir), "prompt_data": str(data), "rollout_batch_size": groups,
-        "n_samples_per_prompt": GROUP_SIZE, "rollout_max_prompt_len": 64, "rollout_max_response_len": NEW_TOKENS,
-        "rm_type": "arith", "rollout_shuffle": False, "router_policy": "round_robin",
+        "hf_checkpoint": str(model_dir),
+        "prompt_data": str(data),
+        "rollout_batch_size": groups,
+        "n_samples_per_prompt": GROUP_SIZE,
+        "rollout_max_prompt_len": 64,
+        "rollout_max_response_len": NEW_TOKENS,
+        "rm_type": "arith",
+        "rollout_shuffle": False,
+        "router_policy": "round_robin",
         "custom_generate_function_path": f"{Path(__file__).resolve()}:ignore_eos_generate",
-        "vllm_server_concurrency": 256, "engine_startup_timeout_s": 900, "device": "cpu", "bf16": False,
+        "vllm_server_concurrency": 256,
+        "engine_startup_timeout_s": 900,
+        "device": "cpu",
+        "bf16": False,
     }
     values.update(extra)
     return make_config(values)
@@ -92,7 +101,14 @@ def direct_rollout(url: str, prompts: list[list[int]], token) -> tuple[float, in
     from vime_core.engines.client import EngineClient
 
     async def go():
-        params = {"max_tokens": NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0, "ignore_eos": True}
+        params = {
+            "max_tokens": NEW_TOKENS,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "logprobs": 0,
+            "ignore_eos": True,
+        }
         async with EngineClient(url, "direct", token=token) as client:
             t0 = time.perf_counter()
             answers = await asyncio.gather(*(client.generate(p, params) for p in prompts))
@@ -110,8 +126,16 @@ def transformers_rollout(model_dir: Path, prompts: list[list[int]]) -> tuple[flo
     ids = torch.tensor(prompts)  # all prompts have the same length: no padding
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )
         wall = time.perf_counter() - t0
     return wall, int((out.shape[1] - ids.shape[1]) * out.shape[0])
 
@@ -129,10 +153,17 @@ def overhead_per_256(model_dir: Path, data: Path) -> dict:
     cfg = make_cfg(model_dir, data, OVERHEAD_GROUPS, custom_generate_function_path="")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokens = [len(SPECIAL_TOKENS) + i % len(CHARACTERS) for i in range(NEW_TOKENS)]  # character ids
-    answer = {"choices": [{"token_ids": tokens, "finish_reason": "length",
-                           "logprobs": {"content": [{"token_id": t, "logprob": -1.5} for t in tokens]},
-                           "weight_versions": [{"version": "1", "start": 0, "end": NEW_TOKENS}]}],
-              "usage": {"completion_tokens": NEW_TOKENS}}
+    answer = {
+        "choices": [
+            {
+                "token_ids": tokens,
+                "finish_reason": "length",
+                "logprobs": {"content": [{"token_id": t, "logprob": -1.5} for t in tokens]},
+                "weight_versions": [{"version": "1", "start": 0, "end": NEW_TOKENS}],
+            }
+        ],
+        "usage": {"completion_tokens": NEW_TOKENS},
+    }
 
     class InstantEngine:
         name = "instant"
@@ -145,9 +176,17 @@ def overhead_per_256(model_dir: Path, data: Path) -> dict:
 
     times = []
     for _ in range(5):
-        state = RolloutState(cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg),
-                             generator=InstantEngine(), engines=[], tokenizer=tokenizer, group_filter=keep_all,
-                             eos_token_id=tokenizer.eos_token_id, concurrency=OVERHEAD_SAMPLES)
+        state = RolloutState(
+            cfg=cfg,
+            data_source=DataSource(cfg, tokenizer=tokenizer),
+            reward_hub=RewardHub(cfg),
+            generator=InstantEngine(),
+            engines=[],
+            tokenizer=tokenizer,
+            group_filter=keep_all,
+            eos_token_id=tokenizer.eos_token_id,
+            concurrency=OVERHEAD_SAMPLES,
+        )
         t0 = time.perf_counter()
         samples, _ = asyncio.run(generate_rollout(state, 0))
         build_batch(samples, cfg)
@@ -173,8 +212,12 @@ def main() -> None:
     out = Path(args.out) if args.out else None
     result: dict = {
         "bench": "bench_rollout",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_at_start": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_at_start": os.getloadavg(),
+        },
         "model": {"params_m": round(model_params(model_dir) / 1e6, 1), "vocab": len(VOCAB), **SHAPE},
         "targets": {"vime_vs_direct": 0.95, "vime_vs_transformers": 1.5, "overhead_pct_per_256": 1.0},
     }
@@ -194,11 +237,20 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [list(tok.encode(json.loads(line)["prompt"])) for line in data.read_text().splitlines()[: args.groups] for _ in range(GROUP_SIZE)]
+    prompts = [
+        list(tok.encode(json.loads(line)["prompt"]))
+        for line in data.read_text().splitlines()[: args.groups]
+        for _ in range(GROUP_SIZE)
+    ]
     hf = [transformers_rollout(model_dir, prompts) for _ in range(args.repeats)]
     hf_tps = [t / w for w, t in hf]
     result["transformers_tokens_per_s"] = statistics.median(hf_tps)
-    result["workload"] = {"samples": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": NEW_TOKENS, "repeats": args.repeats}
+    result["workload"] = {
+        "samples": len(prompts),
+        "prompt_tokens": len(prompts[0]),
+        "new_tokens": NEW_TOKENS,
+        "repeats": args.repeats,
+    }
     save("transformers")
 
     manager = RolloutManager(cfg, log_dir=str(cache / "logs"))
@@ -216,14 +268,19 @@ def main() -> None:
             wall, tokens = direct_rollout(url, prompts, manager.token)
             direct.append(tokens / wall)
         vime_tps, direct_tps = statistics.median(vime), statistics.median(direct)
-        result.update({
-            "vime_tokens_per_s": vime_tps, "direct_vllm_tokens_per_s": direct_tps,
-            "ratio_vime_vs_direct": vime_tps / direct_tps,
-            "ratio_vime_vs_transformers": vime_tps / result["transformers_tokens_per_s"],
-            "ratio_direct_vs_transformers": direct_tps / result["transformers_tokens_per_s"],
-            "samples": {"vime": vime, "direct": direct, "transformers": hf_tps},
-            "loop_phase_s_median": {k: statistics.median(m[k] for m in phase) for k in phase[0] if k.startswith("rollout/time_")},
-        })
+        result.update(
+            {
+                "vime_tokens_per_s": vime_tps,
+                "direct_vllm_tokens_per_s": direct_tps,
+                "ratio_vime_vs_direct": vime_tps / direct_tps,
+                "ratio_vime_vs_transformers": vime_tps / result["transformers_tokens_per_s"],
+                "ratio_direct_vs_transformers": direct_tps / result["transformers_tokens_per_s"],
+                "samples": {"vime": vime, "direct": direct, "transformers": hf_tps},
+                "loop_phase_s_median": {
+                    k: statistics.median(m[k] for m in phase) for k in phase[0] if k.startswith("rollout/time_")
+                },
+            }
+        )
         save("vllm")
         # Framework overhead at 256 samples: the real rollout time of 256 samples, once.
         manager.cfg.rollout_batch_size = OVERHEAD_GROUPS
@@ -231,8 +288,11 @@ def main() -> None:
     finally:
         manager.shutdown()
     result["rollout_256"] = {
-        "wall_s": wall_256, "tokens": tokens_256, "loop_time_abort_s": metrics_256["rollout/time_abort_s"],
-        "loop_time_finalize_s": metrics_256["rollout/time_finalize_s"], "loop_time_reward_s": metrics_256["rollout/time_reward_s"],
+        "wall_s": wall_256,
+        "tokens": tokens_256,
+        "loop_time_abort_s": metrics_256["rollout/time_abort_s"],
+        "loop_time_finalize_s": metrics_256["rollout/time_finalize_s"],
+        "loop_time_reward_s": metrics_256["rollout/time_reward_s"],
     }
     result["overhead_pct_per_256"] = 100.0 * result["framework_s_per_256"] / wall_256
     result["machine"]["loadavg_at_end"] = os.getloadavg()

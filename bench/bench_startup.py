@@ -31,8 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODES = {"early": ["--early-start"], "early_no_prestart": ["--early-start", "--no-engine-prestart"],
-         "bootstrap": ["--no-early-start"]}
+MODES = {
+    "early": ["--early-start"],
+    "early_no_prestart": ["--early-start", "--no-engine-prestart"],
+    "bootstrap": ["--no-early-start"],
+}
 
 
 def run_once(mode: str, work: Path) -> dict:
@@ -42,20 +45,51 @@ def run_once(mode: str, work: Path) -> dict:
     work.mkdir(parents=True)
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
     env = dict(os.environ, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--run-name", f"bench-startup-{mode}", "--storage-uri",
-           str(work / "store"), "--ray-address", address, "--num-rollout", "1", *MODES[mode]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--run-name",
+        f"bench-startup-{mode}",
+        "--storage-uri",
+        str(work / "store"),
+        "--ray-address",
+        address,
+        "--num-rollout",
+        "1",
+        *MODES[mode],
+    ]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     finally:
-        subprocess.run([sys.executable, "-m", "flows.cli", "teardown", "--run-name", f"bench-startup-{mode}", "--ray-address", address],
-                       cwd=REPO, env=env, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "teardown",
+                "--run-name",
+                f"bench-startup-{mode}",
+                "--ray-address",
+                address,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
         local_head.stop_local_head(temp_dir=work / "ray")
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: vime train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
-    return {"mode": mode, "startup_s": summary["startup_s"], "wall_s": time.monotonic() - t0,
-            "startup_marks_s": summary.get("startup_marks_s")}
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    return {
+        "mode": mode,
+        "startup_s": summary["startup_s"],
+        "wall_s": time.monotonic() - t0,
+        "startup_marks_s": summary.get("startup_marks_s"),
+    }
 
 
 def main() -> None:
@@ -76,14 +110,17 @@ def main() -> None:
     result = {
         "bench": "startup",
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores (shared, noisy); load 1m {load_start:.1f} at start, "
-                   f"{os.getloadavg()[0]:.1f} at end",
-        "config": "the default job, one iteration, one engine + one Megatron actor colocated, a fresh Ray head and Prefect home per run",
+        f"{os.getloadavg()[0]:.1f} at end",
+        "config": "the default job, one iteration, one engine + one Megatron actor colocated, a fresh Ray head and "
+        "Prefect home per run",
         "repeats": args.repeats,
         "startup_s_median": medians,
         "ratio_early_over_bootstrap": medians["early"] / medians["bootstrap"],
         "per_repeat_ratio": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["bootstrap"])],
         "ratio_prestart": medians["early"] / medians["early_no_prestart"],
-        "per_repeat_ratio_prestart": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["early_no_prestart"])],
+        "per_repeat_ratio_prestart": [
+            a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["early_no_prestart"])
+        ],
         "runs": runs,
     }
     if args.out:

@@ -43,10 +43,18 @@ def write_checkpoint(out: Path, args: argparse.Namespace) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq * 2, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, rope_theta=10000.0, attention_dropout=0.0,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.seq * 2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        attention_dropout=0.0,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -60,8 +68,12 @@ def make_batch(args: argparse.Namespace) -> dict[str, list]:
     tokens = torch.randint(0, args.vocab, (n, seq), generator=gen).tolist()
     adv = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
     return {
-        "tokens": tokens, "response_length": [resp] * n, "total_length": [seq] * n,
-        "loss_mask": [[1] * resp for _ in range(n)], "advantage": adv, "reward": adv,
+        "tokens": tokens,
+        "response_length": [resp] * n,
+        "total_length": [seq] * n,
+        "loss_mask": [[1] * resp for _ in range(n)],
+        "advantage": adv,
+        "reward": adv,
         "rollout_log_probs": [[-1.0] * resp for _ in range(n)],
     }
 
@@ -72,9 +84,16 @@ def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
     from vime_core.trainer.trainer import MegatronTrainer
 
     cfg = demo_config(
-        **pairs_of_samples(args.samples), num_steps_per_rollout=1,
-        micro_batch_size=args.micro_batch, lr=1e-6, clip_grad=1.0, hf_checkpoint=str(ckpt),
-        storage_uri=str(storage), device=args.device, bf16=args.dtype == "bf16", colocate=False,
+        **pairs_of_samples(args.samples),
+        num_steps_per_rollout=1,
+        micro_batch_size=args.micro_batch,
+        lr=1e-6,
+        clip_grad=1.0,
+        hf_checkpoint=str(ckpt),
+        storage_uri=str(storage),
+        device=args.device,
+        bf16=args.dtype == "bf16",
+        colocate=False,
         rollout_num_gpus=1,
     )
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", free_port())
@@ -126,8 +145,11 @@ def sleep_wake(trainer, step) -> dict:
     wake_s = time.perf_counter() - start
     step()
     return {
-        "allocated_before_bytes": allocated, "freed_bytes": slept["freed_bytes"],
-        "restored_bytes": woke["allocated_bytes"], "sleep_s": sleep_s, "wake_s": wake_s,
+        "allocated_before_bytes": allocated,
+        "freed_bytes": slept["freed_bytes"],
+        "restored_bytes": woke["allocated_bytes"],
+        "sleep_s": sleep_s,
+        "wake_s": wake_s,
     }
 
 
@@ -167,6 +189,7 @@ def main() -> None:
             def run() -> None:
                 fn()
                 sync()
+
             return run
 
         vime_s, base_s = median_seconds(timed(vime_step), timed(baseline), repeats=args.repeats)
@@ -177,14 +200,23 @@ def main() -> None:
     result = {
         "bench": "bench_train",
         "machine": {
-            "platform": platform.platform(), "device": args.device,
+            "platform": platform.platform(),
+            "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
         },
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")},
         "parameters": params,
         "dtype": args.dtype,
-        "batch": {"samples": args.samples, "seq": args.seq, "response": args.response, "micro_batch": args.micro_batch, "tokens": tokens},
+        "batch": {
+            "samples": args.samples,
+            "seq": args.seq,
+            "response": args.response,
+            "micro_batch": args.micro_batch,
+            "tokens": tokens,
+        },
         "repeats": args.repeats,
         "baseline_s": base_s,
         "vime_s": vime_s,

@@ -84,18 +84,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vary", action="store_true", help="draw lengths uniformly from [min, max] instead of fixed")
     p.add_argument("--prompt-min-len", type=int, default=16, help="smallest prompt with --vary")
     p.add_argument("--response-min-len", type=int, default=16, help="smallest response with --vary")
-    p.add_argument("--path-check-samples", type=int, default=32,
-                   help="samples whose initial log-probs each variant compares with the first's (0: none)")
+    p.add_argument(
+        "--path-check-samples",
+        type=int,
+        default=32,
+        help="samples whose initial log-probs each variant compares with the first's (0: none)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     # ---- what to measure
-    p.add_argument("--variants", default="mbs4", help="comma-separated variants (module docstring); the first is the baseline")
+    p.add_argument(
+        "--variants", default="mbs4", help="comma-separated variants (module docstring); the first is the baseline"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--check-steps", type=int, default=3, help="training steps recorded in 'check' (0: none)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
-    p.add_argument("--norms-fp32", action="store_true",
-                   help="keep the RMSNorm weights in fp32 as Megatron's torch fallback makes them (before model.norms_in_dtype)")
-    p.add_argument("--profile", default=None, help="after the variants, profile one step of the first variant into this text file")
+    p.add_argument(
+        "--norms-fp32",
+        action="store_true",
+        help="keep the RMSNorm weights in fp32 as Megatron's torch fallback makes them (before model.norms_in_dtype)",
+    )
+    p.add_argument(
+        "--profile", default=None, help="after the variants, profile one step of the first variant into this text file"
+    )
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare the 'check' sections of two result files")
     return p.parse_args(argv)
 
@@ -106,7 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def synthetic_batch(args: argparse.Namespace, vocab: int) -> dict[str, list]:
     """Random token ids and advantages; the same on every rank (seeded)."""
     rng = random.Random(args.seed)
-    batch: dict[str, list] = {k: [] for k in ("tokens", "response_length", "total_length", "loss_mask", "advantage", "reward")}
+    batch: dict[str, list] = {
+        k: [] for k in ("tokens", "response_length", "total_length", "loss_mask", "advantage", "reward")
+    }
     for _ in range(args.samples):
         prompt = rng.randint(args.prompt_min_len, args.prompt_len) if args.vary else args.prompt_len
         response = rng.randint(args.response_min_len, args.response_len) if args.vary else args.response_len
@@ -142,8 +155,17 @@ class Options:
 
     def apply(self, spec: str) -> None:
         batching, *flags = spec.split("+")
-        unknown = set(flags) - {"fused", "recompute", "compile", "devseq", "oldattn", "fullhead", "eagerhead",
-                                "unfusedrope", "unfusedswiglu"}
+        unknown = set(flags) - {
+            "fused",
+            "recompute",
+            "compile",
+            "devseq",
+            "oldattn",
+            "fullhead",
+            "eagerhead",
+            "unfusedrope",
+            "unfusedswiglu",
+        }
         if unknown:
             raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
         if batching.startswith("mbs"):
@@ -231,7 +253,9 @@ def schedule_for(trainer: Any, batch: dict[str, list], global_batch_size: int | 
     cfg, lay = trainer.cfg, trainer.layout
     budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
     lengths = [len(t) for t in batch["tokens"]]
-    sched = build_dp_schedule(lengths, global_batch_size or cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget)
+    sched = build_dp_schedule(
+        lengths, global_batch_size or cfg.global_batch_size, lay.dp_size, cfg.micro_batch_size, budget
+    )
     return sched.micro_batches[lay.dp_rank]
 
 
@@ -239,10 +263,14 @@ def recompute_old(trainer: Any, batch: dict[str, list], mine: list[list[list[int
     from vime_core.trainer.train_step import forward_log_probs
 
     flat = [mb for step in mine for mb in step]
-    return forward_log_probs(trainer.model, batch, flat, trainer.arch.vocab_size, trainer.cfg.rollout_temperature, trainer.device)
+    return forward_log_probs(
+        trainer.model, batch, flat, trainer.arch.vocab_size, trainer.cfg.rollout_temperature, trainer.device
+    )
 
 
-def one_step(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], old: dict[int, torch.Tensor]) -> dict[str, float]:
+def one_step(
+    trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], old: dict[int, torch.Tensor]
+) -> dict[str, float]:
     from megatron.core import parallel_state
 
     from vime_core.trainer.rollout_training import step_advantages
@@ -260,11 +288,14 @@ def one_step(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], 
         step_tokens=sum(len(batch["tokens"][i]) for i in step_indices),
     )
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
-    return train_step(trainer.model, trainer.optimizer, inputs, cfg, trainer.arch.vocab_size, lay.dp_size, dp_group, trainer.device)
+    return train_step(
+        trainer.model, trainer.optimizer, inputs, cfg, trainer.arch.vocab_size, lay.dp_size, dp_group, trainer.device
+    )
 
 
-def measure_variant(trainer: Any, batch: dict[str, list], spec: str, opts: Options, args: argparse.Namespace,
-                    cfg_json: dict[str, Any]) -> dict[str, Any]:
+def measure_variant(
+    trainer: Any, batch: dict[str, list], spec: str, opts: Options, args: argparse.Namespace, cfg_json: dict[str, Any]
+) -> dict[str, Any]:
     from vime_core.trainer.rollout_training import train_on_rollout
 
     dev = trainer.device.type
@@ -342,8 +373,12 @@ def path_check(trainer: Any, batch: dict[str, list], specs: list[str], opts: Opt
             out["tokens"] = int(flat.numel())
             continue
         diff = (flat - base).abs()
-        out[spec] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-                     "mean_log_prob": float(flat.mean()), "baseline_mean_log_prob": float(base.mean())}
+        out[spec] = {
+            "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean()),
+            "mean_log_prob": float(flat.mean()),
+            "baseline_mean_log_prob": float(base.mean()),
+        }
     return out
 
 
@@ -375,7 +410,8 @@ def compare(a_path: str, b_path: str) -> dict[str, Any]:
     la, lb = torch.tensor(a["initial_log_probs_head"]), torch.tensor(b["initial_log_probs_head"])
     rel = lambda x, y: [abs(p - q) / max(abs(p), 1e-12) for p, q in zip(x, y)]  # noqa: E731
     return {
-        "a": a_path, "b": b_path,
+        "a": a_path,
+        "b": b_path,
         "initial_log_probs_max_abs_diff": float((la - lb).abs().max()),
         "initial_log_probs_mean_abs_diff": float((la - lb).abs().mean()),
         "loss_rel_diff": rel(a["losses"], b["losses"]),
@@ -389,9 +425,15 @@ def compare(a_path: str, b_path: str) -> dict[str, Any]:
 
 def build_trainer(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     trainer = common.build_trainer(
-        args.shape, args.device, args.tp, args.seed, Path(args.checkpoint_root),
-        rollout_batch_size=args.samples, rollout_max_prompt_len=args.prompt_len,
-        rollout_max_response_len=args.response_len, lr=args.lr,
+        args.shape,
+        args.device,
+        args.tp,
+        args.seed,
+        Path(args.checkpoint_root),
+        rollout_batch_size=args.samples,
+        rollout_max_prompt_len=args.prompt_len,
+        rollout_max_response_len=args.response_len,
+        lr=args.lr,
     )
     return trainer, common.hf_config(args.shape)
 
@@ -412,9 +454,11 @@ def profile_step(trainer: Any, batch: dict[str, list], opts: Options, spec: str,
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     sort_device = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
-    text = [f"variant {spec}: wall {wall * 1e3:.1f} ms (profiled)",
-            events.table(sort_by="self_cpu_time_total", row_limit=45),
-            events.table(sort_by=sort_device, row_limit=30)]
+    text = [
+        f"variant {spec}: wall {wall * 1e3:.1f} ms (profiled)",
+        events.table(sort_by="self_cpu_time_total", row_limit=45),
+        events.table(sort_by=sort_device, row_limit=30),
+    ]
     Path(path).write_text("\n\n".join(text))
 
 
@@ -452,8 +496,13 @@ def main(argv: list[str] | None = None) -> None:
         "shape": args.shape,
         "params": common.parameter_counts(cfg_json),
         "layout": {"world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size},
-        "batch": {"samples": args.samples, "tokens_per_step": sum(lengths), "min_len": min(lengths),
-                  "max_len": max(lengths), "vary": args.vary},
+        "batch": {
+            "samples": args.samples,
+            "tokens_per_step": sum(lengths),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "vary": args.vary,
+        },
         "dtype": "bf16" if args.device == "cuda" else "fp32",
         "setup_s": setup_s,
         "warmup": args.warmup,
@@ -461,8 +510,9 @@ def main(argv: list[str] | None = None) -> None:
         "formula": {
             "mfu_6N": "6 * N_matmul * tokens / step_time / 989e12 / gpus",
             "mfu_with_attention": "(6 * N_matmul * tokens + sum_i 6 * layers * heads * head_dim * len_i^2) "
-                                  "/ step_time / 989e12 / gpus   (causal: half of QK^T and PV)",
-            "logprob_mfu_with_attention": "one third of the training FLOPs (forward only) / logprob_time / 989e12 / gpus",
+            "/ step_time / 989e12 / gpus   (causal: half of QK^T and PV)",
+            "logprob_mfu_with_attention": "one third of the training FLOPs (forward only) / logprob_time / 989e12 "
+            "/ gpus",
             "*_response_head": "the same with the LM head (vocab x hidden) counted on the response tokens only",
         },
         "argv": sys.argv[1:],

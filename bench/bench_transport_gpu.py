@@ -188,15 +188,24 @@ def d2d_copy_seconds(nbytes: int, repeats: int) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = [common.timed(lambda: dst.copy_(src), "cuda")[0] for _ in range(repeats)]
+    times = [common.timed(lambda src=src, dst=dst: dst.copy_(src), "cuda")[0] for _ in range(repeats)]
     del src, dst
     return common.median(times)
 
 
 def bench_shape(shape: str, conn: Any, args: argparse.Namespace) -> dict[str, Any]:
-    trainer = common.build_trainer(shape, "cuda", 1, args.seed, Path(args.checkpoint_root),
-                                   rollout_batch_size=8, rollout_max_prompt_len=256, rollout_max_response_len=256,
-                                   micro_batch_size=8, lr=1e-5)
+    trainer = common.build_trainer(
+        shape,
+        "cuda",
+        1,
+        args.seed,
+        Path(args.checkpoint_root),
+        rollout_batch_size=8,
+        rollout_max_prompt_len=256,
+        rollout_max_response_len=256,
+        micro_batch_size=8,
+        lr=1e-5,
+    )
     device = torch.device("cuda", torch.cuda.current_device())
     bucket_bytes = args.bucket_mb * 2**20
     tensors = gather(trainer)
@@ -213,13 +222,19 @@ def bench_shape(shape: str, conn: Any, args: argparse.Namespace) -> dict[str, An
         engine = PipeEngine(conn)
         for info in parts["infos"]:
             asyncio.run(engine.update_weights(info))
-        row: dict[str, Any] = {"gather_s": t_gather, "pack_s": parts["pack_s"], "handles_s": parts["handles_s"],
-                               "open_handles_s": sum(engine.open_s), "receive_s": sum(engine.receive_s)}
+        row: dict[str, Any] = {
+            "gather_s": t_gather,
+            "pack_s": parts["pack_s"],
+            "handles_s": parts["handles_s"],
+            "open_handles_s": sum(engine.open_s),
+            "receive_s": sum(engine.receive_s),
+        }
         del parts
         torch.cuda.ipc_collect()
         engine_t = PipeEngine(conn)
         t_pub, pub = common.timed(
-            lambda: asyncio.run(publish_through_transport(tensors, engine_t, bucket_bytes, device)), device.type
+            lambda tensors=tensors: asyncio.run(publish_through_transport(tensors, engine_t, bucket_bytes, device)),
+            device.type,
         )
         row.update(publish_s=t_pub, publish_receive_s=sum(engine_t.receive_s), **pub)
         del tensors
@@ -228,7 +243,10 @@ def bench_shape(shape: str, conn: Any, args: argparse.Namespace) -> dict[str, An
     got = conn.recv()
     mismatched = sorted(n for n in sent_sums if got.get(n) != sent_sums[n])
     t_d2d = d2d_copy_seconds(nbytes, max(args.repeats, 5))
-    med = {k: common.median([r[k] for r in rows]) for k in ("gather_s", "pack_s", "handles_s", "open_handles_s", "receive_s", "publish_s")}
+    med = {
+        k: common.median([r[k] for r in rows])
+        for k in ("gather_s", "pack_s", "handles_s", "open_handles_s", "receive_s", "publish_s")
+    }
     end_to_end = med["gather_s"] + med["pack_s"] + med["handles_s"] + med["receive_s"]
     result = {
         "shape": shape,
@@ -265,7 +283,8 @@ def sleep_wake(trainer: Any) -> dict[str, Any]:
     vocab = trainer.arch.vocab_size
     batch = {
         "tokens": [[rng.randrange(vocab) for _ in range(512)] for _ in range(8)],
-        "response_length": [256] * 8, "loss_mask": [[1] * 256 for _ in range(8)],
+        "response_length": [256] * 8,
+        "loss_mask": [[1] * 256 for _ in range(8)],
         "advantage": [rng.gauss(0, 1) for _ in range(8)],
     }
     first = train_on_rollout(trainer, batch)
@@ -280,18 +299,26 @@ def sleep_wake(trainer: Any) -> dict[str, Any]:
         asleep = common.device_memory(dev)
         t_wake, woke = common.timed(trainer.wake, dev)
         awake = common.device_memory(dev)
-        cycles.append({
-            "memory_before_gib": before, "memory_asleep_gib": asleep, "memory_awake_gib": awake,
-            "sleep_s": t_sleep, "wake_s": t_wake,
-            "freed_gib": slept["freed_bytes"] / 2**30, "restored_gib": woke["allocated_bytes"] / 2**30,
-        })
+        cycles.append(
+            {
+                "memory_before_gib": before,
+                "memory_asleep_gib": asleep,
+                "memory_awake_gib": awake,
+                "sleep_s": t_sleep,
+                "wake_s": t_wake,
+                "freed_gib": slept["freed_bytes"] / 2**30,
+                "restored_gib": woke["allocated_bytes"] / 2**30,
+            }
+        )
     weights_after = sum(checksum(t) for _, t in trainer.iter_hf_weights())
     second = train_on_rollout(trainer, batch)
     return {
         "cycles": cycles,
         "weights_unchanged_by_sleep_wake": weights_before == weights_after,
-        "loss_before_sleep": first["loss"], "loss_after_wake": second["loss"],
-        "grad_norm_before_sleep": first["grad_norm"], "grad_norm_after_wake": second["grad_norm"],
+        "loss_before_sleep": first["loss"],
+        "loss_after_wake": second["loss"],
+        "grad_norm_before_sleep": first["grad_norm"],
+        "grad_norm_after_wake": second["grad_norm"],
         "train_after_wake_finite": math.isfinite(second["loss"]) and math.isfinite(second["grad_norm"]),
     }
 
@@ -321,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(),
         "argv": sys.argv[1:],
         "gbps_note": "GB/s = weight bytes (counted once) / seconds; the d2d baseline moves the same bytes "
-                     "(read + write traffic is twice that)",
+        "(read + write traffic is twice that)",
         "shapes": shapes,
     }
     common.write_json(result, args.out)

@@ -34,7 +34,14 @@ def summarise(storage: str, run: str) -> dict:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     walls = summary.get("iteration_walls") or []  # one per iteration flow run of the last train flow
     # every phase time the records carry (t_<phase>), whatever the phases are called
-    phases = sorted({k for r in steady for k, v in r.items() if k.startswith("t_") and k != "t_step" and isinstance(v, (int, float))})
+    phases = sorted(
+        {
+            k
+            for r in steady
+            for k, v in r.items()
+            if k.startswith("t_") and k != "t_step" and isinstance(v, (int, float))
+        }
+    )
     return {
         "run": run,
         "iterations": len(records),
@@ -47,7 +54,7 @@ def summarise(storage: str, run: str) -> dict:
         # the loop's period, flow-run start/end included: the honest seconds per iteration
         "iteration_wall_median_s": summary.get("iteration_wall_median"),
         # (sum of iteration walls - sum of actor compute) / sum of walls: vime_core/report/overhead.py
-        "orchestration_overhead": overhead(walls, records[-len(walls):]),
+        "orchestration_overhead": overhead(walls, records[-len(walls) :]),
     }
 
 
@@ -57,7 +64,17 @@ def run_jobs(seeds: list[int], storage: str, job_args: list[str]) -> list[str]:
     runs = []
     for seed in seeds:
         run = f"default-job-s{seed}-{stamp}"
-        cmd = ["bash", str(REPO / "infra" / "main_job.sh"), "--seed", str(seed), "--run-name", run, "--storage-uri", storage, *job_args]
+        cmd = [
+            "bash",
+            str(REPO / "infra" / "main_job.sh"),
+            "--seed",
+            str(seed),
+            "--run-name",
+            run,
+            "--storage-uri",
+            storage,
+            *job_args,
+        ]
         print(f"[default_job] {shlex.join(cmd)}", file=sys.stderr, flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
         runs.append(run)
@@ -78,9 +95,14 @@ def main() -> None:
     if not runs:
         p.error("name runs, or --seeds to make them")
     rows = [summarise(args.storage, r) for r in runs]
-    result = {"bench": "default_job", "target_gain": 0.3, "target_t_step_s": 3.0, "runs": rows,
-              "min_gain": min(r["reward_gain"] for r in rows),
-              "median_t_step_s": statistics.median(r["t_step_median_s"] for r in rows)}
+    result = {
+        "bench": "default_job",
+        "target_gain": 0.3,
+        "target_t_step_s": 3.0,
+        "runs": rows,
+        "min_gain": min(r["reward_gain"] for r in rows),
+        "median_t_step_s": statistics.median(r["t_step_median_s"] for r in rows),
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -36,21 +36,61 @@ import torch
 PEAK_BF16_FLOPS = 989e12
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
-                 tie_word_embeddings=True),
-    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
-                       tie_word_embeddings=True),
-    "0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
-                 tie_word_embeddings=True),
-    "1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
-                 tie_word_embeddings=True),
-    "4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-               tie_word_embeddings=True),
+    "tiny": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    ),
+    "0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -78,16 +118,23 @@ def hf_tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        shapes.update({a + "q_proj.weight": (n * d, h), a + "k_proj.weight": (g * d, h), a + "v_proj.weight": (g * d, h)})
+        shapes.update(
+            {a + "q_proj.weight": (n * d, h), a + "k_proj.weight": (g * d, h), a + "v_proj.weight": (g * d, h)}
+        )
         if cfg["model_type"] == "qwen2":
             shapes.update({a + "q_proj.bias": (n * d,), a + "k_proj.bias": (g * d,), a + "v_proj.bias": (g * d,)})
         if cfg["model_type"] == "qwen3":
             shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
-        shapes.update({
-            a + "o_proj.weight": (h, n * d),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                a + "o_proj.weight": (h, n * d),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
@@ -110,7 +157,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def step_flops(cfg: dict[str, Any], lengths: list[int], passes: int = 3, head_tokens: int | None = None) -> dict[str, float]:
+def step_flops(
+    cfg: dict[str, Any], lengths: list[int], passes: int = 3, head_tokens: int | None = None
+) -> dict[str, float]:
     """``passes=3`` for forward + backward, 1 for a forward; ``head_tokens``: count the LM head on
     that many tokens instead of all of them (module docstring)."""
     n = parameter_counts(cfg)["matmul"]
@@ -190,9 +239,17 @@ def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: 
         torch.cuda.set_device(local_rank)
     ckpt = shared_checkpoint(checkpoint_root, shape, seed, device, local_rank)
     fields: dict[str, Any] = dict(
-        hf_checkpoint=str(ckpt), device=device, bf16=device == "cuda", tensor_model_parallel_size=tp,
-        actor_num_gpus_per_node=world, colocate=False, rollout_num_gpus=1,
-        num_steps_per_rollout=1, clip_grad=1.0, seed=seed, storage_uri="/tmp/vime_bench_runs",
+        hf_checkpoint=str(ckpt),
+        device=device,
+        bf16=device == "cuda",
+        tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=world,
+        colocate=False,
+        rollout_num_gpus=1,
+        num_steps_per_rollout=1,
+        clip_grad=1.0,
+        seed=seed,
+        storage_uri="/tmp/vime_bench_runs",
     )
     fields.update(cfg_fields)
     fields.update(pairs_of_samples(fields.pop("rollout_batch_size", 8)))
@@ -253,26 +310,34 @@ def summary_lines(path: str) -> list[str]:
             lines.append(f"  {v['variant']:<28} ERROR {v['error'][:300]}")
             continue
         lines.append(
-            f"  {v['variant']:<28} step {v['step_time_s']*1e3:8.1f} ms  {v['tokens_per_s']:9.0f} tok/s  "
-            f"mfu {v['mfu_6N']*100:5.1f}% (+attn {v['mfu_with_attention']*100:5.1f}%)  x{v.get('speedup_vs_baseline', 0):.2f}  "
+            f"  {v['variant']:<28} step {v['step_time_s'] * 1e3:8.1f} ms  {v['tokens_per_s']:9.0f} tok/s  "
+            f"mfu {v['mfu_6N'] * 100:5.1f}% (+attn {v['mfu_with_attention'] * 100:5.1f}%)  "
+            f"x{v.get('speedup_vs_baseline', 0):.2f}  "
             f"logprob {v['logprob_tokens_per_s']:9.0f} tok/s"
-            + (f" mfu(+attn) {v['logprob_mfu_with_attention']*100:5.1f}%" if "logprob_mfu_with_attention" in v else "")
+            + (
+                f" mfu(+attn) {v['logprob_mfu_with_attention'] * 100:5.1f}%"
+                if "logprob_mfu_with_attention" in v
+                else ""
+            )
             + f"  peak {v['peak_memory_gib_per_rank']} GiB"
         )
     for s in r.get("shapes", []):
         lines.append(
-            f"  {s['shape']}: {s['bytes']/1e9:.2f} GB in {s['buckets']} buckets; median s {s['median_s']}; "
-            f"receive {s['receive_GBps']:.0f} GB/s vs d2d {s['d2d_GBps']:.0f} GB/s; e2e {s['end_to_end_GBps']:.0f} GB/s; "
+            f"  {s['shape']}: {s['bytes'] / 1e9:.2f} GB in {s['buckets']} buckets; median s {s['median_s']}; "
+            f"receive {s['receive_GBps']:.0f} GB/s vs d2d {s['d2d_GBps']:.0f} GB/s; "
+            f"e2e {s['end_to_end_GBps']:.0f} GB/s; "
             f"mismatched {s['checksums_mismatched']}"
         )
         sw = s.get("sleep_wake", {})
         for c in sw.get("cycles", []):
+            before, asleep = c["memory_before_gib"], c["memory_asleep_gib"]
             lines.append(
-                f"    sleep {c['sleep_s']:.2f} s frees {c['freed_gib']:.2f} GiB (allocated {c['memory_before_gib'].get('allocated_gib', 0):.2f}"
-                f" -> {c['memory_asleep_gib'].get('allocated_gib', 0):.2f} GiB, driver {c['memory_before_gib'].get('driver_used_gib', 0):.2f}"
-                f" -> {c['memory_asleep_gib'].get('driver_used_gib', 0):.2f} GiB); wake {c['wake_s']:.3f} s"
+                f"    sleep {c['sleep_s']:.2f} s frees {c['freed_gib']:.2f} GiB "
+                f"(allocated {before.get('allocated_gib', 0):.2f} -> {asleep.get('allocated_gib', 0):.2f} GiB, "
+                f"driver {before.get('driver_used_gib', 0):.2f} -> {asleep.get('driver_used_gib', 0):.2f} GiB); "
+                f"wake {c['wake_s']:.3f} s"
             )
-        lines.append(f"    {({k: v for k, v in sw.items() if k != 'cycles'})}")
+        lines.append(f"    { ({k: v for k, v in sw.items() if k != 'cycles'}) }")
     return lines
 
 

@@ -58,14 +58,19 @@ def _pct(x: float) -> str:
 
 def _math(f: dict) -> str:
     b, l, a = f["build_and_schedule_256"], f["policy_loss_fwd_bwd_256x1024"], f["advantages_256x1024"]
-    return (f"vs baseline: build {b['ratio_fixed']:.2f}x (packed {b['ratio_packed']:.2f}x), "
-            f"PPO loss fwd+bwd {l['ratio']:.2f}x, GRPO advantages {a['ratio_grpo']:.2f}x")
+    return (
+        f"vs baseline: build {b['ratio_fixed']:.2f}x (packed {b['ratio_packed']:.2f}x), "
+        f"PPO loss fwd+bwd {l['ratio']:.2f}x, GRPO advantages {a['ratio_grpo']:.2f}x"
+    )
 
 
 def _persist(f: dict) -> str:
     s3 = f.get("s3_seaweedfs_loopback") or {}
-    return (f"256x1024 batch: write {f['local']['write_s']} s local, {s3.get('write_s', '-')} s S3 "
-            f"({s3.get('write_ratio', '-')}x a raw write); read {f['local']['read_ratio']}x / {s3.get('read_ratio', '-')}x a raw read")
+    return (
+        f"256x1024 batch: write {f['local']['write_s']} s local, {s3.get('write_s', '-')} s S3 "
+        f"({s3.get('write_ratio', '-')}x a raw write); read {f['local']['read_ratio']}x / "
+        f"{s3.get('read_ratio', '-')}x a raw read"
+    )
 
 
 def _orchestration(f: dict) -> str:
@@ -75,22 +80,30 @@ def _orchestration(f: dict) -> str:
     if "serial" in m:
         parts.append(f"serial {_pct(m['serial']['median_of_runs_overhead_frac'])}")
     if "t_iteration_ratio_off_policy_over_tis" in f:
-        parts.append(f"T_iteration one step off-policy / on-policy (both TIS) {f['t_iteration_ratio_off_policy_over_tis']:.2f}")
+        parts.append(
+            f"T_iteration one step off-policy / on-policy (both TIS) {f['t_iteration_ratio_off_policy_over_tis']:.2f}"
+        )
     return "; ".join(parts) + f", {f['iterations_per_run']} iterations x {f['repeats']}"
 
 
 def _startup(f: dict) -> str:
     m = f["startup_s_median"]
-    line = (f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
-            f"(ratio {f['ratio_early_over_bootstrap']:.2f})")
+    line = (
+        f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
+        f"(ratio {f['ratio_early_over_bootstrap']:.2f})"
+    )
     if "ratio_prestart" in f:  # rows since the engines' prestart
-        line += f", early start without engine prestart {m['early_no_prestart']:.1f} s (ratio {f['ratio_prestart']:.2f})"
+        line += (
+            f", early start without engine prestart {m['early_no_prestart']:.1f} s (ratio {f['ratio_prestart']:.2f})"
+        )
     return line + f", x{f['repeats']}"
 
 
 def _bf16_noise(f: dict) -> str:
-    line = (f"{f['shape']} on the CPU, {f['response_tokens']} response tokens: mean |bf16 - fp32| log-prob "
-            f"{f['mean_abs_bf16_vs_fp32']:.4f}, tolerance (2x) {f['tolerance']:.4f}")
+    line = (
+        f"{f['shape']} on the CPU, {f['response_tokens']} response tokens: mean |bf16 - fp32| log-prob "
+        f"{f['mean_abs_bf16_vs_fp32']:.4f}, tolerance (2x) {f['tolerance']:.4f}"
+    )
     if "ratio_gpu_run_over_tolerance" in f:
         line += f"; the H200 run's engine-vs-trainer difference / tolerance {f['ratio_gpu_run_over_tolerance']:.2f}"
     return line
@@ -106,58 +119,78 @@ def _publish(f: dict) -> str:
 
 
 def _rollout(f: dict) -> str:
-    return (f"vime / vLLM direct {f['ratio_vime_vs_direct']:.2f}, / transformers {f['ratio_vime_vs_transformers']:.2f}; "
-            f"framework {f['framework_s_per_256']:.3f} s per 256 samples")
+    return (
+        f"vime / vLLM direct {f['ratio_vime_vs_direct']:.2f}, / transformers {f['ratio_vime_vs_transformers']:.2f}; "
+        f"framework {f['framework_s_per_256']:.3f} s per 256 samples"
+    )
 
 
 def _train(f: dict) -> str:
-    return f"vime / transformers tokens/s {f['ratio']:.2f} ({f['parameters'] / 1e6:.0f}M, {f['dtype']}, {f['machine']['device']})"
+    machine = f"{f['parameters'] / 1e6:.0f}M, {f['dtype']}, {f['machine']['device']}"
+    return f"vime / transformers tokens/s {f['ratio']:.2f} ({machine})"
 
 
 def _faults(f: dict) -> str:
     k = f["kills"]
-    return (f"ok {f['ok']}: {f['num_rollout']} iterations, kills engine {k['engine']} / trainer {k['trainer']} / "
-            f"driver {k['driver']}, {f['wall_s']} s")
+    return (
+        f"ok {f['ok']}: {f['num_rollout']} iterations, kills engine {k['engine']} / trainer {k['trainer']} / "
+        f"driver {k['driver']}, {f['wall_s']} s"
+    )
 
 
 def _default_job(f: dict) -> str:
     gains = " / ".join(f"{r['reward_gain']:.2f}" for r in f["runs"])
     walls = " / ".join(f"{r['iteration_wall_median_s']:.2f}" for r in f["runs"] if r.get("iteration_wall_median_s"))
-    return (f"reward gain {gains} (target {f['target_gain']}); T_step median {f['median_t_step_s']:.2f} s; "
-            f"iteration {walls} s")
+    return (
+        f"reward gain {gains} (target {f['target_gain']}); T_step median {f['median_t_step_s']:.2f} s; "
+        f"iteration {walls} s"
+    )
 
 
 def _trainer_gpu(f: dict) -> str:
     if "variants" not in f:  # --compare
         return "layout comparison: " + ", ".join(f)
     lay = f["layout"]
-    parts = [f"{v['variant']} step {v['step_time_s'] * 1e3:.0f} ms, MFU {_pct(v['mfu_with_attention'])}"
-             for v in f["variants"][:3] if "step_time_s" in v]
+    parts = [
+        f"{v['variant']} step {v['step_time_s'] * 1e3:.0f} ms, MFU {_pct(v['mfu_with_attention'])}"
+        for v in f["variants"][:3]
+        if "step_time_s" in v
+    ]
     return f"{f['shape']} TP{lay['tp']} DP{lay['dp']}, {f['batch']['tokens_per_step']} tokens/step: " + "; ".join(parts)
 
 
 def _transport_gpu(f: dict) -> str:
-    return "; ".join(f"{s['shape']} {s['bytes'] / 1e9:.2f} GB: publish {s['median_s']['publish_s'] * 1e3:.1f} ms, "
-                     f"receive {s['receive_GBps']:.0f} GB/s (D2D {s['d2d_GBps']:.0f})" for s in f["shapes"])
+    return "; ".join(
+        f"{s['shape']} {s['bytes'] / 1e9:.2f} GB: publish {s['median_s']['publish_s'] * 1e3:.1f} ms, "
+        f"receive {s['receive_GBps']:.0f} GB/s (D2D {s['d2d_GBps']:.0f})"
+        for s in f["shapes"]
+    )
 
 
 def _colocated(f: dict) -> str:
     p = f["phases_median_s"]
-    return (f"{f['iterations']} iterations: T_step {p['t_step']:.1f} s = rollout {p['t_rollout']:.1f} + train "
-            f"{p['t_train']:.1f} + ...; publish {p.get('publish_s', 0):.2f} s")
+    return (
+        f"{f['iterations']} iterations: T_step {p['t_step']:.1f} s = rollout {p['t_rollout']:.1f} + train "
+        f"{p['t_train']:.1f} + ...; publish {p.get('publish_s', 0):.2f} s"
+    )
 
 
 def _colocated_baselines(f: dict) -> str:
-    return (f"T_step / (direct rollout + trainer alone) {f['framework_ratio']:.2f}; rollout tok/s vs direct "
-            f"{f['rollout_tps_ratio']:.2f}; publish / D2D copy {f['publish_vs_copy']:.0f}x")
+    return (
+        f"T_step / (direct rollout + trainer alone) {f['framework_ratio']:.2f}; rollout tok/s vs direct "
+        f"{f['rollout_tps_ratio']:.2f}; publish / D2D copy {f['publish_vs_copy']:.0f}x"
+    )
 
 
 def _colocated_step(f: dict) -> str:
     """The figures a row has: a call may run some of the phases only."""
     r, v = f.get("ratios", {}), f.get("vime") or {}
     parts = [f"T_step {v['t_step_s']:.1f} s"] if v.get("t_step_s") else []
-    for key, label, fmt in (("step_vs_parts", "step / parts", "{:.2f}"), ("rollout_vs_offline", "rollout / offline", "{:.2f}"),
-                            ("logprobs_cost", "server tok/s with / without log-probs", "{:.2f}")):
+    for key, label, fmt in (
+        ("step_vs_parts", "step / parts", "{:.2f}"),
+        ("rollout_vs_offline", "rollout / offline", "{:.2f}"),
+        ("logprobs_cost", "server tok/s with / without log-probs", "{:.2f}"),
+    ):
         if r.get(key) is not None:
             parts.append(f"{label} {fmt.format(r[key])}")
     if r.get("trainer_mfu") is not None:
@@ -165,9 +198,15 @@ def _colocated_step(f: dict) -> str:
     if f.get("startup_s") is not None:
         parts.append(f"startup {f['startup_s']:.0f} s")
     if groups := (f.get("startup_variants") or {}).get("by_flags"):
-        parts.append("one-iteration startups, median: " + ", ".join(
-            f"{g['name']} " + (f"{g['startup_s_median']:.1f} s" if g["startup_s_median"] else "failed") + f" (x{len(g['runs'])})"
-            for g in groups))
+        parts.append(
+            "one-iteration startups, median: "
+            + ", ".join(
+                f"{g['name']} "
+                + (f"{g['startup_s_median']:.1f} s" if g["startup_s_median"] else "failed")
+                + f" (x{len(g['runs'])})"
+                for g in groups
+            )
+        )
     return "; ".join(parts) or "no figures"
 
 
@@ -177,7 +216,9 @@ def _rollout_vs_offline(f: dict) -> str:
         if "error" in variants:
             parts.append(f"{server}: failed ({variants['error'][:80]})")
             continue
-        ratios = [f"{name} {v['vs_offline']:.2f}" for name, v in variants.items() if isinstance(v, dict) and "vs_offline" in v]
+        ratios = [
+            f"{name} {v['vs_offline']:.2f}" for name, v in variants.items() if isinstance(v, dict) and "vs_offline" in v
+        ]
         parts.append(f"{server}: {', '.join(ratios)}")
     return "; ".join(parts)
 
@@ -202,43 +243,131 @@ class Suite:
     full: Optional[Callable[[dict], bool]] = None
 
 
-SUITES = {s.name: s for s in [
-    Suite("math", "bench/bench_math.py", "batch build + DP schedule, PPO loss, advantages vs plain-torch baselines", _math),
-    Suite("persist", "bench/bench_persist.py", "a batch's write/read through BatchStore vs a raw write/read, local and S3",
-          _persist, lock=True),
-    Suite("publish", "bench/bench_publish.py", "publish_weights into a vLLM CPU engine (shm, disk, gloo) vs its own reload",
-          _publish, lock=True),
-    Suite("rollout", "bench/bench_rollout.py", "rollout tokens/s through vime vs straight to vLLM and vs transformers",
-          _rollout, lock=True),
-    Suite("train", "bench/bench_train.py", "Megatron train step tokens/s vs a plain transformers step", _train),
-    Suite("orchestration", "bench/bench_orchestration.py",
-          "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial; "
-          "--modes tis,off_policy: --async-staleness 1 vs on-policy", _orchestration,
-          lock=True, drop=("rows",)),
-    Suite("bf16_noise", "bench/bench_bf16_noise.py", "bf16 vs fp32 sampled-token log-probs of the GPU step's model: "
-          "the tolerance of the engine-vs-trainer difference", _bf16_noise),
-    Suite("startup", "bench/bench_startup.py", "`vime train` from the command to its first iteration, early start vs "
-          "--no-early-start and vs --no-engine-prestart", _startup, lock=True),
-    Suite("faults", "bench/bench_faults.py", "a run under random kills of engine, trainer and driver: invariants", _faults,
-          lock=True),
-    Suite("default_job", "bench/default_job_report.py", "infra/main_job.sh per seed: reward gain, T_step, overhead",
-          _default_job, lock=True),
-    Suite("trainer_gpu", "bench/bench_trainer_gpu.py", "trainer step and log-prob recompute on GPUs: time, MFU, memory",
-          _trainer_gpu, gpu=True, drop=("check",)),
-    Suite("transport_gpu", "bench/bench_transport_gpu.py", "CUDA-IPC weight transport vs a D2D copy; trainer sleep/wake",
-          _transport_gpu, gpu=True),
-    Suite("colocated", "bench/gpu/run_colocated_h200.sh", "`vime train` colocated on GPUs: phases, publish, memory, weight check",
-          _colocated, gpu=True, out="colocated_*.json", drop=("records",)),
-    Suite("colocated_baselines", "bench/gpu/colocated_baselines.py",
-          "a live colocated run vs its rollout sent straight to its engine and the trainer alone", _colocated_baselines, gpu=True),
-    Suite("colocated_step", "bench/gpu/bench_colocated_step.py",
-          "the colocated step vs its parts in one command: offline vLLM, server direct, trainer alone", _colocated_step, gpu=True,
-          full=lambda f: {"step_vs_parts", "rollout_vs_offline", "trainer_mfu"} <= set(f.get("ratios") or {})),
-    Suite("rollout_vs_offline", "bench/gpu/rollout_vs_offline.py", "vime's vLLM server vs offline LLM.generate, request knobs",
-          _rollout_vs_offline, gpu=True),
-    Suite("learning_gpu", "bench/gpu/run_learning_h200.sh", "the default job on a GPU, colocated and sleeping: reward gain",
-          _learning_gpu, gpu=True, out="learning.json"),
-]}
+SUITES = {
+    s.name: s
+    for s in [
+        Suite(
+            "math",
+            "bench/bench_math.py",
+            "batch build + DP schedule, PPO loss, advantages vs plain-torch baselines",
+            _math,
+        ),
+        Suite(
+            "persist",
+            "bench/bench_persist.py",
+            "a batch's write/read through BatchStore vs a raw write/read, local and S3",
+            _persist,
+            lock=True,
+        ),
+        Suite(
+            "publish",
+            "bench/bench_publish.py",
+            "publish_weights into a vLLM CPU engine (shm, disk, gloo) vs its own reload",
+            _publish,
+            lock=True,
+        ),
+        Suite(
+            "rollout",
+            "bench/bench_rollout.py",
+            "rollout tokens/s through vime vs straight to vLLM and vs transformers",
+            _rollout,
+            lock=True,
+        ),
+        Suite("train", "bench/bench_train.py", "Megatron train step tokens/s vs a plain transformers step", _train),
+        Suite(
+            "orchestration",
+            "bench/bench_orchestration.py",
+            "the default job's time outside actor compute (Prefect, Ray, persist), prefetch vs serial; "
+            "--modes tis,off_policy: --async-staleness 1 vs on-policy",
+            _orchestration,
+            lock=True,
+            drop=("rows",),
+        ),
+        Suite(
+            "bf16_noise",
+            "bench/bench_bf16_noise.py",
+            "bf16 vs fp32 sampled-token log-probs of the GPU step's model: "
+            "the tolerance of the engine-vs-trainer difference",
+            _bf16_noise,
+        ),
+        Suite(
+            "startup",
+            "bench/bench_startup.py",
+            "`vime train` from the command to its first iteration, early start vs "
+            "--no-early-start and vs --no-engine-prestart",
+            _startup,
+            lock=True,
+        ),
+        Suite(
+            "faults",
+            "bench/bench_faults.py",
+            "a run under random kills of engine, trainer and driver: invariants",
+            _faults,
+            lock=True,
+        ),
+        Suite(
+            "default_job",
+            "bench/default_job_report.py",
+            "infra/main_job.sh per seed: reward gain, T_step, overhead",
+            _default_job,
+            lock=True,
+        ),
+        Suite(
+            "trainer_gpu",
+            "bench/bench_trainer_gpu.py",
+            "trainer step and log-prob recompute on GPUs: time, MFU, memory",
+            _trainer_gpu,
+            gpu=True,
+            drop=("check",),
+        ),
+        Suite(
+            "transport_gpu",
+            "bench/bench_transport_gpu.py",
+            "CUDA-IPC weight transport vs a D2D copy; trainer sleep/wake",
+            _transport_gpu,
+            gpu=True,
+        ),
+        Suite(
+            "colocated",
+            "bench/gpu/run_colocated_h200.sh",
+            "`vime train` colocated on GPUs: phases, publish, memory, weight check",
+            _colocated,
+            gpu=True,
+            out="colocated_*.json",
+            drop=("records",),
+        ),
+        Suite(
+            "colocated_baselines",
+            "bench/gpu/colocated_baselines.py",
+            "a live colocated run vs its rollout sent straight to its engine and the trainer alone",
+            _colocated_baselines,
+            gpu=True,
+        ),
+        Suite(
+            "colocated_step",
+            "bench/gpu/bench_colocated_step.py",
+            "the colocated step vs its parts in one command: offline vLLM, server direct, trainer alone",
+            _colocated_step,
+            gpu=True,
+            full=lambda f: {"step_vs_parts", "rollout_vs_offline", "trainer_mfu"} <= set(f.get("ratios") or {}),
+        ),
+        Suite(
+            "rollout_vs_offline",
+            "bench/gpu/rollout_vs_offline.py",
+            "vime's vLLM server vs offline LLM.generate, request knobs",
+            _rollout_vs_offline,
+            gpu=True,
+        ),
+        Suite(
+            "learning_gpu",
+            "bench/gpu/run_learning_h200.sh",
+            "the default job on a GPU, colocated and sleeping: reward gain",
+            _learning_gpu,
+            gpu=True,
+            out="learning.json",
+        ),
+    ]
+}
 
 
 # ---- provenance ----------------------------------------------------------------------------------
@@ -265,8 +394,9 @@ def machine() -> str:
     if os.environ.get("VIME_MACHINE"):
         return os.environ["VIME_MACHINE"]
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         names = []
     names = [n.strip() for n in names if n.strip()]
@@ -313,8 +443,12 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = command(suite, args, out_dir, nproc)
     sha, sha_source = git_sha()
-    env = dict(os.environ, OUT=str(out_dir), VIME_GIT_SHA=sha, PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    env = dict(
+        os.environ,
+        OUT=str(out_dir),
+        VIME_GIT_SHA=sha,
+        PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+    )
     shell = ["bash", "-c", 'source infra/env.sh && exec "$@"', "bash", *cmd]
     print(f"[bench] {suite.name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     with open(LOCK, "a") if suite.lock else open(os.devnull) as lock:
@@ -322,7 +456,11 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                print(f"[bench] waiting for {LOCK} (another bench, or a command under flock, holds it)", file=sys.stderr, flush=True)
+                print(
+                    f"[bench] waiting for {LOCK} (another bench, or a command under flock, holds it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 fcntl.flock(lock, fcntl.LOCK_EX)
         t0, load0 = time.monotonic(), os.getloadavg()[0]
         rc = subprocess.run(shell, cwd=REPO, env=env).returncode
@@ -336,11 +474,19 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
     figures = json.loads(path.read_text())
     for key in suite.drop:
         figures.pop(key, None)
-    row = {"suite": suite.name, "sha": sha, "sha_source": sha_source,
-           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine(),
-           "load_1m": [round(load0, 1), round(os.getloadavg()[0], 1)],
-           "command": shlex.join(["bench/run.py", *(["--nproc", str(nproc)] if nproc > 1 else []), suite.name, *args]),
-           "exit": rc, "wall_s": round(wall, 1), **({"note": note} if note else {}), "figures": figures}
+    row = {
+        "suite": suite.name,
+        "sha": sha,
+        "sha_source": sha_source,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine(),
+        "load_1m": [round(load0, 1), round(os.getloadavg()[0], 1)],
+        "command": shlex.join(["bench/run.py", *(["--nproc", str(nproc)] if nproc > 1 else []), suite.name, *args]),
+        "exit": rc,
+        "wall_s": round(wall, 1),
+        **({"note": note} if note else {}),
+        "figures": figures,
+    }
     print(f"[bench] {suite.name}: {headline(suite, figures)}  (raw output: {path})", file=sys.stderr)
     if record:
         append_row(results / f"{suite.name}.jsonl", row)
@@ -385,7 +531,9 @@ before that commit (their `note` says where it differs).
 
 def write_table(results: Path = RESULTS) -> Path:
     lines = [TABLE_HEAD]
-    for path in sorted(results.glob("*.jsonl"), key=lambda p: (list(SUITES).index(p.stem) if p.stem in SUITES else 99, p.stem)):
+    for path in sorted(
+        results.glob("*.jsonl"), key=lambda p: (list(SUITES).index(p.stem) if p.stem in SUITES else 99, p.stem)
+    ):
         rows = read_rows(path)
         if not rows:
             continue
@@ -397,8 +545,10 @@ def write_table(results: Path = RESULTS) -> Path:
         for row, label in shown:
             cell = headline(suite, row["figures"]).replace("|", "/")
             sha = row["sha"].split("-")[0][:9] + ("-dirty" if row["sha"].endswith("-dirty") else "")
-            lines.append(f"| [{row['suite']}]({path.name}){label} | {cell} | `{sha}` | {row['date'][:10]} | "
-                         f"{row['machine']} | {len(rows)} |\n")
+            lines.append(
+                f"| [{row['suite']}]({path.name}){label} | {cell} | `{sha}` | {row['date'][:10]} | "
+                f"{row['machine']} | {len(rows)} |\n"
+            )
     out = results / "README.md"
     out.write_text("".join(lines))
     return out
@@ -412,8 +562,9 @@ def list_suites() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0],
-                                epilog="Suites: " + ", ".join(SUITES))
+    p = argparse.ArgumentParser(
+        prog="bench/run.py", description=__doc__.split("\n\n")[0], epilog="Suites: " + ", ".join(SUITES)
+    )
     p.add_argument("--list", action="store_true", help="list the suites")
     p.add_argument("--table", action="store_true", help="regenerate bench/results/README.md")
     p.add_argument("--results", type=Path, default=RESULTS, help="where the rows go (default bench/results)")

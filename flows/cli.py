@@ -2,7 +2,8 @@
 
     vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
     vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
-    vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration | --batches | --quarantined)
+    vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration |
+    --batches | --quarantined)
     vime lineage --run RUN --turns K [--sample ROW ...]      a stored sample's turns (model / tool spans)
     vime cluster up [--num-gpus N] [--temp-dir DIR] | down | status   a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
@@ -39,8 +40,10 @@ def cmd_train(argv: list[str]) -> int:
 
     from vime_core.utils import interrupt
 
-    interrupt.install(f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
-                      f"run again with --run-name {cfg.run_name} to resume\n")
+    interrupt.install(
+        f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
+        f"run again with --run-name {cfg.run_name} to resume\n"
+    )
     if cfg.early_start:
         _start_actors_early(cfg)
     try:
@@ -91,8 +94,14 @@ def cmd_replay(argv: list[str]) -> int:
 
 def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-uri", default="runs")
-    parser.add_argument("--storage-endpoint-url", default="", help="S3 endpoint for an s3:// storage URI (default $AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL).")
-    parser.add_argument("--storage-region", default="", help="S3 region (default $AWS_REGION, else $AWS_DEFAULT_REGION).")
+    parser.add_argument(
+        "--storage-endpoint-url",
+        default="",
+        help="S3 endpoint for an s3:// storage URI (default $AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL).",
+    )
+    parser.add_argument(
+        "--storage-region", default="", help="S3 region (default $AWS_REGION, else $AWS_DEFAULT_REGION)."
+    )
     parser.add_argument("--run", default=None)
 
 
@@ -104,20 +113,43 @@ def _store(args):
 
 
 def cmd_lineage(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime lineage", description="Lineage queries over the batch index (no batch is read, except by --turns).")
+    parser = argparse.ArgumentParser(
+        prog="vime lineage", description="Lineage queries over the batch index (no batch is read, except by --turns)."
+    )
     _add_storage_arguments(parser)
     q = parser.add_mutually_exclusive_group(required=True)
     q.add_argument("--weight-version", type=int, help="Batches produced by this weight version.")
     q.add_argument("--prompts-seen-twice", action="store_true", help="Prompt ids seen in two or more batches.")
     q.add_argument("--reward-by-iteration", action="store_true", help="Mean reward per rollout id.")
     q.add_argument("--batches", action="store_true", help="The index itself.")
-    q.add_argument("--quarantined", action="store_true", help="Stored batches set aside because they could not be trained on, with the reason.")
-    q.add_argument("--turns", type=int, metavar="ROLLOUT_ID",
-                   help="Read this rollout's stored batch (needs --run) and show each sample turn by turn: the response "
-                        "token spans the model generated and those a tool appended, their trained (loss mask 1) token "
-                        "count and text (vime_core/data/turns.py). A single-turn sample shows one model turn.")
-    parser.add_argument("--sample", type=int, nargs="+", metavar="ROW", help="With --turns: only these rows of the batch (0-based; groups in order).")
-    parser.add_argument("--tokenizer", default=None, help="With --turns: the tokenizer folder or hub id that decodes the text (default: the batch's model_id; when none loads, token ids only).")
+    q.add_argument(
+        "--quarantined",
+        action="store_true",
+        help="Stored batches set aside because they could not be trained on, with the reason.",
+    )
+    q.add_argument(
+        "--turns",
+        type=int,
+        metavar="ROLLOUT_ID",
+        help="Read this rollout's stored batch (needs --run) and show each sample turn by turn: the response "
+        "token spans the model generated and those a tool appended, their trained (loss mask 1) token "
+        "count and text (vime_core/data/turns.py). A single-turn sample shows one model turn.",
+    )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        nargs="+",
+        metavar="ROW",
+        help="With --turns: only these rows of the batch (0-based; groups in order).",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help=(
+            "With --turns: the tokenizer folder or hub id that decodes the text (default: the batch's model_id; when "
+            "none loads, token ids only)."
+        ),
+    )
     args = parser.parse_args(argv)
     if args.turns is None and (args.sample is not None or args.tokenizer is not None):
         parser.error("--sample and --tokenizer go with --turns")
@@ -165,8 +197,10 @@ def _decoder(tokenizer_path: str):
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except Exception as exc:  # no such folder, no hub access, not a tokenizer
-        sys.stderr.write(f"[vime] no text: tokenizer {tokenizer_path!r} did not load ({type(exc).__name__}); "
-                         f"token ids only (--tokenizer names another)\n")
+        sys.stderr.write(
+            f"[vime] no text: tokenizer {tokenizer_path!r} did not load ({type(exc).__name__}); "
+            f"token ids only (--tokenizer names another)\n"
+        )
         return None
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -174,13 +208,18 @@ def _decoder(tokenizer_path: str):
 def cmd_cluster(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vime cluster", description="A local Ray head on loopback.")
     parser.add_argument("action", choices=["up", "down", "status"])
-    parser.add_argument("--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines).")
+    parser.add_argument(
+        "--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines)."
+    )
     parser.add_argument("--num-cpus", type=int, default=None)
     from vime_core.cluster import local_head
 
-    parser.add_argument("--temp-dir", default=local_head.default_temp_dir(),
-                        help=f"The head's Ray temp dir (sessions, logs; names the head for down/status). "
-                             f"Default ${local_head.TEMP_DIR_ENV}, else {local_head.DEFAULT_TEMP_DIR}.")
+    parser.add_argument(
+        "--temp-dir",
+        default=local_head.default_temp_dir(),
+        help=f"The head's Ray temp dir (sessions, logs; names the head for down/status). "
+        f"Default ${local_head.TEMP_DIR_ENV}, else {local_head.DEFAULT_TEMP_DIR}.",
+    )
     args = parser.parse_args(argv)
     if args.action == "up":
         print(local_head.start_local_head(num_gpus=args.num_gpus, num_cpus=args.num_cpus, temp_dir=args.temp_dir))
@@ -205,7 +244,9 @@ def cmd_teardown(argv: list[str]) -> int:
 
 
 def cmd_prune(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime prune", description="Remove stored batches by run and/or age (dry run unless --yes).")
+    parser = argparse.ArgumentParser(
+        prog="vime prune", description="Remove stored batches by run and/or age (dry run unless --yes)."
+    )
     _add_storage_arguments(parser)
     parser.add_argument("--older-than-days", type=float, default=None)
     parser.add_argument("--yes", action="store_true", help="Really delete.")

@@ -81,8 +81,9 @@ def one_line_failures():
     """Install KnownFailureWithoutTraceback on Prefect's run loggers, RayErrorInOneLine on
     Ray's and ExplainedFailuresOffTheConsole on the console's handlers, while the run starts and
     its iterations run (`vime train` also around the flow, for the flow run's own failure line)."""
-    installed: list[tuple[Any, logging.Filter]] = [(logging.getLogger(name), KnownFailureWithoutTraceback())
-                                                   for name in _PREFECT_RUN_LOGGERS]
+    installed: list[tuple[Any, logging.Filter]] = [
+        (logging.getLogger(name), KnownFailureWithoutTraceback()) for name in _PREFECT_RUN_LOGGERS
+    ]
     installed.append((logging.getLogger(RAY_DRIVER_LOGGER), RayErrorInOneLine()))
     installed += [(handler, ExplainedFailuresOffTheConsole()) for handler in _console_handlers()]
     for target, quiet in installed:
@@ -97,4 +98,8 @@ def one_line_failures():
 def _console_handlers() -> list[logging.Handler]:
     """The root logger's stream handlers (Prefect's console handler; what the user's terminal
     shows), not Prefect's API handler, which sits on the run loggers themselves."""
-    return [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    return [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]

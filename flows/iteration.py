@@ -79,10 +79,16 @@ def _engines_asleep(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
     done[Phase.PERSIST] = persisting.result()
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k)
-    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
-                                   start_rollout_id=plan.publish_starts_next(out.next_stored))
+    done[Phase.SYNC] = sync_weights(
+        cfg,
+        plan.next_version,
+        resume_admission=not plan.last,
+        start_rollout_id=plan.publish_starts_next(out.next_stored),
+    )
     done[Phase.ONLOAD_KV] = onload_kv(cfg, k)
-    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    done[Phase.CHECK_WEIGHTS] = (
+        check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    )
     return done
 
 
@@ -100,9 +106,16 @@ def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out) -> dict[Phase, 
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
-    done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=not plan.last,
-                                   start_rollout_id=plan.publish_starts_next(out.next_stored), submitted=ahead)
-    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    done[Phase.SYNC] = sync_weights(
+        cfg,
+        plan.next_version,
+        resume_admission=not plan.last,
+        start_rollout_id=plan.publish_starts_next(out.next_stored),
+        submitted=ahead,
+    )
+    done[Phase.CHECK_WEIGHTS] = (
+        check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
+    )
     return done
 
 

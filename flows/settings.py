@@ -5,7 +5,8 @@ before the first flow runs: `vime`'s main, the test suite's conftest, benchmarks
 flow in their own process; a value already in the environment wins). They matter only where
 Prefect starts its temporary server (no PREFECT_API_URL): a deployment's flow run talks to a
 `prefect server start` that reads its own environment, and the defaults go there. The
-temporary server keeps its state in SQLite, and a subflow's tracking-task insert that collides with another writer gets a 503 and a
+temporary server keeps its state in SQLite, and a subflow's tracking-task insert that collides with another writer gets
+a 503 and a
 fixed 2 s client back-off that the iteration loop waits out. The colliding writers are the
 task-run recorder (batched here: the UI shows task states up to 5 s later) and the event
 persister (off here: runs, task runs, logs and artifacts are still recorded, only the UI's event

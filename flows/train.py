@@ -159,11 +159,15 @@ def retry_or_raise(config: VimeConfig, rollout_id: int, exc: Exception, failed: 
         log.warning("%s; retrying in %g s (attempt %d of %d)", what, delay, failed + 1, attempts)
         return delay
     if fault.retryable:
-        why = (f"giving up after {attempts} attempts (iteration_retries={config.iteration_retries}); "
-               f"run the same command again to resume")
+        why = (
+            f"giving up after {attempts} attempts (iteration_retries={config.iteration_retries}); "
+            f"run the same command again to resume"
+        )
     elif fault.kind == CONFIGURATION:
-        why = ("a configuration or data error, not retried; fix it and run the same command again to "
-               "resume from the last checkpoint")
+        why = (
+            "a configuration or data error, not retried; fix it and run the same command again to "
+            "resume from the last checkpoint"
+        )
     else:
         why = "not an infrastructure failure, not retried"
     log.error("%s; %s", what, why)
@@ -178,7 +182,11 @@ def resume_point(config: VimeConfig, start: int, failed_id: int, boot: dict) -> 
     if resume < failed_id:
         get_run_logger().warning(
             "trainer rebuilt from its checkpoint: training the stored batches of rollouts %d-%d again, "
-            "then iteration %d", resume, failed_id - 1, failed_id)
+            "then iteration %d",
+            resume,
+            failed_id - 1,
+            failed_id,
+        )
     return resume
 
 

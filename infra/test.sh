@@ -8,5 +8,7 @@ cd "$(dirname "$0")/.."
 bash infra/setup_env.sh
 export PREFECT_HOME="${PREFECT_HOME:-$(mktemp -d -t vime-prefect-XXXXXX)}"
 source infra/env.sh
+echo "[test] ruff check, ruff format --check (pyproject.toml)"
+.venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
 echo "[test] pytest (PREFECT_HOME=$PREFECT_HOME)"
 exec .venv/bin/python -m pytest -ra --durations=15 "$@" tests

@@ -152,8 +152,11 @@ def bootstrap(config: VimeConfig) -> dict:
     if restarted := ray.get(manager.check_engines.remote()):
         log.warning("restarted %d engine(s) whose server had died or could not wake", restarted)
     if woken := ray.get(manager.wake_asleep_engines.remote()):
-        log.warning("%s asleep (an iteration stopped while engines slept): woke the weights; "
-                    "the trainer's weights are published to every engine again", ", ".join(woken))
+        log.warning(
+            "%s asleep (an iteration stopped while engines slept): woke the weights; "
+            "the trainer's weights are published to every engine again",
+            ", ".join(woken),
+        )
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
@@ -176,8 +179,13 @@ def bootstrap(config: VimeConfig) -> dict:
         "bootstrap_marks_s": seconds,
         "startup_marks_s": startup_marks(early_marks(early), started, seconds, engine_starts, manager_epochs),
     }
-    log.info("bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)", out["t_bootstrap"],
-             target, out["next_rollout_id"], ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    log.info(
+        "bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)",
+        out["t_bootstrap"],
+        target,
+        out["next_rollout_id"],
+        ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()),
+    )
     return out
 
 
@@ -189,9 +197,14 @@ def early_marks(early: Optional[RunActors]) -> dict[str, float]:
     return {"early_start": early.began_s, "early_actors_created": early.began_s + early.seconds}
 
 
-def startup_marks(early: dict[str, float], bootstrap_started: float, seconds: dict[str, float],
-                  engine_starts: Sequence[dict] = (), manager_epochs: Optional[dict[str, float]] = None,
-                  command_epoch: Optional[float] = None) -> dict[str, float]:
+def startup_marks(
+    early: dict[str, float],
+    bootstrap_started: float,
+    seconds: dict[str, float],
+    engine_starts: Sequence[dict] = (),
+    manager_epochs: Optional[dict[str, float]] = None,
+    command_epoch: Optional[float] = None,
+) -> dict[str, float]:
     """Startup's marks in seconds since the command, in the order they happened: the early
     start's (`early`, already in those seconds), bootstrap's start, bootstrap's marks (`seconds`,
     from its start) moved by it, the RolloutManager's steps (`manager_epochs`:
@@ -238,4 +251,6 @@ def _restore_data_source(config: VimeConfig, manager, checkpoint_state: dict | N
     state = newest[1] if newest is not None else checkpoint_state
     if state is not None:
         ray.get(manager.load_data_source_state.remote(state))
-        get_run_logger().info("data source resumed after %s", f"stored rollout {newest[0]}" if newest else "the checkpoint")
+        get_run_logger().info(
+            "data source resumed after %s", f"stored rollout {newest[0]}" if newest else "the checkpoint"
+        )

@@ -21,13 +21,25 @@ def _engines(config: VimeConfig, method: str) -> dict:
     return {"seconds": moving.seconds, "memory": memory}
 
 
-@task(name=Phase.OFFLOAD_ROLLOUT, task_run_name="offload-rollout-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
+@task(
+    name=Phase.OFFLOAD_ROLLOUT,
+    task_run_name="offload-rollout-{rollout_id}",
+    retries=2,
+    retry_delay_seconds=2,
+    **TASK_DEFAULTS,
+)
 def offload_rollout(config: VimeConfig, rollout_id: int) -> dict:
     """Engines sleep (level 2 when they receive weight updates, else 1)."""
     return _engines(config, "offload")
 
 
-@task(name=Phase.OFFLOAD_TRAIN, task_run_name="offload-train-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
+@task(
+    name=Phase.OFFLOAD_TRAIN,
+    task_run_name="offload-train-{rollout_id}",
+    retries=2,
+    retry_delay_seconds=2,
+    **TASK_DEFAULTS,
+)
 def offload_train(config: VimeConfig, rollout_id: int) -> dict:
     """Every trainer rank moves its optimizer state and gradient buffers to host memory; the
     weights follow once the publish has copied them (MegatronTrainer.sleep)."""
@@ -37,7 +49,13 @@ def offload_train(config: VimeConfig, rollout_id: int) -> dict:
     return {"seconds": moving.seconds, "memory": per_rank}
 
 
-@task(name=Phase.ONLOAD_WEIGHTS, task_run_name="onload-weights-{rollout_id}", retries=2, retry_delay_seconds=2, **TASK_DEFAULTS)
+@task(
+    name=Phase.ONLOAD_WEIGHTS,
+    task_run_name="onload-weights-{rollout_id}",
+    retries=2,
+    retry_delay_seconds=2,
+    **TASK_DEFAULTS,
+)
 def onload_weights(config: VimeConfig, rollout_id: int) -> dict:
     """Wake the engines' weight memory before new weights are written into it."""
     return _engines(config, "onload_weights")

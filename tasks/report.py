@@ -44,8 +44,10 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_cur
     create_table_artifact(
         key=_artifact_key(config.run_name, "metrics"),
         table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records[-TABLE_ROWS:]],
-        description=(f"vime run {config.run_name}: one row per iteration, the latest {TABLE_ROWS} (T_* in "
-                     f"seconds); every iteration is in {run_dir(config.storage_uri, config.run_name)}/{METRICS}"),
+        description=(
+            f"vime run {config.run_name}: one row per iteration, the latest {TABLE_ROWS} (T_* in "
+            f"seconds); every iteration is in {run_dir(config.storage_uri, config.run_name)}/{METRICS}"
+        ),
     )
     if draw_curve:
         rewards = [r.get("reward_mean") or 0.0 for r in records]

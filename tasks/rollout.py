@@ -39,15 +39,21 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     since = Stopwatch()  # t_rollout: to whichever return ends the phase
     usable, quarantined = batch_io.usable_stored(config, rollout_id)
     if quarantined is not None:
-        log.warning("rollout %d: the stored batch cannot be trained on (%s); quarantined at %s, generating rollout %d again",
-                    rollout_id, quarantined["reason"], quarantined["quarantined_key"], rollout_id)
+        log.warning(
+            "rollout %d: the stored batch cannot be trained on (%s); quarantined at %s, generating rollout %d again",
+            rollout_id,
+            quarantined["reason"],
+            quarantined["quarantined_key"],
+            rollout_id,
+        )
     if usable:
         ref, key = batch_io.load(config, rollout_id)
         log.info("rollout %d: loaded stored batch %s", rollout_id, key)
         metrics = batch_io.summarize(ref)
         metrics["t_rollout"] = since.seconds
-        return RolloutOutput(ref, metrics, from_store=True, storage_key=key,
-                             next_stored=batch_io.stored(config, rollout_id + 1))
+        return RolloutOutput(
+            ref, metrics, from_store=True, storage_key=key, next_stored=batch_io.stored(config, rollout_id + 1)
+        )
     batch_ref, metrics_ref = manager.generate.options(num_returns=2).remote(rollout_id, version)
     next_stored = batch_io.stored(config, rollout_id + 1)  # looked up while the rollout runs
     metrics = dict(ray.get(metrics_ref))
@@ -73,8 +79,13 @@ def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> boo
 PERSIST_RETRY_DELAYS_S = [2, 5, 10]
 
 
-@task(name=Phase.PERSIST, task_run_name="persist-{rollout_id}", retries=len(PERSIST_RETRY_DELAYS_S),
-      retry_delay_seconds=PERSIST_RETRY_DELAYS_S, **TASK_DEFAULTS)
+@task(
+    name=Phase.PERSIST,
+    task_run_name="persist-{rollout_id}",
+    retries=len(PERSIST_RETRY_DELAYS_S),
+    retry_delay_seconds=PERSIST_RETRY_DELAYS_S,
+    **TASK_DEFAULTS,
+)
 def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
     """Design phase persist: the batch as an Arrow table with its lineage, written atomically
     (a try cut short leaves nothing visible). A retry that finds the batch published keeps it:
@@ -92,8 +103,14 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
         return {"key": key, "t_persist": since.seconds, "stored_by_earlier_try": True}
     from vime_core.storage.schema import DATA_SOURCE_AFTER
 
-    info = batch_io.save(config, rollout_id, out.batch_ref, flow_run_id, overwrite=out.replaces_quarantined,
-                         data_source_state=out.metrics.get(DATA_SOURCE_AFTER))
+    info = batch_io.save(
+        config,
+        rollout_id,
+        out.batch_ref,
+        flow_run_id,
+        overwrite=out.replaces_quarantined,
+        data_source_state=out.metrics.get(DATA_SOURCE_AFTER),
+    )
     info["t_persist"] = since.seconds
     get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))
     return info

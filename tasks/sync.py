@@ -68,8 +68,13 @@ def settle(submitted: Submitted | None, timeout_s: float = 2.0) -> None:
 
 
 @task(name=Phase.SYNC, task_run_name="sync-v{target_version}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
-def sync_weights(config: VimeConfig, target_version: int, resume_admission: bool = True,
-                 start_rollout_id: int | None = None, submitted: Submitted | None = None) -> dict:
+def sync_weights(
+    config: VimeConfig,
+    target_version: int,
+    resume_admission: bool = True,
+    start_rollout_id: int | None = None,
+    submitted: Submitted | None = None,
+) -> dict:
     """Pause admission, publish (v -> target_version), resume admission and, when
     `start_rollout_id` is given (rollout_prefetch), start that rollout on the new weights in the
     same actor call. Idempotent: engines that already report `target_version` are not
@@ -115,8 +120,9 @@ def _what(exc: BaseException) -> str:
     return f"{fault.what} ({fault.error_type})"
 
 
-def _publish_chained(manager, trainers, target_version: int, resume_admission: bool,
-                     start_rollout_id: int | None) -> tuple[list, bool]:
+def _publish_chained(
+    manager, trainers, target_version: int, resume_admission: bool, start_rollout_id: int | None
+) -> tuple[list, bool]:
     """(every rank's update_weights result, whether a rollout was started). end_sync runs once
     every rank published (the references among its top-level arguments), not at all when one failed."""
     published = publish(manager, trainers, target_version)
@@ -156,9 +162,15 @@ def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -
         engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"]))
     except Exception as exc:  # a diagnostic: say so, do not fail the iteration
         first_line = _first_line(exc)
-        get_run_logger().warning("check weights v%d: the engines could not score the probe: %s", target_version, first_line)
+        get_run_logger().warning(
+            "check weights v%d: the engines could not score the probe: %s", target_version, first_line
+        )
         return {"version": target_version, "error": first_line[:500]}
     result = {"version": target_version, **compare(probe["log_probs"], engines, previous)}
-    get_run_logger().info("check weights v%d: max |engine - trainer| = %.4g%s", target_version, result["max_abs_diff"],
-                          f", changed by up to {result['changed_max']:.4g} since the previous version" if "changed_max" in result else "")
+    get_run_logger().info(
+        "check weights v%d: max |engine - trainer| = %.4g%s",
+        target_version,
+        result["max_abs_diff"],
+        f", changed by up to {result['changed_max']:.4g} since the previous version" if "changed_max" in result else "",
+    )
     return result

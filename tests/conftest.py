@@ -52,8 +52,10 @@ def _tier_problem(item) -> str | None:
     parts = Path(item.path).resolve().relative_to(REPO / "tests").parts
     tier = FOLDER_TIERS.get(parts[0]) if len(parts) > 1 else None
     if tier is None:
-        return (f"{item.nodeid}: no tier: tests/{parts[0]}/ gives none; add `pytestmark = pytest.mark.<tier>` "
-                f"({' | '.join(TIERS)}) to the module")
+        return (
+            f"{item.nodeid}: no tier: tests/{parts[0]}/ gives none; add `pytestmark = pytest.mark.<tier>` "
+            f"({' | '.join(TIERS)}) to the module"
+        )
     item.add_marker(tier)
     return None
 
@@ -74,8 +76,9 @@ def cuda_devices() -> tuple[int, str]:
 def pytest_collection_modifyitems(config, items):
     problems = [p for p in map(_tier_problem, items) if p]
     if problems:
-        raise pytest.UsageError("every test needs exactly one tier (tests/conftest.py, docs/testing.md):\n  "
-                                + "\n  ".join(problems))
+        raise pytest.UsageError(
+            "every test needs exactly one tier (tests/conftest.py, docs/testing.md):\n  " + "\n  ".join(problems)
+        )
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is None:
@@ -83,7 +86,9 @@ def pytest_collection_modifyitems(config, items):
         need = marker.kwargs.get("gpus", 1)
         have, why = cuda_devices()
         if have < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {have}" + (f": {why}" if why else "")))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {have}" + (f": {why}" if why else ""))
+            )
 
 
 @pytest.fixture(scope="session")

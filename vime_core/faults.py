@@ -38,7 +38,8 @@ every time: retrying only hides it, so the run stops and says what to fix.
 An exception raised inside a Ray task or actor arrives as RayTaskError; its `cause` is what the
 remote code raised and decides. An actor whose constructor raised arrives as ActorDiedError
 carrying that RayTaskError: the constructor's error decides (a RolloutManager that could not
-start its engines because of a setting is a configuration error, not a crash). Chained exceptions (`raise ... from`, or raised while handling
+start its engines because of a setting is a configuration error, not a crash). Chained exceptions (`raise ... from`, or
+raised while handling
 another) are searched outermost first for the first one of a listed class.
 """
 
@@ -79,9 +80,18 @@ def _infrastructure_types() -> tuple[type, ...]:
     are not needed to import this module."""
     import ray.exceptions as rx
 
-    types = [rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.ObjectLostError,
-             rx.ObjectFetchTimedOutError, rx.RaySystemError, rx.GetTimeoutError,
-             ConnectionError, TimeoutError, InfrastructureError]
+    types = [
+        rx.RayActorError,
+        rx.WorkerCrashedError,
+        rx.NodeDiedError,
+        rx.ObjectLostError,
+        rx.ObjectFetchTimedOutError,
+        rx.RaySystemError,
+        rx.GetTimeoutError,
+        ConnectionError,
+        TimeoutError,
+        InfrastructureError,
+    ]
     try:
         import httpx
 
@@ -98,8 +108,15 @@ def _infrastructure_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-_CONFIGURATION_TYPES = (ValueError, TypeError, LookupError, ImportError, FileNotFoundError,
-                        NotADirectoryError, PermissionError)
+_CONFIGURATION_TYPES = (
+    ValueError,
+    TypeError,
+    LookupError,
+    ImportError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -110,8 +127,12 @@ def _unwrap(exc: BaseException) -> BaseException:
     while True:
         if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
             exc = exc.cause
-        elif (isinstance(exc, RayActorError) and getattr(exc, "actor_init_failed", False)
-              and exc.args and isinstance(exc.args[0], RayTaskError)):
+        elif (
+            isinstance(exc, RayActorError)
+            and getattr(exc, "actor_init_failed", False)
+            and exc.args
+            and isinstance(exc.args[0], RayTaskError)
+        ):
             exc = exc.args[0]
         else:
             return exc

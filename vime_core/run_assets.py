@@ -48,7 +48,9 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
     updates = {
         "storage_uri": _abs(cfg.storage_uri, base),
         "hf_checkpoint": _checkpoint_folder(cfg.hf_checkpoint, base),
-        "opd_teacher_load": _checkpoint_folder(cfg.opd_teacher_load, base, "opd_teacher_load") if cfg.opd_teacher_load else None,
+        "opd_teacher_load": _checkpoint_folder(cfg.opd_teacher_load, base, "opd_teacher_load")
+        if cfg.opd_teacher_load
+        else None,
         "prompt_data": resolve_local(cfg.prompt_data, base),
         "eval_prompt_data": resolve_local(cfg.eval_prompt_data, base),
         "vllm_python": _abs(cfg.vllm_python, REPO) if not Path(cfg.vllm_python).is_absolute() else cfg.vllm_python,

@@ -69,30 +69,69 @@ def git_sha() -> str:
     if os.environ.get("VIME_GIT_SHA"):
         return os.environ["VIME_GIT_SHA"]
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     return sha + ("-dirty" if dirty else "") if sha else "unknown"
 
 
 def phase_model(a, paths: dict) -> None:
-    subprocess.run([sys.executable, str(REPO / "bench/gpu/build_model.py"), "--shape", "0.5b", "--out", str(paths["model"]),
-                    "--prompts", str(paths["prompts"]), "--prompt-tokens", str(a.prompt_tokens)], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/gpu/build_model.py"),
+            "--shape",
+            "0.5b",
+            "--out",
+            str(paths["model"]),
+            "--prompts",
+            str(paths["prompts"]),
+            "--prompt-tokens",
+            str(a.prompt_tokens),
+        ],
+        check=True,
+        cwd=REPO,
+    )
 
 
 def phase_offline(a, paths: dict) -> None:
-    subprocess.run([sys.executable, str(REPO / "bench/gpu/rollout_vs_offline.py"), "--config", str(CONFIG),
-                    "--hf-checkpoint", str(paths["model"]), "--prompt-data", str(paths["prompts"]),
-                    "--repeats", str(a.repeats), "--variants", a.offline_variants, "--server-variants", a.server_variants,
-                    "--out", str(paths["results"] / "rollout.json")], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/gpu/rollout_vs_offline.py"),
+            "--config",
+            str(CONFIG),
+            "--hf-checkpoint",
+            str(paths["model"]),
+            "--prompt-data",
+            str(paths["prompts"]),
+            "--repeats",
+            str(a.repeats),
+            "--variants",
+            a.offline_variants,
+            "--server-variants",
+            a.server_variants,
+            "--out",
+            str(paths["results"] / "rollout.json"),
+        ],
+        check=True,
+        cwd=REPO,
+    )
 
 
 def phase_train(a, paths: dict) -> None:
     out = paths["results"] / "train"
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OUT=str(out), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work), RUN_NAME=a.run_name)
+    env = dict(
+        os.environ, OUT=str(out), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work), RUN_NAME=a.run_name
+    )
     launched = time.time()
-    proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), str(a.iterations), *a.train_args], env=env, cwd=REPO)
-    (paths["results"] / "train_meta.json").write_text(json.dumps({"launched_epoch": launched, "exit": proc.returncode,
-                                                                  "wall_s": time.time() - launched}))
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), str(a.iterations), *a.train_args], env=env, cwd=REPO
+    )
+    (paths["results"] / "train_meta.json").write_text(
+        json.dumps({"launched_epoch": launched, "exit": proc.returncode, "wall_s": time.time() - launched})
+    )
 
 
 def startup_variants(text: str) -> dict[str, list[str]]:
@@ -111,7 +150,9 @@ def startup_variants(text: str) -> dict[str, list[str]]:
 def startup_runs(variants: dict[str, list[str]], repeats: int) -> list[tuple[str, list[str]]]:
     """(run folder, flags) in the order run: the variants in turn, `repeats` rounds, so a drift of
     the host over the call falls on every variant alike; round r > 1 names its runs `<name>#r`."""
-    return [(name if r == 1 else f"{name}#{r}", flags) for r in range(1, repeats + 1) for name, flags in variants.items()]
+    return [
+        (name if r == 1 else f"{name}#{r}", flags) for r in range(1, repeats + 1) for name, flags in variants.items()
+    ]
 
 
 def phase_startup(a, paths: dict) -> None:
@@ -120,14 +161,31 @@ def phase_startup(a, paths: dict) -> None:
     out = paths["results"] / "startup"
     for name, flags in startup_runs(startup_variants(a.startup_variants), a.startup_repeats):
         run = f"{a.run_name}-startup-{name.replace('#', '-')}"
-        env = dict(os.environ, OUT=str(out / name), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work),
-                   RUN_NAME=run, TRAIN_TIMEOUT=os.environ.get("TRAIN_TIMEOUT", "300"))
+        env = dict(
+            os.environ,
+            OUT=str(out / name),
+            PROMPT_TOKENS=str(a.prompt_tokens),
+            VIME_GPU_WORK=str(a.work),
+            RUN_NAME=run,
+            TRAIN_TIMEOUT=os.environ.get("TRAIN_TIMEOUT", "300"),
+        )
         (out / name).mkdir(parents=True, exist_ok=True)
         print(f"[bench] startup {name}: {' '.join(flags) or '(defaults)'}", flush=True)
-        proc = subprocess.run(["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), "1", *a.train_args, *flags], env=env, cwd=REPO)
+        proc = subprocess.run(
+            ["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), "1", *a.train_args, *flags], env=env, cwd=REPO
+        )
         summary = Path(a.work) / "runs" / "reports" / run / "summary.json"
-        (out / name / "meta.json").write_text(json.dumps({"exit": proc.returncode, "flags": flags, "run_name": run, "ended_epoch": time.time(),
-                                                          "summary": json.loads(summary.read_text()) if summary.exists() else None}))
+        (out / name / "meta.json").write_text(
+            json.dumps(
+                {
+                    "exit": proc.returncode,
+                    "flags": flags,
+                    "run_name": run,
+                    "ended_epoch": time.time(),
+                    "summary": json.loads(summary.read_text()) if summary.exists() else None,
+                }
+            )
+        )
 
 
 # Where a start's seconds go, along its critical path: (stage, from mark, to mark) over the run's
@@ -137,7 +195,11 @@ def phase_startup(a, paths: dict) -> None:
 STARTUP_STAGES = (
     ("before_engine_launch", None, "engine0_launched"),  # imports, configuration, Ray's actors
     ("vllm_front_end_imports", "engine0_launched", "engine0_args"),
-    ("engine_core_start_and_load", "engine0_args", "engine0_weights_loaded"),  # the engine core's process, then the weights
+    (
+        "engine_core_start_and_load",
+        "engine0_args",
+        "engine0_weights_loaded",
+    ),  # the engine core's process, then the weights
     ("compile_kv_and_graphs", "engine0_weights_loaded", "engine0_graphs_captured"),
     ("vllm_warmup", "engine0_graphs_captured", "engine0_engine_ready"),
     ("serving_and_router", "engine0_engine_ready", "engines_ready"),
@@ -152,7 +214,9 @@ def startup_stages(marks: dict | None) -> dict[str, float | None]:
     """{stage: seconds}: each STARTUP_STAGES entry's `to - from`; None where either mark is missing."""
     marks = marks or {}
     at = lambda m: 0.0 if m is None else marks.get(m)  # noqa: E731
-    return {stage: (at(b) - at(a) if at(a) is not None and at(b) is not None else None) for stage, a, b in STARTUP_STAGES}
+    return {
+        stage: (at(b) - at(a) if at(a) is not None and at(b) is not None else None) for stage, a, b in STARTUP_STAGES
+    }
 
 
 def startup_report(results: Path) -> dict | None:
@@ -161,24 +225,39 @@ def startup_report(results: Path) -> dict | None:
     medians of startup_s and of each stage. The default settings are the flags of the run named
     `default`; each ratio is against their median."""
     folder = results / "startup"
-    metas = [(path.parent.name, json.loads(path.read_text())) for path in folder.glob("*/meta.json")] if folder.exists() else []
+    metas = (
+        [(path.parent.name, json.loads(path.read_text())) for path in folder.glob("*/meta.json")]
+        if folder.exists()
+        else []
+    )
     if not metas:
         return None
     out: dict = {}
     for name, meta in sorted(metas, key=lambda m: m[1]["ended_epoch"]):
         summary = meta.get("summary") or {}
         marks = summary.get("startup_marks_s")
-        out[name] = {"flags": meta["flags"], "exit": meta["exit"], "startup_s": summary.get("startup_s"),
-                     "startup_timeline_s": marks, "stages_s": startup_stages(marks) if marks else None}
+        out[name] = {
+            "flags": meta["flags"],
+            "exit": meta["exit"],
+            "startup_s": summary.get("startup_s"),
+            "startup_timeline_s": marks,
+            "stages_s": startup_stages(marks) if marks else None,
+        }
     groups: dict[tuple, dict] = {}
     for name, v in out.items():
         groups.setdefault(tuple(v["flags"]), {"name": name, "flags": v["flags"], "runs": []})["runs"].append(name)
     by_flags = []
     for g in groups.values():
         runs = [out[n] for n in g["runs"]]
-        by_flags.append({**g, "startup_s_median": _median([r["startup_s"] for r in runs]),
-                         "stages_s_median": {stage: _median([(r["stages_s"] or {}).get(stage) for r in runs])
-                                             for stage, _, _ in STARTUP_STAGES}})
+        by_flags.append(
+            {
+                **g,
+                "startup_s_median": _median([r["startup_s"] for r in runs]),
+                "stages_s_median": {
+                    stage: _median([(r["stages_s"] or {}).get(stage) for r in runs]) for stage, _, _ in STARTUP_STAGES
+                },
+            }
+        )
     default_flags = tuple(out["default"]["flags"]) if "default" in out else None
     base = next((g["startup_s_median"] for g in by_flags if tuple(g["flags"]) == default_flags), None)
     vs_default = lambda s: s / base if base and s else None  # noqa: E731
@@ -198,15 +277,19 @@ def phase_trainer(a, paths: dict) -> None:
     shape = batch_shape(report)
     cfg = load_config(CONFIG)
     extra = tuple(v for v in a.trainer_variants.split(",") if v)
-    trainer_alone(shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json", extra)
+    trainer_alone(
+        shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json", extra
+    )
 
 
 def batch_shape(report: dict) -> dict:
     """Samples and mean prompt / response lengths of the run's stored batches."""
     batches = report["batches"]
-    return {"samples": int(_median([b["rows"] for b in batches])),
-            "prompt_len": int(round(_median([b["mean_prompt_length"] for b in batches]))),
-            "response_len": int(round(_median([b["mean_response_length"] for b in batches])))}
+    return {
+        "samples": int(_median([b["rows"] for b in batches])),
+        "prompt_len": int(round(_median([b["mean_prompt_length"] for b in batches]))),
+        "response_len": int(round(_median([b["mean_response_length"] for b in batches]))),
+    }
 
 
 def run_summary(a, paths: dict) -> dict | None:
@@ -234,7 +317,9 @@ def logprobs_cost(server: dict) -> float | None:
     """Tokens/s with the sampled tokens' log-probs over without, both as a run sends them: the
     `logprobs+nodetok` shape (or `logprobs`) against `vime` (or `nologprobs`)."""
     with_lp = server.get("logprobs+nodetok") or server.get("logprobs")
-    without = server.get("vime") if "logprobs" not in (server.get("vime") or {}).get("params", {"logprobs": 0}) else None
+    without = (
+        server.get("vime") if "logprobs" not in (server.get("vime") or {}).get("params", {"logprobs": 0}) else None
+    )
     without = without or server.get("nologprobs")
     if not (with_lp and without):
         return None
@@ -246,48 +331,88 @@ def phase_report(a, paths: dict) -> dict:
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
     rollout, trainer, meta = read("rollout.json"), read("trainer.json"), read("train_meta.json")
     run = read("train/colocated_0.5b.json")
-    out: dict = {"bench": "colocated_step", "git_sha": git_sha(), "date": dt.date.today().isoformat(),
-                 "machine": gpu_name(), "prompt_tokens": a.prompt_tokens, "config": str(CONFIG.relative_to(REPO))}
+    out: dict = {
+        "bench": "colocated_step",
+        "git_sha": git_sha(),
+        "date": dt.date.today().isoformat(),
+        "machine": gpu_name(),
+        "prompt_tokens": a.prompt_tokens,
+        "config": str(CONFIG.relative_to(REPO)),
+    }
     ratios: dict = {}
     if rollout:
         offline = rollout.get("offline") or {}
-        out["offline_rollout"] = {"wall_s": offline.get("wall_s_median"), "tokens_per_s": offline.get("tokens_per_s_median"),
-                                  "ready_s": offline.get("ready_s")}
+        out["offline_rollout"] = {
+            "wall_s": offline.get("wall_s_median"),
+            "tokens_per_s": offline.get("tokens_per_s_median"),
+            "ready_s": offline.get("ready_s"),
+        }
         servers = rollout.get("servers") or {"default": rollout["server"]}
         # per server configuration: each request shape's tokens/s and its ratio to offline
-        out["server_direct"] = {name: {v: {"tokens_per_s": s["tokens_per_s_median"], "vs_offline": s["vs_offline"]}
-                                       for v, s in server.items() if isinstance(s, dict) and "tokens_per_s_median" in s}
-                                for name, server in servers.items()}
+        out["server_direct"] = {
+            name: {
+                v: {"tokens_per_s": s["tokens_per_s_median"], "vs_offline": s["vs_offline"]}
+                for v, s in server.items()
+                if isinstance(s, dict) and "tokens_per_s_median" in s
+            }
+            for name, server in servers.items()
+        }
         costs = {name: cost for name, server in servers.items() if (cost := logprobs_cost(server)) is not None}
         if costs:
             ratios["logprobs_cost"] = costs.get("default", next(iter(costs.values())))
             out["logprobs_cost_by_server"] = costs
     if run:
         recs = [r for r in run.get("records", []) if r.get("rollout_id", 0) >= 1] or run.get("records", [])
-        vime = {"iterations": len(run.get("records", [])),
-                "t_step_s": _median([r.get("t_step") for r in recs]),
-                "phases_s": {k: _median([r.get(k) for r in recs]) for k in ("t_rollout", "t_train", "t_sync", "t_onload",
-                                                                            "t_offload_rollout", "t_offload_train", "t_persist")},
-                "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),
-                # inside t_rollout: the rollout loop's generation (first request to the last kept
-                # group), its reward calls, and the batch's build (vime_core/rollout/loop.py)
-                "rollout_split_s": {k: _median([r.get(k) for r in recs]) for k in ("time_generate_s", "time_reward_s",
-                                                                                   "time_abort_s", "time_finalize_s",
-                                                                                   "time_total_s", "t_build")},
-                "generate_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in recs]),
-                "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
-                # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
-                "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
-                "rollout_logprob_abs_diff_max": max((r.get("train_rollout_logprob_abs_diff") or 0.0 for r in recs), default=None),
-                "tis_weight": _median([r.get("tis_weight") for r in recs]),
-                "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs) if recs else None}
+        vime = {
+            "iterations": len(run.get("records", [])),
+            "t_step_s": _median([r.get("t_step") for r in recs]),
+            "phases_s": {
+                k: _median([r.get(k) for r in recs])
+                for k in (
+                    "t_rollout",
+                    "t_train",
+                    "t_sync",
+                    "t_onload",
+                    "t_offload_rollout",
+                    "t_offload_train",
+                    "t_persist",
+                )
+            },
+            "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),
+            # inside t_rollout: the rollout loop's generation (first request to the last kept
+            # group), its reward calls, and the batch's build (vime_core/rollout/loop.py)
+            "rollout_split_s": {
+                k: _median([r.get(k) for r in recs])
+                for k in (
+                    "time_generate_s",
+                    "time_reward_s",
+                    "time_abort_s",
+                    "time_finalize_s",
+                    "time_total_s",
+                    "t_build",
+                )
+            },
+            "generate_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in recs]),
+            "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
+            # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
+            "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
+            "rollout_logprob_abs_diff_max": max(
+                (r.get("train_rollout_logprob_abs_diff") or 0.0 for r in recs), default=None
+            ),
+            "tis_weight": _median([r.get("tis_weight") for r in recs]),
+            "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs)
+            if recs
+            else None,
+        }
         out["vime"] = vime
         if meta:
             out["vime"]["exit"] = meta["exit"]
         if summary := run_summary(a, paths):
             out["startup_s"] = summary.get("startup_s")
             out["bootstrap_marks_s"] = summary.get("bootstrap_marks_s")
-            out["startup_timeline_s"] = summary.get("startup_marks_s")  # the run's and its engines' marks since the command
+            out["startup_timeline_s"] = summary.get(
+                "startup_marks_s"
+            )  # the run's and its engines' marks since the command
         if meta and (engines := run_engine_starts(read("train/engine_startup.json"), meta["launched_epoch"])):
             out["engine_startup"] = engines
         if rollout and out["offline_rollout"]["tokens_per_s"] and vime["rollout_tokens_per_s"]:
@@ -296,17 +421,30 @@ def phase_report(a, paths: dict) -> dict:
         out["startup_variants"] = startups
     if trainer:
         variant = next(v for v in trainer["variants"] if "step_time_s" in v)
-        out["trainer_alone"] = {k: variant.get(k) for k in variant if k.endswith(("_s", "mfu", "tokens_per_s")) or "mfu" in k}
+        out["trainer_alone"] = {
+            k: variant.get(k) for k in variant if k.endswith(("_s", "mfu", "tokens_per_s")) or "mfu" in k
+        }
         ratios["trainer_mfu"] = trainer_mfu(variant)
         # the --trainer-variants measured beside the run's packing, each with its MFU
-        out["trainer_variants"] = {v["variant"]: {"step_time_s": v["step_time_s"], "logprob_time_s": v["logprob_time_s"],
-                                                  "mfu": trainer_mfu(v), "peak_memory_gib": v.get("peak_memory_gib")}
-                                   for v in trainer["variants"] if "step_time_s" in v}
+        out["trainer_variants"] = {
+            v["variant"]: {
+                "step_time_s": v["step_time_s"],
+                "logprob_time_s": v["logprob_time_s"],
+                "mfu": trainer_mfu(v),
+                "peak_memory_gib": v.get("peak_memory_gib"),
+            }
+            for v in trainer["variants"]
+            if "step_time_s" in v
+        }
     if run and rollout and trainer and out["offline_rollout"]["wall_s"]:
         # the trainer's part is what the run's trainer did: the old-log-prob recompute only where
         # the run did not reuse the step's own log-probs (one step per rollout reuses them)
         recomputed = not all(r.get("reused_log_probs") for r in recs)
-        parts = out["offline_rollout"]["wall_s"] + variant["step_time_s"] + (variant["logprob_time_s"] if recomputed else 0.0)
+        parts = (
+            out["offline_rollout"]["wall_s"]
+            + variant["step_time_s"]
+            + (variant["logprob_time_s"] if recomputed else 0.0)
+        )
         out["parts_include_logprob_recompute"] = recomputed
         ratios["step_vs_parts"] = out["vime"]["t_step_s"] / parts
         out["parts_s"] = parts
@@ -316,7 +454,9 @@ def phase_report(a, paths: dict) -> dict:
 
 def gpu_name() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         return "unknown"
 
@@ -327,25 +467,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--offline-variants", default="vime,logprobs+nodetok",
-                   help="offline phase: request shapes sent straight to the server (rollout_vs_offline --variants); "
-                        "`vime` is what a run sends without log-probs, `logprobs+nodetok` what it sends when a flag needs them")
-    p.add_argument("--server-variants", default="default",
-                   help="offline phase: server configurations (rollout_vs_offline --server-variants), e.g. "
-                        "'default;vllm_api_server_count=4'")
-    p.add_argument("--trainer-variants", default="",
-                   help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536")
-    p.add_argument("--startup-variants", default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;noprepin:--no-offload-train-prepin",
-                   help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first")
-    p.add_argument("--startup-repeats", type=int, default=1,
-                   help="startup phase: rounds over the variants (round r > 1 names its runs <name>#r); the report gives medians per flag set")
+    p.add_argument(
+        "--offline-variants",
+        default="vime,logprobs+nodetok",
+        help="offline phase: request shapes sent straight to the server (rollout_vs_offline --variants); "
+        "`vime` is what a run sends without log-probs, `logprobs+nodetok` what it sends when a flag needs them",
+    )
+    p.add_argument(
+        "--server-variants",
+        default="default",
+        help="offline phase: server configurations (rollout_vs_offline --server-variants), e.g. "
+        "'default;vllm_api_server_count=4'",
+    )
+    p.add_argument(
+        "--trainer-variants",
+        default="",
+        help="trainer phase: bench_trainer_gpu variants measured after the run's own packing, e.g. pack65536",
+    )
+    p.add_argument(
+        "--startup-variants",
+        default="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;noprepin:--no-offload-train-prepin",
+        help="startup phase: 'name:extra vime train flags' entries separated by ';', the baseline first",
+    )
+    p.add_argument(
+        "--startup-repeats",
+        type=int,
+        default=1,
+        help=(
+            "startup phase: rounds over the variants (round r > 1 names its runs <name>#r); the report gives medians "
+            "per flag set"
+        ),
+    )
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")
     p.add_argument("--out", required=True)
     p.add_argument("train_args", nargs="*", help="extra `vime train` flags (after --)")
     a = p.parse_args(argv)
     work = Path(a.work)
-    paths = {"model": work / "model-0.5b", "prompts": work / f"prompts-{a.prompt_tokens}.jsonl", "results": work / "bench"}
+    paths = {
+        "model": work / "model-0.5b",
+        "prompts": work / f"prompts-{a.prompt_tokens}.jsonl",
+        "results": work / "bench",
+    }
     paths["results"].mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
     unknown = set(phases) - set(PHASES)

@@ -41,10 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     s = gpu_common.SHAPES[a.shape]
     family = s["model_type"]
     path = build_tiny_model(
-        a.out, family=family, seed=a.seed, hidden_size=s["hidden_size"], num_layers=s["num_hidden_layers"],
-        num_heads=s["num_attention_heads"], num_kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
-        intermediate_size=s["intermediate_size"], tie_word_embeddings=s["tie_word_embeddings"],
-        max_position_embeddings=32768, vocab_size=s["vocab_size"], torch_dtype="bfloat16",
+        a.out,
+        family=family,
+        seed=a.seed,
+        hidden_size=s["hidden_size"],
+        num_layers=s["num_hidden_layers"],
+        num_heads=s["num_attention_heads"],
+        num_kv_heads=s["num_key_value_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["intermediate_size"],
+        tie_word_embeddings=s["tie_word_embeddings"],
+        max_position_embeddings=32768,
+        vocab_size=s["vocab_size"],
+        torch_dtype="bfloat16",
     )
     print(json.dumps({"model": str(path)}))
     if a.prompts:
@@ -61,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             if tokenizer is not None:  # character-level vocabulary: one noise character, one token
                 size = a.prompt_tokens - len(tokenizer.encode(row["prompt"]))
             # no spaces when counting tokens: the larger vocabularies' tokenizer drops them
-            noise = "".join(rng.choice("0123456789+-*>" if tokenizer is not None else "0123456789+-*> ") for _ in range(size))
+            noise = "".join(
+                rng.choice("0123456789+-*>" if tokenizer is not None else "0123456789+-*> ") for _ in range(size)
+            )
             rows.append({**row, "prompt": noise + row["prompt"]})
             if tokenizer is not None and len(tokenizer.encode(rows[-1]["prompt"])) != a.prompt_tokens:
                 raise SystemExit(f"prompt {row['prompt']!r}: cannot make it {a.prompt_tokens} tokens long")

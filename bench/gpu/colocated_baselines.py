@@ -76,19 +76,45 @@ def device_copy_s(nbytes: int, repeats: int = 20) -> float:
     return statistics.median(times[2:])
 
 
-def trainer_alone(samples: int, prompt_len: int, response_len: int, cfg, out: Path, extra_variants: tuple[str, ...] = ()) -> dict:
+def trainer_alone(
+    samples: int, prompt_len: int, response_len: int, cfg, out: Path, extra_variants: tuple[str, ...] = ()
+) -> dict:
     """bench_trainer_gpu on a batch of this shape: the run's own packing first (the variant the
     figures below are of), then `extra_variants` measured in the same process for comparison."""
     variants = ",".join((f"pack{cfg.max_tokens_per_gpu}", *extra_variants))
-    cmd = [sys.executable, str(REPO / "bench" / "bench_trainer_gpu.py"), "--shape", "0.5b",
-           "--samples", str(samples), "--prompt-len", str(prompt_len), "--response-len", str(response_len),
-           "--lr", str(cfg.lr), "--variants", variants, "--warmup", "1",
-           "--repeats", "3", "--check-steps", "0", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "bench_trainer_gpu.py"),
+        "--shape",
+        "0.5b",
+        "--samples",
+        str(samples),
+        "--prompt-len",
+        str(prompt_len),
+        "--response-len",
+        str(response_len),
+        "--lr",
+        str(cfg.lr),
+        "--variants",
+        variants,
+        "--warmup",
+        "1",
+        "--repeats",
+        "3",
+        "--check-steps",
+        "0",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO)
     result = json.loads(out.read_text())
     variant = next(v for v in result["variants"] if "step_time_s" in v)
-    return {"step_time_s": variant["step_time_s"], "logprob_time_s": variant["logprob_time_s"],
-            "total_s": variant["step_time_s"] + variant["logprob_time_s"], "command": " ".join(cmd[1:])}
+    return {
+        "step_time_s": variant["step_time_s"],
+        "logprob_time_s": variant["logprob_time_s"],
+        "total_s": variant["step_time_s"] + variant["logprob_time_s"],
+        "command": " ".join(cmd[1:]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,25 +137,39 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    records = [r for r in read_records(a.storage_uri, a.run_name)
-               if a.from_rollout <= r["rollout_id"] <= (a.to_rollout if a.to_rollout is not None else r["rollout_id"])]
+    records = [
+        r
+        for r in read_records(a.storage_uri, a.run_name)
+        if a.from_rollout <= r["rollout_id"] <= (a.to_rollout if a.to_rollout is not None else r["rollout_id"])
+    ]
 
-    vime = {"t_step_median_s": _median([r["t_step"] for r in records]),
-            "phases_median_s": {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")},
-            "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")]),
-            # the rollout loop's own count over its generation time (excludes reward and batch build)
-            "generation_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in records]),
-            "publish_median_s": _median([r.get("publish_s") for r in records])}
+    vime = {
+        "t_step_median_s": _median([r["t_step"] for r in records]),
+        "phases_median_s": {k: _median([r.get(k) for r in records]) for k in sorted(records[0]) if k.startswith("t_")},
+        "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in records if r.get("t_rollout")]),
+        # the rollout loop's own count over its generation time (excludes reward and batch build)
+        "generation_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in records]),
+        "publish_median_s": _median([r.get("publish_s") for r in records]),
+    }
     phases = vime["phases_median_s"]
     vime["sleep_wake_median_s"] = {
-        "engine_sleep": phases.get("t_offload_rollout"), "trainer_sleep": phases.get("t_offload_train"),
-        "engine_wake_weights_and_kv": phases.get("t_onload"), "trainer_wake": phases.get("t_wake_train")}
-    result = {"bench": "colocated_baselines", "run": a.run_name, "rollout_ids": [r["rollout_id"] for r in records],
-              "vime": vime}
+        "engine_sleep": phases.get("t_offload_rollout"),
+        "trainer_sleep": phases.get("t_offload_train"),
+        "engine_wake_weights_and_kv": phases.get("t_onload"),
+        "trainer_wake": phases.get("t_wake_train"),
+    }
+    result = {
+        "bench": "colocated_baselines",
+        "run": a.run_name,
+        "rollout_ids": [r["rollout_id"] for r in records],
+        "vime": vime,
+    }
     if a.measured:
         measured = json.loads(Path(a.measured).read_text())
-        result.update({k: measured[k] for k in ("shape", "direct_rollout", "device_copy", "trainer_alone")},
-                      measured_in=a.measured)
+        result.update(
+            {k: measured[k] for k in ("shape", "direct_rollout", "device_copy", "trainer_alone")},
+            measured_in=a.measured,
+        )
         straight, limit, alone = (measured[k] for k in ("direct_rollout", "device_copy", "trainer_alone"))
         return _write_ratios(result, vime, straight, limit, alone, a.out)
 
@@ -153,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=a.ray_address, namespace=names.namespace(a.run_name), logging_level="ERROR")
         engine = ray.get_actor(names.engine(0), namespace=names.namespace(a.run_name))
         url, token = ray.get([engine.get_url.remote(), engine.engine_token.remote()])
-        runs = [asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency, token)) for _ in range(a.repeats)]
-        return {"runs": runs, "wall_median_s": _median([d["wall_s"] for d in runs]),
-                "tokens_per_s_median": _median([d["tokens_per_s"] for d in runs])}
+        runs = [
+            asyncio.run(direct_rollout(url, prompts, cfg, cfg.vllm_server_concurrency, token)) for _ in range(a.repeats)
+        ]
+        return {
+            "runs": runs,
+            "wall_median_s": _median([d["wall_s"] for d in runs]),
+            "tokens_per_s_median": _median([d["tokens_per_s"] for d in runs]),
+        }
 
     def copy() -> dict:
         weight_bytes = sum(f.stat().st_size for f in Path(cfg.hf_checkpoint).glob("*.safetensors"))
@@ -164,20 +209,28 @@ def main(argv: list[str] | None = None) -> int:
 
     straight = section("direct_rollout", direct)
     limit = section("device_copy", copy)
-    alone = section("trainer_alone", lambda: trainer_alone(len(prompts), mean_prompt, mean_response, cfg,
-                                                             Path(a.out).with_name("trainer_alone.json")))
+    alone = section(
+        "trainer_alone",
+        lambda: trainer_alone(
+            len(prompts), mean_prompt, mean_response, cfg, Path(a.out).with_name("trainer_alone.json")
+        ),
+    )
     return _write_ratios(result, vime, straight, limit, alone, a.out)
 
 
-def _write_ratios(result: dict, vime: dict, straight: dict | None, limit: dict | None, alone: dict | None,
-                  out: str) -> int:
+def _write_ratios(
+    result: dict, vime: dict, straight: dict | None, limit: dict | None, alone: dict | None, out: str
+) -> int:
     """The module docstring's ratios (None where a baseline failed), written with the rest."""
     ok = lambda part: part if part and "error" not in part else None  # noqa: E731
     straight, limit, alone = ok(straight), ok(limit), ok(alone)
-    result["framework_ratio"] = (vime["t_step_median_s"] / (straight["wall_median_s"] + alone["total_s"])
-                                 if straight and alone else None)
+    result["framework_ratio"] = (
+        vime["t_step_median_s"] / (straight["wall_median_s"] + alone["total_s"]) if straight and alone else None
+    )
     result["rollout_tps_ratio"] = vime["rollout_tokens_per_s"] / straight["tokens_per_s_median"] if straight else None
-    result["publish_vs_copy"] = vime["publish_median_s"] / limit["median_s"] if limit and vime["publish_median_s"] else None
+    result["publish_vs_copy"] = (
+        vime["publish_median_s"] / limit["median_s"] if limit and vime["publish_median_s"] else None
+    )
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("framework_ratio", "rollout_tps_ratio", "publish_vs_copy")}, indent=2))
     return 0

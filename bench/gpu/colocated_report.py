@@ -17,8 +17,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GIB = 2**30
-PHASES = ("t_rollout", "t_build", "t_persist", "t_offload_rollout", "t_wake_train", "t_train", "t_offload_train",
-          "t_onload", "t_sync", "publish_s", "t_step")
+PHASES = (
+    "t_rollout",
+    "t_build",
+    "t_persist",
+    "t_offload_rollout",
+    "t_wake_train",
+    "t_train",
+    "t_offload_train",
+    "t_onload",
+    "t_sync",
+    "publish_s",
+    "t_step",
+)
 
 
 def _median(values: list[float]) -> float | None:
@@ -35,12 +46,19 @@ def memory_row(memory: dict) -> dict:
             continue
         if phase.startswith("engines"):
             e = value[0] or {}
-            row[phase] = {"engine_process_gib": (e.get("process_bytes") or 0) / GIB if e.get("process_bytes") is not None else None,
-                          "device_used_gib": sum((e.get("device_used_bytes") or {}).values()) / GIB}
+            row[phase] = {
+                "engine_process_gib": (e.get("process_bytes") or 0) / GIB
+                if e.get("process_bytes") is not None
+                else None,
+                "device_used_gib": sum((e.get("device_used_bytes") or {}).values()) / GIB,
+            }
         else:
             t = value[0] if isinstance(value, list) else value
-            row[phase] = {"allocated_gib": t.get("allocated_bytes", 0) / GIB, "reserved_gib": t.get("reserved_bytes", 0) / GIB,
-                          "process_gib": t["process_bytes"] / GIB if t.get("process_bytes") is not None else None}
+            row[phase] = {
+                "allocated_gib": t.get("allocated_bytes", 0) / GIB,
+                "reserved_gib": t.get("reserved_bytes", 0) / GIB,
+                "process_gib": t["process_bytes"] / GIB if t.get("process_bytes") is not None else None,
+            }
     return row
 
 
@@ -58,19 +76,31 @@ def main(argv: list[str] | None = None) -> int:
     batches = []
     for r in records:
         table = store.read_table(a.run_name, r["rollout_id"])
-        batches.append({"rollout_id": r["rollout_id"], "rows": table.num_rows,
-                        "mean_response_length": sum(table.column("response_length").to_pylist()) / max(1, table.num_rows),
-                        "mean_prompt_length": sum(len(t) - r for t, r in zip(table.column("tokens").to_pylist(),
-                                                                            table.column("response_length").to_pylist())) / max(1, table.num_rows)})
+        batches.append(
+            {
+                "rollout_id": r["rollout_id"],
+                "rows": table.num_rows,
+                "mean_response_length": sum(table.column("response_length").to_pylist()) / max(1, table.num_rows),
+                "mean_prompt_length": sum(
+                    len(t) - r
+                    for t, r in zip(table.column("tokens").to_pylist(), table.column("response_length").to_pylist())
+                )
+                / max(1, table.num_rows),
+            }
+        )
     steady = records[1:] or records
     out = {
         "iterations": len(records),
         "versions": [[r.get("version_before"), r.get("version_after")] for r in records],
         "phases_median_s": {k: _median([r.get(k) for r in steady]) for k in PHASES},
-        "publish_phases_median_s": {k: _median([(r.get("publish_phases_s") or {}).get(k) for r in steady])
-                                    for k in sorted({k for r in steady for k in (r.get("publish_phases_s") or {})})},
-        "publish_transport_median_s": {k: _median([(r.get("publish_transport_s") or {}).get(k) for r in steady])
-                                       for k in sorted({k for r in steady for k in (r.get("publish_transport_s") or {})})},
+        "publish_phases_median_s": {
+            k: _median([(r.get("publish_phases_s") or {}).get(k) for r in steady])
+            for k in sorted({k for r in steady for k in (r.get("publish_phases_s") or {})})
+        },
+        "publish_transport_median_s": {
+            k: _median([(r.get("publish_transport_s") or {}).get(k) for r in steady])
+            for k in sorted({k for r in steady for k in (r.get("publish_transport_s") or {})})
+        },
         "reward_mean": [r.get("reward_mean") for r in records],
         "weight_check": [r.get("weight_check") for r in records],
         "memory": [{"rollout_id": r["rollout_id"], **memory_row(r.get("memory") or {})} for r in records],
@@ -80,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(out, indent=1, default=str)
     if a.out:
         Path(a.out).write_text(text)
-    summary = {k: out[k] for k in ("iterations", "versions", "phases_median_s", "publish_phases_median_s",
-                                   "publish_transport_median_s")}
+    summary = {
+        k: out[k]
+        for k in ("iterations", "versions", "phases_median_s", "publish_phases_median_s", "publish_transport_median_s")
+    }
     summary["weight_check_max_abs_diff"] = [w.get("max_abs_diff") if w else None for w in out["weight_check"]]
     summary["memory_first_last"] = [out["memory"][0], out["memory"][-1]] if out["memory"] else []
     print(json.dumps(summary, indent=1, default=str))

@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         runs.append({"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall})
     result = {
-        "engine_kwargs": kwargs, "dropped_flags": dropped, "sampling": sampling, "prompts": len(prompts),
-        "ready_s": t_ready, "runs": runs,
+        "engine_kwargs": kwargs,
+        "dropped_flags": dropped,
+        "sampling": sampling,
+        "prompts": len(prompts),
+        "ready_s": t_ready,
+        "runs": runs,
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs),
         "wall_s_median": statistics.median(r["wall_s"] for r in runs),
     }

@@ -53,7 +53,9 @@ def run_prompts(cfg) -> list[list[int]]:
 
     rows = load_prompt_rows(cfg.prompt_data, cfg, load_tokenizer(cfg))
     # as the data source does, a prompt set smaller than a rollout is taken again from its start
-    return [list(rows[i % len(rows)].tokens) for i in range(cfg.rollout_batch_size) for _ in range(cfg.n_samples_per_prompt)]
+    return [
+        list(rows[i % len(rows)].tokens) for i in range(cfg.rollout_batch_size) for _ in range(cfg.n_samples_per_prompt)
+    ]
 
 
 # request variant modifiers ("+name" after a variant): SamplingParams fields the token endpoint
@@ -98,15 +100,27 @@ def offline(cfg, prompts: list[list[int]], flags: list[str], params: dict, repea
     prompt_file = work / "prompts.json"
     prompt_file.write_text(json.dumps(prompts))
     sampling = {k: v for k, v in params.items() if k != "skip_special_tokens"}
-    cmd = [str(resolve_python(cfg.vllm_python)), str(REPO / "bench" / "gpu" / "offline_generate.py"),
-           "--prompts", str(prompt_file), "--server-flags", json.dumps(flags), "--sampling", json.dumps(sampling),
-           "--repeats", str(repeats), "--out", str(work / "offline.json")]
+    cmd = [
+        str(resolve_python(cfg.vllm_python)),
+        str(REPO / "bench" / "gpu" / "offline_generate.py"),
+        "--prompts",
+        str(prompt_file),
+        "--server-flags",
+        json.dumps(flags),
+        "--sampling",
+        json.dumps(sampling),
+        "--repeats",
+        str(repeats),
+        "--out",
+        str(work / "offline.json"),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((work / "offline.json").read_text())
 
 
-async def through_server(url: str, prompts: list[list[int]], params: dict, concurrency: int,
-                         max_context_len: int | None = None, token=None) -> dict:
+async def through_server(
+    url: str, prompts: list[list[int]], params: dict, concurrency: int, max_context_len: int | None = None, token=None
+) -> dict:
     """Every prompt once, straight to the server, `concurrency` in flight (prefix cache reset
     first); with `max_context_len`, max_tokens is cut to the room each prompt leaves, as
     rollout/generate does."""
@@ -130,14 +144,15 @@ async def through_server(url: str, prompts: list[list[int]], params: dict, concu
     return {"wall_s": wall, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / wall}
 
 
-def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], variants: list[str], repeats: int,
-                      offline_tps: float | None) -> dict:
+def serve_and_measure(
+    cfg, extra_flags: list[str], prompts: list[list[int]], variants: list[str], repeats: int, offline_tps: float | None
+) -> dict:
     """One server for the configuration (plus `extra_flags`); each request variant `repeats`
     times, interleaved."""
     from vime_core.config import make_config, rollout_concurrency
     from vime_core.engines.server import EngineServer
 
-    env = dict(word[len("env:"):].split("=", 1) for word in extra_flags if word.startswith("env:"))
+    env = dict(word[len("env:") :].split("=", 1) for word in extra_flags if word.startswith("env:"))
     words = [word for word in extra_flags if not word.startswith("env:")]
     fields = dict(word.split("=", 1) for word in words if not word.startswith("-") and "=" in word)
     flags = [word for word in words if word.startswith("-") or "=" not in word]
@@ -150,13 +165,23 @@ def serve_and_measure(cfg, extra_flags: list[str], prompts: list[list[int]], var
         runs: dict[str, list] = {v: [] for v in variants}
         for _ in range(repeats):
             for v in variants:
-                runs[v].append(asyncio.run(through_server(url, prompts, variant_params(cfg, v), rollout_concurrency(cfg), token=server.auth_token)))
+                runs[v].append(
+                    asyncio.run(
+                        through_server(
+                            url, prompts, variant_params(cfg, v), rollout_concurrency(cfg), token=server.auth_token
+                        )
+                    )
+                )
     finally:
         server.shutdown()
     for v, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
-        out[v] = {"runs": rs, "tokens_per_s_median": tps, "vs_offline": tps / offline_tps if offline_tps else None,
-                  "params": variant_params(cfg, v)}
+        out[v] = {
+            "runs": rs,
+            "tokens_per_s_median": tps,
+            "vs_offline": tps / offline_tps if offline_tps else None,
+            "params": variant_params(cfg, v),
+        }
     return out
 
 
@@ -173,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-variants", default="default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-offline", action="store_true")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="every sample runs to max_tokens (a random model's EOS would end it early)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every sample runs to max_tokens (a random model's EOS would end it early)",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
@@ -185,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = a.variants.split(",")
     server = EngineServer(cfg)
     command = server.command(0)
-    flags = command[command.index("--model"):]  # after the interpreter and vLLM's entry point
-    result: dict = {"bench": "rollout_vs_offline", "samples": len(prompts),
-                    "prompt_tokens_mean": statistics.mean(len(t) for t in prompts),
-                    "concurrency": rollout_concurrency(cfg), "server_flags": flags}
+    flags = command[command.index("--model") :]  # after the interpreter and vLLM's entry point
+    result: dict = {
+        "bench": "rollout_vs_offline",
+        "samples": len(prompts),
+        "prompt_tokens_mean": statistics.mean(len(t) for t in prompts),
+        "concurrency": rollout_concurrency(cfg),
+        "server_flags": flags,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         if not a.skip_offline:
             result["offline"] = offline(cfg, prompts, flags, variant_params(cfg, "vime"), a.repeats, Path(tmp))

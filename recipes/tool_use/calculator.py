@@ -103,8 +103,9 @@ def answer(response_text: str) -> dict:
 
 # The rollout's calls run in the sandbox (vime_core/rollout/sandbox.py): the calculator reads text
 # the model wrote, so a call gets a time and memory limit and no file system or network.
-SANDBOXED_CALCULATOR = SandboxedTool("recipes.tool_use.calculator:answer", CALL_MARKER,
-                                     SandboxLimits(wall_s=5.0, memory_mb=256))
+SANDBOXED_CALCULATOR = SandboxedTool(
+    "recipes.tool_use.calculator:answer", CALL_MARKER, SandboxLimits(wall_s=5.0, memory_mb=256)
+)
 
 
 async def generate(ctx, sample: Sample, sampling_params: dict) -> Sample:

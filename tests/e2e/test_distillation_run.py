@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(os.environ.get("VIME_E2E") != "1", reason="a real run (~5 min on 2 cores): set VIME_E2E=1")
 def test_a_distillation_run_reports_a_falling_reverse_kl():
-    proc = subprocess.run(["bash", "tests/e2e/check_distillation_run.sh"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "tests/e2e/check_distillation_run.sh"], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"], result

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(os.environ.get("VIME_E2E") != "1", reason="two real runs (~4 min on 2 cores): set VIME_E2E=1")
 def test_a_resumed_run_trains_on_the_same_prompts():
-    proc = subprocess.run(["bash", "tests/e2e/check_resume_prompts.sh"], cwd=REPO, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        ["bash", "tests/e2e/check_resume_prompts.sh"], cwd=REPO, capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"], result

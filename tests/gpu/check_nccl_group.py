@@ -61,7 +61,9 @@ def main() -> None:
     world = max(gpus, 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=receiver, args=(r, world, unique_id, args.bytes, args.repeats, out)) for r in range(1, world)]
+    procs = [
+        ctx.Process(target=receiver, args=(r, world, unique_id, args.bytes, args.repeats, out)) for r in range(1, world)
+    ]
     for p in procs:
         p.start()
     t0 = time.perf_counter()
@@ -105,9 +107,17 @@ def no_peer_joins(device: torch.device, timeout_s: float) -> dict:
         after_error = None
     except Exception as exc:  # the GPU refused a group after the abandoned init
         after_error = f"{type(exc).__name__}: {exc}"
-    return {"timeout_s": timeout_s, "seconds": seconds, "raised": raised, "group_of_one_after": after_error is None,
-            "group_of_one_error": after_error,
-            "ok": raised is not None and raised.startswith("TimeoutError") and seconds < timeout_s + 5 and after_error is None}
+    return {
+        "timeout_s": timeout_s,
+        "seconds": seconds,
+        "raised": raised,
+        "group_of_one_after": after_error is None,
+        "group_of_one_error": after_error,
+        "ok": raised is not None
+        and raised.startswith("TimeoutError")
+        and seconds < timeout_s + 5
+        and after_error is None,
+    }
 
 
 if __name__ == "__main__":

@@ -39,13 +39,26 @@ def colocated_run(tmp_path_factory):
     parts = Path(os.environ.get("PARTS", "/tmp/parts"))
     if not (parts / "install_bundle.sh").exists():
         pytest.skip(f"needs the GPU host's bundle of pinned wheels in {parts} ($PARTS, with its install_bundle.sh)")
-    env = {"RUN_NAME": f"gpu-checks-{int(time.time())}", "VIME_GPU_WORK": str(WORK), "KEEP_ACTORS": "1",
-           "TRAIN_TIMEOUT": "480", "OUT": str(tmp_path_factory.mktemp("run"))}
+    env = {
+        "RUN_NAME": f"gpu-checks-{int(time.time())}",
+        "VIME_GPU_WORK": str(WORK),
+        "KEEP_ACTORS": "1",
+        "TRAIN_TIMEOUT": "480",
+        "OUT": str(tmp_path_factory.mktemp("run")),
+    }
     proc = run_script(["bash", "bench/gpu/run_colocated_h200.sh", "2"], env, timeout=900)
     assert proc.returncode == 0 and iterations_done(env) == 2, proc.stdout[-3000:]
     yield env
-    run_script(["bash", "-c", 'export PYTHONPATH=/tmp/site-trainer:$PWD; python3 -m flows.cli teardown --run-name "$RUN_NAME";'
-                              " python3 -m flows.cli cluster down"], env, timeout=300)
+    run_script(
+        [
+            "bash",
+            "-c",
+            'export PYTHONPATH=/tmp/site-trainer:$PWD; python3 -m flows.cli teardown --run-name "$RUN_NAME";'
+            " python3 -m flows.cli cluster down",
+        ],
+        env,
+        timeout=300,
+    )
 
 
 def iterations_done(env: dict) -> int:
@@ -65,8 +78,11 @@ def stop_and_resume(run: dict, tmp_path: Path, verdict: str, **env: str) -> dict
 
 
 def test_an_engine_asking_for_more_memory_than_is_free_is_refused_at_start(colocated_run, tmp_path):
-    proc = run_script(["bash", "tests/gpu/check_memory_refusal.sh"], {**colocated_run, "OUT": str(tmp_path),
-                                                                      "REFUSAL_TIMEOUT": "420"}, timeout=600)
+    proc = run_script(
+        ["bash", "tests/gpu/check_memory_refusal.sh"],
+        {**colocated_run, "OUT": str(tmp_path), "REFUSAL_TIMEOUT": "420"},
+        timeout=600,
+    )
     assert (tmp_path / "memory_refusal.json").exists(), proc.stdout[-3000:]
     result = json.loads((tmp_path / "memory_refusal.json").read_text())
     assert result["refused_cleanly"], result

@@ -57,11 +57,12 @@ def test_local_head_start_attach_stop():
         pgid = json.loads((temp / "vime_head.json").read_text())["pgid"]
 
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        run = subprocess.run([sys.executable, "-c", DRIVER, address, str(NUM_GPUS)], env=env,
-                             capture_output=True, text=True, timeout=180)
+        run = subprocess.run(
+            [sys.executable, "-c", DRIVER, address, str(NUM_GPUS)], env=env, capture_output=True, text=True, timeout=180
+        )
         line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT")), None)
         assert line, f"driver failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
-        result = json.loads(line[len("RESULT"):])
+        result = json.loads(line[len("RESULT") :])
         assert result["gpus"] == NUM_GPUS
         assert result["ip"] == "127.0.0.1" and result["nodes"] == ["127.0.0.1"]
         actor_pid = result["pid"]
@@ -69,7 +70,9 @@ def test_local_head_start_attach_stop():
 
         assert stop_local_head(temp)
         assert head_running(temp) is None
-        assert _head_processes(pgid) == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in _head_processes(pgid)]
+        assert _head_processes(pgid) == [], [
+            Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in _head_processes(pgid)
+        ]
         assert not pid_alive(actor_pid), "the actor's worker survived stop"
         assert not stop_local_head(temp)
     finally:
@@ -78,6 +81,10 @@ def test_local_head_start_attach_stop():
 
 
 def test_ray_head_script_status_without_head(tmp_path):
-    status = subprocess.run(["bash", str(REPO / "infra" / "ray_head.sh"), "status", "--temp-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        ["bash", str(REPO / "infra" / "ray_head.sh"), "status", "--temp-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 3 and "not running" in status.stdout

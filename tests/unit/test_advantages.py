@@ -187,8 +187,7 @@ def test_rloo_broadcasts_its_advantage_and_trains_with_ppo_clip():
 
 
 def test_rloo_in_the_batch_and_the_configuration():
-    from vime_core.config import load_config, parse_args
-    from vime_core.config.loader import ConfigError
+    from vime_core.config import parse_args
     from vime_core.data.batch import build_batch
     from vime_core.data.sample import Sample, Status
 
@@ -199,8 +198,17 @@ def test_rloo_in_the_batch_and_the_configuration():
     assert "rloo" in VimeConfig.model_json_schema()["properties"]["advantage_estimator"]["enum"]  # the Prefect form
     samples = []
     for i, (reward, group) in enumerate(zip(RLOO_REWARDS, RLOO_GROUPS)):
-        s = Sample(prompt_id=f"p{group}", tokens=[1, 2, 3], prompt_length=2, group_index=group, index=i,
-                   session_id=f"s{i}", status=Status.COMPLETED, finish_reason="stop", reward=reward)
+        s = Sample(
+            prompt_id=f"p{group}",
+            tokens=[1, 2, 3],
+            prompt_length=2,
+            group_index=group,
+            index=i,
+            session_id=f"s{i}",
+            status=Status.COMPLETED,
+            finish_reason="stop",
+            reward=reward,
+        )
         s.response_length, s.loss_mask = 1, [1]
         samples.append(s)
     samples[3].status = Status.FAILED  # left out of its group's baselines
@@ -217,7 +225,9 @@ def test_group_relative_estimators_refuse_groups_of_one(estimator):
     from vime_core.config import load_config
     from vime_core.config.loader import ConfigError
 
-    with pytest.raises(ConfigError, match=rf"n_samples_per_prompt=1 with advantage_estimator={estimator}: .* every advantage 0"):
+    with pytest.raises(
+        ConfigError, match=rf"n_samples_per_prompt=1 with advantage_estimator={estimator}: .* every advantage 0"
+    ):
         load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1})
 
 
@@ -225,7 +235,9 @@ def test_group_relative_estimators_refuse_groups_of_one(estimator):
 def test_estimators_without_a_group_baseline_take_groups_of_one(estimator):
     from vime_core.config import load_config
 
-    assert load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1}).n_samples_per_prompt == 1
+    assert (
+        load_config(overrides={"advantage_estimator": estimator, "n_samples_per_prompt": 1}).n_samples_per_prompt == 1
+    )
 
 
 def test_rollout_temperature_zero_is_refused_naming_the_field():

@@ -78,15 +78,18 @@ def _reference_whiten(per_sample, masks):
     """(x - mean) / sqrt(var + 1e-8) over the model tokens of every sample, unbiased var; 0 elsewhere."""
     model_values = [x for xs, m in zip(per_sample, masks) for x, mt in zip(xs, m) if mt == 1]
     mean, var = statistics.fmean(model_values), statistics.variance(model_values)
-    return [[(x - mean) / math.sqrt(var + 1e-8) if mt == 1 else 0.0 for x, mt in zip(xs, m)]
-            for xs, m in zip(per_sample, masks)]
+    return [
+        [(x - mean) / math.sqrt(var + 1e-8) if mt == 1 else 0.0 for x, mt in zip(xs, m)]
+        for xs, m in zip(per_sample, masks)
+    ]
 
 
 def _run(estimator, values=STEP["values"], **kwargs):
     kl = [torch.tensor(k) for k in STEP["kl"]]
     values = [torch.tensor(v) for v in values]
-    advantages, returns = compute_advantages(estimator, STEP["rewards"], STEP["masks"], kl=kl, values=values,
-                                             kl_coef=KL_COEF, **kwargs)
+    advantages, returns = compute_advantages(
+        estimator, STEP["rewards"], STEP["masks"], kl=kl, values=values, kl_coef=KL_COEF, **kwargs
+    )
     return [a.tolist() for a in advantages], [g.tolist() for g in returns]
 
 
@@ -99,8 +102,9 @@ def test_the_issues_sample_gets_its_reward_undiminished_by_tool_tokens():
     """The issue's reproduction: KL 0 on the model tokens, -log p_ref on the tool tokens; the
     returns were [-1.4, -1.4, -1.4, -0.5, 0.3, 1.0, 1.0]. Now every model token returns the reward."""
     kl = _k1([-0.5, -1.2, 0.0, 0.0, 0.0, -0.3, -0.8], [-0.5, -1.2, -9.0, -8.0, -7.0, -0.3, -0.8])
-    _, returns = compute_advantages("reinforce_plus_plus", [1.0], [TOOL_MASK], kl=[torch.tensor(kl)],
-                                    kl_coef=KL_COEF, gamma=1.0)
+    _, returns = compute_advantages(
+        "reinforce_plus_plus", [1.0], [TOOL_MASK], kl=[torch.tensor(kl)], kl_coef=KL_COEF, gamma=1.0
+    )
     assert returns[0].tolist() == pytest.approx(_reference_returns(1.0, kl, TOOL_MASK, 1.0))
     assert [returns[0][t].item() for t in _model(TOOL_MASK)] == pytest.approx([1.0] * 4)
 
@@ -115,8 +119,10 @@ def test_reinforce_plus_plus_returns_and_advantages_match_the_reference(gamma):
 
 def test_reinforce_plus_plus_baseline_takes_the_kl_of_model_tokens_only():
     advantages, returns = _run("reinforce_plus_plus_baseline")
-    raw = [[a - KL_COEF * k if mt == 1 else 0.0 for k, mt in zip(kl, m)]
-           for a, kl, m in zip(STEP["rewards"], STEP["kl"], STEP["masks"])]
+    raw = [
+        [a - KL_COEF * k if mt == 1 else 0.0 for k, mt in zip(kl, m)]
+        for a, kl, m in zip(STEP["rewards"], STEP["kl"], STEP["masks"])
+    ]
     _assert_close(advantages, _reference_whiten(raw, STEP["masks"]))
     assert returns == advantages
 
@@ -124,8 +130,10 @@ def test_reinforce_plus_plus_baseline_takes_the_kl_of_model_tokens_only():
 def test_gae_runs_over_model_tokens_and_never_reads_a_tool_tokens_value():
     gamma, lambd = 0.9, 0.8
     advantages, returns = _run("ppo", gamma=gamma, lambd=lambd)
-    expected = [_reference_gae(r, k, m, v, gamma, lambd)
-                for r, k, m, v in zip(STEP["rewards"], STEP["kl"], STEP["masks"], STEP["values"])]
+    expected = [
+        _reference_gae(r, k, m, v, gamma, lambd)
+        for r, k, m, v in zip(STEP["rewards"], STEP["kl"], STEP["masks"], STEP["values"])
+    ]
     _assert_close(returns, [g for _, g in expected])
     _assert_close(advantages, _reference_whiten([a for a, _ in expected], STEP["masks"]))
     # the critic never trains on a tool token's value: changing it changes nothing
@@ -139,8 +147,9 @@ def test_a_non_finite_kl_on_a_tool_token_does_not_travel(estimator):
     kl = [torch.tensor(k) for k in STEP["kl"]]
     kl[0][2], kl[0][3] = float("inf"), float("nan")
     values = [torch.tensor(v) for v in STEP["values"]]
-    advantages, returns = compute_advantages(estimator, STEP["rewards"], STEP["masks"], kl=kl, values=values,
-                                             kl_coef=KL_COEF, gamma=0.9, lambd=0.8)
+    advantages, returns = compute_advantages(
+        estimator, STEP["rewards"], STEP["masks"], kl=kl, values=values, kl_coef=KL_COEF, gamma=0.9, lambd=0.8
+    )
     assert ([a.tolist() for a in advantages], [g.tolist() for g in returns]) == finite
 
 
@@ -150,9 +159,14 @@ def test_a_sample_without_model_tokens_gets_zeros_and_leaves_the_others_alone(es
     kl = [torch.tensor(k) for k in STEP["kl"]]
     values = [torch.tensor(v) for v in STEP["values"]]
     alone = compute_advantages(estimator, STEP["rewards"], STEP["masks"], kl=kl, values=values, kl_coef=KL_COEF)
-    failed = compute_advantages(estimator, STEP["rewards"] + [1.0], STEP["masks"] + [[0, 0]],
-                                kl=kl + [torch.tensor([3.0, 4.0])], values=values + [torch.tensor([1.0, 2.0])],
-                                kl_coef=KL_COEF)
+    failed = compute_advantages(
+        estimator,
+        STEP["rewards"] + [1.0],
+        STEP["masks"] + [[0, 0]],
+        kl=kl + [torch.tensor([3.0, 4.0])],
+        values=values + [torch.tensor([1.0, 2.0])],
+        kl_coef=KL_COEF,
+    )
     for ours, before in zip(failed, alone):
         assert [x.tolist() for x in ours[:2]] == [x.tolist() for x in before]
         assert ours[2].tolist() == [0.0, 0.0]
@@ -164,10 +178,22 @@ def test_step_advantages_under_use_rollout_logprobs_ignore_the_tool_tokens_place
     the reference log-probs of tool tokens, whatever they are, change nothing."""
     from vime_core.trainer.rollout_training import step_advantages
 
-    cfg = load_config(overrides={"advantage_estimator": estimator, "kl_coef": KL_COEF, "kl_loss_type": "k1",
-                                 "use_rollout_logprobs": True, "gamma": 0.9, "n_samples_per_prompt": 2})
-    batch = {"advantage": STEP["rewards"], "loss_mask": STEP["masks"], "rollout_log_probs": [POLICY, PLAIN_POLICY],
-             "response_length": [len(POLICY), len(PLAIN_POLICY)]}
+    cfg = load_config(
+        overrides={
+            "advantage_estimator": estimator,
+            "kl_coef": KL_COEF,
+            "kl_loss_type": "k1",
+            "use_rollout_logprobs": True,
+            "gamma": 0.9,
+            "n_samples_per_prompt": 2,
+        }
+    )
+    batch = {
+        "advantage": STEP["rewards"],
+        "loss_mask": STEP["masks"],
+        "rollout_log_probs": [POLICY, PLAIN_POLICY],
+        "response_length": [len(POLICY), len(PLAIN_POLICY)],
+    }
     ref = {0: torch.tensor(REFERENCE), 1: torch.tensor(PLAIN_REFERENCE)}
     advantages, _ = step_advantages(cfg, batch, [0, 1], None, ref)
     expected, _ = _run(estimator, gamma=0.9)

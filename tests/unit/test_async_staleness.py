@@ -20,19 +20,24 @@ def test_the_plan_starts_the_next_rollout_at_the_sync_even_when_an_evaluation_is
     assert plan.publish_starts_next(next_stored=True) is None  # a stored batch 4 is replayed
     assert plan_step(_cfg(async_staleness=1), 9).publish_starts_next(False) is None  # the last starts nothing
     on_policy = plan_step(_cfg(rollout_prefetch=True, eval_interval=4), 3)
-    assert not on_policy.off_policy and on_policy.publish_starts_next(False) is None and on_policy.flow_starts_next(False)
+    assert (
+        not on_policy.off_policy and on_policy.publish_starts_next(False) is None and on_policy.flow_starts_next(False)
+    )
 
 
-@pytest.mark.parametrize("started, asked, staleness, usable", [
-    ((4, 5), (4, 5), 0, True),
-    ((4, 4), (4, 5), 0, False),  # on-policy: one version behind is discarded
-    ((4, 4), (4, 5), 1, True),
-    ((4, 3), (4, 5), 1, False),  # two behind: beyond the bound
-    ((4, 6), (4, 5), 1, False),  # ahead of what is asked: not this iteration's
-    ((3, 5), (4, 5), 1, False),  # another rollout
-    ((4, None), (4, None), 1, True),
-    ((4, None), (4, 5), 1, False),
-])
+@pytest.mark.parametrize(
+    "started, asked, staleness, usable",
+    [
+        ((4, 5), (4, 5), 0, True),
+        ((4, 4), (4, 5), 0, False),  # on-policy: one version behind is discarded
+        ((4, 4), (4, 5), 1, True),
+        ((4, 3), (4, 5), 1, False),  # two behind: beyond the bound
+        ((4, 6), (4, 5), 1, False),  # ahead of what is asked: not this iteration's
+        ((3, 5), (4, 5), 1, False),  # another rollout
+        ((4, None), (4, None), 1, True),
+        ((4, None), (4, 5), 1, False),
+    ],
+)
 def test_a_started_rollout_answers_only_its_id_within_the_staleness_bound(started, asked, staleness, usable):
     assert usable_prefetch(*started, *asked, staleness) is usable
 
@@ -48,8 +53,12 @@ def test_the_configuration_refuses_sleeping_engines_and_an_uncorrected_lag():
 
 
 def test_the_record_says_how_far_the_oldest_sampled_token_lags_the_trainer():
-    batch = {"weight_versions": [[{"version": 4, "start": 0, "end": 3}, {"version": 5, "start": 3, "end": 9}],
-                                 [{"version": 5, "start": 0, "end": 2}]]}
+    batch = {
+        "weight_versions": [
+            [{"version": 4, "start": 0, "end": 3}, {"version": 5, "start": 3, "end": 9}],
+            [{"version": 5, "start": 0, "end": 2}],
+        ]
+    }
     versions = weight_version_range(batch)
     assert versions == {"weight_version_min": 4, "weight_version_max": 5}
     assert weight_version_range({"weight_versions": [[], []]}) == {}

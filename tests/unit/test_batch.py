@@ -17,8 +17,17 @@ REFERENCE_GROUP = [1, 0, 0, 1, 1, 0, 1, 0]
 
 
 def _sample(group: int, index: int, reward, n_resp: int = 3, status=Status.COMPLETED) -> Sample:
-    s = Sample(prompt_id=f"p{group}", tokens=[1, 2], prompt_length=2, group_index=group, index=index,
-               session_id=f"r-{group}-{index}", status=status, finish_reason="stop", reward=reward)
+    s = Sample(
+        prompt_id=f"p{group}",
+        tokens=[1, 2],
+        prompt_length=2,
+        group_index=group,
+        index=index,
+        session_id=f"r-{group}-{index}",
+        status=status,
+        finish_reason="stop",
+        reward=reward,
+    )
     s.append_response_tokens(list(range(10, 10 + n_resp)), [-0.5] * n_resp)
     s.weight_versions = [WeightSpan(1, 0, n_resp)]
     return s
@@ -59,7 +68,9 @@ def test_all_ones_group_is_zero_and_groups_are_independent():
 
 def test_estimator_variants():
     samples = [_sample(0, i, float(r)) for i, r in enumerate([2.0, 0.0, 1.0])]
-    assert build_batch(samples, _cfg(advantage_estimator="reinforce_plus_plus_baseline"))["reward"] == pytest.approx([1.0, -1.0, 0.0])
+    assert build_batch(samples, _cfg(advantage_estimator="reinforce_plus_plus_baseline"))["reward"] == pytest.approx(
+        [1.0, -1.0, 0.0]
+    )
     assert build_batch(samples, _cfg(advantage_estimator="reinforce_plus_plus"))["reward"] == [2.0, 0.0, 1.0]
     assert build_batch(samples, _cfg(grpo_std_normalization=False))["reward"] == pytest.approx([1.0, -1.0, 0.0])
 
@@ -80,7 +91,9 @@ def test_failed_samples_have_zero_reward_and_mask_and_do_not_move_the_group():
 def test_inconsistent_samples_are_rejected_with_their_id():
     s = _sample(2, 5, 1.0)
     s.rollout_log_probs.pop()
-    with pytest.raises(ValueError, match=r"group 2 index 5, prompt 'p2'\): rollout_log_probs has 2 entries, response_length=3"):
+    with pytest.raises(
+        ValueError, match=r"group 2 index 5, prompt 'p2'\): rollout_log_probs has 2 entries, response_length=3"
+    ):
         build_batch([s], _cfg())
     unscored = _sample(0, 0, None)
     with pytest.raises(ValueError, match="reward is None"):

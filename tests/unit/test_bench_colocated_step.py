@@ -15,45 +15,101 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_colocated_step", REPO / "bench" / "gpu" / "bench_colocated_step.py")
+spec = importlib.util.spec_from_file_location(
+    "bench_colocated_step", REPO / "bench" / "gpu" / "bench_colocated_step.py"
+)
 step = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = step
 spec.loader.exec_module(step)
 
 
 def _record(rollout_id: int, reused: bool) -> dict:
-    return {"rollout_id": rollout_id, "t_step": 10.0 + rollout_id, "t_rollout": 6.0, "t_train": 3.0, "output_tokens": 240_000,
-            "time_generate_s": 5.0, "generate_tokens_per_s": 48_000.0, "tokens_per_s": 99_999.0,
-            "reused_log_probs": reused, "missing_logprob_count": 0.0, "weight_check": {"max_abs_diff": 0.01}}
+    return {
+        "rollout_id": rollout_id,
+        "t_step": 10.0 + rollout_id,
+        "t_rollout": 6.0,
+        "t_train": 3.0,
+        "output_tokens": 240_000,
+        "time_generate_s": 5.0,
+        "generate_tokens_per_s": 48_000.0,
+        "tokens_per_s": 99_999.0,
+        "reused_log_probs": reused,
+        "missing_logprob_count": 0.0,
+        "weight_check": {"max_abs_diff": 0.01},
+    }
 
 
 def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
     res = work / "bench"
     (res / "train").mkdir(parents=True)
-    (res / "rollout.json").write_text(json.dumps({
-        "offline": {"wall_s_median": 4.0, "tokens_per_s_median": 60_000.0, "ready_s": 50.0},
-        "servers": {"default": {"vime": {"tokens_per_s_median": 50_000.0, "vs_offline": 50 / 60, "params": {}},
-                                "logprobs+nodetok": {"tokens_per_s_median": 10_000.0, "vs_offline": 10 / 60}},
-                    "vllm_api_server_count=4": {"vime": {"tokens_per_s_median": 54_000.0, "vs_offline": 0.9, "params": {}},
-                                                "logprobs+nodetok": {"tokens_per_s_median": 27_000.0, "vs_offline": 0.45}}}}))
-    (res / "trainer.json").write_text(json.dumps({"variants": [
-        {"variant": "pack32768", "step_time_s": 2.0, "logprob_time_s": 1.0, "mfu_with_attention": 0.4,
-         "logprob_mfu_with_attention": 0.1},
-        {"variant": "pack65536", "step_time_s": 1.5, "logprob_time_s": 1.0, "mfu_with_attention": 0.5,
-         "logprob_mfu_with_attention": 0.1}]}))
+    (res / "rollout.json").write_text(
+        json.dumps(
+            {
+                "offline": {"wall_s_median": 4.0, "tokens_per_s_median": 60_000.0, "ready_s": 50.0},
+                "servers": {
+                    "default": {
+                        "vime": {"tokens_per_s_median": 50_000.0, "vs_offline": 50 / 60, "params": {}},
+                        "logprobs+nodetok": {"tokens_per_s_median": 10_000.0, "vs_offline": 10 / 60},
+                    },
+                    "vllm_api_server_count=4": {
+                        "vime": {"tokens_per_s_median": 54_000.0, "vs_offline": 0.9, "params": {}},
+                        "logprobs+nodetok": {"tokens_per_s_median": 27_000.0, "vs_offline": 0.45},
+                    },
+                },
+            }
+        )
+    )
+    (res / "trainer.json").write_text(
+        json.dumps(
+            {
+                "variants": [
+                    {
+                        "variant": "pack32768",
+                        "step_time_s": 2.0,
+                        "logprob_time_s": 1.0,
+                        "mfu_with_attention": 0.4,
+                        "logprob_mfu_with_attention": 0.1,
+                    },
+                    {
+                        "variant": "pack65536",
+                        "step_time_s": 1.5,
+                        "logprob_time_s": 1.0,
+                        "mfu_with_attention": 0.5,
+                        "logprob_mfu_with_attention": 0.1,
+                    },
+                ]
+            }
+        )
+    )
     (res / "train_meta.json").write_text(json.dumps({"launched_epoch": 1000.0, "exit": 0, "wall_s": 100.0}))
     # the machine's engine logs: one start from before this run (a lone server), two of this run
-    (res / "train" / "engine_startup.json").write_text(json.dumps({
-        "engine-0-1-2.log": {"launched_epoch": 1010.0, "compile_cache": "hit", "marks_s": {"serving": 50.0}},
-        "engine-0-9-9.log": {"launched_epoch": 900.0, "compile_cache": "miss", "marks_s": {"serving": 90.0}},
-        "engine-1-1-3.log": {"launched_epoch": 1005.0, "compile_cache": "hit", "marks_s": {"serving": 52.0}}}))
+    (res / "train" / "engine_startup.json").write_text(
+        json.dumps(
+            {
+                "engine-0-1-2.log": {"launched_epoch": 1010.0, "compile_cache": "hit", "marks_s": {"serving": 50.0}},
+                "engine-0-9-9.log": {"launched_epoch": 900.0, "compile_cache": "miss", "marks_s": {"serving": 90.0}},
+                "engine-1-1-3.log": {"launched_epoch": 1005.0, "compile_cache": "hit", "marks_s": {"serving": 52.0}},
+            }
+        )
+    )
     records = [_record(i, reused) for i in range(4)]
     (res / "train" / "colocated_0.5b.json").write_text(json.dumps({"records": records, "batches": []}))
     summary = work / "runs" / "reports" / "bench" / "summary.json"
     summary.parent.mkdir(parents=True)
-    summary.write_text(json.dumps({"startup_s": 42.5, "bootstrap_marks_s": {"engines_ready": 30.0},
-                                   "startup_marks_s": {"early_start": 2.0, "bootstrap_started": 10.0,
-                                                       "engines_ready": 40.0, "first_iteration": 42.5}}))
+    summary.write_text(
+        json.dumps(
+            {
+                "startup_s": 42.5,
+                "bootstrap_marks_s": {"engines_ready": 30.0},
+                "startup_marks_s": {
+                    "early_start": 2.0,
+                    "bootstrap_started": 10.0,
+                    "engines_ready": 40.0,
+                    "first_iteration": 42.5,
+                },
+            }
+        )
+    )
     return argparse.Namespace(work=str(work), run_name="bench", prompt_tokens=512)
 
 
@@ -78,26 +134,42 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     assert out["git_sha"] == "abc1234" and out["machine"] == "a GPU"
     assert out["startup_s"] == 42.5 and out["bootstrap_marks_s"] == {"engines_ready": 30.0}
     assert [e["launched_epoch"] for e in out["engine_startup"]] == [1005.0, 1010.0]  # this run's, in launch order
-    assert out["startup_timeline_s"] == {"early_start": 2.0, "bootstrap_started": 10.0, "engines_ready": 40.0,
-                                         "first_iteration": 42.5}  # the summary's, as the run wrote them
+    assert out["startup_timeline_s"] == {
+        "early_start": 2.0,
+        "bootstrap_started": 10.0,
+        "engines_ready": 40.0,
+        "first_iteration": 42.5,
+    }  # the summary's, as the run wrote them
 
 
 def test_startup_variants_parse_and_report_against_the_default(tmp_path):
-    assert step.startup_variants("default; fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;graphs:--vllm-extra-args='-O 3'") == {
-        "default": [], "fork": ["--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"], "graphs": ["--vllm-extra-args=-O 3"]}
+    assert step.startup_variants(
+        "default; fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork;graphs:--vllm-extra-args='-O 3'"
+    ) == {
+        "default": [],
+        "fork": ["--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"],
+        "graphs": ["--vllm-extra-args=-O 3"],
+    }
     with pytest.raises(SystemExit, match="'a' twice"):
         step.startup_variants("a;a:--x")
     for i, (name, startup) in enumerate((("default", 80.0), ("fork", 60.0), ("broken", None))):
         folder = tmp_path / "startup" / name
         folder.mkdir(parents=True)
         summary = {"startup_s": startup, "startup_marks_s": {"first_iteration": startup}} if startup else None
-        (folder / "meta.json").write_text(json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary,
-                                                      "ended_epoch": 1000 + i}))
+        (folder / "meta.json").write_text(
+            json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary, "ended_epoch": 1000 + i})
+        )
     out = step.startup_report(tmp_path)
     assert list(out) == ["default", "fork", "broken", "by_flags"]
     assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
-    assert out["broken"] == {"flags": ["broken"], "exit": 1, "startup_s": None, "startup_timeline_s": None, "stages_s": None,
-                             "vs_default": None}
+    assert out["broken"] == {
+        "flags": ["broken"],
+        "exit": 1,
+        "startup_s": None,
+        "startup_timeline_s": None,
+        "stages_s": None,
+        "vs_default": None,
+    }
     assert step.startup_report(tmp_path / "nothing") is None
     for bad in ("a#2:--x", ":--x", "by_flags"):
         with pytest.raises(SystemExit, match="no variant name"):
@@ -106,9 +178,18 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
 
 def _marks(launched: float, warmup: float, sleep: float) -> dict:
     """A start's marks: each stage takes `i + 1` seconds, but the warm-up and the trainer's sleep."""
-    seconds = {"engine0_launched": launched, "engine0_args": 2, "engine0_weights_loaded": 3, "engine0_graphs_captured": 4,
-               "engine0_engine_ready": warmup, "engines_ready": 6, "published": 7, "trainer_asleep": sleep,
-               "kv_onloaded": 9, "first_iteration": 10}
+    seconds = {
+        "engine0_launched": launched,
+        "engine0_args": 2,
+        "engine0_weights_loaded": 3,
+        "engine0_graphs_captured": 4,
+        "engine0_engine_ready": warmup,
+        "engines_ready": 6,
+        "published": 7,
+        "trainer_asleep": sleep,
+        "kv_onloaded": 9,
+        "first_iteration": 10,
+    }
     marks, t = {}, 0.0
     for mark, s in seconds.items():
         t += s
@@ -125,12 +206,24 @@ def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
     assert stages["vllm_warmup"] == warm and stages["trainer_sleep"] == sleep
     assert step.startup_stages({"engines_ready": 3.0})["first_publish"] is None  # a missing mark
     # two rounds of two variants; the second round's default is slower in its warm-up only
-    runs = [("default", [], _marks(1, warm, sleep)), ("pin", ["--pin"], _marks(1, warm, pinned_sleep)),
-            ("default#2", [], _marks(1, slow_warm, sleep)), ("pin#2", ["--pin"], _marks(1, warm, pinned_sleep))]
+    runs = [
+        ("default", [], _marks(1, warm, sleep)),
+        ("pin", ["--pin"], _marks(1, warm, pinned_sleep)),
+        ("default#2", [], _marks(1, slow_warm, sleep)),
+        ("pin#2", ["--pin"], _marks(1, warm, pinned_sleep)),
+    ]
     for i, (name, flags, m) in enumerate(runs):
         (tmp_path / "startup" / name).mkdir(parents=True)
-        (tmp_path / "startup" / name / "meta.json").write_text(json.dumps(
-            {"exit": 0, "flags": flags, "ended_epoch": i, "summary": {"startup_s": m["first_iteration"], "startup_marks_s": m}}))
+        (tmp_path / "startup" / name / "meta.json").write_text(
+            json.dumps(
+                {
+                    "exit": 0,
+                    "flags": flags,
+                    "ended_epoch": i,
+                    "summary": {"startup_s": m["first_iteration"], "startup_marks_s": m},
+                }
+            )
+        )
     out = step.startup_report(tmp_path)
     groups = {g["name"]: g for g in out["by_flags"]}
     assert [g["runs"] for g in out["by_flags"]] == [["default", "default#2"], ["pin", "pin#2"]]
@@ -153,10 +246,19 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
         return argparse.Namespace(returncode=0)
 
     monkeypatch.setattr(step.subprocess, "run", fake_run)
-    a = argparse.Namespace(startup_variants="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork", run_name="b",
-                           prompt_tokens=512, work=str(tmp_path / "work"), train_args=["--use-tis"], startup_repeats=1)
+    a = argparse.Namespace(
+        startup_variants="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork",
+        run_name="b",
+        prompt_tokens=512,
+        work=str(tmp_path / "work"),
+        train_args=["--use-tis"],
+        startup_repeats=1,
+    )
     step.phase_startup(a, {"results": tmp_path / "bench"})
-    assert [c[0][2:] for c in calls] == [["1", "--use-tis"], ["1", "--use-tis", "--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"]]
+    assert [c[0][2:] for c in calls] == [
+        ["1", "--use-tis"],
+        ["1", "--use-tis", "--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"],
+    ]
     assert [c[0][1].endswith("bench/gpu/run_colocated_h200.sh") for c in calls] == [True, True]
     assert [c[1] for c in calls] == ["b-startup-default", "b-startup-fork"]
     out = step.startup_report(tmp_path / "bench")
@@ -166,5 +268,10 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
 
 def test_startup_rounds_take_the_variants_in_turn():
     variants = step.startup_variants("default;fork:--f")
-    assert step.startup_runs(variants, 2) == [("default", []), ("fork", ["--f"]), ("default#2", []), ("fork#2", ["--f"])]
+    assert step.startup_runs(variants, 2) == [
+        ("default", []),
+        ("fork", ["--f"]),
+        ("default#2", []),
+        ("fork#2", ["--f"]),
+    ]
     assert step.startup_runs(variants, 1) == list(variants.items())

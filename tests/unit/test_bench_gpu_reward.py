@@ -4,7 +4,9 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-spec = importlib.util.spec_from_file_location("gpu_rewards", Path(__file__).resolve().parents[2] / "bench/gpu/rewards.py")
+spec = importlib.util.spec_from_file_location(
+    "gpu_rewards", Path(__file__).resolve().parents[2] / "bench/gpu/rewards.py"
+)
 rewards = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rewards)
 

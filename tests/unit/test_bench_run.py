@@ -37,8 +37,17 @@ def test_the_sha_comes_from_the_environment_when_set(monkeypatch):
 def test_a_row_is_appended_and_the_table_shows_the_latest(tmp_path):
     figures = json.loads((REPO / "bench" / "results" / "math.jsonl").read_text().splitlines()[0])["figures"]
     for sha in ("aaaaaaa", "bbbbbbbbbbbbbbbbbbbb-dirty"):
-        run.append_row(tmp_path / "math.jsonl", {"suite": "math", "sha": sha, "date": "2026-12-03T00:00:00Z",
-                                                 "machine": "2 CPUs x86_64", "command": "bench/run.py math", "figures": figures})
+        run.append_row(
+            tmp_path / "math.jsonl",
+            {
+                "suite": "math",
+                "sha": sha,
+                "date": "2026-12-03T00:00:00Z",
+                "machine": "2 CPUs x86_64",
+                "command": "bench/run.py math",
+                "figures": figures,
+            },
+        )
     table = run.write_table(tmp_path).read_text()
     assert len(run.read_rows(tmp_path / "math.jsonl")) == 2
     line = next(l for l in table.splitlines() if l.startswith("| [math]"))
@@ -52,16 +61,35 @@ def test_the_output_flag_goes_before_the_suites_own_args(tmp_path):
 
 def test_the_table_also_shows_the_latest_full_run_when_the_latest_row_is_partial(tmp_path):
     full = {"vime": {"t_step_s": 9.5}, "ratios": {"step_vs_parts": 1.1, "rollout_vs_offline": 1.0, "trainer_mfu": 0.4}}
-    partial = {"startup_variants": {"by_flags": [{"name": "default", "runs": ["default"], "startup_s_median": 80.0}]},
-               "ratios": {}}
+    partial = {
+        "startup_variants": {"by_flags": [{"name": "default", "runs": ["default"], "startup_s_median": 80.0}]},
+        "ratios": {},
+    }
     for i, (sha, figures) in enumerate((("a000000", full), ("b000000", full), ("c000000", partial))):
-        run.append_row(tmp_path / "colocated_step.jsonl", {"suite": "colocated_step", "sha": sha, "date": f"2026-12-0{i + 1}T00:00:00Z",
-                                                           "machine": "1 GPU", "command": "bench/run.py colocated_step",
-                                                           "figures": figures})
+        run.append_row(
+            tmp_path / "colocated_step.jsonl",
+            {
+                "suite": "colocated_step",
+                "sha": sha,
+                "date": f"2026-12-0{i + 1}T00:00:00Z",
+                "machine": "1 GPU",
+                "command": "bench/run.py colocated_step",
+                "figures": figures,
+            },
+        )
     lines = [l for l in run.write_table(tmp_path).read_text().splitlines() if l.startswith("| [colocated_step]")]
     assert len(lines) == 2
     assert "`c000000`" in lines[0] and "default 80.0 s (x1)" in lines[0]
     assert "(latest full run)" in lines[1] and "`b000000`" in lines[1] and "T_step 9.5 s" in lines[1]
-    run.append_row(tmp_path / "colocated_step.jsonl", {"suite": "colocated_step", "sha": "d000000", "date": "2026-12-04T00:00:00Z",
-                                                       "machine": "1 GPU", "command": "bench/run.py colocated_step", "figures": full})
+    run.append_row(
+        tmp_path / "colocated_step.jsonl",
+        {
+            "suite": "colocated_step",
+            "sha": "d000000",
+            "date": "2026-12-04T00:00:00Z",
+            "machine": "1 GPU",
+            "command": "bench/run.py colocated_step",
+            "figures": full,
+        },
+    )
     assert sum(l.startswith("| [colocated_step]") for l in run.write_table(tmp_path).read_text().splitlines()) == 1

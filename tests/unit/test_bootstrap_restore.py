@@ -23,11 +23,18 @@ class _Manager:
     """The RolloutManager's calls bootstrap makes, answered as a healthy one would."""
 
     def __init__(self):
-        for name, value in {"engine_urls": ["http://127.0.0.1:1"], "check_engines": 0, "wake_asleep_engines": [],
-                            "weight_versions": [3], "end_sync": None, "onload_kv": None,
-                            "discard_prefetch": None, "load_data_source_state": None,
-                            "engine_startup_marks": [{"launched_epoch": 1.0, "marks_s": {"serving": 2.0}}],
-                            "startup_epochs": {"engines_started": 3.0}}.items():
+        for name, value in {
+            "engine_urls": ["http://127.0.0.1:1"],
+            "check_engines": 0,
+            "wake_asleep_engines": [],
+            "weight_versions": [3],
+            "end_sync": None,
+            "onload_kv": None,
+            "discard_prefetch": None,
+            "load_data_source_state": None,
+            "engine_startup_marks": [{"launched_epoch": 1.0, "marks_s": {"serving": 2.0}}],
+            "startup_epochs": {"engines_started": 3.0},
+        }.items():
             setattr(self, name, _Remote(lambda *a, _v=value, **k: _v))
 
 

@@ -49,9 +49,14 @@ class BroadcastStubEngine:
             if group is not None:
                 group.close()
         self.ranks = [info.rank_offset + w for w in range(self.workers)]
-        self.groups = await asyncio.gather(*(
-            asyncio.to_thread(open_group, info.carrier, info.rendezvous, rank, info.world_size, torch.device("cpu"), 30.0)
-            for rank in self.ranks))
+        self.groups = await asyncio.gather(
+            *(
+                asyncio.to_thread(
+                    open_group, info.carrier, info.rendezvous, rank, info.world_size, torch.device("cpu"), 30.0
+                )
+                for rank in self.ranks
+            )
+        )
         self.group_id = info.group_id
 
     async def update_weights(self, info):
@@ -63,17 +68,30 @@ class BroadcastStubEngine:
         def receive(w: int) -> None:
             buffer = torch.empty(info.nbytes, dtype=torch.uint8)
             self.groups[w].broadcast(buffer)
-            for name, dtype, shape, offset, size in zip(info.names, info.dtype_names, info.shapes, info.offsets(), info.tensor_sizes):
-                self.loaded[w][name] = buffer[offset:offset + size].view(getattr(torch, dtype)).view(shape).clone()
+            for name, dtype, shape, offset, size in zip(
+                info.names, info.dtype_names, info.shapes, info.offsets(), info.tensor_sizes
+            ):
+                self.loaded[w][name] = buffer[offset : offset + size].view(getattr(torch, dtype)).view(shape).clone()
 
         await asyncio.gather(*(asyncio.to_thread(receive, w) for w in range(self.workers)))
 
-    async def pause(self, mode): pass
-    async def resume(self): pass
-    async def reset_prefix_cache(self): pass
-    async def start_weight_update(self): pass
-    async def request(self, method, path, json=None, **kw): pass
-    async def aclose(self): pass
+    async def pause(self, mode):
+        pass
+
+    async def resume(self):
+        pass
+
+    async def reset_prefix_cache(self):
+        pass
+
+    async def start_weight_update(self):
+        pass
+
+    async def request(self, method, path, json=None, **kw):
+        pass
+
+    async def aclose(self):
+        pass
 
     async def finish_weight_update(self, version):
         self.version = version
@@ -100,8 +118,15 @@ def publisher():
 
 def publish(w, engines, version, publisher):
     by_url = {e.name: e for e in engines}
-    return publish_weights(w.items(), list(by_url), version, make_cfg(weight_transport="gloo"), initial_version=0,
-                           client_factory=by_url.__getitem__, loop=publisher)
+    return publish_weights(
+        w.items(),
+        list(by_url),
+        version,
+        make_cfg(weight_transport="gloo"),
+        initial_version=0,
+        client_factory=by_url.__getitem__,
+        loop=publisher,
+    )
 
 
 def assert_received(engine, w) -> None:
@@ -190,7 +215,9 @@ def test_nccl_on_cpu_is_a_configuration_error_and_broadcast_engines_load_vime_br
 
     with pytest.raises(ValueError, match="weight_transport=nccl needs CUDA"):
         weight_transport(make_cfg(weight_transport="nccl"))
-    assert engine_server_args(make_cfg(weight_transport="gloo"))["weight_transfer_config"] == {"backend": "vime_broadcast"}
+    assert engine_server_args(make_cfg(weight_transport="gloo"))["weight_transfer_config"] == {
+        "backend": "vime_broadcast"
+    }
     with pytest.raises(ValueError, match="colocated engines take ipc"):
         weight_transport(make_cfg(weight_transport="nccl", device="cuda", colocate=True))
     assert weight_transport(make_cfg(weight_transport="nccl", device="cuda", colocate=False)) == "nccl"

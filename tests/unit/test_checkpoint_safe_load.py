@@ -25,8 +25,20 @@ class PlantsAFile:
 
 
 def _manifest(path: str) -> None:
-    ckpt.write_manifest(path, {"rollout_id": 0, "world_size": 1, "tp": 1, "dp": 1, "weight_version": 1,
-                               "hf_checkpoint": "x", "files": ["rank_0.pt"], "critic_files": [], "critic_dir": None})
+    ckpt.write_manifest(
+        path,
+        {
+            "rollout_id": 0,
+            "world_size": 1,
+            "tp": 1,
+            "dp": 1,
+            "weight_version": 1,
+            "hf_checkpoint": "x",
+            "files": ["rank_0.pt"],
+            "critic_files": [],
+            "critic_dir": None,
+        },
+    )
 
 
 def _vime_like_state() -> dict:
@@ -34,12 +46,17 @@ def _vime_like_state() -> dict:
     weight = torch.randn(4, 3)
     return {
         "model": {"decoder.layers.0.mlp.linear_fc1.weight": weight, "decoder.layers.0.mlp._extra_state": None},
-        "optimizer": {"state": {0: {"exp_avg": torch.zeros(4, 3), "exp_avg_sq": torch.ones(4, 3), "step": torch.tensor(3.0)}},
-                      "param_groups": [{"lr": 1e-6, "betas": (0.9, 0.98), "eps": 1e-8, "params": [0], "wd_mult": 1.0}]},
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.zeros(4, 3), "exp_avg_sq": torch.ones(4, 3), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 1e-6, "betas": (0.9, 0.98), "eps": 1e-8, "params": [0], "wd_mult": 1.0}],
+        },
         "scheduler": {"num_steps": 3, "lr_decay_style": "constant"},
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-        "weight_version": 4, "last_trained_rollout_id": 2, "optimizer_steps": 3,
-        "metrics": {"reward": 0.5, "tokens": 128}, "extra_state": {"data_source": {"epoch": 0, "offset": 64}},
+        "weight_version": 4,
+        "last_trained_rollout_id": 2,
+        "optimizer_steps": 3,
+        "metrics": {"reward": 0.5, "tokens": 128},
+        "extra_state": {"data_source": {"epoch": 0, "offset": 64}},
     }
 
 
@@ -48,7 +65,10 @@ def test_a_checkpoint_as_vime_writes_it_loads_equal(tmp_path):
     ckpt.save_rank_state(path, 0, state)
     _manifest(path)
     loaded = ckpt.load_rank_state(path, 0, 1, 1)
-    assert torch.equal(loaded["model"]["decoder.layers.0.mlp.linear_fc1.weight"], state["model"]["decoder.layers.0.mlp.linear_fc1.weight"])
+    assert torch.equal(
+        loaded["model"]["decoder.layers.0.mlp.linear_fc1.weight"],
+        state["model"]["decoder.layers.0.mlp.linear_fc1.weight"],
+    )
     assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
     assert loaded["rng"]["python"] == state["rng"]["python"]
     assert np.array_equal(loaded["rng"]["numpy"][1], state["rng"]["numpy"][1])
@@ -80,9 +100,20 @@ def test_the_critic_file_is_loaded_the_same_way(tmp_path):
     path = str(tmp_path / "rollout_000000")
     ckpt.save_rank_state(path, 0, _vime_like_state())
     ckpt.save_rank_state(path, 0, {"model": {}, "extra": PlantsAFile(str(marker))}, critic=True)
-    ckpt.write_manifest(path, {"rollout_id": 0, "world_size": 1, "tp": 1, "dp": 1, "weight_version": 1,
-                               "hf_checkpoint": "x", "files": ["rank_0.pt"], "critic_files": ["critic_rank_0.pt"],
-                               "critic_dir": None})
+    ckpt.write_manifest(
+        path,
+        {
+            "rollout_id": 0,
+            "world_size": 1,
+            "tp": 1,
+            "dp": 1,
+            "weight_version": 1,
+            "hf_checkpoint": "x",
+            "files": ["rank_0.pt"],
+            "critic_files": ["critic_rank_0.pt"],
+            "critic_dir": None,
+        },
+    )
     with pytest.raises(ckpt.CheckpointError, match=r"critic_rank_0\.pt: refused to load"):
         ckpt.load_rank_state(path, 0, 1, 1, critic=True)
     assert not marker.exists()

@@ -58,19 +58,28 @@ CHILD = textwrap.dedent("""
 
 def _start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
 
-@pytest.mark.parametrize("signum, where, status", [
-    (signal.SIGINT, "outside", 130),
-    (signal.SIGTERM, "outside", 143),  # a scheduler preempting the job
-    (signal.SIGTERM, "in-flow", 143),  # while a Prefect flow run holds SIGTERM
-    (signal.SIGTERM, "prefect-window", 143),  # before the flow's body put our handler back
-    (signal.SIGTERM, "lock-held", 143),
-])
+@pytest.mark.parametrize(
+    "signum, where, status",
+    [
+        (signal.SIGINT, "outside", 130),
+        (signal.SIGTERM, "outside", 143),  # a scheduler preempting the job
+        (signal.SIGTERM, "in-flow", 143),  # while a Prefect flow run holds SIGTERM
+        (signal.SIGTERM, "prefect-window", 143),  # before the flow's body put our handler back
+        (signal.SIGTERM, "lock-held", 143),
+    ],
+)
 def test_first_signal_exits_within_the_grace_period_with_the_resume_hint(signum, where, status):
     proc = _start(where)
     t0 = time.monotonic()
@@ -106,7 +115,9 @@ def test_a_task_is_not_retried_once_the_process_was_told_to_stop():
             try:
                 raise cause
             except BaseException as inner:
-                raise SystemError("<built-in method __new__ of type object> returned a result with an exception set") from inner
+                raise SystemError(
+                    "<built-in method __new__ of type object> returned a result with an exception set"
+                ) from inner
         except SystemError as outer:
             return outer
 

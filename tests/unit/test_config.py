@@ -32,7 +32,14 @@ def test_global_batch_size_from_steps():
 
 
 def test_steps_from_explicit_global_batch_size():
-    cfg = load_config(overrides={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "num_steps_per_rollout": None, "global_batch_size": 64})
+    cfg = load_config(
+        overrides={
+            "rollout_batch_size": 32,
+            "n_samples_per_prompt": 8,
+            "num_steps_per_rollout": None,
+            "global_batch_size": 64,
+        }
+    )
     assert cfg.num_steps_per_rollout == 256 // 64
 
 
@@ -50,8 +57,14 @@ def test_eps_clip_high_and_over_sampling_defaults():
 
 
 def _reference_placement(**over):
-    values = {"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "rollout_num_gpus": 8,
-              "rollout_num_gpus_per_engine": 2, "vllm_server_concurrency": 512, "device": "cuda"}
+    values = {
+        "actor_num_gpus_per_node": 8,
+        "tensor_model_parallel_size": 2,
+        "rollout_num_gpus": 8,
+        "rollout_num_gpus_per_engine": 2,
+        "vllm_server_concurrency": 512,
+        "device": "cuda",
+    }
     values.update(over)
     return load_config(overrides=values)
 
@@ -107,10 +120,16 @@ def test_yaml_file_with_cli_override(tmp_path):
     assert cfg.global_batch_size == 8 * 4
 
 
-@pytest.mark.parametrize("flags, colocate", [
-    (["--colocate"], True), (["--no-colocate"], False), (["--colocate", "false"], False),
-    (["--colocate", "true"], True), (["--colocate", "0", "--seed", "3"], False),
-])
+@pytest.mark.parametrize(
+    "flags, colocate",
+    [
+        (["--colocate"], True),
+        (["--no-colocate"], False),
+        (["--colocate", "false"], False),
+        (["--colocate", "true"], True),
+        (["--colocate", "0", "--seed", "3"], False),
+    ],
+)
 def test_boolean_flags_take_a_value_or_none(flags, colocate):
     assert parse_args(flags).colocate is colocate
 

@@ -16,18 +16,27 @@ from vime_core.trainer import checkpoint as ckpt
 
 
 def _cfg(tmp_path, **over):
-    return load_config(overrides={"advantage_estimator": "ppo", "run_name": "r1", "storage_uri": str(tmp_path / "store"), **over})
+    return load_config(
+        overrides={"advantage_estimator": "ppo", "run_name": "r1", "storage_uri": str(tmp_path / "store"), **over}
+    )
 
 
 def test_without_critic_save_the_critic_files_sit_in_the_checkpoint(tmp_path):
     cfg = _cfg(tmp_path)
-    assert ckpt.checkpoint_dir(cfg, 7) == ckpt.checkpoint_dir(cfg, 7, critic=True) == f"{tmp_path}/store/checkpoints/r1/rollout_000007"
+    assert (
+        ckpt.checkpoint_dir(cfg, 7)
+        == ckpt.checkpoint_dir(cfg, 7, critic=True)
+        == f"{tmp_path}/store/checkpoints/r1/rollout_000007"
+    )
 
 
-@pytest.mark.parametrize("critic_save, root", [
-    ("s3://bucket/critics/", "s3://bucket/critics/r1"),
-    ("critics", "{tmp}/critics/r1"),  # relative: made absolute when the configuration is made
-])
+@pytest.mark.parametrize(
+    "critic_save, root",
+    [
+        ("s3://bucket/critics/", "s3://bucket/critics/r1"),
+        ("critics", "{tmp}/critics/r1"),  # relative: made absolute when the configuration is made
+    ],
+)
 def test_critic_save_keys_the_critic_files_by_run_and_rollout(tmp_path, monkeypatch, critic_save, root):
     monkeypatch.chdir(tmp_path)
     cfg = _cfg(tmp_path, critic_save=critic_save)
@@ -40,9 +49,20 @@ def _write(path: str, critic_path: str, rank_state: dict, critic_state: dict) ->
     """A one-rank checkpoint written in the trainer's order (MegatronTrainer._save_state)."""
     ckpt.save_rank_state(path, 0, rank_state)
     ckpt.save_rank_state(critic_path, 0, critic_state, critic=True)
-    ckpt.write_manifest(path, {"rollout_id": 3, "world_size": 1, "tp": 1, "dp": 1, "weight_version": 4,
-                               "hf_checkpoint": "x", "files": ["rank_0.pt"], "critic_files": ["critic_rank_0.pt"],
-                               "critic_dir": critic_path if critic_path != path else None})
+    ckpt.write_manifest(
+        path,
+        {
+            "rollout_id": 3,
+            "world_size": 1,
+            "tp": 1,
+            "dp": 1,
+            "weight_version": 4,
+            "hf_checkpoint": "x",
+            "files": ["rank_0.pt"],
+            "critic_files": ["critic_rank_0.pt"],
+            "critic_dir": critic_path if critic_path != path else None,
+        },
+    )
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
@@ -80,7 +100,10 @@ def test_a_critic_file_missing_from_its_folder_is_named(tmp_path):
     path, critic_path = ckpt.checkpoint_dir(cfg, 3), ckpt.checkpoint_dir(cfg, 3, critic=True)
     _write(path, critic_path, {"model": {}}, {"model": {}})
     (tmp_path / "critics/r1/rollout_000003/critic_rank_0.pt").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="^" + re.escape(f"{critic_path}: critic_rank_0.pt is missing although {path}/manifest.json lists it")):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match="^" + re.escape(f"{critic_path}: critic_rank_0.pt is missing although {path}/manifest.json lists it"),
+    ):
         ckpt.load_rank_state(path, 0, 1, 1, critic=True)
 
 

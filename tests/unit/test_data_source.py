@@ -21,7 +21,9 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
 
 
 def _cfg(**over):
@@ -109,10 +111,17 @@ BAD = {
     "bool": (True, "not text", "is of type bool, not text"),
     "dict": ({"role": "user", "content": SECRET}, "not text", "is of type dict, not text"),
     "list_of_text": ([SECRET, "x"], "not text", "is a list but not of chat messages"),
-    "too_long": (TOO_LONG, "too long",
-                 f"has {_templated_length(TOO_LONG)} tokens, more than rollout_max_prompt_len={MAX_LEN}"),
-    "too_long_templated": (TOO_LONG_TEMPLATED, "too long", f"has {_templated_length(TOO_LONG_TEMPLATED)} tokens after "
-                           f"the chat template, more than rollout_max_prompt_len={MAX_LEN}"),
+    "too_long": (
+        TOO_LONG,
+        "too long",
+        f"has {_templated_length(TOO_LONG)} tokens, more than rollout_max_prompt_len={MAX_LEN}",
+    ),
+    "too_long_templated": (
+        TOO_LONG_TEMPLATED,
+        "too long",
+        f"has {_templated_length(TOO_LONG_TEMPLATED)} tokens after "
+        f"the chat template, more than rollout_max_prompt_len={MAX_LEN}",
+    ),
 }
 
 
@@ -283,8 +292,11 @@ def test_resume_with_dropped_rows_is_exact_and_refuses_other_drops(tmp_path):
     longer_cfg = _cfg(rollout_max_prompt_len=len(TOO_LONG), drop_bad_prompts=True)
     longer = DataSource(longer_cfg, path, tokenizer=CharTokenizer())
     assert len(longer) == len(straight) + 1 == len(rows) - 2
-    with pytest.raises(ValueError, match=rf"{len(rows) - 3} prompts, 3 rows dropped \(1 null, 1 too long, 1 not text\)"
-                                         rf".*{len(rows) - 2} prompts, 2 rows dropped \(1 null, 1 not text\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{len(rows) - 3} prompts, 3 rows dropped \(1 null, 1 too long, 1 not text\)"
+        rf".*{len(rows) - 2} prompts, 2 rows dropped \(1 null, 1 not text\)",
+    ):
         longer.load_state_dict(state)
 
 

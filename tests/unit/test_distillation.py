@@ -45,7 +45,8 @@ def test_the_advantage_is_the_base_one_minus_coef_times_the_reverse_kl():
     # a token the teacher finds likelier (0.8 > 0.5) is pushed up; an equal one (0.9) is left alone
     assert shaped[0][0] > 0.5 and shaped[0][2].item() == pytest.approx(0.5) and shaped[0][1] < 0.5
     assert torch.cat(rkl).tolist() == pytest.approx(
-        [math.log(s / t) for ps, pt in zip(STUDENT_P, TEACHER_P) for s, t in zip(ps, pt)], abs=1e-6)
+        [math.log(s / t) for ps, pt in zip(STUDENT_P, TEACHER_P) for s, t in zip(ps, pt)], abs=1e-6
+    )
     with pytest.raises(ValueError, match="sample 1: 1 advantages, 1 student and 2 teacher log-probs"):
         apply_opd_kl(advantages, _logs(STUDENT_P), _logs([[0.8, 0.05, 0.9], [0.4, 0.1], [0.2, 0.3]]), 1.0)
 
@@ -58,8 +59,17 @@ ENGINE_P = [[0.4, 0.2, 0.8], [0.2], [0.5, 0.35]]  # the engine's log-probs: anot
 def _batch(cfg) -> dict:
     samples = []
     for i, (reward, probs) in enumerate(zip(RAW, ENGINE_P)):
-        s = Sample(prompt_id="p0", tokens=[1, 2], prompt_length=2, group_index=0, index=i, session_id=f"s-{i}",
-                   status=Status.COMPLETED, finish_reason="stop", reward=reward)
+        s = Sample(
+            prompt_id="p0",
+            tokens=[1, 2],
+            prompt_length=2,
+            group_index=0,
+            index=i,
+            session_id=f"s-{i}",
+            status=Status.COMPLETED,
+            finish_reason="stop",
+            reward=reward,
+        )
         s.append_response_tokens(list(range(10, 10 + len(probs))), [math.log(p) for p in probs])
         s.weight_versions = [WeightSpan(1, 0, len(probs))]
         samples.append(s)
@@ -67,8 +77,17 @@ def _batch(cfg) -> dict:
 
 
 def _config(**fields):
-    return load_config(overrides={"rollout_batch_size": 1, "n_samples_per_prompt": len(RAW), "micro_batch_size": len(RAW),
-                                  "use_opd": True, "opd_type": "megatron", "opd_teacher_load": "/teacher", **fields})
+    return load_config(
+        overrides={
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": len(RAW),
+            "micro_batch_size": len(RAW),
+            "use_opd": True,
+            "opd_type": "megatron",
+            "opd_teacher_load": "/teacher",
+            **fields,
+        }
+    )
 
 
 def _train(monkeypatch, cfg):
@@ -90,9 +109,17 @@ def _train(monkeypatch, cfg):
 
     monkeypatch.setattr(train_step, "forward_log_probs", forward_log_probs)
     monkeypatch.setattr(train_step, "train_step", step)
-    trainer = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp_size=1, dp_rank=0), arch=SimpleNamespace(vocab_size=32),
-                              device="cpu", model="policy", ref_model=None, teacher_model="teacher",
-                              optimizer=None, scheduler=None)
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        layout=SimpleNamespace(dp_size=1, dp_rank=0),
+        arch=SimpleNamespace(vocab_size=32),
+        device="cpu",
+        model="policy",
+        ref_model=None,
+        teacher_model="teacher",
+        optimizer=None,
+        scheduler=None,
+    )
     train_on_rollout(trainer, _batch(cfg))
     return forwards, steps[0]
 
@@ -108,7 +135,9 @@ def test_the_trainer_forwards_the_teacher_and_shapes_the_grpo_advantages(monkeyp
     log pi_teacher), pi_old recomputed (a step cannot reuse its own log-probs under use_opd)."""
     forwards, inputs = _train(monkeypatch, _config(opd_kl_coef=0.5))
     assert sorted(forwards) == ["policy", "teacher"]
-    assert torch.cat([inputs.advantages[i] for i in range(3)]).tolist() == pytest.approx(_by_hand(_grpo(RAW), 0.5), abs=1e-5)
+    assert torch.cat([inputs.advantages[i] for i in range(3)]).tolist() == pytest.approx(
+        _by_hand(_grpo(RAW), 0.5), abs=1e-5
+    )
     assert inputs.teacher_log_probs is not None and inputs.old_log_probs is not None
 
 
@@ -130,14 +159,21 @@ def test_the_step_reports_the_mean_reverse_kl_over_the_loss_tokens(monkeypatch):
     current = torch.cat(_logs(STUDENT_P)).requires_grad_()
     monkeypatch.setattr(train_step, "packed_response_log_probs", lambda *a, **k: (current, torch.zeros_like(current)))
     inputs = train_step.StepInputs(
-        batch=batch, micro_batches=[indices], denominators=train_step.StepDenominators.of(batch, indices),
+        batch=batch,
+        micro_batches=[indices],
+        denominators=train_step.StepDenominators.of(batch, indices),
         advantages={i: torch.zeros(len(p)) for i, p in enumerate(STUDENT_P)},
-        old_log_probs=dict(enumerate(_logs(STUDENT_P))), teacher_log_probs=dict(enumerate(_logs(TEACHER_P))),
+        old_log_probs=dict(enumerate(_logs(STUDENT_P))),
+        teacher_log_probs=dict(enumerate(_logs(TEACHER_P))),
     )
     acc = train_step._Accumulator()
     train_step.micro_batch_loss(None, train_step.make_micro_batch(batch, indices, "cpu"), inputs, cfg, 32, acc)
-    kept = [math.log(s / t) for ps, pt, ms in zip(STUDENT_P, TEACHER_P, batch["loss_mask"])
-            for s, t, m in zip(ps, pt, ms) if m]
+    kept = [
+        math.log(s / t)
+        for ps, pt, ms in zip(STUDENT_P, TEACHER_P, batch["loss_mask"])
+        for s, t, m in zip(ps, pt, ms)
+        if m
+    ]
     assert acc.counts["opd_reverse_kl"] == 5
     assert acc.sums["opd_reverse_kl"].item() / 5 == pytest.approx(sum(kept) / 5, abs=1e-6)
 
@@ -145,14 +181,17 @@ def test_the_step_reports_the_mean_reverse_kl_over_the_loss_tokens(monkeypatch):
 # ---- the flags ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"use_opd": True}, r"use_opd=true needs --opd-type"),
-    ({"use_opd": True, "opd_type": "megatron"}, r"needs --opd-teacher-load"),
-    ({"opd_teacher_load": "/teacher"}, r"opd_teacher_load='/teacher' is set but use_opd is not: add --use-opd"),
-    ({"opd_type": "megatron"}, r"opd_type=megatron has no effect without use_opd=true"),
-    ({"opd_kl_coef": 0.5}, r"opd_kl_coef=0.5 has no effect without use_opd=true"),
-    ({"use_opd": True, "opd_type": "sglang", "opd_teacher_load": "/teacher"}, r"opd_type"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"use_opd": True}, r"use_opd=true needs --opd-type"),
+        ({"use_opd": True, "opd_type": "megatron"}, r"needs --opd-teacher-load"),
+        ({"opd_teacher_load": "/teacher"}, r"opd_teacher_load='/teacher' is set but use_opd is not: add --use-opd"),
+        ({"opd_type": "megatron"}, r"opd_type=megatron has no effect without use_opd=true"),
+        ({"opd_kl_coef": 0.5}, r"opd_kl_coef=0.5 has no effect without use_opd=true"),
+        ({"use_opd": True, "opd_type": "sglang", "opd_teacher_load": "/teacher"}, r"opd_type"),
+    ],
+)
 def test_bad_combinations_fail_when_the_configuration_is_made(fields, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"hf_checkpoint": "some/model", **fields})
@@ -223,12 +262,21 @@ def test_the_teacher_is_a_folder_or_hub_id_resolved_like_hf_checkpoint(tiny_mode
     shutil.copytree(tiny_model_dir, tmp_path / "teachers" / "local")
 
     def resolved(teacher):
-        cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "storage_uri": str(tmp_path / "storage"),
-                           "prompt_data": str(tmp_path / "p.jsonl"), "use_opd": True, "opd_type": "megatron",
-                           "opd_teacher_load": teacher})
+        cfg = make_config(
+            {
+                "hf_checkpoint": str(tiny_model_dir),
+                "storage_uri": str(tmp_path / "storage"),
+                "prompt_data": str(tmp_path / "p.jsonl"),
+                "use_opd": True,
+                "opd_type": "megatron",
+                "opd_teacher_load": teacher,
+            }
+        )
         return resolve_run_config(cfg, base=tmp_path).opd_teacher_load
 
     assert resolved("vime-test/teacher") == str(snapshot)
     assert resolved("teachers/local") == str(tmp_path / "teachers" / "local")
-    with pytest.raises(HubCheckpointError, match=r"^opd_teacher_load: hub model 'vime-test/absent' has no cached snapshot"):
+    with pytest.raises(
+        HubCheckpointError, match=r"^opd_teacher_load: hub model 'vime-test/absent' has no cached snapshot"
+    ):
         resolved("vime-test/absent")

@@ -24,7 +24,9 @@ def test_the_aggregation_divides_each_token_sum_by_the_constant():
     from vime_core.algo.losses import aggregate_loss
 
     # by hand: sums 2 - 1 = 1 and 0.5 + 0.5 + 1 + 3 = 5; mean 3; over L = 8
-    assert aggregate_loss(_flat(PER_TOKEN), _flat(MASK), "seq_mean_token_sum_norm", LENGTHS, 8.0).item() == pytest.approx(3 / 8)
+    assert aggregate_loss(
+        _flat(PER_TOKEN), _flat(MASK), "seq_mean_token_sum_norm", LENGTHS, 8.0
+    ).item() == pytest.approx(3 / 8)
     # the same in the padded [B, T] layout
     padded = torch.tensor([[2.0, -1.0, 5.0, 9.0], [0.5, 0.5, 1.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
@@ -45,17 +47,29 @@ def test_dr_grpo_advantages_are_centred_not_scaled():
 
 
 def _cfg(**fields):
-    return load_config(overrides={"hf_checkpoint": "some/model", "advantage_estimator": "grpo",
-                                  "grpo_std_normalization": False, "loss_agg_mode": "seq_mean_token_sum_norm",
-                                  "rollout_batch_size": 1, "n_samples_per_prompt": 2, "micro_batch_size": 1,
-                                  "rollout_max_response_len": 8, "entropy_coef": 0.0, **fields})
+    return load_config(
+        overrides={
+            "hf_checkpoint": "some/model",
+            "advantage_estimator": "grpo",
+            "grpo_std_normalization": False,
+            "loss_agg_mode": "seq_mean_token_sum_norm",
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": 2,
+            "micro_batch_size": 1,
+            "rollout_max_response_len": 8,
+            "entropy_coef": 0.0,
+            **fields,
+        }
+    )
 
 
 def test_the_scale_defaults_to_the_response_budget_and_belongs_to_the_mode():
     assert _cfg().loss_scale_factor == 8.0
     assert _cfg(loss_scale_factor=100).loss_scale_factor == 100.0
     assert load_config(overrides={"loss_agg_mode": "token_mean"}).loss_scale_factor is None
-    with pytest.raises(ConfigError, match="loss_scale_factor=4.0 has no effect without loss_agg_mode=seq_mean_token_sum_norm"):
+    with pytest.raises(
+        ConfigError, match="loss_scale_factor=4.0 has no effect without loss_agg_mode=seq_mean_token_sum_norm"
+    ):
         load_config(overrides={"loss_scale_factor": 4})
 
 
@@ -71,14 +85,20 @@ def test_the_step_loss_is_the_same_whatever_the_micro_batches(monkeypatch, split
     batch = {"tokens": [[1, 2] + [7] * n for n in lengths], "response_length": lengths, "loss_mask": mask_rows}
     log_probs = {i: torch.full((n,), -1.0) for i, n in enumerate(lengths)}
     inputs = train_step.StepInputs(
-        batch=batch, micro_batches=split, denominators=train_step.StepDenominators.of(batch, [0, 1]),
-        advantages={i: torch.full((n,), advantages[i]) for i, n in enumerate(lengths)}, old_log_probs=log_probs,
+        batch=batch,
+        micro_batches=split,
+        denominators=train_step.StepDenominators.of(batch, [0, 1]),
+        advantages={i: torch.full((n,), advantages[i]) for i, n in enumerate(lengths)},
+        old_log_probs=log_probs,
     )
     total = 0.0
     for indices in split:
         current = torch.cat([log_probs[i] for i in indices]).requires_grad_()
-        monkeypatch.setattr(train_step, "packed_response_log_probs",
-                            lambda *a, current=current, **k: (current, torch.zeros_like(current)))
+        monkeypatch.setattr(
+            train_step,
+            "packed_response_log_probs",
+            lambda *a, current=current, **k: (current, torch.zeros_like(current)),
+        )
         mb = train_step.make_micro_batch(batch, indices, "cpu")
         total += train_step.micro_batch_loss(None, mb, inputs, cfg, 32, train_step._Accumulator()).item()
     assert total == pytest.approx(-0.03125, abs=1e-7)

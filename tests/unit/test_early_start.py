@@ -74,27 +74,58 @@ def test_the_early_start_marks_its_begin_and_end_in_seconds_since_the_command():
 
 
 def test_startup_marks_move_bootstraps_marks_to_the_commands_clock():
-    marks = boot.startup_marks({"early_start": 3.0, "early_actors_created": 11.5}, 20.0,
-                               {"actors_created": 0.5, "started_early": 8.5, "engines_ready": 60.0})
+    marks = boot.startup_marks(
+        {"early_start": 3.0, "early_actors_created": 11.5},
+        20.0,
+        {"actors_created": 0.5, "started_early": 8.5, "engines_ready": 60.0},
+    )
     # started_early is the early start's length, not a moment: it stays out
-    assert marks == {"early_start": 3.0, "early_actors_created": 11.5, "bootstrap_started": 20.0,
-                     "actors_created": 20.5, "engines_ready": 80.0}
+    assert marks == {
+        "early_start": 3.0,
+        "early_actors_created": 11.5,
+        "bootstrap_started": 20.0,
+        "actors_created": 20.5,
+        "engines_ready": 80.0,
+    }
     assert boot.startup_marks({}, 4.0, {"kv_onloaded": 1.0}) == {"bootstrap_started": 4.0, "kv_onloaded": 5.0}
 
 
 def test_startup_marks_put_each_engines_milestones_on_the_commands_clock_in_order():
-    engines = [{"launched_epoch": 1012.0, "marks_s": {"args": 20.0, "serving": 60.0}},
-               {},  # attached: no launch of ours
-               {"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}}]
+    engines = [
+        {"launched_epoch": 1012.0, "marks_s": {"args": 20.0, "serving": 60.0}},
+        {},  # attached: no launch of ours
+        {"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}},
+    ]
     marks = boot.startup_marks({"early_start": 3.0}, 20.0, {"engines_ready": 60.0}, engines, command_epoch=1000.0)
-    assert marks == {"early_start": 3.0, "engine2_launched": 5.0, "engine0_launched": 12.0, "bootstrap_started": 20.0,
-                     "engine0_args": 32.0, "engine2_serving": 55.0, "engine0_serving": 72.0, "engines_ready": 80.0}
+    assert marks == {
+        "early_start": 3.0,
+        "engine2_launched": 5.0,
+        "engine0_launched": 12.0,
+        "bootstrap_started": 20.0,
+        "engine0_args": 32.0,
+        "engine2_serving": 55.0,
+        "engine0_serving": 72.0,
+        "engines_ready": 80.0,
+    }
     assert list(marks) == sorted(marks, key=marks.get)  # in the order they happened
 
 
 def test_startup_marks_put_the_managers_steps_between_the_engines_and_bootstraps():
-    marks = boot.startup_marks({}, 20.0, {"engines_ready": 60.0}, [{"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}}],
-                               {"engines_started": 1056.5, "router_ready": 1057.0, "ready": 1078.0}, command_epoch=1000.0)
-    assert marks == {"bootstrap_started": 20.0, "engine0_launched": 5.0, "engine0_serving": 55.0,
-                     "manager_engines_started": 56.5, "manager_router_ready": 57.0, "manager_ready": 78.0, "engines_ready": 80.0}
+    marks = boot.startup_marks(
+        {},
+        20.0,
+        {"engines_ready": 60.0},
+        [{"launched_epoch": 1005.0, "marks_s": {"serving": 50.0}}],
+        {"engines_started": 1056.5, "router_ready": 1057.0, "ready": 1078.0},
+        command_epoch=1000.0,
+    )
+    assert marks == {
+        "bootstrap_started": 20.0,
+        "engine0_launched": 5.0,
+        "engine0_serving": 55.0,
+        "manager_engines_started": 56.5,
+        "manager_router_ready": 57.0,
+        "manager_ready": 78.0,
+        "engines_ready": 80.0,
+    }
     assert list(marks) == sorted(marks, key=marks.get)

@@ -52,9 +52,26 @@ def middleware(monkeypatch) -> EngineAuthMiddleware:
     return EngineAuthMiddleware(app=None)  # type: ignore[arg-type]
 
 
-ROUTES = ["/inference/v1/generate", "/v1/completions", "/v1/models", "/health", "/collective_rpc", "/sleep",
-          "/wake_up", "/pause", "/resume", "/start_weight_update", "/update_weights", "/finish_weight_update",
-          "/metrics", "/invocations", "/ping", "/openapi.json", "/version", "/is_paused"]
+ROUTES = [
+    "/inference/v1/generate",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/collective_rpc",
+    "/sleep",
+    "/wake_up",
+    "/pause",
+    "/resume",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/metrics",
+    "/invocations",
+    "/ping",
+    "/openapi.json",
+    "/version",
+    "/is_paused",
+]
 BAD_HEADERS = {
     "none": [],
     "wrong token": [(b"authorization", b"Bearer not-the-token")],
@@ -107,8 +124,16 @@ def test_no_token_in_the_environment_no_server(monkeypatch):
 
 def test_the_token_shows_only_through_reveal():
     token = EngineToken(CANARY)
-    for text in (repr(token), str(token), f"{token}", f"{token!r}", "%s" % token, json.dumps({"t": str(token)}),
-                 repr({"token": token}), repr([token])):
+    for text in (
+        repr(token),
+        str(token),
+        f"{token}",
+        f"{token!r}",
+        "%s" % token,
+        json.dumps({"t": str(token)}),
+        repr({"token": token}),
+        repr([token]),
+    ):
         assert CANARY not in text
     assert token.reveal() == CANARY and auth_headers(token) == {"Authorization": f"Bearer {CANARY}"}
     assert pickle.loads(pickle.dumps(token)) == token != EngineToken.new()  # crosses Ray whole
@@ -162,7 +187,9 @@ def test_the_token_is_in_the_engine_environment_only(tiny_model_dir):
     assert cmd[cmd.index("--middleware") + 1] == MIDDLEWARE and CANARY not in " ".join(cmd)
     env = server.environment()
     assert env[TOKEN_ENV] == CANARY and env[OPEN_HEALTH_ENV] == "1"  # use_router: health open for the router
-    assert OPEN_HEALTH_ENV not in EngineServer(_cfg(hf_checkpoint=str(tiny_model_dir), use_router=False), 0).environment()
+    assert (
+        OPEN_HEALTH_ENV not in EngineServer(_cfg(hf_checkpoint=str(tiny_model_dir), use_router=False), 0).environment()
+    )
     assert CANARY not in json.dumps(config_dict(cfg)) and CANARY not in repr(vars(server))
     own = EngineServer(cfg, 1)  # none given: a token of its own
     assert own.auth_token is not None and own.auth_token != server.auth_token

@@ -16,7 +16,6 @@ def _cfg(**values):
     return make_config(demo_values({"device": "cpu", **values}))
 
 
-
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "node-7.cluster", ""])
 def test_a_bind_beyond_loopback_without_auth_is_refused_in_one_line(host):
     from vime_core.config.loader import ConfigError
@@ -39,7 +38,13 @@ def test_allowing_it_warns_what_is_exposed(caplog):
     with caplog.at_level(logging.WARNING, logger="vime_core.config.derive"):
         _cfg(engine_bind_host="0.0.0.0", engine_auth=False, allow_unauthenticated_engines=True)
     [record] = [r for r in caplog.records if "allow_unauthenticated_engines" in r.getMessage()]
-    for exposed in ("generate", "/collective_rpc", "/pause", "weight-update session", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+    for exposed in (
+        "generate",
+        "/collective_rpc",
+        "/pause",
+        "weight-update session",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+    ):
         assert exposed in record.getMessage()
 
 

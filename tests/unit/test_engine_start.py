@@ -51,7 +51,10 @@ def test_a_failed_start_is_raised_after_every_start_ended_naming_each_engine_tha
     assert slow.started  # waited for, so a shutdown after the failure cannot race it
     assert info.value.__notes__ == [
         "while starting engine-1",
-        "engine-2 failed to start as well: EngineStartError: engine-2: not healthy after engine_startup_timeout_s=600.0 s",
+        (
+            "engine-2 failed to start as well: EngineStartError: engine-2: not healthy after "
+            "engine_startup_timeout_s=600.0 s"
+        ),
     ]
 
 
@@ -82,8 +85,12 @@ class Router:
 def _fleet(monkeypatch, servers, on_router_start):
     monkeypatch.setattr("vime_core.engines.fleet.Router", Router)
     Router.made, Router.on_start = [], staticmethod(on_router_start)
-    fleet = SimpleNamespace(servers=servers, _owns_servers=True, router=None,
-                          cfg=SimpleNamespace(use_router=True, router_policy="round_robin"))
+    fleet = SimpleNamespace(
+        servers=servers,
+        _owns_servers=True,
+        router=None,
+        cfg=SimpleNamespace(use_router=True, router_policy="round_robin"),
+    )
     fleet._start_servers = lambda: EngineFleet._start_servers(fleet)
     return fleet
 
@@ -91,6 +98,7 @@ def _fleet(monkeypatch, servers, on_router_start):
 def _raise(exc: BaseException):
     def fail():
         raise exc
+
     return fail
 
 
@@ -103,10 +111,16 @@ def test_the_router_starts_beside_the_engines(monkeypatch):
 
 
 @pytest.mark.parametrize("engine_fails, router_fails", [(False, True), (True, True), (True, False)])
-def test_a_failed_start_raises_the_engines_error_first_and_leaves_no_router_unowned(monkeypatch, engine_fails, router_fails):
+def test_a_failed_start_raises_the_engines_error_first_and_leaves_no_router_unowned(
+    monkeypatch, engine_fails, router_fails
+):
     engine = _raise(EngineStartError("engine down")) if engine_fails else None
-    fleet = _fleet(monkeypatch, [Server(0, engine)], _raise(RuntimeError("router down")) if router_fails else (lambda: None))
-    with pytest.raises(EngineStartError if engine_fails else RuntimeError, match="engine down" if engine_fails else "router down"):
+    fleet = _fleet(
+        monkeypatch, [Server(0, engine)], _raise(RuntimeError("router down")) if router_fails else (lambda: None)
+    )
+    with pytest.raises(
+        EngineStartError if engine_fails else RuntimeError, match="engine down" if engine_fails else "router down"
+    ):
         EngineFleet._start_servers_and_router(fleet, None)
     [router] = Router.made
     # a router that failed is stopped here; one that started is the fleet's, which the

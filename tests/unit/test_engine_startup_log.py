@@ -30,12 +30,21 @@ def _log(compile_lines: list[str], relaunch: bool = False) -> str:
 
 
 def test_a_compiled_start_is_a_miss_with_the_seconds_of_each_milestone():
-    compiled = [_line(60, "Compiling a graph for compile range (1, 8192) takes 7.25 s"),
-                _line(70, "Compiling a graph for compile range (1, 8192) takes 6.50 s")]
+    compiled = [
+        _line(60, "Compiling a graph for compile range (1, 8192) takes 7.25 s"),
+        _line(70, "Compiling a graph for compile range (1, 8192) takes 6.50 s"),
+    ]
     marks = startup_marks(_log(compiled, relaunch=True))
     assert marks["launched_epoch"] == round(LAUNCH, 3)
-    assert marks["marks_s"] == {"args": 40, "weights_loaded": 52, "model_loaded": 53, "compiled": 75,
-                                "graphs_captured": 80, "engine_ready": 97, "serving": 99}
+    assert marks["marks_s"] == {
+        "args": 40,
+        "weights_loaded": 52,
+        "model_loaded": 53,
+        "compiled": 75,
+        "graphs_captured": 80,
+        "engine_ready": 97,
+        "serving": 99,
+    }
     assert marks["compile_cache"] == "miss" and marks["compile_s"] == 7.25 + 6.50
     assert marks["torch_compile_s"] == 19.84 and marks["dynamo_s"] == 4.10
     assert marks["graph_capture_s"] == 5 and marks["engine_init_s"] == 45.20
@@ -43,14 +52,18 @@ def test_a_compiled_start_is_a_miss_with_the_seconds_of_each_milestone():
 
 
 def test_a_start_from_the_compile_cache_is_a_hit():
-    hit = [_line(58, "Directly load AOT compilation from path /root/.cache/vllm/torch_compile_cache/torch_aot_compile/ab")]
+    hit = [
+        _line(58, "Directly load AOT compilation from path /root/.cache/vllm/torch_compile_cache/torch_aot_compile/ab")
+    ]
     marks = startup_marks(_log(hit))
     assert marks["compile_cache"] == "hit" and "compile_s" not in marks
 
 
 def test_an_unloadable_cache_entry_is_told_apart():
-    failed = [_line(58, "Compiling model again due to a load failure from /c/x, reason: bad magic"),
-              _line(70, "Compiling a graph for compile range (1, 8192) takes 9.00 s")]
+    failed = [
+        _line(58, "Compiling model again due to a load failure from /c/x, reason: bad magic"),
+        _line(70, "Compiling a graph for compile range (1, 8192) takes 9.00 s"),
+    ]
     assert startup_marks(_log(failed))["compile_cache"] == "load_failure"
 
 

@@ -25,6 +25,7 @@ LOG_PROB = -0.5
 def own_registry(monkeypatch):
     """Registrations made by a test go into copies of the registries, dropped after it."""
     import vime_core.algo.losses  # noqa: F401  the built-in policy losses first (the estimators: vime_core.algo)
+
     monkeypatch.setattr(registry, "_ADV_ESTIMATORS", dict(registry._ADV_ESTIMATORS))
     monkeypatch.setattr(registry, "_POLICY_LOSSES", dict(registry._POLICY_LOSSES))
 
@@ -33,8 +34,14 @@ def _register_doubled_mean() -> None:
     """The one place: a mean-centred estimator whose token advantage is twice the sample's,
     trained with CISPO, with token rewards, whose loss needs the recomputed old log-probs."""
 
-    @register_adv_est("doubled_mean", group_normalisation="mean", policy_loss="cispo", token_rewards=True,
-                      reuse_log_probs=False, summary="a test's")
+    @register_adv_est(
+        "doubled_mean",
+        group_normalisation="mean",
+        policy_loss="cispo",
+        token_rewards=True,
+        reuse_log_probs=False,
+        summary="a test's",
+    )
     def doubled(rewards, loss_masks, *, kl=None, values=None, gamma=1.0, lambd=1.0, kl_coef=0.0):
         advantages = [torch.full((len(m),), 2 * float(r)) for r, m in zip(rewards.tolist(), loss_masks)]
         return advantages, advantages
@@ -43,8 +50,17 @@ def _register_doubled_mean() -> None:
 def _samples() -> list[Sample]:
     samples = []
     for i, (reward, n) in enumerate(zip(RAW, RESPONSE_LENGTHS)):
-        s = Sample(prompt_id="p0", tokens=[1, 2], prompt_length=2, group_index=0, index=i, session_id=f"s-{i}",
-                   status=Status.COMPLETED, finish_reason="stop", reward=reward)
+        s = Sample(
+            prompt_id="p0",
+            tokens=[1, 2],
+            prompt_length=2,
+            group_index=0,
+            index=i,
+            session_id=f"s-{i}",
+            status=Status.COMPLETED,
+            finish_reason="stop",
+            reward=reward,
+        )
         s.append_response_tokens(list(range(10, 10 + n)), [LOG_PROB] * n)
         s.weight_versions = [WeightSpan(1, 0, n)]
         samples.append(s)
@@ -57,7 +73,10 @@ def test_a_registered_estimator_is_selectable_and_unknown_ones_are_refused_namin
     _register_doubled_mean()
     assert load_config(overrides={"advantage_estimator": "doubled_mean"}).advantage_estimator == "doubled_mean"
     assert parse_args(["--advantage-estimator", "doubled_mean"]).advantage_estimator == "doubled_mean"
-    with pytest.raises(ConfigError, match=r"advantage_estimator: unknown advantage estimator 'nope'; registered: \[.*'doubled_mean'.*'grpo'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"advantage_estimator: unknown advantage estimator 'nope'; registered: \[.*'doubled_mean'.*'grpo'",
+    ):
         load_config(overrides={"advantage_estimator": "nope"})
     # its token rewards take kl_coef, which grpo (none) refuses
     assert load_config(overrides={"advantage_estimator": "doubled_mean", "kl_coef": 0.05}).kl_coef == 0.05
@@ -86,11 +105,17 @@ def test_the_registration_decides_normalisation_advantages_gates_and_loss(own_re
     assert torch.cat([advantages[i] for i in indices]).tolist() == pytest.approx(expected.tolist())
 
     log_probs = torch.full((sum(RESPONSE_LENGTHS),), LOG_PROB, requires_grad=True)
-    monkeypatch.setattr(train_step, "packed_response_log_probs",
-                        lambda *a, **k: (log_probs, torch.zeros_like(log_probs)))
+    monkeypatch.setattr(
+        train_step, "packed_response_log_probs", lambda *a, **k: (log_probs, torch.zeros_like(log_probs))
+    )
     mb = train_step.make_micro_batch(batch, indices, "cpu")
-    inputs = train_step.StepInputs(batch=batch, micro_batches=[indices], advantages=advantages, old_log_probs=None,
-                                   denominators=train_step.StepDenominators.of(batch, indices))
+    inputs = train_step.StepInputs(
+        batch=batch,
+        micro_batches=[indices],
+        advantages=advantages,
+        old_log_probs=None,
+        denominators=train_step.StepDenominators.of(batch, indices),
+    )
     acc = train_step._Accumulator()
     train_step.micro_batch_loss(None, mb, inputs, cfg, 19, acc)
 
@@ -109,10 +134,12 @@ def test_the_configuration_reads_the_registered_names_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from vime_core.config.loader import build_parser\n"
-            "from vime_core.algo.registry import registered_adv_estimators\n"
-            "help_text = build_parser().format_help()\n"
-            "assert all(name in help_text for name in registered_adv_estimators()), help_text\n"
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
+    code = (
+        "import sys\n"
+        "from vime_core.config.loader import build_parser\n"
+        "from vime_core.algo.registry import registered_adv_estimators\n"
+        "help_text = build_parser().format_help()\n"
+        "assert all(name in help_text for name in registered_adv_estimators()), help_text\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -17,9 +17,15 @@ def _instances():
     from vime_core.weight_sync.publish import PublishError
 
     return [
-        (EngineError("engine-0", "/inference/v1/generate", None, "connection refused"), ("engine", "endpoint", "status", "body")),
+        (
+            EngineError("engine-0", "/inference/v1/generate", None, "connection refused"),
+            ("engine", "endpoint", "status", "body"),
+        ),
         (EngineError("engine-1", "/pause", 503, "x" * 10), ("engine", "endpoint", "status", "body")),
-        (EngineWakeError("engine-2", ["weights"], 500, "CUDA Error: out of memory"), ("engine", "endpoint", "status", "tags", "why")),
+        (
+            EngineWakeError("engine-2", ["weights"], 500, "CUDA Error: out of memory"),
+            ("engine", "endpoint", "status", "tags", "why"),
+        ),
         (PublishError("publish v3: engine-0 reports 2", bytes_moved=True), ("bytes_moved",)),
         (ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)), ("missing",)),
         (CorruptBatchError("batches/r/00000001.parquet", "checksum mismatch"), ("key", "detail")),
@@ -27,7 +33,9 @@ def _instances():
     ]
 
 
-@pytest.mark.parametrize("exc, attributes", _instances(), ids=lambda x: type(x).__name__ if isinstance(x, Exception) else "")
+@pytest.mark.parametrize(
+    "exc, attributes", _instances(), ids=lambda x: type(x).__name__ if isinstance(x, Exception) else ""
+)
 def test_a_vime_exception_is_rebuilt_after_pickling(exc, attributes):
     back = cloudpickle.loads(cloudpickle.dumps(exc))
     assert type(back) is type(exc) and str(back) == str(exc)

@@ -32,11 +32,13 @@ def test_a_task_does_not_retry_a_call_to_a_dead_actor():
 def test_an_uncollected_ray_error_is_one_line_on_the_console():
     from flows.console import RAY_DRIVER_LOGGER, one_line_failures
 
-    remote = ("Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::RolloutManager.end_sync() (pid=1)\n"
-              "  At least one of the input arguments for this task could not be computed:\n"
-              '  File "/x/vime_core/engines/client.py", line 176, in request\n'
-              "    raise EngineError(...)\n"
-              "vime_core.engines.client.EngineError: engine engine-0: GET /weight_info failed (no answer)\n")
+    remote = (
+        "Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::RolloutManager.end_sync() (pid=1)\n"
+        "  At least one of the input arguments for this task could not be computed:\n"
+        '  File "/x/vime_core/engines/client.py", line 176, in request\n'
+        "    raise EngineError(...)\n"
+        "vime_core.engines.client.EngineError: engine engine-0: GET /weight_info failed (no answer)\n"
+    )
     seen: list[str] = []
 
     class Keep(logging.Handler):
@@ -52,8 +54,10 @@ def test_an_uncollected_ray_error_is_one_line_on_the_console():
         logger.error(remote)  # outside the run: untouched
     finally:
         logger.removeHandler(handler)
-    assert seen[0] == ("Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): "
-                       "vime_core.engines.client.EngineError: engine engine-0: GET /weight_info failed (no answer)")
+    assert seen[0] == (
+        "Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): "
+        "vime_core.engines.client.EngineError: engine engine-0: GET /weight_info failed (no answer)"
+    )
     assert seen[1] == remote
 
 
@@ -75,8 +79,9 @@ def _records_through(records):
         with one_line_failures():
             for name, level, message, exc in records:
                 logger = logging.getLogger(name)
-                record = logger.makeRecord(name, level, __file__, 0, message, None,
-                                           (type(exc), exc, None) if exc is not None else None)
+                record = logger.makeRecord(
+                    name, level, __file__, 0, message, None, (type(exc), exc, None) if exc is not None else None
+                )
                 if logger.filter(record) and console.filter(record):
                     console.emit(record)
     finally:
@@ -88,16 +93,31 @@ def test_a_failure_the_run_explains_is_off_the_console_but_a_retry_notice_and_a_
     dead = ActorDiedError()
     bug = ZeroDivisionError("a bug")  # classified unknown: its traceback is the user's only clue
     retry = "Task run failed with exception: ConnectionResetError('reset') - Retry 1/3 will start 2 second(s) from now"
-    shown = _records_through([
-        ("prefect.task_runs", logging.ERROR, "Task run failed with exception: ActorDiedError() - Retries are exhausted", dead),
-        ("prefect.task_runs", logging.ERROR, "Finished in state Failed('Task run encountered an exception ActorDiedError')", None),
-        ("prefect.flow_runs", logging.ERROR, "Encountered exception during execution: ActorDiedError()", dead),
-        ("prefect.task_runs", logging.ERROR, retry, ConnectionResetError("reset")),
-        ("prefect.task_runs", logging.ERROR, "Task run failed with exception: ZeroDivisionError('a bug')", bug),
-        ("vime", logging.ERROR, "iteration 3 failed: trainer-0 died; retrying in 1 s", None),
-    ])
-    assert shown == [retry, "Task run failed with exception: ZeroDivisionError('a bug')",
-                     "iteration 3 failed: trainer-0 died; retrying in 1 s"]
+    shown = _records_through(
+        [
+            (
+                "prefect.task_runs",
+                logging.ERROR,
+                "Task run failed with exception: ActorDiedError() - Retries are exhausted",
+                dead,
+            ),
+            (
+                "prefect.task_runs",
+                logging.ERROR,
+                "Finished in state Failed('Task run encountered an exception ActorDiedError')",
+                None,
+            ),
+            ("prefect.flow_runs", logging.ERROR, "Encountered exception during execution: ActorDiedError()", dead),
+            ("prefect.task_runs", logging.ERROR, retry, ConnectionResetError("reset")),
+            ("prefect.task_runs", logging.ERROR, "Task run failed with exception: ZeroDivisionError('a bug')", bug),
+            ("vime", logging.ERROR, "iteration 3 failed: trainer-0 died; retrying in 1 s", None),
+        ]
+    )
+    assert shown == [
+        retry,
+        "Task run failed with exception: ZeroDivisionError('a bug')",
+        "iteration 3 failed: trainer-0 died; retrying in 1 s",
+    ]
 
 
 def test_outside_a_run_the_console_shows_everything():
@@ -116,5 +136,6 @@ def test_each_retry_of_a_task_is_one_warning_saying_what_failed_and_when_it_trie
             assert retry_unless_configuration(task, run, SimpleNamespace(data=ConnectionResetError("reset\nmore")))
         assert not retry_unless_configuration(task, run, SimpleNamespace(data=ValueError("bad data")))
     assert [r.getMessage() for r in caplog.records] == [
-        f"persist-4 failed (ConnectionResetError: reset); try {n + 1} of 4 in {d} s" for n, d in zip((1, 2, 3), task.retry_delay_seconds)
+        f"persist-4 failed (ConnectionResetError: reset); try {n + 1} of 4 in {d} s"
+        for n, d in zip((1, 2, 3), task.retry_delay_seconds)
     ]

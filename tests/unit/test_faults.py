@@ -17,10 +17,13 @@ def _remote(cause: BaseException):
     return RayTaskError("train", "Traceback (most recent call last):\n  ...", cause).as_instanceof_cause()
 
 
-@pytest.mark.parametrize("exc", [
-    ConnectionResetError("connection reset by peer"),
-    TimeoutError("read timed out"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ConnectionResetError("connection reset by peer"),
+        TimeoutError("read timed out"),
+    ],
+)
 def test_connection_errors_are_infrastructure(exc):
     fault = classify(exc)
     assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True)
@@ -38,8 +41,10 @@ def test_rollout_and_engine_failures_raised_in_an_actor_are_infrastructure():
     from vime_core.engines.server import EngineStartError
     from vime_core.rollout.loop import RolloutFailedError
 
-    for cause in (RolloutFailedError("no engine answered /health within 600 s (engines: e0)"),
-                  EngineStartError("server did not become healthy")):
+    for cause in (
+        RolloutFailedError("no engine answered /health within 600 s (engines: e0)"),
+        EngineStartError("server did not become healthy"),
+    ):
         fault = classify(_remote(cause))
         assert (fault.kind, fault.retryable, fault.error_type) == (INFRASTRUCTURE, True, type(cause).__name__)
         assert "\n" not in fault.what and "Traceback" not in fault.what
@@ -185,7 +190,10 @@ def test_infrastructure_failure_is_retried_with_back_off_in_one_line(loop):
     assert calls == [0, 1, 2, 3, 3, 3, 4, 5] and failures == {3: 2} and len(walls) == 6
     assert sleeps == [3.0, 6.0] and boot["calls"] == 2
     warnings = [m for lvl, m in log.lines if lvl == logging.WARNING]
-    assert warnings[0].startswith("iteration 3 failed: ") and "(ActorDiedError); retrying in 3 s (attempt 2 of 3)" in warnings[0]
+    assert (
+        warnings[0].startswith("iteration 3 failed: ")
+        and "(ActorDiedError); retrying in 3 s (attempt 2 of 3)" in warnings[0]
+    )
     assert "retrying in 6 s (attempt 3 of 3)" in warnings[1]
     assert all("\n" not in m for m in warnings)
 
@@ -210,7 +218,10 @@ def test_gives_up_after_the_configured_attempts(loop):
     boot["next"] = 2  # the trainer lived: the loop goes on at the failed iteration
     for attempt in (1, 2, 3):
         fail_plan[(2, attempt)] = ConnectionRefusedError("router refused")
-    with pytest.raises(train_flow.IterationFailedError, match=r"iteration 2 failed: router refused \(ConnectionRefusedError\); giving up after 3 attempts"):
+    with pytest.raises(
+        train_flow.IterationFailedError,
+        match=r"iteration 2 failed: router refused \(ConnectionRefusedError\); giving up after 3 attempts",
+    ):
         train_flow.run_iterations(cfg, 0)
     assert calls == [0, 1, 2, 2, 2]
 
@@ -278,10 +289,15 @@ def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
     from vime_core.engines.server import DeviceMemoryError
 
     err = DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90% of each device")
-    record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1,
-                               "Task run failed with exception: %r - Retries are exhausted",
-                               (RuntimeError("ActorDiedError('Traceback (most recent call last):\n  File ...')"),),
-                               (type(err), err, None))
+    record = logging.LogRecord(
+        "prefect.task_runs",
+        logging.ERROR,
+        __file__,
+        1,
+        "Task run failed with exception: %r - Retries are exhausted",
+        (RuntimeError("ActorDiedError('Traceback (most recent call last):\n  File ...')"),),
+        (type(err), err, None),
+    )
     assert KnownFailureWithoutTraceback().filter(record)
     assert record.exc_info is None
     assert record.getMessage().startswith("Task run failed with exception: RuntimeError(\"ActorDiedError('")
@@ -299,9 +315,14 @@ def test_a_run_that_cannot_start_for_a_setting_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(train_flow, "get_run_logger", lambda: log)
     err = train_flow.start_failed(_remote(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for more")))
     assert isinstance(err, train_flow.RunStoppedError)
-    assert lines == [str(err)] == [
-        "the run could not start: engine-0: vllm_gpu_memory_utilization=0.9 asks for more (DeviceMemoryError); "
-        "a configuration or data error; fix it and run the same command again"]
+    assert (
+        lines
+        == [str(err)]
+        == [
+            "the run could not start: engine-0: vllm_gpu_memory_utilization=0.9 asks for more (DeviceMemoryError); "
+            "a configuration or data error; fix it and run the same command again"
+        ]
+    )
 
 
 def test_an_unreachable_object_store_is_infrastructure():

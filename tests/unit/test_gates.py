@@ -15,13 +15,28 @@ def _num_microbatches(cfg) -> list[int]:
 
 
 def test_default_grpo_reuses_log_probs():
-    cfg = load_config(overrides={"n_samples_per_prompt": 8, "actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8})
+    cfg = load_config(
+        overrides={
+            "n_samples_per_prompt": 8,
+            "actor_num_gpus_per_node": 8,
+            "tensor_model_parallel_size": 2,
+            "micro_batch_size": 8,
+        }
+    )
     assert _num_microbatches(cfg) == [8]
     assert can_reuse_log_probs_in_loss([8], cfg) is True
 
 
 def test_four_steps_per_rollout_recomputes():
-    cfg = load_config(overrides={"n_samples_per_prompt": 8, "actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "micro_batch_size": 8, "num_steps_per_rollout": 4})
+    cfg = load_config(
+        overrides={
+            "n_samples_per_prompt": 8,
+            "actor_num_gpus_per_node": 8,
+            "tensor_model_parallel_size": 2,
+            "micro_batch_size": 8,
+            "num_steps_per_rollout": 4,
+        }
+    )
     nmb = _num_microbatches(cfg)
     assert nmb == [2, 2, 2, 2]
     assert can_reuse_log_probs_in_loss(nmb, cfg) is False
@@ -64,7 +79,11 @@ def test_kl_settings_mean_what_they_mean_in_slime():
     """kl_coef is the reward's KL penalty: an estimator without token rewards refuses it and says
     which flags give the loss term; a loss coefficient without use_kl_loss, or a reference
     checkpoint nothing uses, would silently do nothing and is refused."""
-    with pytest.raises(ValueError, match=r"kl_coef=0.05 is the KL penalty in the token rewards .* advantage_estimator=grpo .* use_kl_loss=true and kl_loss_coef=0.05"):
+    with pytest.raises(
+        ValueError,
+        match=r"kl_coef=0.05 is the KL penalty in the token rewards .* advantage_estimator=grpo .* "
+        r"use_kl_loss=true and kl_loss_coef=0.05",
+    ):
         load_config(overrides={"kl_coef": 0.05})
     with pytest.raises(ValueError, match=r"kl_loss_coef=0.1 has no effect without use_kl_loss=true"):
         load_config(overrides={"kl_loss_coef": 0.1})
@@ -72,10 +91,14 @@ def test_kl_settings_mean_what_they_mean_in_slime():
         load_config(overrides={"ref_load": "ref"})
     cfg = load_config(overrides={"use_kl_loss": True, "kl_loss_coef": 0.1, "ref_load": "some/ref"})
     assert cfg.ref_load.startswith("/") and cfg.ref_load.endswith("some/ref")
-    assert load_config(overrides={"kl_coef": 0.05, "advantage_estimator": "reinforce_plus_plus_baseline"}).kl_coef == 0.05
+    assert (
+        load_config(overrides={"kl_coef": 0.05, "advantage_estimator": "reinforce_plus_plus_baseline"}).kl_coef == 0.05
+    )
 
 
 def test_only_ppo_needs_a_critic():
     assert needs_critic(load_config(overrides={"advantage_estimator": "ppo"})) is True
-    assert not any(needs_critic(load_config(overrides={"advantage_estimator": name}))
-                   for name in ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+    assert not any(
+        needs_critic(load_config(overrides={"advantage_estimator": name}))
+        for name in ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    )

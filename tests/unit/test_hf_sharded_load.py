@@ -77,7 +77,9 @@ def test_save_pretrained_shards_load_like_the_single_file(tmp_path, tiny_model_d
     assert sorted(read_hf_safetensors(tmp_path)) == sorted(whole)
     for tp in (1, 2):
         for rank in range(tp):
-            _assert_same(dict(iter_megatron_shard(tmp_path, arch, tp, rank)), hf_to_megatron_shard(whole, arch, tp, rank))
+            _assert_same(
+                dict(iter_megatron_shard(tmp_path, arch, tp, rank)), hf_to_megatron_shard(whole, arch, tp, rank)
+            )
 
 
 class _Recorder:

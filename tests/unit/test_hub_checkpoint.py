@@ -69,8 +69,13 @@ def test_hf_home_is_used_when_hf_hub_cache_is_unset(tmp_path, monkeypatch, tiny_
 
 def test_run_config_carries_the_snapshot_folder(hub_cache, tiny_model_dir, tmp_path):
     snapshot = cache_snapshot(hub_cache, "vime-test/tiny-qwen3", tiny_model_dir)
-    cfg = make_config({"hf_checkpoint": "vime-test/tiny-qwen3", "storage_uri": str(tmp_path / "storage"),
-                       "prompt_data": str(tmp_path / "p.jsonl")})
+    cfg = make_config(
+        {
+            "hf_checkpoint": "vime-test/tiny-qwen3",
+            "storage_uri": str(tmp_path / "storage"),
+            "prompt_data": str(tmp_path / "p.jsonl"),
+        }
+    )
     resolved = resolve_run_config(cfg, base=tmp_path)
     assert resolved.hf_checkpoint == str(snapshot)
     # a local folder wins over a hub id of the same spelling, and comes back absolute
@@ -80,8 +85,13 @@ def test_run_config_carries_the_snapshot_folder(hub_cache, tiny_model_dir, tmp_p
 
 
 def test_uncached_hub_id_offline_names_the_id_and_the_cache(hub_cache, tmp_path):
-    cfg = make_config({"hf_checkpoint": "vime-test/absent-model@main", "storage_uri": str(tmp_path / "storage"),
-                       "prompt_data": str(tmp_path / "p.jsonl")})
+    cfg = make_config(
+        {
+            "hf_checkpoint": "vime-test/absent-model@main",
+            "storage_uri": str(tmp_path / "storage"),
+            "prompt_data": str(tmp_path / "p.jsonl"),
+        }
+    )
     with pytest.raises(HubCheckpointError) as err:
         resolve_run_config(cfg, base=tmp_path)
     text = str(err.value)

@@ -75,7 +75,9 @@ def import_graph(packages=PACKAGES) -> tuple[dict[str, set[str]], dict[str, set[
                     pkg = pkg[: len(pkg) - node.level + 1]
                     base = ".".join(pkg + ([base] if base else []))
                 # `from pkg import name` names a submodule when one exists, else the package
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:
                 found = _resolve(target, modules)
                 if found is None:
@@ -187,7 +189,10 @@ def test_math_knows_nothing_of_actors_http_or_prefect():
         for mod in sorted(_reachable(root)):
             if not mod.startswith(("vime_core.algo", "vime_core.data.")):
                 bad.append(f"{root} reaches {mod}")
-            bad += [f"{root} reaches {mod}, which imports {lib}" for lib in sorted(EXTERNAL[mod] & ACTOR_AND_NETWORK_LIBRARIES)]
+            bad += [
+                f"{root} reaches {mod}, which imports {lib}"
+                for lib in sorted(EXTERNAL[mod] & ACTOR_AND_NETWORK_LIBRARIES)
+            ]
     assert bad == []
 
 
@@ -243,13 +248,20 @@ def test_package_graph_is_read():
 def test_no_package_level_cycles_in_vime_core():
     found = cycles(package_graph(EDGES))
     new = [sorted(c) for c in found if c not in KNOWN_PACKAGE_CYCLES]
-    assert new == [], ("package-level import cycles in vime_core (move what both need to the package it "
-                       "belongs to or a leaf; see docs/architecture.md):\n" + "\n".join(map(str, new)))
+    assert new == [], (
+        "package-level import cycles in vime_core (move what both need to the package it "
+        "belongs to or a leaf; see docs/architecture.md):\n" + "\n".join(map(str, new))
+    )
 
 
 def test_package_cycles_are_found_through_lazy_imports():
-    edges = {"vime_core.a.x": {"vime_core.b.y"}, "vime_core.b.y": set(), "vime_core.b.z": {"vime_core.a"},
-             "vime_core.a": set(), "vime_core.faults": {"vime_core.a.x"}}
+    edges = {
+        "vime_core.a.x": {"vime_core.b.y"},
+        "vime_core.b.y": set(),
+        "vime_core.b.z": {"vime_core.a"},
+        "vime_core.a": set(),
+        "vime_core.faults": {"vime_core.a.x"},
+    }
     assert package_graph(edges) == {"a": {"b"}, "b": {"a"}, "faults": {"a"}}
     assert cycles(package_graph(edges)) == [frozenset({"a", "b"})]
 

@@ -20,13 +20,15 @@ def _instances():
     from vime_core.rollout.loop import RolloutFailedError
     from vime_core.weight_sync.publish import PublishError
 
-    return [ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)),
-            EngineError("engine-0", "/inference/v1/generate", None, "connection refused"),
-            EngineWakeError("engine-2", ["weights"], 500, "CUDA Error: out of memory"),
-            RouterError("router exited with code 1"),
-            EngineStartError("engine-0: vLLM server exited with code 1"),
-            RolloutFailedError("no engine answered /health within 600 s (engines: e0)"),
-            PublishError("publish v3: engine-0 reports 2", bytes_moved=True)]
+    return [
+        ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)),
+        EngineError("engine-0", "/inference/v1/generate", None, "connection refused"),
+        EngineWakeError("engine-2", ["weights"], 500, "CUDA Error: out of memory"),
+        RouterError("router exited with code 1"),
+        EngineStartError("engine-0: vLLM server exited with code 1"),
+        RolloutFailedError("no engine answered /health within 600 s (engines: e0)"),
+        PublishError("publish v3: engine-0 reports 2", bytes_moved=True),
+    ]
 
 
 def _remote(cause: BaseException):

@@ -23,9 +23,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"model.embed_tokens.weight": torch.randn(19, 32, generator=g),
-            "model.layers.0.mlp.up_proj.weight": torch.randn(64, 32, generator=g),
-            "model.norm.weight": torch.randn(32, generator=g)}
+    return {
+        "model.embed_tokens.weight": torch.randn(19, 32, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(64, 32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
 
 
 def _copy_as_handle(buffer: torch.Tensor) -> tuple:
@@ -38,9 +40,14 @@ class IpcStubEngine:
 
     name = "http://e0"
 
-    def __init__(self, w: dict, fail_on_update: int | None = None, worker_gpus: tuple[str, ...] = ("gpu-0", "gpu-1")) -> None:
-        self.spec = {"source": "stub", "served_dtype": "bfloat16",
-                     "tensors": {n: {"shape": list(t.shape), "dtype": "bfloat16"} for n, t in w.items()}}
+    def __init__(
+        self, w: dict, fail_on_update: int | None = None, worker_gpus: tuple[str, ...] = ("gpu-0", "gpu-1")
+    ) -> None:
+        self.spec = {
+            "source": "stub",
+            "served_dtype": "bfloat16",
+            "tensors": {n: {"shape": list(t.shape), "dtype": "bfloat16"} for n, t in w.items()},
+        }
         self.loaded: dict[str, dict[str, torch.Tensor]] = {}
         self.version, self.updates, self.fail_on_update = 0, 0, fail_on_update
         self.worker_gpus = list(worker_gpus)  # a TP=2 engine on both trainer ranks' GPUs
@@ -61,8 +68,12 @@ class IpcStubEngine:
             raise RuntimeError("engine died")
         for uuid, (_, flat) in pickle.loads(base64.b64decode(info["ipc_handles_pickled"])).items():
             offset = 0
-            for name, dtype, shape, size in zip(info["names"], info["dtype_names"], info["shapes"], info["tensor_sizes"]):
-                self.loaded.setdefault(uuid, {})[name] = flat[offset:offset + size].view(getattr(torch, dtype)).view(shape)
+            for name, dtype, shape, size in zip(
+                info["names"], info["dtype_names"], info["shapes"], info["tensor_sizes"]
+            ):
+                self.loaded.setdefault(uuid, {})[name] = (
+                    flat[offset : offset + size].view(getattr(torch, dtype)).view(shape)
+                )
                 offset += size
 
     async def finish_weight_update(self, version):
@@ -100,8 +111,15 @@ def _publish(w, engine, channel):
 
     transport = IpcTransport(torch.device("cpu"), _copy_as_handle, "gpu-0", peers=channel)
     try:
-        return publish_weights(w.items(), [engine.name], 1, make_config({"update_weight_buffer_size": 2048}),
-                               transport=transport, client_factory=lambda url: engine, peers=channel)
+        return publish_weights(
+            w.items(),
+            [engine.name],
+            1,
+            make_config({"update_weight_buffer_size": 2048}),
+            transport=transport,
+            client_factory=lambda url: engine,
+            peers=channel,
+        )
     finally:
         channel.release()
 
@@ -126,8 +144,10 @@ def _rank_main(rank: int, port: int, results) -> None:
         if rank == 0:
             good = IpcStubEngine(w)
             out["ok"] = _outcome(lambda: _publish(w, good, channel)["buckets"])
-            out["loaded"] = {uuid: {n: torch.equal(t, w[n].to(torch.bfloat16)) for n, t in got.items()}
-                             for uuid, got in good.loaded.items()}
+            out["loaded"] = {
+                uuid: {n: torch.equal(t, w[n].to(torch.bfloat16)) for n, t in got.items()}
+                for uuid, got in good.loaded.items()
+            }
             out["invalid"] = _outcome(lambda: _publish(bad, IpcStubEngine(w), channel))
             out["engine_fails"] = _outcome(lambda: _publish(w, IpcStubEngine(w, fail_on_update=2), channel))
             out["peer_fails"] = _outcome(lambda: _publish(w, IpcStubEngine(w), channel))
@@ -135,7 +155,9 @@ def _rank_main(rank: int, port: int, results) -> None:
             out["misplaced"] = _outcome(lambda: _publish(w, misplaced, channel))
             out["misplaced_updates"] = misplaced.updates
         else:
-            follow = lambda tensors: follow_publish(tensors.items(), channel, torch.device("cpu"), "gpu-1", _copy_as_handle)
+            follow = lambda tensors: follow_publish(
+                tensors.items(), channel, torch.device("cpu"), "gpu-1", _copy_as_handle
+            )
             out["ok"] = _outcome(lambda: follow(w))
             out["invalid"] = _outcome(lambda: follow(w))
             out["engine_fails"] = _outcome(lambda: follow(w))

@@ -10,8 +10,21 @@ import flows.iteration as it
 from vime_core.config.loader import make_config
 from vime_core.step_protocol import Phase
 
-TASKS = ["rollout", "persist", "offload_rollout", "train", "offload_train", "onload_weights", "sync_weights",
-         "onload_kv", "check_weight_update", "evaluate", "save_checkpoint", "start_next_rollout", "report_iteration"]
+TASKS = [
+    "rollout",
+    "persist",
+    "offload_rollout",
+    "train",
+    "offload_train",
+    "onload_weights",
+    "sync_weights",
+    "onload_kv",
+    "check_weight_update",
+    "evaluate",
+    "save_checkpoint",
+    "start_next_rollout",
+    "report_iteration",
+]
 
 
 class _Done:
@@ -51,23 +64,59 @@ def _run(monkeypatch, rollout_id: int = 4, **overrides) -> list[str]:
 
 def test_cpu_iteration_order(monkeypatch):
     calls = _run(monkeypatch, device="cpu", rollout_prefetch=True, eval_interval=5, save_interval=5)
-    assert calls == ["rollout", "train_then_publish", "persist", "train", "sync", "eval", "save", "start-next-rollout",
-                     "report"]
+    assert calls == [
+        "rollout",
+        "train_then_publish",
+        "persist",
+        "train",
+        "sync",
+        "eval",
+        "save",
+        "start-next-rollout",
+        "report",
+    ]
 
 
 def test_colocated_gpu_iteration_order(monkeypatch):
-    calls = _run(monkeypatch, device="cuda", offload_rollout=True, offload_train=True, check_weight_update_equal=True,
-                 eval_interval=5, save_interval=5)
-    assert calls == ["rollout", "persist", "offload-rollout", "train", "offload-train", "onload-weights", "sync",
-                     "onload-kv", "check-weights", "eval", "save", "report"]
+    calls = _run(
+        monkeypatch,
+        device="cuda",
+        offload_rollout=True,
+        offload_train=True,
+        check_weight_update_equal=True,
+        eval_interval=5,
+        save_interval=5,
+    )
+    assert calls == [
+        "rollout",
+        "persist",
+        "offload-rollout",
+        "train",
+        "offload-train",
+        "onload-weights",
+        "sync",
+        "onload-kv",
+        "check-weights",
+        "eval",
+        "save",
+        "report",
+    ]
 
 
 @pytest.mark.parametrize("rollout_id, last_publish", [(4, []), (9, ["sync", "check-weights"])])
 def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_publish):
     """async_staleness 1: the sync (which starts rollout k + 1) before training on k; the last
     iteration (9 of 10) publishes what it trained too."""
-    calls = _run(monkeypatch, rollout_id, device="cpu", async_staleness=1, use_tis=True, check_weight_update_equal=True,
-                 eval_interval=5, save_interval=5)
+    calls = _run(
+        monkeypatch,
+        rollout_id,
+        device="cpu",
+        async_staleness=1,
+        use_tis=True,
+        check_weight_update_equal=True,
+        eval_interval=5,
+        save_interval=5,
+    )
     assert calls == ["rollout", "sync", "check-weights", "persist", "train", *last_publish, "eval", "save", "report"]
 
 
@@ -81,6 +130,17 @@ def test_every_phase_names_a_task(phase):
     import tasks.sync
     import tasks.train
 
-    names = {getattr(obj, "name", None) for mod in (tasks.checkpoint, tasks.evaluate, tasks.placement, tasks.report,
-                                                      tasks.rollout, tasks.sync, tasks.train) for obj in vars(mod).values()}
+    names = {
+        getattr(obj, "name", None)
+        for mod in (
+            tasks.checkpoint,
+            tasks.evaluate,
+            tasks.placement,
+            tasks.report,
+            tasks.rollout,
+            tasks.sync,
+            tasks.train,
+        )
+        for obj in vars(mod).values()
+    }
     assert phase in names

@@ -53,8 +53,7 @@ def _loss(log_probs, old, ref, advantages, mask, lengths, policy_loss, kl_type, 
     """A micro-batch's L = agg(pg) + kl_loss_coef * agg(kl), as train_step.micro_batch_loss builds it."""
     per_token, _ = get_policy_loss_fn(policy_loss)(log_probs, old, advantages, mask, lengths, PolicyLossParams())
     kl = compute_approx_kl(log_probs, ref, kl_type, mask)
-    return (aggregate_loss(per_token, mask, mode, lengths, 8.0)
-            + 0.1 * aggregate_loss(kl, mask, mode, lengths, 8.0))
+    return aggregate_loss(per_token, mask, mode, lengths, 8.0) + 0.1 * aggregate_loss(kl, mask, mode, lengths, 8.0)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -110,8 +109,9 @@ def test_the_ppo_ratio_of_an_unmasked_token_is_bounded():
     """exp(clamp(-ppo_kl, -20, 20)), as verl: a real token 91 nats above its old log-prob gives a
     finite loss and gradient (the dual clip's bound aside)."""
     log_probs = torch.tensor([-0.5], requires_grad=True)
-    per_token, _ = get_policy_loss_fn("ppo")(log_probs, torch.tensor([-91.5]), torch.tensor([-1.0]), torch.ones(1),
-                                             [1], PolicyLossParams())
+    per_token, _ = get_policy_loss_fn("ppo")(
+        log_probs, torch.tensor([-91.5]), torch.tensor([-1.0]), torch.ones(1), [1], PolicyLossParams()
+    )
     assert per_token.item() == pytest.approx(math.exp(20.0), rel=1e-6)
     per_token.sum().backward()
     assert torch.isfinite(log_probs.grad).all()

@@ -141,7 +141,9 @@ def test_aggregation_modes_only_count_masked_tokens():
     assert aggregate_loss(padded, pmask, "seq_mean_token_mean").item() == pytest.approx(2.75)
     # a sequence without a trainable token is left out of the mean over sequences
     skipped = torch.tensor([1.0, 2.0, 100.0, 4.0, 7.0, 9.0])
-    assert aggregate_loss(skipped, torch.tensor([1, 1, 0, 1, 0, 0]), "seq_mean_token_mean", [3, 1, 2]).item() == pytest.approx((1.5 + 4.0) / 2)
+    assert aggregate_loss(
+        skipped, torch.tensor([1, 1, 0, 1, 0, 0]), "seq_mean_token_mean", [3, 1, 2]
+    ).item() == pytest.approx((1.5 + 4.0) / 2)
     with pytest.raises(ValueError, match="needs response_lengths"):
         aggregate_loss(loss, mask, "seq_mean_token_sum")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):

@@ -29,7 +29,9 @@ def expected_lr(n: float, lr: float, min_lr: float, warmup: float, decay: int, s
 
 def fake_optimizer() -> SimpleNamespace:
     """Parameter groups shaped like Megatron's: one default group, one without weight decay."""
-    return SimpleNamespace(param_groups=[{"default_config": True, "wd_mult": 1.0}, {"default_config": True, "wd_mult": 0.0}])
+    return SimpleNamespace(
+        param_groups=[{"default_config": True, "wd_mult": 1.0}, {"default_config": True, "wd_mult": 0.0}]
+    )
 
 
 def lrs(cfg: VimeConfig, steps: int) -> list[float]:

@@ -59,10 +59,17 @@ class ScriptedEngine:
                 finish = "stop"  # a script entry that ends without EOS or a stop string
         with_log_probs = sampling_params.get("logprobs") is not None
         content = [{"token_id": t, "logprob": LOGPROB, "rank": 1, "top_logprobs": []} for t in out]
-        return {"choices": [{"token_ids": out, "finish_reason": finish,
-                             "logprobs": {"content": content} if with_log_probs else None,
-                             "weight_versions": [{"version": "3", "start": 0, "end": len(out)}] if out else []}],
-                "usage": {"completion_tokens": len(out)}}
+        return {
+            "choices": [
+                {
+                    "token_ids": out,
+                    "finish_reason": finish,
+                    "logprobs": {"content": content} if with_log_probs else None,
+                    "weight_versions": [{"version": "3", "start": 0, "end": len(out)}] if out else [],
+                }
+            ],
+            "usage": {"completion_tokens": len(out)},
+        }
 
 
 @pytest.fixture
@@ -77,10 +84,16 @@ def make_cfg(tiny_model_dir):
     from vime_core.config import make_config
 
     def make(**overrides):
-        values = {"hf_checkpoint": str(tiny_model_dir), "device": "cpu", "rollout_max_prompt_len": 16,
-                  "rollout_max_response_len": 32, "rollout_batch_size": 1, "n_samples_per_prompt": 2,
-                  "custom_generate_function_path": "recipes.tool_use.calculator:generate",
-                  "custom_rm_path": "recipes.tool_use.calculator:reward"}
+        values = {
+            "hf_checkpoint": str(tiny_model_dir),
+            "device": "cpu",
+            "rollout_max_prompt_len": 16,
+            "rollout_max_response_len": 32,
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": 2,
+            "custom_generate_function_path": "recipes.tool_use.calculator:generate",
+            "custom_rm_path": "recipes.tool_use.calculator:reward",
+        }
         values.update(overrides)
         return make_config(values)
 
@@ -92,7 +105,9 @@ def run(cfg, tokenizer, script, prompt="3*4+5", label="17", sample=None, max_tur
     ctx = GenerateContext(cfg, engine, tokenizer, EOS)
     if sample is None:
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        sample = Sample(prompt_id="p", prompt=prompt, label=label, tokens=ids, prompt_length=len(ids), group_index=0, index=0)
+        sample = Sample(
+            prompt_id="p", prompt=prompt, label=label, tokens=ids, prompt_length=len(ids), group_index=0, index=0
+        )
     params = base_sampling_params(cfg, log_probs=log_probs)
     asyncio.run(generate_multi_turn(ctx, sample, params, tool, max_turns))
     return sample, engine
@@ -109,10 +124,21 @@ def spans(sample):
 # ---- the calculator -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("7", 7), ("3*4+5", 17), ("3+4*5", 23), ("2*3*4-5", 19), ("3-5", -2), ("3--5", 8), ("-2*3", -6),
-    ("10-2-3", 5), ("007+1", 8), ("5*0-1", -1),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("7", 7),
+        ("3*4+5", 17),
+        ("3+4*5", 23),
+        ("2*3*4-5", 19),
+        ("3-5", -2),
+        ("3--5", 8),
+        ("-2*3", -6),
+        ("10-2-3", 5),
+        ("007+1", 8),
+        ("5*0-1", -1),
+    ],
+)
 def test_evaluate_follows_precedence_and_signs(expression, value):
     assert evaluate(expression) == value
 
@@ -123,14 +149,17 @@ def test_evaluate_refuses_what_is_not_integers_joined_by_operators(expression):
         evaluate(expression)
 
 
-@pytest.mark.parametrize("response, call, output", [
-    ("3*4=", "3*4", "12"),
-    ("3*4=12+5=", "12+5", "17"),  # the previous result, continued
-    ("12 3*4=", "3*4", "12"),  # a space ends the expression
-    ("5>3 * 4 =", "3*4", "12"),  # spaces around operators are dropped
-    ("3*=", "3*", ""),
-    ("=", "", ""),
-])
+@pytest.mark.parametrize(
+    "response, call, output",
+    [
+        ("3*4=", "3*4", "12"),
+        ("3*4=12+5=", "12+5", "17"),  # the previous result, continued
+        ("12 3*4=", "3*4", "12"),  # a space ends the expression
+        ("5>3 * 4 =", "3*4", "12"),  # spaces around operators are dropped
+        ("3*=", "3*", ""),
+        ("=", "", ""),
+    ],
+)
 def test_calculator_answers_the_call_before_the_marker(response, call, output):
     result = Calculator()(response)
     assert (result.call, result.output) == (call, output)
@@ -160,7 +189,13 @@ def test_turns_alternate_model_and_tool_and_only_model_tokens_are_trained(make_c
     assert text(tokenizer, sample.response_tokens) == "3*4=12+5=17>17<eos>"
     assert sample.response == "3*4=12+5=17>17"
     assert (sample.status, sample.finish_reason) == (Status.COMPLETED, "stop")
-    assert spans(sample) == [("model", 0, 0, 4), ("tool", 0, 4, 6), ("model", 1, 6, 9), ("tool", 1, 9, 11), ("model", 2, 11, 15)]
+    assert spans(sample) == [
+        ("model", 0, 0, 4),
+        ("tool", 0, 4, 6),
+        ("model", 1, 6, 9),
+        ("tool", 1, 9, 11),
+        ("model", 2, 11, 15),
+    ]
     turns = sample.metadata[TURNS_KEY]
     assert [(t["call"], t["output"]) for t in turns if t["role"] == "tool"] == [("3*4", "12"), ("12+5", "17")]
     assert [t["finish"] for t in turns if t["role"] == "model"] == ["stop"] * 3
@@ -172,7 +207,11 @@ def test_turns_alternate_model_and_tool_and_only_model_tokens_are_trained(make_c
     assert [(w.version, w.start, w.end) for w in sample.weight_versions] == [(3, 0, 4), (3, 6, 9), (3, 11, 15)]
     # token in, token out: every request is the prompt and the whole response so far, as ids
     prompt = sample.tokens[: sample.prompt_length]
-    assert [r[0] for r in engine.requests] == [prompt, prompt + sample.response_tokens[:6], prompt + sample.response_tokens[:11]]
+    assert [r[0] for r in engine.requests] == [
+        prompt,
+        prompt + sample.response_tokens[:6],
+        prompt + sample.response_tokens[:11],
+    ]
     assert all(r[1]["stop"] == ["="] for r in engine.requests)
     assert [r[1]["max_tokens"] for r in engine.requests] == [32, 26, 21]  # the budget covers tool tokens too
     assert reward(sample) == 1.0
@@ -219,7 +258,14 @@ def test_a_tool_answer_longer_than_the_budget_is_cut(make_cfg, tokenizer):
     sample, engine = run(make_cfg(rollout_max_response_len=8), tokenizer, ["99*99="])
     assert text(tokenizer, sample.response_tokens) == "99*99=98"  # 9801, cut to the budget
     assert (sample.status, sample.finish_reason) == (Status.TRUNCATED, "length")
-    assert sample.metadata[TURNS_KEY][-1] == {"turn": 0, "role": "tool", "start": 6, "end": 8, "call": "99*99", "output": "9801"}
+    assert sample.metadata[TURNS_KEY][-1] == {
+        "turn": 0,
+        "role": "tool",
+        "start": 6,
+        "end": 8,
+        "call": "99*99",
+        "output": "9801",
+    }
     assert turns_error(sample.metadata[TURNS_KEY], sample.response_length, sample.loss_mask) is None
 
 
@@ -253,7 +299,13 @@ def test_an_aborted_turn_resumes_in_the_same_span_and_a_retry_starts_over(make_c
     requeue_partial(Source(), [[sample]])  # partial_rollout: the off-policy part is masked
     sample, engine = run(cfg, tokenizer, ["=", ">17<eos>"], sample=sample)
     assert text(tokenizer, sample.response_tokens) == "3*4=12+5=17>17<eos>"
-    assert spans(sample) == [("model", 0, 0, 4), ("tool", 0, 4, 6), ("model", 1, 6, 9), ("tool", 1, 9, 11), ("model", 2, 11, 15)]
+    assert spans(sample) == [
+        ("model", 0, 0, 4),
+        ("tool", 0, 4, 6),
+        ("model", 1, 6, 9),
+        ("tool", 1, 9, 11),
+        ("model", 2, 11, 15),
+    ]
     assert sample.metadata[TURNS_KEY][2]["finish"] == "stop" and sample.metadata["tool_calls"] == 2
     assert sample.loss_mask == [0] * 8 + [1] + [0] * 2 + [1] * 4
     assert engine.requests[0][0] == sample.tokens[: sample.prompt_length + 8]
@@ -316,7 +368,7 @@ def test_the_recipe_hook_runs_in_the_rollout_loop(make_cfg, tokenizer, tmp_path)
         async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
             context = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             expr = next(r["prompt"] for r in rows if context.startswith(r["prompt"]))
-            done = context[len(expr):]
+            done = context[len(expr) :]
             if not done:
                 entry = expr + "="
             elif done.count("=") == 1:
@@ -334,7 +386,13 @@ def test_the_recipe_hook_runs_in_the_rollout_loop(make_cfg, tokenizer, tmp_path)
     batch = build_batch(samples, cfg)
     for row in range(4):
         shown = sample_turns(batch, row, lambda ids: text(tokenizer, ids))
-        assert shown["check"] == "ok" and [t["role"] for t in shown["turns"]] == ["model", "tool", "model", "tool", "model"]
+        assert shown["check"] == "ok" and [t["role"] for t in shown["turns"]] == [
+            "model",
+            "tool",
+            "model",
+            "tool",
+            "model",
+        ]
         assert [t["trained_tokens"] for t in shown["turns"]][1::2] == [0, 0]
         assert shown["turns"][-1]["text"].startswith(">") and shown["turns"][-1]["text"].endswith("<eos>")
 
@@ -358,7 +416,9 @@ def test_turns_error_names_gaps_roles_and_trained_tool_tokens():
     assert "role 'user'" in turns_error([{**model, "role": "user"}], 2, [1, 1])
 
 
-def test_turns_are_stored_with_the_batch_and_shown_by_vime_lineage(make_cfg, tokenizer, tiny_model_dir, tmp_path, capsys):
+def test_turns_are_stored_with_the_batch_and_shown_by_vime_lineage(
+    make_cfg, tokenizer, tiny_model_dir, tmp_path, capsys
+):
     from flows.cli import cmd_lineage
     from vime_core.data.batch import build_batch
     from vime_core.storage import BatchStore
@@ -381,13 +441,35 @@ def test_turns_are_stored_with_the_batch_and_shown_by_vime_lineage(make_cfg, tok
     first = shown[0]
     assert (first["prompt"], first["raw_reward"], first["check"]) == ("3*4+5", 1.0, "ok")
     assert [(t["role"], t["text"], t["trained_tokens"]) for t in first["turns"]] == [
-        ("model", "3*4=", 4), ("tool", "12", 0), ("model", "+5=", 3), ("tool", "17", 0), ("model", ">17<eos>", 4)]
-    assert first["turns"][1]["call"] == "3*4" and first["turns"][1]["token_ids"] == tokenizer.encode("12", add_special_tokens=False)
+        ("model", "3*4=", 4),
+        ("tool", "12", 0),
+        ("model", "+5=", 3),
+        ("tool", "17", 0),
+        ("model", ">17<eos>", 4),
+    ]
+    assert first["turns"][1]["call"] == "3*4" and first["turns"][1]["token_ids"] == tokenizer.encode(
+        "12", add_special_tokens=False
+    )
     assert [(t["role"], t["text"]) for t in shown[1]["turns"]] == [("model", ">16<eos>")]
 
     # one row, and without a tokenizer that loads: token ids only, said on stderr
-    assert cmd_lineage(["--storage-uri", str(tmp_path / "store"), "--run", "tools", "--turns", "0", "--sample", "1",
-                        "--tokenizer", str(tmp_path / "none")]) == 0
+    assert (
+        cmd_lineage(
+            [
+                "--storage-uri",
+                str(tmp_path / "store"),
+                "--run",
+                "tools",
+                "--turns",
+                "0",
+                "--sample",
+                "1",
+                "--tokenizer",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     only = json.loads(captured.out)
     assert len(only) == 1 and "text" not in only[0]["turns"][0] and "token ids only" in captured.err

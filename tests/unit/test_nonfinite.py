@@ -64,8 +64,10 @@ def test_the_run_stops_after_more_than_max_skipped_steps_in_a_row():
         counter.record(skipped=True)
     message = str(err.value)
     assert "\n" not in message and len(message) <= 300  # the train flow's line shows 300 characters
-    assert message.startswith("rollout 7: 3 policy optimizer steps in a row had a non-finite loss or gradient "
-                              "(max_skipped_steps=2); none was applied")
+    assert message.startswith(
+        "rollout 7: 3 policy optimizer steps in a row had a non-finite loss or gradient "
+        "(max_skipped_steps=2); none was applied"
+    )
 
 
 def test_max_skipped_steps_zero_stops_at_the_first():
@@ -167,8 +169,9 @@ def test_a_step_megatron_itself_skips_is_counted_and_logged(monkeypatch, caplog)
     model.zero_grad_buffer = lambda: calls.append("zero_grad_buffer")
     counter = SkipCounter(3)
     with caplog.at_level(logging.WARNING):
-        assert step_optimizer(model, RefusingOptimizer(), Scheduler(), SimpleCfg(clip_grad=1.0, max_skipped_steps=3),
-                              0.0, "cpu", counter) == (None, 1e-3)
+        assert step_optimizer(
+            model, RefusingOptimizer(), Scheduler(), SimpleCfg(clip_grad=1.0, max_skipped_steps=3), 0.0, "cpu", counter
+        ) == (None, 1e-3)
     assert "schedule" not in calls and counter.in_a_row == 1 and counter.skipped == 1
     assert "found a non-finite gradient and skipped the step" in caplog.text
 

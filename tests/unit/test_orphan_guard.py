@@ -26,7 +26,9 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 def _server_pid_of(guard_pid: int, seconds: float = 10) -> int:
     """The guard's child (the server), once it exists."""
-    assert poll_until(lambda: psutil.Process(guard_pid).children(), seconds, 0.05), f"guard {guard_pid} started no server"
+    assert poll_until(lambda: psutil.Process(guard_pid).children(), seconds, 0.05), (
+        f"guard {guard_pid} started no server"
+    )
     return psutil.Process(guard_pid).children()[0].pid
 
 
@@ -40,8 +42,12 @@ STARTER = textwrap.dedent("""
 
 
 def test_the_server_dies_with_the_process_that_started_it(repo_root):
-    starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(repo_root)})
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
     guard = int(starter.stdout.readline())
     server = _server_pid_of(guard)
     assert pid_alive(server)
@@ -74,7 +80,12 @@ def test_the_server_gets_the_environment_the_guard_is_not_disturbed_by_it(tmp_pa
     # break the guard, which runs isolated, while the server still sees it
     (tmp_path / "argparse.py").write_text("raise SystemExit('shadowed')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "VIME_PROBE": "seen"}
-    done = subprocess.run(guard_command(["sh", "-c", 'echo "$VIME_PROBE $PYTHONPATH"']), env=env,
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        guard_command(["sh", "-c", 'echo "$VIME_PROBE $PYTHONPATH"']),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["seen", str(tmp_path)]

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from vime_core.cluster.placement import NODE_RESOURCE_SHARE, BundleDevice, bundle_resources, engine_devices, plan_placement
+from vime_core.cluster.placement import (
+    NODE_RESOURCE_SHARE,
+    BundleDevice,
+    bundle_resources,
+    engine_devices,
+    plan_placement,
+)
 
 
 def _devices(n: int, nodes: int = 1) -> list[BundleDevice]:
@@ -44,8 +50,10 @@ def test_node_resources_pin_each_side_to_its_nodes():
     assert bundle_resources(plan) == [{"GPU": 1}] * 4  # the default: any node with devices
     share = NODE_RESOURCE_SHARE
     assert bundle_resources(plan, "trainers", "engines") == [
-        {"GPU": 1, "trainers": share}, {"GPU": 1, "trainers": share},
-        {"GPU": 1, "engines": share}, {"GPU": 1, "engines": share},
+        {"GPU": 1, "trainers": share},
+        {"GPU": 1, "trainers": share},
+        {"GPU": 1, "engines": share},
+        {"GPU": 1, "engines": share},
     ]
     assert bundle_resources(plan, engine_resource="engines")[:2] == [{"GPU": 1}] * 2
     colocated = plan_placement(trainer_devices=2, rollout_devices=2, devices_per_engine=1, colocate=True)
@@ -57,8 +65,15 @@ def test_engine_command_follows_the_vllm_release_and_gets_its_devices(tiny_model
     from vime_core.engines.server import VIME_WORKER_EXTENSION, EngineServer
     from vime_core.engines.vllm_api import VllmApi
 
-    cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "bf16": True, "weight_transport": "ipc",
-                       "engine_bind_host": "0.0.0.0"})
+    cfg = make_config(
+        {
+            "hf_checkpoint": str(tiny_model_dir),
+            "device": "cuda",
+            "bf16": True,
+            "weight_transport": "ipc",
+            "engine_bind_host": "0.0.0.0",
+        }
+    )
     old = EngineServer(cfg, 0, device_ids=["2", "3"], api=VllmApi.for_version("0.26.0"))
     cmd = old.command(4321)
     assert "--enable-scale-out" not in cmd and cmd[cmd.index("--host") + 1] == "0.0.0.0"
@@ -93,10 +108,14 @@ def test_an_engine_refuses_to_start_without_the_memory_it_is_set_to_take(tiny_mo
     from vime_core.utils import device_memory
 
     gib = 2**30
-    monkeypatch.setattr(device_memory, "_query", lambda args: [["0", str(140 * 1024), str(100 * 1024)], ["1", str(140 * 1024), "0"]])
+    monkeypatch.setattr(
+        device_memory, "_query", lambda args: [["0", str(140 * 1024), str(100 * 1024)], ["1", str(140 * 1024), "0"]]
+    )
     cfg = make_config({"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "vllm_gpu_memory_utilization": 0.5})
     server = EngineServer(cfg, 0, device_ids=["0"], api=VllmApi.for_version("0.26.0"), log_dir=str(tmp_path))
-    with pytest.raises(DeviceMemoryError, match=r"vllm_gpu_memory_utilization=0.5 .* device 0: 40.0 GiB free of 140.0 GiB"):
+    with pytest.raises(
+        DeviceMemoryError, match=r"vllm_gpu_memory_utilization=0.5 .* device 0: 40.0 GiB free of 140.0 GiB"
+    ):
         server.start()
     assert server._proc is None and not list(tmp_path.iterdir())
     assert device_memory.free_and_total(["1"]) == {"1": (140 * gib, 140 * gib)}
@@ -114,16 +133,20 @@ def test_vllm_env_reaches_the_engine_and_cannot_touch_what_vime_sets(tiny_model_
     env = EngineServer(cfg, 0, device_ids=["1"]).environment()
     assert (env["VLLM_WORKER_MULTIPROC_METHOD"], env["TRITON_CACHE_DIR"]) == ("fork", "/x=y")  # split at the first '='
     # every variable the server sets over its actor's environment is one vllm_env may not set
-    servers = [EngineServer(make_config(base), 0, device_ids=["0"]),
-               EngineServer(make_config({**base, "device": "cpu", "bf16": False, "weight_transport": "shm"}), 0)]
+    servers = [
+        EngineServer(make_config(base), 0, device_ids=["0"]),
+        EngineServer(make_config({**base, "device": "cpu", "bf16": False, "weight_transport": "shm"}), 0),
+    ]
     monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", "")})  # the actor's own: PATH only
     for server in servers:
         added = set(server.environment()) - {"PATH"}
         assert added <= ENGINE_MANAGED_ENV, added - ENGINE_MANAGED_ENV
-    for entries, needle in ([["CUDA_VISIBLE_DEVICES=0"]], "vllm_env sets CUDA_VISIBLE_DEVICES"), \
-                           ([["HF_TOKEN=hf_abc123"]], "vllm_env names HF_TOKEN, which looks like a secret"), \
-                           ([["VLLM_API_KEY=sk-1"]], "looks like a secret"), \
-                           ([["nonsense sk-hidden"]], "vllm_env entry 0 is not NAME=VALUE"):
+    for entries, needle in (
+        ([["CUDA_VISIBLE_DEVICES=0"]], "vllm_env sets CUDA_VISIBLE_DEVICES"),
+        ([["HF_TOKEN=hf_abc123"]], "vllm_env names HF_TOKEN, which looks like a secret"),
+        ([["VLLM_API_KEY=sk-1"]], "looks like a secret"),
+        ([["nonsense sk-hidden"]], "vllm_env entry 0 is not NAME=VALUE"),
+    ):
         with pytest.raises(ValueError, match=needle) as raised:
             make_config({**base, "vllm_env": entries[0]})
         assert "abc123" not in str(raised.value) and "sk-" not in str(raised.value)  # no value in the error

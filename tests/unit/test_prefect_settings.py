@@ -21,8 +21,10 @@ def _env_after(extra: dict) -> dict:
     """BATCH after importing the flow package and the CLI, then after `vime`'s main ran."""
     env = {k: v for k, v in os.environ.items() if k != BATCH}
     env.update(extra, PYTHONPATH=str(REPO))
-    code = (f"import json, os, flows, flows.cli; imported = os.environ.get({BATCH!r}); "
-            f"flows.cli.main(['--help']); print(json.dumps([imported, os.environ.get({BATCH!r})]))")
+    code = (
+        f"import json, os, flows, flows.cli; imported = os.environ.get({BATCH!r}); "
+        f"flows.cli.main(['--help']); print(json.dumps([imported, os.environ.get({BATCH!r})]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     imported, after_main = json.loads(out.strip().splitlines()[-1])
     return {"imported": imported, "after_main": after_main}
@@ -44,10 +46,12 @@ def test_the_temporary_servers_own_errors_stay_off_the_console_and_the_runs_do_n
     """With the defaults applied, Prefect's logging configuration (which its temporary server
     loads too) drops the server's error lines, such as the recorder's flush cancelled at its stop,
     and keeps the flow and task runs' warnings."""
-    code = ("import json, logging, flows.cli; flows.cli.main(['--help']); "
-            "from prefect.logging.configuration import setup_logging; setup_logging(incremental=False); "
-            "print(json.dumps([logging.getLogger(n).isEnabledFor(logging.ERROR) for n in "
-            "('prefect.server.services.task_run_recorder', 'uvicorn.error', 'prefect.flow_runs', 'prefect.task_runs')]))")
+    code = (
+        "import json, logging, flows.cli; flows.cli.main(['--help']); "
+        "from prefect.logging.configuration import setup_logging; setup_logging(incremental=False); "
+        "print(json.dumps([logging.getLogger(n).isEnabledFor(logging.ERROR) for n in "
+        "('prefect.server.services.task_run_recorder', 'uvicorn.error', 'prefect.flow_runs', 'prefect.task_runs')]))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_LOGGING_LEVEL"}
     env.update(PYTHONPATH=str(REPO), PREFECT_LOGGING_LEVEL="WARNING")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -28,8 +28,14 @@ class CharTokenizer:
 
 
 def _cfg(**over):
-    base = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "run_name": "t1", "rollout_max_prompt_len": 64,
-            "input_key": "question", "label_key": "answer"}
+    base = {
+        "rollout_batch_size": 2,
+        "n_samples_per_prompt": 2,
+        "run_name": "t1",
+        "rollout_max_prompt_len": 64,
+        "input_key": "question",
+        "label_key": "answer",
+    }
     base.update(over)
     return load_config(overrides=base)
 
@@ -231,7 +237,8 @@ def test_bad_rows_of_datasets_are_named_with_their_split(kind, tmp_path, dataset
         DataSource(_cfg(), spec, tokenizer=CharTokenizer())
     assert str(refused.value).startswith(
         f"prompt data {where}, row 4: the prompt field 'question' is null; 2 of {len(rows)} rows are bad: "
-        "1 null (row 4), 1 empty (row 5)")
+        "1 null (row 4), 1 empty (row 5)"
+    )
     src = DataSource(_cfg(drop_bad_prompts=True), spec, tokenizer=CharTokenizer())
     assert [r.prompt_id for r in src.rows] == [f"row-{i}" for i in range(len(rows)) if i not in bad]
     assert src.dropped == {"null": 1, "empty": 1}
@@ -307,12 +314,15 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_model_dir, monke
     assert texts(apply_chat_template_kwargs={"enable_thinking": False}) == ["<user>yo<assistant><no-think>"]
 
 
-@pytest.mark.parametrize("value, message", [
-    ('{"enable_thinking": fals', "not JSON"),
-    ("[1, 2]", "must be a JSON object.*got list"),
-    ('"x"', "must be a JSON object.*got str"),
-    ('{"tokenize": true}', r"\['tokenize'\] are set by vime itself"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ('{"enable_thinking": fals', "not JSON"),
+        ("[1, 2]", "must be a JSON object.*got list"),
+        ('"x"', "must be a JSON object.*got str"),
+        ('{"tokenize": true}', r"\['tokenize'\] are set by vime itself"),
+    ],
+)
 def test_bad_chat_template_kwargs_name_the_field(value, message):
     with pytest.raises(ConfigError, match=f"apply_chat_template_kwargs: {message}"):
         _cfg(apply_chat_template_kwargs=value)
@@ -321,7 +331,9 @@ def test_bad_chat_template_kwargs_name_the_field(value, message):
 def test_chat_template_kwargs_from_the_command_line_and_defaults():
     from vime_core.config import parse_args
 
-    cfg = parse_args(["--apply-chat-template-kwargs", '{"enable_thinking": false, "custom": [1]}', "--prompt-data-split", "test"])
+    cfg = parse_args(
+        ["--apply-chat-template-kwargs", '{"enable_thinking": false, "custom": [1]}', "--prompt-data-split", "test"]
+    )
     assert cfg.apply_chat_template_kwargs == {"enable_thinking": False, "custom": [1]}
     assert cfg.prompt_data_split == "test" and cfg.eval_prompt_data_split is None
     default = load_config()

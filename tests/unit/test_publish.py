@@ -27,15 +27,24 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def spec_of(w: dict) -> dict:
-    return {"source": "stub", "served_dtype": SERVED,
-            "tensors": {n: {"shape": list(t.shape), "dtype": SERVED} for n, t in w.items()}}
+    return {
+        "source": "stub",
+        "served_dtype": SERVED,
+        "tensors": {n: {"shape": list(t.shape), "dtype": SERVED} for n, t in w.items()},
+    }
 
 
 class StubEngine:
     """Records control calls; loads shm buckets by reading the files as the vLLM side does."""
 
-    def __init__(self, url: str, spec: dict, fail_on_update: int | None = None, sets_version: bool = True,
-                 fail_pause: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        spec: dict,
+        fail_on_update: int | None = None,
+        sets_version: bool = True,
+        fail_pause: bool = False,
+    ) -> None:
         self.name = url
         self.spec = spec
         self.calls: list[tuple] = []
@@ -116,8 +125,14 @@ def make_cfg(**overrides):
 def run_publish(w, engines, version, tmp_path, publisher=None, **cfg_overrides):
     by_url = {e.name: e for e in engines}
     return publish_weights(
-        w.items(), list(by_url), version, make_cfg(**cfg_overrides), initial_version=0,
-        shm_dir=str(tmp_path), client_factory=by_url.__getitem__, loop=publisher,
+        w.items(),
+        list(by_url),
+        version,
+        make_cfg(**cfg_overrides),
+        initial_version=0,
+        shm_dir=str(tmp_path),
+        client_factory=by_url.__getitem__,
+        loop=publisher,
     )
 
 
@@ -126,9 +141,13 @@ def test_first_publish_flushes_and_every_engine_gets_bf16_copies_of_every_tensor
     engines = [StubEngine(f"http://e{i}", spec_of(w)) for i in range(2)]
     stats = run_publish(w, engines, 1, tmp_path, publisher)
     for e in engines:
-        assert e.names() == ["rpc:vime_weight_spec", "init_weight_transfer", "pause", "reset_prefix_cache",
-                             "start_weight_update"] + ["update_weights"] * stats["buckets"] + [
-                             "finish_weight_update", "resume"]
+        assert e.names() == [
+            "rpc:vime_weight_spec",
+            "init_weight_transfer",
+            "pause",
+            "reset_prefix_cache",
+            "start_weight_update",
+        ] + ["update_weights"] * stats["buckets"] + ["finish_weight_update", "resume"]
         assert ("pause", "abort") in e.calls and ("finish_weight_update", 1) in e.calls
         assert set(e.loaded) == set(w)
         for name, t in w.items():

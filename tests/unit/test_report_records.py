@@ -46,14 +46,25 @@ def test_reward_gain_is_last3_minus_first3():
 
 
 def test_console_line_names_versions_and_phases():
-    line = console_line({"rollout_id": 7, "version_before": 8, "version_after": 9, "reward_mean": 0.5,
-                         "response_len_mean": 2.0, "t_step": 2.5, "t_rollout": 1.0})
+    line = console_line(
+        {
+            "rollout_id": 7,
+            "version_before": 8,
+            "version_after": 9,
+            "reward_mean": 0.5,
+            "response_len_mean": 2.0,
+            "t_step": 2.5,
+            "t_rollout": 1.0,
+        }
+    )
     assert "iter   7 v8->v9" in line and "reward 0.500" in line and "rollout 1.00" in line and "sync -" in line
 
 
 def test_console_line_shows_the_critic_with_one():
     base = {"rollout_id": 3, "clip_fraction": 0.01, "t_step": 1.0}
-    assert "clip 0.010 vloss 0.250 ev 0.31 T_step" in console_line({**base, "value_loss": 0.25, "explained_variance": 0.314})
+    assert "clip 0.010 vloss 0.250 ev 0.31 T_step" in console_line(
+        {**base, "value_loss": 0.25, "explained_variance": 0.314}
+    )
     assert "clip 0.010 vloss 0.250 ev - T_step" in console_line({**base, "value_loss": 0.25})  # constant returns
     assert "vloss" not in console_line(base)
 
@@ -65,7 +76,8 @@ def test_console_line_shows_nan_and_inf_and_the_skipped_steps():
     line = console_line({**base, "clip_fraction": float("-inf"), "skipped_steps": 2})
     assert "reward nan len inf clip -inf skipped 2 steps T_step" in line
     assert "clip - skipped 1 step (critic 3) vloss" in console_line(
-        {**base, "skipped_steps": 1, "critic_skipped_steps": 3, "value_loss": 0.5})
+        {**base, "skipped_steps": 1, "critic_skipped_steps": 3, "value_loss": 0.5}
+    )
     assert "skipped" not in console_line({**base, "skipped_steps": 0})
 
 

@@ -42,7 +42,9 @@ def test_async_attempts_back_off_and_reraise_the_last_error():
     async def call():
         return flaky()
 
-    retrying = async_attempts(max_attempts, first_s, max_s, on_retry=lambda state: announced.append(state.upcoming_sleep))
+    retrying = async_attempts(
+        max_attempts, first_s, max_s, on_retry=lambda state: announced.append(state.upcoming_sleep)
+    )
     retrying.sleep = fake_sleep  # the schedule, without waiting it out
     with pytest.raises(ConnectionError) as info:
         asyncio.run(retrying(call))

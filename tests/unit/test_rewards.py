@@ -107,7 +107,7 @@ def test_unknown_rm_type_is_named():
         _hub(rm_type="nope")
 
 
-HOOKS = '''
+HOOKS = """
 import asyncio
 
 def per_sample(sample):
@@ -130,7 +130,7 @@ def short_group(samples):
     return [1.0]
 
 VALUE = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -181,9 +181,24 @@ def test_non_numeric_reward_and_wrong_group_length_fail(hooks):
     assert all(g.status == Status.FAILED for g in group)
 
 
-REALS = [True, False, 7, -0.5, Fraction(1, 4), np.float32(0.25), np.float16(-2.0), np.int64(3), np.uint8(200),
-         np.bool_(True), np.array(2.5), np.array(1, dtype=np.int32), torch.tensor(1.5), torch.tensor(4),
-         torch.tensor(True), torch.tensor(0.5, dtype=torch.bfloat16)]
+REALS = [
+    True,
+    False,
+    7,
+    -0.5,
+    Fraction(1, 4),
+    np.float32(0.25),
+    np.float16(-2.0),
+    np.int64(3),
+    np.uint8(200),
+    np.bool_(True),
+    np.array(2.5),
+    np.array(1, dtype=np.int32),
+    torch.tensor(1.5),
+    torch.tensor(4),
+    torch.tensor(True),
+    torch.tensor(0.5, dtype=torch.bfloat16),
+]
 
 
 def _returning(value, **over) -> RewardHub:
@@ -203,12 +218,18 @@ def test_every_real_scalar_is_a_reward(value):
 def test_a_group_function_may_answer_an_array_and_a_bad_value_fails_only_its_sample():
     scores = [np.float32(0.5), np.int64(1), np.bool_(False)]
     group = [_sample("a", None) for _ in scores]
-    asyncio.run(_returning(np.array(scores), custom_rm_path="vime_core.rewards.filters:keep_all", group_rm=True)
-                .score_group(group))
+    asyncio.run(
+        _returning(np.array(scores), custom_rm_path="vime_core.rewards.filters:keep_all", group_rm=True).score_group(
+            group
+        )
+    )
     assert [g.reward for g in group] == [float(v) for v in scores]
     group = [_sample("a", None) for _ in range(3)]
-    asyncio.run(_returning(torch.tensor([1.0, float("nan"), 0.0]), custom_rm_path="vime_core.rewards.filters:keep_all",
-                           group_rm=True).score_group(group))
+    asyncio.run(
+        _returning(
+            torch.tensor([1.0, float("nan"), 0.0]), custom_rm_path="vime_core.rewards.filters:keep_all", group_rm=True
+        ).score_group(group)
+    )
     assert [g.status for g in group] == [Status.PENDING, Status.FAILED, Status.PENDING]
     assert group[1].metadata["reward_error_type"] == "returned a non-finite float (NaN or Inf)"
 
@@ -216,31 +237,47 @@ def test_a_group_function_may_answer_an_array_and_a_bad_value_fails_only_its_sam
 SECRET = "sk-secret-0.9"
 
 
-@pytest.mark.parametrize("value, what", [
-    (1 + 2j, "returned complex"), (np.complex64(1), "returned numpy.complex64"), (SECRET, "returned str"),
-    (None, "returned NoneType"), ([0.9], "returned list"), (np.array([0.9]), "returned numpy.ndarray[shape (1,)]"),
-    (torch.tensor([0.9]), "returned torch.Tensor[shape (1,)]"), (float("nan"), "returned a non-finite float (NaN or Inf)"),
-    (np.float32("inf"), "returned a non-finite numpy.float32 (NaN or Inf)"),
-    (torch.tensor(float("-inf")), "returned a non-finite torch.Tensor[torch.float32] (NaN or Inf)"),
-], ids=repr)
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        (1 + 2j, "returned complex"),
+        (np.complex64(1), "returned numpy.complex64"),
+        (SECRET, "returned str"),
+        (None, "returned NoneType"),
+        ([0.9], "returned list"),
+        (np.array([0.9]), "returned numpy.ndarray[shape (1,)]"),
+        (torch.tensor([0.9]), "returned torch.Tensor[shape (1,)]"),
+        (float("nan"), "returned a non-finite float (NaN or Inf)"),
+        (np.float32("inf"), "returned a non-finite numpy.float32 (NaN or Inf)"),
+        (torch.tensor(float("-inf")), "returned a non-finite torch.Tensor[torch.float32] (NaN or Inf)"),
+    ],
+    ids=repr,
+)
 def test_what_is_not_a_finite_real_fails_the_sample_naming_its_type_only(value, what):
     s = _sample("a", None)
     asyncio.run(_returning(value).score(s))
     assert s.status == Status.FAILED and s.reward == 0.0
     assert s.metadata["reward_error_type"] == what
-    assert s.metadata["reward_error"] == f"InvalidRewardError: the reward function {what}; expected a finite real " \
-                                         f"number (int, float, bool, a numpy or torch scalar)"
+    assert (
+        s.metadata["reward_error"] == f"InvalidRewardError: the reward function {what}; expected a finite real "
+        f"number (int, float, bool, a numpy or torch scalar)"
+    )
 
 
 def test_the_remote_reward_follows_the_same_rule_and_never_quotes_the_answer():
     assert parse_reward(True) == 1.0 and parse_reward({"reward": 0}) == 0.0
     assert parse_reward(json.loads('{"reward": 2.5}')) == 2.5
-    for payload, shown in [({"reward": SECRET}, "{'reward': str}"), (json.loads("NaN"), "a non-finite float (NaN or Inf)"),
-                           ({"score": SECRET}, "{'reward': NoneType}"), ([SECRET], "list")]:
+    for payload, shown in [
+        ({"reward": SECRET}, "{'reward': str}"),
+        (json.loads("NaN"), "a non-finite float (NaN or Inf)"),
+        ({"score": SECRET}, "{'reward': NoneType}"),
+        ([SECRET], "list"),
+    ]:
         with pytest.raises(RemoteRewardError) as info:
             parse_reward(payload, "http://rm:8000/score")
-        assert str(info.value) == (f"reward model http://rm:8000/score answered {shown}; expected a finite number "
-                                   f"or {{'reward': number}}")
+        assert str(info.value) == (
+            f"reward model http://rm:8000/score answered {shown}; expected a finite number or {{'reward': number}}"
+        )
 
 
 # ---- hook loading ---------------------------------------------------------------------------------
@@ -281,8 +318,11 @@ def test_a_group_whose_counted_rewards_are_equal_is_rejected():
     assert check_reward_nonzero_std(group) is False
 
 
-@pytest.mark.parametrize("rewards", [[1, 1, 1, None], [1, 0, None, None], [None] * 4, [0.5, None], [1, 0, 1, 0],
-                                     [2, 2], [0.5, 0.5, None, 1.0]], ids=repr)
+@pytest.mark.parametrize(
+    "rewards",
+    [[1, 1, 1, None], [1, 0, None, None], [None] * 4, [0.5, None], [1, 0, 1, 0], [2, 2], [0.5, 0.5, None, 1.0]],
+    ids=repr,
+)
 def test_the_filter_keeps_a_group_exactly_when_its_advantages_are_not_all_zero(rewards):
     """One rule for the filter and the normalisation (data/group_rewards.py): None is a FAILED sample."""
     group = [_failed(0, i) if r is None else _batch_sample(0, i, float(r)) for i, r in enumerate(rewards)]
@@ -392,7 +432,9 @@ def test_remote_token_from_a_file_is_sent_and_never_in_the_config_or_errors(rewa
         assert "secret" not in text
 
 
-def test_remote_token_source_that_is_named_but_missing_fails_at_start_naming_the_field(reward_server, tmp_path, monkeypatch):
+def test_remote_token_source_that_is_named_but_missing_fails_at_start_naming_the_field(
+    reward_server, tmp_path, monkeypatch
+):
     server = reward_server()
     monkeypatch.delenv("VIME_RM_API_KEY", raising=False)
     hub = _hub(rm_type="remote_rm", rm_url=server.url)  # the default variable unset: no token
@@ -417,7 +459,9 @@ def test_remote_token_source_that_is_named_but_missing_fails_at_start_naming_the
 
 def test_remote_gives_up_and_error_has_no_secret(reward_server):
     server = reward_server(fail_first=100)
-    model = RemoteRewardModel(server.url, timeout_s=2, max_retries=2, backoff_s=0.01, headers={"Authorization": "Bearer sk-secret-123"})
+    model = RemoteRewardModel(
+        server.url, timeout_s=2, max_retries=2, backoff_s=0.01, headers={"Authorization": "Bearer sk-secret-123"}
+    )
     with pytest.raises(RemoteRewardError) as info:
         asyncio.run(model(_sample("a", None)))
     assert server.calls == 3

@@ -13,8 +13,16 @@ from typing import Callable
 
 import pytest
 
-from vime_core.engines.client import (ANSWERED_BY, BODY_EXCERPT_CHARS, EngineClient, EngineError, EngineWakeError, SyncEngineClient,
-                                     normalize_wake_tags, parse_weight_version)
+from vime_core.engines.client import (
+    ANSWERED_BY,
+    BODY_EXCERPT_CHARS,
+    EngineClient,
+    EngineError,
+    EngineWakeError,
+    SyncEngineClient,
+    normalize_wake_tags,
+    parse_weight_version,
+)
 from vime_core.engines.health import HealthMonitor
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,17 +71,22 @@ class FakeEngine:
 
 def generate_answer(tokens: list[int], logprobs: list[float], finish: str = "stop", spans=None) -> dict:
     return {
-        "choices": [{
-            "index": 0, "finish_reason": finish, "token_ids": tokens,
-            "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs)]},
-            "weight_versions": spans if spans is not None else [{"version": "3", "start": 0, "end": len(tokens)}],
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": finish,
+                "token_ids": tokens,
+                "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs)]},
+                "weight_versions": spans if spans is not None else [{"version": "3", "start": 0, "end": len(tokens)}],
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens)},
     }
 
 
 def test_generate_sends_tokens_params_and_session_header():
     with FakeEngine(lambda m, p, b: (200, generate_answer([5, 2], [-0.5, -0.1]))) as fake:
+
         async def call():
             async with EngineClient(fake.url, "e0") as client:
                 return await client.generate([1, 4, 5], {"max_tokens": 2}, session_id="run-0-1")
@@ -100,8 +113,11 @@ def test_engine_error_names_engine_endpoint_status_and_body():
 def test_control_calls_reach_the_right_endpoints():
     def handler(method, path, body):
         answers = {
-            "/is_paused": {"is_paused": True}, "/weight_info": {"weight_version": "12"}, "/version": {"version": "0.32.0"},
-            "/abort_requests": {"status": "aborted", "aborted": 3}, "/get_world_size?include_dp=false": {"world_size": 2},
+            "/is_paused": {"is_paused": True},
+            "/weight_info": {"weight_version": "12"},
+            "/version": {"version": "0.32.0"},
+            "/abort_requests": {"status": "aborted", "aborted": 3},
+            "/get_world_size?include_dp=false": {"world_size": 2},
         }
         return 200, answers.get(path, {"ok": True})
 
@@ -129,7 +145,11 @@ def test_control_calls_reach_the_right_endpoints():
     assert ("POST", "/update_weights", {"update_info": {"names": ["w"]}}) in seen
     assert ("POST", "/finish_weight_update", {"weight_version": "4"}) in seen
     assert ("POST", "/update_weight_version", {"new_version": "5"}) in seen
-    assert ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}, "args": []}) in seen
+    assert (
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": "/x"}, "args": []},
+    ) in seen
 
 
 def test_a_session_left_open_by_a_dead_publisher_is_closed_before_a_new_one():
@@ -141,9 +161,13 @@ def test_a_session_left_open_by_a_dead_publisher_is_closed_before_a_new_one():
     def handler(method, path, body):
         if path == "/start_weight_update":
             if opened:
-                return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
-                                                  "'start_weight_update called while a weight update is already "
-                                                  "active. Call finish_weight_update first.'"}}
+                return 500, {
+                    "error": {
+                        "message": "Call to collective_rpc method failed: Worker failed with error "
+                        "'start_weight_update called while a weight update is already "
+                        "active. Call finish_weight_update first.'"
+                    }
+                }
             opened.append(True)
         if path == "/finish_weight_update":
             opened.clear()
@@ -154,8 +178,12 @@ def test_a_session_left_open_by_a_dead_publisher_is_closed_before_a_new_one():
         c.start_weight_update()  # the publish that dies before it finishes
         c.start_weight_update()  # the next publish
         calls = [(m, p, b) for m, p, b, _ in fake.requests]
-    assert calls == [("POST", "/start_weight_update", {}), ("POST", "/start_weight_update", {}),
-                     ("POST", "/finish_weight_update", {}), ("POST", "/start_weight_update", {})]
+    assert calls == [
+        ("POST", "/start_weight_update", {}),
+        ("POST", "/start_weight_update", {}),
+        ("POST", "/finish_weight_update", {}),
+        ("POST", "/start_weight_update", {}),
+    ]
 
     with FakeEngine(lambda m, p, b: (500, {"error": {"message": "no weight transfer engine"}})) as fake:
         with pytest.raises(EngineError, match="no weight transfer engine"):
@@ -230,7 +258,9 @@ class WakeableServer:
 
     def restart(self) -> str:
         if self.fail_restart:
-            raise RuntimeError("engine-1: vllm_gpu_memory_utilization=0.5 asks for 50% of each device, but device 0: 1.0 GiB free")
+            raise RuntimeError(
+                "engine-1: vllm_gpu_memory_utilization=0.5 asks for 50% of each device, but device 0: 1.0 GiB free"
+            )
         self.restarts += 1
         self.wake_fails = False
         return self.url
@@ -244,8 +274,11 @@ def _wake_handler(server: WakeableServer, asleep: bool):
         if path == "/is_sleeping":
             return 200, {"is_sleeping": asleep}
         if path.startswith("/wake_up") and server.wake_fails:
-            return 500, {"error": {"message": server.wake_answer, "type": "InternalServerError", "code": 500}}  # vLLM 0.26's answer
+            return 500, {
+                "error": {"message": server.wake_answer, "type": "InternalServerError", "code": 500}
+            }  # vLLM 0.26's answer
         return 200, {}
+
     return handle
 
 
@@ -382,7 +415,9 @@ def test_malformed_response_fails_the_sample_with_its_reason(tiny_model_dir):
 
         async def go():
             async with EngineClient(fake.url) as client:
-                return await generate_sample(GenerateContext(cfg, client, tokenizer=None), sample, {"temperature": 1.0, "logprobs": 0})
+                return await generate_sample(
+                    GenerateContext(cfg, client, tokenizer=None), sample, {"temperature": 1.0, "logprobs": 0}
+                )
 
         asyncio.run(go())
     assert sample.status is Status.FAILED
@@ -421,8 +456,12 @@ def test_engine_server_start_failure_shows_log_tail(tmp_path, tiny_model_dir):
     from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
-    python = _fake_python(tmp_path, 'for i in $(seq 1 60); do echo "line $i"; done; echo "CUDA out of memory" >&2; exit 3\n')
-    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30}))
+    python = _fake_python(
+        tmp_path, 'for i in $(seq 1 60); do echo "line $i"; done; echo "CUDA out of memory" >&2; exit 3\n'
+    )
+    cfg = make_config(
+        demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30})
+    )
     server = EngineServer(cfg, log_dir=str(tmp_path))
     with pytest.raises(EngineStartError) as err:
         server.start()
@@ -439,7 +478,9 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
     from vime_core.engines.server import EngineServer, EngineStartError
 
     python = _fake_python(tmp_path, "echo starting; exec sleep 600\n")
-    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2}))
+    cfg = make_config(
+        demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2})
+    )
     server = EngineServer(cfg, log_dir=str(tmp_path))
     with pytest.raises(EngineStartError, match="not healthy after engine_startup_timeout_s=2"):
         server.start()
@@ -473,8 +514,12 @@ def test_a_server_whose_port_was_taken_launches_again_on_another(tmp_path, tiny_
     from vime_core.engines.server import PORT_ATTEMPTS, EngineServer, EngineStartError
 
     launches = tmp_path / "launches"
-    python = _fake_python(tmp_path, _PORT_TAKEN_THEN_SERVE.format(launches=launches, taken=taken, python=sys.executable))
-    cfg = make_config(demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30}))
+    python = _fake_python(
+        tmp_path, _PORT_TAKEN_THEN_SERVE.format(launches=launches, taken=taken, python=sys.executable)
+    )
+    cfg = make_config(
+        demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 30})
+    )
     server = EngineServer(cfg, log_dir=str(tmp_path), warmup=False)
     try:
         if taken < PORT_ATTEMPTS:
@@ -496,10 +541,18 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, cpu_bind
 
-    cfg = make_config(demo_values({
-        "hf_checkpoint": str(tiny_model_dir), "rollout_max_context_len": 96, "offload_rollout": True,
-        "vllm_cpu_kvcache_gb": 1.5, "actor_num_gpus_per_node": 2, "vllm_extra_args": ["--max-num-seqs", "64"],
-    }))
+    cfg = make_config(
+        demo_values(
+            {
+                "hf_checkpoint": str(tiny_model_dir),
+                "rollout_max_context_len": 96,
+                "offload_rollout": True,
+                "vllm_cpu_kvcache_gb": 1.5,
+                "actor_num_gpus_per_node": 2,
+                "vllm_extra_args": ["--max-num-seqs", "64"],
+            }
+        )
+    )
     server = EngineServer(cfg, 1, weight_transfer_config={"backend": "nccl"})
     cmd = server.command(4321)
     joined = " ".join(cmd)
@@ -537,8 +590,11 @@ def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):
 def test_sync_client_has_every_async_call_with_its_signature_and_doc():
     import inspect
 
-    public = {name for name, fn in vars(EngineClient).items()
-              if not name.startswith("_") and name != "aclose" and inspect.iscoroutinefunction(fn)}
+    public = {
+        name
+        for name, fn in vars(EngineClient).items()
+        if not name.startswith("_") and name != "aclose" and inspect.iscoroutinefunction(fn)
+    }
     generated = {name for name in vars(SyncEngineClient) if not name.startswith("_")}
     assert generated == public
     for name in public:

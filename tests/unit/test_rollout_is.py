@@ -53,14 +53,19 @@ def test_weights_match_the_reference(level, mode, upper):
 def test_sequence_level_by_hand():
     # sample 0: exp(0.1 - 0.3 + 0) = exp(-0.2); sample 1 (last token masked): exp(-0.8 + 0.2) = exp(-0.6);
     # sample 2: exp(0.05)
-    w = rollout_is_weights(_flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="truncate", upper=2.0)
+    w = rollout_is_weights(
+        _flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="truncate", upper=2.0
+    )
     expected = [math.exp(-0.2)] * 3 + [math.exp(-0.6)] * 3 + [math.exp(0.05)]
     assert w.tolist() == pytest.approx(expected, rel=1e-6)
     # MIS with C = 1.5: sample 1's exp(-0.6) = 0.55 < 1/1.5 is rejected as a whole
-    masked = rollout_is_weights(_flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="mask", upper=1.5)
+    masked = rollout_is_weights(
+        _flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="mask", upper=1.5
+    )
     assert masked.tolist() == pytest.approx([math.exp(-0.2)] * 3 + [0.0] * 3 + [math.exp(0.05)], rel=1e-6)
-    lenient = rollout_is_weights(_flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="mask",
-                                 upper=1.5, lower=0.5)
+    lenient = rollout_is_weights(
+        _flat(OLD), _flat(ROLLOUT), _flat(MASK), LENGTHS, level="sequence", mode="mask", upper=1.5, lower=0.5
+    )
     assert lenient.tolist() == pytest.approx(expected, rel=1e-6)
 
 
@@ -86,14 +91,26 @@ def test_a_huge_sequence_ratio_is_bounded_and_bad_arguments_are_named():
 # ---- in the train step (vime_core/trainer/train_step.py, micro_batch_loss) ---------------------
 
 ADVANTAGES = [1.0, -1.0, 0.5]
-CURRENT = [[o + d for o, d in zip(old, deltas)] for old, deltas in zip(OLD, [[0.05, -0.1, 0.0], [0.1, 0.02, 0.3], [-0.04]])]
+CURRENT = [
+    [o + d for o, d in zip(old, deltas)] for old, deltas in zip(OLD, [[0.05, -0.1, 0.0], [0.1, 0.02, 0.3], [-0.04]])
+]
 
 
 def _is_config(**fields):
     from vime_core.config import load_config
 
-    return load_config(overrides={"hf_checkpoint": "some/model", "use_tis": True, "tis_clip": 1.5, "entropy_coef": 0.0,
-                                  "rollout_batch_size": 1, "n_samples_per_prompt": 3, "micro_batch_size": 3, **fields})
+    return load_config(
+        overrides={
+            "hf_checkpoint": "some/model",
+            "use_tis": True,
+            "tis_clip": 1.5,
+            "entropy_coef": 0.0,
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": 3,
+            "micro_batch_size": 3,
+            **fields,
+        }
+    )
 
 
 def _step_loss(monkeypatch, cfg):
@@ -102,15 +119,18 @@ def _step_loss(monkeypatch, cfg):
     from vime_core.trainer import train_step
 
     current = _flat(CURRENT).requires_grad_()
-    monkeypatch.setattr(train_step, "packed_response_log_probs",
-                        lambda *a, **k: (current, torch.zeros_like(current)))
+    monkeypatch.setattr(train_step, "packed_response_log_probs", lambda *a, **k: (current, torch.zeros_like(current)))
     batch = {
-        "tokens": [[1, 2] + [7] * n for n in LENGTHS], "response_length": LENGTHS,
-        "loss_mask": MASK, "rollout_log_probs": ROLLOUT,
+        "tokens": [[1, 2] + [7] * n for n in LENGTHS],
+        "response_length": LENGTHS,
+        "loss_mask": MASK,
+        "rollout_log_probs": ROLLOUT,
     }
     indices = list(range(len(LENGTHS)))
     inputs = train_step.StepInputs(
-        batch=batch, micro_batches=[indices], denominators=train_step.StepDenominators.of(batch, indices),
+        batch=batch,
+        micro_batches=[indices],
+        denominators=train_step.StepDenominators.of(batch, indices),
         advantages={i: torch.full((n,), ADVANTAGES[i]) for i, n in enumerate(LENGTHS)},
         old_log_probs={i: torch.tensor(OLD[i]) for i in indices},
     )
@@ -135,7 +155,8 @@ def test_the_step_loss_is_the_ppo_loss_times_the_weights_over_every_loss_token(m
     loss, grad, acc = _step_loss(monkeypatch, _is_config(tis_level=level, tis_mode=mode))
     assert loss == pytest.approx(expected, rel=1e-5)
     assert acc.counts["tis_weight"] == 6 and acc.sums["tis_weight"].item() == pytest.approx(
-        sum(m * w for m, w in zip(mask, weights)), rel=1e-6)
+        sum(m * w for m, w in zip(mask, weights)), rel=1e-6
+    )
     rejected = [m * (w == 0.0) for m, w in zip(mask, weights)]
     if mode == "mask":
         assert acc.sums["tis_rejected_frac"].item() == sum(rejected)
@@ -164,16 +185,22 @@ def test_without_use_tis_the_loss_is_unweighted_and_the_default_is_the_tis_weigh
 # ---- the flags -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"tis_level": "sequence"}, r"tis_level=sequence has no effect without use_tis=true"),
-    ({"tis_mode": "mask"}, r"tis_mode=mask has no effect without use_tis=true"),
-    ({"tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without use_tis=true"),
-    ({"use_tis": True, "tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without tis_mode=mask"),
-    ({"use_tis": True, "tis_mode": "mask", "tis_clip_low": 2.0}, r"tis_clip_low=2.0 must be below tis_clip=2.0"),
-    ({"use_tis": True, "use_rollout_logprobs": True}, r"use_tis=true with use_rollout_logprobs=true: .* every weight exp\(old - rollout\) is 1"),
-    ({"use_tis": True, "tis_level": "seq"}, r"tis_level"),
-    ({"use_tis": True, "tis_mode": "clip"}, r"tis_mode"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tis_level": "sequence"}, r"tis_level=sequence has no effect without use_tis=true"),
+        ({"tis_mode": "mask"}, r"tis_mode=mask has no effect without use_tis=true"),
+        ({"tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without use_tis=true"),
+        ({"use_tis": True, "tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without tis_mode=mask"),
+        ({"use_tis": True, "tis_mode": "mask", "tis_clip_low": 2.0}, r"tis_clip_low=2.0 must be below tis_clip=2.0"),
+        (
+            {"use_tis": True, "use_rollout_logprobs": True},
+            r"use_tis=true with use_rollout_logprobs=true: .* every weight exp\(old - rollout\) is 1",
+        ),
+        ({"use_tis": True, "tis_level": "seq"}, r"tis_level"),
+        ({"use_tis": True, "tis_mode": "clip"}, r"tis_mode"),
+    ],
+)
 def test_bad_combinations_fail_when_the_configuration_is_made(fields, message):
     from vime_core.config import ConfigError, load_config
 

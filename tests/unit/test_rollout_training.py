@@ -23,8 +23,17 @@ OLD_LOG_PROB = -0.3  # what a recompute of the old policy would give: not the en
 def _batch(cfg) -> dict:
     samples = []
     for i, (reward, log_probs) in enumerate(zip(RAW, ROLLOUT_LOG_PROBS)):
-        s = Sample(prompt_id="p0", tokens=[1, 2], prompt_length=2, group_index=0, index=i, session_id=f"s-{i}",
-                   status=Status.COMPLETED, finish_reason="stop", reward=reward)
+        s = Sample(
+            prompt_id="p0",
+            tokens=[1, 2],
+            prompt_length=2,
+            group_index=0,
+            index=i,
+            session_id=f"s-{i}",
+            status=Status.COMPLETED,
+            finish_reason="stop",
+            reward=reward,
+        )
         s.append_response_tokens(list(range(10, 10 + len(log_probs))), log_probs)
         s.weight_versions = [WeightSpan(1, 0, len(log_probs))]
         samples.append(s)
@@ -72,8 +81,16 @@ def trained(monkeypatch):
 
 
 def _config(**fields):
-    return load_config(overrides={"rollout_batch_size": 1, "n_samples_per_prompt": len(RAW), "micro_batch_size": len(RAW),
-                                  "advantage_estimator": "reinforce_plus_plus", "kl_loss_type": "k3", **fields})
+    return load_config(
+        overrides={
+            "rollout_batch_size": 1,
+            "n_samples_per_prompt": len(RAW),
+            "micro_batch_size": len(RAW),
+            "advantage_estimator": "reinforce_plus_plus",
+            "kl_loss_type": "k3",
+            **fields,
+        }
+    )
 
 
 def _reinforce_plus_plus(kl: list[list[float]], kl_coef: float) -> list[float]:
@@ -151,7 +168,10 @@ def test_a_batch_without_engine_log_probs_is_refused_before_any_forward_where_a_
     batch = _batch(cfg)
     batch["rollout_log_probs"] = [[] for _ in batch["rollout_log_probs"]]
     monkeypatch.setattr(train_step, "forward_log_probs", lambda *a, **k: pytest.fail("a forward ran"))
-    with pytest.raises(UntrainableBatchError, match=rf"^sample 0 \(group 0 index 0, prompt 'p0'\): rollout_log_probs is empty .*and {flag} needs them$"):
+    with pytest.raises(
+        UntrainableBatchError,
+        match=rf"^sample 0 \(group 0 index 0, prompt 'p0'\): rollout_log_probs is empty .*and {flag} needs them$",
+    ):
         train_on_rollout(_Trainer(cfg, with_ref=False), batch)
 
 
@@ -189,9 +209,19 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
     trainer = _Trainer(cfg, with_ref=False)
     trainer.critic = _Critic()
     policy_steps, forwards = [], []
-    monkeypatch.setattr(train_step, "forward_log_probs", lambda model, batch, mbs, *a: forwards.append(model) or {
-        i: torch.full((int(batch["response_length"][i]),), OLD_LOG_PROB) for mb in mbs for i in mb})
-    monkeypatch.setattr(train_step, "train_step", lambda model, optimizer, inputs, *a, **k: policy_steps.append(inputs) or {"lr": 0.0, "loss": 0.0})
+    monkeypatch.setattr(
+        train_step,
+        "forward_log_probs",
+        lambda model, batch, mbs, *a: (
+            forwards.append(model)
+            or {i: torch.full((int(batch["response_length"][i]),), OLD_LOG_PROB) for mb in mbs for i in mb}
+        ),
+    )
+    monkeypatch.setattr(
+        train_step,
+        "train_step",
+        lambda model, optimizer, inputs, *a, **k: policy_steps.append(inputs) or {"lr": 0.0, "loss": 0.0},
+    )
     metrics = train_on_rollout(trainer, _batch(cfg), rollout_id)
 
     gae = [[-0.175, 0.25, 1.1], [-0.3], [0.7, 0.6]]
@@ -206,4 +236,4 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
         flat = [x for a in gae for x in a]
         mean, std = statistics.fmean(flat), statistics.stdev(flat)
         advantages = torch.cat([policy_steps[0].advantages[i] for i in range(len(RAW))]).tolist()
-        assert advantages == pytest.approx([(x - mean) / math.sqrt(std ** 2 + 1e-8) for x in flat], abs=1e-6)
+        assert advantages == pytest.approx([(x - mean) / math.sqrt(std**2 + 1e-8) for x in flat], abs=1e-6)

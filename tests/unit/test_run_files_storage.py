@@ -58,8 +58,11 @@ def test_on_an_object_store_the_manifest_is_the_last_write(monkeypatch):
     writes: list[str] = []
     for method in ("put_file", "put_atomic", "put"):
         real = getattr(StorageLocation, method)
-        monkeypatch.setattr(StorageLocation, method,
-                            lambda self, key, *a, _real=real, **k: (writes.append(key), _real(self, key, *a, **k))[1])
+        monkeypatch.setattr(
+            StorageLocation,
+            method,
+            lambda self, key, *a, _real=real, **k: (writes.append(key), _real(self, key, *a, **k))[1],
+        )
     folder = publish_folder(location, "exports/r", _stage(location, "exports/r", V1), label="v1")
     assert writes[-1] == f"exports/r/{MANIFEST}"
     assert sorted(writes[:-1]) == sorted(f"{folder}/{n}" for n in V1)
@@ -137,5 +140,7 @@ def test_an_hf_export_on_an_object_store_is_the_folder_its_manifest_names(tiny_m
     assert written.keys() == tensors.keys() and all(torch.equal(written[k], tensors[k]) for k in tensors)
     source_files = {p.name for p in tiny_model_dir.iterdir() if p.is_file()}
     assert {p.name for p in local.iterdir()} == source_files
-    assert json.loads((local / "config.json").read_text())["vocab_size"] == json.loads(
-        (tiny_model_dir / "config.json").read_text())["vocab_size"]
+    assert (
+        json.loads((local / "config.json").read_text())["vocab_size"]
+        == json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    )

@@ -33,8 +33,14 @@ def test_appending_twice_and_masked_tokens():
 
 
 def test_dict_round_trip_and_copy_is_deep():
-    s = Sample(prompt_id="p", tokens=[1, 2, 3], response_length=1, status=Status.TRUNCATED,
-               weight_versions=[WeightSpan(1, 0, 1)], metadata={"a": [1]})
+    s = Sample(
+        prompt_id="p",
+        tokens=[1, 2, 3],
+        response_length=1,
+        status=Status.TRUNCATED,
+        weight_versions=[WeightSpan(1, 0, 1)],
+        metadata={"a": [1]},
+    )
     d = s.to_dict()
     assert d["status"] == "truncated" and d["weight_versions"] == [{"version": 1, "start": 0, "end": 1}]
     assert Sample.from_dict(d) == s

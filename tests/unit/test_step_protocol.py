@@ -49,18 +49,30 @@ def test_due_every_interval_and_on_the_last():
 def test_record_from_the_phases_results():
     plan = plan_step(_cfg(device="cuda", save_interval=1), 2)
     done = {
-        Phase.TRAIN: {"loss": 0.5, "pg_clipfrac": 0.1, "wake_time_s": 0.2, "memory_after_wake": [{"allocated_bytes": 9}], "per_rank": [1]},
+        Phase.TRAIN: {
+            "loss": 0.5,
+            "pg_clipfrac": 0.1,
+            "wake_time_s": 0.2,
+            "memory_after_wake": [{"allocated_bytes": 9}],
+            "per_rank": [1],
+        },
         Phase.PERSIST: {"t_persist": 0.3, "key": "batches/p/2"},
         Phase.OFFLOAD_ROLLOUT: {"seconds": 0.1, "memory": [{"process_bytes": 1}]},
         Phase.OFFLOAD_TRAIN: {"seconds": 0.4},
         Phase.ONLOAD_WEIGHTS: {"seconds": 0.05},
         Phase.ONLOAD_KV: {"seconds": 0.07},
-        Phase.SYNC: {"seconds": {"gather": 0.01, "transfer": 0.2, "total": 0.25}, "transport_seconds": {"pack": 0.1},
-                    "t_sync": 0.3, "trainer_memory_after_publish": [{"allocated_bytes": 1}]},
+        Phase.SYNC: {
+            "seconds": {"gather": 0.01, "transfer": 0.2, "total": 0.25},
+            "transport_seconds": {"pack": 0.1},
+            "t_sync": 0.3,
+            "trainer_memory_after_publish": [{"allocated_bytes": 1}],
+        },
         Phase.CHECK_WEIGHTS: {"max_abs_diff": 0.01},
         Phase.SAVE: {"path": "ckpt/2"},
     }
-    rec = iteration_record(plan, {"rollout/reward_mean": 0.7, "rollout/time_build_s": 0.02, "rollout/hist": [1]}, False, done, 9.0)
+    rec = iteration_record(
+        plan, {"rollout/reward_mean": 0.7, "rollout/time_build_s": 0.02, "rollout/hist": [1]}, False, done, 9.0
+    )
     assert (rec["version_before"], rec["version_after"]) == (3, 4)
     assert rec["reward_mean"] == 0.7 and "hist" not in rec and rec["t_build"] == 0.02
     assert rec["train_loss"] == 0.5 and rec["clip_fraction"] == 0.1 and "per_rank" not in rec

@@ -30,7 +30,13 @@ from vime_core.storage.schema import (
 from vime_core.utils.secrets import REDACTED, redact_secrets, redact_text
 from vime_core.storage.synthetic import synthetic_batch
 
-LINEAGE = {"run": "unit", "rollout_id": 3, "config_hash": "abc", "config": json.dumps({"lr": 1e-6}), "flow_run_id": "f-1"}
+LINEAGE = {
+    "run": "unit",
+    "rollout_id": 3,
+    "config_hash": "abc",
+    "config": json.dumps({"lr": 1e-6}),
+    "flow_run_id": "f-1",
+}
 
 
 def _parquet_round_trip(table: pa.Table) -> pa.Table:
@@ -87,7 +93,9 @@ def test_checksum_ignores_chunking_and_slicing_but_not_values_or_lineage():
     assert table_checksum(doubled.slice(table.num_rows, table.num_rows)) == table_checksum(table)
     tokens = table.column("tokens").to_pylist()
     tokens[0][0] += 1
-    changed = table.set_column(COLUMNS.index("tokens"), BATCH_SCHEMA.field("tokens"), pa.array(tokens, BATCH_SCHEMA.field("tokens").type))
+    changed = table.set_column(
+        COLUMNS.index("tokens"), BATCH_SCHEMA.field("tokens"), pa.array(tokens, BATCH_SCHEMA.field("tokens").type)
+    )
     assert table_checksum(changed) != table_checksum(table)
     meta = dict(table.schema.metadata)
     meta[b"flow_run_id"] = json.dumps("someone-else").encode()
@@ -114,10 +122,16 @@ def test_bad_batches_are_refused_naming_the_column(mutate, column):
         batch_to_table(batch, LINEAGE)
 
 
-@pytest.mark.parametrize("lineage, word", [({"rollout_id": 1}, "run"), ({"run": "r"}, "rollout_id"),
-                                           ({"run": "r", "rollout_id": -1}, "rollout_id"),
-                                           ({"run": "r", "rollout_id": 1, "colour": "red"}, "colour"),
-                                           ({"run": "r", "rollout_id": 1, "config": "{not json"}, "config")])
+@pytest.mark.parametrize(
+    "lineage, word",
+    [
+        ({"rollout_id": 1}, "run"),
+        ({"run": "r"}, "rollout_id"),
+        ({"run": "r", "rollout_id": -1}, "rollout_id"),
+        ({"run": "r", "rollout_id": 1, "colour": "red"}, "colour"),
+        ({"run": "r", "rollout_id": 1, "config": "{not json"}, "config"),
+    ],
+)
 def test_bad_lineage_is_refused_naming_the_key(lineage, word):
     with pytest.raises(SchemaError, match=word):
         batch_to_table(synthetic_batch(), lineage)
@@ -126,8 +140,12 @@ def test_bad_lineage_is_refused_naming_the_key(lineage, word):
 def test_credentials_never_reach_the_metadata(monkeypatch):
     secret = "s3cr3t-value-" + "x" * 20
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    config = {"storage_uri": f"s3://AKIDEXAMPLE:{secret}@bucket/p", "notes": f"echo {secret}",
-              "aws_secret_access_key": "other", "max_tokens_per_gpu": 4096}
+    config = {
+        "storage_uri": f"s3://AKIDEXAMPLE:{secret}@bucket/p",
+        "notes": f"echo {secret}",
+        "aws_secret_access_key": "other",
+        "max_tokens_per_gpu": 4096,
+    }
     table = batch_to_table(synthetic_batch(), {**LINEAGE, "config": config, "model_id": secret})
     blob = b"".join(k + v for k, v in table.schema.metadata.items())
     assert secret.encode() not in blob and b"other" not in blob
@@ -139,7 +157,10 @@ def test_credentials_never_reach_the_metadata(monkeypatch):
 def test_redaction_rules():
     assert redact_text("s3://user:pw@host/x", secrets=[]) == f"s3://user:{REDACTED}@host/x"
     assert redact_secrets({"password": "", "api_key": None, "nested": [{"token": "t"}]}, secrets=[]) == {
-        "password": "", "api_key": None, "nested": [{"token": REDACTED}]}
+        "password": "",
+        "api_key": None,
+        "nested": [{"token": REDACTED}],
+    }
 
 
 def _as_version(table: pa.Table, version: int) -> pa.Table:
@@ -190,7 +211,11 @@ def test_index_row_summarises_the_batch():
 def test_latest_per_batch_keeps_the_row_published_last():
     """Even when the newer batch claims an older created_at (a caller may set it)."""
     table = batch_to_table(synthetic_batch(), LINEAGE)
-    old = index_row(table.replace_schema_metadata({**table.schema.metadata, b"created_at": b'"2999-01-01T00:00:00+00:00"'}), "old", 1)
+    old = index_row(
+        table.replace_schema_metadata({**table.schema.metadata, b"created_at": b'"2999-01-01T00:00:00+00:00"'}),
+        "old",
+        1,
+    )
     new = index_row(table, "new", 1)
     assert new["published_at"][0].as_py() > old["published_at"][0].as_py()
     kept = latest_per_batch(pa.concat_tables([new, old, old]))
@@ -214,7 +239,9 @@ def test_an_index_file_of_version_1_is_read_and_other_versions_refused_naming_it
         assert upgraded.schema.names == INDEX_SCHEMA.names
         assert pc.all(pc.equal(upgraded["published_at"], upgraded["created_at"])).as_py()
     newer = row.replace_schema_metadata({b"index_version": str(INDEX_VERSION + 1).encode()})
-    with pytest.raises(ValueError, match=f"index/new.parquet was written by a newer vime \\(index version {INDEX_VERSION + 1}\\)"):
+    with pytest.raises(
+        ValueError, match=f"index/new.parquet was written by a newer vime \\(index version {INDEX_VERSION + 1}\\)"
+    ):
         _as_index_table(newer, "index/new.parquet")
     with pytest.raises(ValueError, match="index/fields.parquet was written by index version"):
         _as_index_table(row.drop_columns(["prompt_ids"]), "index/fields.parquet")
@@ -252,8 +279,10 @@ def test_a_changed_column_makes_the_docs_stale(monkeypatch):
     from vime_core.data import columns
     from vime_core.storage import docs
 
-    edited = tuple(dataclasses.replace(c, meaning=c.meaning + " (edited)") if c.name == "tokens" else c
-                   for c in columns.BATCH_COLUMNS)
+    edited = tuple(
+        dataclasses.replace(c, meaning=c.meaning + " (edited)") if c.name == "tokens" else c
+        for c in columns.BATCH_COLUMNS
+    )
     monkeypatch.setattr(docs, "BATCH_COLUMNS", edited)
     text = (Path(__file__).resolve().parents[2] / "docs" / "interfaces.md").read_text()
     assert docs.render_into(text) != text and "| prompt + response token ids (edited) |" in docs.render_into(text)

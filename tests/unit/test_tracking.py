@@ -23,10 +23,19 @@ SECRET = "wandb-key-that-must-not-be-written-0123456789"
 def _record(k: int, reward: float) -> dict:
     """A record shaped like step_protocol.iteration_record's (numbers, bools, strings, a nested dict)."""
     return {
-        "rollout_id": k, "version_before": k + 1, "version_after": k + 2, "reward_mean": reward,
-        "response_len_mean": 2.0 + k, "t_rollout": 0.5, "t_train": 0.25 + k, "t_step": 1.0 + k,
-        "from_store": k % 2 == 1, "batch_key": f"batches/run/{k:08d}.parquet", "clip_fraction": None,
-        "memory": {"engines_after_offload_rollout": {"used": 1000 + k}}, "weight_check": {"versions": [k]},
+        "rollout_id": k,
+        "version_before": k + 1,
+        "version_after": k + 2,
+        "reward_mean": reward,
+        "response_len_mean": 2.0 + k,
+        "t_rollout": 0.5,
+        "t_train": 0.25 + k,
+        "t_step": 1.0 + k,
+        "from_store": k % 2 == 1,
+        "batch_key": f"batches/run/{k:08d}.parquet",
+        "clip_fraction": None,
+        "memory": {"engines_after_offload_rollout": {"used": 1000 + k}},
+        "weight_check": {"versions": [k]},
     }
 
 
@@ -52,8 +61,13 @@ def _wandb_runs(folder: Path) -> list[list[dict]]:
     runs = sorted((folder / "wandb").glob("offline-run-*"))
     out = []
     for run in runs:
-        text = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run)],
-                              check=True, capture_output=True, text=True, timeout=120).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
         out.append([json.loads(line) for line in text.splitlines() if line.strip()])
     return out
 
@@ -76,8 +90,9 @@ def _report(cfg: VimeConfig, ks, reward, monkeypatch) -> list[str]:
 def test_scalars_keep_numbers_flatten_dicts_and_leave_out_the_rest():
     import numpy as np
 
-    out = scalars({"a": 1, "b": 0.5, "c": True, "d": None, "e": "x", "f": [1, 2], "g": {"h": {"i": 3}},
-                   "j": np.float32(0.25)})
+    out = scalars(
+        {"a": 1, "b": 0.5, "c": True, "d": None, "e": "x", "f": [1, 2], "g": {"h": {"i": 3}}, "j": np.float32(0.25)}
+    )
     assert out == {"a": 1.0, "b": 0.5, "c": 1.0, "g/h/i": 3.0, "j": 0.25}
 
 
@@ -88,8 +103,15 @@ def test_wandb_and_tensorboard_read_back_and_resume_into_the_same_run(tmp_path, 
     TensorBoard: the same values at the same steps. The W&B key is written nowhere."""
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     reward = lambda k: 0.1 * (k + 1)  # noqa: E731
-    cfg = VimeConfig(run_name="track.me", storage_uri=str(tmp_path), num_rollout=2, use_wandb=True,
-                     wandb_mode="offline", wandb_group="g1", use_tensorboard=True)
+    cfg = VimeConfig(
+        run_name="track.me",
+        storage_uri=str(tmp_path),
+        num_rollout=2,
+        use_wandb=True,
+        wandb_mode="offline",
+        wandb_group="g1",
+        use_tensorboard=True,
+    )
     dump_config(cfg, tmp_path / "reports" / cfg.run_name / "config.json")  # as the train flow does
     assert _report(cfg, [0, 1], reward, monkeypatch) == []
     assert not [key for key in tracking._OPEN if key.endswith(cfg.run_name)]  # the last iteration finished them
@@ -172,8 +194,9 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch)
         raise wandb.errors.CommError("Failed to get resume status for run x: context deadline exceeded\nwhile retrying")
 
     monkeypatch.setattr(wandb, "init", no_network)
-    cfg = VimeConfig(run_name="offline-net", storage_uri=str(tmp_path), num_rollout=3, use_wandb=True,
-                     use_tensorboard=True)
+    cfg = VimeConfig(
+        run_name="offline-net", storage_uri=str(tmp_path), num_rollout=3, use_wandb=True, use_tensorboard=True
+    )
     warned = _report(cfg, [0, 1, 2], lambda k: k / 2, monkeypatch)
     assert len(warned) == 1 and "\n" not in warned[0]
     assert warned[0].startswith("wandb tracking failed and is off for this run: CommError: Failed to get resume status")
@@ -204,4 +227,3 @@ def test_no_tracking_imports_neither_wandb_nor_tensorboard():
     )
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120)
-

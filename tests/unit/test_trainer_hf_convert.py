@@ -23,12 +23,19 @@ def _random_hf(arch, tie):
     gen = torch.Generator().manual_seed(0)
     h, d = arch.hidden_size, arch.head_dim
     shapes = {
-        "q_proj.weight": (arch.num_heads * d, h), "k_proj.weight": (arch.num_kv_heads * d, h),
-        "v_proj.weight": (arch.num_kv_heads * d, h), "q_proj.bias": (arch.num_heads * d,),
-        "k_proj.bias": (arch.num_kv_heads * d,), "v_proj.bias": (arch.num_kv_heads * d,),
-        "o_proj.weight": (h, arch.num_heads * d), "gate_proj.weight": (arch.ffn_hidden_size, h),
-        "up_proj.weight": (arch.ffn_hidden_size, h), "down_proj.weight": (h, arch.ffn_hidden_size),
-        "q_norm.weight": (d,), "k_norm.weight": (d,), "embed_tokens.weight": (arch.vocab_size, h),
+        "q_proj.weight": (arch.num_heads * d, h),
+        "k_proj.weight": (arch.num_kv_heads * d, h),
+        "v_proj.weight": (arch.num_kv_heads * d, h),
+        "q_proj.bias": (arch.num_heads * d,),
+        "k_proj.bias": (arch.num_kv_heads * d,),
+        "v_proj.bias": (arch.num_kv_heads * d,),
+        "o_proj.weight": (h, arch.num_heads * d),
+        "gate_proj.weight": (arch.ffn_hidden_size, h),
+        "up_proj.weight": (arch.ffn_hidden_size, h),
+        "down_proj.weight": (h, arch.ffn_hidden_size),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
+        "embed_tokens.weight": (arch.vocab_size, h),
         "lm_head.weight": (arch.vocab_size, h),
     }
     out = {}

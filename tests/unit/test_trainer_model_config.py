@@ -60,13 +60,20 @@ def test_tp_must_divide_kv_heads():
 
 
 def test_llama3_rope_scaling_is_read_and_other_constants_refused():
-    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     arch = architecture_from_hf(tiny_config("llama") | {"rope_scaling": scaling})
     assert arch.rope_scaling_factor == 32.0
     assert architecture_from_hf(tiny_config("llama")).rope_scaling_factor is None
     with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings=4096"):
-        architecture_from_hf(tiny_config("llama") | {"rope_scaling": scaling | {"original_max_position_embeddings": 4096}})
+        architecture_from_hf(
+            tiny_config("llama") | {"rope_scaling": scaling | {"original_max_position_embeddings": 4096}}
+        )
 
 
 def test_a_bf16_model_keeps_its_norm_weights_in_bf16(tiny_model_dir):

@@ -37,18 +37,25 @@ def test_release_and_restore_keep_values_and_free_the_storage():
     torch.testing.assert_close(view, before[0][1:3])
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    # only a device change through .data drops the accumulator, so only CUDA can catch a regression
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CPU case cannot change device")),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        # only a device change through .data drops the accumulator, so only CUDA can catch a regression
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA device: the CPU case cannot change device"
+            ),
+        ),
+    ],
+)
 def test_gradient_hook_still_fires_after_release_and_restore(device):
     param, fired, _accumulator = _hooked_parameter(device)
     restore_from_host(release_to_host([param]))
     (param * 2).sum().backward()
     assert fired == [1]
     torch.testing.assert_close(param.grad, torch.full((4, 3), 2.0, device=device))
-
 
 
 def test_prepin_makes_the_buffers_a_release_asks_for():

@@ -24,12 +24,15 @@ def test_pack_offsets_positions_and_targets():
     assert packed.num_tokens == sum(map(len, tokens))  # no padding at all
 
 
-@pytest.mark.parametrize("tokens,responses,match", [
-    ([], [], "empty"),
-    ([[1, 2]], [2], "response_length=2"),
-    ([[1, 2]], [0], "response_length=0"),
-    ([[1, 2]], [1, 1], "2 response_lengths"),
-])
+@pytest.mark.parametrize(
+    "tokens,responses,match",
+    [
+        ([], [], "empty"),
+        ([[1, 2]], [2], "response_length=2"),
+        ([[1, 2]], [0], "response_length=0"),
+        ([[1, 2]], [1, 1], "2 response_lengths"),
+    ],
+)
 def test_bad_micro_batches_are_refused(tokens, responses, match):
     with pytest.raises(ValueError, match=match):
         pack_samples(tokens, responses)

@@ -160,8 +160,10 @@ def test_exact_ties_keep_the_count_vllm_keeps(sampling):
     tau, w_tie = truncation.select(y, torch.zeros(16, dtype=torch.long), sampling, VOCAB, PADDED)
     assert ((w_tie > 0) & (w_tie < 1)).sum() >= 2  # rows that keep only some of their tied tokens
     # every row's token: one above the boundary and one of the tied tokens at it
-    for pick in (lambda row, t: int(torch.nonzero(row > t)[0]) if (row > t).any() else int(torch.nonzero(row == t)[0]),
-                 lambda row, t: int(torch.nonzero(row == t)[-1])):
+    for pick in (
+        lambda row, t: int(torch.nonzero(row > t)[0]) if (row > t).any() else int(torch.nonzero(row == t)[0]),
+        lambda row, t: int(torch.nonzero(row == t)[-1]),
+    ):
         targets = torch.tensor([pick(y[i], tau[i]) for i in range(16)])
         lp, _ = head_log_probs(x, w, targets, 0, VOCAB, sampling)
         expected = torch.tensor([count_rule_log_prob(y[i], int(targets[i]), sampling) for i in range(16)])
@@ -231,7 +233,7 @@ def test_two_tp_ranks_give_the_single_rank_values_and_gradients(small_chunks, mo
 
     def rank(r, comm):
         x_r = x.detach().clone().requires_grad_()
-        w_r = w.detach()[r * half:(r + 1) * half].clone().requires_grad_()
+        w_r = w.detach()[r * half : (r + 1) * half].clone().requires_grad_()
         lp, ent = head_log_probs(x_r, w_r, targets, r * half, VOCAB, sampling, with_entropy=True, comm=comm)
         return (lp.detach(), ent.detach(), *grads(x_r, w_r, lp, ent, a, b))
 
@@ -254,7 +256,11 @@ def test_two_tp_ranks_select_the_single_rank_set_on_tied_logits(monkeypatch):
     half = PADDED // 2
     for sampling in (Sampling(1.0, top_k=6), Sampling(1.0, top_p=0.8), Sampling(1.0, top_k=15, top_p=0.5)):
         one = truncation.select(y, targets, sampling, VOCAB, PADDED)
-        two = run_ranks(2, lambda r, comm: truncation.select(
-            y[:, r * half:min(VOCAB, (r + 1) * half)], targets - r * half, sampling, VOCAB, half, comm))
+        two = run_ranks(
+            2,
+            lambda r, comm: truncation.select(
+                y[:, r * half : min(VOCAB, (r + 1) * half)], targets - r * half, sampling, VOCAB, half, comm
+            ),
+        )
         for tau, w_tie in two:
             assert torch.equal(tau, one[0]) and torch.equal(w_tie, one[1])

@@ -24,17 +24,34 @@ def test_a_consistent_batch_passes():
     assert validate_trainable(_batch()) == 2
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"response_length": [1, 0], "tokens": [[1, 2, 3], [1, 4]], "loss_mask": [[1], []],
-      "metadata": ["{}", '{"generate_error": "no engine answered"}']},
-     r"sample 1 \(prompt 'p1'\): response_length=0, no response to train on; .*no engine answered"),
-    ({"prompt_length": [0, 2], "tokens": [[2, 3], [1, 4, 5, 6]], "response_length": [2, 2], "loss_mask": [[1, 1], [1, 1]],
-      "rollout_log_probs": [[], []]}, r"sample 0 .*prompt_length=0 must be >= 1"),
-    ({"tokens": [[1, 2, 3], [1, 4, 5]]}, r"sample 1 .*3 tokens != prompt_length 2 \+ response_length 2"),
-    ({"loss_mask": [[1], [1]]}, r"sample 1 .*loss_mask has 1 entries, response_length=2"),
-    ({"rollout_log_probs": [[-0.1, -0.2], []]}, r"sample 0 .*rollout_log_probs has 2 entries"),
-    ({"loss_mask": [[1]]}, r"column 'loss_mask' has 1 rows, 'tokens' has 2"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {
+                "response_length": [1, 0],
+                "tokens": [[1, 2, 3], [1, 4]],
+                "loss_mask": [[1], []],
+                "metadata": ["{}", '{"generate_error": "no engine answered"}'],
+            },
+            r"sample 1 \(prompt 'p1'\): response_length=0, no response to train on; .*no engine answered",
+        ),
+        (
+            {
+                "prompt_length": [0, 2],
+                "tokens": [[2, 3], [1, 4, 5, 6]],
+                "response_length": [2, 2],
+                "loss_mask": [[1, 1], [1, 1]],
+                "rollout_log_probs": [[], []],
+            },
+            r"sample 0 .*prompt_length=0 must be >= 1",
+        ),
+        ({"tokens": [[1, 2, 3], [1, 4, 5]]}, r"sample 1 .*3 tokens != prompt_length 2 \+ response_length 2"),
+        ({"loss_mask": [[1], [1]]}, r"sample 1 .*loss_mask has 1 entries, response_length=2"),
+        ({"rollout_log_probs": [[-0.1, -0.2], []]}, r"sample 0 .*rollout_log_probs has 2 entries"),
+        ({"loss_mask": [[1]]}, r"column 'loss_mask' has 1 rows, 'tokens' has 2"),
+    ],
+)
 def test_each_rule_names_the_sample_and_what_is_wrong(changes, message):
     with pytest.raises(UntrainableBatchError, match=message):
         validate_trainable(_batch(**changes))
@@ -57,7 +74,9 @@ def test_without_prompt_length_a_response_still_needs_a_prompt_token():
 
 def test_total_length_must_count_the_tokens_and_rows_name_their_group():
     batch = _batch(total_length=[3, 5], group_index=[7, 7], index=[0, 1])
-    with pytest.raises(UntrainableBatchError, match=r"sample 1 \(group 7 index 1, prompt 'p1'\): total_length=5 != 4 tokens"):
+    with pytest.raises(
+        UntrainableBatchError, match=r"sample 1 \(group 7 index 1, prompt 'p1'\): total_length=5 != 4 tokens"
+    ):
         validate_trainable(batch)
 
 
@@ -83,22 +102,28 @@ def test_log_probs_are_only_required_where_a_flag_reads_them():
     assert validate_trainable(no_log_probs) == 2
     with pytest.raises(UntrainableBatchError) as err:
         validate_trainable(no_log_probs, log_prob_readers=["use_tis"])
-    assert str(err.value) == ("sample 0 (prompt 'p0'): rollout_log_probs is empty (generated without asking the engines "
-                              "for log-probs), and use_tis needs them")
+    assert str(err.value) == (
+        "sample 0 (prompt 'p0'): rollout_log_probs is empty (generated without asking the engines "
+        "for log-probs), and use_tis needs them"
+    )
     assert validate_trainable(_batch(rollout_log_probs=[[-0.1], [-0.2, -0.3]]), log_prob_readers=["use_tis"]) == 2
 
 
 def test_missing_log_probs_name_the_engine_from_the_sample_metadata():
-    batch = _batch(rollout_log_probs=[[-0.1], [-0.2, -9999.0]],
-                   metadata=["{}", '{"missing_logprobs": 1, "missing_logprobs_engine": "engine-1 at http://127.0.0.1:8001"}'])
+    batch = _batch(
+        rollout_log_probs=[[-0.1], [-0.2, -9999.0]],
+        metadata=["{}", '{"missing_logprobs": 1, "missing_logprobs_engine": "engine-1 at http://127.0.0.1:8001"}'],
+    )
     assert validate_trainable(batch) == 2
     with pytest.raises(UntrainableBatchError) as err:
         validate_trainable(batch, log_prob_readers=["use_rollout_logprobs", "get_mismatch_metrics"])
     message = str(err.value)
     assert "\n" not in message
-    assert message == ("sample 1 (prompt 'p1'): rollout_log_probs lacks 1 of 2 log-probs: engine engine-1 at "
-                       "http://127.0.0.1:8001 answered without them (field logprobs.content[j].logprob of its choice), "
-                       "and use_rollout_logprobs and get_mismatch_metrics need them")
+    assert message == (
+        "sample 1 (prompt 'p1'): rollout_log_probs lacks 1 of 2 log-probs: engine engine-1 at "
+        "http://127.0.0.1:8001 answered without them (field logprobs.content[j].logprob of its choice), "
+        "and use_rollout_logprobs and get_mismatch_metrics need them"
+    )
     # NaN is no log-prob either
     with pytest.raises(UntrainableBatchError, match=r"sample 0 .*lacks 1 of 1 log-probs: the engine answered"):
         validate_trainable(_batch(rollout_log_probs=[[float("nan")], [-0.2, -0.3]]), log_prob_readers=["use_tis"])
@@ -108,7 +133,9 @@ def test_a_batch_without_the_column_is_refused_naming_it_where_a_flag_reads_it()
     batch = _batch()
     del batch["rollout_log_probs"]
     assert validate_trainable(batch) == 2
-    with pytest.raises(UntrainableBatchError, match=r"^rollout batch has no column 'rollout_log_probs', and use_tis needs it$"):
+    with pytest.raises(
+        UntrainableBatchError, match=r"^rollout batch has no column 'rollout_log_probs', and use_tis needs it$"
+    ):
         validate_trainable(batch, log_prob_readers=["use_tis"])
 
 
@@ -127,5 +154,8 @@ def test_a_stored_batch_without_log_probs_is_refused_for_replay_under_a_flag_tha
     class ReplayConfig:
         use_rollout_logprobs, use_tis, get_mismatch_metrics = False, True, False
 
-    with pytest.raises(UntrainableBatchError, match=r"^sample 0 \(group 0 index 0, .*\): rollout_log_probs is empty .*use_tis needs them$"):
+    with pytest.raises(
+        UntrainableBatchError,
+        match=r"^sample 0 \(group 0 index 0, .*\): rollout_log_probs is empty .*use_tis needs them$",
+    ):
         validate_trainable(stored, log_prob_readers=rollout_logprob_readers(ReplayConfig()))

@@ -46,12 +46,15 @@ def test_explained_variance_from_the_token_moments():
     values = [0.8, 0.1, 1.5, 1.2, 0.5]
     diffs = [r - v for r, v in zip(returns, values)]
     mean = statistics.fmean
-    ev = explained_variance_from_moments(mean(returns), mean([r * r for r in returns]), mean(diffs), mean([d * d for d in diffs]))
+    ev = explained_variance_from_moments(
+        mean(returns), mean([r * r for r in returns]), mean(diffs), mean([d * d for d in diffs])
+    )
     assert ev == pytest.approx(1 - statistics.pvariance(diffs) / statistics.pvariance(returns))
     perfect = explained_variance_from_moments(mean(returns), mean([r * r for r in returns]), 0.0, 0.0)
     assert perfect == pytest.approx(1.0)
     # the mean as the prediction explains nothing
     mean_only = [r - mean(returns) for r in returns]
-    assert explained_variance_from_moments(mean(returns), mean([r * r for r in returns]), mean(mean_only),
-                                           mean([d * d for d in mean_only])) == pytest.approx(0.0, abs=1e-12)
+    assert explained_variance_from_moments(
+        mean(returns), mean([r * r for r in returns]), mean(mean_only), mean([d * d for d in mean_only])
+    ) == pytest.approx(0.0, abs=1e-12)
     assert explained_variance_from_moments(1.0, 1.0, 0.0, 0.0) is None  # constant returns: undefined

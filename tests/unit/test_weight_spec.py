@@ -11,19 +11,29 @@ import torch
 from vime_core.weight_sync.weight_spec import WeightSpecError, check_against_spec, fetch_spec
 from vime_core.wire.spec_format import read_safetensors_layout
 
-SPEC = {"tensors": {
-    "a.weight": {"shape": [4, 2], "dtype": "bfloat16"},
-    "b.weight": {"shape": [3], "dtype": "bfloat16"},
-    "ids": {"shape": [2], "dtype": "int64"},
-}}
+SPEC = {
+    "tensors": {
+        "a.weight": {"shape": [4, 2], "dtype": "bfloat16"},
+        "b.weight": {"shape": [3], "dtype": "bfloat16"},
+        "ids": {"shape": [2], "dtype": "int64"},
+    }
+}
 
 
 def ok() -> list[tuple[str, torch.Tensor]]:
-    return [("a.weight", torch.zeros(4, 2)), ("b.weight", torch.zeros(3, dtype=torch.float16)), ("ids", torch.zeros(2, dtype=torch.int64))]
+    return [
+        ("a.weight", torch.zeros(4, 2)),
+        ("b.weight", torch.zeros(3, dtype=torch.float16)),
+        ("ids", torch.zeros(2, dtype=torch.int64)),
+    ]
 
 
 def test_floating_tensors_travel_in_the_served_dtype_others_unchanged():
-    assert check_against_spec(ok(), SPEC, "e0") == {"a.weight": torch.bfloat16, "b.weight": torch.bfloat16, "ids": torch.int64}
+    assert check_against_spec(ok(), SPEC, "e0") == {
+        "a.weight": torch.bfloat16,
+        "b.weight": torch.bfloat16,
+        "ids": torch.int64,
+    }
 
 
 @pytest.mark.parametrize(
@@ -31,8 +41,14 @@ def test_floating_tensors_travel_in_the_served_dtype_others_unchanged():
     [
         (lambda t: t + [("c.weight", torch.zeros(1))], r"engine e0: unknown tensor 'c\.weight'"),
         (lambda t: t[1:], r"engine e0: 1 tensor\(s\) missing, e\.g\. \['a\.weight'\]"),
-        (lambda t: [("a.weight", torch.zeros(2, 4))] + t[1:], r"'a\.weight' has shape \[2, 4\], the model expects \[4, 2\]"),
-        (lambda t: t[:2] + [("ids", torch.zeros(2))], r"'ids' has dtype torch\.float32, the model expects torch\.int64"),
+        (
+            lambda t: [("a.weight", torch.zeros(2, 4))] + t[1:],
+            r"'a\.weight' has shape \[2, 4\], the model expects \[4, 2\]",
+        ),
+        (
+            lambda t: t[:2] + [("ids", torch.zeros(2))],
+            r"'ids' has dtype torch\.float32, the model expects torch\.int64",
+        ),
         (lambda t: t + [t[0]], r"'a\.weight' appears twice"),
     ],
     ids=["unknown", "missing", "shape", "dtype", "duplicate"],
@@ -68,8 +84,12 @@ def test_fetch_spec_requires_tp_ranks_to_agree():
 def test_checkpoint_layout_reads_names_shapes_dtypes_from_headers(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"x": torch.zeros(2, 3), "y": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "model-1.safetensors"))
-    save_file({"z": torch.zeros(1, dtype=torch.int64)}, str(tmp_path / "model-2.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {"x": torch.zeros(2, 3), "y": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "model-1.safetensors")
+    )
+    save_file(
+        {"z": torch.zeros(1, dtype=torch.int64)}, str(tmp_path / "model-2.safetensors"), metadata={"format": "pt"}
+    )
     assert read_safetensors_layout(str(tmp_path)) == {
         "x": {"shape": [2, 3], "dtype": "float32"},
         "y": {"shape": [5], "dtype": "bfloat16"},

@@ -74,14 +74,20 @@ def test_the_engine_end_imports_only_stdlib_torch_vllm_and_the_wire_formats():
 def test_the_wire_formats_load_no_torch_when_imported():
     # vime_core/config/derive.py reads the backend names from them while a configuration is made
     formats = [p for p in sorted(WIRE.glob("*.py")) if p.name != "broadcast_group.py"]
-    heavy = {p.name: sorted(n for n in _imported_at_import_time(_parse(p)) if n.split(".")[0] in ENGINE_SIDE_THIRD_PARTY)
-             for p in formats}
+    heavy = {
+        p.name: sorted(n for n in _imported_at_import_time(_parse(p)) if n.split(".")[0] in ENGINE_SIDE_THIRD_PARTY)
+        for p in formats
+    }
     assert {k: v for k, v in heavy.items() if v} == {}
 
 
 def test_weight_sync_does_not_import_the_megatron_trainer():
-    bad = [f"{p.relative_to(REPO)} imports {n}" for p in sorted((REPO / "vime_core" / "weight_sync").rglob("*.py"))
-           for n in sorted(_imported(_parse(p))) if n == "vime_core.trainer" or n.startswith("vime_core.trainer.")]
+    bad = [
+        f"{p.relative_to(REPO)} imports {n}"
+        for p in sorted((REPO / "vime_core" / "weight_sync").rglob("*.py"))
+        for n in sorted(_imported(_parse(p)))
+        if n == "vime_core.trainer" or n.startswith("vime_core.trainer.")
+    ]
     assert bad == []
 
 

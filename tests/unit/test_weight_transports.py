@@ -29,7 +29,11 @@ def test_shm_bucket_file_holds_each_tensor_at_its_aligned_offset(tmp_path):
     pool = ShmBufferPool(str(tmp_path))
     info = write_bucket_file(bucket_of(TENSORS, {n: torch.bfloat16 for n in TENSORS}), pool)
     assert all(off % ALIGNMENT == 0 for off in info.offsets)
-    assert info.path == pool.path_of(0) and os.path.basename(info.path).startswith(f"vime-wb-{os.getpid()}-") and os.path.getsize(info.path) == info.nbytes
+    assert (
+        info.path == pool.path_of(0)
+        and os.path.basename(info.path).startswith(f"vime-wb-{os.getpid()}-")
+        and os.path.getsize(info.path) == info.nbytes
+    )
     raw = torch.frombuffer(bytearray(open(info.path, "rb").read()), dtype=torch.uint8)
     for name, shape, off in zip(info.names, info.shapes, info.offsets):
         n = torch.Size(shape).numel() * 2
@@ -80,8 +84,14 @@ def test_shm_pool_reuses_slot_files_grows_them_and_removes_files_of_dead_process
     ],
 )
 def test_shm_descriptor_rejects_what_the_worker_must_not_map(change, message):
-    good = {"path": "/dev/shm/vime-wb-x-00000", "nbytes": 128, "names": ["a", "b"],
-            "dtype_names": ["float32", "float32"], "shapes": [[2], [4]], "offsets": [0, 64]}
+    good = {
+        "path": "/dev/shm/vime-wb-x-00000",
+        "nbytes": 128,
+        "names": ["a", "b"],
+        "dtype_names": ["float32", "float32"],
+        "shapes": [[2], [4]],
+        "offsets": [0, 64],
+    }
     with pytest.raises(ValueError, match=message):
         ShmBucketInfo(**{**good, **change})
 
@@ -97,7 +107,9 @@ def test_ipc_update_info_matches_what_vllm_unpacks():
     assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == {"GPU-uuid": ("handle-args",)}
     assert sum(info["tensor_sizes"]) == buffer.numel()
     # vLLM's packed consumer: split by tensor_sizes, view each slice as its dtype and shape
-    for name, dtype, shape, part in zip(info["names"], info["dtype_names"], info["shapes"], buffer.split(info["tensor_sizes"])):
+    for name, dtype, shape, part in zip(
+        info["names"], info["dtype_names"], info["shapes"], buffer.split(info["tensor_sizes"])
+    ):
         assert torch.equal(part.view(getattr(torch, dtype)).view(shape), TENSORS[name].to(torch.bfloat16))
 
 

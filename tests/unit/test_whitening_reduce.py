@@ -72,8 +72,17 @@ def _step():
 
 
 def _advantages(estimator, rewards, masks, kl, values, reduce_sums=None):
-    return compute_advantages(estimator, rewards, masks, kl=kl, values=values, gamma=GAMMA, lambd=LAMBD,
-                              kl_coef=KL_COEF, reduce_sums=reduce_sums)
+    return compute_advantages(
+        estimator,
+        rewards,
+        masks,
+        kl=kl,
+        values=values,
+        gamma=GAMMA,
+        lambd=LAMBD,
+        kl_coef=KL_COEF,
+        reduce_sums=reduce_sums,
+    )
 
 
 def test_masked_whiten_of_two_shares_equals_the_whole():
@@ -115,8 +124,10 @@ def test_a_rank_without_samples_still_joins_the_reduction():
     whole, _ = _advantages("reinforce_plus_plus", rewards, masks, kl, values)
     ranks = _TwoRanks()
     empty = ([], [], [], [])
-    results = ranks.run(lambda share, reduce: _advantages("reinforce_plus_plus", *share, reduce_sums=reduce),
-                        [(rewards, masks, kl, values), empty])
+    results = ranks.run(
+        lambda share, reduce: _advantages("reinforce_plus_plus", *share, reduce_sums=reduce),
+        [(rewards, masks, kl, values), empty],
+    )
     assert results[1] == ([], []) and ranks.calls == [2, 2]
     for ours, ref in zip(results[0][0], whole, strict=True):
         torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)

@@ -42,6 +42,13 @@ def registered_policy_losses() -> list[str]:
 
 
 __all__ = [
-    "register_adv_est", "register_policy_loss", "get_adv_estimator", "get_adv_estimator_fn", "get_policy_loss_fn",
-    "registered_adv_estimators", "registered_policy_losses", "check_adv_estimator", "describe_adv_estimators",
+    "register_adv_est",
+    "register_policy_loss",
+    "get_adv_estimator",
+    "get_adv_estimator_fn",
+    "get_policy_loss_fn",
+    "registered_adv_estimators",
+    "registered_policy_losses",
+    "check_adv_estimator",
+    "describe_adv_estimators",
 ]

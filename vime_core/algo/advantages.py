@@ -255,7 +255,9 @@ AdvantagesAndReturns = tuple[list["torch.Tensor"], list["torch.Tensor"]]
 # that whitens declares it (compute_advantages passes it only to those that do).
 
 
-def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: Optional[Sequence[torch.Tensor]]) -> None:
+def _check(
+    rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: Optional[Sequence[torch.Tensor]]
+) -> None:
     if len(rewards) != len(loss_masks):
         raise ValueError(f"{len(rewards)} rewards but {len(loss_masks)} loss masks")
     for name, seqs in named.items():
@@ -269,7 +271,9 @@ def _check(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor], **named: O
 
 
 @register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo", summary="Shao et al. 2024")
-@register_adv_est("gspo", group_normalisation="mean_std", policy_loss="gspo", reuse_log_probs=False, summary="Zheng et al. 2025")
+@register_adv_est(
+    "gspo", group_normalisation="mean_std", policy_loss="gspo", reuse_log_probs=False, summary="Zheng et al. 2025"
+)
 @register_adv_est("cispo", group_normalisation="mean_std", policy_loss="cispo", summary="MiniMax-M1 2025")
 @register_adv_est("rloo", group_normalisation="leave_one_out", policy_loss="ppo", summary="Ahmadian et al. 2024")
 def group_broadcast_advantages(
@@ -336,7 +340,9 @@ def reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
-@register_adv_est("ppo", policy_loss="ppo", token_rewards=True, critic=True, summary="Schulman et al. 2017, GAE with a critic")
+@register_adv_est(
+    "ppo", policy_loss="ppo", token_rewards=True, critic=True, summary="Schulman et al. 2017, GAE with a critic"
+)
 def gae_advantages(
     rewards: torch.Tensor,
     loss_masks: Sequence[torch.Tensor],
@@ -369,7 +375,6 @@ def apply_opd_kl(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """On-policy distillation (module docstring): (A' = A - opd_kl_coef * rkl, rkl) per sample,
     rkl = log pi_s - log pi_T of the sampled tokens; float32 on the CPU."""
-    import torch
 
     for name, seqs in (("student_log_probs", student_log_probs), ("teacher_log_probs", teacher_log_probs)):
         if len(seqs) != len(advantages):

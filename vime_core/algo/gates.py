@@ -1,4 +1,5 @@
-"""Decisions the step takes from the configuration alone (whether a reference model is needed, whether old log-probs can be reused, when the prefix cache is flushed).
+"""Decisions the step takes from the configuration alone (whether a reference model is needed, whether old log-probs can
+be reused, when the prefix cache is flushed).
 
 can_reuse_log_probs_in_loss: the old-policy log-probs equal the current ones (detached) at the
 first forward of the only training step, so the separate "recompute old log-probs" forward can

@@ -191,7 +191,9 @@ def aggregate_loss(
         return seq_sums.mean() if len(seq_sums) else per_token.sum() * 0
     if mode == "seq_mean_token_sum_norm":
         if scale is None or scale <= 0:
-            raise ValueError(f"loss_agg_mode=seq_mean_token_sum_norm needs a positive scale (loss_scale_factor), got {scale}")
+            raise ValueError(
+                f"loss_agg_mode=seq_mean_token_sum_norm needs a positive scale (loss_scale_factor), got {scale}"
+            )
         return seq_sums.mean() / scale if len(seq_sums) else per_token.sum() * 0
     # the mean over sequences with a trainable token, without reading anything back from the
     # device (no .any(), no boolean indexing: each would be a host sync per micro-batch); with
@@ -220,7 +222,9 @@ def _per_sequence_sums(
 
 def _check_flat(t: torch.Tensor, response_lengths: Sequence[int], name: str) -> None:
     if t.dim() != 1 or t.numel() != sum(response_lengths):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected flat [{sum(response_lengths)}] = sum(response_lengths)")
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected flat [{sum(response_lengths)}] = sum(response_lengths)"
+        )
 
 
 # ---- registered policy losses ------------------------------------------------------------------
@@ -286,5 +290,6 @@ def cispo_policy_loss(
     params: PolicyLossParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO: compute_cispo_loss(old - current, current, A, eps_high)."""
-    return compute_cispo_loss(masked_log_ratio(old_log_probs, log_probs, loss_mask), log_probs, advantages,
-                              params.eps_clip_high)
+    return compute_cispo_loss(
+        masked_log_ratio(old_log_probs, log_probs, loss_mask), log_probs, advantages, params.eps_clip_high
+    )

@@ -99,8 +99,10 @@ def register_adv_est(
     """Register the decorated per-token advantage function as estimator `name` (a value of
     cfg.advantage_estimator) with what it needs elsewhere (the fields of AdvEstimator)."""
     if group_normalisation not in typing.get_args(GroupNormalisation):
-        raise ValueError(f"advantage estimator {name!r}: group_normalisation={group_normalisation!r}; "
-                         f"one of {', '.join(map(repr, typing.get_args(GroupNormalisation)))}")
+        raise ValueError(
+            f"advantage estimator {name!r}: group_normalisation={group_normalisation!r}; "
+            f"one of {', '.join(map(repr, typing.get_args(GroupNormalisation)))}"
+        )
 
     def decorator(fn: F) -> F:
         spec = AdvEstimator(name, fn, group_normalisation, policy_loss, token_rewards, reuse_log_probs, critic, summary)

@@ -23,10 +23,14 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def overlong_penalty(response_length: int, max_response_len: int, buffer_len: int, penalty_factor: float = 1.0) -> float:
+def overlong_penalty(
+    response_length: int, max_response_len: int, buffer_len: int, penalty_factor: float = 1.0
+) -> float:
     """R_length(y) of the module docstring for |y| = response_length."""
     if not 0 < buffer_len <= max_response_len:
-        raise ValueError(f"overlong_buffer_len={buffer_len} must be in [1, {max_response_len}] (rollout_max_response_len)")
+        raise ValueError(
+            f"overlong_buffer_len={buffer_len} must be in [1, {max_response_len}] (rollout_max_response_len)"
+        )
     expected = max_response_len - buffer_len  # L_max - L_cache
     if response_length <= expected:
         return 0.0
@@ -42,8 +46,10 @@ def shape_rewards(rewards: Sequence[float], response_lengths: Sequence[int], cfg
     if not cfg.overlong_buffer_enable:
         return [float(r) for r in rewards]
     return [
-        float(r) + overlong_penalty(int(n), cfg.rollout_max_response_len, cfg.overlong_buffer_len,
-                                    cfg.overlong_buffer_penalty_factor)
+        float(r)
+        + overlong_penalty(
+            int(n), cfg.rollout_max_response_len, cfg.overlong_buffer_len, cfg.overlong_buffer_penalty_factor
+        )
         for r, n in zip(rewards, response_lengths)
     ]
 
@@ -52,10 +58,16 @@ def check_overlong_buffer(cfg) -> None:
     """The configuration's checks of the overlong_buffer_* flags (one line naming the flag)."""
     if not cfg.overlong_buffer_enable:
         if cfg.overlong_buffer_len is not None:
-            raise ValueError(f"overlong_buffer_len={cfg.overlong_buffer_len} has no effect without overlong_buffer_enable=true")
+            raise ValueError(
+                f"overlong_buffer_len={cfg.overlong_buffer_len} has no effect without overlong_buffer_enable=true"
+            )
         return
     if cfg.overlong_buffer_len is None:
-        raise ValueError("overlong_buffer_enable=true needs overlong_buffer_len (L_cache, the tokens over which the penalty grows)")
+        raise ValueError(
+            "overlong_buffer_enable=true needs overlong_buffer_len (L_cache, the tokens over which the penalty grows)"
+        )
     if cfg.overlong_buffer_len > cfg.rollout_max_response_len:
-        raise ValueError(f"overlong_buffer_len={cfg.overlong_buffer_len} is longer than "
-                         f"rollout_max_response_len={cfg.rollout_max_response_len} (L_max)")
+        raise ValueError(
+            f"overlong_buffer_len={cfg.overlong_buffer_len} is longer than "
+            f"rollout_max_response_len={cfg.rollout_max_response_len} (L_max)"
+        )

@@ -90,8 +90,14 @@ def stored(cfg: VimeConfig, rollout_id: int) -> bool:
     return BatchStore.for_config(cfg).exists(cfg.run_name, rollout_id)
 
 
-def save(cfg: VimeConfig, rollout_id: int, batch_ref, flow_run_id: str = "", overwrite: bool = False,
-         data_source_state: dict | None = None) -> dict:
+def save(
+    cfg: VimeConfig,
+    rollout_id: int,
+    batch_ref,
+    flow_run_id: str = "",
+    overwrite: bool = False,
+    data_source_state: dict | None = None,
+) -> dict:
     """Store the batch; `overwrite` replaces a quarantined one (usable_stored)."""
     import ray
 

@@ -21,7 +21,8 @@ What it takes care of:
 - the temp dir (sessions, logs, sockets) is the one the caller names; the command lines (this
   module's and `vime cluster`) take it from --temp-dir, defaulting to $VIME_RAY_TEMP_DIR, else
   the repository's .cache/ray (`default_temp_dir`, the one place that variable is read); the
-  library's functions never read the environment. Its path must stay short (Unix socket paths are limited to ~107 bytes): a longer one is
+  library's functions never read the environment. Its path must stay short (Unix socket paths are limited to ~107
+  bytes): a longer one is
   replaced by /tmp/vime-ray-<hash of the path>;
 - start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
   processes of this head: the process group `ray start` created and their descendants (actor
@@ -72,7 +73,11 @@ def _ray_command() -> list[str]:
     beside = Path(sys.executable).parent / "ray"
     if beside.exists():
         return [str(beside)]
-    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())",
+    ]
 
 
 # Ray puts Unix sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: with a
@@ -124,22 +129,41 @@ def head_running(temp_dir: str | Path | None = None) -> str | None:
     return state["address"] if state and _gcs_alive(state) else None
 
 
-def _ray_start(command: list[str], env: dict[str, str], temp: Path, num_gpus: int, num_cpus: int | None,
-               resources: dict[str, float] | None, object_store_memory: int, timeout: float,
-               what: str) -> tuple[subprocess.Popen, str]:
+def _ray_start(
+    command: list[str],
+    env: dict[str, str],
+    temp: Path,
+    num_gpus: int,
+    num_cpus: int | None,
+    resources: dict[str, float] | None,
+    object_store_memory: int,
+    timeout: float,
+    what: str,
+) -> tuple[subprocess.Popen, str]:
     """Run `command` (a `ray start` of either node kind) with what both kinds share: every port
     a free one, the node's resources, its temp dir. Returns the finished process (its pid leads
     the process group the node's daemons inherit) and its output."""
-    env = {**LOOPBACK_ENV, **os.environ, **env,
-           "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
+    env = {
+        **LOOPBACK_ENV,
+        **os.environ,
+        **env,
+        "AUTOSCALER_METRIC_PORT": str(free_port()),
+        "DASHBOARD_METRIC_PORT": str(free_port()),
+    }
     args = [
         *command,
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        "--min-worker-port=0", "--max-worker-port=0",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-        "--disable-usage-stats", f"--num-gpus={int(num_gpus)}",
-        f"--object-store-memory={int(object_store_memory)}", f"--temp-dir={temp}",
+        f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats",
+        f"--num-gpus={int(num_gpus)}",
+        f"--object-store-memory={int(object_store_memory)}",
+        f"--temp-dir={temp}",
     ]
     if num_cpus is not None:
         args.append(f"--num-cpus={int(num_cpus)}")
@@ -147,8 +171,15 @@ def _ray_start(command: list[str], env: dict[str, str], temp: Path, num_gpus: in
         args.append(f"--resources={json.dumps(resources)}")
     # A new session makes `ray start` the leader of a process group its daemons inherit:
     # that group (plus descendants) is exactly what stopping the node ends.
-    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    process = subprocess.Popen(
+        args,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -183,20 +214,46 @@ def start_local_head(
     temp = _temp_dir(temp_dir)
     running = _read_state(temp)
     if running and _gcs_alive(running):
-        if (running.get("num_gpus"), running.get("num_cpus"), running.get("resources") or {}) != (num_gpus, num_cpus, resources or {}):
-            log.warning("Ray head at %s runs with num_gpus=%s num_cpus=%s resources=%s (asked %s/%s/%s); reusing it",
-                        running["address"], running.get("num_gpus"), running.get("num_cpus"), running.get("resources"),
-                        num_gpus, num_cpus, resources)
+        if (running.get("num_gpus"), running.get("num_cpus"), running.get("resources") or {}) != (
+            num_gpus,
+            num_cpus,
+            resources or {},
+        ):
+            log.warning(
+                "Ray head at %s runs with num_gpus=%s num_cpus=%s resources=%s (asked %s/%s/%s); reusing it",
+                running["address"],
+                running.get("num_gpus"),
+                running.get("num_cpus"),
+                running.get("resources"),
+                num_gpus,
+                num_cpus,
+                resources,
+            )
         return running["address"]
     temp.mkdir(parents=True, exist_ok=True)
     gcs_port = port or free_port()
-    command = [*_ray_command(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-               f"--dashboard-port={free_port()}", "--include-dashboard=false"]
-    process, output = _ray_start(command, {}, temp, num_gpus, num_cpus, resources, object_store_memory, timeout,
-                                 "`ray start --head`")
+    command = [
+        *_ray_command(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        f"--dashboard-port={free_port()}",
+        "--include-dashboard=false",
+    ]
+    process, output = _ray_start(
+        command, {}, temp, num_gpus, num_cpus, resources, object_store_memory, timeout, "`ray start --head`"
+    )
     address = f"127.0.0.1:{gcs_port}"
-    state = {"address": address, "gcs_port": gcs_port, "pgid": process.pid, "temp_dir": str(temp),
-             "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
+    state = {
+        "address": address,
+        "gcs_port": gcs_port,
+        "pgid": process.pid,
+        "temp_dir": str(temp),
+        "num_gpus": num_gpus,
+        "num_cpus": num_cpus,
+        "resources": resources or {},
+    }
     if process.returncode != 0:
         _start_failed(process, output, "`ray start --head`")
     (temp / STATE_FILE).write_text(json.dumps(state))
@@ -289,18 +346,46 @@ def start_local_worker(
     if running:
         return running
     temp.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-c", WORKER_LAUNCHER, "start", f"--address={head_address}",
-               f"--node-ip-address={node_ip}"]
+    command = [
+        sys.executable,
+        "-c",
+        WORKER_LAUNCHER,
+        "start",
+        f"--address={head_address}",
+        f"--node-ip-address={node_ip}",
+    ]
     what = f"`ray start --address={head_address}`"
-    process, output = _ray_start(command, {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},  # WORKER_LAUNCHER relies on it
-                                 temp, num_gpus, num_cpus, resources, object_store_memory, timeout, what)
-    state = {"head_address": head_address, "node_ip": node_ip, "pgid": process.pid, "temp_dir": str(temp),
-             "num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}}
+    process, output = _ray_start(
+        command,
+        {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},  # WORKER_LAUNCHER relies on it
+        temp,
+        num_gpus,
+        num_cpus,
+        resources,
+        object_store_memory,
+        timeout,
+        what,
+    )
+    state = {
+        "head_address": head_address,
+        "node_ip": node_ip,
+        "pgid": process.pid,
+        "temp_dir": str(temp),
+        "num_gpus": num_gpus,
+        "num_cpus": num_cpus,
+        "resources": resources or {},
+    }
     if process.returncode != 0 or not _raylet_alive(state):
         _start_failed(process, output, what)
     (temp / WORKER_STATE_FILE).write_text(json.dumps(state))
-    log.info("Ray worker node %s joined %s (num_gpus=%s, resources=%s, temp dir %s)",
-             node_ip, head_address, num_gpus, resources or {}, temp)
+    log.info(
+        "Ray worker node %s joined %s (num_gpus=%s, resources=%s, temp dir %s)",
+        node_ip,
+        head_address,
+        num_gpus,
+        resources or {},
+        temp,
+    )
     return state
 
 
@@ -318,27 +403,54 @@ def stop_local_worker(temp_dir: str | Path, grace: float = 3.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vime_core.cluster.local_head", description="A local Ray head on loopback.")
-    parser.add_argument("command", choices=["start", "stop", "status", "join", "leave"],
-                        help="start/stop/status: the head; join/leave: a worker node on this machine")
-    parser.add_argument("--num-gpus", type=int, default=int(os.environ.get(NUM_GPUS_ENV, "1")), help=f"device slots to declare (default ${NUM_GPUS_ENV}, else 1)")
+    parser = argparse.ArgumentParser(
+        prog="python -m vime_core.cluster.local_head", description="A local Ray head on loopback."
+    )
+    parser.add_argument(
+        "command",
+        choices=["start", "stop", "status", "join", "leave"],
+        help="start/stop/status: the head; join/leave: a worker node on this machine",
+    )
+    parser.add_argument(
+        "--num-gpus",
+        type=int,
+        default=int(os.environ.get(NUM_GPUS_ENV, "1")),
+        help=f"device slots to declare (default ${NUM_GPUS_ENV}, else 1)",
+    )
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs to declare (default: all)")
-    parser.add_argument("--temp-dir", default=None,
-                        help=f"Ray temp dir: start/stop/status: the head's (default ${TEMP_DIR_ENV}, else {DEFAULT_TEMP_DIR}); "
-                             "join/leave: the worker node's own (required)")
+    parser.add_argument(
+        "--temp-dir",
+        default=None,
+        help=f"Ray temp dir: start/stop/status: the head's (default ${TEMP_DIR_ENV}, else {DEFAULT_TEMP_DIR}); "
+        "join/leave: the worker node's own (required)",
+    )
     parser.add_argument("--object-store-memory", type=int, default=1 << 30, help="object store bytes (default 1 GiB)")
-    parser.add_argument("--port", type=int, default=None, help="GCS port, i.e. the address's port (default: a free one)")
-    parser.add_argument("--resources", type=json.loads, default=None, help='custom node resources, JSON (e.g. \'{"vime_engine": 1}\')')
+    parser.add_argument(
+        "--port", type=int, default=None, help="GCS port, i.e. the address's port (default: a free one)"
+    )
+    parser.add_argument(
+        "--resources", type=json.loads, default=None, help="custom node resources, JSON (e.g. '{\"vime_engine\": 1}')"
+    )
     parser.add_argument("--address", default=None, help="join: the head's address (default: the local head's)")
-    parser.add_argument("--node-ip-address", default="127.0.0.2", help="join: the worker's own loopback address (default 127.0.0.2)")
+    parser.add_argument(
+        "--node-ip-address", default="127.0.0.2", help="join: the worker's own loopback address (default 127.0.0.2)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     head_temp_dir = default_temp_dir()  # the head's, where --temp-dir names the worker's
     if args.command in ("start", "stop", "status"):
         head_temp_dir = args.temp_dir or head_temp_dir
     if args.command == "start":
-        print(start_local_head(args.num_gpus, args.num_cpus, head_temp_dir, args.object_store_memory, port=args.port,
-                               resources=args.resources))
+        print(
+            start_local_head(
+                args.num_gpus,
+                args.num_cpus,
+                head_temp_dir,
+                args.object_store_memory,
+                port=args.port,
+                resources=args.resources,
+            )
+        )
         return 0
     if args.command in ("join", "leave"):
         if not args.temp_dir:
@@ -349,8 +461,15 @@ def main(argv: list[str] | None = None) -> int:
         head = args.address or head_running(head_temp_dir)
         if not head:
             parser.error("join: no local head running; pass --address")
-        state = start_local_worker(head, args.temp_dir, args.node_ip_address, args.num_gpus, args.num_cpus,
-                                   args.resources, args.object_store_memory)
+        state = start_local_worker(
+            head,
+            args.temp_dir,
+            args.node_ip_address,
+            args.num_gpus,
+            args.num_cpus,
+            args.resources,
+            args.object_store_memory,
+        )
         print(state["node_ip"])
         return 0
     if args.command == "stop":

@@ -45,7 +45,9 @@ class PlacementPlan:
     engine_share: float = ENGINE_SHARE
 
 
-def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool) -> PlacementPlan:
+def plan_placement(
+    trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool
+) -> PlacementPlan:
     check_layout(trainer_devices, rollout_devices, devices_per_engine, colocate)
     engines = rollout_devices // devices_per_engine
     if colocate:
@@ -57,12 +59,16 @@ def plan_placement(trainer_devices: int, rollout_devices: int, devices_per_engin
     return PlacementPlan(
         num_bundles=total,
         trainer_bundles=list(range(trainer_devices)),
-        engine_bundles=[list(range(first + e * devices_per_engine, first + (e + 1) * devices_per_engine)) for e in range(engines)],
+        engine_bundles=[
+            list(range(first + e * devices_per_engine, first + (e + 1) * devices_per_engine)) for e in range(engines)
+        ],
         trainer_share=TRAINER_SHARE_COLOCATED if colocate else 1.0,
     )
 
 
-def bundle_resources(plan: PlacementPlan, trainer_resource: str | None = None, engine_resource: str | None = None) -> list[dict[str, float]]:
+def bundle_resources(
+    plan: PlacementPlan, trainer_resource: str | None = None, engine_resource: str | None = None
+) -> list[dict[str, float]]:
     """The resources of each bundle of `plan`: one device, plus a share of the custom node
     resource of whoever uses the bundle (trainer ranks, engines, or both when colocated)."""
     wanted: list[dict[str, float]] = [{"GPU": 1} for _ in range(plan.num_bundles)]
@@ -90,7 +96,12 @@ def engine_devices(plan: PlacementPlan, bundles: list[BundleDevice]) -> list[tup
         nodes = {bundles[b].node_ip for b in ids}
         devices = [bundles[b].device_id for b in ids]
         if len(nodes) != 1:
-            raise RuntimeError(f"engine {e}: its bundles {ids} are on several nodes {sorted(nodes)}; an engine's TP workers need one node")
+            raise RuntimeError(
+                (
+                    f"engine {e}: its bundles {ids} are on several nodes {sorted(nodes)}; an engine's TP workers need "
+                    f"one node"
+                )
+            )
         if len(set(devices)) != len(devices):
             raise RuntimeError(f"engine {e}: its bundles {ids} share devices {devices}")
         out.append((nodes.pop(), devices))

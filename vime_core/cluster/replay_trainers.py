@@ -7,7 +7,9 @@ from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
 
 
-def select_batches(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | None, weight_version: int | None) -> list[int]:
+def select_batches(
+    cfg: VimeConfig, source_run: str, rollout_ids: list[int] | None, weight_version: int | None
+) -> list[int]:
     """Rollout ids to replay: the given ones (each must be stored), or those a lineage query
     over the index selects."""
     from vime_core.storage import BatchStore

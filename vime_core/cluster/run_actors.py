@@ -20,7 +20,14 @@ import logging
 from typing import Any, Optional
 
 from vime_core.cluster import names
-from vime_core.cluster.placement import PROBE_SHARE, BundleDevice, PlacementPlan, bundle_resources, engine_devices, plan_placement
+from vime_core.cluster.placement import (
+    PROBE_SHARE,
+    BundleDevice,
+    PlacementPlan,
+    bundle_resources,
+    engine_devices,
+    plan_placement,
+)
 from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
@@ -109,8 +116,11 @@ def get_or_create_placement_group(cfg: VimeConfig):
             f"placement group {pg_name} ({num_bundles} device bundles) could not be "
             f"placed in {PLACEMENT_TIMEOUT_S:.0f} s: does the cluster declare enough GPUs/device slots? "
             f"(`vime cluster up --num-gpus N`)"
-            + (f"; do the nodes declare the custom resources {node_resources} "
-               f"(`ray start --resources`)?" if node_resources else "")
+            + (
+                f"; do the nodes declare the custom resources {node_resources} (`ray start --resources`)?"
+                if node_resources
+                else ""
+            )
         )
     return pg
 
@@ -181,8 +191,9 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
     return actors
 
 
-def get_or_create_rollout_manager(cfg: VimeConfig, engines: Optional[list[Any]] = None,
-                                  token: Optional[EngineToken] = None):
+def get_or_create_rollout_manager(
+    cfg: VimeConfig, engines: Optional[list[Any]] = None, token: Optional[EngineToken] = None
+):
     """The RolloutManager; `engines`: the engine actors it starts and watches (None: it starts
     engine processes itself, or attaches to cfg.engine_urls). A new one gets `token` (None: the
     run's, `engine_token.run_engine_token`), the token its engines were made with."""
@@ -241,14 +252,19 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
 
     world = trainer_num_devices(cfg)
     # a rank whose process died may still be found by name for a moment: ask it
-    found = [a if a is not None and is_alive(a) else None
-             for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))]
+    found = [
+        a if a is not None and is_alive(a) else None
+        for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))
+    ]
     if all(a is not None for a in found):
         diverged = ray.get(found[0].state.remote()).get("diverged_rollout_id")
         if diverged is None:
             return TrainerGroup(cfg, found), False
-        log.warning("the trainer group holds steps of rollout %d applied before its non-finite steps stopped the "
-                    "run: rebuilt from the last checkpoint, the stored batches since are trained again", diverged)
+        log.warning(
+            "the trainer group holds steps of rollout %d applied before its non-finite steps stopped the "
+            "run: rebuilt from the last checkpoint, the stored batches since are trained again",
+            diverged,
+        )
     if any(a is not None for a in found):
         # A partial group cannot rejoin torch.distributed: rebuild it whole.
         for a in found:

@@ -14,7 +14,17 @@ from vime_core.config.derive import (
 from vime_core.config.loader import ConfigError, VimeConfig, config_hash, load_config, make_config, parse_args
 
 __all__ = [
-    "VimeConfig", "ConfigError", "load_config", "make_config", "parse_args", "config_hash",
-    "dp_size", "num_engines", "rollout_concurrency", "engine_server_args", "weight_transport",
-    "needs_rollout_logprobs", "rollout_logprob_readers",
+    "VimeConfig",
+    "ConfigError",
+    "load_config",
+    "make_config",
+    "parse_args",
+    "config_hash",
+    "dp_size",
+    "num_engines",
+    "rollout_concurrency",
+    "engine_server_args",
+    "weight_transport",
+    "needs_rollout_logprobs",
+    "rollout_logprob_readers",
 ]

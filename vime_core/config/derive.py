@@ -147,8 +147,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     check_layout(devices, cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
     if cfg.global_batch_size % dp_size(cfg):
         raise ValueError(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "
-            f"size {dp_size(cfg)}"
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel size {dp_size(cfg)}"
         )
     if cfg.use_dynamic_batch_size and cfg.max_tokens_per_gpu is None:
         raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
@@ -179,10 +178,12 @@ def _check_fill_bound(cfg: ConfigFields) -> None:
     fill is refused before the run starts, not at its first iteration."""
     if cfg.max_num_gen_batches * cfg.over_sampling_batch_size < cfg.rollout_batch_size:
         need = -(-cfg.rollout_batch_size // cfg.over_sampling_batch_size)
-        raise ValueError(f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
-                         f"{cfg.over_sampling_batch_size} groups cannot hold rollout_batch_size="
-                         f"{cfg.rollout_batch_size} groups: set max_num_gen_batches >= {need} or a larger "
-                         f"over_sampling_batch_size")
+        raise ValueError(
+            f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
+            f"{cfg.over_sampling_batch_size} groups cannot hold rollout_batch_size="
+            f"{cfg.rollout_batch_size} groups: set max_num_gen_batches >= {need} or a larger "
+            f"over_sampling_batch_size"
+        )
 
 
 def _check_group_size(cfg: ConfigFields) -> None:
@@ -200,7 +201,12 @@ def _check_group_size(cfg: ConfigFields) -> None:
 
 # The critic's fields (schema.py, "critic") with their defaults: any other value needs a critic.
 CRITIC_FIELDS: dict[str, object] = {
-    "critic_load": None, "critic_save": None, "critic_lr": None, "critic_lr_warmup_iters": 0, "num_critic_only_steps": 0, "value_clip": 0.2,
+    "critic_load": None,
+    "critic_save": None,
+    "critic_lr": None,
+    "critic_lr_warmup_iters": 0,
+    "num_critic_only_steps": 0,
+    "value_clip": 0.2,
 }
 
 
@@ -214,17 +220,25 @@ def _check_critic(cfg: ConfigFields) -> None:
         _refuse_set(cfg, CRITIC_FIELDS, f"a critic (advantage_estimator=ppo; it is {cfg.advantage_estimator})")
         return
     if cfg.loss_type != "policy_loss":
-        raise ValueError(f"advantage_estimator={estimator.name} trains a critic for the policy loss; "
-                         f"loss_type={cfg.loss_type} has no advantages")
+        raise ValueError(
+            f"advantage_estimator={estimator.name} trains a critic for the policy loss; "
+            f"loss_type={cfg.loss_type} has no advantages"
+        )
     if cfg.critic_lr is None:
         cfg.critic_lr = cfg.lr
     if cfg.min_lr > cfg.critic_lr:
-        raise ValueError(f"critic_lr={cfg.critic_lr} is below min_lr={cfg.min_lr}; the decay goes from it down to min_lr")
+        raise ValueError(
+            f"critic_lr={cfg.critic_lr} is below min_lr={cfg.min_lr}; the decay goes from it down to min_lr"
+        )
     if cfg.lr_warmup_init > cfg.critic_lr:
-        raise ValueError(f"critic_lr={cfg.critic_lr} is below lr_warmup_init={cfg.lr_warmup_init}; warmup rises from it")
+        raise ValueError(
+            f"critic_lr={cfg.critic_lr} is below lr_warmup_init={cfg.lr_warmup_init}; warmup rises from it"
+        )
     if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= cfg.lr_decay_iters:
-        raise ValueError(f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
-                         f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)")
+        raise ValueError(
+            f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
+            f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)"
+        )
     for field in ("critic_load", "critic_save"):  # relative to where the run was started: the actors run elsewhere
         path = getattr(cfg, field)
         if path and "://" not in path:
@@ -250,8 +264,9 @@ def _check_kl(cfg: ConfigFields) -> None:
     if cfg.kl_loss_coef > 0 and not cfg.use_kl_loss:
         raise ValueError(f"kl_loss_coef={cfg.kl_loss_coef} has no effect without use_kl_loss=true")
     if cfg.ref_load and not (cfg.use_kl_loss or cfg.kl_coef > 0):
-        raise ValueError(f"ref_load={cfg.ref_load!r} is set but no KL term uses the reference "
-                         f"(set use_kl_loss=true or kl_coef > 0)")
+        raise ValueError(
+            f"ref_load={cfg.ref_load!r} is set but no KL term uses the reference (set use_kl_loss=true or kl_coef > 0)"
+        )
     if cfg.ref_load and "://" not in cfg.ref_load:
         # relative to where the run was started: the trainer actors run elsewhere
         cfg.ref_load = os.path.abspath(os.path.expanduser(cfg.ref_load))
@@ -264,8 +279,10 @@ def _check_tis(cfg: ConfigFields) -> None:
         _refuse_set(cfg, {"tis_level": "token", "tis_mode": "truncate", "tis_clip_low": None}, "use_tis=true")
         return
     if cfg.use_rollout_logprobs:
-        raise ValueError("use_tis=true with use_rollout_logprobs=true: the old policy is then the engine's, so every "
-                         "weight exp(old - rollout) is 1 (slime refuses the pair too)")
+        raise ValueError(
+            "use_tis=true with use_rollout_logprobs=true: the old policy is then the engine's, so every "
+            "weight exp(old - rollout) is 1 (slime refuses the pair too)"
+        )
     if cfg.tis_clip_low is not None:
         if cfg.tis_mode != "mask":
             raise ValueError(f"tis_clip_low={cfg.tis_clip_low} has no effect without tis_mode=mask")
@@ -279,11 +296,15 @@ def _check_async_staleness(cfg: ConfigFields) -> None:
     if not cfg.async_staleness:
         return
     if cfg.offload_rollout and platform_supports_sleep(cfg):
-        raise ValueError(f"async_staleness={cfg.async_staleness} needs engines that stay awake while the trainer "
-                         "trains: add --no-offload-rollout (memory permitting) or give the engines their own GPUs")
+        raise ValueError(
+            f"async_staleness={cfg.async_staleness} needs engines that stay awake while the trainer "
+            "trains: add --no-offload-rollout (memory permitting) or give the engines their own GPUs"
+        )
     if not (cfg.use_tis or cfg.use_rollout_logprobs):
-        raise ValueError(f"async_staleness={cfg.async_staleness} trains on samples of the previous weights: add "
-                         "--use-tis (or --use-rollout-logprobs) to correct for it")
+        raise ValueError(
+            f"async_staleness={cfg.async_staleness} trains on samples of the previous weights: add "
+            "--use-tis (or --use-rollout-logprobs) to correct for it"
+        )
 
 
 def _check_opd(cfg: ConfigFields) -> None:
@@ -291,24 +312,31 @@ def _check_opd(cfg: ConfigFields) -> None:
     family without it (a teacher that would be loaded and never used)."""
     if not cfg.use_opd:
         if cfg.opd_teacher_load:
-            raise ValueError(f"opd_teacher_load={cfg.opd_teacher_load!r} is set but use_opd is not: "
-                             f"add --use-opd --opd-type megatron (slime refuses it too)")
+            raise ValueError(
+                f"opd_teacher_load={cfg.opd_teacher_load!r} is set but use_opd is not: "
+                f"add --use-opd --opd-type megatron (slime refuses it too)"
+            )
         _refuse_set(cfg, {"opd_type": None, "opd_kl_coef": 1.0}, "use_opd=true")
         return
     if cfg.opd_type is None:
-        raise ValueError("use_opd=true needs --opd-type: megatron (the trainer forwards the teacher of "
-                         "--opd-teacher-load); sglang, a teacher on an external server, is not provided")
+        raise ValueError(
+            "use_opd=true needs --opd-type: megatron (the trainer forwards the teacher of "
+            "--opd-teacher-load); sglang, a teacher on an external server, is not provided"
+        )
     if not cfg.opd_teacher_load:
-        raise ValueError("use_opd=true with opd_type=megatron needs --opd-teacher-load: the teacher's HF "
-                         "checkpoint (a folder or hub id, with the student's vocabulary)")
+        raise ValueError(
+            "use_opd=true with opd_type=megatron needs --opd-teacher-load: the teacher's HF "
+            "checkpoint (a folder or hub id, with the student's vocabulary)"
+        )
 
 
 def _check_loss_scale(cfg: ConfigFields) -> None:
     """loss_scale_factor is the constant of seq_mean_token_sum_norm only (default: the response budget)."""
     if cfg.loss_agg_mode != "seq_mean_token_sum_norm":
         if cfg.loss_scale_factor is not None:
-            raise ValueError(f"loss_scale_factor={cfg.loss_scale_factor} has no effect without "
-                             f"loss_agg_mode=seq_mean_token_sum_norm")
+            raise ValueError(
+                f"loss_scale_factor={cfg.loss_scale_factor} has no effect without loss_agg_mode=seq_mean_token_sum_norm"
+            )
         return
     if cfg.loss_scale_factor is None:
         cfg.loss_scale_factor = float(cfg.rollout_max_response_len)
@@ -342,7 +370,8 @@ def check_engine_auth(cfg: ConfigFields) -> None:
         "engine_auth=false with engine_bind_host=%r (allow_unauthenticated_engines): every route of every engine is "
         "open to anyone who reaches its port (each engine's URL is in the startup log): generate, /collective_rpc "
         "(loads weights from any path), /sleep, /wake_up, /pause and the weight-update session, whose payloads are "
-        "unpickled (VLLM_ALLOW_INSECURE_SERIALIZATION)", cfg.engine_bind_host,
+        "unpickled (VLLM_ALLOW_INSECURE_SERIALIZATION)",
+        cfg.engine_bind_host,
     )
 
 
@@ -367,20 +396,34 @@ def weight_transport(cfg: ConfigFields) -> str:
 def _check_weight_transport(cfg: ConfigFields) -> None:
     """A transport the placement cannot use is refused when the configuration is made."""
     if cfg.device == "cpu" and cfg.weight_transport in ("ipc", "nccl"):
-        raise ValueError(f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
-                         f"(engines on the trainer's machine), gloo (engines elsewhere) or disk")
+        raise ValueError(
+            f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
+            f"(engines on the trainer's machine), gloo (engines elsewhere) or disk"
+        )
     if cfg.weight_transport == "nccl" and cfg.colocate:
-        raise ValueError("weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
-                         "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc")
+        raise ValueError(
+            "weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
+            "would share a GPU, which one NCCL group cannot hold; colocated engines take ipc"
+        )
 
 
 # What EngineServer.environment sets itself (vime_core/engines/server.py): vllm_env may not
 # change them (the device binding, the dev-mode routes and offline mode a run relies on).
-ENGINE_MANAGED_ENV = frozenset({
-    "VLLM_SERVER_DEV_MODE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "PYTHONPATH",
-    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES",
-    "VIME_ENGINE_TOKEN", "VIME_ENGINE_OPEN_HEALTH",  # engine_auth (vime_core/engines/vllm_side/auth.py)
-})
+ENGINE_MANAGED_ENV = frozenset(
+    {
+        "VLLM_SERVER_DEV_MODE",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        "PYTHONPATH",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "LD_PRELOAD",
+        "CUDA_VISIBLE_DEVICES",
+        "VIME_ENGINE_TOKEN",
+        "VIME_ENGINE_OPEN_HEALTH",  # engine_auth (vime_core/engines/vllm_side/auth.py)
+    }
+)
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 
 
@@ -394,8 +437,10 @@ def engine_env(cfg: ConfigFields) -> dict[str, str]:
         if not sep or not name.isidentifier():  # the entry is not echoed: it may hold a secret's value
             raise ValueError(f"vllm_env entry {i} is not NAME=VALUE (no '=', or no variable name before it)")
         if any(word in name.upper() for word in _SECRET_WORDS):
-            raise ValueError(f"vllm_env names {name}, which looks like a secret: vllm_env is stored with the run's "
-                             f"configuration; export {name} in the engine actor's environment instead (engines inherit it)")
+            raise ValueError(
+                f"vllm_env names {name}, which looks like a secret: vllm_env is stored with the run's "
+                f"configuration; export {name} in the engine actor's environment instead (engines inherit it)"
+            )
         if name in ENGINE_MANAGED_ENV:
             raise ValueError(f"vllm_env sets {name}, which vime sets itself for every engine")
         out[name] = value

@@ -162,7 +162,9 @@ def build_parser(prog: str = "vime train", description: str | None = None) -> ar
         elif kind == "list":
             parser.add_argument(flag, dest=name, nargs="*", type=elem, metavar=name.upper(), help=help_text)
         else:
-            parser.add_argument(flag, dest=name, type=str, choices=choices, metavar=None if choices else name.upper(), help=help_text)
+            parser.add_argument(
+                flag, dest=name, type=str, choices=choices, metavar=None if choices else name.upper(), help=help_text
+            )
     return parser
 
 

@@ -69,8 +69,7 @@ def derive_optimizer(cfg: ConfigFields) -> None:
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(cfg, name) is not None:
                 raise ValueError(
-                    f"{name}={getattr(cfg, name)} needs recompute_granularity=full "
-                    f"(it is {cfg.recompute_granularity})"
+                    f"{name}={getattr(cfg, name)} needs recompute_granularity=full (it is {cfg.recompute_granularity})"
                 )
 
     if cfg.device == "cpu":

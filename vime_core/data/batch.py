@@ -35,7 +35,12 @@ from vime_core.data.validation import validate_trainable
 
 def _check_scored(s: Sample) -> None:
     if s.reward is None and s.status != Status.FAILED:
-        raise ValueError(f"sample {s.group_index}/{s.index} (prompt {s.prompt_id!r}): reward is None; score samples before building the batch")
+        raise ValueError(
+            (
+                f"sample {s.group_index}/{s.index} (prompt {s.prompt_id!r}): reward is None; score samples before "
+                f"building the batch"
+            )
+        )
 
 
 def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[str, list]:
@@ -50,7 +55,9 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
     live = [i for i, f in enumerate(failed) if not f]
     live_rewards = postprocess_rewards(
         shape_rewards([raw[i] for i in live], [ordered[i].response_length for i in live], cfg),
-        [ordered[i].group_index for i in live], cfg.advantage_estimator, cfg.grpo_std_normalization,
+        [ordered[i].group_index for i in live],
+        cfg.advantage_estimator,
+        cfg.grpo_std_normalization,
     )
     reward = [0.0] * len(ordered)
     for i, r in zip(live, live_rewards, strict=True):
@@ -70,7 +77,9 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
         "advantage": list(reward),
         "status": [s.status.value for s in ordered],
         "finish_reason": [s.finish_reason for s in ordered],
-        "weight_versions": [[{"version": w.version, "start": w.start, "end": w.end} for w in s.weight_versions] for s in ordered],
+        "weight_versions": [
+            [{"version": w.version, "start": w.start, "end": w.end} for w in s.weight_versions] for s in ordered
+        ],
         "session_id": [s.session_id for s in ordered],
         "is_eval": [is_eval] * len(ordered),
         "metadata": [json.dumps(s.metadata, sort_keys=True, default=str) for s in ordered],
@@ -83,6 +92,10 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
 def weight_version_range(batch: dict) -> dict[str, int]:
     """{"weight_version_min", "weight_version_max"} over every span of every sample's
     weight_versions (the engines' versions that generated its tokens); {} when none recorded."""
-    versions = [int(span["version"]) for spans in batch.get("weight_versions", []) for span in spans
-                if span.get("version") is not None]
+    versions = [
+        int(span["version"])
+        for spans in batch.get("weight_versions", [])
+        for span in spans
+        if span.get("version") is not None
+    ]
     return {"weight_version_min": min(versions), "weight_version_max": max(versions)} if versions else {}

@@ -33,8 +33,11 @@ def _list(item: pa.DataType) -> pa.ListType:
 
 
 WEIGHT_SPAN = pa.struct(
-    [pa.field("version", pa.int64(), nullable=False), pa.field("start", pa.int64(), nullable=False),
-     pa.field("end", pa.int64(), nullable=False)]
+    [
+        pa.field("version", pa.int64(), nullable=False),
+        pa.field("start", pa.int64(), nullable=False),
+        pa.field("end", pa.int64(), nullable=False),
+    ]
 )
 
 BATCH_COLUMNS: tuple[Column, ...] = (
@@ -45,14 +48,32 @@ BATCH_COLUMNS: tuple[Column, ...] = (
     Column("prompt_length", pa.int64(), "number of prompt tokens"),
     Column("response_length", pa.int64(), "number of response tokens (the last ones of `tokens`)", required=True),
     Column("total_length", pa.int64(), "prompt_length + response_length = len(tokens)"),
-    Column("loss_mask", _list(pa.int8()), "one per response token; 0 = not trained (tool output, off-policy part)", required=True),
-    Column("rollout_log_probs", _list(pa.float32()), "engine log-probs, one per response token (may be empty when not collected)"),
+    Column(
+        "loss_mask",
+        _list(pa.int8()),
+        "one per response token; 0 = not trained (tool output, off-policy part)",
+        required=True,
+    ),
+    Column(
+        "rollout_log_probs",
+        _list(pa.float32()),
+        "engine log-probs, one per response token (may be empty when not collected)",
+    ),
     Column("raw_reward", pa.float64(), "reward as scored (null: not scored, e.g. aborted)", nullable=True),
-    Column("reward", pa.float64(), "reward after group normalisation (GRPO: (r - mean) / (std_unbiased + 1e-6))", nullable=True),
+    Column(
+        "reward",
+        pa.float64(),
+        "reward after group normalisation (GRPO: (r - mean) / (std_unbiased + 1e-6))",
+        nullable=True,
+    ),
     Column("advantage", pa.float64(), "scalar advantage of the sample (GRPO: = reward)", nullable=True),
     Column("status", pa.string(), "Sample.Status value: completed, truncated, aborted, failed"),
     Column("finish_reason", pa.string(), "vLLM finish reason (stop, length, abort)"),
-    Column("weight_versions", _list(WEIGHT_SPAN), "spans {version, start, end} over response tokens: tokens [start, end) came from weights `version`"),
+    Column(
+        "weight_versions",
+        _list(WEIGHT_SPAN),
+        "spans {version, start, end} over response tokens: tokens [start, end) came from weights `version`",
+    ),
     Column("session_id", pa.string(), "routing key sent as x-session-id"),
     Column("is_eval", pa.bool_(), "sample of an eval rollout"),
     Column("metadata", pa.string(), "free-form per-sample metadata, a JSON string"),

@@ -100,7 +100,9 @@ def load_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str]
     return read_prompt_rows(path, cfg, tokenizer, split).rows
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool, chat_template_kwargs: Optional[dict] = None) -> list[int]:
+def tokenize_prompt(
+    tokenizer: Any, prompt: Any, apply_chat_template: bool, chat_template_kwargs: Optional[dict] = None
+) -> list[int]:
     """Token ids of a prompt; chat-formatted (with the generation prompt, and
     `chat_template_kwargs` passed to the template, e.g. enable_thinking) when asked or when the
     prompt is a message list."""
@@ -246,8 +248,9 @@ class DataSource:
 
 
 def _dropped(counts: Optional[dict]) -> str:
-    """", 3 rows dropped (2 null, 1 too long)" for a state's drop counts; "" for none."""
+    """ ", 3 rows dropped (2 null, 1 too long)" for a state's drop counts; "" for none."""
     if not counts:
         return ""
     total = sum(counts.values())
-    return f", {total} row{'s' if total > 1 else ''} dropped ({', '.join(f'{n} {reason}' for reason, n in counts.items())})"
+    reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
+    return f", {total} row{'s' if total > 1 else ''} dropped ({reasons})"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,13 @@ class BadRows:
 
     def summary(self) -> str:
         """e.g. "2 null (rows 3, 17), 1 longer than rollout_max_prompt_len=1024 tokens (row 8)"."""
-        says = {"missing": f"without field {self.input_key!r}",
-                "too long": f"longer than rollout_max_prompt_len={self.max_len} tokens"}
-        return ", ".join(f"{self.counts[reason]} {says.get(reason, reason)} ({_rows(rows)})"
-                         for reason, rows in self.rows.items())
+        says = {
+            "missing": f"without field {self.input_key!r}",
+            "too long": f"longer than rollout_max_prompt_len={self.max_len} tokens",
+        }
+        return ", ".join(
+            f"{self.counts[reason]} {says.get(reason, reason)} ({_rows(rows)})" for reason, rows in self.rows.items()
+        )
 
     def settle(self, num_rows: int, drop: bool) -> None:
         """Refuse the source (drop False) or warn once about what was dropped (drop True); a
@@ -113,11 +116,14 @@ class BadRows:
         of = f"{self.total} of {num_rows} rows"
         if not drop:
             error = KeyError if reason == "missing" else ValueError
-            raise error(f"prompt data {self.where}, row {row}: {line}; {of} {'is' if self.total == 1 else 'are'} bad: "
-                        f"{self.summary()} (set --drop-bad-prompts to drop such rows)")
+            raise error(
+                f"prompt data {self.where}, row {row}: {line}; {of} {'is' if self.total == 1 else 'are'} bad: "
+                f"{self.summary()} (set --drop-bad-prompts to drop such rows)"
+            )
         if self.total == num_rows:
-            raise ValueError(f"prompt data {self.where}: every row is bad, no prompt left ({self.summary()}; "
-                             f"row {row}: {line})")
+            raise ValueError(
+                f"prompt data {self.where}: every row is bad, no prompt left ({self.summary()}; row {row}: {line})"
+            )
         log.warning("prompt data %s: dropped %s (drop_bad_prompts): %s", self.where, of, self.summary())
 
 
@@ -125,5 +131,12 @@ def warn_partial_labels(where: str, unlabelled: list[int], num_unlabelled: int, 
     """One warning when some of the `num_kept` rows kept have a label and `num_unlabelled` none
     (module docstring); `unlabelled`: the first of those rows' numbers (FIRST_ROWS + 1 suffice)."""
     if 0 < num_unlabelled < num_kept:
-        log.warning("prompt data %s: %s (%d of %d prompts) have no label (label_key %r); the reward function gets "
-                    "None for them", where, _rows(unlabelled), num_unlabelled, num_kept, label_key)
+        log.warning(
+            "prompt data %s: %s (%d of %d prompts) have no label (label_key %r); the reward function gets "
+            "None for them",
+            where,
+            _rows(unlabelled),
+            num_unlabelled,
+            num_kept,
+            label_key,
+        )

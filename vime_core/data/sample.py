@@ -104,8 +104,14 @@ class Sample:
         self.response_length, self.response, self.finish_reason = 0, "", ""
         self.loss_mask, self.rollout_log_probs, self.weight_versions = [], [], []
         self.reward, self.status = None, Status.PENDING
-        for key in ("generate_error", "retryable", "reward_error", "completion_tokens", "missing_logprobs",
-                    MISSING_LOGPROBS_ENGINE):
+        for key in (
+            "generate_error",
+            "retryable",
+            "reward_error",
+            "completion_tokens",
+            "missing_logprobs",
+            MISSING_LOGPROBS_ENGINE,
+        ):
             self.metadata.pop(key, None)
 
     def copy(self) -> "Sample":

@@ -49,7 +49,11 @@ def build_dp_schedule(
 ) -> DPSchedule:
     """Split N samples into steps, DP ranks and micro-batches (rules in the module docstring)."""
     n = len(total_lengths)
-    for name, value in (("global_batch_size", global_batch_size), ("dp_size", dp_size), ("micro_batch_size", micro_batch_size)):
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("dp_size", dp_size),
+        ("micro_batch_size", micro_batch_size),
+    ):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
@@ -66,7 +70,10 @@ def build_dp_schedule(
         start = step * global_batch_size
         step_indices = list(range(start, start + global_batch_size))
         if max_tokens_per_gpu is None:
-            per_rank_mbs = [_fixed_micro_batches(step_indices[r * per_rank : (r + 1) * per_rank], micro_batch_size) for r in range(dp_size)]
+            per_rank_mbs = [
+                _fixed_micro_batches(step_indices[r * per_rank : (r + 1) * per_rank], micro_batch_size)
+                for r in range(dp_size)
+            ]
         else:
             ranks = _balance_over_ranks(step_indices, total_lengths, dp_size, per_rank)
             per_rank_mbs = [_pack_first_fit_decreasing(idx, total_lengths, max_tokens_per_gpu) for idx in ranks]

@@ -158,7 +158,9 @@ def _load_folder(folder: str, split: str):
         if (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk
             loaded = datasets.load_from_disk(str(path))
             if split not in loaded:
-                raise ValueError(f"prompt data {folder}: no split {split!r} (prompt_data_split); splits: {sorted(loaded)}")
+                raise ValueError(
+                    f"prompt data {folder}: no split {split!r} (prompt_data_split); splits: {sorted(loaded)}"
+                )
             return loaded[split]
         if (path / "state.json").is_file():  # Dataset.save_to_disk: one table, no splits
             return datasets.load_from_disk(str(path))
@@ -189,7 +191,8 @@ def _load_hub(spec: str, split: str):
         except (OSError, datasets.exceptions.DatasetNotFoundError) as exc:  # ConnectionError, FileNotFoundError
             where = (
                 f"not in the HF datasets cache {datasets.config.HF_DATASETS_CACHE} and HF_HUB_OFFLINE=1"
-                if datasets.config.HF_HUB_OFFLINE else "could not be loaded"
+                if datasets.config.HF_HUB_OFFLINE
+                else "could not be loaded"
             )
             raise FileNotFoundError(
                 f"prompt data {spec}: no local file or folder of that name, and the hub dataset {name!r} is "
@@ -207,7 +210,12 @@ def check_source(spec: str, split: str, input_key: str, field: str = "prompt_dat
         return
     dataset = _load_folder(spec, split) if kind == "folder" else _load_hub(spec, split)
     if input_key not in dataset.column_names:
-        raise KeyError(f"{field} {spec} (split {split!r}): no column {input_key!r} (input_key); columns: {sorted(dataset.column_names)}")
+        raise KeyError(
+            (
+                f"{field} {spec} (split {split!r}): no column {input_key!r} (input_key); columns: "
+                f"{sorted(dataset.column_names)}"
+            )
+        )
 
 
 # ---- apply_chat_template_kwargs -------------------------------------------------------------------
@@ -219,7 +227,7 @@ RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "tokenize", "add_generation_pro
 def parse_chat_template_kwargs(value: Any) -> dict:
     """`apply_chat_template_kwargs` from a dict, or from a JSON object in a string (a flag or a
     Prefect form); anything else is a ValueError (pydantic names the field)."""
-    example = 'e.g. \'{"enable_thinking": false}\''
+    example = "e.g. '{\"enable_thinking\": false}'"
     if value is None or value == "":
         return {}
     if isinstance(value, str):

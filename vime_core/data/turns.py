@@ -68,7 +68,7 @@ def turns_error(turns: Sequence[Mapping], response_length: int, loss_mask: Seque
             return f"turn span {i} has role {span.get('role')!r}; expected {MODEL!r} or {TOOL!r}"
         if span["start"] != position or span["end"] < span["start"]:
             return f"turn span {i} covers [{span['start']}, {span['end']}) after a span ending at {position}"
-        if span["role"] == TOOL and any(loss_mask[span["start"]:span["end"]]):
+        if span["role"] == TOOL and any(loss_mask[span["start"] : span["end"]]):
             return f"turn span {i} (tool, turn {span['turn']}) has tokens with loss mask 1"
         position = span["end"]
     if position != response_length:
@@ -76,7 +76,9 @@ def turns_error(turns: Sequence[Mapping], response_length: int, loss_mask: Seque
     return None
 
 
-def sample_turns(batch: Mapping[str, Sequence[Any]], row: int, decode: Optional[Callable[[list[int]], str]] = None) -> dict:
+def sample_turns(
+    batch: Mapping[str, Sequence[Any]], row: int, decode: Optional[Callable[[list[int]], str]] = None
+) -> dict:
     """One stored sample (row `row` of a batch dict, as BatchStore.read gives) and its turns:
     each span with its token ids, how many of them are trained (loss mask 1), and its text when
     `decode` (token ids -> str) is given. `check` is turns_error's answer ("ok" when None)."""
@@ -88,8 +90,8 @@ def sample_turns(batch: Mapping[str, Sequence[Any]], row: int, decode: Optional[
     turns = turns_of(batch["metadata"][row], response_length)
     shown = []
     for span in turns:
-        ids = response[span["start"]:span["end"]]
-        view = {**span, "trained_tokens": int(sum(mask[span["start"]:span["end"]])), "token_ids": ids}
+        ids = response[span["start"] : span["end"]]
+        view = {**span, "trained_tokens": int(sum(mask[span["start"] : span["end"]])), "token_ids": ids}
         if decode is not None:
             view["text"] = decode(ids)
         shown.append(view)

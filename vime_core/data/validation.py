@@ -70,8 +70,9 @@ def _needed_by(readers: Sequence[str], what: str) -> str:
     return f"{' and '.join(readers)} need{'s' if len(readers) == 1 else ''} {what}"
 
 
-def log_probs_error(where: str, log_probs: Optional[Sequence[float]], response_length: int, metadata: Any,
-                    readers: Sequence[str]) -> Optional[str]:
+def log_probs_error(
+    where: str, log_probs: Optional[Sequence[float]], response_length: int, metadata: Any, readers: Sequence[str]
+) -> Optional[str]:
     """The one-line refusal of a sample whose rollout_log_probs cannot serve `readers` (the set
     flags that read them; module docstring), or None. `where` names the sample; `metadata` is
     its metadata (dict or JSON string), which may name the engine."""
@@ -81,26 +82,30 @@ def log_probs_error(where: str, log_probs: Optional[Sequence[float]], response_l
     if not log_probs and response_length == 0:
         return None
     if not log_probs:
-        return (f"{where}: rollout_log_probs is empty (generated without asking the engines for log-probs), "
-                f"and {need}")
+        return f"{where}: rollout_log_probs is empty (generated without asking the engines for log-probs), and {need}"
     if len(log_probs) != response_length:
         return f"{where}: rollout_log_probs has {len(log_probs)} entries, response_length={response_length}, and {need}"
     missing = sum(1 for x in log_probs if x is None or math.isnan(x) or x <= MISSING_LOGPROB)
     if missing:
-        return (f"{where}: rollout_log_probs lacks {missing} of {response_length} log-probs: {_engine_of(metadata)} "
-                f"answered without them (field logprobs.content[j].logprob of its choice), and {need}")
+        return (
+            f"{where}: rollout_log_probs lacks {missing} of {response_length} log-probs: {_engine_of(metadata)} "
+            f"answered without them (field logprobs.content[j].logprob of its choice), and {need}"
+        )
     return None
 
 
-def validate_trainable(batch: Mapping[str, Sequence[Any]], *, lengths_only: bool = False,
-                       log_prob_readers: Sequence[str] = ()) -> int:
+def validate_trainable(
+    batch: Mapping[str, Sequence[Any]], *, lengths_only: bool = False, log_prob_readers: Sequence[str] = ()
+) -> int:
     """The number of samples; raises UntrainableBatchError at the first broken rule.
     `log_prob_readers`: the set flags that read rollout_log_probs (module docstring)."""
     missing = [c for c in REQUIRED_COLUMNS if c not in batch]
     if missing:
         raise UntrainableBatchError(f"rollout batch lacks column(s) {missing}; it has {sorted(batch)}")
     if log_prob_readers and "rollout_log_probs" not in batch:
-        raise UntrainableBatchError(f"rollout batch has no column 'rollout_log_probs', and {_needed_by(log_prob_readers, 'it')}")
+        raise UntrainableBatchError(
+            f"rollout batch has no column 'rollout_log_probs', and {_needed_by(log_prob_readers, 'it')}"
+        )
     n = len(batch["tokens"])
     if n == 0 and not lengths_only:
         raise UntrainableBatchError("rollout batch has no samples")
@@ -122,19 +127,30 @@ def validate_trainable(batch: Mapping[str, Sequence[Any]], *, lengths_only: bool
             if p < 1 and not lengths_only:
                 raise UntrainableBatchError(f"{_where(batch, i)}: prompt_length={p} must be >= 1")
             if n_tokens != p + r:
-                raise UntrainableBatchError(f"{_where(batch, i)}: {n_tokens} tokens != prompt_length {p} + response_length {r}")
+                raise UntrainableBatchError(
+                    f"{_where(batch, i)}: {n_tokens} tokens != prompt_length {p} + response_length {r}"
+                )
         elif n_tokens <= r and not lengths_only:
-            raise UntrainableBatchError(f"{_where(batch, i)}: response_length={r} leaves no prompt token of its {n_tokens}")
+            raise UntrainableBatchError(
+                f"{_where(batch, i)}: response_length={r} leaves no prompt token of its {n_tokens}"
+            )
         if total_lengths is not None and int(total_lengths[i]) != n_tokens:
-            raise UntrainableBatchError(f"{_where(batch, i)}: total_length={int(total_lengths[i])} != {n_tokens} tokens")
+            raise UntrainableBatchError(
+                f"{_where(batch, i)}: total_length={int(total_lengths[i])} != {n_tokens} tokens"
+            )
         if len(batch["loss_mask"][i]) != r:
-            raise UntrainableBatchError(f"{_where(batch, i)}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}")
+            raise UntrainableBatchError(
+                f"{_where(batch, i)}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}"
+            )
         if log_probs is not None and log_probs[i] is not None and len(log_probs[i]) not in (0, r):
-            raise UntrainableBatchError(f"{_where(batch, i)}: rollout_log_probs has {len(log_probs[i])} entries, response_length={r}")
+            raise UntrainableBatchError(
+                f"{_where(batch, i)}: rollout_log_probs has {len(log_probs[i])} entries, response_length={r}"
+            )
         if log_prob_readers:
             metadata = batch.get("metadata")
-            error = log_probs_error(_where(batch, i), log_probs[i], r, metadata[i] if metadata is not None else None,
-                                    log_prob_readers)
+            error = log_probs_error(
+                _where(batch, i), log_probs[i], r, metadata[i] if metadata is not None else None, log_prob_readers
+            )
             if error:
                 raise UntrainableBatchError(error)
     return n

@@ -92,8 +92,12 @@ class EngineWakeError(EngineError):
     def __init__(self, engine: str, tags: Iterable[str], status: Optional[int], why: str) -> None:
         self.tags = list(tags)
         self.why = why
-        super().__init__(engine, f"POST /wake_up?tags={','.join(self.tags)}", status,
-                         f"{why} (the engine is restarted and given the trainer's weights before it serves again)")
+        super().__init__(
+            engine,
+            f"POST /wake_up?tags={','.join(self.tags)}",
+            status,
+            f"{why} (the engine is restarted and given the trainer's weights before it serves again)",
+        )
 
     def __reduce__(self):
         return type(self), (self.engine, self.tags, self.status, self.why)
@@ -207,11 +211,18 @@ class EngineClient:
         headers = {**(headers or {}), **auth_headers(self.token)}
         try:
             async with self._client().request(
-                method, path, params=params, json=json, headers=headers or None, timeout=aiohttp.ClientTimeout(total=timeout)
+                method,
+                path,
+                params=params,
+                json=json,
+                headers=headers or None,
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 status, content = resp.status, await resp.read()
         except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise EngineError(self.name, endpoint, None, f"timed out after {timeout} s ({type(exc).__name__})") from None
+            raise EngineError(
+                self.name, endpoint, None, f"timed out after {timeout} s ({type(exc).__name__})"
+            ) from None
         except aiohttp.ClientError as exc:
             raise EngineError(self.name, endpoint, None, f"{type(exc).__name__}: {exc}") from None
         if status >= 400:
@@ -221,7 +232,9 @@ class EngineClient:
         try:
             return jsonlib.loads(content)
         except ValueError:
-            raise EngineError(self.name, endpoint, status, f"not JSON: {content.decode('utf-8', errors='replace')}") from None
+            raise EngineError(
+                self.name, endpoint, status, f"not JSON: {content.decode('utf-8', errors='replace')}"
+            ) from None
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -307,9 +320,13 @@ class EngineClient:
         async def flush() -> None:
             answer = await self.request("POST", "/reset_prefix_cache")
             if answer is not None and not answer.get("success", True):
-                raise PrefixCacheBusy(self.name, "POST /reset_prefix_cache", 200, f"still refused after {attempts} attempts")
+                raise PrefixCacheBusy(
+                    self.name, "POST /reset_prefix_cache", 200, f"still refused after {attempts} attempts"
+                )
 
-        await async_attempts(attempts, backoff_s, max_s=1.0, retry_on=lambda exc: isinstance(exc, PrefixCacheBusy))(flush)
+        await async_attempts(attempts, backoff_s, max_s=1.0, retry_on=lambda exc: isinstance(exc, PrefixCacheBusy))(
+            flush
+        )
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -354,7 +371,9 @@ class EngineClient:
         per_worker = await self.collective_rpc(VERSION_RPC_GET) or [None]
         versions = {parse_weight_version(v) for v in per_worker}
         if len(versions) != 1:
-            raise EngineError(self.name, f"POST /collective_rpc {VERSION_RPC_GET}", 200, f"workers disagree: {sorted(versions)}")
+            raise EngineError(
+                self.name, f"POST /collective_rpc {VERSION_RPC_GET}", 200, f"workers disagree: {sorted(versions)}"
+            )
         return versions.pop()
 
     async def collective_rpc(

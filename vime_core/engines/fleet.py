@@ -78,10 +78,15 @@ class EngineFleet:
             self.servers = [RemoteEngine(a, i) for i, a in enumerate(engine_actors)]
         elif cfg.engine_urls:
             if len(cfg.engine_urls) != num_engines(cfg):
-                logger.info("engine_urls lists %d engines; the configuration implies %d; using the URLs",
-                            len(cfg.engine_urls), num_engines(cfg))
-            self.servers = [EngineServer(cfg, i, attach_url=u, log_dir=log_dir, token=self.token)
-                            for i, u in enumerate(cfg.engine_urls)]
+                logger.info(
+                    "engine_urls lists %d engines; the configuration implies %d; using the URLs",
+                    len(cfg.engine_urls),
+                    num_engines(cfg),
+                )
+            self.servers = [
+                EngineServer(cfg, i, attach_url=u, log_dir=log_dir, token=self.token)
+                for i, u in enumerate(cfg.engine_urls)
+            ]
         else:
             self.servers = [EngineServer(cfg, i, log_dir=log_dir, token=self.token) for i in range(num_engines(cfg))]
         self.router: Optional[Router] = None
@@ -102,8 +107,12 @@ class EngineFleet:
 
     def watch(self) -> None:
         """Start the health monitor: the fleet is ready."""
-        self.health = HealthMonitor(self.servers, on_restarted=self._engine_restarted, on_url_changed=self._url_changed,
-                                    interval_s=self.health_interval_s)
+        self.health = HealthMonitor(
+            self.servers,
+            on_restarted=self._engine_restarted,
+            on_url_changed=self._url_changed,
+            interval_s=self.health_interval_s,
+        )
         self.health.start()
         self._startup_epochs["ready"] = time.time()
 
@@ -120,8 +129,9 @@ class EngineFleet:
             return
         with concurrent.futures.ThreadPoolExecutor(len(self.servers), thread_name_prefix="engine-start") as pool:
             starts = [pool.submit(server.start) for server in self.servers]
-        failed = [(server, start.exception()) for server, start in zip(self.servers, starts)
-                  if start.exception() is not None]
+        failed = [
+            (server, start.exception()) for server, start in zip(self.servers, starts) if start.exception() is not None
+        ]
         if failed:
             (server, first), *others = failed
             if server.name not in str(first):
@@ -174,8 +184,13 @@ class EngineFleet:
             raise RuntimeError(f"vllm-router did not register {missing} within {timeout_s} s:\n{router.log_tail()}")
 
     def _client(self, url: str, name: str) -> EngineClient:
-        return EngineClient(url, name, supports_sleep=self.supports_sleep, token=self.token,
-                            max_connections=max(64, self.cfg.vllm_server_concurrency * 2))
+        return EngineClient(
+            url,
+            name,
+            supports_sleep=self.supports_sleep,
+            token=self.token,
+            max_connections=max(64, self.cfg.vllm_server_concurrency * 2),
+        )
 
     def engine_token(self) -> Optional[EngineToken]:
         """The run's engine token, for whoever attaches to the RolloutManager later (the trainer's
@@ -354,8 +369,9 @@ class EngineFleet:
         return [*self.clients, *getattr(generators, "clients", [generators] if generators else [])]
 
 
-def _engine_token(cfg: Any, token: Optional[EngineToken], servers: Optional[Sequence[Any]],
-                  engine_actors: Optional[Sequence[Any]]) -> Optional[EngineToken]:
+def _engine_token(
+    cfg: Any, token: Optional[EngineToken], servers: Optional[Sequence[Any]], engine_actors: Optional[Sequence[Any]]
+) -> Optional[EngineToken]:
     """The token the fleet sends (the RolloutManager's `token` argument)."""
     if token is not None:
         return token

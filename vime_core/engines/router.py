@@ -47,10 +47,14 @@ logger = logging.getLogger(__name__)
 # Lowered from the router's defaults (30 s startup polls, ~2.7 min to notice a dead worker):
 # a killed engine is taken out within seconds and a restarted one comes back within ~1 s.
 FAST_HEALTH_ARGS = (
-    "--worker-startup-check-interval", "1",
-    "--health-check-interval-secs", "2",
-    "--health-failure-threshold", "2",
-    "--cb-timeout-duration-secs", "10",
+    "--worker-startup-check-interval",
+    "1",
+    "--health-check-interval-secs",
+    "2",
+    "--health-failure-threshold",
+    "2",
+    "--cb-timeout-duration-secs",
+    "10",
 )
 
 
@@ -65,8 +69,14 @@ def router_command() -> list[str]:
     if fallback.exists():
         return [str(fallback)]
     if importlib.util.find_spec("vllm_router") is not None:
-        return [sys.executable, "-c", "import sys; from vllm_router.launch_router import main; sys.argv[0] = 'vllm-router'; sys.exit(main())"]
-    raise FileNotFoundError(f"vllm-router not found next to {sys.executable} nor at {fallback} (pip install vllm-router)")
+        return [
+            sys.executable,
+            "-c",
+            "import sys; from vllm_router.launch_router import main; sys.argv[0] = 'vllm-router'; sys.exit(main())",
+        ]
+    raise FileNotFoundError(
+        f"vllm-router not found next to {sys.executable} nor at {fallback} (pip install vllm-router)"
+    )
 
 
 class RouterError(RuntimeError, InfrastructureError):
@@ -102,11 +112,20 @@ class Router:
     def command(self) -> list[str]:
         cmd = [
             *router_command(),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-            "--policy", self.policy,
-            "--request-timeout-secs", str(self.request_timeout_s),
-            "--log-level", "warning",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--policy",
+            self.policy,
+            "--request-timeout-secs",
+            str(self.request_timeout_s),
+            "--log-level",
+            "warning",
             *FAST_HEALTH_ARGS,
         ]
         if self.initial_workers:
@@ -121,7 +140,11 @@ class Router:
         cmd = self.command()
         logger.info("router: starting %s", " ".join(cmd))
         self._proc = subprocess.Popen(  # under the guard: it dies with this process (utils/orphan_guard.py)
-            guard_command(cmd), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            guard_command(cmd),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -185,7 +208,9 @@ class PolicyRouter:
 
     SUPPORTED = ("round_robin", "random", "consistent_hash")
 
-    def __init__(self, clients: Sequence[EngineClient], policy: str = "consistent_hash", virtual_nodes: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, clients: Sequence[EngineClient], policy: str = "consistent_hash", virtual_nodes: int = 64, seed: int = 0
+    ) -> None:
         if policy not in self.SUPPORTED:
             logger.warning("in-client routing has no %r policy; using round_robin", policy)
             policy = "round_robin"
@@ -206,7 +231,9 @@ class PolicyRouter:
 
     def _rebuild_ring(self) -> None:
         self._ring = sorted(
-            (_hash64(f"{client.base_url}#{v}"), i) for i, client in enumerate(self._clients) for v in range(self.virtual_nodes)
+            (_hash64(f"{client.base_url}#{v}"), i)
+            for i, client in enumerate(self._clients)
+            for v in range(self.virtual_nodes)
         )
 
     def add(self, client: EngineClient) -> None:
@@ -227,5 +254,13 @@ class PolicyRouter:
             return self._rng.choice(self._clients)
         return self._clients[next(self._counter) % len(self._clients)]
 
-    async def generate(self, token_ids: list[int], sampling_params: dict, session_id: Optional[str] = None, request_id: Optional[str] = None) -> dict:
-        return await self.pick(session_id).generate(token_ids, sampling_params, session_id=session_id, request_id=request_id)
+    async def generate(
+        self,
+        token_ids: list[int],
+        sampling_params: dict,
+        session_id: Optional[str] = None,
+        request_id: Optional[str] = None,
+    ) -> dict:
+        return await self.pick(session_id).generate(
+            token_ids, sampling_params, session_id=session_id, request_id=request_id
+        )

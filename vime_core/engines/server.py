@@ -218,20 +218,35 @@ class EngineServer:
         """The server's command line (without environment)."""
         cfg, args = self.cfg, dict(self.server_args)
         if not self.model_path:
-            raise ValueError("hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)")
+            raise ValueError(
+                "hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)"
+            )
         # several front ends only through vLLM's CLI (`vllm serve`, vllm_side/serve_cli.py); one:
         # the server module itself
-        entry = (["vime_core.engines.vllm_side.serve_cli", "serve", "--api-server-count", str(cfg.vllm_api_server_count)]
-                 if cfg.vllm_api_server_count > 1 else ["vllm.entrypoints.openai.api_server"])
+        entry = (
+            ["vime_core.engines.vllm_side.serve_cli", "serve", "--api-server-count", str(cfg.vllm_api_server_count)]
+            if cfg.vllm_api_server_count > 1
+            else ["vllm.entrypoints.openai.api_server"]
+        )
         cmd = [
-            str(resolve_python(cfg.vllm_python)), "-m", *entry,
-            "--model", str(self.model_path),
-            "--host", cfg.engine_bind_host, "--port", str(port),
+            str(resolve_python(cfg.vllm_python)),
+            "-m",
+            *entry,
+            "--model",
+            str(self.model_path),
+            "--host",
+            cfg.engine_bind_host,
+            "--port",
+            str(port),
             *(["--enable-scale-out"] if self.api().scale_out_flag else []),
-            "--max-model-len", str(args.pop("max_model_len", cfg.rollout_max_context_len)),
-            "--logprobs-mode", str(args.pop("logprobs_mode", "processed_logprobs")),
-            "--tensor-parallel-size", str(args.pop("tensor_parallel_size", cfg.rollout_num_gpus_per_engine)),
-            "--seed", str(cfg.seed + self.engine_index),
+            "--max-model-len",
+            str(args.pop("max_model_len", cfg.rollout_max_context_len)),
+            "--logprobs-mode",
+            str(args.pop("logprobs_mode", "processed_logprobs")),
+            "--tensor-parallel-size",
+            str(args.pop("tensor_parallel_size", cfg.rollout_num_gpus_per_engine)),
+            "--seed",
+            str(cfg.seed + self.engine_index),
             # one access-log line per generate request is CPU the rollout needs, and a log that
             # grows by rollout_batch_size * n_samples_per_prompt lines every iteration
             "--disable-uvicorn-access-log",
@@ -249,7 +264,11 @@ class EngineServer:
             if platform_supports_sleep(cfg):
                 cmd.append("--enable-sleep-mode")
             else:
-                logger.info("%s: device=%s has no vLLM sleep mode; starting without it (offload is a no-op)", self.name, cfg.device)
+                logger.info(
+                    "%s: device=%s has no vLLM sleep mode; starting without it (offload is a no-op)",
+                    self.name,
+                    cfg.device,
+                )
 
         # vime's extension always: publishes are validated against its weight spec, and on
         # vLLM 0.26 it keeps the weight version
@@ -260,7 +279,9 @@ class EngineServer:
             logger.warning("%s: worker extension %s not found (%s); starting without it", self.name, extension, path)
             extension = None
         if transfer and backend not in BUILTIN_WEIGHT_BACKENDS and extension != VIME_WORKER_EXTENSION:
-            logger.warning("%s: weight-transfer backend %r has no worker extension loaded; starting without it", self.name, backend)
+            logger.warning(
+                "%s: weight-transfer backend %r has no worker extension loaded; starting without it", self.name, backend
+            )
             transfer = None
         if transfer and backend in BUILTIN_WEIGHT_BACKENDS and cfg.device == "cpu":
             logger.warning("%s: vLLM's %r weight transfer needs CUDA; starting without it", self.name, backend)
@@ -276,7 +297,11 @@ class EngineServer:
             if value is None or value is False:
                 continue
             flag = "--" + key.replace("_", "-")
-            cmd += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+            cmd += (
+                [flag]
+                if value is True
+                else [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+            )
         cmd += list(cfg.vllm_extra_args)
         return cmd
 
@@ -307,7 +332,9 @@ class EngineServer:
         if cfg.device == "cpu":
             kv_gib = max(1, math.ceil(cfg.vllm_cpu_kvcache_gb))  # vLLM reads whole GiB
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(self.engine_index, self.engines_per_node, cfg.rollout_num_gpus_per_engine)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(
+                self.engine_index, self.engines_per_node, cfg.rollout_num_gpus_per_engine
+            )
             preload = [p for p in TCMALLOC_CANDIDATES if os.path.exists(p)][:1]
             iomp = resolve_python(cfg.vllm_python).parents[1] / "lib" / "libiomp5.so"
             if iomp.exists():
@@ -330,7 +357,9 @@ class EngineServer:
     def client(self) -> SyncEngineClient:
         if self.url is None:
             raise RuntimeError(f"{self.name} is not started")
-        return SyncEngineClient(self.url, self.name, supports_sleep=platform_supports_sleep(self.cfg), token=self.auth_token)
+        return SyncEngineClient(
+            self.url, self.name, supports_sleep=platform_supports_sleep(self.cfg), token=self.auth_token
+        )
 
     def get_url(self) -> Optional[str]:
         """`url` for Ray actor handles (attributes are not remote)."""
@@ -397,8 +426,9 @@ class EngineServer:
             except EngineStartError:
                 if attempt == PORT_ATTEMPTS or not self._lost_its_port():
                     raise
-                logger.warning("%s: port %d was taken before vLLM bound it; launching again on another port",
-                               self.name, self.port)
+                logger.warning(
+                    "%s: port %d was taken before vLLM bound it; launching again on another port", self.name, self.port
+                )
                 self._terminate(grace_s=5.0)
                 self.port = None
         if self.warmup:
@@ -421,8 +451,13 @@ class EngineServer:
         # Own session: shutdown signals the whole group (API server + engine-core child); under
         # the guard, which stops the group when this process dies (utils/orphan_guard.py).
         self._proc = subprocess.Popen(
-            guard_command(cmd), env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT),
+            guard_command(cmd),
+            env=self.environment(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(REPO_ROOT),
         )
         self.url = f"http://{advertised_host(self.cfg.engine_bind_host)}:{self.port}"
 
@@ -432,8 +467,11 @@ class EngineServer:
         from vime_core.utils.device_memory import free_and_total
 
         wanted = self.cfg.vllm_gpu_memory_utilization
-        short = [f"device {i}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
-                 for i, (free, total) in free_and_total(self.device_ids).items() if free < wanted * total]
+        short = [
+            f"device {i}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+            for i, (free, total) in free_and_total(self.device_ids).items()
+            if free < wanted * total
+        ]
         if short:
             raise DeviceMemoryError(
                 f"{self.name}: vllm_gpu_memory_utilization={wanted} asks for {wanted:.0%} of each device, but "
@@ -444,7 +482,9 @@ class EngineServer:
     def _attach(self) -> str:
         client = self.client()
         if not client.is_healthy(timeout_s=10.0):
-            raise EngineStartError(f"engine_urls[{self.engine_index}]={redact_url(self.url or '')} does not answer /health")
+            raise EngineStartError(
+                f"engine_urls[{self.engine_index}]={redact_url(self.url or '')} does not answer /health"
+            )
         world = client.world_size()
         if world != self.cfg.rollout_num_gpus_per_engine:
             raise ValueError(
@@ -475,7 +515,9 @@ class EngineServer:
             return client.is_healthy(timeout_s=2.0)
 
         if poll_until(healthy, timeout_s, interval_s=0.5):
-            logger.info("%s: healthy at %s (seconds from launch: %s)", self.name, self.url, describe(self.startup_marks()))
+            logger.info(
+                "%s: healthy at %s (seconds from launch: %s)", self.name, self.url, describe(self.startup_marks())
+            )
             return
         tail = self.log_tail()
         self._terminate(grace_s=5.0)
@@ -491,7 +533,9 @@ class EngineServer:
 
         body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
         try:
-            resp = httpx.post(f"{self.url}/inference/v1/generate", json=body, headers=auth_headers(self.auth_token), timeout=120.0)
+            resp = httpx.post(
+                f"{self.url}/inference/v1/generate", json=body, headers=auth_headers(self.auth_token), timeout=120.0
+            )
         except httpx.HTTPError as exc:
             logger.warning("%s: warm-up request failed: %s", self.name, exc)
             return
@@ -532,7 +576,9 @@ class EngineServer:
     def restart(self) -> str:
         """Shut down and start again, on the same port when it is still free; the URL."""
         if self.attach_url:
-            raise RuntimeError(f"{self.name} is attached to {redact_url(self.attach_url)}; it cannot be restarted from here")
+            raise RuntimeError(
+                f"{self.name} is attached to {redact_url(self.attach_url)}; it cannot be restarted from here"
+            )
         self.shutdown()
         if self.port and not port_is_free(self.cfg.engine_bind_host, self.port):
             self.port = None

@@ -77,7 +77,7 @@ def startup_marks(text: str) -> dict[str, Any]:
     launched: Optional[float] = None
     if start >= 0:
         text = text[start:]
-        launched = float(text[len(LAUNCH_PREFIX):].split(None, 1)[0])
+        launched = float(text[len(LAUNCH_PREFIX) :].split(None, 1)[0])
     year = time.localtime(launched if launched is not None else time.time()).tm_year
     out: dict[str, Any] = {"launched_epoch": launched, "marks_s": {}, "compile_cache": None}
     compile_s, compiled_any = 0.0, False

@@ -6,8 +6,10 @@ and vLLM 0.26.0 on GPU hosts whose torch is 2.11 (0.27+ pin torch 2.13). Measure
 
 | release | `/inference/v1/generate` | weight version | IPC `packed` flag |
 |---|---|---|---|
-| >= 0.27 | needs `--enable-scale-out` | `GET /weight_info`, `POST /update_weight_version`, `/finish_weight_update {"weight_version"}`, per-request `weight_versions` spans | in `init_info` |
-| 0.26 | always on (the flag does not exist) | none: vime keeps it in the engine's workers (`vime_weight_version` over `/collective_rpc`, worker extension) and records each sample's admission version | in each `update_info` |
+| >= 0.27 | needs `--enable-scale-out` | `GET /weight_info`, `POST /update_weight_version`, `/finish_weight_update
+{"weight_version"}`, per-request `weight_versions` spans | in `init_info` |
+| 0.26 | always on (the flag does not exist) | none: vime keeps it in the engine's workers (`vime_weight_version` over
+`/collective_rpc`, worker extension) and records each sample's admission version | in each `update_info` |
 
 `VllmApi.for_version("0.26.0")` says which; the server command asks the vLLM environment's
 package metadata before launch (no vllm import), a client asks the running server's

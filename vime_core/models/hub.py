@@ -64,7 +64,9 @@ def resolve_hf_checkpoint(value: str, base: Path, field: str = "hf_checkpoint") 
         return os.path.abspath(local)
     parsed = parse_hub_id(value)
     if parsed is None or value.startswith(("/", ".", "~", "file://")):
-        raise HubCheckpointError(f"{field}: {value!r} is not a folder ({local} does not exist) and not a hub id (org/name)")
+        raise HubCheckpointError(
+            f"{field}: {value!r} is not a folder ({local} does not exist) and not a hub id (org/name)"
+        )
     return str(snapshot_folder(*parsed, note=f"; no folder {local} either" if "/" in value else "", field=field))
 
 
@@ -76,8 +78,15 @@ def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "", f
     cache, offline = hub_cache_dir(), hub_offline()
     shown = repo_id + (f"@{revision}" if revision else "")
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline,
-                                        allow_patterns=ALLOW_PATTERNS))
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=str(cache),
+                local_files_only=offline,
+                allow_patterns=ALLOW_PATTERNS,
+            )
+        )
     except LocalEntryNotFoundError:
         how = "HF_HUB_OFFLINE=1" if offline else "the hub could not be reached"
         raise HubCheckpointError(
@@ -85,7 +94,9 @@ def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "", f
             f"there is network (`hf download {repo_id}` with the same HF_HUB_CACHE/HF_HOME) or pass a local folder"
         ) from None
     except (HfHubHTTPError, ValueError) as error:  # not found, gated (needs HF_TOKEN), bad revision
-        raise HubCheckpointError(f"{field}: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}") from None
+        raise HubCheckpointError(
+            f"{field}: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}"
+        ) from None
     if not (folder / "config.json").is_file():
         raise HubCheckpointError(f"{field}: the snapshot of {shown!r} at {folder} has no config.json")
     log.info("%s %s -> %s", field, shown, folder)

@@ -47,5 +47,10 @@ def overhead(walls: list[float], records: list[dict]) -> dict:
     wall = sum(w for w, _ in window)
     compute = sum(compute_seconds(r) for _, r in window)
     n = len(window)
-    return {"window": n, "mean_wall_s": wall / n, "mean_compute_s": compute / n,
-            "mean_overhead_s": (wall - compute) / n, "fraction": (wall - compute) / wall}
+    return {
+        "window": n,
+        "mean_wall_s": wall / n,
+        "mean_compute_s": compute / n,
+        "mean_overhead_s": (wall - compute) / n,
+        "fraction": (wall - compute) / wall,
+    }

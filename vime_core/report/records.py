@@ -1,6 +1,7 @@
 """Iteration records of a run, kept as `metrics.jsonl` in the run's report folder.
 
-Kept in `<storage>/reports/<run>/metrics.jsonl`. One record per finished iteration: rollout id, weight versions, reward and length statistics,
+Kept in `<storage>/reports/<run>/metrics.jsonl`. One record per finished iteration: rollout id, weight versions, reward
+and length statistics,
 training metrics and the phase times T_rollout ... T_sync (seconds), with
 T_step = wall time of the iteration. Records are appended, and re-reading them keeps the last
 record per rollout id, so a retried iteration replaces its earlier record.
@@ -82,8 +83,11 @@ def console_line(rec: dict) -> str:
     # a prefetched rollout started in the previous iteration: its T_rollout is the wait for it
     early = f" (started early, {_fmt(rec.get('time_total_s'), '.2f')} generating)" if rec.get("prefetched") else ""
     # with a critic (ppo): its value loss and how much of the returns' variance its values explain
-    critic = (f"vloss {_fmt(rec.get('value_loss'))} ev {_fmt(rec.get('explained_variance'), '.2f')} "
-              if "value_loss" in rec else "")
+    critic = (
+        f"vloss {_fmt(rec.get('value_loss'))} ev {_fmt(rec.get('explained_variance'), '.2f')} "
+        if "value_loss" in rec
+        else ""
+    )
     return (
         f"iter {rec['rollout_id']:>3} v{rec.get('version_before', '?')}->v{rec.get('version_after', '?')} "
         f"reward {_fmt(rec.get('reward_mean'))} len {_fmt(rec.get('response_len_mean'), '.2f')} "

@@ -98,8 +98,14 @@ class WandbTracker:
         if self.folder:
             os.makedirs(self.folder, exist_ok=True)
         self.run = wandb.init(
-            project=self.project, id=self.run_id, name=self.run_name, group=self.group or None,
-            mode=self.mode, dir=self.folder or None, config=config, resume="allow",
+            project=self.project,
+            id=self.run_id,
+            name=self.run_name,
+            group=self.group or None,
+            mode=self.mode,
+            dir=self.folder or None,
+            config=config,
+            resume="allow",
             reinit="create_new",  # another vime run in this process keeps its own W&B run
             settings=wandb.Settings(quiet=True),  # the run's folder or link, not a history table at the end
         )
@@ -170,7 +176,9 @@ class Tracking:
             except Exception as exc:  # noqa: BLE001 - any failure of a tracker must not end the run
                 self.trackers.remove(tracker)
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
-                warnings.append(f"{tracker.name} tracking failed and is off for this run: {type(exc).__name__}: {first}")
+                warnings.append(
+                    f"{tracker.name} tracking failed and is off for this run: {type(exc).__name__}: {first}"
+                )
         return warnings
 
     def start(self, config: dict) -> list[str]:
@@ -195,10 +203,16 @@ def trackers_for(cfg) -> list[Tracker]:
     if cfg.use_wandb:
         # W&B writes its files on the local disk: the run's report folder when that is local
         wandb_dir = cfg.wandb_dir or (folder if loc.is_local else "")
-        trackers.append(WandbTracker(
-            project=cfg.wandb_project, run_id=wandb_run_id(cfg.run_name, loc.url(f"reports/{cfg.run_name}")),
-            run_name=cfg.wandb_run_name or cfg.run_name, group=cfg.wandb_group, mode=cfg.wandb_mode, folder=wandb_dir,
-        ))
+        trackers.append(
+            WandbTracker(
+                project=cfg.wandb_project,
+                run_id=wandb_run_id(cfg.run_name, loc.url(f"reports/{cfg.run_name}")),
+                run_name=cfg.wandb_run_name or cfg.run_name,
+                group=cfg.wandb_group,
+                mode=cfg.wandb_mode,
+                folder=wandb_dir,
+            )
+        )
     if cfg.use_tensorboard:
         if loc.is_local:
             trackers.append(TensorBoardTracker(f"{folder}/tensorboard"))

@@ -56,8 +56,10 @@ def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[st
         try:
             token = Path(cfg.rm_api_key_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: cannot read the token file on this node "
-                             f"({type(exc).__name__}: {exc.strerror or 'unreadable'})") from None
+            raise ValueError(
+                f"rm_api_key_file={cfg.rm_api_key_file!r}: cannot read the token file on this node "
+                f"({type(exc).__name__}: {exc.strerror or 'unreadable'})"
+            ) from None
         if not token:
             raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: the token file is empty")
         return token
@@ -67,8 +69,10 @@ def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[st
     token = environ.get(name, "").strip() if name else ""
     if token or not name or name == VimeConfig.model_fields["rm_api_key_env"].default:
         return token or None
-    raise ValueError(f"rm_api_key_env={name!r}: that environment variable is not set (or empty) where the "
-                     f"RolloutManager runs; set it in the environment the Ray node starts with, or use rm_api_key_file")
+    raise ValueError(
+        f"rm_api_key_env={name!r}: that environment variable is not set (or empty) where the "
+        f"RolloutManager runs; set it in the environment the Ray node starts with, or use rm_api_key_file"
+    )
 
 
 class RewardHub:
@@ -91,7 +95,9 @@ class RewardHub:
             self.name = cfg.rm_type
             self.fn_takes_group = False
         else:
-            raise ValueError(f"rm_type={cfg.rm_type!r} is unknown; known: {sorted(BUILTIN_REWARDS)} (or set custom_rm_path)")
+            raise ValueError(
+                f"rm_type={cfg.rm_type!r} is unknown; known: {sorted(BUILTIN_REWARDS)} (or set custom_rm_path)"
+            )
 
     def __repr__(self) -> str:
         return f"RewardHub({self.name}, group_rm={self.group_rm})"
@@ -148,6 +154,7 @@ def _group_values(values: Any, n: int) -> list:
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
         length = f" of length {len(values)}" if isinstance(values, (list, tuple)) else ""
-        raise InvalidRewardError(f"returned {type_name(values)}{length} for a group of {n}",
-                                 expected=f"a list of {n} numbers")
+        raise InvalidRewardError(
+            f"returned {type_name(values)}{length} for a group of {n}", expected=f"a list of {n} numbers"
+        )
     return list(values)

@@ -51,8 +51,9 @@ def parse_reward(payload: Any, shown: str = "") -> float:
     except InvalidRewardError as exc:
         what = exc.what.removeprefix("returned ")
         answer = f"{{'reward': {what}}}" if isinstance(payload, dict) else what
-        raise RemoteRewardError(f"reward model {shown or 'at rm_url'} answered {answer}; expected a finite number or "
-                                f"{{'reward': number}}") from None
+        raise RemoteRewardError(
+            f"reward model {shown or 'at rm_url'} answered {answer}; expected a finite number or {{'reward': number}}"
+        ) from None
 
 
 class RemoteRewardModel:
@@ -73,12 +74,18 @@ class RemoteRewardModel:
         self._headers = dict(headers or {})
 
     def __repr__(self) -> str:  # never show headers
-        return f"RemoteRewardModel(url={redact_url(self.url)!r}, timeout_s={self.timeout_s}, max_retries={self.max_retries})"
+        url = redact_url(self.url)
+        return f"RemoteRewardModel(url={url!r}, timeout_s={self.timeout_s}, max_retries={self.max_retries})"
 
     async def __call__(self, sample) -> float:
         import httpx
 
-        body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
+        body = {
+            "prompt": sample.prompt,
+            "response": sample.response,
+            "label": sample.label,
+            "metadata": sample.metadata,
+        }
         shown = redact_url(self.url)
 
         async def once(client: httpx.AsyncClient) -> float:
@@ -91,7 +98,9 @@ class RemoteRewardModel:
             if response.status_code in RETRYABLE_STATUS:
                 raise _NoAnswer(f"HTTP {response.status_code}")
             if response.status_code >= 400:
-                raise RemoteRewardError(f"reward model {shown} answered HTTP {response.status_code}: {response.text[:200]!r}")
+                raise RemoteRewardError(
+                    f"reward model {shown} answered HTTP {response.status_code}: {response.text[:200]!r}"
+                )
             try:
                 payload = response.json()
             except ValueError:
@@ -99,13 +108,22 @@ class RemoteRewardModel:
             return parse_reward(payload, shown)
 
         def log_retry(state: RetryCallState) -> None:
-            log.warning("reward model %s: %s; retry %d/%d in %.2fs", shown, state.outcome.exception(),
-                        state.attempt_number, self.max_retries, state.upcoming_sleep)
+            log.warning(
+                "reward model %s: %s; retry %d/%d in %.2fs",
+                shown,
+                state.outcome.exception(),
+                state.attempt_number,
+                self.max_retries,
+                state.upcoming_sleep,
+            )
 
-        retrying = async_attempts(self.max_retries + 1, self.backoff_s, retry_on=lambda exc: isinstance(exc, _NoAnswer),
-                                  on_retry=log_retry)
+        retrying = async_attempts(
+            self.max_retries + 1, self.backoff_s, retry_on=lambda exc: isinstance(exc, _NoAnswer), on_retry=log_retry
+        )
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers) as client:
             try:
                 return await retrying(once, client)
             except _NoAnswer as exc:
-                raise RemoteRewardError(f"reward model {shown} failed after {self.max_retries + 1} attempts: {exc}") from None
+                raise RemoteRewardError(
+                    f"reward model {shown} failed after {self.max_retries + 1} attempts: {exc}"
+                ) from None

@@ -21,8 +21,9 @@ class InvalidRewardError(TypeError):
     """A reward function returned something that is not a finite real number. `what` says what
     it returned ("returned str", "returned a non-finite float") without the value."""
 
-    def __init__(self, what: str, expected: str = "a finite real number (int, float, bool, a numpy or torch scalar)"
-                 ) -> None:
+    def __init__(
+        self, what: str, expected: str = "a finite real number (int, float, bool, a numpy or torch scalar)"
+    ) -> None:
         super().__init__(f"the reward function {what}; expected {expected}")
         self.what, self.expected = what, expected
 

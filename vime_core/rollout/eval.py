@@ -20,21 +20,31 @@ def eval_samples(rows: list[Any], n_samples: int) -> list[list[Sample]]:
     """Groups of fresh samples for the eval rows (PromptRow-like: prompt_id, prompt, label, tokens)."""
     groups = []
     for g, row in enumerate(rows):
-        groups.append([
-            Sample(
-                prompt_id=row.prompt_id, prompt=row.prompt, label=row.label, tokens=list(row.tokens),
-                prompt_length=len(row.tokens), group_index=g, index=i, session_id=f"eval-{g}-{i}",
-                metadata={**dict(row.metadata), "is_eval": True},
-            )
-            for i in range(n_samples)
-        ])
+        groups.append(
+            [
+                Sample(
+                    prompt_id=row.prompt_id,
+                    prompt=row.prompt,
+                    label=row.label,
+                    tokens=list(row.tokens),
+                    prompt_length=len(row.tokens),
+                    group_index=g,
+                    index=i,
+                    session_id=f"eval-{g}-{i}",
+                    metadata={**dict(row.metadata), "is_eval": True},
+                )
+                for i in range(n_samples)
+            ]
+        )
     return groups
 
 
 async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
     cfg = state.cfg
     t0 = time.perf_counter()
-    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open)
+    ctx = GenerateContext(
+        cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open
+    )
     # eval samples are scored, never trained: their log-probs would cost the engines for nothing
     params = base_sampling_params(cfg, temperature=cfg.eval_temperature, log_probs=False)
     sem = asyncio.Semaphore(state.concurrency)

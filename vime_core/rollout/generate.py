@@ -58,7 +58,13 @@ MAX_RETRY_WAIT_S = 5.0
 class Generator(Protocol):
     """What generate needs from an engine, the router or the in-client PolicyRouter."""
 
-    async def generate(self, token_ids: list[int], sampling_params: dict, session_id: Optional[str] = None, request_id: Optional[str] = None) -> dict: ...
+    async def generate(
+        self,
+        token_ids: list[int],
+        sampling_params: dict,
+        session_id: Optional[str] = None,
+        request_id: Optional[str] = None,
+    ) -> dict: ...
 
 
 class MalformedResponse(ValueError):
@@ -118,7 +124,9 @@ def request_params(sampling_params: dict, max_tokens: int) -> dict:
     return params
 
 
-def parse_choice(answer: dict, with_log_probs: bool = True) -> tuple[list[int], Optional[list[float]], int, str, list[WeightSpan]]:
+def parse_choice(
+    answer: dict, with_log_probs: bool = True
+) -> tuple[list[int], Optional[list[float]], int, str, list[WeightSpan]]:
     """(token ids, log-probs, missing log-prob count, finish reason, spans) of choice 0; without
     `with_log_probs` (none were asked for) the log-probs are None and none is missing."""
     try:
@@ -126,7 +134,10 @@ def parse_choice(answer: dict, with_log_probs: bool = True) -> tuple[list[int], 
     except (KeyError, IndexError, TypeError):
         raise MalformedResponse(f"no choices in the response: {str(answer)[:200]}") from None
     token_ids = [int(t) for t in choice.get("token_ids") or []]
-    spans = [WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+    spans = [
+        WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"]))
+        for s in choice.get("weight_versions") or []
+    ]
     finish = str(choice.get("finish_reason") or "")
     if not with_log_probs:
         return token_ids, None, 0, finish, spans
@@ -157,7 +168,7 @@ def entry_token_id(entry: dict) -> Optional[int]:
     token = entry.get("token")
     if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
         try:
-            return int(token[len(TOKEN_ID_PREFIX):])
+            return int(token[len(TOKEN_ID_PREFIX) :])
         except ValueError:
             return None
     return None
@@ -225,15 +236,28 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         return sample
     context_room = cfg.rollout_max_context_len - len(sample.tokens)
     if context_room <= 0:
-        return fail_sample(sample, f"prompt+response of {len(sample.tokens)} tokens leaves no room in rollout_max_context_len={cfg.rollout_max_context_len}")
+        return fail_sample(
+            sample,
+            (
+                f"prompt+response of {len(sample.tokens)} tokens leaves no room in "
+                f"rollout_max_context_len={cfg.rollout_max_context_len}"
+            ),
+        )
     params = request_params(sampling_params, min(budget, context_room))
 
     answer = None
     max_attempts = ctx.cfg.rollout_request_max_attempts
     retrying = async_attempts(
-        max_attempts, ctx.retry_backoff_s, max_s=MAX_RETRY_WAIT_S, retry_on=_no_answer,
-        on_retry=lambda state: logger.info("sample %s: attempt %d failed (%s); retrying",
-                                           sample.session_id, state.attempt_number, state.outcome.exception()),
+        max_attempts,
+        ctx.retry_backoff_s,
+        max_s=MAX_RETRY_WAIT_S,
+        retry_on=_no_answer,
+        on_retry=lambda state: logger.info(
+            "sample %s: attempt %d failed (%s); retrying",
+            sample.session_id,
+            state.attempt_number,
+            state.outcome.exception(),
+        ),
     )
     try:
         async for attempt in retrying:
@@ -250,7 +274,9 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     assert answer is not None
 
     try:
-        token_ids, log_probs, missing, finish, spans = parse_choice(answer, with_log_probs=params.get("logprobs") is not None)
+        token_ids, log_probs, missing, finish, spans = parse_choice(
+            answer, with_log_probs=params.get("logprobs") is not None
+        )
     except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
         return fail_sample(sample, f"malformed engine response: {exc}", retryable=True)
     if not spans and ctx.weight_version is not None and token_ids:
@@ -260,9 +286,13 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     extend_spans(sample, spans, offset)
     if missing:
         sample.metadata["missing_logprobs"] = sample.metadata.get("missing_logprobs", 0) + missing
-        sample.metadata[MISSING_LOGPROBS_ENGINE] = answer.get(ANSWERED_BY) or getattr(ctx.generator, "name", None) or "unknown"
+        sample.metadata[MISSING_LOGPROBS_ENGINE] = (
+            answer.get(ANSWERED_BY) or getattr(ctx.generator, "name", None) or "unknown"
+        )
     usage = answer.get("usage") or {}
-    sample.metadata["completion_tokens"] = sample.metadata.get("completion_tokens", 0) + int(usage.get("completion_tokens", len(token_ids)))
+    sample.metadata["completion_tokens"] = sample.metadata.get("completion_tokens", 0) + int(
+        usage.get("completion_tokens", len(token_ids))
+    )
     sample.finish_reason = finish
     sample.status = FINISH_STATUS.get(finish, Status.COMPLETED)
     sample.response = decode_response(ctx.tokenizer, sample, cfg.rollout_skip_special_tokens, ctx.eos_token_id)

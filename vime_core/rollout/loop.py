@@ -150,8 +150,13 @@ def _reason_key(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
-async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s: float = 1.0,
-                               generator: Any = None, probe_tokens: Sequence[int] = ()) -> None:
+async def wait_for_live_engine(
+    engines: Sequence[Any],
+    timeout_s: float,
+    poll_s: float = 1.0,
+    generator: Any = None,
+    probe_tokens: Sequence[int] = (),
+) -> None:
     """Return once any engine answers /health and, when `generator` is given, a one-token
     generate of `probe_tokens` goes through it: vllm-router keeps a restarted engine's circuit
     open for a while after the engine answers /health, and a group sent in that window fails
@@ -165,7 +170,9 @@ async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s:
         if any(a is True for a in answers):
             break
         if time.monotonic() >= deadline:
-            raise RolloutFailedError(f"no engine answered /health within rollout_engine_wait_s={timeout_s:g} s (engines: {names})")
+            raise RolloutFailedError(
+                f"no engine answered /health within rollout_engine_wait_s={timeout_s:g} s (engines: {names})"
+            )
         await asyncio.sleep(poll_s)
     if generator is None or not probe_tokens:
         return
@@ -179,21 +186,32 @@ async def wait_for_live_engine(engines: Sequence[Any], timeout_s: float, poll_s:
             if time.monotonic() >= deadline:
                 raise RolloutFailedError(
                     f"the engines answer /health but no request got through {getattr(generator, 'name', 'the router')} "
-                    f"within rollout_engine_wait_s={timeout_s:g} s (engines: {names}; last: {exc})") from None
+                    f"within rollout_engine_wait_s={timeout_s:g} s (engines: {names}; last: {exc})"
+                ) from None
         await asyncio.sleep(poll_s)
 
 
-async def _handle_failed_group(state: "RolloutState", rollout_id: int, group: list[Sample], failure: tuple[str, bool], progress: _Progress) -> None:
+async def _handle_failed_group(
+    state: "RolloutState", rollout_id: int, group: list[Sample], failure: tuple[str, bool], progress: _Progress
+) -> None:
     """Generate the group again on a live engine, or drop it (module docstring)."""
     cfg = state.cfg
     reason, retryable = failure
     progress.failure_reasons[_reason_key(reason)] += 1
     attempts = int(group[0].metadata.get("group_attempts", 1))
     if retryable and attempts < cfg.rollout_group_max_attempts:
-        logger.warning("rollout %d: group %d failed (%s); generating it again (attempt %d of %d)",
-                       rollout_id, group[0].group_index, reason, attempts + 1, cfg.rollout_group_max_attempts)
+        logger.warning(
+            "rollout %d: group %d failed (%s); generating it again (attempt %d of %d)",
+            rollout_id,
+            group[0].group_index,
+            reason,
+            attempts + 1,
+            cfg.rollout_group_max_attempts,
+        )
         prompt = group[0].tokens[: group[0].prompt_length or len(group[0].tokens)]
-        await wait_for_live_engine(state.engines, cfg.rollout_engine_wait_s, generator=state.generator, probe_tokens=prompt)
+        await wait_for_live_engine(
+            state.engines, cfg.rollout_engine_wait_s, generator=state.generator, probe_tokens=prompt
+        )
         for sample in group:
             sample.clear_response()
             sample.metadata["group_attempts"] = attempts + 1
@@ -201,7 +219,9 @@ async def _handle_failed_group(state: "RolloutState", rollout_id: int, group: li
         progress.retried_groups += 1
         return
     progress.failed_groups += 1
-    logger.warning("rollout %d: group %d dropped after %d attempt(s): %s", rollout_id, group[0].group_index, attempts, reason)
+    logger.warning(
+        "rollout %d: group %d dropped after %d attempt(s): %s", rollout_id, group[0].group_index, attempts, reason
+    )
     if progress.failed_groups > cfg.rollout_batch_size:
         names = ", ".join(str(getattr(e, "name", e)) for e in state.engines)
         reasons = "; ".join(f"{n} x {r}" for r, n in progress.failure_reasons.most_common(3))
@@ -211,7 +231,15 @@ async def _handle_failed_group(state: "RolloutState", rollout_id: int, group: li
         )
 
 
-async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Semaphore, sample: Sample, params: dict, progress: _Progress, bar: Any) -> Sample:
+async def _run_sample(
+    state: RolloutState,
+    ctx: GenerateContext,
+    sem: asyncio.Semaphore,
+    sample: Sample,
+    params: dict,
+    progress: _Progress,
+    bar: Any,
+) -> Sample:
     async with sem:
         before = sample.response_length
         await state.generate_fn(ctx, sample, dict(params))
@@ -226,7 +254,15 @@ async def _run_sample(state: RolloutState, ctx: GenerateContext, sem: asyncio.Se
     return sample
 
 
-async def _run_group(state: RolloutState, ctx: GenerateContext, sem: asyncio.Semaphore, group: list[Sample], params: dict, progress: _Progress, bar: Any) -> list[Sample]:
+async def _run_group(
+    state: RolloutState,
+    ctx: GenerateContext,
+    sem: asyncio.Semaphore,
+    group: list[Sample],
+    params: dict,
+    progress: _Progress,
+    bar: Any,
+) -> list[Sample]:
     samples = await asyncio.gather(*(_run_sample(state, ctx, sem, s, params, progress, bar) for s in group))
     if state.cfg.group_rm and not any(s.status is Status.ABORTED for s in samples):
         scorable = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
@@ -272,9 +308,16 @@ def check_reward_failures(state: RolloutState, rollout_id: int, progress: _Progr
         raise RewardFailureError(
             f"rollout {rollout_id}: {counts} ({_percent(share)} > max_reward_failure_share="
             f"{_percent(cfg.max_reward_failure_share)}): first failures {first}; fix the reward function (each "
-            f"FAILED sample's metadata reward_error holds its message) or raise max_reward_failure_share")
-    logger.warning("rollout %d: %s (%s, max_reward_failure_share=%s): they are FAILED (loss mask 0); first failures %s",
-                   rollout_id, counts, _percent(share), _percent(cfg.max_reward_failure_share), first)
+            f"FAILED sample's metadata reward_error holds its message) or raise max_reward_failure_share"
+        )
+    logger.warning(
+        "rollout %d: %s (%s, max_reward_failure_share=%s): they are FAILED (loss mask 0); first failures %s",
+        rollout_id,
+        counts,
+        _percent(share),
+        _percent(cfg.max_reward_failure_share),
+        first,
+    )
 
 
 def _filter_name(state: RolloutState) -> str:
@@ -293,35 +336,50 @@ def fill_exhausted(state: RolloutState, rollout_id: int, progress: _Progress) ->
         topped = sorted(progress.rejected, key=lambda g: g[0].group_index)[:short]
         progress.kept.extend(topped)
         progress.topped_up = short
-        logger.warning("rollout %d: the dynamic filter %s kept %d of rollout_batch_size=%d groups in "
-                       "max_num_gen_batches=%d batches; topped up with %d groups it rejected (filter_exhausted="
-                       "keep_rejected)",
-                       rollout_id, _filter_name(state), target - short, target, cfg.max_num_gen_batches, short)
+        logger.warning(
+            "rollout %d: the dynamic filter %s kept %d of rollout_batch_size=%d groups in "
+            "max_num_gen_batches=%d batches; topped up with %d groups it rejected (filter_exhausted="
+            "keep_rejected)",
+            rollout_id,
+            _filter_name(state),
+            target - short,
+            target,
+            cfg.max_num_gen_batches,
+            short,
+        )
         return
     answered = len(progress.kept) + progress.dropped_groups
-    counts = (f"kept {len(progress.kept)} of the {answered} groups answered ({progress.dropped_groups} rejected, "
-              f"{progress.failed_groups} more not generated; {progress.submitted_groups} submitted in "
-              f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
-              f"{cfg.over_sampling_batch_size}), short of rollout_batch_size={target}")
+    counts = (
+        f"kept {len(progress.kept)} of the {answered} groups answered ({progress.dropped_groups} rejected, "
+        f"{progress.failed_groups} more not generated; {progress.submitted_groups} submitted in "
+        f"max_num_gen_batches={cfg.max_num_gen_batches} batches of over_sampling_batch_size="
+        f"{cfg.over_sampling_batch_size}), short of rollout_batch_size={target}"
+    )
     if progress.dropped_groups == 0 and progress.failed_groups > 0:
         names = ", ".join(str(getattr(e, "name", e)) for e in state.engines)
         reasons = "; ".join(f"{n} x {r}" for r, n in progress.failure_reasons.most_common(3))
         raise RolloutFailedError(f"rollout {rollout_id}: the rollout {counts} (engines: {names}; reasons: {reasons})")
-    also = (f"; filter_exhausted=keep_rejected had only {len(progress.rejected)} rejected groups to top up with"
-            if cfg.filter_exhausted == "keep_rejected" else "")
+    also = (
+        f"; filter_exhausted=keep_rejected had only {len(progress.rejected)} rejected groups to top up with"
+        if cfg.filter_exhausted == "keep_rejected"
+        else ""
+    )
     name = _filter_name(state)
     why = " (groups whose rewards are all equal)" if name.endswith(":check_reward_nonzero_std") else ""
     raise FilterExhaustedError(
         f"rollout {rollout_id}: the dynamic filter {name} {counts}{also}: the data or the reward gives groups it "
         f"rejects{why}; check the reward function and the data, raise max_num_gen_batches, or set "
-        f"filter_exhausted=keep_rejected to train on rejected groups")
+        f"filter_exhausted=keep_rejected to train on rejected groups"
+    )
 
 
 def _group_is_complete(group: list[Sample]) -> bool:
     return not any(s.status in (Status.ABORTED, Status.PENDING) for s in group)
 
 
-async def abort_in_flight(engines: Sequence[Any], tasks: set[asyncio.Task], ctx: GenerateContext, wait_s: float = ABORT_WAIT_S) -> None:
+async def abort_in_flight(
+    engines: Sequence[Any], tasks: set[asyncio.Task], ctx: GenerateContext, wait_s: float = ABORT_WAIT_S
+) -> None:
     """Stop every request still running and wait for its task; requests already on an engine
     come back with finish "abort", those not sent yet return ABORTED without a request."""
     ctx.aborting.set()
@@ -356,7 +414,9 @@ def requeue_partial(data_source: Any, groups: list[list[Sample]]) -> int:
     return sum(len(g) for g in groups)
 
 
-def rollout_metrics(groups: list[list[Sample]], progress: _Progress, aborted: int, requeued: int, times: dict[str, float]) -> dict[str, float]:
+def rollout_metrics(
+    groups: list[list[Sample]], progress: _Progress, aborted: int, requeued: int, times: dict[str, float]
+) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     rewards = [float(s.reward or 0.0) for s in samples]
     lengths = [s.response_length for s in samples]
@@ -397,8 +457,14 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     cfg = state.cfg
     target = cfg.rollout_batch_size
     since = Stopwatch()  # the marks t_* below: seconds since the rollout began
-    ctx = GenerateContext(cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open,
-                          weight_version=state.weight_version)
+    ctx = GenerateContext(
+        cfg,
+        state.generator,
+        state.tokenizer,
+        state.eos_token_id,
+        admission_open=state.admission_open,
+        weight_version=state.weight_version,
+    )
     sem = asyncio.Semaphore(state.concurrency)
     params = base_sampling_params(cfg)
     readers = rollout_logprob_readers(cfg)
@@ -422,7 +488,12 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
             for task in done:
                 group = task.result()
                 if len(group) != cfg.n_samples_per_prompt:
-                    raise RuntimeError(f"group {group[0].group_index if group else '?'} has {len(group)} samples; n_samples_per_prompt={cfg.n_samples_per_prompt}")
+                    raise RuntimeError(
+                        (
+                            f"group {group[0].group_index if group else '?'} has {len(group)} samples; "
+                            f"n_samples_per_prompt={cfg.n_samples_per_prompt}"
+                        )
+                    )
                 failure = generate_failure(group)
                 if failure is not None:
                     if len(progress.kept) < target:
@@ -476,5 +547,11 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
         "rollout/time_total_s": t_end,
     }
     metrics = rollout_metrics(groups, progress, aborted, requeued, times)
-    logger.info("rollout %d: %d groups, reward %.3f, %.0f tok/s", rollout_id, len(groups), metrics["rollout/reward_mean"], metrics["rollout/generate_tokens_per_s"])
+    logger.info(
+        "rollout %d: %d groups, reward %.3f, %.0f tok/s",
+        rollout_id,
+        len(groups),
+        metrics["rollout/reward_mean"],
+        metrics["rollout/generate_tokens_per_s"],
+    )
     return samples, metrics

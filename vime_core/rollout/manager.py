@@ -96,7 +96,8 @@ class RolloutManager:
         self.rollout_fn = load_function(cfg.rollout_function_path, field="rollout_function_path")
         generate_fn = (
             load_function(cfg.custom_generate_function_path, field="custom_generate_function_path")
-            if cfg.custom_generate_function_path else generate_sample
+            if cfg.custom_generate_function_path
+            else generate_sample
         )
         group_filter = load_filter(cfg.dynamic_sampling_filter_path)
 
@@ -105,10 +106,16 @@ class RolloutManager:
         self._prefetched: Optional[_Prefetched] = None
         self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
-        self.fleet = EngineFleet(cfg, servers=servers, engine_actors=engine_actors,
-                                 receives_weight_updates=receives_weight_updates,
-                                 on_engine_restarted=on_engine_restarted, health_interval_s=health_interval_s,
-                                 log_dir=log_dir, token=token)
+        self.fleet = EngineFleet(
+            cfg,
+            servers=servers,
+            engine_actors=engine_actors,
+            receives_weight_updates=receives_weight_updates,
+            on_engine_restarted=on_engine_restarted,
+            health_interval_s=health_interval_s,
+            log_dir=log_dir,
+            token=token,
+        )
         self.token = self.fleet.token  # read in-process by bench/bench_rollout.py
         try:
             self.fleet.start(log_dir)
@@ -117,9 +124,15 @@ class RolloutManager:
             raise
 
         self.state = RolloutState(
-            cfg=cfg, data_source=self.data_source, reward_hub=self.reward_hub,
-            generator=self.fleet.generator, engines=self.fleet.clients, tokenizer=self.tokenizer,
-            group_filter=group_filter, eos_token_id=self.tokenizer.eos_token_id, generate_fn=generate_fn,
+            cfg=cfg,
+            data_source=self.data_source,
+            reward_hub=self.reward_hub,
+            generator=self.fleet.generator,
+            engines=self.fleet.clients,
+            tokenizer=self.tokenizer,
+            group_filter=group_filter,
+            eos_token_id=self.tokenizer.eos_token_id,
+            generate_fn=generate_fn,
             admission_open=self.fleet.admission_open,
             concurrency=cfg.vllm_server_concurrency * len(self.fleet.servers),
         )
@@ -190,8 +203,9 @@ class RolloutManager:
         with self._prefetch_lock:
             pending, self._prefetched = self._prefetched, None
         result = None
-        if pending is not None and usable_prefetch(pending.rollout_id, pending.version, rollout_id, version,
-                                                   self.cfg.async_staleness):
+        if pending is not None and usable_prefetch(
+            pending.rollout_id, pending.version, rollout_id, version, self.cfg.async_staleness
+        ):
             t0 = time.perf_counter()
             result = pending.future.result()
             result[1]["rollout/prefetched"] = 1.0
@@ -311,8 +325,13 @@ class RolloutManager:
         previous, self._last_probe = getattr(self, "_last_probe", None), now
         return now, previous
 
-    def end_sync(self, resume: bool = True, start_rollout_id: Optional[int] = None,
-                 version: Optional[int] = None, *published: Any) -> bool:
+    def end_sync(
+        self,
+        resume: bool = True,
+        start_rollout_id: Optional[int] = None,
+        version: Optional[int] = None,
+        *published: Any,
+    ) -> bool:
         """Sync's end, in one actor call: when `start_rollout_id` is given, that rollout started
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
@@ -348,8 +367,9 @@ class RolloutManager:
             fleet.shutdown()
 
 
-def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id: int, version: Optional[int],
-                    staleness: int = 0) -> bool:
+def usable_prefetch(
+    started_id: int, started_version: Optional[int], rollout_id: int, version: Optional[int], staleness: int = 0
+) -> bool:
     """Whether a rollout started as (`started_id`, `started_version`) answers a request for
     (`rollout_id`, `version`): the same rollout id, on weights v with version - staleness <= v <=
     version (exactly `version` when on-policy; None matches only None)."""
@@ -358,4 +378,3 @@ def usable_prefetch(started_id: int, started_version: Optional[int], rollout_id:
     if version is None or started_version is None:
         return started_version == version
     return version - staleness <= started_version <= version
-

@@ -87,15 +87,23 @@ async def call_tool(tool: Tool, response_text: str, timeout_s: float) -> ToolRes
 def _room(ctx: GenerateContext, sample: Sample) -> int:
     """Tokens the sample may still grow by (response budget and engine context)."""
     cfg = ctx.cfg
-    return max(0, min(cfg.rollout_max_response_len - sample.response_length, cfg.rollout_max_context_len - len(sample.tokens)))
+    return max(
+        0, min(cfg.rollout_max_response_len - sample.response_length, cfg.rollout_max_context_len - len(sample.tokens))
+    )
 
 
 def _decode(ctx: GenerateContext, token_ids: list[int]) -> str:
     return ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_params: dict, tool: Tool,
-                              max_turns: int, tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S) -> Sample:
+async def generate_multi_turn(
+    ctx: GenerateContext,
+    sample: Sample,
+    sampling_params: dict,
+    tool: Tool,
+    max_turns: int,
+    tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+) -> Sample:
     """Generate (or continue) one sample of up to `max_turns` model turns with `tool` answering
     the calls in between; returns it (module docstring)."""
     if max_turns < 1:
@@ -145,4 +153,6 @@ async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_par
                 return sample
     finally:
         if sample.response_length:
-            sample.response = decode_response(ctx.tokenizer, sample, ctx.cfg.rollout_skip_special_tokens, ctx.eos_token_id)
+            sample.response = decode_response(
+                ctx.tokenizer, sample, ctx.cfg.rollout_skip_special_tokens, ctx.eos_token_id
+            )

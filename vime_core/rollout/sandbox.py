@@ -96,13 +96,26 @@ class _Child:
         prefix = _unshare_prefix() if limits.network_namespace else []
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}  # nothing of the parent's
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, cwd=self.workdir, env=env, start_new_session=True, text=True, bufsize=1,
+            [*prefix, sys.executable, "-I", str(CHILD)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=self.workdir,
+            env=env,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
         )
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.proc.stdout, selectors.EVENT_READ)
-        self._send({"target": target, "path": [p for p in sys.path if p], "memory_bytes": limits.memory_mb * 2**20,
-                    "cpu_s": cpu_s})
+        self._send(
+            {
+                "target": target,
+                "path": [p for p in sys.path if p],
+                "memory_bytes": limits.memory_mb * 2**20,
+                "cpu_s": cpu_s,
+            }
+        )
         reply = self._receive(STARTUP_TIMEOUT_S)
         if not reply.get("ready"):
             self.kill()
@@ -153,8 +166,9 @@ class SandboxedFunction:
     argument in, JSON-able value out (module docstring). Thread-safe; at most `max_children`
     children at once, the others wait for one."""
 
-    def __init__(self, target: str, limits: SandboxLimits = SandboxLimits(), fresh_per_call: bool = False,
-                 max_children: int = 2) -> None:
+    def __init__(
+        self, target: str, limits: SandboxLimits = SandboxLimits(), fresh_per_call: bool = False, max_children: int = 2
+    ) -> None:
         if ":" not in target:
             raise ValueError(f"sandbox target {target!r} is not module:function")
         self.target, self.limits, self.fresh = target, limits, fresh_per_call
@@ -201,8 +215,14 @@ class SandboxedTool:
     takes the response text and returns {"call", "output", "error"}; a call the sandbox stops
     answers nothing, with the reason as its error."""
 
-    def __init__(self, target: str, call_marker: str, limits: SandboxLimits = SandboxLimits(),
-                 fresh_per_call: bool = False, max_children: int = 2) -> None:
+    def __init__(
+        self,
+        target: str,
+        call_marker: str,
+        limits: SandboxLimits = SandboxLimits(),
+        fresh_per_call: bool = False,
+        max_children: int = 2,
+    ) -> None:
         self.call_marker = call_marker
         self.function = SandboxedFunction(target, limits, fresh_per_call, max_children)
 
@@ -211,4 +231,6 @@ class SandboxedTool:
             answer = self.function(response_text)
         except SandboxError as exc:
             return ToolResult(call="", output="", error=f"sandbox: {exc}")
-        return ToolResult(call=str(answer.get("call", "")), output=str(answer.get("output", "")), error=answer.get("error"))
+        return ToolResult(
+            call=str(answer.get("call", "")), output=str(answer.get("output", "")), error=answer.get("error")
+        )

@@ -5,7 +5,8 @@ imports, stdlib only). Protocol over its stdin/stdout, one JSON object per line:
     child -> parent   {"ready": true}  once the target is imported and the limits are on,
                       or {"ok": false, "kind": "setup", "error": "..."}
     parent -> child   {"argument": ...}                         one call
-    child -> parent   {"ok": true, "value": ...} | {"ok": false, "kind": "memory"|"refused"|"error", "error": "Type: text"}
+    child -> parent   {"ok": true, "value": ...} | {"ok": false, "kind": "memory"|"refused"|"error", "error": "Type:
+    text"}
 
 Limits, set after the target's import and before any call (they cannot be lifted: raising a
 limit is itself refused):
@@ -26,10 +27,37 @@ import resource
 import sys
 
 DENIED_EVENTS = (
-    "open", "os.", "shutil.", "socket.", "subprocess.", "_posixsubprocess", "pty.", "ctypes.", "mmap.", "fcntl.",
-    "signal.", "import", "builtins.input", "resource.setrlimit", "resource.prlimit", "sys.addaudithook",
-    "urllib.", "http.", "ftplib.", "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "webbrowser.",
-    "glob.", "tempfile.", "sqlite3.", "pathlib.", "syslog.", "cpython.remote_debugger_script",
+    "open",
+    "os.",
+    "shutil.",
+    "socket.",
+    "subprocess.",
+    "_posixsubprocess",
+    "pty.",
+    "ctypes.",
+    "mmap.",
+    "fcntl.",
+    "signal.",
+    "import",
+    "builtins.input",
+    "resource.setrlimit",
+    "resource.prlimit",
+    "sys.addaudithook",
+    "urllib.",
+    "http.",
+    "ftplib.",
+    "smtplib.",
+    "poplib.",
+    "imaplib.",
+    "nntplib.",
+    "telnetlib.",
+    "webbrowser.",
+    "glob.",
+    "tempfile.",
+    "sqlite3.",
+    "pathlib.",
+    "syslog.",
+    "cpython.remote_debugger_script",
 )
 
 

@@ -41,14 +41,24 @@ def python_type(t: pa.DataType) -> str:
 def columns_section() -> str:
     """docs/interfaces.md's table of the rollout batch's columns."""
     lines = ["| column | type | trainer requires | meaning |", "|---|---|---|---|"]
-    lines += [f"| {c.name} | {python_type(c.type)} | {'yes' if c.required else ''} | {c.meaning} |" for c in BATCH_COLUMNS]
+    lines += [
+        f"| {c.name} | {python_type(c.type)} | {'yes' if c.required else ''} | {c.meaning} |" for c in BATCH_COLUMNS
+    ]
     return "\n".join(lines)
 
 
 def schema_section() -> str:
     """docs/lineage.md's tables of the stored batch, its lineage and the index."""
-    lines = ["### Batch table", "", describe_schema(), "", f"### Index table (index version {INDEX_VERSION})", "",
-             "| column | Arrow type |", "|---|---|"]
+    lines = [
+        "### Batch table",
+        "",
+        describe_schema(),
+        "",
+        f"### Index table (index version {INDEX_VERSION})",
+        "",
+        "| column | Arrow type |",
+        "|---|---|",
+    ]
     lines += [f"| {f.name} | `{f.type}` |" for f in INDEX_SCHEMA]
     return "\n".join(lines)
 

@@ -44,13 +44,17 @@ def _first(names: tuple[str, ...], environ: Mapping[str, str]) -> str:
     return next((environ[n] for n in names if environ.get(n)), "")
 
 
-def resolve_endpoint_url(url: str = "", environ: Mapping[str, str] = os.environ, field: str = "storage_endpoint_url") -> str:
+def resolve_endpoint_url(
+    url: str = "", environ: Mapping[str, str] = os.environ, field: str = "storage_endpoint_url"
+) -> str:
     """`url`, else the environment's (module docstring); refuses one carrying credentials."""
     value = url or _first(ENDPOINT_ENV, environ)
     if "@" in urlsplit(value).netloc:
         source = field if url else "/".join(ENDPOINT_ENV)
-        raise EndpointCredentialsError(f"{source}: the S3 endpoint carries credentials in its host part (scheme://user:secret@...): "
-                         "refused; put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile")
+        raise EndpointCredentialsError(
+            f"{source}: the S3 endpoint carries credentials in its host part (scheme://user:secret@...): "
+            "refused; put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile"
+        )
     return value
 
 

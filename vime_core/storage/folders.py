@@ -76,8 +76,10 @@ def published_folder(location: StorageLocation, key: str) -> str | None:
     except FileNotFoundError:
         return None
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION or not manifest.get("folder"):
-        raise FolderManifestError(f"{location.url(f'{key}/{MANIFEST}')}: format {manifest.get('format')!r} "
-                                  f"v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
+        raise FolderManifestError(
+            f"{location.url(f'{key}/{MANIFEST}')}: format {manifest.get('format')!r} "
+            f"v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}"
+        )
     return location.url(f"{key}/{manifest['folder']}")
 
 
@@ -96,8 +98,13 @@ def _upload_then_manifest(location: StorageLocation, key: str, staged: Path, lab
     files = sorted((p.relative_to(staged).as_posix(), p) for p in staged.rglob("*") if p.is_file())
     for relative, local in files:
         location.put_file(f"{key}/{name}/{relative}", local)
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "folder": name,
-                "files": sorted(relative for relative, _ in files), "created_at": time.time()}
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "folder": name,
+        "files": sorted(relative for relative, _ in files),
+        "created_at": time.time(),
+    }
     location.put_atomic(f"{key}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
     keep = (f"{key}/{MANIFEST}", f"{key}/{name}/")
     for stale in location.list_keys(key):

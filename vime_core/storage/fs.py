@@ -158,7 +158,7 @@ class StorageLocation:
             path = str(path)
             if info.get("type") != "file" or path == base or not path.startswith(root) or "/." in path:
                 continue
-            out.append((path[len(root):], _mtime(info)))
+            out.append((path[len(root) :], _mtime(info)))
         return out
 
 
@@ -183,7 +183,7 @@ def open_location(uri: str, storage_options: dict | None = None, endpoint: S3End
         raise ValueError("storage URI is empty: give a local folder or s3://bucket/prefix")
     options = dict(storage_options or {})
     if "://" not in uri or uri.startswith("file://"):
-        local = uri[len("file://"):] if uri.startswith("file://") else uri
+        local = uri[len("file://") :] if uri.startswith("file://") else uri
         root = str(Path(local).expanduser().resolve())
         return StorageLocation(fsspec.filesystem("file"), root, "file")
     _refuse_userinfo(uri)

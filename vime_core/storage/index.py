@@ -102,7 +102,9 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
         "weight_versions": versions,
         "prompt_ids": [str(p) for p in lineage.get("prompt_ids", [])],
         "reward_mean": _mean(table.column("raw_reward")) if "raw_reward" in table.column_names else None,
-        "response_length_mean": _mean(table.column("response_length")) if "response_length" in table.column_names else None,
+        "response_length_mean": _mean(table.column("response_length"))
+        if "response_length" in table.column_names
+        else None,
         "num_eval_rows": int(pc.sum(table.column("is_eval")).as_py() or 0) if "is_eval" in table.column_names else 0,
     }
     return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
@@ -154,19 +156,25 @@ class BatchIndex:
             return self._read(names + [k for k in compacted if k.endswith(".parquet")])
 
         rows = self._consistent(read_once)
-        rows = latest_per_batch(rows.filter(pc.and_(pc.equal(rows.column("run"), run),
-                                                    pc.equal(rows.column("rollout_id"), rollout_id))))
+        rows = latest_per_batch(
+            rows.filter(pc.and_(pc.equal(rows.column("run"), run), pc.equal(rows.column("rollout_id"), rollout_id)))
+        )
         return rows.to_pylist()[0] if rows.num_rows else None
 
     def _consistent(self, read_once: Callable[[], T]) -> T:
         """`read_once()`, run again (up to _READ_ATTEMPTS times in all) while a file it listed
         vanishes before it is read: a compaction folded it meanwhile (module docstring)."""
-        retrying = attempts(_READ_ATTEMPTS, retry_on=lambda exc: isinstance(exc, FileNotFoundError),
-                            on_retry=lambda state: log.debug("index file vanished while reading (a compaction ran); reading again"))
+        retrying = attempts(
+            _READ_ATTEMPTS,
+            retry_on=lambda exc: isinstance(exc, FileNotFoundError),
+            on_retry=lambda state: log.debug("index file vanished while reading (a compaction ran); reading again"),
+        )
         try:
             return retrying(read_once)
         except FileNotFoundError:
-            raise RuntimeError(f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads") from None
+            raise RuntimeError(
+                f"index of {self.location.describe()} kept changing during {_READ_ATTEMPTS} reads"
+            ) from None
 
     def _read(self, keys: list[str]) -> pa.Table:
         blobs = self.location.get_many(keys)
@@ -225,8 +233,11 @@ def _as_index_table(table: pa.Table, key: str) -> pa.Table:
         names = table.schema.names
     if stamp in ("1", "?", str(INDEX_VERSION)) and names == INDEX_SCHEMA.names:
         return table.cast(INDEX_SCHEMA)
-    why = (f"a newer vime (index version {stamp})" if stamp.isdigit() and int(stamp) > INDEX_VERSION
-           else f"index version {stamp} with fields {table.schema.names}")
+    why = (
+        f"a newer vime (index version {stamp})"
+        if stamp.isdigit() and int(stamp) > INDEX_VERSION
+        else f"index version {stamp} with fields {table.schema.names}"
+    )
     raise ValueError(
         f"index file {key} was written by {why}; this vime reads index version {INDEX_VERSION} "
         f"({INDEX_SCHEMA.names}) and version 1: read it with the vime that wrote it, or move it "

@@ -53,10 +53,12 @@ def prompt_use_counts(index: IndexSource, run: str | None = None, min_count: int
     index = _of_run(index, run)
     prompts = index.column("prompt_ids").combine_chunks()
     parents = pc.list_parent_indices(prompts)
-    uses = pa.table({
-        "prompt_id": pc.list_flatten(prompts),
-        "rollout_id": pc.take(index.column("rollout_id"), parents),
-    })
+    uses = pa.table(
+        {
+            "prompt_id": pc.list_flatten(prompts),
+            "rollout_id": pc.take(index.column("rollout_id"), parents),
+        }
+    )
     counts = uses.group_by("prompt_id").aggregate([("rollout_id", "count"), ("rollout_id", "distinct")])
     counts = counts.rename_columns(["prompt_id", "count", "rollout_ids"])
     counts = counts.filter(pc.greater_equal(counts.column("count"), min_count))
@@ -74,7 +76,16 @@ def reward_by_iteration(index: IndexSource, run: str | None = None) -> pa.Table:
     """Per (run, rollout id): reward_mean (raw reward), response_length_mean, num_rows and the
     weight versions that generated it; sorted by run, then rollout_id."""
     rows = _of_run(index, run).select(
-        ["run", "rollout_id", "reward_mean", "response_length_mean", "num_rows", "weight_version_min", "weight_version_max", "created_at"]
+        [
+            "run",
+            "rollout_id",
+            "reward_mean",
+            "response_length_mean",
+            "num_rows",
+            "weight_version_min",
+            "weight_version_max",
+            "created_at",
+        ]
     )
     return rows.sort_by([("run", "ascending"), ("rollout_id", "ascending")])
 

@@ -50,7 +50,9 @@ def cutoff_time(older_than: str | dt.timedelta | dt.datetime, now: dt.datetime |
     return (now or dt.datetime.now(dt.timezone.utc)) - parse_age(older_than)
 
 
-def prune_selection(run: str | None = None, older_than: str | dt.timedelta | dt.datetime | None = None) -> pc.Expression:
+def prune_selection(
+    run: str | None = None, older_than: str | dt.timedelta | dt.datetime | None = None
+) -> pc.Expression:
     """The index rows (index.INDEX_SCHEMA) of the batches of `run` (all runs if None) created
     before `older_than` (any age if None), as a filter for `pyarrow.Table.filter`. At least one
     of the two must be given."""
@@ -81,8 +83,7 @@ def remove_orphans(store: Any, older_than: str | dt.timedelta = "1h", dry_run: b
     cutoff = cutoff_time(older_than).timestamp()
     published = set(store.index().column("key").to_pylist())
     candidates = store.location.list_with_times(layout.TMP) + store.location.list_with_times(layout.BATCHES)
-    orphans = [key for key, mtime in candidates
-               if key not in published and mtime is not None and mtime < cutoff]
+    orphans = [key for key, mtime in candidates if key not in published and mtime is not None and mtime < cutoff]
     if not dry_run:
         for key in orphans:
             store.location.delete(key)

@@ -31,9 +31,22 @@ from vime_core.utils.processes import free_port, log_tail, pid_alive
 
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
 PORT_FLAGS = (
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "volume.port.public",
-    "filer.port", "filer.port.grpc", "filer.port.public", "s3.port", "s3.port.grpc", "s3.port.https",
-    "webdav.port", "metricsPort", "s3.metricsPort", "debug.port", "s3.debug.port",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "volume.port.public",
+    "filer.port",
+    "filer.port.grpc",
+    "filer.port.public",
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.https",
+    "webdav.port",
+    "metricsPort",
+    "s3.metricsPort",
+    "debug.port",
+    "s3.debug.port",
 )
 STATE_FILE = "server.json"
 
@@ -84,7 +97,9 @@ def _admin_ports() -> tuple[int, int]:
 def _credentials() -> dict[str, str]:
     key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     if not key or not secret:
-        raise RuntimeError("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the S3 server uses them as its credentials")
+        raise RuntimeError(
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the S3 server uses them as its credentials"
+        )
     return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
 
@@ -110,8 +125,12 @@ def server_status(data_dir: str | Path) -> S3Server | None:
 def _ready(endpoint: str, bucket: str) -> bool:
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False,
-                           config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5})
+    fs = s3fs.S3FileSystem(
+        endpoint_url=endpoint,
+        skip_instance_cache=True,
+        use_listings_cache=False,
+        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
+    )
     try:
         if not fs.exists(bucket):
             fs.mkdir(bucket)
@@ -137,7 +156,9 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
     running = server_status(data_dir)
     if running is not None:
         if not _ready(running.endpoint, bucket):
-            raise RuntimeError(f"S3 server for {data_dir} runs (pid {running.pid}) but {running.endpoint} does not answer")
+            raise RuntimeError(
+                f"S3 server for {data_dir} runs (pid {running.pid}) but {running.endpoint} does not answer"
+            )
         return S3Server(running.endpoint, bucket, running.data_dir, running.pid)
     env = {**os.environ, **_credentials()}
     (data_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -147,8 +168,10 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
         if _answers_before_exit(process, server, deadline, timeout):
             return server
         (data_dir / STATE_FILE).unlink(missing_ok=True)
-    raise RuntimeError(f"weed mini exited with code {process.returncode} on each of {START_ATTEMPTS} starts; "
-                       f"{data_dir / 'weed.log'} ends with:\n{log_tail(data_dir / 'weed.log', LOG_TAIL_LINES)}")
+    raise RuntimeError(
+        f"weed mini exited with code {process.returncode} on each of {START_ATTEMPTS} starts; "
+        f"{data_dir / 'weed.log'} ends with:\n{log_tail(data_dir / 'weed.log', LOG_TAIL_LINES)}"
+    )
 
 
 def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: float, timeout: float) -> bool:
@@ -161,7 +184,9 @@ def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: 
             return True
         time.sleep(0.3)
     stop_s3_server(server.data_dir)
-    raise TimeoutError(f"S3 server at {server.endpoint} not ready after {timeout:.0f} s; see {Path(server.data_dir) / 'weed.log'}")
+    raise TimeoutError(
+        f"S3 server at {server.endpoint} not ready after {timeout:.0f} s; see {Path(server.data_dir) / 'weed.log'}"
+    )
 
 
 def _launch(data_dir: Path, bucket: str, env: dict[str, str]) -> tuple[subprocess.Popen, S3Server]:
@@ -169,14 +194,30 @@ def _launch(data_dir: Path, bucket: str, env: dict[str, str]) -> tuple[subproces
     ports = {flag: free_port() for flag in PORT_FLAGS}
     ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
     args = [
-        weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        "-admin.ui=false", "-webdav=false", "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-master.volumeSizeLimitMB=64", f"-bucket={bucket}",
+        weed_binary(),
+        "mini",
+        f"-dir={data_dir / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-master.telemetry=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64",
+        f"-bucket={bucket}",
         *(f"-{flag}={port}" for flag, port in sorted(ports.items())),
     ]
     with open(data_dir / "weed.log", "ab") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=data_dir, start_new_session=True)
+        process = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=data_dir,
+            start_new_session=True,
+        )
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, str(data_dir), process.pid)
     (data_dir / STATE_FILE).write_text(json.dumps(asdict(server)))
     return process, server
@@ -215,7 +256,9 @@ def _reap(pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime_core.storage.s3_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["start", "stop", "status"])
-    parser.add_argument("--dir", default=".cache/seaweedfs", help="data folder of the server (default: .cache/seaweedfs)")
+    parser.add_argument(
+        "--dir", default=".cache/seaweedfs", help="data folder of the server (default: .cache/seaweedfs)"
+    )
     parser.add_argument("--bucket", default="vime", help="bucket created at start (default: vime)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for readiness")
     args = parser.parse_args(argv)

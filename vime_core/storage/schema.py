@@ -16,7 +16,8 @@ default options (no compression, one record batch, none for an empty table, end-
 marker). Field types include the list item name `element` (Parquet's compliant naming) so a
 Parquet round trip leaves the bytes unchanged. This definition is part of the stored format:
 changing it needs a SCHEMA_VERSION bump. A batch stored at version 1
-(tests/unit/data/rollout_batch_v1.parquet) must keep verifying after any pyarrow upgrade. The checksum therefore covers every value, every type and all lineage, so a flipped
+(tests/unit/data/rollout_batch_v1.parquet) must keep verifying after any pyarrow upgrade. The checksum therefore covers
+every value, every type and all lineage, so a flipped
 byte in the data or an edited lineage field is detected, while the Parquet encoding (page
 sizes, compression) does not matter.
 
@@ -71,7 +72,8 @@ LINEAGE_DESCRIPTIONS: dict[str, str] = {
     "prompt_ids": "prompt id of every group, in group order (computed from the batch if absent)",
     "weight_versions": "sorted distinct weight versions that generated the batch (computed)",
     "flow_run_id": "Prefect flow run that produced the batch",
-    DATA_SOURCE_AFTER: "the prompt data source's position after this rollout (a JSON object; a run resumed past its checkpoint continues from it)",
+    DATA_SOURCE_AFTER: "the prompt data source's position after this rollout (a JSON object; a run resumed past its "
+    "checkpoint continues from it)",
     "created_at": "ISO-8601 UTC time of writing (computed if absent)",
     "num_rows": "number of samples (computed)",
     "checksum": "sha256 of the canonical IPC bytes, see module docstring (computed)",
@@ -100,8 +102,7 @@ def upgrade_table(table: pa.Table, source: str = "table") -> pa.Table:
     version = stored_schema_version(table, source)
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"{source} has schema version {version}, newer than this vime's {SCHEMA_VERSION}: "
-            f"read it with a newer vime"
+            f"{source} has schema version {version}, newer than this vime's {SCHEMA_VERSION}: read it with a newer vime"
         )
     while version < SCHEMA_VERSION:
         step = UPGRADES.get(version)
@@ -134,7 +135,11 @@ def code_version() -> str:
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--tags"],
-            cwd=repo, capture_output=True, text=True, timeout=10, check=True,
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -189,9 +194,13 @@ def complete_lineage(lineage: dict, table: pa.Table) -> dict:
         "code_version": str(lineage.get("code_version") or code_version()),
         "model_id": str(lineage.get("model_id", "")),
         "dataset_id": str(lineage.get("dataset_id", "")),
-        "prompt_ids": list(lineage["prompt_ids"]) if "prompt_ids" in lineage
-        else _group_prompt_ids(table.column("prompt_id").combine_chunks(), table.column("group_index").combine_chunks()),
-        "weight_versions": sorted(int(v) for v in lineage["weight_versions"]) if "weight_versions" in lineage
+        "prompt_ids": list(lineage["prompt_ids"])
+        if "prompt_ids" in lineage
+        else _group_prompt_ids(
+            table.column("prompt_id").combine_chunks(), table.column("group_index").combine_chunks()
+        ),
+        "weight_versions": sorted(int(v) for v in lineage["weight_versions"])
+        if "weight_versions" in lineage
         else _distinct_versions(table.column("weight_versions").combine_chunks()),
         "flow_run_id": str(lineage.get("flow_run_id", "")),
         DATA_SOURCE_AFTER: lineage.get(DATA_SOURCE_AFTER) or {},
@@ -277,14 +286,21 @@ def table_to_batch(table: pa.Table) -> tuple[dict[str, list], dict]:
     """(batch dict, lineage) of a stored table of the current schema version."""
     version = stored_schema_version(table)
     if version != SCHEMA_VERSION:
-        raise SchemaVersionError(f"table has schema version {version}, expected {SCHEMA_VERSION}: upgrade_table() it first")
+        raise SchemaVersionError(
+            f"table has schema version {version}, expected {SCHEMA_VERSION}: upgrade_table() it first"
+        )
     batch = {name: table.column(name).to_pylist() for name in COLUMNS}
     return batch, lineage_of(table)
 
 
 def describe_schema() -> str:
     """Markdown tables of the batch columns and the lineage keys (docs/lineage.md is made from it)."""
-    lines = [f"Schema version {SCHEMA_VERSION}.", "", "| column | Arrow type | nullable | meaning |", "|---|---|---|---|"]
+    lines = [
+        f"Schema version {SCHEMA_VERSION}.",
+        "",
+        "| column | Arrow type | nullable | meaning |",
+        "|---|---|---|---|",
+    ]
     for field in BATCH_SCHEMA:
         desc = (field.metadata or {}).get(b"description", b"").decode()
         lines.append(f"| {field.name} | `{field.type}` | {'yes' if field.nullable else 'no'} | {desc} |")

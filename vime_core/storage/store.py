@@ -132,7 +132,9 @@ class BatchStore:
         run, rollout_id, checksum = layout.check_run(full["run"]), full["rollout_id"], full["checksum"]
         previous = self.batch_index.entry(run, rollout_id)
         if previous is not None and not overwrite:
-            raise BatchExistsError(f"batch {run}/{rollout_id} is already stored at {previous['key']}; pass overwrite=True to replace it")
+            raise BatchExistsError(
+                f"batch {run}/{rollout_id} is already stored at {previous['key']}; pass overwrite=True to replace it"
+            )
         data = _parquet_bytes(table)
         tmp = layout.tmp_key(run, rollout_id)
         final = layout.batch_key(run, rollout_id, checksum)
@@ -145,7 +147,14 @@ class BatchStore:
             raise
         if previous is not None and previous["key"] != final:
             self._forget(previous)
-        log.info("stored batch %s/%d (%d rows, %d bytes) at %s", run, rollout_id, table.num_rows, len(data), self.location.url(final))
+        log.info(
+            "stored batch %s/%d (%d rows, %d bytes) at %s",
+            run,
+            rollout_id,
+            table.num_rows,
+            len(data),
+            self.location.url(final),
+        )
         return BatchRef(run, rollout_id, final, self.location.url(final), checksum, table.num_rows, full["created_at"])
 
     def _publish(self, tmp: str, final: str, row: pa.Table) -> None:
@@ -173,7 +182,9 @@ class BatchStore:
         try:
             data = self.location.get(entry["key"])
         except FileNotFoundError:
-            raise BatchNotFoundError(f"batch {run}/{rollout_id} is in the index but its object {entry['key']} is gone (pruned?)") from None
+            raise BatchNotFoundError(
+                f"batch {run}/{rollout_id} is in the index but its object {entry['key']} is gone (pruned?)"
+            ) from None
         try:
             table = verify_table(data, entry["key"], entry["checksum"])
         except CorruptBatchError as exc:
@@ -193,8 +204,13 @@ class BatchStore:
 
     def _ref(self, entry: dict) -> BatchRef:
         return BatchRef(
-            entry["run"], entry["rollout_id"], entry["key"], self.location.url(entry["key"]),
-            entry["checksum"], entry["num_rows"], entry["created_at"].isoformat(),
+            entry["run"],
+            entry["rollout_id"],
+            entry["key"],
+            self.location.url(entry["key"]),
+            entry["checksum"],
+            entry["num_rows"],
+            entry["created_at"].isoformat(),
         )
 
     # ---- quarantine ---------------------------------------------------------------------------
@@ -212,8 +228,12 @@ class BatchStore:
         if data is not None:
             self.location.put(dst, data)
         record = {
-            "run": run, "rollout_id": int(rollout_id), "key": entry["key"], "checksum": entry["checksum"],
-            "quarantined_key": dst if data is not None else None, "reason": reason,
+            "run": run,
+            "rollout_id": int(rollout_id),
+            "key": entry["key"],
+            "checksum": entry["checksum"],
+            "quarantined_key": dst if data is not None else None,
+            "reason": reason,
             "quarantined_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         self.location.put(dst.removesuffix(".parquet") + ".json", json.dumps(record, sort_keys=True).encode())
@@ -241,7 +261,9 @@ class BatchStore:
         """Fold the manifests into one compacted index file; returns the number of batches."""
         return self.batch_index.compact().num_rows
 
-    def prune(self, run: str | None = None, older_than: "str | dt.timedelta | dt.datetime | None" = None, dry_run: bool = True) -> list[BatchRef]:
+    def prune(
+        self, run: str | None = None, older_than: "str | dt.timedelta | dt.datetime | None" = None, dry_run: bool = True
+    ) -> list[BatchRef]:
         """Remove the published batches of `run` (all runs if None) created before `older_than`
         (any age if None; at least one of the two: retention.prune_selection): first their
         manifests (they stop being visible), then their objects, then the index is recompacted

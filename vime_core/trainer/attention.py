@@ -120,7 +120,9 @@ class SDPACoreAttention(MegatronModule):
         out = flash_varlen_causal(q, k, v, cu, int(params.max_seqlen_q), dropout_p, self.softmax_scale)
         return out.reshape(out.shape[0], 1, self.heads_per_rank * self.head_dim)
 
-    def _packed_per_segment(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+    def _packed_per_segment(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
         """SDPA per segment, or one batched call when all segments have the same length."""
         cu_seqlens = params.cu_seqlens_q
         total = query.shape[0]
@@ -142,14 +144,27 @@ class SDPACoreAttention(MegatronModule):
 
 
 def flash_varlen_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    scale: float,
 ) -> torch.Tensor:
     """FlashAttention-2 over packed segments: q [t, heads, d], k/v [t, groups, d] (heads a multiple
     of groups), ``cu_seqlens`` int32 on q's device, ``max_seqlen`` a Python int -> [t, heads, d],
     causal inside each segment. Differentiable (aten's derivative calls the varlen backward,
     which sums dK/dV over each group's query heads)."""
     return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
         True,  # is_causal (q and k segments have the same lengths: top-left = bottom-right)
         False,  # return_debug_mask
         scale=scale,
@@ -159,9 +174,4 @@ def flash_varlen_causal(
 def _varlen_kernel_applies(query: torch.Tensor) -> bool:
     """FlashAttention's varlen kernel: CUDA, half precision, head dim a multiple of 8 up to 256."""
     head_dim = query.shape[-1]
-    return (
-        query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and head_dim % 8 == 0
-        and head_dim <= 256
-    )
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256

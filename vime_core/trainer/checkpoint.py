@@ -71,8 +71,9 @@ def rank_file_name(rank: int, critic: bool = False) -> str:
     return f"critic_rank_{rank}.pt" if critic else f"rank_{rank}.pt"
 
 
-def save_rank_state(path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None,
-                    critic: bool = False) -> str:
+def save_rank_state(
+    path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None, critic: bool = False
+) -> str:
     """One rank's file (its critic's with `critic`)."""
     from vime_core.storage.fs import open_location
 
@@ -101,14 +102,22 @@ def _read(path: str, name: str, missing: str, endpoint: Optional[S3Endpoint] = N
 
 
 def read_manifest(path: str, endpoint: Optional[S3Endpoint] = None) -> dict[str, Any]:
-    manifest = json.loads(_read(path, MANIFEST, f"no {MANIFEST} (not a checkpoint, or one that was never finished)", endpoint))
+    manifest = json.loads(
+        _read(path, MANIFEST, f"no {MANIFEST} (not a checkpoint, or one that was never finished)", endpoint)
+    )
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} v{FORMAT_VERSION}")
+        raise CheckpointError(
+            (
+                f"{path}/{MANIFEST}: format {manifest.get('format')!r} v{manifest.get('version')} is not {FORMAT} "
+                f"v{FORMAT_VERSION}"
+            )
+        )
     return manifest
 
 
-def load_rank_state(path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None,
-                    critic: bool = False) -> dict[str, Any]:
+def load_rank_state(
+    path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None, critic: bool = False
+) -> dict[str, Any]:
     """This rank's state dict (its critic's with `critic`, from the manifest's critic_dir),
     after checking the manifest matches the current layout."""
     manifest = read_manifest(path, endpoint)
@@ -145,9 +154,11 @@ def load_state_bytes(data: bytes, where: str) -> dict[str, Any]:
         with torch.serialization.safe_globals(_NUMPY_RNG_GLOBALS):
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{where}: refused to load: it holds a pickled object that is not tensors or plain "
-                              f"data ({_refusal_reason(exc)}); vime writes none, so the file was not written by vime or was changed "
-                              f"since") from None
+        raise CheckpointError(
+            f"{where}: refused to load: it holds a pickled object that is not tensors or plain "
+            f"data ({_refusal_reason(exc)}); vime writes none, so the file was not written by vime or was changed "
+            f"since"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: holds a {type(state).__name__}, not a vime rank state (a dict)")
     return state

@@ -48,8 +48,9 @@ CRITIC_METRIC_SUMS = ("value_clipfrac", "value_mean", "ev_r", "ev_r2", "ev_d", "
 def critic_config(cfg: Any) -> Any:
     """The configuration the critic's optimizer and schedule are built from: the run's, with
     critic_lr as lr and critic_lr_warmup_iters as the warmup (config/derive.py checked them)."""
-    return cfg.model_copy(update={"lr": cfg.critic_lr, "lr_warmup_iters": cfg.critic_lr_warmup_iters,
-                                  "lr_warmup_fraction": None})
+    return cfg.model_copy(
+        update={"lr": cfg.critic_lr, "lr_warmup_iters": cfg.critic_lr_warmup_iters, "lr_warmup_fraction": None}
+    )
 
 
 def add_value_head(gpt: Any, dtype: torch.dtype) -> torch.nn.Linear:
@@ -86,8 +87,16 @@ class Critic:
         self._asleep = False
 
     @classmethod
-    def build(cls, cfg: Any, policy_arch: Any, policy_checkpoint: Any, load_body: Callable[[Any, Any], Any],
-              wrap_ddp: Callable[[Any], Any], dtype: torch.dtype, device: Any) -> "Critic":
+    def build(
+        cls,
+        cfg: Any,
+        policy_arch: Any,
+        policy_checkpoint: Any,
+        load_body: Callable[[Any, Any], Any],
+        wrap_ddp: Callable[[Any], Any],
+        dtype: torch.dtype,
+        device: Any,
+    ) -> "Critic":
         """From critic_load, else the policy's HF folder ``policy_checkpoint``. ``load_body(arch,
         checkpoint)``: the trainer's GPTModel of this rank loaded from an HF folder;
         ``wrap_ddp``: the trainer's DDP wrapper."""
@@ -106,7 +115,9 @@ class Critic:
     # ---- values and the update -------------------------------------------------------------------
 
     @torch.no_grad()
-    def values(self, batch: Mapping[str, Sequence[Any]], micro_batches: Sequence[Sequence[int]]) -> dict[int, torch.Tensor]:
+    def values(
+        self, batch: Mapping[str, Sequence[Any]], micro_batches: Sequence[Sequence[int]]
+    ) -> dict[int, torch.Tensor]:
         """V_old of every sample of ``micro_batches``, per sample on the CPU (where GAE runs)."""
         from vime_core.trainer.train_step import make_micro_batch, split_per_sample
 
@@ -138,8 +149,9 @@ class Critic:
             mb = make_micro_batch(batch, indices, self.device)
             loss = self._micro_batch_loss(mb, denominators, returns, old_values, acc)
             (loss * dp_size).backward()  # DDP averages over DP: the step's loss is layout-free
-        grad_norm, lr = step_optimizer(self.model, self.optimizer, self.scheduler, self.cfg, acc.loss, self.device,
-                                       self.skips)
+        grad_norm, lr = step_optimizer(
+            self.model, self.optimizer, self.scheduler, self.cfg, acc.loss, self.device, self.skips
+        )
         sums = acc.all_reduced(dp_group, dp_size, self.device)
         metrics = {"value_loss": sums["loss"], "critic_lr": lr, "critic_skipped_steps": float(grad_norm is None)}
         if grad_norm is not None:  # None: a non-finite step, skipped
@@ -153,8 +165,14 @@ class Critic:
                 metrics["explained_variance"] = ev
         return metrics
 
-    def _micro_batch_loss(self, mb: Any, denominators: Any, returns: Mapping[int, torch.Tensor],
-                          old_values: Mapping[int, torch.Tensor], acc: Any) -> torch.Tensor:
+    def _micro_batch_loss(
+        self,
+        mb: Any,
+        denominators: Any,
+        returns: Mapping[int, torch.Tensor],
+        old_values: Mapping[int, torch.Tensor],
+        acc: Any,
+    ) -> torch.Tensor:
         from vime_core.algo.losses import aggregate_loss
         from vime_core.algo.value_loss import clipped_value_loss
         from vime_core.trainer.packing import to_device
@@ -166,8 +184,14 @@ class Critic:
         per_token, clipfrac = clipped_value_loss(values, old, target, self.cfg.value_clip)
         mask, count = mb.loss_mask, sum(mb.mask_counts)
         diff = target - old
-        for name, per in (("value_clipfrac", clipfrac), ("value_mean", old), ("ev_r", target),
-                          ("ev_r2", target * target), ("ev_d", diff), ("ev_d2", diff * diff)):
+        for name, per in (
+            ("value_clipfrac", clipfrac),
+            ("value_mean", old),
+            ("ev_r", target),
+            ("ev_r2", target * target),
+            ("ev_d", diff),
+            ("ev_d2", diff * diff),
+        ):
             acc.add(name, per, mask, count)
         loss = aggregate_loss(per_token, mask, self.cfg.loss_agg_mode, mb.response_lengths)
         share = denominators.share(self.cfg.loss_agg_mode, mb)
@@ -223,7 +247,8 @@ def _critic_arch(path: str, policy_arch: Any) -> Any:
         raise FileNotFoundError(f"critic_load={path!r}: no HF checkpoint there (config.json missing)")
     arch = architecture_from_hf(read_hf_config(path))
     if arch.vocab_size != policy_arch.vocab_size:
-        raise ValueError(f"critic_load={path!r} has vocab_size={arch.vocab_size}, hf_checkpoint "
-                         f"{policy_arch.vocab_size}: the critic reads the policy's token ids")
+        raise ValueError(
+            f"critic_load={path!r} has vocab_size={arch.vocab_size}, hf_checkpoint "
+            f"{policy_arch.vocab_size}: the critic reads the policy's token ids"
+        )
     return arch
-

@@ -59,10 +59,20 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     attn = h + "self_attn."
     rules = [
-        Rule(m + "self_attention.linear_qkv.weight", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), "qkv"),
+        Rule(
+            m + "self_attention.linear_qkv.weight",
+            (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+            "qkv",
+        ),
     ]
     if arch.qkv_bias:
-        rules.append(Rule(m + "self_attention.linear_qkv.bias", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), "qkv"))
+        rules.append(
+            Rule(
+                m + "self_attention.linear_qkv.bias",
+                (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                "qkv",
+            )
+        )
     if arch.qk_norm:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
@@ -99,9 +109,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArchitec
     g = k.shape[0] // d
     per_group = arch.num_heads // arch.num_kv_heads
     rest = q.shape[1:]
-    fused = torch.cat(
-        [q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1
-    )
+    fused = torch.cat([q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
     return fused.reshape(-1, *rest)
 
 
@@ -136,8 +144,9 @@ def chunk_bounds(n: int, tp: int, rank: int) -> tuple[int, int]:
     return start, min(n, start + size)
 
 
-def rank_range(rule: Rule, j: int, shape: tuple[int, ...], arch: HFArchitecture, tp: int,
-               rank: int) -> tuple[int, int, int] | None:
+def rank_range(
+    rule: Rule, j: int, shape: tuple[int, ...], arch: HFArchitecture, tp: int, rank: int
+) -> tuple[int, int, int] | None:
     """``(dim, start, end)``: the part of HF tensor ``rule.hf[j]`` (of ``shape``) that TP rank
     ``rank`` holds; None when it holds all of it. Every split is one contiguous range, so a
     reader can fetch just that part (``safe_open(...).get_slice``)."""
@@ -205,8 +214,10 @@ def hf_to_megatron_shard(
     """Megatron-named tensors for TP rank ``rank`` from full HF tensors in memory; raises
     ``CheckpointMismatchError`` naming every missing and unexpected HF tensor of ``source``."""
     check_hf_names(hf_tensors, arch, source)
-    return {rule.megatron: shard_for_rank(rule, [hf_tensors[n] for n in rule.hf], arch, tp, rank)
-            for rule in conversion_rules(arch)}
+    return {
+        rule.megatron: shard_for_rank(rule, [hf_tensors[n] for n in rule.hf], arch, tp, rank)
+        for rule in conversion_rules(arch)
+    }
 
 
 # ---- reading safetensors checkpoints -----------------------------------------------------------
@@ -252,8 +263,9 @@ def read_hf_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def iter_megatron_shard(checkpoint_dir: str | Path, arch: HFArchitecture, tp: int,
-                        rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_megatron_shard(
+    checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(megatron_name, tensor)`` of TP rank ``rank``, reading the checkpoint shard file by
     shard file.
 
@@ -280,7 +292,8 @@ def iter_megatron_shard(checkpoint_dir: str | Path, arch: HFArchitecture, tp: in
                 shape = tuple(view.get_shape())
                 if rule.kind == "vocab" and shape[0] != arch.vocab_size:
                     raise CheckpointMismatchError(
-                        f"{source}: {rule.hf[j]} has {shape[0]} rows, config.json says vocab_size={arch.vocab_size}")
+                        f"{source}: {rule.hf[j]} has {shape[0]} rows, config.json says vocab_size={arch.vocab_size}"
+                    )
                 part = rank_range(rule, j, shape, arch, tp, rank)
                 if part is None:
                     tensor = view[:]
@@ -323,7 +336,9 @@ def _checked_params(model: Any, names: set[str], source: str) -> dict[str, torch
     missing = sorted(set(params) - names)
     extra = sorted(names - set(params))
     if missing or extra:
-        raise CheckpointMismatchError(f"{source}: Megatron parameters missing: {missing or 'none'}; unexpected: {extra or 'none'}")
+        raise CheckpointMismatchError(
+            f"{source}: Megatron parameters missing: {missing or 'none'}; unexpected: {extra or 'none'}"
+        )
     return params
 
 
@@ -338,8 +353,13 @@ def _copy_param(param: torch.nn.Parameter, name: str, value: torch.Tensor, sourc
 # ---- Megatron shards -> HF -----------------------------------------------------------------------
 
 
-def shards_to_hf(rule: Rule, gather: Callable[[torch.Tensor, int], list[torch.Tensor]], local: torch.Tensor,
-                 arch: HFArchitecture, tp: int) -> list[torch.Tensor]:
+def shards_to_hf(
+    rule: Rule,
+    gather: Callable[[torch.Tensor, int], list[torch.Tensor]],
+    local: torch.Tensor,
+    arch: HFArchitecture,
+    tp: int,
+) -> list[torch.Tensor]:
     """Full HF tensors for ``rule`` from this rank's shard; ``gather(t, dim)`` returns the TP
     shards of ``t`` in rank order (a list of one when tp == 1)."""
     if rule.kind == "replicated":
@@ -356,8 +376,9 @@ def shards_to_hf(rule: Rule, gather: Callable[[torch.Tensor, int], list[torch.Te
     raise AssertionError(rule.kind)
 
 
-def iter_hf_weights(model: Any, arch: HFArchitecture | None = None,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    model: Any, arch: HFArchitecture | None = None, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF weight, gathering TP shards.
 
     A collective over the TP group: all its ranks must iterate in step. ``dtype`` casts the

@@ -38,8 +38,13 @@ def source_dtype(config: dict) -> torch.dtype:
     return DTYPES[name]
 
 
-def write_hf_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], source_dir: str | Path, path: str | Path,
-                    endpoint: S3Endpoint | None = None, label: str = "") -> str:
+def write_hf_folder(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    source_dir: str | Path,
+    path: str | Path,
+    endpoint: S3Endpoint | None = None,
+    label: str = "",
+) -> str:
     """Write ``named_tensors`` plus the source folder's config and tokenizer files at ``path``
     (module docstring); ``endpoint``: the run's S3 server (None: this process's environment).
     Returns where the folder is: ``path``, or on an object store ``path/<label>-<random>``."""
@@ -65,4 +70,4 @@ def write_hf_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], source_di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     folder = publish_folder(location, name, tmp, label)
-    return str(path).rstrip("/") + folder[len(name):]
+    return str(path).rstrip("/") + folder[len(name) :]

@@ -221,7 +221,9 @@ def packed_response_log_probs(
     with hidden_states_only(gpt):
         hidden = forward_packed(model, packed)  # [T, 1, hidden]: the decoder's output after the final norm
     rows = hidden[:, 0].index_select(0, packed.logit_index)
-    return response_log_probs(rows, output_weight(gpt), packed.targets, vocab_size, sampling, with_entropy, entropy_grad)
+    return response_log_probs(
+        rows, output_weight(gpt), packed.targets, vocab_size, sampling, with_entropy, entropy_grad
+    )
 
 
 def forward_packed(model: torch.nn.Module, packed: "PackedMicroBatch") -> torch.Tensor:  # noqa: F821
@@ -291,8 +293,17 @@ def head_log_probs(
     collectives ``comm`` (None: one rank); ``rows`` already copied to the TP region."""
     top_k, top_p = (sampling.top_k, sampling.top_p) if sampling.truncates(vocab_size) else (-1, 1.0)
     log_probs, entropy = ResponseHead.apply(
-        rows, weight, targets, start, vocab_size, float(sampling.temperature), with_entropy,
-        with_entropy and entropy_grad, comm, top_k, top_p,
+        rows,
+        weight,
+        targets,
+        start,
+        vocab_size,
+        float(sampling.temperature),
+        with_entropy,
+        with_entropy and entropy_grad,
+        comm,
+        top_k,
+        top_p,
     )
     return log_probs, entropy if with_entropy else None
 
@@ -387,8 +398,16 @@ class ResponseHead(torch.autograd.Function):
             ent = None if grad_entropy is None else entropy[r0:r1]
             kept = () if tau is None else (tau[r0:r1], w_tie[r0:r1])
             grad_z = run_chunk_fn(
-                backward_chunk, x[r0:r1], w, local[r0:r1], lse[r0:r1], ent, grad_log_probs[r0:r1], g_ent,
-                ctx.temperature, *kept,
+                backward_chunk,
+                x[r0:r1],
+                w,
+                local[r0:r1],
+                lse[r0:r1],
+                ent,
+                grad_log_probs[r0:r1],
+                g_ent,
+                ctx.temperature,
+                *kept,
             )
             if want_x:
                 torch.mm(grad_z, w, out=grad_x[r0:r1])
@@ -489,8 +508,14 @@ def truncated_forward_chunk(
         y.div_(sampling.temperature)
     tau, w_tie = select(y, local, sampling, vocab_size, width, comm)
     if not y.shape[1]:  # no real token in this rank's slice
-        return (torch.full_like(tau, torch.finfo(torch.float32).min), torch.zeros_like(tau),
-                torch.zeros_like(tau) if with_entropy else None, torch.zeros_like(tau), tau, w_tie)
+        return (
+            torch.full_like(tau, torch.finfo(torch.float32).min),
+            torch.zeros_like(tau),
+            torch.zeros_like(tau) if with_entropy else None,
+            torch.zeros_like(tau),
+            tau,
+            w_tie,
+        )
     return (*run_chunk_fn(truncated_stats, y, local, tau, w_tie, with_entropy), tau, w_tie)
 
 

@@ -75,7 +75,9 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, float | None]:
     if rope_type == "llama3":
         for key, fixed in LLAMA3_SCALING_FIXED.items():
             if float(params.get(key, fixed)) != fixed:
-                raise UnsupportedModelError(f"llama3 rope scaling with {key}={params.get(key)} (only {fixed}) is not supported")
+                raise UnsupportedModelError(
+                    f"llama3 rope scaling with {key}={params.get(key)} (only {fixed}) is not supported"
+                )
         return theta, float(params.get("factor", 8.0))
     raise UnsupportedModelError(
         f"rope_scaling/rope_parameters.rope_type={rope_type!r} is not supported (only 'default' and 'llama3')"
@@ -134,9 +136,7 @@ def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
         ("intermediate_size", arch.ffn_hidden_size),
     ):
         if value % tp_size:
-            raise ValueError(
-                f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}"
-            )
+            raise ValueError(f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}")
 
 
 def transformer_config(

@@ -69,7 +69,8 @@ class SkipCounter:
                 f"{rollout}: {self.in_a_row} {self.whose} optimizer steps in a row had a non-finite loss or "
                 f"gradient (max_skipped_steps={self.max_skipped_steps}); none was applied: the weights are those "
                 f"from before them, no checkpoint is written for this rollout; look for a NaN reward or advantage, "
-                f"extreme log-probs or too high an lr")
+                f"extreme log-probs or too high an lr"
+            )
 
 
 def gradient_buffers(model: Any) -> list[torch.Tensor]:
@@ -79,8 +80,9 @@ def gradient_buffers(model: Any) -> list[torch.Tensor]:
     if isinstance(dense, list):
         return [b.grad_data for b in dense + list(expert or [])]
     grads = [getattr(p, "main_grad", None) for p in model.parameters()]
-    return [g if g is not None else p.grad for g, p in zip(grads, model.parameters())
-            if g is not None or p.grad is not None]
+    return [
+        g if g is not None else p.grad for g, p in zip(grads, model.parameters()) if g is not None or p.grad is not None
+    ]
 
 
 def step_is_finite(model: Any, loss: Any, device: Any) -> bool:

@@ -154,8 +154,11 @@ def device_memory() -> dict[str, int]:
         return {}
     from vime_core.utils.device_memory import processes_bytes
 
-    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved(),
-            "process_bytes": processes_bytes({os.getpid()})}
+    return {
+        "allocated_bytes": torch.cuda.memory_allocated(),
+        "reserved_bytes": torch.cuda.memory_reserved(),
+        "process_bytes": processes_bytes({os.getpid()}),
+    }
 
 
 def onload(model: Any, copies: list[HostCopy]) -> int:

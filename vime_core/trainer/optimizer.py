@@ -51,9 +51,17 @@ def optimizer_config(cfg: Any, dtype: torch.dtype) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
 
 
@@ -142,7 +150,9 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> N
     if not parts:
         return
     if shards is None or len(shards) != len(parts):
-        raise ValueError(f"{where}: no distributed-optimizer shards for this rank (saved without use_distributed_optimizer?)")
+        raise ValueError(
+            f"{where}: no distributed-optimizer shards for this rank (saved without use_distributed_optimizer?)"
+        )
     for part, saved in zip(parts, shards):
         params = _shard_params(part)
         if len(saved) != len(params):
@@ -159,7 +169,9 @@ def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer
     if state is None:
         log.info(
             "%s holds no learning-rate schedule (written before it was saved): the schedule starts at "
-            "the checkpoint's optimizer step count, %d", where, optimizer_steps,
+            "the checkpoint's optimizer step count, %d",
+            where,
+            optimizer_steps,
         )
         scheduler.step(optimizer_steps)
         return
@@ -168,7 +180,9 @@ def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer
     if changed:
         log.warning(
             "%s: this run's learning-rate schedule differs from the checkpoint's (%s); continuing from "
-            "step %d with this run's settings", where,
-            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()), state["num_steps"],
+            "step %d with this run's settings",
+            where,
+            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()),
+            state["num_steps"],
         )
     scheduler.load_state_dict(state)

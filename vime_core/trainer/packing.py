@@ -94,7 +94,10 @@ def pack_samples(
         cu.append(cu[-1] + length)
     positions = torch.cat([torch.arange(length) for length in lengths])
     logit_index = torch.cat(
-        [torch.arange(start + length - resp - 1, start + length - 1) for start, length, resp in zip(cu, lengths, response_lengths)]
+        [
+            torch.arange(start + length - resp - 1, start + length - 1)
+            for start, length, resp in zip(cu, lengths, response_lengths)
+        ]
     )
     cu_seqlens = torch.tensor(cu, dtype=torch.int32)
     return PackedMicroBatch(

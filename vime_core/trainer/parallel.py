@@ -30,9 +30,7 @@ class ParallelLayout:
 
 def layout_for(rank: int, world_size: int, tp_size: int) -> ParallelLayout:
     if tp_size < 1 or world_size % tp_size:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp_size} does not divide world_size={world_size}"
-        )
+        raise ValueError(f"tensor_model_parallel_size={tp_size} does not divide world_size={world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside world_size={world_size}")
     return ParallelLayout(rank, world_size, tp_size, rank % tp_size, world_size // tp_size, rank // tp_size)
@@ -83,5 +81,3 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-

@@ -53,15 +53,18 @@ def old_policy_log_probs(
     else the recomputed `old`."""
     if not cfg.use_rollout_logprobs:
         if old is None:
-            raise ValueError("the KL penalty (kl_coef) and distillation (use_opd) need the old log-probs, "
-                             "which were not recomputed")
+            raise ValueError(
+                "the KL penalty (kl_coef) and distillation (use_opd) need the old log-probs, which were not recomputed"
+            )
         return old
     out = {}
     for i in indices:
         log_probs = batch["rollout_log_probs"][i]
         if log_probs is None or len(log_probs) != int(batch["response_length"][i]):
-            raise ValueError(f"use_rollout_logprobs is set but sample {i} has no rollout_log_probs "
-                             f"for its {batch['response_length'][i]} response tokens")
+            raise ValueError(
+                f"use_rollout_logprobs is set but sample {i} has no rollout_log_probs "
+                f"for its {batch['response_length'][i]} response tokens"
+            )
         out[i] = torch.tensor([float(x) for x in log_probs], dtype=torch.float32)
     return out
 
@@ -107,15 +110,20 @@ def step_advantages(
         cfg.advantage_estimator,
         [float(scalars[i]) for i in indices],
         [batch["loss_mask"][i] for i in indices],
-        kl=kl, values=None if values is None else [values[i] for i in indices],
-        gamma=cfg.gamma, lambd=cfg.lambd, kl_coef=cfg.kl_coef, reduce_sums=reduce_sums,
+        kl=kl,
+        values=None if values is None else [values[i] for i in indices],
+        gamma=cfg.gamma,
+        lambd=cfg.lambd,
+        kl_coef=cfg.kl_coef,
+        reduce_sums=reduce_sums,
     )
     if cfg.use_opd:
         if teacher is None:
             raise ValueError("use_opd needs the teacher's log-probs (opd_teacher_load)")
         student = old_policy_log_probs(cfg, batch, indices, old)
-        advantages, _ = apply_opd_kl(advantages, [student[i] for i in indices], [teacher[i] for i in indices],
-                                     cfg.opd_kl_coef)
+        advantages, _ = apply_opd_kl(
+            advantages, [student[i] for i in indices], [teacher[i] for i in indices], cfg.opd_kl_coef
+        )
     return dict(zip(indices, advantages)), dict(zip(indices, returns))
 
 
@@ -155,8 +163,11 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device) if need_old else None
     need_ref = trainer.ref_model is not None and policy_forwards
     ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, sampling, device) if need_ref else None
-    teacher = (forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
-               if trainer.teacher_model is not None else None)
+    teacher = (
+        forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
+        if trainer.teacher_model is not None
+        else None
+    )
     values = critic.values(batch, all_mine) if critic is not None else None
 
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
@@ -166,8 +177,11 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     for step, micro_batches in enumerate(mine):
         step_indices = list(range(step * gbs, (step + 1) * gbs))
         my_indices = [i for mb in micro_batches for i in mb]
-        advantages, returns = (step_advantages(cfg, batch, my_indices, old, ref, values, teacher, reduce_sums)
-                               if cfg.loss_type == "policy_loss" else ({}, {}))
+        advantages, returns = (
+            step_advantages(cfg, batch, my_indices, old, ref, values, teacher, reduce_sums)
+            if cfg.loss_type == "policy_loss"
+            else ({}, {})
+        )
         inputs = StepInputs(
             batch=batch,
             micro_batches=micro_batches,
@@ -180,16 +194,29 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
         )
         step_metrics: dict[str, float] = {}
         if critic is not None:
-            step_metrics.update(critic.train_step(batch, micro_batches, inputs.denominators, returns, values,
-                                                  lay.dp_size, dp_group))
+            step_metrics.update(
+                critic.train_step(batch, micro_batches, inputs.denominators, returns, values, lay.dp_size, dp_group)
+            )
         if train_policy:
-            step_metrics.update(train_step(
-                trainer.model, trainer.optimizer, inputs, cfg, vocab, lay.dp_size, dp_group, device, trainer.scheduler,
-                skips=getattr(trainer, "skips", None),  # the skipped steps in a row (trainer/nonfinite.py)
-            ))
+            step_metrics.update(
+                train_step(
+                    trainer.model,
+                    trainer.optimizer,
+                    inputs,
+                    cfg,
+                    vocab,
+                    lay.dp_size,
+                    dp_group,
+                    device,
+                    trainer.scheduler,
+                    skips=getattr(trainer, "skips", None),  # the skipped steps in a row (trainer/nonfinite.py)
+                )
+            )
         per_step.append(step_metrics)
     keys = sorted({k for m in per_step for k in m})
-    metrics: dict[str, Any] = {k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
+    metrics: dict[str, Any] = {
+        k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys
+    }
     metrics["lr"] = per_step[-1].get("lr") if per_step else None
     if critic is not None and per_step:
         metrics["critic_lr"] = per_step[-1]["critic_lr"]

@@ -66,7 +66,9 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((y, rest), dim=-1) if rest.shape[-1] else y
 
 
-def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+def packed_rope(
+    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
+) -> torch.Tensor:
     """RoPE of a THD-packed ``t`` [T, h, d] (module docstring); Megatron's
     ``fused_apply_rotary_pos_emb_thd`` signature."""
     if cp_size != 1:

@@ -57,8 +57,15 @@ log = logging.getLogger(__name__)
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
 # opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
-METRIC_SUMS = ("pg_clipfrac", "kl", "entropy", "train_rollout_logprob_abs_diff", "tis_weight", "tis_rejected_frac",
-               "opd_reverse_kl")
+METRIC_SUMS = (
+    "pg_clipfrac",
+    "kl",
+    "entropy",
+    "train_rollout_logprob_abs_diff",
+    "tis_weight",
+    "tis_rejected_frac",
+    "opd_reverse_kl",
+)
 
 
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
@@ -90,7 +97,9 @@ def make_micro_batch(batch: Mapping[str, Sequence[Any]], indices: Sequence[int],
     masks = [[float(m) for m in batch["loss_mask"][i]] for i in indices]
     mask = to_device(torch.tensor([m for sample in masks for m in sample], dtype=torch.float32), device)
     rollout = batch.get("rollout_log_probs")
-    has_rollout = rollout is not None and all(rollout[i] is not None and len(rollout[i]) == r for i, r in zip(indices, responses))
+    has_rollout = rollout is not None and all(
+        rollout[i] is not None and len(rollout[i]) == r for i, r in zip(indices, responses)
+    )
     rollout_lp = (
         to_device(torch.tensor([float(x) for i in indices for x in rollout[i]], dtype=torch.float32), device)
         if has_rollout
@@ -186,10 +195,12 @@ class _Accumulator:
         keys = list(self.keys)
         # On the trainer's device: NCCL (the GPU backend) cannot reduce CPU tensors.
         values = [self.sums[k] for k in keys] + [self.loss, self.pg_loss]
-        t = torch.cat([
-            torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]),
-            torch.tensor([self.counts[k] for k in keys], dtype=torch.float64).to(device),
-        ])
+        t = torch.cat(
+            [
+                torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]),
+                torch.tensor([self.counts[k] for k in keys], dtype=torch.float64).to(device),
+            ]
+        )
         if dp_size > 1:
             torch.distributed.all_reduce(t, group=dp_group)
         t = t.tolist()  # the step's one read-back
@@ -218,7 +229,9 @@ def micro_batch_loss(
 
     # The trainer's log-probs of the sampled tokens before this rollout's updates: recomputed
     # beforehand, or (reuse) the current ones, since the policy has not moved yet.
-    recomputed = log_probs.detach() if inputs.old_log_probs is None else gather_per_token(inputs.old_log_probs, mb.indices)
+    recomputed = (
+        log_probs.detach() if inputs.old_log_probs is None else gather_per_token(inputs.old_log_probs, mb.indices)
+    )
     if mb.rollout_log_probs is not None:
         acc.add("train_rollout_logprob_abs_diff", (recomputed - mb.rollout_log_probs).abs(), mask, count)
     if cfg.use_rollout_logprobs:
@@ -243,8 +256,9 @@ def micro_batch_loss(
         if cfg.use_tis:
             if mb.rollout_log_probs is None:
                 raise ValueError("use_tis is set but the batch has no rollout_log_probs")
-            weights = rollout_is_weights(old, mb.rollout_log_probs, mask, lengths, cfg.tis_level, cfg.tis_mode,
-                                         cfg.tis_clip, cfg.tis_clip_low)
+            weights = rollout_is_weights(
+                old, mb.rollout_log_probs, mask, lengths, cfg.tis_level, cfg.tis_mode, cfg.tis_clip, cfg.tis_clip_low
+            )
             per_token = per_token * weights
             acc.add("tis_weight", weights, mask, count)
             if cfg.tis_mode == "mask":  # every kept weight is >= exp(-20) > 0: 0 means rejected

@@ -85,7 +85,9 @@ class MegatronTrainer:
         if not path:
             raise ValueError("hf_checkpoint is empty: pass the HF checkpoint folder to init()")
         if self.cfg.bf16 and self.device.type != "cuda":
-            raise ValueError("bf16=true needs device=cuda (Megatron's mixed-precision optimizer checks CUDA tensor types)")
+            raise ValueError(
+                "bf16=true needs device=cuda (Megatron's mixed-precision optimizer checks CUDA tensor types)"
+            )
         lay = self.layout
         if self.device.type == "cuda":  # before the first allocation (vime_core/weight_sync/allocator.py)
             from vime_core.weight_sync.allocator import use_expandable_segments
@@ -105,7 +107,12 @@ class MegatronTrainer:
         def load_model(checkpoint, arch: Any = None) -> Any:
             arch = arch or self.arch
             model = build_gpt_model(
-                arch, lay.tp_size, dtype, self.device, recompute_settings(self.cfg), fusion_settings(self.cfg, self.device)
+                arch,
+                lay.tp_size,
+                dtype,
+                self.device,
+                recompute_settings(self.cfg),
+                fusion_settings(self.cfg, self.device),
             )
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
@@ -120,8 +127,9 @@ class MegatronTrainer:
         if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
             from vime_core.trainer.critic import Critic
 
-            self.critic = Critic.build(self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch),
-                                       self._wrap_ddp, dtype, self.device)
+            self.critic = Critic.build(
+                self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch), self._wrap_ddp, dtype, self.device
+            )
         from vime_core.algo.gates import needs_teacher
 
         if needs_teacher(self.cfg):  # frozen, its own architecture, the student's vocabulary (trainer/teacher.py)
@@ -132,7 +140,15 @@ class MegatronTrainer:
         self.hf_checkpoint = str(path)
         if self.cfg.offload_train and self.cfg.offload_train_prepin and self.device.type == "cuda":
             self._prepin_host_memory()
-        log.info("trainer rank %d (tp %d/%d, dp %d/%d) ready from %s", lay.rank, lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, path)
+        log.info(
+            "trainer rank %d (tp %d/%d, dp %d/%d) ready from %s",
+            lay.rank,
+            lay.tp_rank,
+            lay.tp_size,
+            lay.dp_rank,
+            lay.dp_size,
+            path,
+        )
         return self.state()
 
     def _prepin_host_memory(self) -> None:
@@ -140,8 +156,12 @@ class MegatronTrainer:
 
         with timed() as pinning:
             pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
-        log.info("trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
-                 self.layout.rank, pinned / 2**30, pinning.seconds)
+        log.info(
+            "trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
+            self.layout.rank,
+            pinned / 2**30,
+            pinning.seconds,
+        )
 
     def _reference_checkpoint(self, policy_path: Any) -> Any:
         """The reference policy's HF folder: ref_load when set (checked to be the policy's
@@ -157,8 +177,9 @@ class MegatronTrainer:
             raise FileNotFoundError(f"ref_load={self.cfg.ref_load!r}: no HF checkpoint there (config.json missing)")
         ref_arch = architecture_from_hf(read_hf_config(ref))
         if ref_arch != self.arch:
-            raise ValueError(f"ref_load={self.cfg.ref_load!r} is not the architecture of hf_checkpoint "
-                             f"({ref_arch} vs {self.arch})")
+            raise ValueError(
+                f"ref_load={self.cfg.ref_load!r} is not the architecture of hf_checkpoint ({ref_arch} vs {self.arch})"
+            )
         return ref
 
     def _wrap_ddp(self, model: Any) -> Any:
@@ -210,8 +231,13 @@ class MegatronTrainer:
                 if any(counter.applied for counter in counters):
                     self._diverged = rollout_id
                 raise
-        metrics.update(rollout_id=rollout_id, train_time_s=training.seconds, skipped=False,
-                       wake_time_s=waking.seconds, memory_after_wake=woke)
+        metrics.update(
+            rollout_id=rollout_id,
+            train_time_s=training.seconds,
+            skipped=False,
+            wake_time_s=waking.seconds,
+            memory_after_wake=woke,
+        )
         # counts, where the per-step metrics (averaged over the steps) hold each step's 0 or 1
         metrics["skipped_steps"] = self.skips.skipped
         if self.critic is not None:
@@ -244,7 +270,9 @@ class MegatronTrainer:
 
         return iter_hf_weights(self.model, self.arch)
 
-    def update_weights(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
+    def update_weights(
+        self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any
+    ) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
         Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
@@ -273,7 +301,9 @@ class MegatronTrainer:
                     from vime_core.weight_sync.publish_loop import PublishLoop
 
                     self._publisher = self._publisher or PublishLoop()
-                    result = publish_weights(weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers)
+                    result = publish_weights(
+                        weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers
+                    )
                 elif peers is not None:
                     from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
                     from vime_core.weight_sync.transport.ipc_peers import follow_publish
@@ -323,8 +353,9 @@ class MegatronTrainer:
             if self.layout.dp_rank == 0:
                 weights = self.iter_hf_weights()
                 if self.layout.rank == 0:
-                    where = write_hf_folder(weights, self.hf_checkpoint, path, S3Endpoint.of(self.cfg),
-                                            label=f"v{self.weight_version}")
+                    where = write_hf_folder(
+                        weights, self.hf_checkpoint, path, S3Endpoint.of(self.cfg), label=f"v{self.weight_version}"
+                    )
                 else:
                     for _ in weights:
                         pass
@@ -378,13 +409,23 @@ class MegatronTrainer:
         if self.layout.rank == 0:
             lay = self.layout
             ranks = range(lay.world_size)
-            ckpt.write_manifest(path, {
-                "rollout_id": rollout_id, "world_size": lay.world_size, "tp": lay.tp_size, "dp": lay.dp_size,
-                "weight_version": self.weight_version, "hf_checkpoint": self.hf_checkpoint,
-                "files": [ckpt.rank_file_name(r) for r in ranks],
-                "critic_files": [ckpt.rank_file_name(r, critic=True) for r in ranks] if self.critic is not None else [],
-                "critic_dir": critic_path if self.critic is not None and critic_path != path else None,
-            }, endpoint)
+            ckpt.write_manifest(
+                path,
+                {
+                    "rollout_id": rollout_id,
+                    "world_size": lay.world_size,
+                    "tp": lay.tp_size,
+                    "dp": lay.dp_size,
+                    "weight_version": self.weight_version,
+                    "hf_checkpoint": self.hf_checkpoint,
+                    "files": [ckpt.rank_file_name(r) for r in ranks],
+                    "critic_files": [ckpt.rank_file_name(r, critic=True) for r in ranks]
+                    if self.critic is not None
+                    else [],
+                    "critic_dir": critic_path if self.critic is not None and critic_path != path else None,
+                },
+                endpoint,
+            )
         torch.distributed.barrier()
 
     def restore(self, path: Optional[str]) -> dict[str, Any]:
@@ -403,8 +444,9 @@ class MegatronTrainer:
         from vime_core.trainer import checkpoint as ckpt
         from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
 
-        state = ckpt.load_rank_state(path, self.layout.rank, self.layout.world_size, self.layout.tp_size,
-                                     S3Endpoint.of(self.cfg))
+        state = ckpt.load_rank_state(
+            path, self.layout.rank, self.layout.world_size, self.layout.tp_size, S3Endpoint.of(self.cfg)
+        )
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])
@@ -428,8 +470,11 @@ class MegatronTrainer:
         lay, endpoint = self.layout, S3Endpoint.of(self.cfg)
         manifest = ckpt.read_manifest(path, endpoint)
         if not manifest.get("critic_files"):
-            log.warning("%s holds no critic (saved by a run without one): the critic starts from %s",
-                        path, self.cfg.critic_load or self.hf_checkpoint)
+            log.warning(
+                "%s holds no critic (saved by a run without one): the critic starts from %s",
+                path,
+                self.cfg.critic_load or self.hf_checkpoint,
+            )
             return
         state = ckpt.load_rank_state(path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True)
         self.critic.load_state(state, ckpt.critic_dir(path, manifest))

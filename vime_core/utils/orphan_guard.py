@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -41,7 +40,17 @@ def _die_with_parent() -> None:  # runs in the server's process between fork and
 def guard_command(command: list[str], poll_s: float = 1.0, grace_s: float = 10.0) -> list[str]:
     """`command` run under the guard by this interpreter (isolated: the PYTHONPATH meant for the
     server does not reach the guard's imports; the server still inherits it)."""
-    return [sys.executable, "-I", os.path.abspath(__file__), "--poll-s", str(poll_s), "--grace-s", str(grace_s), "--", *command]
+    return [
+        sys.executable,
+        "-I",
+        os.path.abspath(__file__),
+        "--poll-s",
+        str(poll_s),
+        "--grace-s",
+        str(grace_s),
+        "--",
+        *command,
+    ]
 
 
 def _exit_status(returncode: int) -> int:
@@ -64,7 +73,11 @@ def run(command: list[str], poll_s: float, grace_s: float) -> int:
         except subprocess.TimeoutExpired:
             pass
         if os.getppid() != parent:  # reparented: whoever started us is gone
-            print(f"[orphan_guard] parent {parent} died: stopping {command[0]} (pid {server.pid})", file=sys.stderr, flush=True)
+            print(
+                f"[orphan_guard] parent {parent} died: stopping {command[0]} (pid {server.pid})",
+                file=sys.stderr,
+                flush=True,
+            )
             os.killpg(os.getpgrp(), signal.SIGTERM)
             try:
                 return _exit_status(server.wait(timeout=grace_s))

@@ -59,6 +59,7 @@ def quiet_ray_daemons() -> bool:
     with dispatcher._lock:
         for i, (name, handler) in enumerate(dispatcher.handlers):
             if name == "ray_print_logs" and not getattr(handler, "vime_quiet", False):
+
                 def quiet(data: dict, _print: Callable = handler) -> None:
                     kept = drop_ray_daemon_noise(data)
                     if kept is not None:

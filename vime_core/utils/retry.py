@@ -90,9 +90,11 @@ def poll_until(ready: Callable[[], bool], timeout_s: float, interval_s: float) -
 
     An exception raised by `ready` ends the poll at once and propagates: that is how a caller
     stops waiting for something that can no longer become ready (the process exited)."""
-    return bool(Retrying(
-        stop=stop_after_delay(timeout_s),
-        wait=wait_fixed(interval_s),
-        retry=retry_if_result(lambda ok: not ok),
-        retry_error_callback=lambda state: False,
-    )(ready))
+    return bool(
+        Retrying(
+            stop=stop_after_delay(timeout_s),
+            wait=wait_fixed(interval_s),
+            retry=retry_if_result(lambda ok: not ok),
+            retry_error_callback=lambda state: False,
+        )(ready)
+    )

@@ -34,7 +34,9 @@ _LOCATION_KEY = re.compile(r"(_env|_file|_path|_dir)$", re.IGNORECASE)
 _URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]+:)[^/@\s]+(?P<tail>@)")
 _QUERY_CREDENTIAL = re.compile(
     r"(?P<head>[?&;](?P<name>[^=&#\s\"']*(key|token|secret|signature|sig|passw|auth|credential)[^=&#\s\"']*)=)"
-    + "(?!" + re.escape(REDACTED) + r")[^&#\s\"']*",
+    + "(?!"
+    + re.escape(REDACTED)
+    + r")[^&#\s\"']*",
     re.IGNORECASE,
 )
 _CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
@@ -87,9 +89,14 @@ def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
     secrets = credential_values() if secrets is None else secrets
     if isinstance(obj, dict):
         return {
-            k: (REDACTED if isinstance(k, str) and is_credential_name(k) and v not in (None, "", REDACTED)
+            k: (
+                REDACTED
+                if isinstance(k, str)
+                and is_credential_name(k)
+                and v not in (None, "", REDACTED)
                 and not isinstance(v, (bool, int, float))
-                else redact_secrets(v, secrets))
+                else redact_secrets(v, secrets)
+            )
             for k, v in obj.items()
         }
     if isinstance(obj, (list, tuple)):

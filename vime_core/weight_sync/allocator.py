@@ -46,8 +46,10 @@ def use_expandable_segments(environ: "os._Environ[str] | dict[str, str]" = os.en
     if not torch.cuda.is_available():
         return False
     if environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        log.info("PYTORCH_CUDA_ALLOC_CONF=%s is set: the trainer's allocator is left as configured",
-                 environ["PYTORCH_CUDA_ALLOC_CONF"])
+        log.info(
+            "PYTORCH_CUDA_ALLOC_CONF=%s is set: the trainer's allocator is left as configured",
+            environ["PYTORCH_CUDA_ALLOC_CONF"],
+        )
         return False
     _set("expandable_segments:True")
     _expandable = True

@@ -90,8 +90,9 @@ def copy_into(flat: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torc
     dest.copy_(tensor.detach())
 
 
-def pack_flat(bucket: Bucket, device: torch.device,
-              allocate: "Callable[[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, list[int]]:
+def pack_flat(
+    bucket: Bucket, device: torch.device, allocate: "Callable[[int], torch.Tensor] | None" = None
+) -> tuple[torch.Tensor, list[int]]:
     """One flat uint8 buffer on `device` with the bucket's tensors back to back (no padding), and
     each tensor's size in bytes: the layout vLLM's packed IPC format and `vime_broadcast` split
     by sizes. Raises when a tensor would start at an offset that is not a multiple of its element
@@ -100,8 +101,10 @@ def pack_flat(bucket: Bucket, device: torch.device,
     offsets, nbytes = packed_layout(bucket, alignment=1)
     for name, dtype, offset in zip(bucket.names, bucket.dtypes, offsets):
         if offset % dtype.itemsize:
-            raise ValueError(f"bucket {bucket.index}: tensor {name!r} ({dtype}) would start at byte {offset}, "
-                             f"not a multiple of {dtype.itemsize}; send one wire dtype per bucket")
+            raise ValueError(
+                f"bucket {bucket.index}: tensor {name!r} ({dtype}) would start at byte {offset}, "
+                f"not a multiple of {dtype.itemsize}; send one wire dtype per bucket"
+            )
     buffer = allocate(nbytes) if allocate is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
         copy_into(buffer, offset, tensor, dtype)

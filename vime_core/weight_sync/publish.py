@@ -87,8 +87,19 @@ def publish_weights(
     if loop is None:
         own = PublishLoop()
         try:
-            return publish_weights(named_tensors, engine_urls, new_version, cfg, initial_version, transport=transport,
-                                   shm_dir=shm_dir, client_factory=client_factory, loop=own, peers=peers, token=token)
+            return publish_weights(
+                named_tensors,
+                engine_urls,
+                new_version,
+                cfg,
+                initial_version,
+                transport=transport,
+                shm_dir=shm_dir,
+                client_factory=client_factory,
+                loop=own,
+                peers=peers,
+                token=token,
+            )
         finally:
             own.close()
 
@@ -102,9 +113,14 @@ def publish_weights(
         tensors = list(named_tensors)
     return loop.run(
         publish_weights_async(
-            tensors, engine_urls, new_version, cfg, initial_version,
+            tensors,
+            engine_urls,
+            new_version,
+            cfg,
+            initial_version,
             transport=transport if transport is not None else make_transport(cfg, shm_dir, keeper=loop, peers=peers),
-            client_factory=client_factory, clock=clock,
+            client_factory=client_factory,
+            clock=clock,
         )
     )
 
@@ -154,7 +170,9 @@ async def publish_weights_async(
     }
 
 
-async def _validate(tensors: list[tuple[str, "torch.Tensor"]], engines: list["EngineClient"]) -> dict[str, "torch.dtype"]:
+async def _validate(
+    tensors: list[tuple[str, "torch.Tensor"]], engines: list["EngineClient"]
+) -> dict[str, "torch.dtype"]:
     """Wire dtypes after checking against every engine; all engines must agree."""
     specs = await asyncio.gather(*(fetch_spec(e) for e in engines))
     wire: dict[str, "torch.dtype"] | None = None
@@ -190,7 +208,9 @@ async def _apply(
         with clock("pause"):
             await _on_all(engines, "pause", "abort" if flush else "keep")
         with clock("start"):  # with the prefix-cache flush: both only need the engines paused
-            await asyncio.gather(_on_all(engines, "reset_prefix_cache") if flush else asyncio.sleep(0), transport.start())
+            await asyncio.gather(
+                _on_all(engines, "reset_prefix_cache") if flush else asyncio.sleep(0), transport.start()
+            )
         with clock("transfer"):
             for bucket in itertools.chain([first] if first is not None else [], to_send):
                 await transport.send_bucket(bucket)

@@ -91,6 +91,7 @@ class PublishLoop(LoopThread):
         atexit.unregister(self.close)
         clients, self._clients = list(self._clients.values()), {}
         if clients and not self.loop.is_closed():
+
             async def close_clients() -> None:
                 for client in clients:
                     await client.aclose()

@@ -56,11 +56,17 @@ def prompt_logprobs_of(answer: dict, tokens: Sequence[int]) -> list[float]:
     return out
 
 
-def compare(trainer: Sequence[float], engines: Sequence[Sequence[float]], previous: Optional[Sequence[Sequence[float]]] = None) -> dict[str, Any]:
+def compare(
+    trainer: Sequence[float], engines: Sequence[Sequence[float]], previous: Optional[Sequence[Sequence[float]]] = None
+) -> dict[str, Any]:
     """max_abs_diff per engine and overall; changed_max per engine when `previous` is given."""
     diffs = [max(abs(e - t) for e, t in zip(eng, trainer)) for eng in engines]
-    out: dict[str, Any] = {"max_abs_diff": max(diffs), "per_engine_max_abs_diff": diffs,
-                           "mean_abs_diff": sum(abs(e - t) for eng in engines for e, t in zip(eng, trainer)) / (len(trainer) * len(engines))}
+    out: dict[str, Any] = {
+        "max_abs_diff": max(diffs),
+        "per_engine_max_abs_diff": diffs,
+        "mean_abs_diff": sum(abs(e - t) for eng in engines for e, t in zip(eng, trainer))
+        / (len(trainer) * len(engines)),
+    }
     if previous is not None and len(previous) == len(engines):
         out["changed_max"] = min(max(abs(a - b) for a, b in zip(now, before)) for now, before in zip(engines, previous))
     return out

@@ -49,7 +49,9 @@ class BroadcastInitInfo:
         if self.carrier not in CARRIERS:
             raise ValueError(f"vime_broadcast: carrier {self.carrier!r} is not one of {CARRIERS}")
         if not 1 <= self.rank_offset < self.world_size:
-            raise ValueError(f"vime_broadcast: rank_offset {self.rank_offset} must be in [1, world_size={self.world_size})")
+            raise ValueError(
+                f"vime_broadcast: rank_offset {self.rank_offset} must be in [1, world_size={self.world_size})"
+            )
         needed = ("unique_id",) if self.carrier == "nccl" else ("host", "port")
         missing = [k for k in needed if k not in self.rendezvous]
         if missing:
@@ -76,8 +78,10 @@ class BroadcastBucketInfo:
                 raise ValueError(f"vime_broadcast bucket: {what} has {len(getattr(self, what))} entries, names has {n}")
         for name, dtype, shape, size in zip(self.names, self.dtype_names, self.shapes, self.tensor_sizes):
             if tensor_nbytes(dtype, shape) != size:
-                raise ValueError(f"vime_broadcast bucket: tensor {name!r} ({dtype} {shape}) is "
-                                 f"{tensor_nbytes(dtype, shape)} bytes, descriptor says {size}")
+                raise ValueError(
+                    f"vime_broadcast bucket: tensor {name!r} ({dtype} {shape}) is "
+                    f"{tensor_nbytes(dtype, shape)} bytes, descriptor says {size}"
+                )
 
     @property
     def nbytes(self) -> int:

@@ -113,8 +113,16 @@ def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dic
     listener.bind((host, 0))
     listener.listen()
     port = listener.getsockname()[1]
-    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
     return {"host": host, "port": port}, store
 
 
@@ -143,8 +151,10 @@ def nccl_library() -> ctypes.CDLL:
             continue
         _declare(lib)
         return lib
-    raise RuntimeError("vime_broadcast: no NCCL library could be loaded (the nccl carrier needs a CUDA build "
-                       "of torch; set VIME_NCCL_LIBRARY to its libnccl.so.2): " + "; ".join(errors))
+    raise RuntimeError(
+        "vime_broadcast: no NCCL library could be loaded (the nccl carrier needs a CUDA build "
+        "of torch; set VIME_NCCL_LIBRARY to its libnccl.so.2): " + "; ".join(errors)
+    )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -175,8 +185,9 @@ def mint_nccl_unique_id() -> str:
     return base64.b64encode(bytes(uid.internal)).decode("ascii")
 
 
-def init_comm_with_deadline(lib: Any, world_size: int, uid: "_UniqueId", rank: int, device: torch.device,
-                            timeout_s: float) -> ctypes.c_void_p:
+def init_comm_with_deadline(
+    lib: Any, world_size: int, uid: "_UniqueId", rank: int, device: torch.device, timeout_s: float
+) -> ctypes.c_void_p:
     """`ncclCommInitRank` that gives up after `timeout_s`. It blocks until every rank has joined
     and NCCL has no timeout of its own, so a peer that never comes (its process died, or it
     cannot reach rank 0's address) would hang this process: a vLLM worker inside
@@ -203,9 +214,11 @@ def init_comm_with_deadline(lib: Any, world_size: int, uid: "_UniqueId", rank: i
     with guard:
         if not done.is_set():
             state["abandoned"] = True
-            raise TimeoutError(f"vime_broadcast: ncclCommInitRank (rank {rank} of {world_size}) did not complete in "
-                               f"{timeout_s:.0f} s: not every rank joined the group (a peer that died, or one that "
-                               "cannot reach rank 0's address: NCCL_SOCKET_IFNAME)")
+            raise TimeoutError(
+                f"vime_broadcast: ncclCommInitRank (rank {rank} of {world_size}) did not complete in "
+                f"{timeout_s:.0f} s: not every rank joined the group (a peer that died, or one that "
+                "cannot reach rank 0's address: NCCL_SOCKET_IFNAME)"
+            )
     if "error" in state:
         raise state["error"]
     _check(lib, state["code"], "ncclCommInitRank")
@@ -213,8 +226,9 @@ def init_comm_with_deadline(lib: Any, world_size: int, uid: "_UniqueId", rank: i
 
 
 class NcclGroup(BroadcastGroup):
-    def __init__(self, unique_id_b64: str, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, unique_id_b64: str, rank: int, world_size: int, device: torch.device, timeout_s: float = 300.0
+    ) -> None:
         self.timeout_s = timeout_s
         raw = base64.b64decode(unique_id_b64, validate=True)
         if len(raw) != NCCL_UNIQUE_ID_BYTES:
@@ -223,19 +237,28 @@ class NcclGroup(BroadcastGroup):
         self.device = device
         uid = _UniqueId()
         ctypes.memmove(uid.internal, raw, NCCL_UNIQUE_ID_BYTES)
-        self._comm: ctypes.c_void_p | None = init_comm_with_deadline(self._lib, world_size, uid, rank, device, timeout_s)
+        self._comm: ctypes.c_void_p | None = init_comm_with_deadline(
+            self._lib, world_size, uid, rank, device, timeout_s
+        )
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         if self._comm is None:
             raise RuntimeError("vime_broadcast: the NCCL group was aborted or closed")
         if buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.device != self.device:
-            raise ValueError(f"vime_broadcast: a buffer must be contiguous uint8 on {self.device}, got "
-                             f"{buffer.dtype} on {buffer.device}")
+            raise ValueError(
+                f"vime_broadcast: a buffer must be contiguous uint8 on {self.device}, got "
+                f"{buffer.dtype} on {buffer.device}"
+            )
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
             ptr = ctypes.c_void_p(buffer.data_ptr())
-            _check(self._lib, self._lib.ncclBroadcast(ptr, ptr, buffer.numel(), NCCL_UINT8, 0, self._comm,
-                                                      ctypes.c_void_p(stream.cuda_stream)), "ncclBroadcast")
+            _check(
+                self._lib,
+                self._lib.ncclBroadcast(
+                    ptr, ptr, buffer.numel(), NCCL_UINT8, 0, self._comm, ctypes.c_void_p(stream.cuda_stream)
+                ),
+                "ncclBroadcast",
+            )
             done = torch.cuda.Event()
             done.record(stream)
         # A peer that died mid-broadcast would leave this rank's kernel waiting forever (NCCL has
@@ -244,8 +267,10 @@ class NcclGroup(BroadcastGroup):
         while not done.query():
             if time.monotonic() > deadline:
                 self.abort()
-                raise TimeoutError(f"vime_broadcast: the NCCL broadcast of {buffer.numel()} bytes did not complete "
-                                   f"in {self.timeout_s:.0f} s (a peer gone?); the group was aborted")
+                raise TimeoutError(
+                    f"vime_broadcast: the NCCL broadcast of {buffer.numel()} bytes did not complete "
+                    f"in {self.timeout_s:.0f} s (a peer gone?); the group was aborted"
+                )
             time.sleep(0.0002)
 
     def abort(self) -> None:
@@ -272,8 +297,15 @@ def serve_rendezvous(carrier: str, host: str, world_size: int, timeout_s: float 
     raise ValueError(f"vime_broadcast: unknown carrier {carrier!r}")
 
 
-def open_group(carrier: str, rendezvous: dict, rank: int, world_size: int, device: torch.device,
-               timeout_s: float = 300.0, local: Any = None) -> BroadcastGroup:
+def open_group(
+    carrier: str,
+    rendezvous: dict,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float = 300.0,
+    local: Any = None,
+) -> BroadcastGroup:
     """Join the group (blocks until every rank has joined). `local`: what `serve_rendezvous`
     returned to rank 0."""
     if carrier == "nccl":
@@ -282,7 +314,12 @@ def open_group(carrier: str, rendezvous: dict, rank: int, world_size: int, devic
         import torch.distributed as dist
 
         host, port = rendezvous["host"], int(rendezvous["port"])
-        store = local if local is not None else dist.TCPStore(
-            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False)
+        store = (
+            local
+            if local is not None
+            else dist.TCPStore(
+                host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False
+            )
+        )
         return GlooGroup(store, host, rank, world_size, timeout_s)
     raise ValueError(f"vime_broadcast: unknown carrier {carrier!r}")

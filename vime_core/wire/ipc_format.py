@@ -32,7 +32,9 @@ def gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def ipc_update_info(bucket: Any, sizes: list[int], handle: dict[str, tuple], packed_flag: bool = False) -> dict[str, Any]:
+def ipc_update_info(
+    bucket: Any, sizes: list[int], handle: dict[str, tuple], packed_flag: bool = False
+) -> dict[str, Any]:
     """The `update_info` vLLM's `IPCWeightTransferUpdateInfo` accepts over HTTP (packed) for
     `bucket` (its `names`, `dtype_names` and `tensors`: vime_core/weight_sync/buckets.Bucket),
     `sizes` its tensors' bytes and `handle` {GPU UUID: handle args}; `packed_flag` adds

@@ -23,9 +23,18 @@ if TYPE_CHECKING:
 
 # dtype name (torch's, without "torch.") -> bytes per element
 ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
@@ -53,8 +62,9 @@ def place(sizes: list[int], alignment: int = 1) -> tuple[list[int], int]:
     return offsets, end
 
 
-def bucket_views(flat: "torch.Tensor", names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                 offsets: list[int]) -> list[tuple[str, "torch.Tensor"]]:
+def bucket_views(
+    flat: "torch.Tensor", names: list[str], dtype_names: list[str], shapes: list[list[int]], offsets: list[int]
+) -> list[tuple[str, "torch.Tensor"]]:
     """(name, tensor) views of a received bucket: tensor i is `dtype_names[i]` of `shapes[i]`,
     C-contiguous from byte `offsets[i]` of the uint8 buffer `flat` (zero copies)."""
     import torch

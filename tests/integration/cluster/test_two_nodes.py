@@ -22,11 +22,11 @@ import time
 
 import httpx
 import pytest
+from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 WORKER_IP = "127.0.0.2"
-from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ def two_nodes(tmp_path_factory):
     t0 = time.monotonic()
     try:
         address = local_head.start_local_head(num_gpus=1, temp_dir=head_dir, resources={"vime_trainer": 1})
-        worker = local_head.start_local_worker(address, worker_dir, node_ip=WORKER_IP, num_gpus=1,
-                                               resources={"vime_engine": 1})
+        worker = local_head.start_local_worker(
+            address, worker_dir, node_ip=WORKER_IP, num_gpus=1, resources={"vime_engine": 1}
+        )
         print(f"two-node cluster up in {time.monotonic() - t0:.1f} s")
         yield address, worker
     finally:
@@ -157,7 +158,9 @@ def test_the_engine_on_the_other_node_needs_the_runs_token(trained):
         assert httpx.post(f"{url}/collective_rpc", json=body, headers=headers, timeout=10).status_code == 401
         assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=headers, timeout=10).status_code == 401
     answer = httpx.post(f"{url}/collective_rpc", json=body, headers=auth_headers(token), timeout=10)
-    assert answer.status_code == 200 and not httpx.get(f"{url}/is_paused", headers=auth_headers(token)).json()["is_paused"]
+    assert (
+        answer.status_code == 200 and not httpx.get(f"{url}/is_paused", headers=auth_headers(token)).json()["is_paused"]
+    )
 
 
 def test_weights_published_and_batches_stored(trained):
@@ -176,7 +179,9 @@ def test_weights_published_and_batches_stored(trained):
     final = 2 + trainers.rank0("state")["last_trained_rollout_id"]
     assert trainers.rank0("state")["weight_version"] == final
     assert ray.get(manager.weight_versions.remote()) == [final]
-    records = [r for r in read_records(cfg.storage_uri, cfg.run_name) if r["rollout_id"] < cfg.num_rollout]  # the train flow's
+    records = [
+        r for r in read_records(cfg.storage_uri, cfg.run_name) if r["rollout_id"] < cfg.num_rollout
+    ]  # the train flow's
     checks = [r["weight_check"] for r in records]
     assert [c["version"] for c in checks] == [k + 2 for k in range(cfg.num_rollout)]
     assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
@@ -211,7 +216,9 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     manager, trainers = _handles(cfg)
 
     def groups() -> tuple[str, list]:
-        kept = ray.get(trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id))
+        kept = ray.get(
+            trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id)
+        )
         [url] = ray.get(manager.engine_urls.remote())
         token = ray.get(manager.engine_token.remote())
         return kept, SyncEngineClient(url, token=token).collective_rpc("vime_broadcast_group_id")
@@ -242,4 +249,3 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
     # what was stored: one trainable batch per rollout id, sampled by that iteration's weights;
     # one optimizer step per rollout id; engine version == trainer version
     _check_run(run, run.num_rollout)
-

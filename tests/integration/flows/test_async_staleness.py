@@ -8,10 +8,9 @@ with the engines on its last weights."""
 from __future__ import annotations
 
 import pytest
+from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
-
-from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 
 @pytest.fixture(scope="module")

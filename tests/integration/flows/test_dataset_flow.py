@@ -26,16 +26,31 @@ def test_train_flow_on_a_local_dataset_folder(tmp_path, ray_head, tiny_model_dir
     rows = [json.loads(line) for line in write_dataset(tmp_path / "arith.jsonl", seed=0).read_text().splitlines()]
     renamed = [{"question": r["prompt"], "answer": r["label"]} for r in rows]
     folder = tmp_path / "arith-dataset"
-    datasets.DatasetDict({
-        "train": datasets.Dataset.from_list(renamed[8:]), "test": datasets.Dataset.from_list(renamed[:8]),
-    }).save_to_disk(str(folder))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(renamed[8:]),
+            "test": datasets.Dataset.from_list(renamed[:8]),
+        }
+    ).save_to_disk(str(folder))
 
     cfg = demo_config(
-        run_name="e2e-dataset", storage_uri=str(tmp_path / "store"), hf_checkpoint=str(tiny_model_dir),
-        ray_address=ray_head, num_rollout=2, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8,
-        vllm_server_concurrency=64, prompt_data=str(folder), input_key="question", label_key="answer",
-        eval_prompt_data=str(folder), eval_prompt_data_split="test", eval_interval=2,
-        apply_chat_template=True, apply_chat_template_kwargs={"enable_thinking": False},
+        run_name="e2e-dataset",
+        storage_uri=str(tmp_path / "store"),
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=ray_head,
+        num_rollout=2,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        vllm_server_concurrency=64,
+        prompt_data=str(folder),
+        input_key="question",
+        label_key="answer",
+        eval_prompt_data=str(folder),
+        eval_prompt_data_split="test",
+        eval_interval=2,
+        apply_chat_template=True,
+        apply_chat_template_kwargs={"enable_thinking": False},
     )
     try:
         summary = train(cfg)

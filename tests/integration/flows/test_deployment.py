@@ -46,11 +46,21 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture()
 def prefect_server(tmp_path):
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VIME_REPO_DIR": str(REPO)}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "VIME_REPO_DIR": str(REPO),
+    }
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/api/health", 120)
         yield env
@@ -60,7 +70,9 @@ def prefect_server(tmp_path):
 
 def test_teardown_deployment_runs_through_a_process_worker(prefect_server, ray_head, tmp_path):
     env = prefect_server
-    run = lambda *args, **kw: subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180, **kw)
+    run = lambda *args, **kw: subprocess.run(
+        [PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180, **kw
+    )
     assert run("work-pool", "create", "vime-process", "--type", "process").returncode == 0
     deployed = run("--no-prompt", "deploy", "--all")
     assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
@@ -69,9 +81,11 @@ def test_teardown_deployment_runs_through_a_process_worker(prefect_server, ray_h
         assert name in listed
 
     # the UI's parameter form comes from the configuration model's JSON schema
-    with urllib.request.urlopen(urllib.request.Request(
-        env["PREFECT_API_URL"] + "/deployments/filter", data=b"{}", headers={"content-type": "application/json"}
-    )) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            env["PREFECT_API_URL"] + "/deployments/filter", data=b"{}", headers={"content-type": "application/json"}
+        )
+    ) as resp:
         deployments = {d["name"]: d for d in json.load(resp)}
     schema = deployments["vime-train"]["parameter_openapi_schema"]
     fields = schema["definitions"]["VimeConfig"]["properties"]
@@ -79,11 +93,27 @@ def test_teardown_deployment_runs_through_a_process_worker(prefect_server, ray_h
     assert fields["rollout_batch_size"]["default"] == VimeConfig.model_fields["rollout_batch_size"].default
 
     worker_log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "vime-process"], env=env, cwd=REPO,
-                              stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "vime-process"],
+        env=env,
+        cwd=REPO,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        done = run("deployment", "run", "teardown/vime-teardown", "--param", "run_name=no-such-run",
-                   "--param", f"ray_address={ray_head}", "--watch", "--watch-timeout", "240")
+        done = run(
+            "deployment",
+            "run",
+            "teardown/vime-teardown",
+            "--param",
+            "run_name=no-such-run",
+            "--param",
+            f"ray_address={ray_head}",
+            "--watch",
+            "--watch-timeout",
+            "240",
+        )
         assert done.returncode == 0 and "Completed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     finally:
         _stop(worker)

@@ -33,10 +33,11 @@ import sys
 import time
 
 import pytest
+from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-from tests.integration.flows.test_train_flow import LOGPROB_TOLERANCE  # vLLM CPU vs the trainer, fp32
+
 KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint is of rollout 1
 
 
@@ -213,7 +214,10 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
     assert "response_length=0" in message and "(UntrainableBatchError)" in message
     assert "a configuration or data error, not retried; fix it" in message and "\n" not in message
     after = trainers.rank0("state")
-    assert (after["last_trained_rollout_id"], after["optimizer_steps"]) == (before["last_trained_rollout_id"], before["optimizer_steps"])
+    assert (after["last_trained_rollout_id"], after["optimizer_steps"]) == (
+        before["last_trained_rollout_id"],
+        before["optimizer_steps"],
+    )
     assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
 
 
@@ -225,9 +229,22 @@ def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=N
 
     args = [sys.executable, "-m", "flows.cli", "train"]
     # the tiny model named by its folder: the demo's settings come as flags too
-    for name in dict.fromkeys(("run_name", "storage_uri", "hf_checkpoint", "ray_address", "num_rollout", "rollout_batch_size",
-                               "n_samples_per_prompt", "micro_batch_size", "save_interval", "vllm_server_concurrency",
-                               "iteration_retry_delay_s", *DEMO_SETTINGS)):
+    for name in dict.fromkeys(
+        (
+            "run_name",
+            "storage_uri",
+            "hf_checkpoint",
+            "ray_address",
+            "num_rollout",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "micro_batch_size",
+            "save_interval",
+            "vllm_server_concurrency",
+            "iteration_retry_delay_s",
+            *DEMO_SETTINGS,
+        )
+    ):
         args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
     args.append("--check-weight-update-equal")
     env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV)}
@@ -284,10 +301,17 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     first = len(_stored_ids_whole(cfg))  # the earlier tests stored 0 .. first-1
     rollout_k, persist_k, train_k, sync_k = range(first, first + 4)
     save_k = next(k for k in range(sync_k + 1, sync_k + 1 + cfg.save_interval) if due(cfg.save_interval, k, -1))
-    kills = [f"rollout-{rollout_k}", f"persist-{persist_k}", f"train-{train_k}",
-             f"sync-v{version_before(sync_k) + 1}", f"save-{save_k}"]
+    kills = [
+        f"rollout-{rollout_k}",
+        f"persist-{persist_k}",
+        f"train-{train_k}",
+        f"sync-v{version_before(sync_k) + 1}",
+        f"save-{save_k}",
+    ]
     term_k = save_k + 1  # a driver stopped by SIGTERM (a scheduler's preemption) once past train-term_k's start
-    run = cfg.model_copy(update={"num_rollout": term_k + 3})  # the SIGTERM lands, as a rule, before the last iteration ends
+    run = cfg.model_copy(
+        update={"num_rollout": term_k + 3}
+    )  # the SIGTERM lands, as a rule, before the last iteration ends
     raw_before = len(_raw_records(cfg))
     trainer_pid = _trainer_pid(_handles(run)[1])
     pause_dir = tmp_path / "paused"
@@ -408,7 +432,7 @@ def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, rep
     # an iteration that failed ended before its report: each rollout id reported once
     assert [r["rollout_id"] for r in _raw_records(cfg)][raw_before:] == list(range(first, run.num_rollout))
     stdout = log.read_text()
-    summary = json.loads(stdout[stdout.index('{\n  "run_name"'):])  # `vime train` prints it last
+    summary = json.loads(stdout[stdout.index('{\n  "run_name"') :])  # `vime train` prints it last
     assert {trainer_k, manager_k} <= set(map(int, summary["failed_attempts"])), summary["failed_attempts"]
 
     # the console: one line per fault saying what died and what the run does, no traceback

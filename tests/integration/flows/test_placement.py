@@ -14,16 +14,31 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     import ray
 
     from vime_core.cluster.connect import ensure_ray
-    from vime_core.cluster.run_actors import bundle_devices, get_or_create_engines, get_or_create_placement_group, plan_for, teardown
+    from vime_core.cluster.run_actors import (
+        bundle_devices,
+        get_or_create_engines,
+        get_or_create_placement_group,
+        plan_for,
+        teardown,
+    )
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
 
-    cfg = make_config(demo_values({
-        "run_name": f"placement-{'colo' if colocate else 'disagg'}", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),
-        "colocate": colocate, "actor_num_gpus_per_node": 4, "tensor_model_parallel_size": 2,
-        "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2,
-        "engine_prestart": False,  # the actors are created, their servers not launched
-    }))
+    cfg = make_config(
+        demo_values(
+            {
+                "run_name": f"placement-{'colo' if colocate else 'disagg'}",
+                "ray_address": ray_head,
+                "hf_checkpoint": str(tiny_model_dir),
+                "colocate": colocate,
+                "actor_num_gpus_per_node": 4,
+                "tensor_model_parallel_size": 2,
+                "rollout_num_gpus": 4,
+                "rollout_num_gpus_per_engine": 2,
+                "engine_prestart": False,  # the actors are created, their servers not launched
+            }
+        )
+    )
     ensure_ray(cfg.ray_address)
     try:
         pg = get_or_create_placement_group(cfg)
@@ -45,7 +60,9 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     assert "engine-0" in removed and "engine-1" in removed
 
 
-def test_a_layout_the_cluster_cannot_place_fails_as_a_configuration_error_and_leaves_nothing(ray_head, tiny_model_dir, monkeypatch):
+def test_a_layout_the_cluster_cannot_place_fails_as_a_configuration_error_and_leaves_nothing(
+    ray_head, tiny_model_dir, monkeypatch
+):
     """16 device bundles on the head's 8 slots: PlacementError (a configuration error, so neither
     bootstrap's retry nor the iteration's waits again), naming the setting to check, and no
     pending placement group left behind; the same run with a layout that fits is then placed."""
@@ -59,8 +76,15 @@ def test_a_layout_the_cluster_cannot_place_fails_as_a_configuration_error_and_le
     from vime_core.faults import CONFIGURATION, classify
 
     monkeypatch.setattr(run_actors, "PLACEMENT_TIMEOUT_S", 3.0)
-    values = {"run_name": "placement-too-big", "ray_address": ray_head, "hf_checkpoint": str(tiny_model_dir),
-              "colocate": False, "actor_num_gpus_per_node": 8, "rollout_num_gpus": 8, "rollout_num_gpus_per_engine": 1}
+    values = {
+        "run_name": "placement-too-big",
+        "ray_address": ray_head,
+        "hf_checkpoint": str(tiny_model_dir),
+        "colocate": False,
+        "actor_num_gpus_per_node": 8,
+        "rollout_num_gpus": 8,
+        "rollout_num_gpus_per_engine": 1,
+    }
     cfg = make_config(demo_values(values))
     ensure_ray(cfg.ray_address)
     assert run_actors.plan_for(cfg).num_bundles == 16

@@ -42,22 +42,54 @@ def resumed(tmp_path_factory, ray_head):
     store, critics = tmp_path_factory.mktemp("store"), tmp_path_factory.mktemp("critics")
 
     def command(num_rollout: int):
-        return parse_args([
-            "--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--value-clip", "0.5", "--critic-save", str(critics),
-            "--run-name", RUN, "--storage-uri", str(store), "--ray-address", ray_head,
-            "--num-rollout", str(num_rollout), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-            "--micro-batch-size", "8", "--save-interval", "1", "--vllm-server-concurrency", "64",
-            "--custom-rm-path", REWARD,
-        ])
+        return parse_args(
+            [
+                "--advantage-estimator",
+                "ppo",
+                "--critic-lr",
+                "1e-3",
+                "--value-clip",
+                "0.5",
+                "--critic-save",
+                str(critics),
+                "--run-name",
+                RUN,
+                "--storage-uri",
+                str(store),
+                "--ray-address",
+                ray_head,
+                "--num-rollout",
+                str(num_rollout),
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "4",
+                "--micro-batch-size",
+                "8",
+                "--save-interval",
+                "1",
+                "--vllm-server-concurrency",
+                "64",
+                "--custom-rm-path",
+                REWARD,
+            ]
+        )
 
     first = command(FIRST)
-    assert (first.advantage_estimator, first.critic_lr, first.value_clip, first.device) == ("ppo", 1e-3, 0.5, "cpu")  # the demo's device
+    assert (first.advantage_estimator, first.critic_lr, first.value_clip, first.device) == (
+        "ppo",
+        1e-3,
+        0.5,
+        "cpu",
+    )  # the demo's device
     assert first.critic_save == str(critics)
     try:
         train(first)
     finally:
         teardown(RUN)  # the next command starts new actors, which restore the latest checkpoint
-    saved = torch.load(critics / RUN / f"rollout_{FIRST - 1:06d}" / "critic_rank_0.pt", map_location="cpu", weights_only=False)
+    saved = torch.load(
+        critics / RUN / f"rollout_{FIRST - 1:06d}" / "critic_rank_0.pt", map_location="cpu", weights_only=False
+    )
     cfg = command(RESUMED)
     try:
         yield cfg, train(cfg), saved
@@ -106,7 +138,11 @@ def test_the_resumed_run_goes_on_from_the_saved_iteration(resumed):
         assert record["from_store"] is False and record["checkpoint"].endswith(f"rollout_{k:06d}")
     assert summary["iterations"] == RESUMED
     state = _trainers(cfg).rank0("state")
-    assert (state["last_trained_rollout_id"], state["optimizer_steps"], state["weight_version"]) == (RESUMED - 1, RESUMED, RESUMED + 1)
+    assert (state["last_trained_rollout_id"], state["optimizer_steps"], state["weight_version"]) == (
+        RESUMED - 1,
+        RESUMED,
+        RESUMED + 1,
+    )
 
 
 def test_the_critic_files_are_under_critic_save_and_not_in_the_checkpoint(resumed):
@@ -121,7 +157,8 @@ def test_the_critic_files_are_under_critic_save_and_not_in_the_checkpoint(resume
         assert manifest["critic_dir"] == str(critics / f"rollout_{k:06d}")
         assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "rank_0.pt"]
     assert sorted(str(p.relative_to(critics)) for p in critics.rglob("*") if p.is_file()) == [
-        f"rollout_{k:06d}/critic_rank_0.pt" for k in range(RESUMED)]
+        f"rollout_{k:06d}/critic_rank_0.pt" for k in range(RESUMED)
+    ]
 
 
 def test_the_resumed_critic_is_the_saved_one(resumed):
@@ -149,7 +186,9 @@ def test_the_resumed_critic_is_the_saved_one(resumed):
         own = copy.deepcopy(critic.state())
         critic.load_state(torch.load(critic_file, map_location="cpu", weights_only=False), critic_file)
         try:
-            schedule = build_dp_schedule([len(t) for t in batch["tokens"]], cfg.global_batch_size, 1, cfg.micro_batch_size, None)
+            schedule = build_dp_schedule(
+                [len(t) for t in batch["tokens"]], cfg.global_batch_size, 1, cfg.micro_batch_size, None
+            )
             values = critic.values(batch, [mb for step in schedule.micro_batches[0] for mb in step])
         finally:
             critic.load_state(own, "the trainer's own critic")

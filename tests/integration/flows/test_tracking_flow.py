@@ -23,9 +23,18 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
 
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     cfg = demo_config(
-        run_name="e2e-tracking", storage_uri=str(tmp_path), hf_checkpoint=str(tiny_model_dir), ray_address=ray_head,
-        num_rollout=2, rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8, vllm_server_concurrency=64,
-        use_wandb=True, wandb_mode="offline", use_tensorboard=True,
+        run_name="e2e-tracking",
+        storage_uri=str(tmp_path),
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=ray_head,
+        num_rollout=2,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        vllm_server_concurrency=64,
+        use_wandb=True,
+        wandb_mode="offline",
+        use_tensorboard=True,
         rm_url=f"https://bob:{FIELD_CANARIES[0]}@rm.invalid/score?token={FIELD_CANARIES[1]}",
         vllm_extra_args=["--hf-token", FIELD_CANARIES[2]],
     )
@@ -49,10 +58,17 @@ def test_train_flow_tracks_every_iteration(tmp_path, monkeypatch, ray_head, tiny
     history = {int(r["history"]["step"].get("num", 0)): r["history"]["item"] for r in records if r["type"] == "history"}
     assert sorted(history) == [0, 1]
     for k in (0, 1):
-        assert {key: v for key, v in history[k].items() if not key.startswith("_")} == pytest.approx(expected[k], nan_ok=True)
+        assert {key: v for key, v in history[k].items() if not key.startswith("_")} == pytest.approx(
+            expected[k], nan_ok=True
+        )
     assert any(r["type"] == "exit" for r in records)  # the last iteration finished the W&B run
 
     assert run["config"]["update"]["rm_url"].startswith("https://bob:<redacted>@rm.invalid/")
-    leaked = [(p, s) for p in tmp_path.rglob("*") if p.is_file() for s in (SECRET, *FIELD_CANARIES)
-              if s.encode() in p.read_bytes()]
+    leaked = [
+        (p, s)
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+        for s in (SECRET, *FIELD_CANARIES)
+        if s.encode() in p.read_bytes()
+    ]
     assert leaked == []

@@ -129,7 +129,7 @@ def test_engine_reports_version_4(trained):
     cfg, _ = trained
     manager, trainers = _handles(cfg)
     # v1 after bootstrap, one more per iteration: the train flow went 1 -> 4 (the spec's 1 -> 4)
-    records = read_records(cfg.storage_uri, cfg.run_name)[:cfg.num_rollout]
+    records = read_records(cfg.storage_uri, cfg.run_name)[: cfg.num_rollout]
     assert [(r["version_before"], r["version_after"]) for r in records] == [(1, 2), (2, 3), (3, 4)]
     # the engine reports what the trainer published last: 4, or one more per iteration a test added
     final = 1 + _next_rollout_id(trainers)
@@ -369,8 +369,12 @@ def test_no_credential_reaches_what_the_run_leaves(trained):
 
     async def prefect_records() -> str:
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=cfg.run_name)))
-            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs])))
+            runs = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=cfg.run_name))
+            )
+            logs = await client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs]))
+            )
             return json.dumps([r.parameters for r in runs], default=str) + "\n".join(entry.message for entry in logs)
 
     records = asyncio.run(prefect_records())

@@ -22,8 +22,12 @@ def make_cfg(model_dir: Path, vllm_python: str, **overrides):
     from vime_core.demo.settings import demo_values
 
     values = {
-        "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "device": "cpu", "bf16": False,
-        "rollout_max_context_len": 128, "update_weight_buffer_size": 64 * 1024,
+        "hf_checkpoint": str(model_dir),
+        "vllm_python": vllm_python,
+        "device": "cpu",
+        "bf16": False,
+        "rollout_max_context_len": 128,
+        "update_weight_buffer_size": 64 * 1024,
     }
     values.update(overrides)
     return make_config(demo_values(values))
@@ -60,7 +64,9 @@ def engine_call(engine, method: str, *args, **kwargs):
     return asyncio.run(call())
 
 
-def engine_sample(engine, prompt: list[int] = PROMPT, n: int = NEW_TOKENS, seed: int | None = None) -> tuple[list[int], list[float], list]:
+def engine_sample(
+    engine, prompt: list[int] = PROMPT, n: int = NEW_TOKENS, seed: int | None = None
+) -> tuple[list[int], list[float], list]:
     """Sampled tokens (temperature 1, so processed log-probs are the plain ones), their log-probs
     and the response's weight-version spans."""
     params = {"max_tokens": n, "temperature": 1.0, "logprobs": 0, "ignore_eos": True}

@@ -25,11 +25,14 @@ def publish(engine, weights, version, publisher):
     from vime_core.weight_sync.publish import publish_weights
 
     cfg = make_cfg(engine.model_path, engine.cfg.vllm_python, weight_transport="gloo")
-    return publish_weights(weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher,
-                           token=engine.auth_token)
+    return publish_weights(
+        weights.items(), [engine.url], version, cfg, initial_version=0, loop=publisher, token=engine.auth_token
+    )
 
 
-def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadcast_engine, tiny_model_dir, base_weights):
+def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(
+    broadcast_engine, tiny_model_dir, base_weights
+):
     from vime_core.weight_sync.publish_loop import PublishLoop
 
     engine = broadcast_engine
@@ -58,6 +61,10 @@ def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(broadca
         stats = publish(engine, third, 3, rebuilt)
         assert "form_group" in stats["transport_seconds"]
         assert_serves(engine, tiny_model_dir, third, 3)
-        assert engine_call(engine, "collective_rpc", "vime_broadcast_group_id") == [rebuilt.broadcast_group("gloo").group_id] != [group]
+        assert (
+            engine_call(engine, "collective_rpc", "vime_broadcast_group_id")
+            == [rebuilt.broadcast_group("gloo").group_id]
+            != [group]
+        )
     finally:
         rebuilt.close()

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from tests.integration.publish.conftest import (
-    LOGPROB_ATOL, PROMPT, assert_serves, check_served, engine_call, engine_sample, hf_logprobs, make_cfg, perturbed,
+    LOGPROB_ATOL,
+    PROMPT,
+    assert_serves,
+    check_served,
+    engine_call,
+    engine_sample,
+    hf_logprobs,
+    make_cfg,
+    perturbed,
     served,
 )
 
@@ -39,7 +47,11 @@ def test_first_publish_is_version_1_flushes_and_serves_new_weights(first_publish
     new, stats = first_publish["new"], first_publish["stats"]
     check_served(first_publish["before"], tiny_model_dir, base_weights, 0)
     tokens = first_publish["before"][0]
-    moved = (hf_logprobs(tiny_model_dir, new, PROMPT, tokens) - hf_logprobs(tiny_model_dir, base_weights, PROMPT, tokens)).abs().max()
+    moved = (
+        (hf_logprobs(tiny_model_dir, new, PROMPT, tokens) - hf_logprobs(tiny_model_dir, base_weights, PROMPT, tokens))
+        .abs()
+        .max()
+    )
     assert moved > 10 * LOGPROB_ATOL  # the noise is visible in the log-probs
 
     assert stats["version"] == 1 and stats["flushed"] is True and stats["transport"] == "shm"
@@ -67,7 +79,10 @@ def _shape_mismatch(w):
 
 
 def _unknown_name(w):
-    return {**w, "model.layers.99.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"]}, "model.layers.99.mlp.up_proj.weight"
+    return {
+        **w,
+        "model.layers.99.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"],
+    }, "model.layers.99.mlp.up_proj.weight"
 
 
 def _missing(w):
@@ -80,7 +95,9 @@ def _int_dtype(w):
     return {**w, name: w[name].to(torch.int32)}, name
 
 
-@pytest.mark.parametrize("corrupt", [_shape_mismatch, _unknown_name, _missing, _int_dtype], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "corrupt", [_shape_mismatch, _unknown_name, _missing, _int_dtype], ids=lambda f: f.__name__.strip("_")
+)
 def test_bad_publish_is_refused_and_old_weights_keep_serving(publish_engine, base_weights, corrupt):
     from vime_core.weight_sync.weight_spec import WeightSpecError
 

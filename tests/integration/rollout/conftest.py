@@ -22,12 +22,22 @@ def make_cfg(model_dir: Path, vllm_python: str, prompt_data: str = "", **overrid
     from vime_core.demo.settings import demo_values
 
     values = {
-        "hf_checkpoint": str(model_dir), "vllm_python": vllm_python, "prompt_data": prompt_data,
-        "device": "cpu", "bf16": False, "actor_num_gpus_per_node": 2,  # -> 2 engines
-        "rollout_max_prompt_len": 32, "rollout_max_response_len": 8,
-        "rollout_max_context_len": ENGINE_CONTEXT, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
-        "vllm_server_concurrency": 16, "rm_type": "arith", "engine_startup_timeout_s": 300,
-        "router_policy": "round_robin", "seed": 7,
+        "hf_checkpoint": str(model_dir),
+        "vllm_python": vllm_python,
+        "prompt_data": prompt_data,
+        "device": "cpu",
+        "bf16": False,
+        "actor_num_gpus_per_node": 2,  # -> 2 engines
+        "rollout_max_prompt_len": 32,
+        "rollout_max_response_len": 8,
+        "rollout_max_context_len": ENGINE_CONTEXT,
+        "rollout_batch_size": 4,
+        "n_samples_per_prompt": 4,
+        "vllm_server_concurrency": 16,
+        "rm_type": "arith",
+        "engine_startup_timeout_s": 300,
+        "router_policy": "round_robin",
+        "seed": 7,
     }
     values.update(overrides)
     return make_config(demo_values(values))
@@ -56,7 +66,9 @@ def engines(tiny_model_dir, vllm_python, cache_dir):
     # ENGINE_ENV: test_engine.py finds it in every process of each server
     cfg = make_cfg(tiny_model_dir, vllm_python, vllm_log_stats=True, vllm_env=[ENGINE_ENV])
     token = EngineToken.new()
-    servers = [EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs"), token=token) for i in range(2)]
+    servers = [
+        EngineServer(cfg, i, engines_per_node=2, log_dir=str(cache_dir / "engine-logs"), token=token) for i in range(2)
+    ]
     errors: list[BaseException] = []
 
     def start(server):

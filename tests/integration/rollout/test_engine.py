@@ -91,7 +91,10 @@ def _perturbed_checkpoint(model_dir: Path, out_dir: Path) -> Path:
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
-    changed = {k: (v + 0.5 * torch.randn(v.shape, generator=gen)).contiguous() if v.ndim == 2 else v for k, v in tensors.items()}
+    changed = {
+        k: (v + 0.5 * torch.randn(v.shape, generator=gen)).contiguous() if v.ndim == 2 else v
+        for k, v in tensors.items()
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(changed, str(out_dir / "model.safetensors"))
     return out_dir
@@ -107,8 +110,11 @@ async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, toke
     """Stream `/inference/v1/generate` (SSE) and await `on_first_tokens()` as soon as the first
     chunk with tokens arrives; returns the concatenated tokens and the final chunk's
     weight_versions (vLLM sets them on the last chunk only)."""
-    body = {"token_ids": token_ids, "stream": True,
-            "sampling_params": {"temperature": TEMPERATURE, "top_k": -1, "top_p": 1.0, **params}}
+    body = {
+        "token_ids": token_ids,
+        "stream": True,
+        "sampling_params": {"temperature": TEMPERATURE, "top_k": -1, "top_p": 1.0, **params},
+    }
     tokens: list[int] = []
     spans = None
     async with httpx.AsyncClient(timeout=120) as http:
@@ -117,7 +123,7 @@ async def _stream_generate(url: str, token_ids: list[int], on_first_tokens, toke
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choice = json.loads(line[len("data: "):])["choices"][0]
+                choice = json.loads(line[len("data: ") :])["choices"][0]
                 first = not tokens
                 tokens += choice.get("token_ids") or []
                 spans = choice.get("weight_versions") or spans
@@ -152,8 +158,9 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
                     frozen_at.append(1)
                     await client.resume()
 
-                return await _stream_generate(server.url, PROMPT, swap_while_frozen, server.auth_token,
-                                              max_tokens=max_tokens, ignore_eos=True)
+                return await _stream_generate(
+                    server.url, PROMPT, swap_while_frozen, server.auth_token, max_tokens=max_tokens, ignore_eos=True
+                )
 
         try:
             answer = run(generate_with_a_swap())
@@ -166,7 +173,9 @@ def test_pause_keep_across_weight_swap_gives_two_version_spans(healthy_engines, 
     for _ in range(ATTEMPTS_FOR_A_SPLIT):
         spans = one_attempt()
         attempts.append(spans)
-        finished_before_the_pause = len(spans) == 1 and spans[0]["version"] in old_versions and spans[0]["end"] == max_tokens
+        finished_before_the_pause = (
+            len(spans) == 1 and spans[0]["version"] in old_versions and spans[0]["end"] == max_tokens
+        )
         if not finished_before_the_pause:
             break
     print(f"weight-version spans of a {max_tokens}-token request paused after its first chunk, per attempt: {attempts}")
@@ -180,7 +189,11 @@ def test_bad_input_prompt_longer_than_context(healthy_engines):
     from tests.integration.rollout.conftest import ENGINE_CONTEXT
 
     with pytest.raises(EngineError) as err:
-        run(generate(healthy_engines[0].url, [3] * (ENGINE_CONTEXT + 10), max_tokens=4, token=healthy_engines[0].auth_token))
+        run(
+            generate(
+                healthy_engines[0].url, [3] * (ENGINE_CONTEXT + 10), max_tokens=4, token=healthy_engines[0].auth_token
+            )
+        )
     assert err.value.status == 400 and err.value.endpoint == "POST /inference/v1/generate"
     assert str(ENGINE_CONTEXT) in err.value.body
 
@@ -291,6 +304,7 @@ def test_two_front_ends_share_one_engine(tiny_model_dir, vllm_python, tmp_path):
             async def one(i: int) -> dict:
                 async with EngineClient(url, token=server.auth_token) as client:  # a new connection each
                     return await client.generate(PROMPT, {"temperature": 1.0, "max_tokens": 4, "seed": i})
+
             return await asyncio.gather(*(one(i) for i in range(count)))
 
         assert all(a["choices"][0]["token_ids"] for a in run(on_fresh_connections(8)))

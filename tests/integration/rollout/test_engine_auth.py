@@ -28,28 +28,47 @@ SECRET_VERSION = "4242"  # what an unauthenticated caller tries to set
 # (method, path, query, json body) per route family; each is refused without the token
 ATTACKS = {
     "generate": [("POST", "/inference/v1/generate", None, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})],
-    "openai": [("POST", "/v1/completions", None, {"prompt": PROMPT, "max_tokens": 2}),
-               ("GET", "/v1/models", None, None)],
+    "openai": [
+        ("POST", "/v1/completions", None, {"prompt": PROMPT, "max_tokens": 2}),
+        ("GET", "/v1/models", None, None),
+    ],
     "health": [("GET", "/health", None, None)],
     "collective_rpc": [
         ("POST", "/collective_rpc", None, {"method": "vime_set_weight_version", "kwargs": {"version": SECRET_VERSION}}),
         ("POST", "/collective_rpc", None, {"method": "vime_reload_weights", "kwargs": {"weights_path": "/tmp/x"}}),
     ],
-    "sleep_wake_pause": [("POST", "/sleep", {"level": "1"}, None), ("POST", "/wake_up", None, None),
-                         ("POST", "/pause", {"mode": "keep"}, None), ("POST", "/resume", None, None),
-                         ("GET", "/is_paused", None, None), ("POST", "/abort_requests", None, {})],
-    "weight_update": [("POST", "/start_weight_update", None, None),
-                      ("POST", "/update_weights", None, {"update_info": {}}),
-                      ("POST", "/finish_weight_update", None, {"weight_version": SECRET_VERSION}),
-                      ("POST", "/init_weight_transfer_engine", None, {"init_info": {}}),
-                      ("POST", "/update_weight_version", None, {"new_version": SECRET_VERSION})],
-    "other": [("GET", "/metrics", None, None), ("POST", "/reset_prefix_cache", None, None),
-              ("GET", "/version", None, None),
-              ("POST", "/invocations", None, {"prompt": PROMPT}), ("GET", "/ping", None, None),
-              ("GET", "/openapi.json", None, None), ("GET", "/docs", None, None), ("GET", "/weight_info", None, None)],
+    "sleep_wake_pause": [
+        ("POST", "/sleep", {"level": "1"}, None),
+        ("POST", "/wake_up", None, None),
+        ("POST", "/pause", {"mode": "keep"}, None),
+        ("POST", "/resume", None, None),
+        ("GET", "/is_paused", None, None),
+        ("POST", "/abort_requests", None, {}),
+    ],
+    "weight_update": [
+        ("POST", "/start_weight_update", None, None),
+        ("POST", "/update_weights", None, {"update_info": {}}),
+        ("POST", "/finish_weight_update", None, {"weight_version": SECRET_VERSION}),
+        ("POST", "/init_weight_transfer_engine", None, {"init_info": {}}),
+        ("POST", "/update_weight_version", None, {"new_version": SECRET_VERSION}),
+    ],
+    "other": [
+        ("GET", "/metrics", None, None),
+        ("POST", "/reset_prefix_cache", None, None),
+        ("GET", "/version", None, None),
+        ("POST", "/invocations", None, {"prompt": PROMPT}),
+        ("GET", "/ping", None, None),
+        ("GET", "/openapi.json", None, None),
+        ("GET", "/docs", None, None),
+        ("GET", "/weight_info", None, None),
+    ],
 }
-WRONG = {"no token": {}, "wrong token": {"Authorization": "Bearer not-the-run-token"},
-         "token as basic auth": None, "token in the query": None}  # the last two filled with the real token below
+WRONG = {
+    "no token": {},
+    "wrong token": {"Authorization": "Bearer not-the-run-token"},
+    "token as basic auth": None,
+    "token in the query": None,
+}  # the last two filled with the real token below
 
 
 class Captured(logging.Handler):
@@ -69,8 +88,12 @@ def closed_engine(tiny_model_dir, vllm_python, cache_dir):
     captured = Captured()
     logging.getLogger("vime_core.engines").addHandler(captured)
     logging.getLogger("vime_core.engines").setLevel(logging.DEBUG)
-    server = EngineServer(make_cfg(tiny_model_dir, vllm_python, use_router=False), 0, engines_per_node=1,
-                          log_dir=str(cache_dir / "engine-logs"))
+    server = EngineServer(
+        make_cfg(tiny_model_dir, vllm_python, use_router=False),
+        0,
+        engines_per_node=1,
+        log_dir=str(cache_dir / "engine-logs"),
+    )
     try:
         server.start()
         yield server, captured
@@ -96,8 +119,9 @@ def _attack(url: str, token: EngineToken, families=tuple(ATTACKS)) -> dict[str, 
             for i, (method, path, query, body) in enumerate(ATTACKS[family]):
                 for case in WRONG:
                     headers, extra = _wrong_headers(case, token)
-                    resp = http.request(method, f"{url}{path}", params={**(query or {}), **extra}, json=body,
-                                        headers=headers)
+                    resp = http.request(
+                        method, f"{url}{path}", params={**(query or {}), **extra}, json=body, headers=headers
+                    )
                     answers[f"{case}: {family}[{i}] {method} {path}"] = resp.status_code
                     assert token.reveal() not in resp.text
     return answers
@@ -106,9 +130,12 @@ def _attack(url: str, token: EngineToken, families=tuple(ATTACKS)) -> dict[str, 
 def _state(server) -> dict:
     """What an attack would change, read with the token."""
     client = server.client()
-    return {"paused": client.is_paused(), "version": client.weight_version(),
-            "worker_version": client.collective_rpc("vime_weight_version"),
-            "sleeping": client.request("GET", "/is_sleeping")["is_sleeping"]}
+    return {
+        "paused": client.is_paused(),
+        "version": client.weight_version(),
+        "worker_version": client.collective_rpc("vime_weight_version"),
+        "sleeping": client.request("GET", "/is_sleeping")["is_sleeping"],
+    }
 
 
 def _requests_served(server) -> float:

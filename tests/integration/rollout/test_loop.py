@@ -44,7 +44,11 @@ def check_batch_shape(batch: dict, groups: int, n: int, log_probs: bool = False)
     assert [group_ids[i * n] for i in range(groups)] == sorted(set(group_ids)), "groups are not contiguous"
     assert batch["index"] == [i % n for i in range(rows)]
     for i in range(rows):
-        assert batch["prompt_length"][i] + batch["response_length"][i] == batch["total_length"][i] == len(batch["tokens"][i])
+        assert (
+            batch["prompt_length"][i] + batch["response_length"][i]
+            == batch["total_length"][i]
+            == len(batch["tokens"][i])
+        )
         assert len(batch["loss_mask"][i]) == batch["response_length"][i]
         assert len(batch["rollout_log_probs"][i]) == (batch["response_length"][i] if log_probs else 0)
 
@@ -130,7 +134,7 @@ def test_full_loop_router_arith_reward(make_manager):
     # The rule-based reward recomputed from the returned tokens agrees with the loop's.
     tokenizer = manager.tokenizer
     for i in range(16):
-        response_ids = batch["tokens"][i][batch["prompt_length"][i]:]
+        response_ids = batch["tokens"][i][batch["prompt_length"][i] :]
         if batch["finish_reason"][i] == "stop":
             assert response_ids[-1] == tokenizer.eos_token_id
             response_ids = response_ids[:-1]
@@ -158,7 +162,7 @@ def test_filter_drops_all_equal_groups_and_oversampling_refills(make_manager):
     )
     samples, metrics = manager.generate_samples(0)
     assert len(samples) == 16
-    groups = [samples[i:i + 4] for i in range(0, 16, 4)]
+    groups = [samples[i : i + 4] for i in range(0, 16, 4)]
     for group in groups:
         assert group[0].group_index % 2 == 1, "a constant-reward group was kept"
         assert [s.reward for s in group] == [float(s.index % 2) for s in group]
@@ -173,8 +177,12 @@ def test_partial_rollout_requeues_aborted_samples(make_manager):
     # 1 group wanted, 6 submitted, 4 requests at a time: most groups are still running or
     # waiting when the first group completes, and must come back through the data source.
     manager = make_manager(
-        rollout_batch_size=1, over_sampling_batch_size=6, vllm_server_concurrency=2,
-        rollout_max_response_len=64, partial_rollout=True, custom_rm_path=hook("index_reward"),
+        rollout_batch_size=1,
+        over_sampling_batch_size=6,
+        vllm_server_concurrency=2,
+        rollout_max_response_len=64,
+        partial_rollout=True,
+        custom_rm_path=hook("index_reward"),
     )
     samples, metrics = manager.generate_samples(0)
     assert len(samples) == 4
@@ -220,7 +228,13 @@ def test_reward_function_raising_marks_samples_failed(make_manager):
 
 
 def test_in_client_consistent_hash_and_eval(make_manager, arith_data):
-    manager = make_manager(use_router=False, router_policy="consistent_hash", eval_prompt_data=arith_data, n_samples_per_eval_prompt=2, eval_temperature=0.0)
+    manager = make_manager(
+        use_router=False,
+        router_policy="consistent_hash",
+        eval_prompt_data=arith_data,
+        n_samples_per_eval_prompt=2,
+        eval_temperature=0.0,
+    )
     router = manager.state.generator
     assert router.pick("session-a") is router.pick("session-a")
     picks = {router.pick(f"s-{i}").base_url for i in range(32)}
@@ -268,7 +282,9 @@ def test_killing_an_engine_mid_rollout_still_returns_a_full_batch(make_manager, 
     assert victim.is_alive()
 
 
-def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(healthy_engines, tiny_model_dir, vllm_python, arith_data, cache_dir):
+def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(
+    healthy_engines, tiny_model_dir, vllm_python, arith_data, cache_dir
+):
     """Issue 15's first fault: the run's only vLLM server SIGKILLed during a rollout. Its samples
     fail until the health monitor has it back; their groups are generated again on it, and the
     batch is full, trainable and without a duplicate (nothing failed is handed on). One attempt
@@ -280,8 +296,15 @@ def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(healthy
     from vime_core.rollout.manager import RolloutManager
 
     victim = healthy_engines[0]
-    cfg = make_cfg(tiny_model_dir, vllm_python, arith_data, rollout_batch_size=4, rollout_max_response_len=32, vllm_server_concurrency=4,
-                   rollout_request_max_attempts=1)
+    cfg = make_cfg(
+        tiny_model_dir,
+        vllm_python,
+        arith_data,
+        rollout_batch_size=4,
+        rollout_max_response_len=32,
+        vllm_server_concurrency=4,
+        rollout_request_max_attempts=1,
+    )
     manager = RolloutManager(cfg, servers=[victim], log_dir=str(cache_dir / "engine-logs"))
     killed = threading.Event()
 
@@ -297,10 +320,17 @@ def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(healthy
         assert killed.is_set() and manager.fleet.health.restarts >= 1, manager.fleet.health.errors
         check_batch_shape(batch, 4, 4)
         assert validate_trainable(batch) == 16
-        assert set(batch["status"]) <= {"completed", "truncated"}, [m for m in batch["metadata"] if "generate_error" in m]
+        assert set(batch["status"]) <= {"completed", "truncated"}, [
+            m for m in batch["metadata"] if "generate_error" in m
+        ]
         assert len(set(batch["session_id"])) == 16, "a sample was duplicated"
         assert metrics["rollout/retried_groups"] >= 1 and metrics["rollout/failed_groups"] == 0
-        print(f"rollout across the restart: {time.monotonic() - t0:.1f} s, {metrics['rollout/retried_groups']:.0f} groups generated again")
+        print(
+            (
+                f"rollout across the restart: {time.monotonic() - t0:.1f} s, {metrics['rollout/retried_groups']:.0f} "
+                f"groups generated again"
+            )
+        )
     finally:
         manager.shutdown()
     assert victim.is_alive()

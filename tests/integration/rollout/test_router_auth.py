@@ -30,16 +30,21 @@ def test_the_router_forwards_only_the_callers_token_and_listens_on_loopback(heal
     router.start()
     try:
         before = [_state(s) for s in healthy_engines], [_requests_served(s) for s in healthy_engines]
-        answers = _attack(router.url, token, ["generate", "openai", "collective_rpc", "sleep_wake_pause",
-                                              "weight_update"])
+        answers = _attack(
+            router.url, token, ["generate", "openai", "collective_rpc", "sleep_wake_pause", "weight_update"]
+        )
         assert set(answers.values()) == {401}, {k: v for k, v in answers.items() if v != 401}
         assert ([_state(s) for s in healthy_engines], [_requests_served(s) for s in healthy_engines]) == before
         answer = asyncio.run(_generate(router.url, token))  # the run's own requests go through
         assert len(answer["choices"][0]["token_ids"]) == 2
         assert token.reveal() not in router.log_path.read_text(errors="replace")
         # bound to 127.0.0.1: this machine's other addresses do not answer on the router's ports
-        others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
+        others = [
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")
+        ]
         for address in others:
             for port in (router.port, router.prometheus_port):
                 with pytest.raises(OSError):

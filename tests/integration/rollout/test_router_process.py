@@ -27,8 +27,13 @@ STARTER = textwrap.dedent("""
 
 
 def test_router_dies_with_its_starter(tmp_path, repo_root):
-    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                               cwd=repo_root, env={**os.environ, "PYTHONPATH": str(repo_root)})
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
     try:
         url = starter.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url

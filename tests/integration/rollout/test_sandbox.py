@@ -66,9 +66,11 @@ def test_files_cannot_be_read_written_removed_or_listed(sandbox, tmp_path):
 
 def test_no_network(sandbox, listener):
     port = listener.getsockname()[1]
-    for code in (f"import socket; socket.create_connection(('127.0.0.1', {port}))",
-                 f"result = __import__('socket').create_connection(('127.0.0.1', {port}))",
-                 "import urllib.request"):
+    for code in (
+        f"import socket; socket.create_connection(('127.0.0.1', {port}))",
+        f"result = __import__('socket').create_connection(('127.0.0.1', {port}))",
+        "import urllib.request",
+    ):
         with pytest.raises(SandboxRefused):
             sandbox(code)
     time.sleep(0.1)
@@ -76,9 +78,13 @@ def test_no_network(sandbox, listener):
 
 
 def test_no_process_no_library_no_lifting_a_limit(sandbox, tmp_path):
-    for code in (f"__import__('os').system('touch {tmp_path}/by-shell')", "import subprocess", "import ctypes",
-                 "import resource; resource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
-                 "__import__('os').fork()"):
+    for code in (
+        f"__import__('os').system('touch {tmp_path}/by-shell')",
+        "import subprocess",
+        "import ctypes",
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+        "__import__('os').fork()",
+    ):
         with pytest.raises(SandboxRefused):
             sandbox(code)
     assert not (tmp_path / "by-shell").exists()

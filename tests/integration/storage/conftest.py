@@ -53,7 +53,6 @@ def store_uri(request, tmp_path) -> str:
     return server.storage_uri(f"t-{uuid.uuid4().hex[:12]}")
 
 
-
 @contextmanager
 def local_ray_head(num_gpus: int = 1, num_cpus: int | None = None):
     """A local Ray head of its own, started from this process's environment (its workers inherit

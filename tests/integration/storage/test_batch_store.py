@@ -103,8 +103,10 @@ def _env() -> dict:
 
 
 def test_concurrent_process_writers_with_a_compaction_in_between(store_uri):
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, store_uri, "procs", str(first), "4"], env=_env())
-             for first in (0, 4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, store_uri, "procs", str(first), "4"], env=_env())
+        for first in (0, 4)
+    ]
     store = BatchStore(store_uri)
     compacted_while_writing = 0
     while any(p.poll() is None for p in procs):
@@ -213,7 +215,9 @@ def test_changed_value_is_detected(store_uri):
     rewards = table.column("raw_reward").to_pylist()
     rewards[0] = 1.0 - rewards[0]
     column = COLUMNS.index("raw_reward")
-    _rewrite(store, ref.key, table.set_column(column, BATCH_SCHEMA.field("raw_reward"), pa.array(rewards, pa.float64())))
+    _rewrite(
+        store, ref.key, table.set_column(column, BATCH_SCHEMA.field("raw_reward"), pa.array(rewards, pa.float64()))
+    )
     with pytest.raises(CorruptBatchError, match=ref.key) as info:
         store.read("corrupt", 1)
     assert info.value.key == ref.key
@@ -256,11 +260,15 @@ def test_older_schema_version_is_refused_clearly_or_upgraded(store_uri, monkeypa
     store = BatchStore(store_uri)
     current = batch_to_table(synthetic_batch(seed=7), lineage("old", 1))
     _publish_as_version(store, current.drop_columns(["session_id"]), SCHEMA_VERSION - 1)
-    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION - 1}.*reads version {SCHEMA_VERSION}"):
+    with pytest.raises(
+        SchemaVersionError, match=rf"schema version {SCHEMA_VERSION - 1}.*reads version {SCHEMA_VERSION}"
+    ):
         store.read("old", 1)
 
     def add_session_id(table: pa.Table) -> pa.Table:
-        table = table.add_column(COLUMNS.index("session_id"), BATCH_SCHEMA.field("session_id"), pa.array(["s"] * table.num_rows))
+        table = table.add_column(
+            COLUMNS.index("session_id"), BATCH_SCHEMA.field("session_id"), pa.array(["s"] * table.num_rows)
+        )
         return table.replace_schema_metadata({**table.schema.metadata, b"schema_version": str(SCHEMA_VERSION).encode()})
 
     monkeypatch.setitem(UPGRADES, SCHEMA_VERSION - 1, add_session_id)
@@ -275,7 +283,9 @@ def test_credentials_absent_from_logs_errors_and_metadata(s3_env, caplog, capfd,
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="vime_core")
     store = BatchStore(uri)
-    ref = store.write(synthetic_batch(seed=8), lineage("creds", 0, config={"storage_uri": uri, "note": TEST_SECRET_KEY}))
+    ref = store.write(
+        synthetic_batch(seed=8), lineage("creds", 0, config={"storage_uri": uri, "note": TEST_SECRET_KEY})
+    )
     store.read("creds", 0)
     store.compact()
     logging.getLogger("vime_core").info("store: %r", store)

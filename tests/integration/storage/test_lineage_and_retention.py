@@ -29,12 +29,13 @@ def _fill(store: BatchStore) -> dict[int, dict]:
         if k == 2:
             extra = synthetic_batch(num_groups=1, group_size=2, weight_version=k + 1, seed=50, prompt_prefix="q")
             for column, values in extra.items():
-                batch[column] = batch[column] + (
-                    [g + 4 for g in values] if column == "group_index" else values)
+                batch[column] = batch[column] + ([g + 4 for g in values] if column == "group_index" else values)
         batches[k] = batch
         store.write(batch, {"run": "lin", "rollout_id": k, "config_hash": "c1" if k < 2 else "c2"})
-    store.write(synthetic_batch(num_groups=1, group_size=2, seed=9, prompt_prefix="q"),
-                {"run": "other", "rollout_id": 0, "created_at": (NOW - dt.timedelta(days=10)).isoformat()})
+    store.write(
+        synthetic_batch(num_groups=1, group_size=2, seed=9, prompt_prefix="q"),
+        {"run": "other", "rollout_id": 0, "created_at": (NOW - dt.timedelta(days=10)).isoformat()},
+    )
     return batches
 
 
@@ -50,8 +51,11 @@ def test_lineage_queries_answer_from_the_index_alone(store_uri):
     index = store.index()
 
     for version in range(1, 7):
-        expected = sorted(k for k, b in batches.items()
-                          if any(s["version"] == version for spans in b["weight_versions"] for s in spans))
+        expected = sorted(
+            k
+            for k, b in batches.items()
+            if any(s["version"] == version for spans in b["weight_versions"] for s in spans)
+        )
         got = lineage.batches_by_weight_version(index, version, run="lin").column("rollout_id").to_pylist()
         assert got == expected, version
 
@@ -63,7 +67,8 @@ def test_lineage_queries_answer_from_the_index_alone(store_uri):
                 uses.setdefault(prompt, []).append(k)
     expected_seen = {p: ks for p, ks in uses.items() if len(ks) >= 2}
     assert {r["prompt_id"]: (r["count"], r["rollout_ids"]) for r in seen.to_pylist()} == {
-        p: (len(ks), sorted(set(ks))) for p, ks in expected_seen.items()}
+        p: (len(ks), sorted(set(ks))) for p, ks in expected_seen.items()
+    }
     assert "q0" not in expected_seen  # used once in this run (and once in run "other")
 
     curve = lineage.reward_by_iteration(index, "lin").to_pylist()
@@ -89,7 +94,9 @@ def test_index_folder_is_a_parquet_dataset(store_uri):
     dataset = ds.dataset(store.location.path("index"), format="parquet", filesystem=store.location.fs)
     table = latest_per_batch(dataset.to_table())
     assert table.equals(store.index())
-    v2 = table.filter(pc.and_(pc.less_equal(table["weight_version_min"], 2), pc.greater_equal(table["weight_version_max"], 2)))
+    v2 = table.filter(
+        pc.and_(pc.less_equal(table["weight_version_min"], 2), pc.greater_equal(table["weight_version_max"], 2))
+    )
     assert set(v2.column("rollout_id").to_pylist()) >= {0, 1}
 
 

@@ -35,12 +35,16 @@ def test_prompt_files_on_s3(s3_env, tmp_path):
     with fsspec.open(parquet, "wb") as f:
         f.write(local.read_bytes())
 
-    cfg = load_config(overrides={"prompt_data": jsonl, "rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_shuffle": False})
+    cfg = load_config(
+        overrides={"prompt_data": jsonl, "rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_shuffle": False}
+    )
     src = DataSource(cfg, tokenizer=CharTokenizer())
     groups = src.get_groups(2)
     assert [g[0].prompt_id for g in groups] == ["q0", "q1"]
     assert groups[1][0].tokens == [ord(c) for c in "1+1="]
     from_parquet = load_prompt_rows(parquet, cfg)
-    assert [(r.prompt_id, r.prompt, r.label) for r in from_parquet] == [(r["prompt_id"], r["prompt"], r["label"]) for r in ROWS]
+    assert [(r.prompt_id, r.prompt, r.label) for r in from_parquet] == [
+        (r["prompt_id"], r["prompt"], r["label"]) for r in ROWS
+    ]
     with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
         load_prompt_rows(f"{base}/missing.jsonl", cfg)

@@ -45,13 +45,14 @@ def test_ray_task_persists_with_node_credentials(s3_env):
         address = start_local_head(1, num_cpus=1, temp_dir=temp)
         driver_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         driver_env["PYTHONPATH"] = str(REPO)
-        run = subprocess.run([sys.executable, "-c", DRIVER, address, uri], env=driver_env,
-                             capture_output=True, text=True, timeout=240)
+        run = subprocess.run(
+            [sys.executable, "-c", DRIVER, address, uri], env=driver_env, capture_output=True, text=True, timeout=240
+        )
         line = next((l for l in run.stdout.splitlines() if l.startswith("KEY")), None)
         assert line, f"driver failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
         batch, lineage = BatchStore(uri).read("from-ray", 0)
         assert batch == synthetic_batch(seed=21)
-        assert line[len("KEY"):] == BatchStore(uri).ref("from-ray", 0).key
+        assert line[len("KEY") :] == BatchStore(uri).ref("from-ray", 0).key
     finally:
         stop_local_head(temp)
         shutil.rmtree(temp, ignore_errors=True)

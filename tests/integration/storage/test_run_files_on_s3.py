@@ -43,9 +43,18 @@ def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, t
 
     uri = s3_env.storage_uri("run-files")
     with local_ray_head(2) as address:
-        cfg = demo_config(run_name=RUN, storage_uri=uri, storage_endpoint_url=s3_env.endpoint,
-                         hf_checkpoint=str(tiny_model_dir), ray_address=address, num_rollout=1,
-                         rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=8, vllm_server_concurrency=64)
+        cfg = demo_config(
+            run_name=RUN,
+            storage_uri=uri,
+            storage_endpoint_url=s3_env.endpoint,
+            hf_checkpoint=str(tiny_model_dir),
+            ray_address=address,
+            num_rollout=1,
+            rollout_batch_size=4,
+            n_samples_per_prompt=4,
+            micro_batch_size=8,
+            vllm_server_concurrency=64,
+        )
         try:
             summary = train(cfg)
         finally:

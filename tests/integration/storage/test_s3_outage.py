@@ -56,13 +56,21 @@ class Outage:
     def restart(self, timeout: float = 60.0) -> None:
         data_dir = Path(self.server.data_dir)
         with open(data_dir / "weed.log", "ab") as log:
-            process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=data_dir, start_new_session=True)
+            process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=data_dir,
+                start_new_session=True,
+            )
         self.server.pid = process.pid
         (data_dir / STATE_FILE).write_text(json.dumps(self.server.__dict__))  # stop_s3_server ends this one
         deadline = time.monotonic() + timeout
         while not _ready(self.server.endpoint, self.server.bucket):
-            assert process.poll() is None and time.monotonic() < deadline, f"S3 server did not come back; see {data_dir / 'weed.log'}"
+            assert process.poll() is None and time.monotonic() < deadline, (
+                f"S3 server did not come back; see {data_dir / 'weed.log'}"
+            )
             time.sleep(0.3)
 
     def restart_after(self, seconds: float) -> threading.Thread:
@@ -126,8 +134,11 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
 
     uri = outage.server.storage_uri(f"t-{uuid.uuid4().hex[:8]}")
     BatchStore(uri).write(synthetic_batch(seed=0), {"run": RUN, "rollout_id": 0})
-    owner, name = {"upload": (StorageLocation, "put"), "move": (StorageLocation, "move"),
-                   "manifest": (BatchIndex, "publish")}[cut]
+    owner, name = {
+        "upload": (StorageLocation, "put"),
+        "move": (StorageLocation, "move"),
+        "manifest": (BatchIndex, "publish"),
+    }[cut]
     real = getattr(owner, name)
 
     def killed_first(self, *args, **kwargs):

@@ -104,9 +104,14 @@ def _vime_train(cfg, tmp_path, name: str, pause_at=(), pause_dir=None) -> tuple[
     if pause_at:
         env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
     log = tmp_path / f"{name}.log"
-    driver = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", str(config_file)],
-                              cwd=Path(__file__).resolve().parents[3], env=env, stdout=open(log, "w"),
-                              stderr=open(_stderr_path(log), "w"), start_new_session=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", "--config", str(config_file)],
+        cwd=Path(__file__).resolve().parents[3],
+        env=env,
+        stdout=open(log, "w"),
+        stderr=open(_stderr_path(log), "w"),
+        start_new_session=True,
+    )
     return driver, log
 
 
@@ -118,7 +123,9 @@ def _persist_failures(log: Path, rollout_id: int) -> list[str]:
     """The console's notices of a retry of persist-<rollout_id> (tasks/common.RETRY_NOTICE: one
     warning per failed try that is tried again; Prefect's own notice is below the console's level
     under infra/env.sh, as in CI)."""
-    return [line for line in _console(log).splitlines() if f"persist-{rollout_id} failed (" in line and "; try " in line]
+    return [
+        line for line in _console(log).splitlines() if f"persist-{rollout_id} failed (" in line and "; try " in line
+    ]
 
 
 def _wait_for(condition, driver, log, what: str, timeout_s: float = 300) -> None:
@@ -150,11 +157,13 @@ def _check_bucket(cfg, num_published: int) -> None:
 
     root = store.location.path("")
     prefix = checkpoint_root(cfg).removeprefix(f"s3://{root}/") + "/"
-    folders = {k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)}
+    folders = {k[len(prefix) :].split("/", 1)[0] for k in keys if k.startswith(prefix)}
     assert folders, "no checkpoint"
     for folder in folders:
         manifest = json.loads(store.location.get(f"{prefix}{folder}/{MANIFEST}"))
-        assert {k for k in keys if k.startswith(f"{prefix}{folder}/")} == {f"{prefix}{folder}/{n}" for n in [MANIFEST, *manifest["files"]]}
+        assert {k for k in keys if k.startswith(f"{prefix}{folder}/")} == {
+            f"{prefix}{folder}/{n}" for n in [MANIFEST, *manifest["files"]]
+        }
 
 
 def _raw_records(cfg) -> list[dict]:
@@ -203,7 +212,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
         assert rc == 0, f"server back {back_after:.1f} s after the first failed try\n{_tail(log)}"
         assert _persist_failures(log, SHORT_OUTAGE_AT)  # the outage was seen, and a later try stored it
         stdout = log.read_text()
-        summary = json.loads(stdout[stdout.index('{\n  "run_name"'):])
+        summary = json.loads(stdout[stdout.index('{\n  "run_name"') :])
         assert summary["failed_attempts"] == {}  # no iteration failed: persist's retries absorbed it
         _check_run(cfg, RUN_A)
         _check_bucket(cfg, RUN_A)

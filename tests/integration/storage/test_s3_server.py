@@ -23,15 +23,24 @@ def test_start_is_idempotent_and_status_reports_the_endpoint(s3_server, monkeypa
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)
     again = start_s3_server(s3_server.data_dir, bucket=s3_server.bucket)
     assert (again.endpoint, again.pid) == (s3_server.endpoint, s3_server.pid)
-    status = subprocess.run(["bash", str(REPO / "infra" / "seaweedfs.sh"), "status", "--dir", s3_server.data_dir],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "VIME_PYTHON": str(REPO / ".venv" / "bin" / "python")})
+    status = subprocess.run(
+        ["bash", str(REPO / "infra" / "seaweedfs.sh"), "status", "--dir", s3_server.data_dir],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "VIME_PYTHON": str(REPO / ".venv" / "bin" / "python")},
+    )
     assert status.returncode == 0 and f"AWS_ENDPOINT_URL={s3_server.endpoint}" in status.stdout
     assert s3_server.endpoint.startswith("http://127.0.0.1:")
 
 
 def test_status_of_a_folder_without_server(tmp_path):
-    status = subprocess.run(["bash", str(REPO / "infra" / "seaweedfs.sh"), "status", "--dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        ["bash", str(REPO / "infra" / "seaweedfs.sh"), "status", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 3 and "not running" in status.stdout
 
 
@@ -92,7 +101,9 @@ def test_a_port_taken_between_pick_and_bind_is_picked_again(tmp_path, monkeypatc
 def test_a_server_that_never_starts_names_its_exit_and_log(tmp_path, monkeypatch, held_port):
     _credentials(monkeypatch)
     launched = _first_pick_taken(monkeypatch, held_port, starts=START_ATTEMPTS)
-    with pytest.raises(RuntimeError, match=f"(?s)on each of {START_ATTEMPTS} starts; .*weed.log ends with:.*port {held_port}"):
+    with pytest.raises(
+        RuntimeError, match=f"(?s)on each of {START_ATTEMPTS} starts; .*weed.log ends with:.*port {held_port}"
+    ):
         start_s3_server(tmp_path / "s3")
     assert len(launched) == START_ATTEMPTS and all(process.returncode is not None for process, _ in launched)
     assert s3_module.server_status(tmp_path / "s3") is None

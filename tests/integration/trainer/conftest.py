@@ -16,8 +16,13 @@ def tiny_checkpoint(cache_dir: Path, family: str, tie: bool, **shape) -> Path:
 
     name = f"trainer-{family}-{'tied' if tie else 'untied'}"
     return build_tiny_model(
-        cache_dir / "models" / name, family=family, seed=1, tie_word_embeddings=tie,
-        num_heads=4, num_kv_heads=2, **shape,
+        cache_dir / "models" / name,
+        family=family,
+        seed=1,
+        tie_word_embeddings=tie,
+        num_heads=4,
+        num_kv_heads=2,
+        **shape,
     )
 
 

@@ -37,8 +37,14 @@ def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: s
     from vime_core.trainer.hf_convert import read_hf_safetensors
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = hand_config(Path(checkpoint), Path(storage), tensor_model_parallel_size=tp, actor_num_gpus_per_node=world_size,
-                      colocate=False, rollout_num_gpus=1)
+    cfg = hand_config(
+        Path(checkpoint),
+        Path(storage),
+        tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=world_size,
+        colocate=False,
+        rollout_num_gpus=1,
+    )
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     source = read_hf_safetensors(checkpoint)
@@ -68,8 +74,16 @@ def train_ppo_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoin
     from tests.integration.trainer.hand_batch import hand_batch, hand_config
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = hand_config(Path(checkpoint), Path(storage), tensor_model_parallel_size=tp, actor_num_gpus_per_node=world_size,
-                      colocate=False, rollout_num_gpus=1, advantage_estimator="ppo", critic_lr=1e-3)
+    cfg = hand_config(
+        Path(checkpoint),
+        Path(storage),
+        tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=world_size,
+        colocate=False,
+        rollout_num_gpus=1,
+        advantage_estimator="ppo",
+        critic_lr=1e-3,
+    )
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     metrics = [trainer.train(k, hand_batch()) for k in range(3)]

@@ -25,11 +25,19 @@ GROUPS, PER_GROUP = 8, 2
 def config(estimator: str):
     from vime_core.config import load_config
 
-    return load_config(overrides={
-        "advantage_estimator": estimator, "rollout_batch_size": GROUPS, "n_samples_per_prompt": PER_GROUP,
-        "num_steps_per_rollout": 2, "micro_batch_size": 2, "kl_coef": 0.05, "kl_loss_type": "k1",
-        "gamma": 0.95, "lambd": 0.9,
-    })
+    return load_config(
+        overrides={
+            "advantage_estimator": estimator,
+            "rollout_batch_size": GROUPS,
+            "n_samples_per_prompt": PER_GROUP,
+            "num_steps_per_rollout": 2,
+            "micro_batch_size": 2,
+            "kl_coef": 0.05,
+            "kl_loss_type": "k1",
+            "gamma": 0.95,
+            "lambd": 0.9,
+        }
+    )
 
 
 def batch(cfg) -> dict:
@@ -42,8 +50,17 @@ def batch(cfg) -> dict:
             n = len(samples)
             # flat: both 1 (even groups) or both 0 (odd); mixed: 1 then 0
             reward = float(group % 2 == 0) if group in FLAT_GROUPS else float(index == 0)
-            s = Sample(prompt_id=f"p{group}", tokens=[1, 2, 3], prompt_length=3, group_index=group, index=index,
-                       session_id=f"s{n}", status=Status.COMPLETED, finish_reason="stop", reward=reward)
+            s = Sample(
+                prompt_id=f"p{group}",
+                tokens=[1, 2, 3],
+                prompt_length=3,
+                group_index=group,
+                index=index,
+                session_id=f"s{n}",
+                status=Status.COMPLETED,
+                finish_reason="stop",
+                reward=reward,
+            )
             s.append_response_tokens([10 + t for t in range(3 + n % 4)], [-0.5] * (3 + n % 4))
             if n in TOOL_SAMPLES:
                 s.append_response_tokens([7, 8, 9], [0.0] * 3, loss_mask_value=0)
@@ -106,9 +123,16 @@ def rank_advantages(estimator: str, dp_size: int, dp_rank: int) -> dict:
     cfg = config(estimator)
     advantages, returns = {}, {}
     trainer = SimpleNamespace(
-        cfg=cfg, layout=SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank), arch=SimpleNamespace(vocab_size=32),
-        device=torch.device("cpu"), model="policy", ref_model="reference", teacher_model=None,
-        optimizer=None, scheduler=None, critic=_Critic(returns) if estimator == "ppo" else None,
+        cfg=cfg,
+        layout=SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank),
+        arch=SimpleNamespace(vocab_size=32),
+        device=torch.device("cpu"),
+        model="policy",
+        ref_model="reference",
+        teacher_model=None,
+        optimizer=None,
+        scheduler=None,
+        critic=_Critic(returns) if estimator == "ppo" else None,
     )
     with _stand_ins(advantages):
         train_on_rollout(trainer, batch(cfg))

@@ -27,9 +27,15 @@ def hand_config(checkpoint: Path, storage: Path, **overrides):
     # Two optimizer steps per rollout: the second step's ratio is not 1, so the loss depends on
     # the weights, and old log-probs are recomputed (can_reuse_log_probs_in_loss is False).
     fields = dict(
-        rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=2, micro_batch_size=1,
-        lr=1e-3, clip_grad=1.0,
-        hf_checkpoint=str(checkpoint), storage_uri=str(storage), rollout_temperature=1.0,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        num_steps_per_rollout=2,
+        micro_batch_size=1,
+        lr=1e-3,
+        clip_grad=1.0,
+        hf_checkpoint=str(checkpoint),
+        storage_uri=str(storage),
+        rollout_temperature=1.0,
         entropy_coef=0.0,  # the plain GRPO loss; the default job's entropy bonus is not under test here
     )
     fields.update(overrides)

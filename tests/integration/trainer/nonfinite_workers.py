@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 
-def nan_on_one_rank_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str,
-                             out: str) -> None:
+def nan_on_one_rank_and_dump(
+    rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str
+) -> None:
     """Train rollout 0 (finite); on rollout 1 rank 1 alone finds a NaN in its gradient buffer
     after the gradients' reduction (what a TP rank sees of its own shard, and what no DP
     all-reduce would carry to the other rank); then rollout 2 (finite). Dumps each rollout's
@@ -23,8 +24,15 @@ def nan_on_one_rank_and_dump(rank: int, world_size: int, port: int, tp: int, che
     from vime_core.trainer.parallel import destroy_parallel
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = hand_config(Path(checkpoint), Path(storage), tensor_model_parallel_size=tp,
-                      actor_num_gpus_per_node=world_size, colocate=False, rollout_num_gpus=1, num_steps_per_rollout=1)
+    cfg = hand_config(
+        Path(checkpoint),
+        Path(storage),
+        tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=world_size,
+        colocate=False,
+        rollout_num_gpus=1,
+        num_steps_per_rollout=1,
+    )
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
 
@@ -49,6 +57,14 @@ def nan_on_one_rank_and_dump(rank: int, world_size: int, port: int, tp: int, che
     poison["on"] = False
     after_skip = params()
     metrics.append(trainer.train(2, hand_batch()))
-    torch.save({"metrics": metrics, "before": before, "after_skip": after_skip, "after_next": params(),
-                "optimizer_steps": trainer.optimizer_steps}, Path(out) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "metrics": metrics,
+            "before": before,
+            "after_skip": after_skip,
+            "after_next": params(),
+            "optimizer_steps": trainer.optimizer_steps,
+        },
+        Path(out) / f"rank{rank}.pt",
+    )
     destroy_parallel()

@@ -18,9 +18,32 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path):
     out = tmp_path / "trainer.json"
-    cmd = [sys.executable, str(REPO / "bench" / "bench_trainer_gpu.py"), "--device", "cpu", "--shape", "tiny",
-           "--checkpoint-root", str(tmp_path / "ckpt"), "--samples", "4", "--prompt-len", "16", "--response-len", "16",
-           "--variants", "pack32768", "--warmup", "1", "--repeats", "1", "--check-steps", "0", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "bench_trainer_gpu.py"),
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--checkpoint-root",
+        str(tmp_path / "ckpt"),
+        "--samples",
+        "4",
+        "--prompt-len",
+        "16",
+        "--response-len",
+        "16",
+        "--variants",
+        "pack32768",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--check-steps",
+        "0",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (variant,) = json.loads(out.read_text())["variants"]

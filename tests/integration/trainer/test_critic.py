@@ -95,7 +95,15 @@ def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tm
     for name, tensor in _critic_tensors(second).items():
         assert torch.equal(tensor, want_critic[name]), name
     assert not torch.equal(fresh_critic["value_head.weight"], want_critic["value_head.weight"])
-    for key in ("loss", "pg_loss", "value_loss", "value_clipfrac", "explained_variance", "critic_grad_norm", "critic_lr"):
+    for key in (
+        "loss",
+        "pg_loss",
+        "value_loss",
+        "value_clipfrac",
+        "explained_variance",
+        "critic_grad_norm",
+        "critic_lr",
+    ):
         assert resumed[key] == uninterrupted[key], key
 
 
@@ -103,14 +111,28 @@ def test_critic_load_builds_the_body_from_another_checkpoint(single_rank, ckpt, 
     from vime_core.demo.model import build_tiny_model
     from vime_core.trainer.hf_convert import unwrap
 
-    deeper = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=2, tie_word_embeddings=True,
-                              num_heads=4, num_kv_heads=2, num_layers=3)
+    deeper = build_tiny_model(
+        tmp_path / "three-layers",
+        family="qwen3",
+        seed=2,
+        tie_word_embeddings=True,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=3,
+    )
     trainer = single_rank_trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(deeper)))
     assert len(unwrap(trainer.critic.model).decoder.layers) == 3 != len(unwrap(trainer.model).decoder.layers)
     assert trainer.train(0, hand_batch())["value_loss"] > 0
 
-    other_vocab = build_tiny_model(tmp_path / "other-vocab", family="qwen3", seed=2, tie_word_embeddings=True,
-                                   num_heads=4, num_kv_heads=2, vocab_size=40)
+    other_vocab = build_tiny_model(
+        tmp_path / "other-vocab",
+        family="qwen3",
+        seed=2,
+        tie_word_embeddings=True,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=40,
+    )
     with pytest.raises(ValueError, match=r"critic_load=.* has vocab_size=40"):
         single_rank_trainer(hand_config(ckpt, tmp_path, advantage_estimator="ppo", critic_load=str(other_vocab)))
 

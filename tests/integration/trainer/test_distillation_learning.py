@@ -63,8 +63,10 @@ def _per_sample_reverse_kl(student, teacher, batch) -> list[tuple[float, float]]
     for tokens, n, mask in zip(batch["tokens"], batch["response_length"], batch["loss_mask"]):
         x = torch.tensor([tokens])
         target = x[0, -n:]
-        lp = [m(input_ids=x).logits[0, -n - 1:-1].float().log_softmax(-1).gather(1, target[:, None])[:, 0]
-              for m in (student, teacher)]
+        lp = [
+            m(input_ids=x).logits[0, -n - 1 : -1].float().log_softmax(-1).gather(1, target[:, None])[:, 0]
+            for m in (student, teacher)
+        ]
         m = torch.tensor(mask, dtype=torch.float32)
         out.append((float(((lp[0] - lp[1]) * m).sum()), float(m.sum())))
     return out
@@ -85,10 +87,19 @@ def test_the_student_moves_toward_the_teacher(single_rank, tiny_model_dir, teach
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     cfg = demo_config(
-        hf_checkpoint=str(tiny_model_dir), storage_uri=str(tmp_path), prompt_data=str(write_dataset(tmp_path / "arith.jsonl")),
-        custom_rm_path=f"{__name__}:zero_reward", entropy_coef=0.0,
-        use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher_dir), opd_kl_coef=1.0,
-        rollout_batch_size=PROMPTS, n_samples_per_prompt=SAMPLES, micro_batch_size=64, num_rollout=ITERATIONS,
+        hf_checkpoint=str(tiny_model_dir),
+        storage_uri=str(tmp_path),
+        prompt_data=str(write_dataset(tmp_path / "arith.jsonl")),
+        custom_rm_path=f"{__name__}:zero_reward",
+        entropy_coef=0.0,
+        use_opd=True,
+        opd_type="megatron",
+        opd_teacher_load=str(teacher_dir),
+        opd_kl_coef=1.0,
+        rollout_batch_size=PROMPTS,
+        n_samples_per_prompt=SAMPLES,
+        micro_batch_size=64,
+        num_rollout=ITERATIONS,
     )
     start = time.perf_counter()
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
@@ -97,9 +108,15 @@ def test_the_student_moves_toward_the_teacher(single_rank, tiny_model_dir, teach
     load = lambda path: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # noqa: E731
     sampler, teacher = PolicySampler(load(tiny_model_dir), tokenizer.eos_token_id), load(teacher_dir)
     state = RolloutState(
-        cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg), generator=sampler,
-        engines=[sampler], tokenizer=tokenizer, group_filter=load_filter(cfg.dynamic_sampling_filter_path),
-        eos_token_id=tokenizer.eos_token_id, concurrency=PROMPTS * SAMPLES,
+        cfg=cfg,
+        data_source=DataSource(cfg, tokenizer=tokenizer),
+        reward_hub=RewardHub(cfg),
+        generator=sampler,
+        engines=[sampler],
+        tokenizer=tokenizer,
+        group_filter=load_filter(cfg.dynamic_sampling_filter_path),
+        eos_token_id=tokenizer.eos_token_id,
+        concurrency=PROMPTS * SAMPLES,
     )
     per_iteration, reported = [], []
     for k in range(ITERATIONS):
@@ -120,6 +137,8 @@ def test_the_student_moves_toward_the_teacher(single_rank, tiny_model_dir, teach
     last = [s / n for values in per_iteration[-K:] for s, n in values if n]
     se = math.hypot(statistics.stdev(first) / math.sqrt(len(first)), statistics.stdev(last) / math.sqrt(len(last)))
     drop, margin = statistics.fmean(first) - statistics.fmean(last), Z * se
-    print(f"opd: reverse KL {statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f} (margin {margin:.3f}) "
-          f"in {time.perf_counter() - start:.0f} s; per iteration {curve}; trainer's {[round(r, 3) for r in reported]}")
+    print(
+        f"opd: reverse KL {statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f} (margin {margin:.3f}) "
+        f"in {time.perf_counter() - start:.0f} s; per iteration {curve}; trainer's {[round(r, 3) for r in reported]}"
+    )
     assert drop > margin, f"the student did not move toward the teacher: drop {drop:.3f}, margin {margin:.3f}; {curve}"

@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU: the varlen FlashAttention path exists only there (bf16/fp16); "
-    "the CPU runs per-segment SDPA, covered by the CPU tests",
-)]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: the varlen FlashAttention path exists only there (bf16/fp16); "
+        "the CPU runs per-segment SDPA, covered by the CPU tests",
+    ),
+]
 
 # Segments of a real micro-batch's sizes, plus very short ones; one segment per sample.
 LENGTHS = [300, 17, 1270, 2, 64, 511, 1023]
@@ -26,9 +29,21 @@ def _attention():
     from vime_core.trainer.model import HFArchitecture, transformer_config
 
     arch = HFArchitecture(
-        model_type="qwen2", vocab_size=1000, hidden_size=HEADS * HEAD_DIM, num_layers=1, num_heads=HEADS,
-        num_kv_heads=GROUPS, head_dim=HEAD_DIM, ffn_hidden_size=512, rms_norm_eps=1e-6, rope_theta=1e6,
-        rope_scaling_factor=None, max_position_embeddings=4096, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+        model_type="qwen2",
+        vocab_size=1000,
+        hidden_size=HEADS * HEAD_DIM,
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=GROUPS,
+        head_dim=HEAD_DIM,
+        ffn_hidden_size=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling_factor=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        qk_norm=False,
     )
     return SDPACoreAttention(transformer_config(arch, 1, torch.bfloat16), 1, AttnMaskType.causal, "self")
 
@@ -84,9 +99,18 @@ def _models(cache_dir, fusions=None):
     from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
 
     ckpt = build_tiny_model(
-        cache_dir / "models" / "trainer-gpu-qwen2", family="qwen2", seed=2, hidden_size=HEADS * HEAD_DIM, num_layers=2,
-        num_heads=HEADS, num_kv_heads=GROUPS, head_dim=HEAD_DIM, intermediate_size=512, vocab_size=3000,
-        max_position_embeddings=4096, tie_word_embeddings=True,
+        cache_dir / "models" / "trainer-gpu-qwen2",
+        family="qwen2",
+        seed=2,
+        hidden_size=HEADS * HEAD_DIM,
+        num_layers=2,
+        num_heads=HEADS,
+        num_kv_heads=GROUPS,
+        head_dim=HEAD_DIM,
+        intermediate_size=512,
+        vocab_size=3000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
     arch = architecture_from_hf(read_hf_config(ckpt))
     m16 = build_gpt_model(arch, 1, torch.bfloat16, "cuda", fusions=fusions)
@@ -135,7 +159,10 @@ def test_model_new_path_as_close_to_fp32_as_old_path(single_rank, cache_dir, mon
     assert sorted(new[2]) == sorted(ref[2])
     total = lambda g: torch.cat([g[n] for n in sorted(g)])  # noqa: E731
     norm = float(total(ref[2]).norm())
-    err, err_old = float((total(new[2]) - total(ref[2])).norm()) / norm, float((total(old[2]) - total(ref[2])).norm()) / norm
+    err, err_old = (
+        float((total(new[2]) - total(ref[2])).norm()) / norm,
+        float((total(old[2]) - total(ref[2])).norm()) / norm,
+    )
     assert err <= max(2 * err_old, 0.01), ("gradients", err, err_old)
     for n, g in ref[2].items():  # no parameter far off (a missing or doubled gradient would be ~100%)
         scale = float(g.norm()) + 1e-12
@@ -177,8 +204,11 @@ def test_fused_rope_and_swiglu_as_close_to_fp32_as_unfused(single_rank, cache_di
     assert err <= max(2 * err_unfused, 0.01), ("gradients", err, err_unfused)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"loss_agg_mode": "seq_mean_token_mean"}, {"advantage_estimator": "gspo"}],
-                         ids=["default", "seq-mean", "gspo"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"loss_agg_mode": "seq_mean_token_mean"}, {"advantage_estimator": "gspo"}],
+    ids=["default", "seq-mean", "gspo"],
+)
 def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
     """A micro-batch's packing, forward, loss and backward queue GPU work without waiting for it
     (no .item(), no blocking copy): CUDA's sync debug mode turns any sync into an error, naming
@@ -200,8 +230,11 @@ def test_micro_batch_loop_does_not_sync(single_rank, cache_dir, overrides):
     }
     indices = list(range(len(lengths)))
     inputs = train_step.StepInputs(
-        batch=batch, micro_batches=[indices], denominators=train_step.StepDenominators.of(batch, indices),
-        advantages={i: torch.full((r,), 0.5 - i) for i, (_, r) in enumerate(lengths)}, old_log_probs=None,
+        batch=batch,
+        micro_batches=[indices],
+        denominators=train_step.StepDenominators.of(batch, indices),
+        advantages={i: torch.full((r,), 0.5 - i) for i, (_, r) in enumerate(lengths)},
+        old_log_probs=None,
     )
 
     def micro_batch():

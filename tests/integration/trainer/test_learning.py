@@ -102,14 +102,26 @@ class PolicySampler:
                 sampled.append(token[:, 0])
                 log_probs.append(logp.gather(1, token)[:, 0])
                 x = torch.cat([x, token], 1)
-            for (_, params, answer), tokens, lps in zip(requests, torch.stack(sampled, 1).tolist(), torch.stack(log_probs, 1).tolist()):
+            for (_, params, answer), tokens, lps in zip(
+                requests, torch.stack(sampled, 1).tolist(), torch.stack(log_probs, 1).tolist()
+            ):
                 n = tokens.index(self.eos) + 1 if self.eos in tokens else len(tokens)
-                content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(tokens[:n], lps[:n])]
-                answer.set_result({"choices": [{
-                    "token_ids": tokens[:n], "finish_reason": "stop" if self.eos in tokens else "length",
-                    "logprobs": {"content": content} if params.get("logprobs") is not None else None,
-                    "weight_versions": [{"version": str(self.version), "start": 0, "end": n}],
-                }], "usage": {"completion_tokens": n}})
+                content = [
+                    {"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(tokens[:n], lps[:n])
+                ]
+                answer.set_result(
+                    {
+                        "choices": [
+                            {
+                                "token_ids": tokens[:n],
+                                "finish_reason": "stop" if self.eos in tokens else "length",
+                                "logprobs": {"content": content} if params.get("logprobs") is not None else None,
+                                "weight_versions": [{"version": str(self.version), "start": 0, "end": n}],
+                            }
+                        ],
+                        "usage": {"completion_tokens": n},
+                    }
+                )
 
 
 def _group_means(batch) -> list[float]:
@@ -149,19 +161,32 @@ def test_the_estimator_learns_the_default_task(single_rank, task, tmp_path, esti
 
     model_dir, data, tokenizer = task
     cfg = demo_config(
-        hf_checkpoint=str(model_dir), storage_uri=str(tmp_path), prompt_data=str(data), advantage_estimator=estimator,
-        rollout_batch_size=PROMPTS, n_samples_per_prompt=SAMPLES, micro_batch_size=64,
-        num_rollout=ITERATIONS, **ESTIMATORS[estimator],
+        hf_checkpoint=str(model_dir),
+        storage_uri=str(tmp_path),
+        prompt_data=str(data),
+        advantage_estimator=estimator,
+        rollout_batch_size=PROMPTS,
+        n_samples_per_prompt=SAMPLES,
+        micro_batch_size=64,
+        num_rollout=ITERATIONS,
+        **ESTIMATORS[estimator],
     )
     start = time.perf_counter()
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
     trainer.init()  # seeds torch with cfg.seed: the sampling below is reproducible
-    sampler = PolicySampler(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
-                            tokenizer.eos_token_id)
+    sampler = PolicySampler(
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(), tokenizer.eos_token_id
+    )
     state = RolloutState(
-        cfg=cfg, data_source=DataSource(cfg, tokenizer=tokenizer), reward_hub=RewardHub(cfg), generator=sampler,
-        engines=[sampler], tokenizer=tokenizer, group_filter=load_filter(cfg.dynamic_sampling_filter_path),
-        eos_token_id=tokenizer.eos_token_id, concurrency=PROMPTS * SAMPLES,
+        cfg=cfg,
+        data_source=DataSource(cfg, tokenizer=tokenizer),
+        reward_hub=RewardHub(cfg),
+        generator=sampler,
+        engines=[sampler],
+        tokenizer=tokenizer,
+        group_filter=load_filter(cfg.dynamic_sampling_filter_path),
+        eos_token_id=tokenizer.eos_token_id,
+        concurrency=PROMPTS * SAMPLES,
     )
     groups, curve, explained = [], [], []
     for k in range(ITERATIONS):
@@ -178,11 +203,18 @@ def test_the_estimator_learns_the_default_task(single_rank, task, tmp_path, esti
 
     (first, first_se), (last, last_se) = _window(groups[:K]), _window(groups[-K:])
     margin = Z * math.hypot(first_se, last_se)
-    print(f"{estimator}: reward {first:.3f} -> {last:.3f} (margin {margin:.3f}) in {time.perf_counter() - start:.0f} s; {curve}")
+    print(
+        (
+            f"{estimator}: reward {first:.3f} -> {last:.3f} (margin {margin:.3f}) in "
+            f"{time.perf_counter() - start:.0f} s; {curve}"
+        )
+    )
     if explained:
         print(f"{estimator}: explained variance of the returns {explained}")
         # the returns vary from the first iteration with a reward; the critic must have learnt to
         # explain part of their variance by the last K (measured: about 0 -> 0.07)
         early, late = [e for e in explained[:K] if math.isfinite(e)], explained[-K:]
         assert statistics.fmean(late) > max(0.0, statistics.fmean(early)), explained
-    assert last - first > margin, f"{estimator} did not learn: first {K} {first:.3f}, last {K} {last:.3f}, margin {margin:.3f}; {curve}"
+    assert last - first > margin, (
+        f"{estimator} did not learn: first {K} {first:.3f}, last {K} {last:.3f}, margin {margin:.3f}; {curve}"
+    )

@@ -149,8 +149,13 @@ def test_llama3_rope_scaling_matches_transformers(single_rank, cache_dir, tmp_pa
     config = json.loads((ckpt / "config.json").read_text())
     config.pop("rope_parameters", None)
     config["rope_theta"] = 500000.0
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
     model, arch = _megatron_model(ckpt)
     assert arch.rope_scaling_factor == 8.0

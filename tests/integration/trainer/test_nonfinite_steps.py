@@ -75,8 +75,12 @@ def test_a_nan_gradient_is_skipped_counted_and_too_many_in_a_row_stop(single_ran
     with pytest.raises(NonFiniteStepsError) as err:
         trainer.train(5, _nan_batch())
     message = str(err.value)
-    assert message.startswith("rollout 5: 3 policy optimizer steps in a row had a non-finite loss or gradient "
-                              "(max_skipped_steps=2)") and "\n" not in message
+    assert (
+        message.startswith(
+            "rollout 5: 3 policy optimizer steps in a row had a non-finite loss or gradient (max_skipped_steps=2)"
+        )
+        and "\n" not in message
+    )
     assert not classify(err.value).retryable
     _assert_bit_identical(_state(trainer.model, trainer.optimizer), after)
     assert trainer.last_trained_rollout_id == 4 and trainer.optimizer_steps == 2

@@ -182,7 +182,7 @@ def _tp2_head_worker(rank: int, world_size: int, port: int, out: str) -> None:
     logprobs.CHUNK_ELEMENTS = 20  # chunks of 2 rows (rank 0: 10 real columns, rank 1: 9)
     init_parallel(rank, world_size, "127.0.0.1", port, tp_size=2)
     x, w, targets, a, b = _tp2_inputs()
-    w_local = w.detach()[rank * 10:(rank + 1) * 10].clone().requires_grad_()
+    w_local = w.detach()[rank * 10 : (rank + 1) * 10].clone().requires_grad_()
     lp, ent = logprobs.response_log_probs(x, w_local, targets, 19, 0.8, with_entropy=True, entropy_grad=True)
     gx, gw = torch.autograd.grad((a * lp).sum() + (b * ent).sum(), (x, w_local))
     torch.save({"lp": lp.detach(), "ent": ent.detach(), "gx": gx, "gw": gw}, Path(out) / f"head{rank}.pt")
@@ -213,7 +213,7 @@ def test_tp2_head_matches_single_rank_softmax(tmp_path):
         torch.testing.assert_close(got["lp"], ref_lp.detach(), atol=ATOL, rtol=0)
         torch.testing.assert_close(got["ent"], ref_ent.detach(), atol=ATOL, rtol=0)
         torch.testing.assert_close(got["gx"], ref_gx, **GRAD_TOL)  # all-reduced over TP
-        torch.testing.assert_close(got["gw"], ref_gw[rank * 10:(rank + 1) * 10], **GRAD_TOL)
+        torch.testing.assert_close(got["gw"], ref_gw[rank * 10 : (rank + 1) * 10], **GRAD_TOL)
     assert torch.load(tmp_path / "head1.pt")["gw"][9].abs().sum() == 0  # id 19: padding
 
 
@@ -232,8 +232,10 @@ def test_chunk_functions_trace_under_torch_compile():
         local = torch.randint(-5, 42, (n,), generator=gen)  # some targets outside the slice
         lse, ent, g, g_ent = torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.randn(n), torch.randn(n)
         for temperature, with_entropy in ((1.0, False), (0.7, True)):
-            for ours, ref in zip(fwd(x, w, local, temperature, with_entropy),
-                                 logprobs.forward_chunk(x, w, local, temperature, with_entropy)):
+            for ours, ref in zip(
+                fwd(x, w, local, temperature, with_entropy),
+                logprobs.forward_chunk(x, w, local, temperature, with_entropy),
+            ):
                 assert (ours is None) == (ref is None)
                 if ref is not None:
                     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
@@ -241,7 +243,8 @@ def test_chunk_functions_trace_under_torch_compile():
                 torch.testing.assert_close(
                     bwd(x, w, local, lse, entropy_args[0], g, entropy_args[1], temperature),
                     logprobs.backward_chunk(x, w, local, lse, entropy_args[0], g, entropy_args[1], temperature),
-                    atol=1e-5, rtol=1e-5,
+                    atol=1e-5,
+                    rtol=1e-5,
                 )
     torch._dynamo.reset()
 

@@ -24,8 +24,15 @@ def student(cache_dir):
 def teacher(cache_dir):
     from vime_core.demo.model import build_tiny_model
 
-    return build_tiny_model(cache_dir / "models" / "teacher-llama-3-layers", family="llama", seed=2,
-                            tie_word_embeddings=False, num_heads=4, num_kv_heads=2, num_layers=3)
+    return build_tiny_model(
+        cache_dir / "models" / "teacher-llama-3-layers",
+        family="llama",
+        seed=2,
+        tie_word_embeddings=False,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=3,
+    )
 
 
 @torch.no_grad()
@@ -36,15 +43,16 @@ def _hf_log_probs(path, batch) -> list[torch.Tensor]:
     out = []
     for tokens, n in zip(batch["tokens"], batch["response_length"]):
         x = torch.tensor([tokens])
-        out.append(model(input_ids=x).logits[0, -n - 1:-1].log_softmax(-1).gather(1, x[0, -n:, None])[:, 0])
+        out.append(model(input_ids=x).logits[0, -n - 1 : -1].log_softmax(-1).gather(1, x[0, -n:, None])[:, 0])
     return out
 
 
 def test_a_teacher_of_another_architecture_scores_the_students_tokens(single_rank, student, teacher, tmp_path):
     from vime_core.trainer.train_step import forward_log_probs
 
-    cfg = hand_config(student, tmp_path, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher),
-                      num_steps_per_rollout=1)
+    cfg = hand_config(
+        student, tmp_path, use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher), num_steps_per_rollout=1
+    )
     trainer = single_rank_trainer(cfg)
     assert trainer.teacher_model is not None and trainer.teacher_model is not trainer.model
     assert not any(p.requires_grad for p in trainer.teacher_model.parameters())

@@ -26,8 +26,15 @@ TOKEN_ATOL = 1e-4
 
 
 def _engine_sample(url: str, sampling: Sampling, seed: int) -> tuple[list[int], list[float]]:
-    params = {"max_tokens": NEW_TOKENS, "temperature": sampling.temperature, "top_p": sampling.top_p,
-              "top_k": sampling.top_k, "logprobs": 0, "ignore_eos": True, "seed": seed}
+    params = {
+        "max_tokens": NEW_TOKENS,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "seed": seed,
+    }
     choice = engine_call(url, "generate", PROMPT, params)["choices"][0]
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
@@ -48,21 +55,33 @@ def _weights(diff: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_trainer_scores_the_distribution_the_engine_sampled_from(single_rank, tiny_model_dir, vllm_python, cache_dir,
-                                                                  tmp_path):
+def test_trainer_scores_the_distribution_the_engine_sampled_from(
+    single_rank, tiny_model_dir, vllm_python, cache_dir, tmp_path
+):
     from vime_core.engines.server import EngineServer
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = hand_config(tiny_model_dir, tmp_path, vllm_python=vllm_python, rollout_max_context_len=512,
-                      rollout_temperature=TEMPERATURE, rollout_top_p=0.9, rollout_top_k=6)
+    cfg = hand_config(
+        tiny_model_dir,
+        tmp_path,
+        vllm_python=vllm_python,
+        rollout_max_context_len=512,
+        rollout_temperature=TEMPERATURE,
+        rollout_top_p=0.9,
+        rollout_top_k=6,
+    )
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)
     trainer.init()
-    server = EngineServer(cfg, 0, model_path=trainer.export_hf(str(tmp_path / "export")),
-                          log_dir=str(cache_dir / "engine-logs"))
+    server = EngineServer(
+        cfg, 0, model_path=trainer.export_hf(str(tmp_path / "export")), log_dir=str(cache_dir / "engine-logs")
+    )
     try:
         server.start()
-        settings = {"top_p 0.9": Sampling(TEMPERATURE, top_p=0.9), "top_k 6": Sampling(TEMPERATURE, top_k=6),
-                    "top_k 6, top_p 0.9": Sampling.of(cfg)}
+        settings = {
+            "top_p 0.9": Sampling(TEMPERATURE, top_p=0.9),
+            "top_k 6": Sampling(TEMPERATURE, top_k=6),
+            "top_k 6, top_p 0.9": Sampling.of(cfg),
+        }
         for seed, (name, sampling) in enumerate(settings.items()):
             tokens, engine_lp = _engine_sample(server.url, sampling, seed)
             assert len(tokens) == NEW_TOKENS
@@ -74,9 +93,11 @@ def test_trainer_scores_the_distribution_the_engine_sampled_from(single_rank, ti
             untruncated = _trainer_log_probs(trainer, tokens, TEMPERATURE)
             mean, sequence = _weights(ours - engine_lp)
             before_mean, before_sequence = _weights(untruncated - engine_lp)
-            print(f"\n{name}, T {TEMPERATURE}, {NEW_TOKENS} tokens: mean token weight {mean:.6f}, sequence "
-                  f"weight {sequence:.6f}, max |log-ratio| {float((ours - engine_lp).abs().max()):.2e}; "
-                  f"over the full softmax: mean {before_mean:.4f}, sequence {before_sequence:.3e}")
+            print(
+                f"\n{name}, T {TEMPERATURE}, {NEW_TOKENS} tokens: mean token weight {mean:.6f}, sequence "
+                f"weight {sequence:.6f}, max |log-ratio| {float((ours - engine_lp).abs().max()):.2e}; "
+                f"over the full softmax: mean {before_mean:.4f}, sequence {before_sequence:.3e}"
+            )
             assert float((ours - engine_lp).abs().max()) < TOKEN_ATOL
             assert abs(mean - 1) < TOKEN_ATOL and abs(sequence - 1) < NEW_TOKENS * TOKEN_ATOL
             assert before_mean < 0.97 and before_sequence < 1e-3  # what top-k / top-p did to the weights

@@ -16,14 +16,21 @@ def _trainer_log_probs(trainer, prompt: list[int], tokens: list[int]) -> list[fl
 
 
 @pytest.mark.slow
-def test_export_serves_in_vllm_and_update_weights_publishes(single_rank, tiny_model_dir, vllm_python, cache_dir, tmp_path):
+def test_export_serves_in_vllm_and_update_weights_publishes(
+    single_rank, tiny_model_dir, vllm_python, cache_dir, tmp_path
+):
     from vime_core.engines.server import EngineServer
     from vime_core.trainer.trainer import MegatronTrainer
     from vime_core.weight_sync.publish_loop import PublishLoop
 
     cfg = hand_config(
-        tiny_model_dir, tmp_path, num_steps_per_rollout=1, lr=1e-2, vllm_python=vllm_python,
-        rollout_max_context_len=128, update_weight_buffer_size=64 * 1024,
+        tiny_model_dir,
+        tmp_path,
+        num_steps_per_rollout=1,
+        lr=1e-2,
+        vllm_python=vllm_python,
+        rollout_max_context_len=128,
+        update_weight_buffer_size=64 * 1024,
     )
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)
     trainer.init()

@@ -68,7 +68,10 @@ def test_checkpoint_with_missing_or_extra_tensors_is_refused(single_rank, ckpt, 
     from vime_core.trainer.trainer import MegatronTrainer
 
     trainer = MegatronTrainer(hand_config(broken, tmp_path), 0, 1, "127.0.0.1", 0)
-    with pytest.raises(CheckpointMismatchError, match=r"missing: \['model.layers.0.mlp.down_proj.weight'\].*unexpected: \['model.layers.0.mlp.extra.weight'\]"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"missing: \['model.layers.0.mlp.down_proj.weight'\].*unexpected: \['model.layers.0.mlp.extra.weight'\]",
+    ):
         trainer.init()
 
 
@@ -145,8 +148,9 @@ def test_export_hf_loads_in_transformers_with_trained_weights(single_rank, ckpt,
 def test_kl_entropy_and_tis_terms_train(single_rank, ckpt, tmp_path):
     """use_kl_loss builds the frozen reference; at the first step the policy is the reference,
     so KL = 0; the entropy bonus and TIS weights enter the loss without breaking the step."""
-    cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
-                      num_steps_per_rollout=1)
+    cfg = hand_config(
+        ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True, num_steps_per_rollout=1
+    )
     trainer = single_rank_trainer(cfg)
     assert trainer.ref_model is not None
     first = trainer.train(0, hand_batch())
@@ -170,15 +174,24 @@ def test_ref_load_is_the_reference_of_the_kl_loss(single_rank, ckpt, tmp_path):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(str(perturbed))
-    cfg = hand_config(ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.5, ref_load=str(perturbed), num_steps_per_rollout=1)
+    cfg = hand_config(
+        ckpt, tmp_path, use_kl_loss=True, kl_loss_coef=0.5, ref_load=str(perturbed), num_steps_per_rollout=1
+    )
     first = single_rank_trainer(cfg).train(0, hand_batch())
     assert first["kl"] > 1e-4
     assert first["loss"] == pytest.approx(first["pg_loss"] + 0.5 * first["kl"], rel=1e-4, abs=1e-6)
 
     from vime_core.demo.model import build_tiny_model
 
-    other = build_tiny_model(tmp_path / "three-layers", family="qwen3", seed=1, tie_word_embeddings=True,
-                             num_heads=4, num_kv_heads=2, num_layers=3)
+    other = build_tiny_model(
+        tmp_path / "three-layers",
+        family="qwen3",
+        seed=1,
+        tie_word_embeddings=True,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=3,
+    )
     with pytest.raises(ValueError, match=r"ref_load=.* is not the architecture of hf_checkpoint"):
         single_rank_trainer(hand_config(ckpt, tmp_path, use_kl_loss=True, ref_load=str(other), num_steps_per_rollout=1))
 

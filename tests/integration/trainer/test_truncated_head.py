@@ -54,7 +54,7 @@ def _tp2_worker(rank: int, world_size: int, port: int, out: str) -> None:
     results = []
     for i, sampling in enumerate(SAMPLINGS):
         x, w, targets, a, b = _inputs(10 + i, 6, 8, 20, 19, sampling)
-        w_local = w.detach()[rank * 10:(rank + 1) * 10].clone().requires_grad_()
+        w_local = w.detach()[rank * 10 : (rank + 1) * 10].clone().requires_grad_()
         for head in ("chunked", "full"):
             if head == "chunked":
                 lp, ent = response_log_probs(x, w_local, targets, 19, sampling, with_entropy=True)
@@ -86,7 +86,7 @@ def test_tp2_heads_match_the_formula(tmp_path):
                 torch.testing.assert_close(got["lp"], ref_lp.detach(), atol=ATOL, rtol=0)
                 torch.testing.assert_close(got["ent"], ref_ent.detach(), atol=ATOL, rtol=0)
                 torch.testing.assert_close(got["gx"], ref_gx, **GRAD_TOL)  # all-reduced over TP
-                torch.testing.assert_close(got["gw"], ref_gw[rank * 10:(rank + 1) * 10], **GRAD_TOL)
+                torch.testing.assert_close(got["gw"], ref_gw[rank * 10 : (rank + 1) * 10], **GRAD_TOL)
 
 
 def test_truncated_chunk_functions_trace_under_torch_compile():
@@ -106,12 +106,19 @@ def test_truncated_chunk_functions_trace_under_torch_compile():
         y = (x @ w.t()) / 0.7
         tau, w_tie = select(y, local, Sampling(0.7, top_k=9, top_p=0.8), 37, 37)
         for with_entropy in (False, True):
-            for ours, ref in zip(stats(y.clone(), local, tau, w_tie, with_entropy),
-                                 logprobs.truncated_stats(y.clone(), local, tau, w_tie, with_entropy)):
+            for ours, ref in zip(
+                stats(y.clone(), local, tau, w_tie, with_entropy),
+                logprobs.truncated_stats(y.clone(), local, tau, w_tie, with_entropy),
+            ):
                 assert (ours is None) == (ref is None)
                 if ref is not None:
                     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-        lse, ent, g, g_ent = torch.randn(n, generator=gen) + 5, torch.rand(n, generator=gen), torch.randn(n), torch.randn(n)
+        lse, ent, g, g_ent = (
+            torch.randn(n, generator=gen) + 5,
+            torch.rand(n, generator=gen),
+            torch.randn(n),
+            torch.randn(n),
+        )
         for entropy_args in ((None, None), (ent, g_ent)):
             args = (x, w, local, lse, entropy_args[0], g, entropy_args[1], 0.7, tau, w_tie)
             torch.testing.assert_close(bwd(*args), logprobs.backward_chunk(*args), atol=1e-5, rtol=1e-5)

@@ -18,9 +18,21 @@ def _attention():
     from vime_core.trainer.model import HFArchitecture, transformer_config
 
     arch = HFArchitecture(
-        model_type="qwen2", vocab_size=100, hidden_size=HEADS * HEAD_DIM, num_layers=1, num_heads=HEADS,
-        num_kv_heads=GROUPS, head_dim=HEAD_DIM, ffn_hidden_size=32, rms_norm_eps=1e-6, rope_theta=1e4,
-        rope_scaling_factor=None, max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+        model_type="qwen2",
+        vocab_size=100,
+        hidden_size=HEADS * HEAD_DIM,
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=GROUPS,
+        head_dim=HEAD_DIM,
+        ffn_hidden_size=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling_factor=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        qk_norm=False,
     )
     return SDPACoreAttention(transformer_config(arch, 1, torch.float32), 1, AttnMaskType.causal, "self")
 

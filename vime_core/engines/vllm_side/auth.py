@@ -30,8 +30,9 @@ from typing import Any, Awaitable, Callable
 TOKEN_ENV = "VIME_ENGINE_TOKEN"
 OPEN_HEALTH_ENV = "VIME_ENGINE_OPEN_HEALTH"
 HEALTH_PATH = "/health"
-REFUSAL = ("vime engine: this server needs the run's token (Authorization: Bearer <token>); "
-           "see docs/gpus-and-clusters.md")
+REFUSAL = (
+    "vime engine: this server needs the run's token (Authorization: Bearer <token>); see docs/gpus-and-clusters.md"
+)
 WEBSOCKET_POLICY_VIOLATION = 1008
 
 Scope = dict[str, Any]
@@ -45,8 +46,10 @@ class EngineAuthMiddleware:
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         token = os.environ.get(TOKEN_ENV, "")
         if not token:
-            raise RuntimeError(f"{TOKEN_ENV} is not set in the engine's environment: the server will not start "
-                               f"unauthenticated (vime_core/engines/server.py sets it)")
+            raise RuntimeError(
+                f"{TOKEN_ENV} is not set in the engine's environment: the server will not start "
+                f"unauthenticated (vime_core/engines/server.py sets it)"
+            )
         self.app = app
         self._expected = f"Bearer {token}".encode("latin-1")
         self._open_health = os.environ.get(OPEN_HEALTH_ENV) == "1"
@@ -57,8 +60,12 @@ class EngineAuthMiddleware:
         return len(values) == 1 and hmac.compare_digest(values[0], self._expected)
 
     def _open(self, scope: Scope) -> bool:
-        return (self._open_health and scope["type"] == "http" and scope.get("method") in ("GET", "HEAD")
-                and scope.get("path") == HEALTH_PATH)
+        return (
+            self._open_health
+            and scope["type"] == "http"
+            and scope.get("method") in ("GET", "HEAD")
+            and scope.get("path") == HEALTH_PATH
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self._open(scope) or self.authorized(scope):
@@ -68,8 +75,15 @@ class EngineAuthMiddleware:
             await send({"type": "websocket.close", "code": WEBSOCKET_POLICY_VIOLATION})
             return
         body = json.dumps({"error": REFUSAL}).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

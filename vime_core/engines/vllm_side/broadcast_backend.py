@@ -58,8 +58,10 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
     def receive_weights(self, update_info: BroadcastBucketInfo) -> None:
         if self.group is None or update_info.group_id != self.group_id:
             # refused before the collective: the sender's group does not include this worker
-            raise ValueError(f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
-                             f"{self.group_id!r}; initialise the weight transfer again")
+            raise ValueError(
+                f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
+                f"{self.group_id!r}; initialise the weight transfer again"
+            )
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             buffer = pooled_host_buffer(self._host_buffers, len(self._received), update_info.nbytes)
@@ -67,7 +69,9 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
             buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
         self.group.broadcast(buffer)
         self._received.append(buffer)
-        weights = bucket_views(buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets())
+        weights = bucket_views(
+            buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets()
+        )
         self.load(weights, update_info.nbytes, time.perf_counter() - t0)
 
     def release_received(self) -> None:

@@ -39,8 +39,11 @@ class UpdateStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "buckets": self.buckets, "bytes": self.bytes, "map_seconds": self.map_seconds,
-            "load_seconds": self.load_seconds, "finish_seconds": self.finish_seconds,
+            "buckets": self.buckets,
+            "bytes": self.bytes,
+            "map_seconds": self.map_seconds,
+            "load_seconds": self.load_seconds,
+            "finish_seconds": self.finish_seconds,
             "loaded_tensors": len(self.loaded_names),
         }
 

@@ -1,10 +1,10 @@
 """Weight transports behind one interface (`base.WeightTransport`), picked by placement.
 
-    shm   CPU engines on the trainer's machine: tmpfs buckets through the `vime_shm` vLLM backend
-    ipc   engines colocated on the trainer's GPUs: CUDA IPC handles (vLLM's `ipc` backend)
-    nccl  GPU engines on other devices or nodes: one NCCL broadcast per bucket (`vime_broadcast`)
-    gloo  CPU engines on other machines: the same over gloo
-    disk  anywhere both sides see one path: safetensors files + the engines' own `reload_weights`
+shm   CPU engines on the trainer's machine: tmpfs buckets through the `vime_shm` vLLM backend
+ipc   engines colocated on the trainer's GPUs: CUDA IPC handles (vLLM's `ipc` backend)
+nccl  GPU engines on other devices or nodes: one NCCL broadcast per bucket (`vime_broadcast`)
+gloo  CPU engines on other machines: the same over gloo
+disk  anywhere both sides see one path: safetensors files + the engines' own `reload_weights`
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ if TYPE_CHECKING:
 __all__ = ["WeightTransport", "make_transport"]
 
 
-def make_transport(cfg: "VimeConfig", shm_dir: str = "/dev/shm", keeper: "PublishLoop | None" = None,
-                   peers: "PeerChannel | None" = None) -> WeightTransport:
+def make_transport(
+    cfg: "VimeConfig",
+    shm_dir: str = "/dev/shm",
+    keeper: "PublishLoop | None" = None,
+    peers: "PeerChannel | None" = None,
+) -> WeightTransport:
     """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`; `keeper`
     (the publisher's PublishLoop) lends what outlives one publish (the shm transport's pool);
     `peers`: the other trainer ranks also publish from their GPUs (ipc only: ipc_peers.py)."""

@@ -36,7 +36,11 @@ from vime_core.weight_sync.buckets import Bucket, pack_flat
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
 from vime_core.wire.broadcast_group import (
-    LOOPBACK, BroadcastGroup, open_group, pooled_host_buffer, serve_rendezvous,
+    LOOPBACK,
+    BroadcastGroup,
+    open_group,
+    pooled_host_buffer,
+    serve_rendezvous,
 )
 
 T = TypeVar("T")
@@ -108,8 +112,9 @@ def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
 
 
 class BroadcastTransport(WeightTransport):
-    def __init__(self, carrier: str, host: str, device: torch.device, keeper: GroupKeeper | None = None,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, carrier: str, host: str, device: torch.device, keeper: GroupKeeper | None = None, timeout_s: float = 300.0
+    ) -> None:
         super().__init__()
         self.name = carrier  # "nccl" or "gloo"
         self.host = host  # the address engines reach this process at (the gloo store's)
@@ -140,8 +145,9 @@ class BroadcastTransport(WeightTransport):
         rendezvous, local = serve_rendezvous(self.name, self.host, world, self.timeout_s)
         joining = in_daemon_thread(open_group, self.name, rendezvous, 0, world, self.device, self.timeout_s, local)
         inits = [
-            asyncio.ensure_future(engine.init_weight_transfer(
-                BroadcastInitInfo(self.name, rendezvous, group_id, offset, world).to_dict()))
+            asyncio.ensure_future(
+                engine.init_weight_transfer(BroadcastInitInfo(self.name, rendezvous, group_id, offset, world).to_dict())
+            )
             for engine, offset in zip(self.engines, offsets)
         ]
         try:
@@ -175,8 +181,9 @@ class BroadcastTransport(WeightTransport):
         buffer, sizes = self.kept.pack(bucket, self.device)
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
-        info = BroadcastBucketInfo(self.kept.group_id, list(bucket.names), bucket.dtype_names,
-                                   [list(t.shape) for t in bucket.tensors], sizes).to_dict()
+        info = BroadcastBucketInfo(
+            self.kept.group_id, list(bucket.names), bucket.dtype_names, [list(t.shape) for t in bucket.tensors], sizes
+        ).to_dict()
         t1 = time.perf_counter()
         self.add_time("pack", t1 - t0)
         self.bytes_moved = True

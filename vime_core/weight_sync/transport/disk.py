@@ -3,7 +3,8 @@
 No weight-transfer backend is needed on the server: each bucket becomes one
 `model-<index>.safetensors` in a fresh folder (on `/dev/shm` by default, so "disk" is memory),
 and `finish` asks every engine to reload from it through `/collective_rpc` (the worker
-extension's `vime_reload_weights`: vLLM's `reload_weights` plus a fix for tied embeddings), then sets the version with `/update_weight_version`. Nothing reaches an
+extension's `vime_reload_weights`: vLLM's `reload_weights` plus a fix for tied embeddings), then sets the version with
+`/update_weight_version`. Nothing reaches an
 engine before `finish`, so a failure while writing leaves the engines untouched.
 
 Trap: vLLM's reload repoints the engine's `model_config.model` at the folder, which is deleted

@@ -34,8 +34,12 @@ from vime_core.wire.ipc_format import DEVICE_UUID_RPC, gpu_uuid, ipc_update_info
 def unshared_workers(worker_gpus: list[tuple[str, list]], handle_gpus: set[str]) -> list[str]:
     """'engine worker w (GPU uuid)' for every engine worker whose GPU has no handle; workers that
     report no GPU (None) are not counted."""
-    return [f"{engine} worker {w} (GPU {uuid})" for engine, uuids in worker_gpus
-            for w, uuid in enumerate(uuids) if uuid is not None and uuid not in handle_gpus]
+    return [
+        f"{engine} worker {w} (GPU {uuid})"
+        for engine, uuids in worker_gpus
+        for w, uuid in enumerate(uuids)
+        if uuid is not None and uuid not in handle_gpus
+    ]
 
 
 def cuda_device_uuid(device: torch.device) -> str:
@@ -75,7 +79,9 @@ class IpcTransport(WeightTransport):
             self.device_uuid = cuda_device_uuid(self.device)
         apis = {api.ipc_packed_in_update for api in await self.on_every_engine("api")}
         if len(apis) != 1:
-            raise ValueError("ipc transport: the engines run vLLM releases that expect the packed flag in different places")
+            raise ValueError(
+                "ipc transport: the engines run vLLM releases that expect the packed flag in different places"
+            )
         self._packed_in_update = apis.pop()
         gpus = await self.on_every_engine("collective_rpc", DEVICE_UUID_RPC)
         self._worker_gpus = [(engine.name, list(uuids or [])) for engine, uuids in zip(self.engines, gpus)]
@@ -94,9 +100,11 @@ class IpcTransport(WeightTransport):
         if not self._placement_checked:  # before any byte moves: the publish can still be undone
             elsewhere = unshared_workers(self._worker_gpus, set(handles))
             if elsewhere:
-                raise ValueError(f"ipc publish: {', '.join(elsewhere)} runs on a GPU no trainer rank publishes from "
-                                 f"({', '.join(sorted(handles))}); CUDA IPC needs every engine worker on a trainer "
-                                 "rank's GPU (colocate), for engines elsewhere use weight_transport=nccl")
+                raise ValueError(
+                    f"ipc publish: {', '.join(elsewhere)} runs on a GPU no trainer rank publishes from "
+                    f"({', '.join(sorted(handles))}); CUDA IPC needs every engine worker on a trainer "
+                    "rank's GPU (colocate), for engines elsewhere use weight_transport=nccl"
+                )
             self._placement_checked = True
         info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
         t1 = time.perf_counter()

@@ -107,4 +107,3 @@ def remove_stale_files(shm_dir: str) -> list[str]:
             except FileNotFoundError:
                 pass
     return removed
-
