@@ -25,7 +25,7 @@ TEMPERATURE = 0.8
 TOKEN_ATOL = 1e-4
 
 
-def _engine_sample(url: str, sampling: Sampling, seed: int) -> tuple[list[int], list[float]]:
+def _engine_sample(server, sampling: Sampling, seed: int) -> tuple[list[int], list[float]]:
     params = {
         "max_tokens": NEW_TOKENS,
         "temperature": sampling.temperature,
@@ -35,7 +35,7 @@ def _engine_sample(url: str, sampling: Sampling, seed: int) -> tuple[list[int], 
         "ignore_eos": True,
         "seed": seed,
     }
-    choice = engine_call(url, "generate", PROMPT, params)["choices"][0]
+    choice = engine_call(server, "generate", PROMPT, params)["choices"][0]
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
 
@@ -83,7 +83,7 @@ def test_trainer_scores_the_distribution_the_engine_sampled_from(
             "top_k 6, top_p 0.9": Sampling.of(cfg),
         }
         for seed, (name, sampling) in enumerate(settings.items()):
-            tokens, engine_lp = _engine_sample(server.url, sampling, seed)
+            tokens, engine_lp = _engine_sample(server, sampling, seed)
             assert len(tokens) == NEW_TOKENS
             engine_lp = torch.tensor(engine_lp)
             if sampling == Sampling.of(cfg):  # the trainer's own entry point, at the configuration's sampling
