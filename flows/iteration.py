@@ -1,4 +1,4 @@
-"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. vime_core/step_protocol.py plans
+"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. vime_core/step_plan.py plans
 the step (which phases run, on CPU/GPU, colocated or not); `iteration` runs the rollout, then one
 of three schedules, each a function that reads in the order it runs:
 
@@ -29,13 +29,13 @@ from prefect.utilities.annotations import quote
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
-from tasks.placement import offload_rollout, offload_train, onload_kv, onload_weights
+from tasks.offload import offload_rollout, offload_train, onload_kv, onload_weights
 from tasks.report import report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
 from tasks.sync import check_weight_update, sync_weights, train_then_publish
 from tasks.train import train
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase, StepPlan, iteration_record, plan_step, version_before
+from vime_core.step_plan import Phase, StepPlan, iteration_record, plan_step, version_before
 from vime_core.utils import interrupt
 
 

@@ -115,7 +115,7 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
 
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
-    from vime_core.step_protocol import trainer_sleeps
+    from vime_core.step_plan import trainer_sleeps
     from tasks.common import ATTACHED
     from vime_core.trainer.checkpoint import latest_checkpoint
 

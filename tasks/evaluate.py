@@ -7,7 +7,7 @@ from prefect import task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase
+from vime_core.step_plan import Phase
 
 
 @task(name=Phase.EVAL, task_run_name="eval-{rollout_id}", retries=1, **TASK_DEFAULTS)

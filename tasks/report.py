@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase
+from vime_core.step_plan import Phase
 from vime_core.report.curve import reward_curve_png, write_reward_curve
 from vime_core.report.records import METRICS, append_record, console_line, read_records, run_dir, sparkline
 from vime_core.report.tracking import track

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase
+from vime_core.step_plan import Phase
 from vime_core.utils.timing import Stopwatch
 
 

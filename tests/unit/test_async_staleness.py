@@ -6,7 +6,7 @@ import pytest
 from vime_core.config.loader import ConfigError, make_config
 from vime_core.data.batch import weight_version_range
 from vime_core.rollout.manager import usable_prefetch
-from vime_core.step_protocol import iteration_record, plan_step
+from vime_core.step_plan import iteration_record, plan_step
 
 
 def _cfg(**kw):

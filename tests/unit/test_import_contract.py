@@ -204,7 +204,7 @@ def test_no_new_import_cycles():
 
 # --- package-level cycles inside vime_core ------------------------------------------------------
 # A node is one package directly under vime_core (config, cluster, engines, ...), or a module
-# directly under it (faults, run_assets, step_protocol). Package A depends on B when any module of
+# directly under it (faults, run_assets, step_plan). Package A depends on B when any module of
 # A imports any module of B, at any depth (the same edges as above), so two packages that each
 # use a little of the other are a cycle even when no two modules are.
 
@@ -241,7 +241,7 @@ def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_package_graph_is_read():
     graph = package_graph(EDGES)
-    assert {"config", "engines", "weight_sync", "faults", "step_protocol", "utils"} <= set(graph)
+    assert {"config", "engines", "weight_sync", "faults", "step_plan", "utils"} <= set(graph)
     assert "config" in graph["cluster"] and "utils" in graph["faults"]
 
 

@@ -1,6 +1,6 @@
 """The order of one iteration's phases is flows/iteration.py's, read top to bottom: the flow's
 function runs here with every task replaced by a stub that records its task's name (a Phase of
-vime_core/step_protocol.py), on a CPU run (engines awake: training and the publish submitted
+vime_core/step_plan.py), on a CPU run (engines awake: training and the publish submitted
 to Ray right after the rollout) and a colocated GPU run (engines and trainer sleep). A change
 of the order, or of what the flow submits ahead, fails here first."""
 
@@ -8,7 +8,7 @@ import pytest
 
 import flows.iteration as it
 from vime_core.config.loader import make_config
-from vime_core.step_protocol import Phase
+from vime_core.step_plan import Phase
 
 TASKS = [
     "rollout",
@@ -124,7 +124,7 @@ def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_publi
 def test_every_phase_names_a_task(phase):
     import tasks.checkpoint
     import tasks.evaluate
-    import tasks.placement
+    import tasks.offload
     import tasks.report
     import tasks.rollout
     import tasks.sync
@@ -135,7 +135,7 @@ def test_every_phase_names_a_task(phase):
         for mod in (
             tasks.checkpoint,
             tasks.evaluate,
-            tasks.placement,
+            tasks.offload,
             tasks.report,
             tasks.rollout,
             tasks.sync,

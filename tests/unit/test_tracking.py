@@ -21,7 +21,7 @@ SECRET = "wandb-key-that-must-not-be-written-0123456789"
 
 
 def _record(k: int, reward: float) -> dict:
-    """A record shaped like step_protocol.iteration_record's (numbers, bools, strings, a nested dict)."""
+    """A record shaped like step_plan.iteration_record's (numbers, bools, strings, a nested dict)."""
     return {
         "rollout_id": k,
         "version_before": k + 1,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Iterable
 
-from vime_core.step_protocol import T_STEP_TERMS
+from vime_core.step_plan import T_STEP_TERMS
 from vime_core.storage.layout import RUN_CONFIG, run_dir
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ def test_each_batch_is_sampled_one_version_behind_and_trained_once(off_policy_ru
     from vime_core.cluster.connect import ensure_ray
     from vime_core.cluster.run_actors import attach
     from vime_core.report.records import read_records
-    from vime_core.step_protocol import version_before
+    from vime_core.step_plan import version_before
     from vime_core.storage import BatchStore
 
     cfg, summary = off_policy_run
@@ -72,7 +72,7 @@ def test_every_publish_is_checked_against_the_trainer(off_policy_run):
     """Rollout 0's sync finds the engines on the bootstrap's weights and publishes nothing; every
     later one, and the last iteration's final publish, is checked."""
     from vime_core.report.records import read_records
-    from vime_core.step_protocol import version_before
+    from vime_core.step_plan import version_before
 
     cfg, _ = off_policy_run
     checks = [r.get("weight_check") for r in read_records(cfg.storage_uri, cfg.run_name)]

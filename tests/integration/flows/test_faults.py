@@ -295,7 +295,7 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     stopped by SIGTERM; the last runs the run to its end. Each kill lands in its phase: the
     driver pauses as that phase's task run starts (vime_core/faults.PausePoints) and is killed
     there."""
-    from vime_core.step_protocol import due, version_before
+    from vime_core.step_plan import due, version_before
 
     cfg, _, _ = killed_trainer
     first = len(_stored_ids_whole(cfg))  # the earlier tests stored 0 .. first-1

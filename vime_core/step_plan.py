@@ -1,4 +1,4 @@
-"""The step's protocol: the names of one RL iteration's phases, and what differs between CPU and
+"""The step's plan: the names of one RL iteration's phases, and what differs between CPU and
 GPU, colocated and disaggregated runs. The order is flows/iteration.py's, read top to bottom
 (tests/unit/test_iteration_order.py fails when it changes):
 

@@ -7,13 +7,13 @@ from prefect import task
 
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
-from vime_core.step_protocol import Phase
+from vime_core.step_plan import Phase
 from vime_core.utils.timing import timed
 
 
 def _engines(config: VimeConfig, method: str) -> dict:
     """One RolloutManager call (the flow calls these tasks only where engines sleep:
-    vime_core.step_protocol); its
+    vime_core.step_plan); its
     seconds and the engines' device memory afterwards."""
     with timed() as moving:
         manager, _ = run_handles(config)

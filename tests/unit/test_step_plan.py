@@ -1,8 +1,8 @@
-"""The step's protocol (vime_core/step_protocol.py): which phases run where, when prefetch,
+"""The step's protocol (vime_core/step_plan.py): which phases run where, when prefetch,
 eval and save happen, and how the phases' results become the iteration record."""
 
 from vime_core.config.loader import make_config
-from vime_core.step_protocol import Phase, due, iteration_record, plan_step
+from vime_core.step_plan import Phase, due, iteration_record, plan_step
 
 
 def _cfg(**kw):
