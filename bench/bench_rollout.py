@@ -259,13 +259,13 @@ def main() -> None:
         assert prompts == prompt_ids(manager, args.groups), "the data source tokenised differently"
         # Warm both paths once (first requests pay one-off set-up costs).
         vime_rollout(manager, -1)
-        direct_rollout(url, prompts, manager.token)
+        direct_rollout(url, prompts, manager.engine_token())
         vime, direct, phase = [], [], []
         for r in range(args.repeats):
             wall, tokens, metrics = vime_rollout(manager, r)
             vime.append(tokens / wall)
             phase.append(metrics)
-            wall, tokens = direct_rollout(url, prompts, manager.token)
+            wall, tokens = direct_rollout(url, prompts, manager.engine_token())
             direct.append(tokens / wall)
         vime_tps, direct_tps = statistics.median(vime), statistics.median(direct)
         result.update(

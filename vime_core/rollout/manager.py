@@ -116,7 +116,6 @@ class RolloutManager:
             log_dir=log_dir,
             token=token,
         )
-        self.token = self.fleet.token  # read in-process by bench/bench_rollout.py
         try:
             self.fleet.start(log_dir)
         except BaseException:
