@@ -1,52 +1,28 @@
-"""Megatron trainer step and old-log-prob recompute on GPUs (issue 7; issue 8's shape too).
+"""Megatron trainer step and old-log-prob recompute on GPUs, one process per GPU (TP x DP under torchrun).
 
-Runs vime's own trainer code — ``MegatronTrainer.init`` (model, HF load, DDP, Megatron optimizer),
-``build_dp_schedule``, ``forward_log_probs``, ``step_advantages`` and ``train_step`` with the
-registered policy loss — on a synthetic rollout batch with random advantages, for a Qwen-style
-model built from a config (``gpu_common.SHAPES``, random bf16 weights, no hub). One process per
-GPU; under ``torchrun`` the ranks form TP x DP (``--tp``).
+Runs vime's own trainer code on a synthetic batch for a Qwen-style model built from a config
+(gpu_common.SHAPES, random bf16 weights). Each --variants entry runs in the same process, the first
+being the baseline (speedup = baseline step time / variant step time); a variant is a batching
+choice plus options joined with +:
 
-Each ``--variants`` entry is measured in the same run, the first one being the baseline
-(``speedup`` = baseline step time / variant step time). A variant is a batching choice plus
-options joined with ``+``:
-
-    mbsN          fixed micro-batches of N samples per DP rank (cfg.micro_batch_size)
-    packT         micro-batches packed by a token budget T (use_dynamic_batch_size, max_tokens_per_gpu)
-    +fused        torch's fused AdamW kernel inside Megatron's optimizer (default: foreach AdamW,
-                  the fallback Megatron takes without Transformer Engine / apex)
-    +recompute    full activation recompute of every layer (Megatron: granularity full, uniform, 1)
-    +compile      with +fullhead: torch.compile of its loss head (log_probs_and_entropy over the
-                  152k vocabulary); the chunked response head is compiled on CUDA by default
+    mbsN          fixed micro-batches of N samples per DP rank
+    packT         micro-batches packed by a token budget T (use_dynamic_batch_size)
+    +fused        torch's fused AdamW inside Megatron's optimizer (default: foreach AdamW)
+    +recompute    full activation recompute of every layer
+    +compile      with +fullhead: torch.compile of its loss head
     +eagerhead    the chunked response head's chunk math eagerly (logprobs.COMPILE_ON_CUDA off)
-    +devseq       the packed segment offsets (cu_seqlens) on the device, as before the fix in
-                  packing.py (3 device syncs per layer), to measure that fix in the same run
-    +oldattn      per-segment SDPA with K/V repeated to the query heads on the GPU too (the
-                  attention before the varlen FlashAttention call; attention.py)
-    +fullhead     logits at every position, fp32 copy of the response rows, Megatron's
-                  cross-entropy and an entropy with its own passes (the head before the chunked
-                  response head; logprobs.packed_response_log_probs_full)
-    +unfusedrope  Megatron's unfused RoPE (--no-rope-fusion) instead of vime's packed one (rope.py)
-    +unfusedswiglu  SwiGLU unfused (--no-bias-swiglu-fusion) instead of Megatron's compiled one
+    +devseq       the packed segment offsets (cu_seqlens) on the device (packing.py keeps them on the host)
+    +oldattn      per-segment SDPA with K/V repeated to the query heads (attention.py)
+    +fullhead     logits at every position and Megatron's cross-entropy (logprobs.packed_response_log_probs_full)
+    +unfusedrope  Megatron's unfused RoPE instead of vime's packed one (rope.py)
+    +unfusedswiglu  SwiGLU unfused instead of Megatron's compiled one
 
-The old path is ``packT+oldattn+fullhead``; the sync-free micro-batch loop (train_step.py,
-packing.to_device) is in every variant.
-
-Per variant: median step time (forward + backward + optimizer over the step's micro-batches, one
-optimizer step), tokens/s, MFU without and with the attention term (formulas in gpu_common: the
-LM head counted on every token), the same with the LM head counted on the response tokens only
-(``*_response_head``: the head FLOPs the new head actually needs), the old-log-prob recompute
-(forward only) time, tokens/s and MFU, and peak memory. ``path_check`` compares each variant's
-log-probs with the first variant's on the initial weights (the same model, before any step).
-``check`` holds log-probs of the initial weights and the first steps' losses/grad norms, to
-compare layouts (``--compare a.json b.json``).
+Per variant: median step time, tokens/s, MFU (formulas in gpu_common), the recompute's time and
+peak memory; path_check compares each variant's log-probs with the first's. For example:
 
     python bench/bench_trainer_gpu.py --shape 0.5b --variants mbs4,mbs16,mbs16+fused --out r.json
-    python bench/bench_trainer_gpu.py --shape 0.5b --samples 256 --vary --prompt-min-len 180 --prompt-len 312 \
-        --response-min-len 1000 --response-len 1024 --warmup 1 --repeats 3 --check-steps 0 \
-        --variants pack8192+oldattn+fullhead,pack8192,pack16384,pack32768 --out mfu.json
     torchrun --nproc_per_node 2 bench/bench_trainer_gpu.py --shape 0.5b --tp 2 --out tp2.json
-    python bench/bench_trainer_gpu.py --compare tp1.json tp2.json
-"""
+    python bench/bench_trainer_gpu.py --compare tp1.json tp2.json"""
 
 from __future__ import annotations
 

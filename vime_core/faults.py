@@ -1,47 +1,8 @@
 """What kind of failure ended an iteration, and whether running it again can help.
 
-The train flow retries an iteration flow run only when the failure came from the
-infrastructure: a process that died or could not be reached is replaced or comes back, so the
-same iteration can succeed on a second try. A configuration or data error fails the same way
-every time: retrying only hides it, so the run stops and says what to fix.
-
-    infrastructure (retried)
-        ray.exceptions.RayActorError    an actor died or is unreachable (ActorDiedError,
-                                        ActorUnavailableError): an engine or trainer process
-        ray.exceptions.WorkerCrashedError, NodeDiedError, ObjectLostError (and its subclasses
-                                        OwnerDiedError, ObjectReconstructionFailedError...),
-                                        ObjectFetchTimedOutError, RaySystemError, GetTimeoutError
-        ConnectionError, TimeoutError   connection refused / reset, a call that timed out
-        httpx.TransportError            an HTTP call to an engine or the router that got no answer
-        botocore ConnectionError,       the object store did not answer (S3 server down or
-        HTTPClientError                 restarting; s3fs raises EndpointConnectionError)
-        InfrastructureError             vime's own (vime_core/utils/errors.py, a marker base):
-                                        RolloutFailedError (the rollout could not be filled:
-                                        engines down), EngineStartError and EngineError (an
-                                        engine did not start or a call to it failed),
-                                        RouterError, PublishError (a weight publish failed),
-                                        ActorsMissingError (the run's actors are gone: a dead
-                                        actor's name is freed)
-    configuration or data (not retried)
-        ValueError                      a bad setting (ConfigError, pydantic's ValidationError)
-                                        or data (UntrainableBatchError, SchemaError,
-                                        CheckpointError, HookLoadError, the rollout's
-                                        RewardFailureError and FilterExhaustedError: all
-                                        ValueErrors), or training gone non-finite
-                                        (NonFiniteStepsError: more than max_skipped_steps NaN/Inf
-                                        steps in a row, which a second try on the same batch and
-                                        weights hits again)
-        TypeError, KeyError, LookupError, ImportError, FileNotFoundError, NotADirectoryError,
-        PermissionError
-    anything else (not retried)         most likely a bug: a second try would fail the same way
-
-An exception raised inside a Ray task or actor arrives as RayTaskError; its `cause` is what the
-remote code raised and decides. An actor whose constructor raised arrives as ActorDiedError
-carrying that RayTaskError: the constructor's error decides (a RolloutManager that could not
-start its engines because of a setting is a configuration error, not a crash). Chained exceptions (`raise ... from`, or
-raised while handling
-another) are searched outermost first for the first one of a listed class.
-"""
+The train flow retries an iteration only when the infrastructure failed (a process that died or
+could not be reached comes back, so a second try can succeed). A configuration or data error fails
+the same way every time: retrying only hides it, so the run stops and says what to fix."""
 
 from __future__ import annotations
 
@@ -64,7 +25,7 @@ _ACTOR_NAME = re.compile(r"^\s*name:\s*(\S+)\s*$", re.MULTILINE)
 
 @dataclass(frozen=True)
 class Fault:
-    """A classified failure: `kind` (module docstring), whether a retry can help, and one line
+    """A classified failure: `kind` (see classify), whether a retry can help, and one line
     saying what happened (no traceback)."""
 
     kind: str
@@ -149,7 +110,25 @@ def _chain(exc: BaseException):
 
 
 def classify(exc: BaseException) -> Fault:
-    """The Fault of `exc` (module docstring: which classes are retried and why)."""
+    """The Fault of `exc`: its kind and whether a retry can help.
+
+        infrastructure (retried)   Ray's RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError
+                                   (and subclasses), ObjectFetchTimedOutError, RaySystemError, GetTimeoutError;
+                                   ConnectionError, TimeoutError, httpx.TransportError, botocore's
+                                   ConnectionError and HTTPClientError; vime's InfrastructureError subclasses
+                                   (RolloutFailedError, EngineStartError, EngineError, RouterError,
+                                   PublishError, ActorsMissingError)
+        configuration or data      ValueError (ConfigError, ValidationError, UntrainableBatchError,
+          (not retried)            SchemaError, CheckpointError, HookLoadError, RewardFailureError,
+                                   FilterExhaustedError, NonFiniteStepsError), TypeError, KeyError,
+                                   LookupError, ImportError, FileNotFoundError, NotADirectoryError,
+                                   PermissionError
+        anything else              most likely a bug (not retried)
+
+    An exception raised in a Ray task or actor arrives as RayTaskError: its `cause` decides; an actor
+    whose constructor raised arrives as ActorDiedError carrying that RayTaskError, which decides (a
+    setting that kept the engines from starting is a configuration error, not a crash). A chain
+    (`raise ... from`, or raised while handling another) is searched outermost first."""
     infrastructure = _infrastructure_types()
     for err in _chain(exc):
         # infrastructure first: a dead actor's error must not read as a data error because some

@@ -1,76 +1,31 @@
-"""Reward post-processing per group and per-token advantages.
+"""Reward post-processing per group and per-token advantages; each estimator is one `register_adv_est`.
 
-Group normalisation (done once per rollout, on scalar rewards r_i of one group g, |g| = n), the
-estimator's registered `group_normalisation`:
+Group normalisation of the scalar rewards r_i of one group g (|g| = n), once per rollout:
 
-    mean_std (grpo / gspo / cispo):          A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)
-                                             when grpo_std_normalization and n > 1, else r_i - mean_g(r)
-                                             std_g is the unbiased (n - 1) standard deviation
-    mean (reinforce_plus_plus_baseline):     A_i = r_i - mean_g(r)
-    leave_one_out (rloo):                    A_i = r_i - 1/(n - 1) * sum_{j in g, j != i} r_j
-                                             (= n/(n - 1) * (r_i - mean_g(r))); A_i = 0 when n = 1
-    none (reinforce_plus_plus, ppo):         A_i = r_i            (no group baseline)
+    mean_std (grpo / gspo / cispo):       A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)  (unbiased std;
+                                          r_i - mean_g(r) without grpo_std_normalization or when n = 1)
+    mean (reinforce_plus_plus_baseline):  A_i = r_i - mean_g(r)
+    leave_one_out (rloo):                 A_i = r_i - 1/(n - 1) * sum_{j != i} r_j;  A_i = 0 when n = 1
+    none (reinforce_plus_plus, ppo):      A_i = r_i
 
-Per-token advantages (done by the trainer, per optimizer step, on each DP rank's share of it).
-Sample i has T_i response tokens with loss mask m_{i,t}: 1 on a token the model sampled, 0 on a
-tool's output (multi-turn) and on every token of a failed sample. Its model tokens are
-M_i = {t : m_{i,t} = 1} = {t_1 < ... < t_K}; kl_{i,t} is the per-token KL to the reference policy
-(zero when kl_coef = 0). The KL penalty and the reward sit on model tokens only (as slime's), and
-the recursions step over model tokens only (as verl's GAE skips observation tokens): a tool
-token's KL compares log-probs the policy never sampled (a placeholder 0.0 under
-use_rollout_logprobs) and the critic never trains on its value. Every return and advantage of a
-token outside M_i is 0 (it carries no loss).
+Per-token advantages, by the trainer per optimizer step, over the model tokens t_1 < ... < t_K of
+sample i (loss mask m = 1; tool and failed tokens get 0, and the recursions step over them):
 
-    grpo / gspo / cispo / rloo:     A_{i,t} = A_i                        (broadcast; returns = A)
+    grpo / gspo / cispo / rloo:     A_{i,t} = A_i                                  (returns = A)
     reinforce_plus_plus:            r_{i,t} = m_{i,t} * (-kl_coef * kl_{i,t}) + [t = t_K] * A_i
-                                    G_{i,t_k} = r_{i,t_k} + gamma * G_{i,t_{k+1}},  G_{i,t_{K+1}} = 0
-                                    A_{i,t} = whiten(G)_{i,t}            (returns = G)
-    reinforce_plus_plus_baseline:   A_{i,t} = whiten(m_{i,t} * (A_i - kl_coef * kl_{i,t}))   (returns = A)
-    ppo (GAE, value V):             over k = K..1, with r as reinforce_plus_plus's,
-                                    delta_k = r_{i,t_k} + gamma * V_{i,t_{k+1}} - V_{i,t_k},  V_{i,t_{K+1}} = 0
-                                    D_k = delta_k + gamma * lambd * D_{k+1},                   D_{K+1} = 0
-                                    returns_{i,t_k} = D_k + V_{i,t_k};  advantages = whiten(D)
+                                    G_{i,t_k} = r_{i,t_k} + gamma * G_{i,t_{k+1}}, G_{i,t_{K+1}} = 0
+                                    A = whiten(G)                                  (returns = G)
+    reinforce_plus_plus_baseline:   A = whiten(m * (A_i - kl_coef * kl))           (returns = A)
+    ppo (GAE, value V):             delta_k = r_{i,t_k} + gamma * V_{i,t_{k+1}} - V_{i,t_k}
+                                    D_k = delta_k + gamma * lambd * D_{k+1},  D_{K+1} = V_{K+1} = 0
+                                    returns = D + V;  A = whiten(D)
 
-    m * y is y where m = 1 and 0 elsewhere (torch.where: a non-finite y outside the mask stays
-    out); the recursions step from one model token to the next, so a tool span between two
-    turns is neither discounted nor bootstrapped through. A sample without model tokens gets 0.
+    whiten(x) = m * (x - mu) / sqrt(sigma^2 + 1e-8), mu and the unbiased sigma^2 over the m = 1
+    tokens of the whole step (every DP rank); whiten(x) = m * x when fewer than 2 such tokens.
 
-    whiten(x)_{i,t} = m_{i,t} * (x_{i,t} - mu) / sqrt(sigma^2 + 1e-8), where, over the tokens
-    with m = 1 of every sample of the step (all DP ranks together),
-        n = sum m,   mu = sum m x / n,   sigma^2 = sum m (x - mu)^2 / (n - 1)     (unbiased)
-    and whiten(x) = m * x when n < 2. The sums are float64 and computed in two passes, (n, sum m x)
-    then sum m (x - mu)^2, each reduced over the DP group by the caller's `reduce_sums` (an
-    all-reduce; None: this process holds the whole step). The centred second pass is what one rank
-    would compute; the one-pass sum m x^2 - n mu^2 (slime's distributed_masked_whiten, in float32)
-    cancels catastrophically where it matters most, flat rewards (|mu| ~ 1, sigma ~ 1e-3 of KL
-    noise); the second all-reduce of one number costs little beside a step. Whitening one rank's
-    share instead would make the advantages depend on the DP layout (a rank holding only flat
-    groups whitens KL noise to O(1)).
-
-On-policy distillation (use_opd; slime's --use-opd, applied after the estimator, whitening
-included, so on top of any of them): for sample i and response token t, with y_{i,t} the sampled
-token, pi_s the student's old policy (the loss's pi_old: the engine's log-probs when
-use_rollout_logprobs, else the recomputed ones) and pi_T the frozen teacher,
-
-    rkl_{i,t} = log pi_s(y_{i,t}) - log pi_T(y_{i,t})           (one-sample estimate of the
-                                                                 reverse KL(pi_s || pi_T) at t)
-    A'_{i,t}  = A_{i,t} - opd_kl_coef * rkl_{i,t}
-              = A_{i,t} + opd_kl_coef * (log pi_T(y_{i,t}) - log pi_s(y_{i,t}))
-
-so a token the teacher finds likelier than the student does is pushed up. With rewards of 0 (or a
-constant within each group, which the group normalisation zeroes) A = 0 and it is pure on-policy
-distillation (Agarwal et al. 2024; Thinking Machines' tinker cookbook; slime's
-apply_opd_kl_to_advantages, whose formula this is).
-
-REINFORCE++: Hu 2025 (arXiv:2501.03262). GAE: Schulman et al. 2016. RLOO: Ahmadian et al. 2024
-(arXiv:2402.14740), as verl's `rloo` (whose group of one keeps r_i: here it is 0, as GRPO's
-r_i - mean, and the configuration refuses rloo with n_samples_per_prompt < 2; a group shrinks to
-one only when its other samples failed).
-
-Each estimator is one `register_adv_est` below, carrying its group normalisation, its policy loss
-and what the gates and the configuration's checks need (vime_core/algo/registry.py). torch is
-imported inside the functions: the configuration reads the registered names without it.
-"""
+On-policy distillation (use_opd, after the estimator): A' = A - opd_kl_coef * (log pi_s(y) - log pi_T(y)),
+pi_s the loss's old policy, pi_T the frozen teacher. REINFORCE++: Hu 2025 (arXiv:2501.03262);
+GAE: Schulman et al. 2016; RLOO: Ahmadian et al. 2024 (arXiv:2402.14740)."""
 
 from __future__ import annotations
 
@@ -156,7 +111,11 @@ def masked_whiten(
     """whiten(x) of the module docstring over the loss_mask == 1 tokens of all samples together and,
     with `reduce_sums`, of every DP rank: (n, sum m x) then sum m (x - mu)^2, float64, each passed
     through `reduce_sums` (so every rank calls it twice, or once when the step has n < 2).
-    A token outside the mask gets 0. float32 out."""
+    A token outside the mask gets 0. float32 out.
+
+    Centred two-pass sums (not slime's one-pass sum m x^2 - n mu^2 in float32, which cancels
+    catastrophically on flat rewards); whitening over every DP rank together keeps the advantages
+    independent of the DP layout."""
     import torch
 
     lengths = [len(v) for v in values]
@@ -374,7 +333,11 @@ def apply_opd_kl(
     opd_kl_coef: float,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """On-policy distillation (module docstring): (A' = A - opd_kl_coef * rkl, rkl) per sample,
-    rkl = log pi_s - log pi_T of the sampled tokens; float32 on the CPU."""
+    rkl = log pi_s - log pi_T of the sampled tokens; float32 on the CPU.
+
+    A token the teacher finds likelier than the student is pushed up; with rewards constant within
+    each group A = 0 and this is pure on-policy distillation (Agarwal et al. 2024; slime's
+    apply_opd_kl_to_advantages)."""
 
     for name, seqs in (("student_log_probs", student_log_probs), ("teacher_log_probs", teacher_log_probs)):
         if len(seqs) != len(advantages):

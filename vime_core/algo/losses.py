@@ -1,62 +1,14 @@
-"""Policy losses (per token), entropy, truncated importance sampling and loss aggregation.
+"""Policy losses (per token), entropy, rollout importance weights and loss aggregation.
 
-Notation: per response token t, log_probs = log pi(a_t) (with grad), old_log_probs = log
-pi_old(a_t) (no grad), ppo_kl = old_log_probs - log_probs where loss_mask is 1 and exactly 0
-where it is 0 (torch.where: kl.masked_log_ratio, so a masked token's ratio is 1 and cannot
-overflow into the backward), A = advantage, eps = eps_clip, eps_high = eps_clip_high, c = eps_clip_c.
+Per response token: ppo_kl = old_log_probs - log_probs (exactly 0 where loss_mask is 0, so a masked
+ratio is 1), A = advantage, eps = eps_clip, eps_high = eps_clip_high, c = eps_clip_c.
 
-Each estimator names the loss it trains with when it registers (algo/registry.py). PPO clip
-(grpo, reinforce++, ppo; Schulman et al. 2017), with the dual clip of Ye et al. 2020:
-
-    ratio = exp(clamp(-ppo_kl, -20, 20))  (verl's bound: finite, as is its derivative)
-    pg    = max(-ratio * A, -clip(ratio, 1 - eps, 1 + eps_high) * A)
-    pg    = min(pg, -c * A)            where A < 0 and c is given (c > 1)
-    clip_fraction_t = 1 where the clipped term won (-clip(ratio)*A > -ratio*A), else 0
-
-GSPO (Zheng et al. 2025): the same clip on the sequence-level ratio. For sample i with valid
-tokens m_i, ppo_kl_seq_i = sum_t(m_{i,t} ppo_kl_{i,t}) / sum_t m_{i,t}, broadcast to every token
-of i, so ratio_i = (prod_t pi/pi_old)^(1/|y_i|).
-
-CISPO (MiniMax-M1 2025): the importance weight is clipped and detached, the gradient flows
-through log pi only:
-
-    pg = -sg(min(ratio, 1 + eps_high)) * A * log_probs
-    clip_fraction_t = 1 where ratio > 1 + eps_high
-
-Entropy from logits z over the vocabulary:  H = logsumexp(z) - sum_v softmax(z)_v z_v.
-TIS weight (Yao et al. 2025): w = sg(min(exp(old_log_probs - rollout_log_probs), tis_clip)).
-
-Rollout importance weights at other levels and modes (rollout_is_weights; slime's tis_level /
-tis_mode, verl's rollout_is = token | sequence), with log_r_t = old_log_probs - rollout_log_probs,
-m the loss mask, C the upper bound and c the lower one (default 1 / C), for token t of sample i:
-
-    token:      s_t = log_r_t
-    sequence:   s_t = sum_{t' in i} m_t' log_r_t'                 (rho = prod_t' of i's token ratios)
-    geometric:  s_t = sum_{t' in i} m_t' log_r_t' / sum_{t' in i} m_t'   (their geometric mean)
-    rho_t = exp(clamp(s_t, -20, 20))                             (verl's and slime's safety bound)
-    truncate (TIS):  w_t = sg(min(rho_t, C))
-    mask (MIS):      w_t = sg(rho_t * [c <= rho_t <= C])         (Liu et al. 2025, "When Speed
-                                                                   Kills Stability"; at sequence
-                                                                   level a rejected sample's tokens
-                                                                   all get 0)
-
-token + truncate is the TIS weight above (up to the safety bound).
-
-Aggregation over loss_mask m (per sequence i, T_i tokens):
-
-    token_mean:           sum_{i,t} m l / sum_{i,t} m
-    seq_mean_token_mean:  mean_i over sequences with sum_t m > 0 of (sum_t m l / sum_t m)
-    seq_mean_token_sum:   mean_i of sum_t m l
-    seq_mean_token_sum_norm:  mean_i of sum_t m l, divided by a constant L (loss_scale_factor,
-                          default rollout_max_response_len) = seq_mean_token_sum / L
-
-seq_mean_token_sum_norm with grpo_std_normalization=false is Dr. GRPO (Liu et al. 2025,
-"Understanding R1-Zero-Like Training", arXiv:2503.20783): no 1/|o_i| length normalisation and no
-std normalisation, the sum over a sequence's tokens divided by the same constant for every
-sequence (their code: the generation budget). verl's seq-mean-token-sum-norm divides
-sum_{i,t} m l by L without averaging over the sequences, which differs from this by the constant
-number of sequences (here the step's, through the train step's shares, as seq_mean_token_sum).
-"""
+    PPO clip (grpo, reinforce++, ppo; dual clip of Ye et al. 2020):
+        ratio = exp(clamp(-ppo_kl, -20, 20))
+        pg    = max(-ratio * A, -clip(ratio, 1 - eps, 1 + eps_high) * A);  min(pg, -c * A) where A < 0
+    GSPO (Zheng et al. 2025): the same clip on the sequence ratio (prod_t pi/pi_old)^(1/|y_i|)
+    CISPO (MiniMax-M1 2025): pg = -sg(min(ratio, 1 + eps_high)) * A * log_probs
+    entropy: H = logsumexp(z) - sum_v softmax(z)_v z_v"""
 
 from __future__ import annotations
 
@@ -141,8 +93,16 @@ def rollout_is_weights(
     upper: float = 2.0,
     lower: Optional[float] = None,
 ) -> torch.Tensor:
-    """w_t of the module docstring (level, mode; C = upper, c = lower or 1 / upper), detached;
-    flat [sum T_i] in and out."""
+    """w_t, detached; flat [sum T_i] in and out (slime's tis_level / tis_mode, verl's rollout_is).
+
+    With log_r_t = old_log_probs - rollout_log_probs, m the loss mask, C = upper, c = lower or 1 / C:
+
+        token:      s_t = log_r_t
+        sequence:   s_t = sum_{t' in i} m_t' log_r_t'
+        geometric:  s_t = sum_{t' in i} m_t' log_r_t' / sum_{t' in i} m_t'
+        rho_t = exp(clamp(s_t, -20, 20))
+        truncate (TIS, Yao et al. 2025):  w_t = sg(min(rho_t, C))
+        mask (MIS, Liu et al. 2025):      w_t = sg(rho_t * [c <= rho_t <= C])"""
     if level not in IS_LEVELS:
         raise ValueError(f"unknown importance-sampling level {level!r}; known: {list(IS_LEVELS)}")
     if mode not in IS_MODES:
@@ -168,11 +128,17 @@ def aggregate_loss(
     response_lengths: Optional[Sequence[int]] = None,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss over loss_mask == 1 tokens (formulas in the module docstring).
+    """Reduce a per-token loss l over the loss_mask m == 1 tokens (per sequence i):
+
+        token_mean:               sum_{i,t} m l / sum_{i,t} m
+        seq_mean_token_mean:      mean over sequences with sum_t m > 0 of (sum_t m l / sum_t m)
+        seq_mean_token_sum:       mean_i of sum_t m l
+        seq_mean_token_sum_norm:  seq_mean_token_sum / L, L = `scale` (loss_scale_factor, default
+                                  rollout_max_response_len); with grpo_std_normalization=false this is
+                                  Dr. GRPO (Liu et al. 2025, arXiv:2503.20783)
 
     `per_token` is either [B, T] (one row per sequence, padding masked out) or flat [sum T_i]
-    with `response_lengths` giving each sequence's T_i; `scale` is seq_mean_token_sum_norm's L.
-    """
+    with `response_lengths` giving each sequence's T_i."""
     if per_token.shape != loss_mask.shape:
         raise ValueError(f"per-token loss {tuple(per_token.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
     mask = loss_mask.to(per_token.dtype)

@@ -1,52 +1,8 @@
-"""The default rollout function (the rollout phase), asynchronous end to end.
-
-    target = rollout_batch_size groups
-    while kept < target:
-        while kept + in flight < target and batches < max_num_gen_batches:
-            submit a batch of over_sampling_batch_size groups (batches counts the first, and the
-            refills of groups the filter dropped or the engines failed to generate: a retried
-            group comes back through the data source into a batch)
-            (one task per group, one per sample inside it; a semaphore of
-             vllm_server_concurrency * engines bounds the requests in flight)
-        nothing in flight (max_num_gen_batches submitted, every group answered): exhausted, below
-        take the first group that completes: check its size, score it (group_rm; otherwise each
-        sample was scored right after its generation), apply the dynamic filter -> kept / dropped
-        a group with a sample the engines did not generate is not kept: when the cause was the
-        infrastructure (engine died, connection reset) it is generated again once an engine
-        answers /health and a one-token request gets through the router, up to
-        rollout_group_max_attempts in all; then (or at once, for a bad
-        request) it is dropped and a new group refills its place. More dropped groups than the
-        batch holds, or no live engine within rollout_engine_wait_s: RolloutFailedError, naming
-        the engines and the reasons, and nothing is handed on.
-        a group with a sample lacking log-probs that a set flag reads (data/validation.py,
-        log_probs_error) stops the rollout at once: UntrainableBatchError naming the sample,
-        the engine and the flags -- a setting or an engine version to fix, not retried.
-    abort what is still running (abort_requests on every engine), wait for it to come back;
-    partial_rollout: unfinished groups return to the data source with their partial responses,
-    the off-policy part masked (loss_mask 0); otherwise they are dropped.
-    reward failures (a reward function that raised or returned no finite real number: FAILED
-    samples, rewards/hub.py), over every sample scored in this rollout, kept or not:
-        share = reward-failed samples / samples scored
-        share > max_reward_failure_share: RewardFailureError naming the reward function, the
-            counts and the first failures' sample indices and exception types; else one warning
-            line with the same (never a value, a prompt or a response: they may be private)
-    exhausted (kept < target): filter_exhausted=keep_rejected tops the kept groups up with the
-    earliest groups the filter rejected (rollout/filter_topped_up); otherwise, or when too few
-    were rejected, FilterExhaustedError naming the filter and the counts (RolloutFailedError
-    when the filter rejected nothing: the engines did not generate the groups).
-
-Exactly `rollout_batch_size` groups come back, groups contiguous, samples in index order, every
-sample with a response (the trainer's check, vime_core/data/validation.py, holds).
-
-The rollout function is loaded by path (`rollout_function_path`), default
-`vime_core.rollout.loop:generate_rollout`, called as `await fn(state, rollout_id)` and returning
-`(samples, metrics)`.
-
-RewardFailureError and FilterExhaustedError are ValueErrors: the data, the reward function or the
-filter must change, so the train flow does not retry them (vime_core/faults.py). A rollout that
-raises hands nothing on; the RolloutManager puts its data source back to where it was before
-the rollout, so its prompts are drawn again (rollout/manager.py, `_generate_now`).
-"""
+"""The default rollout function (`rollout_function_path`, `vime_core.rollout.loop:generate_rollout`):
+fills one rollout with groups the trainer can train on, asynchronously, retrying groups the
+infrastructure failed and refusing rollouts whose rewards or log-probs cannot be trusted.
+RewardFailureError and FilterExhaustedError are ValueErrors: the data, reward function or filter
+must change, so the train flow does not retry them (vime_core/faults.py)."""
 
 from __future__ import annotations
 
@@ -194,7 +150,13 @@ async def wait_for_live_engine(
 async def _handle_failed_group(
     state: "RolloutState", rollout_id: int, group: list[Sample], failure: tuple[str, bool], progress: _Progress
 ) -> None:
-    """Generate the group again on a live engine, or drop it (module docstring)."""
+    """Generate the group again on a live engine, or drop it.
+
+    When the engines failed it (engine died, connection reset) it is generated again once an engine
+    answers /health and a one-token request gets through the router, up to rollout_group_max_attempts
+    in all; then (or at once, for a bad request) it is dropped and a new group refills its place. More
+    dropped groups than the batch holds, or no live engine within rollout_engine_wait_s:
+    RolloutFailedError, naming the engines and the reasons."""
     cfg = state.cfg
     reason, retryable = failure
     progress.failure_reasons[_reason_key(reason)] += 1
@@ -294,7 +256,9 @@ def _percent(share: float) -> str:
 
 def check_reward_failures(state: RolloutState, rollout_id: int, progress: _Progress) -> None:
     """Reward failures in one line per rollout: a warning, or RewardFailureError when
-    share = failed / scored > max_reward_failure_share (module docstring)."""
+    share = failed / scored > max_reward_failure_share, over every sample scored in this rollout, kept
+    or not. Either names the reward function, the counts and the first failures' sample indices and
+    exception types, never a value, a prompt or a response (they may be private)."""
     failures = progress.reward_failures
     if not failures:
         return
@@ -328,7 +292,9 @@ def _filter_name(state: RolloutState) -> str:
 
 def fill_exhausted(state: RolloutState, rollout_id: int, progress: _Progress) -> None:
     """max_num_gen_batches batches submitted and answered, fewer than rollout_batch_size groups
-    kept: top up with rejected groups (filter_exhausted=keep_rejected) or raise (module docstring)."""
+    kept: filter_exhausted=keep_rejected tops the kept groups up with the earliest groups the filter
+    rejected; otherwise, or when too few were rejected, FilterExhaustedError naming the filter and the
+    counts (RolloutFailedError when the filter rejected nothing: the engines did not generate them)."""
     cfg = state.cfg
     target = cfg.rollout_batch_size
     short = target - len(progress.kept)
@@ -451,7 +417,24 @@ def rollout_metrics(
 
 
 async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
-    """One rollout: exactly rollout_batch_size groups and the rollout's metrics."""
+    """One rollout: exactly rollout_batch_size groups (contiguous, samples in index order, each with a
+    response) and the rollout's metrics, called as `await fn(state, rollout_id)`.
+
+        while kept < rollout_batch_size:
+            submit batches of over_sampling_batch_size groups while kept + in flight < target and
+                fewer than max_num_gen_batches were submitted (refills of dropped groups count);
+                a semaphore of vllm_server_concurrency * engines bounds the requests in flight
+            take the first group that completes: score it (group_rm; else each sample was scored
+                after its generation), apply the dynamic filter -> kept / dropped; a group the
+                engines failed goes to `_handle_failed_group`; a sample lacking log-probs a set flag
+                reads stops the rollout (UntrainableBatchError, not retried)
+            nothing in flight: exhausted -> `fill_exhausted`
+        abort what still runs; partial_rollout gives unfinished groups back to the data source with
+        their partial responses (the off-policy part masked), otherwise they are dropped
+        `check_reward_failures`
+
+    A rollout that raises hands nothing on; the RolloutManager puts its data source back, so its
+    prompts are drawn again."""
     from tqdm.auto import tqdm
 
     cfg = state.cfg

@@ -1,68 +1,15 @@
 """Per-token log-probs and entropy of response tokens over a TP-split vocabulary.
 
-Each TP rank holds the output weights ``W[V_r]`` of its slice ``V_r`` of the padded vocabulary, so
-its logits for a final hidden state ``x`` are ``z_v = x . W_v`` (v in V_r). With temperature ``tau``
-(the rollout's, so train log-probs match the engine's processed log-probs) and ``y = z / tau``:
+Each TP rank holds the output weights W[V_r] of its vocabulary slice, so its logits are z_v = x . W_v.
+With y = z / tau (tau: the rollout's temperature, so train log-probs match the engine's):
 
-    lse        = logsumexp_v y_v
-    log p(a)   = y_a - lse
-    H          = lse - sum_v p_v y_v                 (p_v = exp(y_v - lse))
+    lse = logsumexp_v y_v,   log p(a) = y_a - lse,   H = lse - sum_v p_v y_v   (p_v = exp(y_v - lse))
 
-where the logsumexp and the sums over ``v`` are reduced over the TP group. Vocabulary padding
-(ids >= the real vocabulary size) is not a token: it gets probability 0 and no gradient.
-
-Two implementations of that math:
-
-- ``packed_response_log_probs`` (the trainer's): the model's final hidden states, then logits
-  only at the response positions, a chunk of rows at a time, so that the fp32 [rows x vocab]
-  tensor never exists in full (``ResponseHead``, below).
-- ``packed_response_log_probs_full`` / ``log_probs_and_entropy``: the straightforward one — the
-  model's logits at every position, the response rows selected, cast to fp32, Megatron's
-  ``vocab_parallel_cross_entropy``. The tests compare the two; the GPU benchmark measures both.
-
-``ResponseHead`` over chunks of N rows (each chunk's logits against all of this rank's real
-vocabulary columns, padding excluded). Forward, per row, with ``m = max_v y_v``,
-``s = sum_v exp(y_v - m)`` and ``t = sum_v exp(y_v - m) (y_v - m)`` over the rank's columns:
-
-    lse = m + log s,   log p(a) = y_a - lse,   H = log s - t / s
-
-(``t / s = sum_v p_v (y_v - m)``: H is computed on max-shifted values, as a softmax would). Over
-TP ranks r the per-rank (m_r, s_r, t_r) merge by an all-reduce MAX of M = max_r m_r, then a SUM of
-
-    s = sum_r c_r s_r,   t = sum_r c_r (t_r + (m_r - M) s_r),   c_r = exp(m_r - M)
-
-and of the target logit ``y_a``, which only its owner rank contributes. Backward recomputes each
-chunk's logits (only lse and H per row are kept) and uses
-
-    d log p(a) / d y_v = [v = a] - p_v
-    d H        / d y_v = -p_v (log p_v + H)
-    g_y = g_logp ([v = a] - p) - g_H p (log p + H),   g_z = g_y / tau,
-    g_x[chunk] = g_z W,   g_W = sum over chunks of g_z^T x[chunk]   (accumulated in fp32)
-
-The input ``x`` enters through Megatron's ``copy_to_tensor_model_parallel_region`` (identity
-forward, all-reduce backward): each rank's ``g_x`` covers only its vocabulary slice, as in the
-output layer's own backward.
-
-Precision follows the full head: logits are the matmul's output in the model dtype (bf16 on
-GPUs), then fp32 for every softmax quantity; the logits' gradient is rounded back to the model
-dtype before the two backward matmuls.
-
-Top-k / top-p (``Sampling`` with rollout_top_k / rollout_top_p; vime_core/trainer/truncation.py):
-the engine samples from, and reports log-probs of, the tempered distribution truncated to vLLM's
-kept set S and renormalised, so both heads score that distribution: every sum over v above is
-weighted by w_v (1 in S, 0 outside; a fraction for tied boundary tokens; 1 for the sampled token
-a, which is added to S when the trainer's logits leave it out), so lse = log sum_v w_v exp(y_v)
-and p_v = w_v exp(y_v - lse) in the log-prob, the entropy and their gradients. The response head
-selects S chunk by chunk (``truncation.select``: a top-m of each rank's logits gathered over the
-TP group) in chunks of a quarter of the rows, keeps (tau, w_tie) per row, and rebuilds w in the
-backward from the recomputed logits. Without truncation (top_p 1, top_k off: the default) none of
-this runs.
-
-Speed: the chunk math (``forward_chunk`` / ``backward_chunk``) is elementwise work over
-[rows x 152k] logits, memory-bound. On CUDA it runs through ``torch.compile``, which fuses it into
-a few kernels that read the logits once or twice (eagerly it is ~10 passes); a compilation that
-fails falls back to the eager functions once, with a warning.
-"""
+the sums over v reduced over the TP group; vocabulary padding gets probability 0 and no gradient.
+With top-k / top-p every sum is weighted by the kept set's w_v (vime_core/trainer/truncation.py).
+`packed_response_log_probs` (the trainer's) computes logits only at the response positions, chunk
+by chunk (`ResponseHead`), so the fp32 [rows x vocab] tensor never exists in full;
+`packed_response_log_probs_full` is the straightforward full head the tests compare it with."""
 
 from __future__ import annotations
 
@@ -84,7 +31,7 @@ from vime_core.trainer.truncation import (
 # Logits per chunk (rows x vocabulary columns): 512 Mi elements, 1 GiB in bf16, so a chunk is a
 # few thousand rows of the 152k vocabulary, large enough for efficient matmuls and few launches.
 CHUNK_ELEMENTS = 1 << 29
-# torch.compile of the chunk math on CUDA (module docstring); the benchmark switches it off to
+# torch.compile of the chunk math on CUDA (ResponseHead); the benchmark switches it off to
 # measure the eager functions.
 COMPILE_ON_CUDA = True
 # With top-k / top-p a chunk holds a quarter of the rows: the selection keeps a few more
@@ -118,7 +65,7 @@ def log_probs_and_entropy(
     """``logits`` [N, V/tp] (this rank's slice), ``targets`` [N] global ids -> (log_probs [N],
     entropy [N] or None), float32; the entropy is differentiable only when ``entropy_grad``
     (a metric-only entropy skips building its backward graph). ``sampling``: the temperature, or
-    the whole ``Sampling`` (with top-k / top-p: over the kept set, module docstring)."""
+    the whole ``Sampling`` (with top-k / top-p: over the kept set: truncation.py)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -214,7 +161,7 @@ def packed_response_log_probs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward a packed micro-batch and return its response tokens' log-probs (and entropy),
     flat over the samples in order (``sum(response_lengths)`` long), float32. ``sampling``: the
-    rollout's temperature, or its ``Sampling`` (temperature, top-k, top-p: module docstring)."""
+    rollout's temperature, or its ``Sampling`` (temperature, top-k, top-p: truncation.py)."""
     from vime_core.trainer.hf_convert import unwrap
 
     gpt = unwrap(model)
@@ -314,7 +261,22 @@ def chunk_rows(columns: int) -> int:
 
 
 class ResponseHead(torch.autograd.Function):
-    """log p(a) and H of N rows over this rank's vocabulary slice, chunk by chunk (module docstring)."""
+    """log p(a) and H of N rows over this rank's vocabulary slice, chunk by chunk.
+
+    Forward, per row, with m = max_v y_v, s = sum_v exp(y_v - m), t = sum_v exp(y_v - m) (y_v - m) over
+    the rank's real columns: lse = m + log s, log p(a) = y_a - lse, H = log s - t / s. Over TP ranks r
+    the (m_r, s_r, t_r) merge by an all-reduce MAX of M = max_r m_r, then a SUM of
+    s = sum_r c_r s_r, t = sum_r c_r (t_r + (m_r - M) s_r), c_r = exp(m_r - M), and of y_a (its owner's).
+
+    Backward recomputes each chunk's logits (only lse and H per row are kept):
+    g_y = g_logp ([v = a] - p) - g_H p (log p + H), g_z = g_y / tau, g_x = g_z W, g_W = sum g_z^T x
+    (accumulated in fp32). x enters through copy_to_tensor_model_parallel_region, so each rank's g_x
+    covers its vocabulary slice, as in the output layer's own backward. Logits stay in the model dtype,
+    softmax quantities in fp32; g_z is rounded back to the model dtype before the two matmuls.
+
+    With top-k / top-p each chunk (a quarter of the rows) selects the kept set (`truncation.select`),
+    keeps (tau, w_tie) per row and rebuilds w in the backward from the recomputed logits. The chunk
+    math is elementwise and memory-bound, so on CUDA it runs through torch.compile (`run_chunk_fn`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -449,7 +411,7 @@ def forward_chunk(
 def all_reduce_stats(
     m: torch.Tensor, s: torch.Tensor, t: Optional[torch.Tensor], target_logit: torch.Tensor, comm: Collectives
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """The TP ranks' (m, s, t) merged (module docstring) and the target logit summed (one owner)."""
+    """The TP ranks' (m, s, t) merged (ResponseHead's docstring) and the target logit summed (one owner)."""
     top = comm.all_reduce(m, "max")
     c = (m - top).exp()
     parts = [c * s, target_logit] + ([] if t is None else [c * (t + (m - top) * s)])

@@ -1,43 +1,13 @@
-"""One training step over this DP rank's micro-batches.
+"""One training step over this DP rank's micro-batches B_1..B_M of the step's samples S (all DP ranks):
 
-For the step's samples S (all DP ranks) and this rank's micro-batches B_1..B_M:
-
-    old log-probs  = engine log-probs             when use_rollout_logprobs
-                   = current log-probs, detached  when can_reuse_log_probs_in_loss (computed
-                                                  inside the step: the policy has not moved yet)
-                   = a no-grad forward beforehand otherwise (``forward_log_probs``)
-    per-token loss = registered policy loss for the advantage estimator (PPO clip / GSPO / CISPO),
-                     or -log p for sft_loss; times w_t when use_tis, the rollout importance
-                     weight of exp(old - rollout log-probs) at tis_level, bounded by tis_mode
-                     (truncate: TIS, mask: MIS; vime_core/algo/losses.py, rollout_is_weights)
-    L(B_m)         = agg(pg) + [use_kl_loss] kl_loss_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
-
-with ``agg = aggregate_loss(., loss_mask, loss_agg_mode)`` inside the micro-batch. So that the
-step's loss is the same whatever the TP/DP layout and micro-batch split, each micro-batch's loss
-is weighted by its share of the step-wide denominator D (tokens for token_mean, sequences with
-a trainable token for seq_mean_token_mean, sequences for seq_mean_token_sum and
-seq_mean_token_sum_norm):
-
+    L(B_m) = agg(pg * w) + [use_kl_loss] kl_loss_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
     backward( L(B_m) * d(B_m) / D(S) * dp_size )          (DDP averages gradients over DP)
 
-A token that tis_mode=mask rejects (w_t = 0) adds nothing to the loss and still counts in agg's
-and D's denominators, as in slime (verl drops it from its response mask, so from the mean): they
-are the batch's loss-mask counts, known before the step whatever the weights, and a rejected
-sample shrinks the step rather than scaling up the others.
-
-Gradients accumulate over the M micro-batches in Megatron's DDP grad buffers (``main_grad``);
-then ``finalize_model_grads`` (the DP all-reduce, plus a TP all-reduce of the q/k-norm grads
-that each TP rank only sees for its own heads), gradient clipping to ``clip_grad``, one optimizer
-step at the schedule's learning rate, and one step of the schedule (vime_core/trainer/optimizer.py).
-A step whose loss or gradient is NaN or Inf on any rank (one all-reduce of a flag) is skipped on
-every rank instead: nothing moves, the gradients are zeroed, the schedule stays, and too many in
-a row stop the run (vime_core/trainer/nonfinite.py).
-Metrics are token means over the whole step (all-reduced over DP) except grad_norm (absent for a
-skipped step), lr (the step's learning rate) and skipped_steps (1 for a skipped step, else 0).
-They stay on the device until the step ends: the micro-batch loop reads nothing back from the GPU
-(each read was a sync that kept the host from queueing the next micro-batch), and the masks'
-counts come from the batch's host lists.
-"""
+pg is the estimator's registered policy loss (or -log p for sft_loss), w the rollout importance
+weight when use_tis, agg = aggregate_loss(., loss_mask, loss_agg_mode), and D the step-wide
+denominator (tokens or sequences, by loss_agg_mode), so the loss does not depend on the TP/DP
+layout or the micro-batch split. Then one optimizer step, skipped on every rank when the loss or a
+gradient is not finite on any (vime_core/trainer/nonfinite.py)."""
 
 from __future__ import annotations
 
@@ -213,7 +183,12 @@ class _Accumulator:
 def micro_batch_loss(
     model: torch.nn.Module, mb: MicroBatch, inputs: StepInputs, cfg: Any, vocab_size: int, acc: _Accumulator
 ) -> torch.Tensor:
-    """L(B_m) of the module docstring (unweighted), recording metrics in ``acc``."""
+    """L(B_m) of the module docstring (unweighted), recording metrics in ``acc``.
+
+    Old log-probs are the engine's (use_rollout_logprobs), the current ones detached
+    (can_reuse_log_probs_in_loss: the policy has not moved yet), or a no-grad forward beforehand. A
+    token tis_mode=mask rejects (w = 0) adds nothing and still counts in agg's and D's denominators
+    (as slime; verl drops it from the mean), so a rejected sample shrinks the step."""
     from vime_core.algo import get_policy_loss_fn
     from vime_core.algo.kl import compute_approx_kl
     from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, rollout_is_weights
@@ -296,7 +271,12 @@ def train_step(
     """Forward/backward over this rank's micro-batches, one optimizer step (then one step of
     Megatron's lr ``scheduler``, when given) unless the loss or a gradient is not finite on some
     rank (step_optimizer); returns the metrics, skipped_steps 1 for a skipped step (no grad_norm:
-    none was applied). ``skips``: the trainer's count of skipped steps in a row."""
+    none was applied). ``skips``: the trainer's count of skipped steps in a row.
+
+    Gradients accumulate in Megatron's DDP buffers; finalize_model_grads all-reduces them over DP
+    (and the q/k-norm grads over TP), then clipping to clip_grad. Metrics are token means over the
+    step (all-reduced over DP) and stay on the device until the step ends: the micro-batch loop reads
+    nothing back from the GPU, so the host keeps queueing micro-batches."""
     with timed() as step:
         model.zero_grad_buffer()
         optimizer.zero_grad()

@@ -1,49 +1,16 @@
-"""Top-k / top-p truncation of the trainer's log-probs: the distribution the engine sampled from.
+"""Top-k / top-p truncation of the trainer's log-probs, so they score the distribution the engine sampled.
 
-vLLM (``--logprobs-mode processed_logprobs``) samples each token from, and returns its log-prob
-under, the tempered distribution truncated to a kept set S and renormalised over it. With
-``y = z / T`` (z: the logits, T: rollout_temperature):
+vLLM (processed_logprobs) samples from the tempered distribution y = z / T truncated to a kept set S
+and renormalised: log p'(a) = y_a - logsumexp_{v in S} y_v. S is vLLM's (topk_topp_sampler.py, 0.32):
+the k largest y, then of those the smallest most-probable set whose renormalised mass reaches p
+(a token is kept iff the mass strictly before it is < p). A row's S is two numbers, the boundary
+value tau and the weight w_tie of each token tied at it (only the count kept of a tie matters):
 
-    log p'(a) = y_a - logsumexp_{v in S} y_v
+    w_v = 1 (y_v > tau),  w_tie (y_v = tau: c / g, or (c - 1) / (g - 1) when a is one of them),  0 (y_v < tau)
+    w_a = 1 always: a sampled token the trainer's logits leave out is added, so its log-prob is finite
 
-S is vLLM's (vllm/v1/sample/ops/topk_topp_sampler.py and topk_topp_triton.py, read for 0.32):
-
-    top-k   the k tokens of the largest y (k = rollout_top_k; <= 0 or >= the vocabulary: all)
-    top-p   then, over the top-k tokens renormalised (q_v = exp(y_v) / sum_{u in top-k} exp(y_u)),
-            the smallest set of the most probable ones whose mass reaches p: token v, in
-            descending order, is kept iff the mass strictly before it is < p (the token that
-            crosses p is kept; the most probable one always is)
-
-On an exact tie at the boundary (equal y, as bf16 logits often give) only the COUNT of tied
-tokens kept matters to a kept token's log-prob: c of the g tokens equal to the boundary value
-tau, as many as the rule above keeps when they are taken one after another (vLLM's Triton
-kernel, CUDA; its PyTorch sampler, the CPU engines', keeps the same count for top-p and every
-tie for top-k, which differs only when the k-th and (k+1)-th logits are exactly equal). So a row's
-kept set is given by two numbers, ``tau`` and the weight ``w_tie`` of each tied token:
-
-    w_v = 1        y_v > tau
-        = w_tie    y_v = tau         (c / g; (c - 1) / (g - 1) for the others when the sampled
-                                      token a is one of them, counted among the c)
-        = 0        y_v < tau
-    w_a = 1        always: a sampled token outside S on the trainer's side (its logits differ
-                   from the engine's by rounding, or it is another model: the reference, the
-                   teacher) is added to S, so that its log-prob is finite, not -inf
-
-and every sum over S becomes a sum over v weighted by w_v: logsumexp_S y = log sum_v w_v e^{y_v},
-entropy H = lse - sum_v w_v p_v y_v with p_v = e^{y_v - lse}, gradients
-d log p'(a) / d y_v = [v = a] - w_v p_v (a fractional w_tie spreads the tied tokens' share evenly:
-which of them vLLM kept is not known, and it does not change any value). The selection (tau,
-w_tie) is made without gradient; the gradient flows through the kept logits only.
-
-Over a TP-split vocabulary (each rank holds the logits of its slice) the selection needs the
-global order. ``select`` gathers each rank's m largest values (m = k with top-k, else 256 at
-first): the merged, sorted list is the exact global prefix down to the largest of the ranks'
-m-th values, which suffices when the crossing falls inside it; rows where it does not are
-gathered again with 8 m. Cost per chunk of r rows: a top-m of the rank's [r, V/TP] logits, an
-all-gather of r * m floats per rank, a sort of [r, TP * m], with top-p and no top-k one more
-exp pass and an all-reduce of r floats (the normaliser), and an all-reduce of 2 r floats (the
-sampled token's logit and the tie count); the default (top_p 1, top_k off) never runs any of it.
-"""
+and every sum over S becomes sum_v w_v (...): lse = log sum_v w_v e^{y_v}, H = lse - sum_v w_v p_v y_v,
+d log p'(a) / d y_v = [v = a] - w_v p_v. The selection has no gradient."""
 
 from __future__ import annotations
 
@@ -127,7 +94,11 @@ def select(
     its real tokens; ``local``: each row's sampled token as a column of ``y`` (outside [0, C):
     another rank's); ``width``: the rank's column count with padding (C <= width), the same on
     every rank; ``comm``: the TP group (None: one rank). Every rank of the group must call it
-    with the same rows and sampling."""
+    with the same rows and sampling.
+
+    Each rank contributes its m largest values (m = k with top-k, else 256): the merged, sorted list is
+    the exact global prefix down to the largest of the ranks' m-th values; rows whose crossing falls
+    below it are gathered again with 8 m. The default (top_p 1, top_k off) never runs any of it."""
     rows_n = y.shape[0]
     k_on = sampling.top_k_on(vocab_size)
     k, p = sampling.top_k, sampling.top_p
