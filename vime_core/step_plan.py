@@ -1,36 +1,6 @@
-"""The step's plan: the names of one RL iteration's phases, and what differs between CPU and
-GPU, colocated and disaggregated runs. The order is flows/iteration.py's, read top to bottom
-(tests/unit/test_iteration_order.py fails when it changes):
-
-    rollout         rollout k on weights v = k + 1 (engines awake); persist runs beside the next three
-    offload-rollout engines sleep: level 2 when they receive weight updates, else 1; mode keep
-    train           the trainer wakes (when it slept) and trains on the batch
-    offload-train   the trainer frees optimizer state and gradient buffers; its weights stay on the
-                    device until the publish has copied them (CUDA IPC reads the trainer's memory)
-    onload-weights  engines wake `weights`, so new weights can be written into that memory
-    sync            the publish v -> v + 1; the trainer releases its weights once engines copied them
-    onload-kv       engines wake `kv_cache`
-    check-weights   engines' log-probs of a probe == the trainer's (check_weight_update_equal)
-    eval, save      at their intervals (and on the last rollout)
-
-Where engines cannot sleep (CPU; engines on their own GPUs) the three engine moves are not run
-at all (each would be a no-op task run costing Prefect bookkeeping), and the overlaps apply:
-the iteration flow submits training and the publish to Ray right after the rollout, chained on
-the batch by object references (tasks.sync.train_then_publish), so the train and sync tasks
-wait for calls already running; with `rollout_prefetch` the sync itself starts rollout k + 1 on
-the new weights, unless an evaluation is due first (then the flow starts it after the
-evaluation). Where engines sleep, nothing is prefetched: their KV cache is awake only after
-onload-kv.
-
-One step off-policy (`async_staleness` 1; engines awake) the sync moves to the iteration's
-start: rollout k (generated on v - 1 while the trainer trained on k - 1) -> sync v (the weights
-trained through k - 1), whose last actor call starts rollout k + 1 on v -> check-weights -> train
-on k beside persist, while rollout k + 1 generates -> eval, save; the last iteration then
-publishes v + 1. Rollout k + 1 starts on weights trained on batches already stored (k - 1 and
-before), and a sample trains at most one version behind the weights it was sampled with.
-
-The trainer sleeps only on a GPU with `offload_train`. This module decides; it runs nothing.
-"""
+"""The step's plan: one iteration's phases (`Phase`) and which of its three schedules runs (engines
+asleep, engines awake with training and the publish submitted ahead, one step off-policy), decided
+from the configuration before the iteration starts. flows/iteration.py runs it; this module runs nothing."""
 
 from __future__ import annotations
 
@@ -100,7 +70,21 @@ def due(interval: Optional[int], rollout_id: int, last: int) -> bool:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one iteration runs, decided before it starts (module docstring)."""
+    """What one iteration runs, decided before it starts.
+
+    Engines asleep (GPU, colocated): rollout k on v = k + 1 -> offload-rollout (engines sleep) -> train ->
+    offload-train (the trainer's weights stay until the publish copied them) -> onload-weights -> sync
+    (the publish v -> v + 1) -> onload-kv -> check-weights -> eval, save at their intervals. Nothing is
+    prefetched: the KV cache is awake only after onload-kv.
+
+    Engines awake (CPU; engines on their own GPUs): no engine moves; training and the publish are
+    submitted to Ray right after the rollout, chained on the batch's object reference, so the train and
+    sync tasks wait for calls already running; with rollout_prefetch the sync starts rollout k + 1 on
+    the new weights (after the evaluation, when one is due).
+
+    One step off-policy (async_staleness 1, engines awake): rollout k (on v - 1) -> sync v -> check-weights
+    -> train on k while rollout k + 1 generates -> eval, save; the last iteration then publishes v + 1.
+    A sample trains at most one version behind the weights it was sampled with."""
 
     rollout_id: int
     version: int  # the weights rollout_id samples with; the publish makes version + 1

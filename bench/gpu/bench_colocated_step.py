@@ -1,41 +1,20 @@
-"""The colocated step on one GPU against its parts, in one command (issue 27's benchmark).
+"""The colocated step on one GPU against its parts, in one command: the same model and prompts through
+vLLM offline, `vime train` colocated, its startup and the trainer alone, then one JSON of the ratios.
 
-Phases, in this order, on the same GPU (each can run alone: `--phases`; results stay under
-`--work`, so a phase run in a later command on the same machine joins the report):
+    model    a random Qwen2-0.5B-shaped model and prompts of exactly --prompt-tokens tokens
+    offline  vLLM's offline LLM.generate with the run's engine flags, then vime's server with and
+             without log-probs (bench/gpu/rollout_vs_offline.py)
+    train    `vime train` for --iterations iterations, colocated, both sides sleeping
+    startup  one-iteration `vime train` runs per --startup-variants entry, --startup-repeats rounds
+    trainer  old-log-prob recompute plus one step on the stored batches' shape (bench_trainer_gpu.py)
+    report   the git SHA, the parts and the ratios (medians over iterations after the first):
+             step_vs_parts = T_step / (offline rollout + trainer alone), rollout_vs_offline,
+             logprobs_cost, trainer_mfu, startup_s
 
-    model    a random Qwen2-0.5B-shaped model and prompts of exactly `--prompt-tokens` tokens
-             (bench/gpu/build_model.py)
-    offline  vLLM's offline LLM.generate on the run's prompts with the run's engine flags, then
-             the same samples straight to vime's server with and without log-probs
-             (bench/gpu/rollout_vs_offline.py)
-    train    `vime train` for `--iterations` iterations, colocated, both sides sleeping
-             (bench/gpu/run_colocated_h200.sh)
-    startup  `vime train` for one iteration per `--startup-variants` entry (the default
-             settings first, then each variant's extra flags), e.g. vLLM's engine core forked
-             instead of spawned, `--startup-repeats` rounds: each one's startup_s, where its
-             seconds went (STARTUP_STAGES) and its ratio to the default settings' median
-    trainer  the trainer alone on a batch of the stored batches' shape: old-log-prob recompute
-             plus one step (bench/bench_trainer_gpu.py)
-    report   one JSON: the git SHA, the parts and the ratios
-
-Ratios (medians over the run's iterations after the first, which includes compile warm-up):
-
-    step_vs_parts        = T_step / (offline rollout s + trainer alone s), the trainer's
-                           old-log-prob recompute counted only where the run recomputed
-    rollout_vs_offline   = vime rollout output tokens/s / offline output tokens/s
-                           (vime's: output tokens / t_rollout)
-    logprobs_cost        = server tokens/s with log-probs / without
-    trainer_mfu          = model FLOPs / (step s * peak), LM head counted (bench/gpu_common.py)
-    startup_s            = seconds from the `vime train` command to its first iteration's start
-                           (engine_startup: each engine's milestones from its log, and whether
-                           vLLM's compile cache answered: vime_core/engines/startup_log.py;
-                           startup_timeline_s: the run's and its engines' marks in seconds
-                           since the command, in the order they happened: the summary's
-                           startup_marks_s, tasks/bootstrap.py)
+Each phase can run alone (--phases); results stay under --work, so a later phase joins the report.
 
     python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
-    bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row
-"""
+    bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row"""
 
 from __future__ import annotations
 

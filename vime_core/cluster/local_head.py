@@ -1,41 +1,6 @@
-"""A local Ray head on loopback, for one machine (infra/ray_head.sh calls this module).
-
-    python -m vime_core.cluster.local_head start --num-gpus 1   # prints the address
-    python -m vime_core.cluster.local_head status
-    python -m vime_core.cluster.local_head stop
-
-    # a second Ray node on the same machine, joined to that head (a two-node cluster on one box)
-    python -m vime_core.cluster.local_head join --address 127.0.0.1:PORT --node-ip-address 127.0.0.2 \
-        --num-gpus 1 --resources '{"vime_engine": 1}' --temp-dir /tmp/vime-ray-w
-    python -m vime_core.cluster.local_head leave --temp-dir /tmp/vime-ray-w
-
-What it takes care of:
-- loopback only: `--node-ip-address=127.0.0.1` plus RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (without
-  it Ray silently picks a non-loopback address); drivers need the same variable
-  (vime_core.cluster.connect sets it);
-- every port Ray opens is a free one, including the two metrics ports that only the environment
-  variables AUTOSCALER_METRIC_PORT and DASHBOARD_METRIC_PORT set; workers take random ports;
-- `--num-gpus=N` declares N device slots even without GPUs, so placement groups and fractional
-  GPU colocation behave as on a GPU node;
-- no dashboard; the object store is capped (default 1 GiB) on a shared machine;
-- the temp dir (sessions, logs, sockets) is the one the caller names; the command lines (this
-  module's and `vime cluster`) take it from --temp-dir, defaulting to $VIME_RAY_TEMP_DIR, else
-  the repository's .cache/ray (`default_temp_dir`, the one place that variable is read); the
-  library's functions never read the environment. Its path must stay short (Unix socket paths are limited to ~107
-  bytes): a longer one is
-  replaced by /tmp/vime-ray-<hash of the path>;
-- start is idempotent (a running head for the same temp dir is reused); stop ends exactly the
-  processes of this head: the process group `ray start` created and their descendants (actor
-  workers get their own process groups). Never `ray stop`, which ends every Ray on the machine.
-
-A worker node on the same machine (`start_local_worker`) needs an address of its own: any
-127.x.y.z reaches loopback on Linux, and Ray keeps one other than 127.0.0.1 as given (it
-replaces only "127.0.0.1"/"localhost"). `ray start --address` refuses to join a head while
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its guard against multi-node clusters on Windows/macOS),
-and with the variable on it rewrites the head's 127.0.0.1 to the machine's public address, which
-the loopback head does not listen on. So the worker runs Ray's own `ray start` with the variable
-off and only that guard lifted (WORKER_LAUNCHER); everything else is the CLI's code.
-"""
+"""A local Ray head on loopback (and worker nodes joined to it), for one machine; infra/ray_head.sh calls it:
+`python -m vime_core.cluster.local_head start --num-gpus 1` prints the address; `status`, `stop`,
+`join --address 127.0.0.1:PORT --node-ip-address 127.0.0.2 ...` and `leave --temp-dir DIR` do what they say."""
 
 from __future__ import annotations
 
@@ -210,6 +175,11 @@ def start_local_head(
 
     Idempotent: if a head for this temp dir runs, its address is returned (a different
     num_gpus or resources is reported in the log, not changed: stop the head to change it).
+
+    Loopback only (--node-ip-address=127.0.0.1 and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which drivers
+    need too: vime_core.cluster.connect sets it); every port free, the two metrics ports included;
+    `num_gpus` device slots even without GPUs, so placement groups behave as on a GPU node; no
+    dashboard; a capped object store. Idempotent: a running head for the same temp dir is reused.
     """
     temp = _temp_dir(temp_dir)
     running = _read_state(temp)
@@ -288,7 +258,10 @@ def _end_processes(pgid: int, grace: float = 3.0) -> int:
 
 
 def stop_local_head(temp_dir: str | Path | None = None, grace: float = 3.0) -> bool:
-    """Stop the head started for `temp_dir` and everything it started; False if none ran."""
+    """Stop the head started for `temp_dir` and everything it started; False if none ran.
+
+    It ends exactly the process group `ray start` created and its descendants, never `ray stop`,
+    which ends every Ray on the machine."""
     temp = _temp_dir(temp_dir)
     state = _read_state(temp)
     if state is None:
@@ -338,6 +311,11 @@ def start_local_worker(
 
     Idempotent for a temp dir whose worker runs. `stop_local_worker(temp_dir)` ends it (stopping
     the head does not: the worker's processes are not the head's).
+
+    The node needs an address of its own (any 127.x.y.z reaches loopback on Linux). `ray start --address`
+    refuses to join while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and, with it on, rewrites the head's
+    127.0.0.1 to the public address, so the worker runs Ray's `ray start` with only that guard lifted
+    (WORKER_LAUNCHER).
     """
     if node_ip in ("127.0.0.1", "localhost") or not node_ip.startswith("127."):
         raise ValueError(f"node_ip={node_ip!r}: a local worker needs a loopback address of its own (127.0.0.2 ...)")

@@ -1,41 +1,7 @@
-"""Single-turn, token-in/token-out generation of one sample.
-
-For a sample with `response_length` tokens already generated (0, or a partial response coming
-back from an aborted rollout):
-
-    max_new_tokens = rollout_max_response_len - response_length
-        == 0  -> TRUNCATED, no request
-    request  = prompt + response ids, sampling params (stop / stop_token_ids only when set,
-               top_k -1 sent as is, logprobs=0 -- the sampled token's log-prob only -- only when
-               a flag reads them: vime_core.config.derive.needs_rollout_logprobs; detokenize
-               false unless stop strings are set: `request_params`)
-    response = token ids, one log-prob per token when asked for (processed = after
-               temperature), finish reason, usage, weight-version spans over the output tokens
-
-The response is appended with `Sample.append_response_tokens`; spans are shifted by the old
-response length so they index the whole response. Status: finish "stop" -> COMPLETED
-(also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED.
-
-Log-prob entries (`choices[0].logprobs.content[j]`) come in two shapes (ServingTokens.
-_create_tokens_logprobs in vllm/entrypoints/scale_out/token_in_token_out/serving.py of each):
-
-    vLLM 0.26   {"token": "token_id:N", "logprob": x, "bytes": null,
-                 "top_logprobs": [{"token": "token_id:N", "logprob": x, "bytes": null}]}
-    vLLM 0.32   {"token_id": N, "logprob": x, "rank": r,
-                 "top_logprobs": [{"token_id": N, "logprob": x, "rank": r}]}
-
-Both send `"logprobs": null` when none were asked for, and an entry with logprob -9999.0 and no
-top_logprobs when the engine has no log-prob for the sampled token.
-
-A token whose entry names another token (then its top_logprobs are searched), has no value, or
-has -9999.0 (also vLLM's value for log 0 and NaN) gets MISSING_LOGPROB, counted in
-`metadata["missing_logprobs"]` (a rollout metric) with the engine that answered in
-`metadata[MISSING_LOGPROBS_ENGINE]`; the trainability check refuses such a sample where a flag
-reads the log-probs (vime_core/data/validation.py). Asked for log-probs, an answer without any
-counts every token as missing. Not asked for, the sample carries none (an empty
-rollout_log_probs) and nothing is counted. A response whose token and log-prob counts differ
-fails the sample with the reason.
-"""
+"""Single-turn, token-in/token-out generation of one sample: prompt and response ids go to an engine,
+the new token ids, log-probs, finish reason and weight-version spans come back and are appended.
+A token the engine sent no log-prob for is marked MISSING_LOGPROB and counted, so the trainability
+check can refuse the sample where a flag reads log-probs (vime_core/data/validation.py)."""
 
 from __future__ import annotations
 
@@ -128,7 +94,14 @@ def parse_choice(
     answer: dict, with_log_probs: bool = True
 ) -> tuple[list[int], Optional[list[float]], int, str, list[WeightSpan]]:
     """(token ids, log-probs, missing log-prob count, finish reason, spans) of choice 0; without
-    `with_log_probs` (none were asked for) the log-probs are None and none is missing."""
+    `with_log_probs` (none were asked for) the log-probs are None and none is missing.
+
+    Log-prob entries (`choices[0].logprobs.content[j]`) come in vLLM 0.26's shape
+    {"token": "token_id:N", "logprob": x, "top_logprobs": [...]} or 0.32's {"token_id": N, "logprob": x,
+    "rank": r, "top_logprobs": [...]}. An entry naming another token (then its top_logprobs are
+    searched), without a value, or at -9999.0 (vLLM's value for none, log 0 and NaN) is MISSING_LOGPROB;
+    asked for log-probs, an answer without any counts every token as missing. Token and log-prob
+    counts that differ raise MalformedResponse."""
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError):
@@ -226,7 +199,12 @@ async def _wait_for_admission(ctx: GenerateContext) -> None:
 
 
 async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
-    """Generate (or continue) one sample in place; returns it (module docstring)."""
+    """Generate (or continue) one sample in place; returns it.
+
+    max_new_tokens = rollout_max_response_len - response_length (0: TRUNCATED, no request). The request
+    is prompt + response ids with `request_params`; the answer is appended with
+    `Sample.append_response_tokens`, its spans shifted to index the whole response. Status: finish
+    "stop" -> COMPLETED (also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED."""
     cfg = ctx.cfg
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:
         return sample  # finished before an abort; came back with its group

@@ -1,36 +1,7 @@
-"""RolloutManager: the rollout half of a run in one plain class (the cluster module makes it a
-detached Ray actor). It owns the data source and the reward hub, runs generation, prefetch and
-evaluation, and holds the engines as an EngineFleet (`self.fleet`, vime_core/engines/fleet.py:
-topology, router, sleep and wake, versions, admission, health, the engine token), whose calls
-it delegates one line each so its Ray interface stays whole. Every rollout runs on the fleet's
-long-lived event loop, so the HTTP connections to the engines and the router stay open.
-
-Phases it serves: rollout (`generate`, `eval`), offload rollout (`offload`), the engine side of
-sync (`begin_sync` = versions + pause admission + URLs, `onload_weights`, `end_sync` = resume
-admission or start the next rollout, `onload_kv`). Weight pushes themselves go from the
-trainer straight to `engine_urls()`.
-
-Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
-weights v, and `generate(k, v)` returns that result. The iteration flow starts rollout k+1 as
-soon as iteration k has synced (and saved), so the rollout runs while Prefect closes flow run k
-and opens k+1 instead of after it; one step off-policy (async_staleness), as soon as rollout k
-ended. A prefetched rollout is used only for the same rollout id and a weight version at most
-async_staleness behind the one asked for (`usable_prefetch`); anything else waits for it, puts
-the data source back to where it was before it, and generates afresh. A checkpoint taken
-while one is pending records that earlier data-source state, so resuming from it repeats the
-prefetched prompts, never skips them. A
-rollout that fails (or whose batch cannot be trained on) puts the data source back to where it
-was before it, too: its prompts are drawn again, never skipped.
-
-Re-asked: the last rollout's result is kept until another rollout starts, and `generate(k, v)`
-for that same id and version returns it again instead of generating new samples. The iteration
-flow stores a batch while the trainer trains on it; if the store fails and the iteration is
-re-run, the trainer (which already trained rollout k) skips it and the batch stored is the one
-it trained on. Calls of `generate` run one at a time (a lock): a retried rollout task that asks
-while its first try's call still runs gets that call's result, not a second rollout; the
-trainer may already be training on an earlier result (the iteration flow submits training
-on the batch's reference as soon as the rollout task returns).
-"""
+"""RolloutManager: the rollout half of a run in one plain class, made a detached Ray actor by the
+cluster module. It owns the data source and the reward hub and serves the rollout, offload rollout
+and the engine side of sync; the engines are its EngineFleet (vime_core/engines/fleet.py), whose
+calls it forwards. Every rollout runs on the fleet's long-lived event loop, so connections stay open."""
 
 from __future__ import annotations
 
@@ -102,7 +73,7 @@ class RolloutManager:
         group_filter = load_filter(cfg.dynamic_sampling_filter_path)
 
         self._prefetch_lock = threading.Lock()
-        self._generate_lock = threading.Lock()  # generate calls one at a time (module docstring)
+        self._generate_lock = threading.Lock()  # generate calls one at a time (generate's docstring)
         self._prefetched: Optional[_Prefetched] = None
         self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
@@ -189,7 +160,15 @@ class RolloutManager:
     def generate(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
         """One rollout: `(build_batch(samples), metrics)`; the prefetched one when it was started
         for this rollout id and weight version, or the last one again when it is asked for twice
-        (module docstring). Opens admission (it stays closed after a run's last sync)."""
+        (below). Opens admission (it stays closed after a run's last sync).
+
+        Prefetch: `start_generate(k, v)` starts rollout k in a background thread; its result answers only
+        the same id at most async_staleness versions behind (`usable_prefetch`), otherwise it is waited for,
+        the data source put back, and the rollout generated afresh. A checkpoint taken while one is pending
+        records the earlier data-source state, so a resume repeats the prefetched prompts, never skips them;
+        a failed rollout puts the data source back too. The last result is kept until another rollout
+        starts (a re-run iteration trains and stores the same batch), and calls run one at a time (a lock:
+        a retried rollout task gets its first try's result, not a second rollout)."""
         with self._generate_lock:
             return self._generate_once(rollout_id, version)
 

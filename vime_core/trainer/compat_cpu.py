@@ -1,38 +1,7 @@
-"""The CPU compatibility layer that lets megatron-core run over gloo without CUDA.
-
-Version choice: megatron-core **0.16.1** is pinned because it is the newest release that declares
-Python 3.11 (0.17 and later declare >= 3.12). Every shim below was written against its source.
-
-What megatron-core assumes about CUDA, and what this layer does about it (only when
-``torch.cuda.is_available()`` is False; on a GPU machine ``activate()`` changes nothing):
-
-1. ``import megatron.core`` can fail without triton: some releases import triton unguarded in
-   ``megatron.core.transformer.moe.ops.paged_stash``. When that module exists and triton does not,
-   a stub module is registered under its name (triton itself is never stubbed: a fake triton
-   breaks ``torch._dynamo``). 0.16.1 has no such module, so the stub is a no-op there.
-2. ``torch.cuda.current_device()`` is called to place tensors (rotary embeddings, the DDP grad
-   buffers, TP gathers). It is redirected to return ``torch.device("cpu")``, which every such
-   call site accepts as a ``device=`` argument.
-3. A few optimizer paths create tensors with a literal ``device="cuda"`` (the grad-norm
-   accumulator of ``clip_grads``, the FP32 optimizer's unit loss scale, the apex-free
-   ``local_multi_tensor_l2_norm`` in ``megatron.core.utils``). In exactly those
-   modules the module-global name ``torch`` is replaced by a proxy whose tensor factories map
-   ``"cuda"`` to ``"cpu"``; everything else is the real torch.
-4. ``clip_grad_by_total_norm_fp32`` asserts its grads are ``torch.cuda.FloatTensor``; it is
-   replaced (in ``clip_grads`` and in ``optimizer``, which imported it by name) by the same
-   scaling without the type assertion: ``g *= max_norm / (total_norm + 1e-6)`` when that
-   factor is < 1.
-5. ``model_parallel_cuda_manual_seed`` needs CUDA; ``seed_everything`` below seeds torch and
-   creates Megatron's RNG tracker without touching CUDA (dropout is 0 in our configs, so the
-   tracker's forked streams are never drawn from).
-
-What is *not* shimmed, by design: bf16/fp16 mixed-precision optimizers and the distributed
-optimizer check for ``torch.cuda.*Tensor`` types, so on CPU the optimizer is fp32 and
-non-distributed; the default causal mask (GPTModel builds it on "cuda" when none is given), so
-callers always pass an explicit mask.
-
-``activate()`` is idempotent and returns whether the shims are in force.
-"""
+"""The CPU compatibility layer that lets megatron-core (0.16.1, the newest declaring Python 3.11) run
+over gloo without CUDA; on a GPU machine `activate()` changes nothing. What is not shimmed: the
+bf16/fp16 and distributed optimizers (on CPU the optimizer is fp32 and non-distributed) and the
+default causal mask (callers always pass one)."""
 
 from __future__ import annotations
 
@@ -64,7 +33,16 @@ def is_active() -> bool:
 
 
 def activate() -> bool:
-    """Apply the shims when CUDA is absent (idempotent). Returns True when they are in force."""
+    """Apply the shims when CUDA is absent (idempotent). Returns True when they are in force.
+
+    1. megatron.core.transformer.moe.ops.paged_stash imports triton unguarded in some releases: a stub
+       is registered under its name when triton is absent (triton itself is never stubbed).
+    2. torch.cuda.current_device() returns torch.device("cpu"), which every call site accepts.
+    3. In the modules that build tensors with a literal device="cuda" (clip_grads, the FP32 optimizer,
+       megatron.core.utils) the global `torch` is a proxy mapping "cuda" to "cpu".
+    4. clip_grad_by_total_norm_fp32 (asserting torch.cuda.FloatTensor grads) is replaced by the same
+       scaling without the assertion.
+    5. Megatron's RNG tracker is created without CUDA by `seed_everything`."""
     global _ACTIVE
     if torch.cuda.is_available():
         return False

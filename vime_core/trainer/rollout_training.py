@@ -1,36 +1,5 @@
-"""Train one rollout on this rank: DP partition, old/reference
-log-probs, advantages, then ``num_steps`` optimizer steps.
-
-    check       validate_trainable, requiring rollout_log_probs where a flag reads them
-                (config.derive.rollout_logprob_readers)
-    schedule    build_dp_schedule(total_lengths, global_batch_size, dp, micro_batch_size,
-                max_tokens_per_gpu if use_dynamic_batch_size) -> this rank's micro-batches per step
-    old         recomputed once, before the first step, for all of this rank's samples, unless
-                can_reuse_log_probs_in_loss (then each step uses its own detached log-probs);
-                skipped when use_rollout_logprobs without get_mismatch_metrics
-    reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
-                term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
-    teacher     a forward of the frozen teacher (opd_teacher_load) when use_opd (gates.needs_teacher)
-    values      with a critic (ppo): V_old, the critic's values of all of this rank's samples, once
-                before the first step (vime_core/trainer/critic.py)
-    advantages  compute_advantages(advantage_estimator, per-sample advantage column, loss masks,
-                kl = KL(pi_old || ref) when kl_coef > 0, values = V_old) over this rank's samples
-                of each step; estimators that whiten do so over the WHOLE step: their masked sums
-                are all-reduced over the DP group (dp_sum), so every rank's advantages are those one
-                rank holding the step would compute, whatever the DP layout; then, when use_opd,
-                apply_opd_kl: A - opd_kl_coef * (log pi_old - log pi_teacher) per token
-    steps       per step: the critic's optimizer step on the value loss against the returns (with
-                a critic), then the policy's; rollout ids below num_critic_only_steps train the
-                critic only (num_steps 0: the policy and its schedule do not move, and the old and
-                reference forwards run only when kl_coef's penalty enters the returns)
-
-pi_old is the old policy of the loss: the engine's log-probs (rollout_log_probs) when
-use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalty of the token
-rewards and the distillation signal take the rollout log-probs under --use-rollout-logprobs.
-
-Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
-num_steps (the policy's optimizer steps) and tokens.
-"""
+"""Train one rollout on this rank: DP partition, old / reference / teacher log-probs and values,
+advantages over the whole step, then `num_steps` optimizer steps (the critic's first)."""
 
 from __future__ import annotations
 
@@ -49,8 +18,9 @@ def advantage_column(batch: Mapping[str, Sequence[Any]]) -> Sequence[float]:
 def old_policy_log_probs(
     cfg: Any, batch: Mapping[str, Sequence[Any]], indices: Sequence[int], old: Mapping[int, torch.Tensor] | None
 ) -> Mapping[int, torch.Tensor]:
-    """pi_old's log-probs of `indices` (module docstring): the engine's when use_rollout_logprobs,
-    else the recomputed `old`."""
+    """pi_old's log-probs of `indices`: the engine's when use_rollout_logprobs, else the recomputed `old`
+    (as slime, where the KL penalty and the distillation signal take the rollout log-probs under
+    --use-rollout-logprobs)."""
     if not cfg.use_rollout_logprobs:
         if old is None:
             raise ValueError(
@@ -128,6 +98,21 @@ def step_advantages(
 
 
 def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_id: int = 0) -> dict[str, Any]:
+    """Train one rollout on this rank; returns the per-step metrics averaged over the steps (lr: the
+    last step's), num_steps and tokens.
+
+        check       validate_trainable, requiring rollout_log_probs where a flag reads them
+        schedule    build_dp_schedule -> this rank's micro-batches per step
+        old         recomputed once before the first step, unless can_reuse_log_probs_in_loss (each step
+                    then uses its own detached log-probs); skipped when use_rollout_logprobs without
+                    get_mismatch_metrics
+        reference   the frozen reference policy's forward when a KL term needs it (gates.needs_reference)
+        teacher     the frozen teacher's forward when use_opd (gates.needs_teacher)
+        values      with a critic (ppo): V_old of all of this rank's samples, once
+        advantages  per step, whitened over the whole step (dp_sum), so independent of the DP layout;
+                    then apply_opd_kl when use_opd
+        steps       the critic's optimizer step, then the policy's; rollout ids below
+                    num_critic_only_steps train the critic only"""
     from megatron.core import parallel_state
 
     from vime_core.algo.gates import can_reuse_log_probs_in_loss
