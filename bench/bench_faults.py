@@ -1,32 +1,7 @@
-"""A run that survives random kills (issue 15): a longer job while processes die at random times.
+"""A run that survives random kills: one `vime train` run (one vLLM CPU engine, one Megatron actor) while
+engine, trainer and driver processes are killed at random times, then a check of the run's invariants.
 
-One `vime train` run on a local Ray head (one vLLM CPU engine, one Megatron actor, Prefect
-without a server). Once the first iteration is done, the bench kills `--kills` processes, one
-at a time, each after a random pause (uniform in [--min-gap-s, --max-gap-s]) and only once the
-run made progress since the previous kill. The kinds come in a seeded random order that holds
-every kind at least once:
-
-    engine   the vLLM server process (SIGKILL of its process group): the health monitor
-             restarts it and the rollout generates the lost samples again
-    trainer  the Megatron actor's process: the iteration is retried and bootstrap rebuilds the
-             trainer from its checkpoint, which retrains the stored batches since then
-    driver   `vime train` and everything it started (SIGKILL of its session): the bench runs
-             the same command again, which resumes
-
-A driver that stops by itself (it gave up after its retries) is also run again, up to
-`--max-launches` in all. Afterwards it checks the invariants and prints them as JSON:
-- every rollout id 0..N-1 has exactly one published batch, and it passes the checksum and the
-  trainer's check (vime_core/data/validation.py): nothing lost, nothing left untrainable;
-- the optimizer made one step per rollout id trained (N * num_steps_per_rollout): nothing
-  trained twice or skipped; the trainer's last trained rollout is N-1;
-- the engine's weight version equals the trainer's (N + 1), and after every sync the engine
-  scored a probe as the trainer did (check_weight_update_equal);
-- nothing quarantined, no unpublished batch object left in storage.
-Not part of the pass/fail test run. Prints JSON, also to --out when given; exits 1 when an
-invariant failed.
-
-    bench/run.py faults --num-rollout 15 --kills 4 --seed 0
-"""
+    bench/run.py faults --num-rollout 15 --kills 4 --seed 0"""
 
 from __future__ import annotations
 
@@ -156,7 +131,13 @@ class Job:
 
 
 def run_with_kills(a: argparse.Namespace, job: Job, store: Path, pgid: int, rng: random.Random) -> dict:
-    """Drive the run to its end (or `--timeout-s`) while killing; returns what happened."""
+    """Drive the run to its end (or `--timeout-s`) while killing; returns what happened.
+
+    After the first iteration, `--kills` kills, one at a time, each after a random pause and only once
+    the run progressed, the kinds in a seeded order holding each at least once: engine (the health
+    monitor restarts it), trainer (the iteration is retried and bootstrap rebuilds it from its
+    checkpoint), driver (the command runs again and resumes). A driver that gives up is also run again,
+    up to `--max-launches`."""
     plan = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, a.kills - len(KINDS)))]
     rng.shuffle(plan)
     plan = plan[: a.kills]
@@ -210,6 +191,9 @@ def run_with_kills(a: argparse.Namespace, job: Job, store: Path, pgid: int, rng:
 
 # ---- the invariants --------------------------------------------------------------------------
 def check_invariants(a: argparse.Namespace, run: dict) -> dict:
+    """Every rollout id 0..N-1 has exactly one published batch passing its checksum and the trainer's
+    check; one optimizer step per rollout id trained; the engine's weight version equals the trainer's
+    (N + 1) and every sync's probe agreed; nothing quarantined, no unpublished batch object left."""
     import ray
 
     from vime_core.cluster.connect import ensure_ray

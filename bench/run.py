@@ -1,34 +1,9 @@
 #!/usr/bin/env python3
 """The one entry point of vime's benchmarks: run a suite, record its figures, show the latest.
 
-    bench/run.py --list                      the suites: what each measures, its script, CPU or GPU
-    bench/run.py NAME [suite args...]        run suite NAME (its script's own flags after the name)
-    bench/run.py --table                     regenerate bench/results/README.md from the rows
-
-Each run appends one JSON row to bench/results/<suite>.jsonl:
-
-    {"suite", "sha", "sha_source", "date", "machine", "load_1m", "command", "exit", "wall_s", "note", "figures"}
-
-`figures` is the JSON the suite's script wrote, less the bulky per-iteration keys of the suite
-(`Suite.drop`); the whole output stays under .cache/bench/<suite>/<time>/ with the script's
-logs. `load_1m` is the machine's load average at the start and the end (a shared machine's
-neighbours move figures). `sha` is $VIME_GIT_SHA when set (a copied tree's .git may not be the
-code that runs), else `git rev-parse HEAD`, with "-dirty" when tracked files differ from it. After the row is
-appended the table is regenerated: the latest row of every suite, with its SHA and date.
-
-Options before NAME:
-    --results DIR   append to DIR/<suite>.jsonl instead (e.g. $OUT on a lent GPU machine; copy the
-                    rows into bench/results/<suite>.jsonl afterwards and run --table)
-    --no-record     run and print, append nothing
-    --nproc N       launch a Python suite under torch.distributed.run with N processes
-    --note TEXT     kept in the row: what differed about this run
-
-Suites run with infra/env.sh sourced, under the interpreter of $VIME_BENCH_PYTHON, else
-.venv/bin/python where it exists, else this one. Suites that start servers (vLLM, Ray, Prefect,
-SeaweedFS) hold /tmp/vime-integration.lock (flock) while they run, so two of them never share the
-machine's cores; `flock /tmp/vime-integration.lock CMD` keeps anything else (an integration test
-run) apart from them too. What each suite measures and the current numbers: docs/measurements.md.
-"""
+`bench/run.py --list` lists the suites, `bench/run.py NAME [suite args...]` runs one and appends a
+row to bench/results/<suite>.jsonl, `bench/run.py --table` regenerates bench/results/README.md.
+What each suite measures and the current figures: docs/measurements.md."""
 
 from __future__ import annotations
 
@@ -436,6 +411,9 @@ def result_file(suite: Suite, out_dir: Path) -> Path | None:
 
 
 def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc: int, note: str = "") -> int:
+    """Suites run with infra/env.sh sourced, under $VIME_BENCH_PYTHON, else .venv/bin/python, else this
+    interpreter. Suites that start servers hold /tmp/vime-integration.lock (flock) while they run, so
+    two of them never share the machine's cores."""
     if any(a == "--out" or a.startswith("--out=") for a in args):
         raise SystemExit("bench/run.py passes --out itself (the raw output goes under .cache/bench/)")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -497,6 +475,10 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
 
 
 def append_row(path: Path, row: dict) -> None:
+    """Appends {"suite", "sha", "sha_source", "date", "machine", "load_1m", "command", "exit", "wall_s",
+    "note", "figures"} to the suite's file: `figures` is the suite's JSON less its bulky keys
+    (`Suite.drop`; the whole output stays under .cache/bench/<suite>/<time>/), `load_1m` the load
+    average at the start and the end (neighbours move figures), `sha` from `git_sha`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row, separators=(",", ":")) + "\n")

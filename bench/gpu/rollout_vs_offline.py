@@ -1,32 +1,15 @@
-"""The rollout's generation through vime's vLLM server against vLLM's offline `LLM.generate`, on
-one GPU, in the same run: same prompts (the run's first `rollout_batch_size` prompts (cycled), each
-`n_samples_per_prompt` times), same engine flags (the server command vime builds for the run's
-configuration), same sampling parameters (`rollout/generate.base_sampling_params`).
-
-1. offline: `offline_generate.py` under the vLLM interpreter, in its own process;
-2. server: vime's `EngineServer` for the configuration, then every sample sent straight to it
-   (aiohttp `EngineClient`, as the rollout does; no router, no reward) with the run's
-   concurrency. Variants are request shapes, measured interleaved (A B A B ...), prefix cache
-   reset before each:
-       vime         the sampling parameters a run sends (log-probs as its flags ask; no
-                    server-side text unless stop strings are set: generate.request_params)
-       logprobs     + the sampled token's log-prob (`logprobs: 0`), server-side text
-       nologprobs   without log-probs, server-side text
-       tokens       without log-probs and without server-side detokenization (`detokenize: false`)
-   each optionally with modifiers, e.g. `logprobs+final+nodetok` (MODIFIERS: output_kind
-   FINAL_ONLY, flat_logprobs, detokenize on/off)
-
-Server variants (`--server-variants`, `;`-separated sets of extra server flags, configuration
-fields as `name=value` (e.g. `vllm_api_server_count=4`) or the server's environment as
-`env:NAME=value` (e.g. `env:VLLM_USE_RUST_FRONTEND=1`, vLLM 0.26's Rust front end), `default`
-for none) start one server each, measured one after the other; a server that fails to start or
-serve is recorded with its error and the next one runs. The JSON is rewritten after each server.
+"""The rollout's generation through vime's vLLM server against vLLM's offline `LLM.generate`, on one GPU,
+with the same prompts, engine flags and sampling parameters:
 
     ratio(variant) = server output tokens/s / offline output tokens/s      (medians)
 
+Request variants, measured interleaved with the prefix cache reset before each: vime (what a run
+sends), logprobs, nologprobs, tokens (no detokenization), each optionally with MODIFIERS
+(e.g. logprobs+final+nodetok). --server-variants (`;`-separated; `name=value` configuration fields
+or `env:NAME=value`; `default` for none) start one server each, one after the other.
+
     python bench/gpu/rollout_vs_offline.py --config bench/gpu/colocated_0.5b.yaml \
-        --hf-checkpoint M --prompt-data P --out rollout.json
-"""
+        --hf-checkpoint M --prompt-data P --out rollout.json"""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""The prompt data source: rows of a prompt source -> groups of Samples, with exact resume.
-
-Loading (once): every row of `path` (a JSONL/JSON/Parquet file, local or any fsspec URI; a local
-dataset folder; or a hub dataset: vime_core/data/sources.py says which is which) gives
-prompt = row[cfg.input_key] (text, or a list of chat messages), label = row[cfg.label_key]
-(None when absent), prompt_id = row["prompt_id"] when present else "row-<i>", and the other
-columns in metadata. The prompt is tokenised (through the chat template when
-cfg.apply_chat_template or when it is a message list, with cfg.apply_chat_template_kwargs passed
-to the template). A row whose prompt is missing, null, empty, not text or longer than
-cfg.rollout_max_prompt_len tokens stops the load, or is dropped and counted with
-cfg.drop_bad_prompts (vime_core/data/prompt_checks.py); the counts go with the dataset's size into
-`state_dict()`, which every stored batch's lineage holds.
-
-Handing out: `get_groups(k)` returns k groups, first those returned by `add_back` (oldest first,
-exactly as they came back, partial responses included), then new ones: for the next prompt of
-the epoch's order, n_samples_per_prompt deep copies with
-    group_index = a run-wide counter (0, 1, 2, ...; one per new group)
-    index       = the position inside the group (0 .. n-1)
-    session_id  = f"{run_name}-{group_index}-{index}"
-An epoch is one pass over the prompts in the order random.Random(seed + epoch).shuffle(range(N))
-(identity when not cfg.rollout_shuffle); at its end the next epoch starts.
-
-Resume: `state_dict()` holds the epoch, cursor, seed, shuffle flag, the group counter, the
-returned-samples buffer and a fingerprint of the dataset (the kept rows' ids and tokens: the same
-data and settings drop the same rows on every load); `load_state_dict()` on a source built from
-the same data continues exactly where the saved one stopped.
-"""
+"""The prompt data source: rows of a prompt source -> groups of Samples, with exact resume
+(`state_dict` / `load_state_dict` continue where a saved source stopped, checked by a fingerprint
+of the kept rows)."""
 
 from __future__ import annotations
 
@@ -63,7 +39,11 @@ class LoadedPrompts:
 def read_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str] = None) -> LoadedPrompts:
     """Rows of a prompt source (also the eval set; `split` of a folder or hub dataset, default
     cfg.prompt_data_split), each checked (vime_core/data/prompt_checks.py) and, when a tokenizer
-    is given, tokenised and checked for length (module docstring)."""
+    is given, tokenised and checked for length (below).
+
+    prompt = row[cfg.input_key] (text or chat messages), label = row[cfg.label_key], prompt_id =
+    row["prompt_id"] else "row-<i>", the other columns in metadata. A bad or too long prompt stops the
+    load, or is dropped and counted with cfg.drop_bad_prompts (prompt_checks.py)."""
     split = split or cfg.prompt_data_split
     where = describe(path, split)
     records = read_records(path, split)
@@ -188,7 +168,10 @@ class DataSource:
         return group
 
     def get_groups(self, num_groups: int) -> list[list[Sample]]:
-        """`num_groups` groups: returned ones first, then new prompts (module docstring)."""
+        """`num_groups` groups: first those `add_back` returned (oldest first, partial responses included),
+        then, for the next prompt of the epoch's order (random.Random(seed + epoch).shuffle, identity
+        without rollout_shuffle), n_samples_per_prompt copies with group_index a run-wide counter, index
+        the position in the group and session_id f"{run_name}-{group_index}-{index}"."""
         if num_groups < 0:
             raise ValueError(f"num_groups={num_groups} must be >= 0")
         groups = self.buffer[:num_groups]

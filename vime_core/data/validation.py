@@ -1,36 +1,17 @@
-"""What the trainer can train on: one check, applied by the rollout side before a batch is handed
-on (so nothing untrainable is stored), by the trainer before it trains, and on resume to a batch
-found in the store. Its length rules are also what the batch builder and the store check.
-
-A batch (dict of columns, one entry per sample) is trainable when it has the columns the trainer
-requires (vime_core/data/columns.py), every column has one entry per sample, and for every
-sample i
+"""What the trainer can train on: one check, applied by the rollout side before a batch is handed on,
+by the trainer before it trains, and on resume to a stored batch. A batch (one entry per sample in
+every column) is trainable when it has the required columns (vime_core/data/columns.py), at least
+one sample, and for every sample i
 
     len(tokens_i) == prompt_length_i + response_length_i    (when prompt_length is present)
     len(tokens_i) == total_length_i                          (when total_length is present)
     len(loss_mask_i) == response_length_i
     len(rollout_log_probs_i) in {0, response_length_i}
-    prompt_length_i >= 1, response_length_i >= 1            (a response needs a prompt token
-                                                             before it; without prompt_length:
-                                                             len(tokens_i) > response_length_i)
+    prompt_length_i >= 1, response_length_i >= 1
 
-and it has at least one sample. `lengths_only` checks the columns and the length rules (the
-first four) and not the last: the store keeps any batch whose lengths agree.
-
-The engines' log-probs: an empty rollout_log_probs_i means the rollout did not request them
-(vime_core.config.derive.needs_rollout_logprobs), an entry MISSING_LOGPROB that the engine sent
-none for that token. Where `log_prob_readers` names the set flags that read them
-(vime_core.config.derive.rollout_logprob_readers), also, for every sample i,
-
-    len(rollout_log_probs_i) == response_length_i, no entry MISSING_LOGPROB or NaN
-
-and a sample that breaks it is refused in one line naming the column, the flags and, for missing
-entries, the engine that answered without them (sample metadata MISSING_LOGPROBS_ENGINE): the
-trainer would otherwise take -9999 for a log-prob (a ~1e4 mismatch) or train without the flag.
-
-A sample whose reward function failed keeps its response and a zero loss mask: trainable. A sample
-the engines never answered has no response: not trainable.
-"""
+`lengths_only` (what the store checks) drops the last rule. Where a set flag reads the engines'
+log-probs (config.derive.rollout_logprob_readers), len(rollout_log_probs_i) == response_length_i
+with no entry MISSING_LOGPROB or NaN, or the trainer would train on -9999 for a log-prob."""
 
 from __future__ import annotations
 

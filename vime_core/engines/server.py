@@ -1,32 +1,7 @@
-"""One vLLM server process: launch (or attach), wait for health, shut down without hanging.
-
-The server runs in the vLLM environment's interpreter (`cfg.vllm_python`), so the trainer's
-environment never imports vllm:
-
-    <vllm_python> -m vllm.entrypoints.openai.api_server --model M --host H --port P
-        (-m vime_core.engines.vllm_side.serve_cli serve --api-server-count N ..., vLLM's CLI, with
-         vllm_api_server_count N > 1)
-        [--enable-scale-out]                      # POST /inference/v1/generate (vLLM >= 0.27)
-        --max-model-len rollout_max_context_len
-        --logprobs-mode processed_logprobs        # log-probs after temperature, what training needs
-        --dtype bfloat16|float32                  # the trainer's precision
-        --worker-extension-cls VimeWorkerExtension  # weight spec, versions, CPU transfer backend
-        [--middleware EngineAuthMiddleware]       # every route needs the run's token (engine_auth)
-        [--enable-sleep-mode] [--weight-transfer-config JSON] [--gpu-memory-utilization F] ...
-
-with VLLM_SERVER_DEV_MODE=1 (pause/resume, weight session, collective_rpc, reset cache),
-VLLM_CPU_KVCACHE_SPACE (else vLLM CPU asks for ~92% of RAM), HF_HUB_OFFLINE=1, a CPU core set
-per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core, the
-devices Ray gave the engine's placement bundles (`device_ids` -> CUDA_VISIBLE_DEVICES, so the
-engine's TP workers land on distinct GPUs), and the repository root on PYTHONPATH so modules
-under vime_core/engines/vllm_side load inside vLLM. Which vLLM release runs decides a few flags
-(`vllm_api`). With engine_auth the run's token (`auth_token`) goes into the server's environment
-only (VIME_ENGINE_TOKEN, read by vllm_side/auth.py), never onto its command line, which is logged
-and which `ps` shows; every call this module makes to the server sends it.
-
-A run's engines are `EngineServer` Ray actors placed in their device bundles
-(`vime_core/cluster/run_actors.py`); this module does not import ray.
-"""
+"""One vLLM server process: launch (or attach), wait for health, shut down without hanging. The server
+runs in the vLLM environment's interpreter (`cfg.vllm_python`), so the trainer's environment never
+imports vllm; a run makes each `EngineServer` a Ray actor in its device bundle (run_actors.py), and
+this module does not import ray."""
 
 from __future__ import annotations
 
@@ -155,6 +130,13 @@ class EngineServer:
     raises `EngineStartError` with the last log lines), `shutdown()` pauses with abort then
     terminates, `restart()` does both and returns the (possibly new) URL. `prestart()` begins a
     start that a later `start()` waits for (an actor's start begun before its caller is ready).
+
+    The command is vLLM's api_server (or serve_cli with vllm_api_server_count > 1) with
+    --logprobs-mode processed_logprobs (log-probs after temperature, what training needs), the trainer's
+    dtype, VimeWorkerExtension and, with engine_auth, EngineAuthMiddleware; its environment gets
+    VLLM_SERVER_DEV_MODE=1, a CPU core set per engine (cpu_bind), the devices of the engine's bundles,
+    the repository on PYTHONPATH, and the run's token (VIME_ENGINE_TOKEN: never on the command line,
+    which is logged and which `ps` shows). Which vLLM release runs decides a few flags (vllm_api).
     """
 
     def __init__(

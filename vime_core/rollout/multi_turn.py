@@ -1,35 +1,6 @@
-"""Multi-turn generation with a tool, for the custom generate hook (`custom_generate_function_path`):
-model turns go token-in/token-out through the engines (generate_sample), tool turns are appended
-as tokens the model did not generate. As slime's multi-turn examples and verl's agent loop do it,
-simplified to one tool and one call per turn.
-
-    for t = 0, 1, ...:
-        model turn t: generate_sample continues the sample (prompt + every earlier turn, as token
-                      ids: the model's own tokens are never re-tokenized) until the tool's call
-                      marker (sent as a stop string), EOS, or the response budget
-        the turn ended without the marker         -> the sample is done (its status as generated)
-        the marker, and t + 1 == max_turns        -> TRUNCATED, metadata unanswered_call = True
-        the marker, and no response budget left   -> the same, finish reason "length"
-        the marker                                -> tool turn t: output = tool(response text so far,
-                                                     special tokens skipped);
-                                                     its token ids appended with loss mask 0 and
-                                                     log-prob 0.0 (a placeholder the mask keeps out
-                                                     of the loss and the metrics), cut to the
-                                                     response budget (then TRUNCATED, "length")
-
-`max_turns` counts model turns, so a sample makes at most max_turns - 1 tool calls. The response
-budget (rollout_max_response_len) covers model and tool tokens together. Every turn is recorded as
-a span in metadata["turns"] (vime_core/data/turns.py); metadata["tool_calls"] counts the calls.
-
-A tool is a callable `tool(response_text) -> ToolResult` (or a coroutine function), with a
-`call_marker` attribute; a plain function runs in a worker thread so the rollout's event loop
-never waits on it, and a tool that takes longer than `tool_timeout_s` answers nothing, with the
-timeout as its error. A tool that raises is a bug in the tool: the exception ends the rollout.
-
-Resumed samples (partial_rollout gives an aborted sample back with its response) continue where
-they stopped: an aborted model turn goes on in the same span. A sample given back with no
-response (a group generated again) starts over.
-"""
+"""Multi-turn generation with one tool, for the custom generate hook (`custom_generate_function_path`):
+model turns go token-in/token-out through the engines (generate_sample), tool turns are appended as
+tokens the model did not generate (loss mask 0), as slime's multi-turn examples and verl's agent loop."""
 
 from __future__ import annotations
 
@@ -75,7 +46,11 @@ def with_stop(sampling_params: dict, marker: str) -> dict:
 
 
 async def call_tool(tool: Tool, response_text: str, timeout_s: float) -> ToolResult:
-    """The tool's answer to `response_text`, or an empty one naming the timeout."""
+    """The tool's answer to `response_text`, or an empty one naming the timeout.
+
+    A tool is `tool(response_text) -> ToolResult` (or a coroutine function) with a `call_marker`
+    attribute; a plain function runs in a worker thread so the rollout's event loop never waits on it.
+    A tool that raises is a bug in the tool: the exception ends the rollout."""
     is_async = inspect.iscoroutinefunction(tool) or inspect.iscoroutinefunction(getattr(tool, "__call__", None))
     pending = tool(response_text) if is_async else asyncio.to_thread(tool, response_text)
     try:
@@ -104,8 +79,22 @@ async def generate_multi_turn(
     max_turns: int,
     tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
 ) -> Sample:
-    """Generate (or continue) one sample of up to `max_turns` model turns with `tool` answering
-    the calls in between; returns it (module docstring)."""
+    """Generate (or continue) one sample of up to `max_turns` model turns with `tool` answering the calls
+    in between; returns it.
+
+        for t = 0, 1, ...:
+            model turn t: generate_sample continues the sample (as token ids: never re-tokenized) until
+                          the tool's call marker (a stop string), EOS, or the response budget
+            no marker                           -> done (its status as generated)
+            marker and t + 1 == max_turns       -> TRUNCATED, metadata unanswered_call = True
+            marker and no response budget left  -> the same, finish reason "length"
+            marker                              -> tool turn t: tool(response text so far); its token ids
+                                                   appended with loss mask 0 and log-prob 0.0, cut to the
+                                                   response budget (then TRUNCATED, "length")
+
+    The response budget (rollout_max_response_len) covers model and tool tokens; every turn is a span in
+    metadata["turns"] (vime_core/data/turns.py), metadata["tool_calls"] counts the calls. A resumed
+    sample (partial_rollout) continues its aborted turn; one given back with no response starts over."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:

@@ -1,31 +1,13 @@
-"""The Arrow schema of a stored rollout batch, its lineage metadata, and the checksum.
-
-A rollout batch (docs/interfaces.md, "Data crossing boundaries") is a `dict[str, list]` with one
-entry per sample. Stored, it is one Arrow table: one row per sample, the columns of
-`BATCH_SCHEMA` (one field per column of vime_core/data/columns.py), and the lineage as schema
-metadata (one key per lineage field, each value JSON-encoded UTF-8).
-
-Checksum (`table_checksum`), precisely:
+"""The Arrow schema of a stored rollout batch, its lineage metadata, and the checksum. A batch is one
+Arrow table, one row per sample, the columns of `BATCH_SCHEMA` and the lineage as schema metadata
+(one key per lineage field, JSON-encoded).
 
     checksum = sha256( IPC_stream( canonical(table) ) ).hexdigest()
 
-where `canonical(table)` is the table with every column combined into one chunk, and with its
-schema metadata reduced to every key *other than* `checksum` (values as stored), sorted by
-key; `IPC_stream` is the Arrow IPC streaming format as written by `pyarrow.ipc.new_stream` with
-default options (no compression, one record batch, none for an empty table, end-of-stream
-marker). Field types include the list item name `element` (Parquet's compliant naming) so a
-Parquet round trip leaves the bytes unchanged. This definition is part of the stored format:
-changing it needs a SCHEMA_VERSION bump. A batch stored at version 1
-(tests/unit/data/rollout_batch_v1.parquet) must keep verifying after any pyarrow upgrade. The checksum therefore covers
-every value, every type and all lineage, so a flipped
-byte in the data or an edited lineage field is detected, while the Parquet encoding (page
-sizes, compression) does not matter.
-
-Round trip: `table_to_batch(batch_to_table(b, lineage))` gives back `b` exactly, with these
-documented normalisations: `rollout_log_probs` is float32 (values are rounded to float32 on
-write, as training consumes them), `status` enums become their string value, `weight_versions`
-spans become plain dicts, a dict `metadata` becomes its JSON string (keys sorted).
-"""
+canonical(table): every column in one chunk, schema metadata reduced to the keys other than
+`checksum`, sorted; IPC_stream: `pyarrow.ipc.new_stream` with default options. It covers every
+value, type and lineage field but not the Parquet encoding. It is part of the stored format:
+changing it needs a SCHEMA_VERSION bump (tests/unit/data/rollout_batch_v1.parquet must keep verifying)."""
 
 from __future__ import annotations
 
@@ -283,7 +265,11 @@ def batch_to_table(batch: dict[str, list], lineage: dict) -> pa.Table:
 
 
 def table_to_batch(table: pa.Table) -> tuple[dict[str, list], dict]:
-    """(batch dict, lineage) of a stored table of the current schema version."""
+    """(batch dict, lineage) of a stored table of the current schema version.
+
+    `table_to_batch(batch_to_table(b, lineage))` gives back `b` exactly, but rollout_log_probs are
+    float32, `status` enums their string value, weight_versions spans plain dicts and a dict metadata
+    its JSON string (keys sorted)."""
     version = stored_schema_version(table)
     if version != SCHEMA_VERSION:
         raise SchemaVersionError(

@@ -1,30 +1,10 @@
-"""Core attention for Megatron's local layer spec on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Core attention for Megatron's local layer spec on SDPA, which picks a fused kernel instead of
+materialising Megatron's [b, h, s, s] scores; with THD packing attention is causal inside each
+sample, never over the whole [t, t] square (packing.py).
 
-Megatron's local ``DotProductAttention`` materialises the [b, h, s, s] score matrix; SDPA picks a
-fused kernel (flash / memory-efficient on GPUs, the flash CPU kernel on CPUs) and gives the same
-result:
+    context[b, h, i] = sum_j softmax_j(q[b, h, i] . k[b, g(h), j] / sqrt(d) + bias[i, j]) v[b, g(h), j]
 
-    context[b, h, i] = sum_j softmax_j(scale * q[b, h, i] . k[b, g(h), j] + bias[i, j]) v[b, g(h), j]
-
-with ``scale = 1 / sqrt(head_dim)``, ``g(h) = h // (heads / kv_groups)`` (grouped-query attention:
-each KV group serves ``heads / kv_groups`` consecutive query heads) and ``bias = -inf`` where
-Megatron's mask is True (Megatron masks are "True = masked out"; SDPA boolean masks are
-"True = attend", hence the inversion). A ``None`` mask means plain causal attention.
-
-Layouts follow Megatron: q is [s, b, heads, d], k/v are [s, b, kv_groups, d] (per TP rank), the
-output is [s, b, heads * d]. With THD packing (``packed_seq_params.qkv_format == "thd"``, see
-``packing.py``) q/k/v arrive as [t, heads, d] for samples laid end to end; attention is causal
-inside each sample (segments ``[cu_seqlens[i], cu_seqlens[i + 1])``), never over the whole [t, t]
-square:
-
-- on a GPU in bf16/fp16, one variable-length FlashAttention call per layer
-  (``torch.ops.aten._flash_attention_forward`` with ``cu_seqlens``, the kernel behind
-  ``torch.nn.attention.varlen``; differentiable through its aten derivative). It takes the KV
-  groups as they are (grouped-query attention inside the kernel: no K/V repeat) and needs the
-  offsets as int32 on the device plus the longest segment as a Python int (no device sync);
-- elsewhere (the CPU, fp32), SDPA per segment, or in one batched call when all segments have the
-  same length.
-"""
+g(h) = h // (heads / kv_groups) (grouped-query attention); bias = -inf where Megatron's mask is True."""
 
 from __future__ import annotations
 
@@ -41,7 +21,12 @@ from megatron.core.utils import divide
 
 
 class SDPACoreAttention(MegatronModule):
-    """Drop-in for ``DotProductAttention`` in ``get_gpt_layer_local_spec`` (same constructor)."""
+    """Drop-in for ``DotProductAttention`` in ``get_gpt_layer_local_spec`` (same constructor).
+
+    q is [s, b, heads, d], k/v [s, b, kv_groups, d] (per TP rank), the output [s, b, heads * d]; THD-packed
+    q/k/v arrive as [t, heads, d]. On a GPU in half precision one variable-length FlashAttention call
+    per layer (no K/V repeat; offsets int32 on the device, the longest segment a Python int: no sync);
+    elsewhere SDPA per segment, or one batched call when all segments have the same length."""
 
     def __init__(
         self,

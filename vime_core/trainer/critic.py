@@ -1,33 +1,7 @@
-"""The critic of advantage_estimator=ppo: a value model living beside the policy in each trainer rank.
-
-    body     a Megatron GPTModel with the policy's parallel layout (the same TP group and DP
-             partition, so it is colocated with the policy and sleeps with it), loaded from
-             critic_load, else hf_checkpoint
-    head     V_t = w . h_t + b, h_t the body's final hidden state (after the final norm) at the
-             position whose logits predict response token t: the state before token t is sampled.
-             w and b start at zero, so the first rollout's values are 0 and its GAE advantages
-             are the whitened discounted returns (REINFORCE's), whatever the body
-    V_old    a no-grad forward over this rank's samples of the rollout, before any update: the
-             values GAE uses (algo/advantages.py) and the centre of the value clip
-    step     with each of the policy's optimizer steps, over the same micro-batches: the clipped
-             value loss against the GAE returns (algo/value_loss.py), aggregated like the policy
-             loss (loss_agg_mode, the step's StepDenominators), backward, one step of its own
-             Megatron Adam at critic_lr under the policy's schedule settings (critic_lr_warmup_iters
-             for the warmup); a step whose value loss or gradient is not finite on some rank is
-             skipped like the policy's (trainer/nonfinite.py), counted in critic_skipped_steps
-
-Tensor parallelism: without sequence parallelism every TP rank holds the same final hidden
-states, so the head is replicated (not split): each TP rank computes the same values and the same
-head gradients, and Megatron's grad norm counts a replicated parameter once (on TP rank 0).
-
-The GPTModel's output layer (LM head) never runs: the forward stops at the final hidden states
-(logprobs.hidden_states_only). An untied one is frozen so that neither DDP's gradient buffers nor
-Adam keep state for it; a tied one is the input embedding, which trains.
-
-Metrics of a step (token means over the loss tokens of every DP rank): value_loss, value_clipfrac,
-explained_variance (of V_old for the returns), value_mean (V_old), critic_grad_norm (of an applied
-step), critic_lr, critic_skipped_steps.
-"""
+"""The critic of advantage_estimator=ppo: a value model beside the policy in each trainer rank, with the
+policy's parallel layout (so it sleeps with it), a zero-initialised linear value head on the final
+hidden states (so the first rollout's GAE advantages are REINFORCE's), and its own optimizer step
+after each of the policy's, on the clipped value loss (algo/value_loss.py)."""
 
 from __future__ import annotations
 
@@ -55,7 +29,7 @@ def critic_config(cfg: Any) -> Any:
 
 def add_value_head(gpt: Any, dtype: torch.dtype) -> torch.nn.Linear:
     """Give ``gpt`` a zero-initialised head hidden -> 1 (``gpt.value_head``) and freeze its
-    untied LM head, which the critic never runs (module docstring)."""
+    untied LM head, which the critic never runs (Critic's docstring)."""
     head = torch.nn.Linear(gpt.config.hidden_size, 1, bias=True, dtype=dtype)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
@@ -78,7 +52,15 @@ def forward_values(model: Any, packed: Any) -> torch.Tensor:
 
 
 class Critic:
-    """The value model of one trainer rank: body + head (DDP-wrapped), its optimizer and schedule."""
+    """The value model of one trainer rank: body + head (DDP-wrapped), its optimizer and schedule.
+
+    V_t = w . h_t + b, h_t the body's final hidden state at the position whose logits predict response
+    token t. V_old is a no-grad forward before any update: GAE's values and the value clip's centre. A
+    step aggregates the value loss like the policy loss (loss_agg_mode) and steps its own Megatron Adam
+    at critic_lr; a non-finite step is skipped like the policy's, counted in critic_skipped_steps.
+    Without sequence parallelism every TP rank holds the same hidden states, so the head is replicated
+    (Megatron's grad norm counts it once). The LM head never runs: an untied one is frozen; a tied one
+    is the input embedding, which trains."""
 
     def __init__(self, cfg: Any, model: Any, optimizer: Any, scheduler: Any, device: Any) -> None:
         self.cfg, self.model, self.optimizer, self.scheduler, self.device = cfg, model, optimizer, scheduler, device

@@ -1,31 +1,6 @@
-"""Hugging Face <-> Megatron weight conversion, sharded for tensor parallelism.
-
-One table (``_layer_rules`` / ``_model_rules``) says, for every Megatron parameter of the local
-layer spec, which HF tensors it is made of and how it is split over TP ranks; both directions
-read it.
-
-Layouts (``tp`` ranks, ``g`` KV groups, ``n`` query heads, ``d`` head dim):
-
-* **fused QKV** (``linear_qkv``): per KV group, the group's ``n/g`` query heads, then its key head,
-  then its value head: ``[q_0 .. q_{n/g-1}, k, v]`` repeated ``g`` times along dim 0 (rows of
-  ``d``). Groups are contiguous, so rank ``r`` holds groups ``[r*g/tp, (r+1)*g/tp)`` = the
-  ``r``-th of ``tp`` equal dim-0 chunks. Biases (Qwen2) follow the same layout.
-* **gate/up** (``linear_fc1``): rank ``r`` holds ``[gate_r; up_r]`` where ``gate_r``/``up_r`` are
-  the ``r``-th dim-0 chunks of ``gate_proj``/``up_proj`` (SwiGLU splits each rank's output in two).
-* **row-parallel** (``linear_proj`` = ``o_proj``, ``linear_fc2`` = ``down_proj``): dim-1 chunks.
-* **vocab-parallel** (``word_embeddings`` = ``embed_tokens``, ``output_layer`` = ``lm_head``):
-  the vocabulary padded with zero rows to a multiple of ``tp`` (``model.padded_vocab_size``),
-  then dim-0 chunks; the padding is cut on the way back.
-* norms (and Qwen3's per-head q/k norms) are replicated.
-
-Each split is one contiguous range of each HF tensor (``rank_range``), so loading
-(``load_hf_into_model`` -> ``iter_megatron_shard``) reads a checkpoint shard file by shard file
-(``model.safetensors.index.json``, or one ``model.safetensors``) and takes only this rank's
-rows/columns through safetensors' ``get_slice``: no rank materialises a TP-split tensor whole.
-
-``iter_hf_weights`` is a collective over the TP group (``all_gather``): every TP rank of the
-group must iterate it in step, even if only one of them uses the tensors.
-"""
+"""Hugging Face <-> Megatron weight conversion, sharded for tensor parallelism. One table
+(`_layer_rules` / `_model_rules`) says, for every Megatron parameter, which HF tensors it is made of
+and how it is split over TP ranks; both directions read it."""
 
 from __future__ import annotations
 
@@ -87,7 +62,13 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
 
 
 def conversion_rules(arch: HFArchitecture) -> list[Rule]:
-    """All rules in HF checkpoint order (embeddings, layers, final norm, LM head)."""
+    """All rules in HF checkpoint order (embeddings, layers, final norm, LM head).
+
+    Layouts (tp ranks, g KV groups, n query heads): fused QKV is, per KV group, its n/g query heads, then
+    its key and value heads, groups contiguous, so rank r holds the r-th of tp dim-0 chunks (Qwen2's
+    biases alike); gate/up: rank r holds [gate_r; up_r]; o_proj and down_proj: dim-1 chunks; embeddings
+    and LM head: the vocabulary padded with zero rows to a multiple of tp, then dim-0 chunks; norms
+    (Qwen3's q/k norms too) are replicated."""
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(arch.num_layers):
         rules += _layer_rules(arch, i)

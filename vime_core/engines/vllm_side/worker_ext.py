@@ -1,31 +1,7 @@
-"""vLLM worker extension loaded with `--worker-extension-cls
-vime_core.engines.vllm_side.worker_ext.VimeWorkerExtension`.
-
-Importing this module (vLLM does it in every worker before the model loads) registers vime's
-weight-transfer backends, `vime_shm` (CPU engines on the trainer's machine) and `vime_broadcast`
-(engines elsewhere, over NCCL or gloo), for `--weight-transfer-config '{"backend": ...}'`. The
-class adds methods callable through `POST /collective_rpc`:
-
-- `vime_weight_spec()`: the HF-named tensors the model's `load_weights` expects (name, shape,
-  dtype on the wire), read from the checkpoint the server started from. The trainer validates a
-  publish against it before any byte moves, because a half-applied update breaks the server.
-- `vime_reload_weights(weights_path)`: vLLM's disk reload, fixed for tied embeddings on CPU.
-- `vime_update_stats()`: where this worker's time went in the last `vime_shm` or `vime_broadcast` session.
-- `vime_device_uuid()`: this worker's GPU, as CUDA IPC handles are keyed (the trainer checks
-  that every worker's GPU has a handle before the first bucket moves).
-- `vime_broadcast_group_id()`: the `vime_broadcast` group this worker is in; one answer per
-  worker, so the trainer also learns how many workers an engine has.
-- `vime_weight_version()` / `vime_set_weight_version(version)`: the weight version on releases
-  whose server keeps none (vLLM 0.26, see `vime_core/engines/vllm_api.py`); a restarted engine
-  reports None (the checkpoint's weights, version 0), as `/weight_info` would.
-
-The RPC names and the formats they answer in are shared with the trainer:
-`vime_core/wire/` (`spec_format.SPEC_RPC`, `ipc_format.DEVICE_UUID_RPC`,
-`broadcast_format.GROUP_ID_RPC`).
-
-Runs inside the vLLM worker: imports only vllm, torch, the standard library and the shared wire
-formats (`vime_core.wire`).
-"""
+"""vLLM worker extension (`--worker-extension-cls ...worker_ext.VimeWorkerExtension`): importing it
+registers vime's weight-transfer backends (`vime_shm`, `vime_broadcast`), and the class adds the
+`vime_*` methods the trainer calls through `POST /collective_rpc` (names and formats: vime_core/wire/).
+Runs inside the vLLM worker: imports only vllm, torch, the standard library and vime_core.wire."""
 
 from __future__ import annotations
 
