@@ -1,30 +1,15 @@
-"""Orchestration overhead per iteration on the default configuration.
+"""Orchestration overhead per iteration on the default configuration: what vime adds around the work
+(Prefect flow and task runs, Ray calls and transfers, the report, persist where not hidden).
 
-    overhead = sum over steady iterations of T_iteration (wall time of the iteration flow run,
-               measured by its caller, the train flow)
-             - sum of the phases' compute measured inside the actors:
-               rollout generate + build (RolloutManager), train (MegatronTrainer), weight
-               publish (rank 0's publish_weights total)
+    overhead      = sum over steady iterations of T_iteration - sum of the phases' compute measured
+                    inside the actors (rollout generate + build, train, rank 0's publish)
     overhead_frac = overhead / sum of T_iteration
 
-So the overhead is everything vime adds around the work, as the issue defines it (Prefect +
-Ray calls + persist): Prefect flow/task runs, Ray actor calls and object transfers, the report,
-and persist (encode, write, verify, index) where it is not hidden behind training. Target:
-< 2% of T_step. Sums rather than per-iteration medians because with rollout_prefetch part of
-rollout k+1 runs inside iteration k's wall time: over a window of iterations the part entering
-at the end and the part leaving at the start cancel.
+Sums, not per-iteration medians: with rollout_prefetch part of rollout k+1 runs inside iteration k,
+and over a window the parts entering and leaving cancel. Both modes (rollout_prefetch on, and
+serial) run interleaved `--repeats` times, each on its own Ray head.
 
-Both modes run in one invocation, same machine, interleaved `--repeats` times: rollout_prefetch
-on (the default) and off (every phase in series: the serial cost of Prefect + Ray per
-iteration). Each run is its own Ray head + bootstrap. Reports the median over runs of each
-mode and the per-repeat wall ratio. Prints JSON; --out gets it with every iteration's row.
-
-    bench/run.py orchestration --iterations 32 --repeats 3
-
-32 iterations by default (a 30-iteration window): the window's two ends do not cancel exactly
-(the report and flow-run boundary around them vary by ~0.1-0.2 s on this machine), which
-spreads a 14-iteration window's result by about +-1 percentage point.
-"""
+    bench/run.py orchestration --iterations 32 --repeats 3"""
 
 import argparse
 import cProfile

@@ -1,31 +1,14 @@
-"""What vime adds to the colocated step (issue 14's performance section), measured on the same GPU
-right after a run of bench/gpu/run_colocated_h200.sh, while the run's engine is still up:
+"""What vime adds to the colocated step, measured on the same GPU right after a colocated run while its
+engine is still up: a direct rollout to its vLLM server, the trainer alone on a batch of the same
+shape, and a device-to-device copy of the published bytes.
 
-- direct rollout: the prompts of the run's last stored batch sent straight to the run's vLLM
-  server (its own URL, no router, no RolloutManager, no reward), with the run's sampling params
-  and as many requests in flight as the run allows; wall time and output tokens/s, median over
-  `--repeats` (prefix cache reset before each);
-- trainer alone: bench/bench_trainer_gpu.py on a batch of the same shape (samples, mean prompt
-  length, mean response length, token-budget packing): old-log-prob recompute + one step;
-- device-to-device copy of the published bytes (the bf16 weights), the limit of a publish.
-
-Ratios (the run's medians over the iterations given by --from-rollout):
-
-    framework_ratio   = T_step / (direct rollout s + trainer alone s)     target <= 1.10
-    rollout_tps_ratio = vime output tokens/s / direct output tokens/s     target >= 0.95
-                        (vime's: output tokens / the rollout phase's seconds; meaningful when the
-                        rollout is not prefetched, as with sleeping colocated engines)
+    framework_ratio   = T_step / (direct rollout s + trainer alone s)
+    rollout_tps_ratio = vime output tokens/s / direct output tokens/s
     publish_vs_copy   = publish s / D2D copy s
 
-    python bench/gpu/colocated_baselines.py --ray-address A --storage-uri S --run-name R \
-        --from-rollout 8 --out baselines.json
-
-The ratios for another range of the run's iterations, with the baselines already measured
-(no GPU, no engine: the records and an earlier output of this script):
-
-    python bench/gpu/colocated_baselines.py --storage-uri S --run-name R --from-rollout 1 \
-        --to-rollout 6 --measured baselines.json --out baselines_1-6.json
-"""
+    python bench/gpu/colocated_baselines.py --ray-address A --storage-uri S --run-name R --from-rollout 8 \
+        --out baselines.json
+    # without a GPU, for other iterations, from an earlier output: add --to-rollout 6 --measured baselines.json"""
 
 from __future__ import annotations
 
@@ -221,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write_ratios(
     result: dict, vime: dict, straight: dict | None, limit: dict | None, alone: dict | None, out: str
 ) -> int:
-    """The module docstring's ratios (None where a baseline failed), written with the rest."""
+    """The ratios of the module docstring (None where a baseline failed), written with the rest."""
     ok = lambda part: part if part and "error" not in part else None  # noqa: E731
     straight, limit, alone = ok(straight), ok(limit), ok(alone)
     result["framework_ratio"] = (

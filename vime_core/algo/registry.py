@@ -1,30 +1,7 @@
-"""Name -> advantage estimator and name -> policy loss registries (verl style).
-
-An estimator is one registration that carries everything the rest of vime asks of it:
-
-    @register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo", summary="Shao et al. 2024")
-    def group_broadcast_advantages(rewards, loss_masks, *, kl, values, gamma, lambd, kl_coef): ...
-
-    get_adv_estimator("grpo")      # -> AdvEstimator(name, fn, group_normalisation, policy_loss, ...)
-    get_adv_estimator_fn("grpo")   # -> group_broadcast_advantages
-
-Where each field is used: `group_normalisation` by the batch builder (algo.advantages.
-postprocess_rewards), `fn` by the trainer (algo.advantages.compute_advantages), `policy_loss` by
-the train step (algo.losses.policy_loss_name), `reuse_log_probs` and `critic` by algo.gates,
-`token_rewards` and `critic` by the configuration's checks (config/derive.py), and the names (with
-their `summary`) are the configuration's choices for `advantage_estimator`.
-
-Registering a name twice is an error (two modules silently fighting over one name is a bug);
-asking for an unknown name raises `KeyError` listing the known ones.
-
-This module is a leaf: it holds the two tables and imports none of their entries. Implementers
-register themselves when imported (algo.advantages: the built-in estimators, without torch;
-algo.losses: the built-in policy losses, with torch), and whoever needs the populated registry
-imports them: the package `vime_core.algo` imports algo.advantages, so any import from the
-package (this module included) sees the built-in estimators, and its `get_policy_loss_fn` imports
-algo.losses first. Nothing here imports torch, so the configuration (and `vime --help`) reads the
-registered names without it.
-"""
+"""Name -> advantage estimator and name -> policy loss registries (verl style): an estimator is one
+`register_adv_est` carrying everything the rest of vime asks of it (group normalisation, policy
+loss, gates, configuration checks). A leaf without torch: implementers register when imported, so
+the configuration (and `vime --help`) reads the registered names without importing them."""
 
 from __future__ import annotations
 
@@ -97,7 +74,11 @@ def register_adv_est(
     summary: str = "",
 ) -> Callable[[F], F]:
     """Register the decorated per-token advantage function as estimator `name` (a value of
-    cfg.advantage_estimator) with what it needs elsewhere (the fields of AdvEstimator)."""
+    cfg.advantage_estimator) with what it needs elsewhere (the fields of AdvEstimator).
+
+    For example `@register_adv_est("grpo", group_normalisation="mean_std", policy_loss="ppo",
+    summary="Shao et al. 2024")`. Registering a name twice is an error; an unknown name raises KeyError
+    listing the known ones."""
     if group_normalisation not in typing.get_args(GroupNormalisation):
         raise ValueError(
             f"advantage estimator {name!r}: group_normalisation={group_normalisation!r}; "

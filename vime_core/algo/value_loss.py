@@ -1,26 +1,9 @@
-"""The critic's clipped value loss and its explained variance (advantage_estimator=ppo).
+"""The critic's clipped value loss and its explained variance (advantage_estimator=ppo). Per token, with
+V the value head's estimate, V_old its estimate before this rollout's updates, R the GAE return and
+eps = value_clip (PPO2's value clipping):
 
-Per response token t, with V = the value head's current estimate (with grad), V_old = its
-estimate on the rollout's samples before any update of this rollout (no grad), R = the GAE
-return (algo/advantages.py: returns = A + V_old) and eps = value_clip:
-
-    V_clip  = V_old + clip(V - V_old, -eps, eps)
-    l_t     = 0.5 * max((V - R)^2, (V_clip - R)^2)
-    clipfrac_t = 1 where the clipped term is the larger one ((V_clip - R)^2 > (V - R)^2), else 0
-
-as PPO2's value clipping (Schulman et al. 2017's baselines; verl's `compute_value_loss`,
-OpenRLHF's `ValueLoss`), aggregated over loss_mask == 1 tokens like the policy loss
-(algo/losses.py, aggregate_loss). The clip keeps one rollout's steps from moving a token's value
-more than eps away from the value the advantages were computed with.
-
-Explained variance of the values as predictors of the returns, over the loss tokens:
-
-    EV = 1 - Var(R - V) / Var(R)
-
-1 for a perfect critic, 0 for one that predicts the mean return, negative when worse than that.
-`explained_variance_from_moments` takes the four token means E[R], E[R^2], E[R - V], E[(R - V)^2]
-(what the train step all-reduces over the DP ranks) and uses Var(x) = E[x^2] - E[x]^2.
-"""
+    V_clip = V_old + clip(V - V_old, -eps, eps),   l_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    EV     = 1 - Var(R - V) / Var(R)"""
 
 from __future__ import annotations
 
@@ -32,7 +15,8 @@ import torch
 def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(l_t, clipfrac_t) per token of the module docstring; any shape, float32."""
+    """(l_t, clipfrac_t) per token of the module docstring, clipfrac_t = 1 where the clipped term is the
+    larger one; any shape, float32."""
     values, old_values, returns = values.float(), old_values.float(), returns.float()
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     unclipped_sq = (values - returns) ** 2

@@ -1,26 +1,7 @@
-"""Where a run's actors go: one placement group, one bundle per device (`{"GPU": 1}`; on CPU
-machines the Ray head declares device slots, so the same plan runs there).
-
-    trainer devices   T = actor_num_nodes * actor_num_gpus_per_node
-    engine devices    R = rollout_num_gpus, G = rollout_num_gpus_per_engine, E = R // G engines
-    colocated         bundles 0..T-1; trainer rank i in bundle i; engine e's TP workers on the
-                      devices of bundles e*G .. e*G+G-1 (the trainer ranks it shares GPUs with)
-    disaggregated     bundles 0..T+R-1; trainer rank i in bundle i; engine e on bundles
-                      T+e*G .. T+e*G+G-1
-
-Each engine is one Ray actor scheduled in the first bundle of its range with a fraction of a
-device (as slime does); it starts its vLLM server with CUDA_VISIBLE_DEVICES set to the devices
-Ray assigned to all bundles of its range, so the engine's G TP workers land on distinct GPUs.
-Across Ray nodes: with `trainer_node_resource` / `engine_node_resource` set, the trainer's and
-the engines' bundles also ask a share (NODE_RESOURCE_SHARE) of that custom resource, so Ray puts
-them only on the nodes that declare it (`ray start --resources='{"NAME": 1}'`); a colocated
-bundle asks for both. Unset (the default), a bundle is `{"GPU": 1}` and fits any node.
-
-Shares of a device (they must fit in 1 with room for the one-off device probes):
-
-    colocated:      trainer 0.5 + engine 0.2
-    disaggregated:  trainer 1.0 / engine 0.2 (the rest of an engine's bundles stay reserved)
-"""
+"""Where a run's actors go: one placement group, one bundle per device (`{"GPU": 1}`; on CPU machines
+the Ray head declares device slots, so the same plan runs there). Colocated, trainer ranks and
+engines share bundles 0..T-1; disaggregated, engines take bundles T..T+R-1. Each engine is one Ray
+actor in the first bundle of its range with a fraction of a device, as slime does."""
 
 from __future__ import annotations
 
@@ -48,6 +29,11 @@ class PlacementPlan:
 def plan_placement(
     trainer_devices: int, rollout_devices: int, devices_per_engine: int, colocate: bool
 ) -> PlacementPlan:
+    """T = actor_num_nodes * actor_num_gpus_per_node trainer devices, R = rollout_num_gpus, G =
+    rollout_num_gpus_per_engine, E = R // G engines. Colocated: bundles 0..T-1, trainer rank i in bundle
+    i, engine e on bundles e*G .. e*G+G-1. Disaggregated: bundles 0..T+R-1, engine e on T+e*G .. T+e*G+G-1.
+    An engine's vLLM server gets CUDA_VISIBLE_DEVICES of all its bundles, so its G TP workers land on
+    distinct GPUs."""
     check_layout(trainer_devices, rollout_devices, devices_per_engine, colocate)
     engines = rollout_devices // devices_per_engine
     if colocate:
@@ -70,7 +56,11 @@ def bundle_resources(
     plan: PlacementPlan, trainer_resource: str | None = None, engine_resource: str | None = None
 ) -> list[dict[str, float]]:
     """The resources of each bundle of `plan`: one device, plus a share of the custom node
-    resource of whoever uses the bundle (trainer ranks, engines, or both when colocated)."""
+    resource of whoever uses the bundle (trainer ranks, engines, or both when colocated).
+
+    With `trainer_node_resource` / `engine_node_resource` set, a bundle also asks a share
+    (NODE_RESOURCE_SHARE) of that custom resource, so Ray puts it only on nodes declaring it (a
+    colocated bundle asks for both); unset, `{"GPU": 1}` fits any node."""
     wanted: list[dict[str, float]] = [{"GPU": 1} for _ in range(plan.num_bundles)]
     users = [(trainer_resource, plan.trainer_bundles), (engine_resource, [b for e in plan.engine_bundles for b in e])]
     for resource, indices in users:

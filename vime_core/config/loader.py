@@ -1,26 +1,7 @@
-"""`VimeConfig`, the configuration a run uses, and reading one from a YAML/JSON file, CLI flags,
-or both (flags override the file).
-
-`VimeConfig` is the schema's fields (config/schema.py, a leaf) plus what reaches into the rest of
-vime, applied whenever one is made (`VimeConfig(...)`, a file, flags, the Prefect form):
-
-    1. no model named: the embedded demo's settings under the values (config/demo_settings.py)
-    2. each field: apply_chat_template_kwargs parsed (data/sources.py), the storage endpoint and
-       region from the environment when empty (storage/endpoint.py)
-    3. the derived values and the cross-field checks (config/derive.py)
-
-The argparse parser is generated from the model, so `--help` shows every field's description and
-default without importing anything heavy.
-
-Why not pydantic-settings' CLI or typer (both come with Prefect)? Tried with pydantic-settings
-2.16 (`CliApp.run` on a BaseSettings subclass of VimeConfig, kebab-case, implicit flags): slime's
-flag names map, but `--colocate false` (which this parser takes, as `--colocate` and `--no-colocate`)
-is refused, a YAML file plus overrides
-needs a custom settings source, a BaseSettings model also reads any environment variable named
-like a field (`SEED`, `LR`) unless every field is prefixed, and building and parsing took 0.5 s
-against 0.2 s for this whole `vime train --help`. Typer would need a function signature of ~150
-parameters generated from the model. This module stays: the same behaviour, no hidden inputs.
-"""
+"""`VimeConfig`, the configuration a run uses, read from a YAML/JSON file, CLI flags, or both (flags
+override the file). It is the schema's fields (config/schema.py) plus, whenever one is made: the
+demo's settings when no model is named, per-field parsing and environment defaults, then the derived
+values and cross-field checks (config/derive.py)."""
 
 from __future__ import annotations
 
@@ -141,6 +122,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser(prog: str = "vime train", description: str | None = None) -> argparse.ArgumentParser:
+    """Generated from the model, so `--help` shows every field's description and default without importing
+    anything heavy. Not pydantic-settings' CLI: it refuses `--colocate false`, needs a custom source for a
+    file plus overrides, and reads any environment variable named like a field."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,

@@ -1,28 +1,7 @@
-"""Which prompt rows can be trained on: checked while a prompt source loads (training and eval).
-
-A row's prompt is row[input_key]; the row is bad when that prompt is
-
-    missing    the row has no field input_key
-    null       None ("None" would be trained on as text)
-    empty      "" or only whitespace, an empty message list, or no token after tokenisation
-               (the engines answer such a request with a 400)
-    not text   anything but a str or a list of chat messages (dicts with a "role"): a number,
-               a bool, a dict, a list of anything else
-    too long   more than rollout_max_prompt_len tokens, counted after the chat template
-
-(the last one only where the loader tokenises). Each one can only mean nothing, so by default the
-load stops at the source's first bad row, in one line naming the source, the row (counted from 0,
-as in prompt_id "row-<i>"), the reason and how many rows are bad in all. With drop_bad_prompts the
-bad rows are dropped and counted instead: one warning per source with the count per reason and the
-first rows' numbers; a source with no row left fails. The same rows are dropped on every load of
-the same data with the same settings, so the data source's resume fingerprint (built from the kept
-rows) holds across restarts. Messages never hold a prompt's text, which may be private: only row
-numbers, counts, types and token counts.
-
-Labels are not checked: whether a row needs one is the reward function's business (a reward model
-or a format reward needs none). A source where some rows have a label and others none gets a
-warning naming how many and which, since that is most likely a data error.
-"""
+"""Which prompt rows can be trained on, checked while a prompt source loads (training and eval). A bad
+row stops the load in one line (source, row, reason, how many are bad), or with drop_bad_prompts is
+dropped and counted, the same rows on every load so the resume fingerprint holds. Messages never
+hold a prompt's text, which may be private. Labels are not checked: that is the reward's business."""
 
 from __future__ import annotations
 
@@ -43,8 +22,14 @@ def _rows(numbers: list[int]) -> str:
 
 
 def prompt_problem(record: dict, input_key: str) -> Optional[tuple[str, str]]:
-    """(reason, one line saying why) for a row whose prompt cannot be used (module docstring),
-    else None. Nothing of the prompt's text goes into the line."""
+    """(reason, one line saying why) for a row whose prompt cannot be used, else None:
+
+        missing    the row has no field input_key
+        null       None ("None" would be trained on as text)
+        empty      "" or only whitespace, an empty message list (the engines answer a 400)
+        not text   anything but a str or a list of chat messages (dicts with a "role")
+
+    Nothing of the prompt's text goes into the line."""
     if input_key not in record:
         return "missing", f"no field {input_key!r} (input_key); fields: {sorted(record)}"
     prompt = record[input_key]
@@ -129,7 +114,7 @@ class BadRows:
 
 def warn_partial_labels(where: str, unlabelled: list[int], num_unlabelled: int, num_kept: int, label_key: str) -> None:
     """One warning when some of the `num_kept` rows kept have a label and `num_unlabelled` none
-    (module docstring); `unlabelled`: the first of those rows' numbers (FIRST_ROWS + 1 suffice)."""
+    (most likely a data error); `unlabelled`: the first of those rows' numbers (FIRST_ROWS + 1 suffice)."""
     if 0 < num_unlabelled < num_kept:
         log.warning(
             "prompt data %s: %s (%d of %d prompts) have no label (label_key %r); the reward function gets "

@@ -1,26 +1,7 @@
 """Experiment tracking: each iteration's record (the one appended to metrics.jsonl) also goes to
-Weights & Biases (`--use-wandb`) and/or TensorBoard (`--use-tensorboard`), with step = rollout id.
-
-    start(config)      once per driver process: W&B gets the resolved configuration
-    log(record, step)  every iteration: the record's numbers (rewards, lengths, training
-                       metrics, phase times T_*), nested dicts flattened as `memory/...`;
-                       strings and lists stay in metrics.jsonl only
-    finish()           after the last iteration (and at interpreter exit)
-
-Resume: the W&B run id is fixed by the run (`<run name>-<8 hex of its report folder>`), so a
-resumed driver opens the same W&B run (`resume="allow"`); logging starts again at the resumed
-rollout id, and W&B drops steps below the ones it already has instead of duplicating them.
-TensorBoard gets a new event file in the same folder, starting with a restart marker at the
-first step it logs, so TensorBoard hides what an earlier writer logged at that step or later
-(an iteration that ran again after a crash is shown once, with its new values).
-
-A tracker that fails (no network, a full disk) is turned off with one warning line and the run
-goes on; the warning is returned to the caller, who logs it. The W&B key comes from
-`WANDB_API_KEY` or `wandb login`, read by wandb itself: no configuration field holds it, so the
-configuration logged here and stored in config.json holds no secret.
-
-wandb and tensorboard are imported only when their flag is set.
-"""
+Weights & Biases (`--use-wandb`) and/or TensorBoard (`--use-tensorboard`), step = rollout id. A
+tracker that fails is turned off with one warning and the run goes on; the W&B key is wandb's own
+(WANDB_API_KEY or `wandb login`), never a configuration field."""
 
 from __future__ import annotations
 
@@ -79,7 +60,9 @@ def report_folder(storage_uri: str, run_name: str, endpoint=None):
 def wandb_run_id(run_name: str, report_url: str) -> str:
     """W&B's id of a vime run: stable for the same run name and storage (so a resumed run logs
     into the same W&B run), different for the same name in another storage (the default job's
-    name is the same everywhere). W&B ids take letters, digits, `-` and `_`."""
+    name is the same everywhere). W&B ids take letters, digits, `-` and `_`.
+
+    A resumed driver opens the same W&B run (resume="allow"), and W&B drops steps below the ones it has."""
     safe = re.sub(r"[^A-Za-z0-9_-]", "-", run_name)
     return f"{safe}-{hashlib.sha256(report_url.encode()).hexdigest()[:8]}"
 
@@ -121,7 +104,10 @@ class WandbTracker:
 
 class TensorBoardTracker:
     """Event files in `folder` (on the local disk). For a remote store, `folder` is a local
-    staging folder and each flush copies its files to `remote` (StorageLocation, folder key)."""
+    staging folder and each flush copies its files to `remote` (StorageLocation, folder key).
+
+    A resumed writer starts with a restart marker at its first step, so TensorBoard hides what an
+    earlier writer logged at that step or later (an iteration run again is shown once)."""
 
     name = "tensorboard"
 
@@ -162,7 +148,7 @@ class TensorBoardTracker:
 
 
 class Tracking:
-    """The trackers of one run, each turned off at its first failure (module docstring)."""
+    """The trackers of one run, each turned off at its first failure, with one warning."""
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = list(trackers)

@@ -1,29 +1,7 @@
-"""RewardHub: one place that turns a configuration into "score this sample / this group".
-
-Resolution, at construction (so a bad path fails at start):
-    cfg.custom_rm_path = "module:function"  -> that function (sync or async); it gets one Sample,
-                                               or, with cfg.group_rm, the group's list[Sample]
-                                               and returns one reward per sample
-    else cfg.rm_type in BUILTIN_REWARDS     -> math | exact_match | f1 | remote_rm | arith
-
-A reward is any finite real scalar: int, float, bool (0/1), numpy and torch scalars and 0-d arrays
-(vime_core/rewards/values.py, as_reward); a group function may return a list, a tuple or a 1-d
-array of one per sample.
-
-Failure policy: a reward function that raises (or returns something as_reward refuses) marks the
-sample FAILED, keeps "<Type>: <message>" in metadata["reward_error"] (stored with the batch) and
-the exception's type, or the refused value's type, in metadata["reward_error_type"] (the only
-part logs show: a message may quote private text), and sets reward 0.0; the rollout goes on.
-The batch builder gives failed samples a zero loss mask; the rollout loop logs and counts them
-once per rollout and fails it above max_reward_failure_share.
-
-The remote reward model's bearer token is read once, here (`remote_rm_token`), from the file or
-environment variable the configuration names; it lives only in that client's request headers,
-never in the configuration, a log or an error message.
-
-Sync functions run inline on the event loop (rule-based checkers take microseconds); make slow
-functions async.
-"""
+"""RewardHub: turns a configuration into "score this sample / this group". cfg.custom_rm_path
+("module:function", sync or async, one Sample or with group_rm the group) else a built-in rm_type,
+resolved at construction so a bad path fails at start. A reward function that raises or returns no
+finite real number marks the sample FAILED and the rollout goes on (the rollout loop counts them)."""
 
 from __future__ import annotations
 
@@ -109,7 +87,9 @@ class RewardHub:
         return result
 
     async def score(self, sample: Sample) -> None:
-        """Set sample.reward; on any error mark the sample FAILED (module docstring)."""
+        """Set sample.reward; on any error mark the sample FAILED: "<Type>: <message>" in
+        metadata["reward_error"] (stored with the batch), the type alone in metadata["reward_error_type"]
+        (the only part logs show: a message may quote private text), reward 0.0."""
         try:
             if self.fn_takes_group:
                 reward = as_reward(_group_values(await self._call([sample]), 1)[0])

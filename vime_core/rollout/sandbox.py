@@ -1,29 +1,7 @@
-"""Tool calls in a sandbox: a Python function (`module:function`, JSON in, JSON out) that runs in
-a child process with a time limit, a memory limit, no file system and no network.
-
-A tool answers text the model wrote; a tool that runs code (a Python interpreter tool) runs code
-the model wrote. Either way the call must not reach the trainer's files, credentials or network,
-nor hold the rollout forever. `SandboxedFunction` keeps a few child processes
-(vime_core/rollout/sandbox_child.py, started with `python -I`, an empty environment and an empty
-working folder); each call goes to an idle one and the parent waits at most `wall_s`:
-
-    time     a call that has not answered within wall_s: its process group is killed and the call
-             raises SandboxTimeout (the next call gets a new child); with fresh_per_call also
-             RLIMIT_CPU in the child
-    memory   RLIMIT_AS of memory_mb: an allocation beyond it raises MemoryError in the child, the
-             call raises SandboxRefused naming it
-    files    RLIMIT_NOFILE at the descriptors open once the target is imported (open() fails in the
-             kernel) and RLIMIT_FSIZE 0; Python's audit hook refuses the path operations that need
-             no descriptor (remove, rename, chmod, listdir, ...), processes, ctypes and new imports
-    network  when `unshare --user --net` works on the host, the child has its own network namespace
-             (no interface but a loopback that is down); always: no socket can be opened
-             (RLIMIT_NOFILE and the audit hook)
-
-The function is trusted code and the argument is not: a child serves many calls, so with
-`fresh_per_call` (a tool that executes the model's code) each call gets a child of its own and
-nothing one call does can reach the next. What the audit hook refuses is refused by Python, not
-by the kernel: code that corrupts the interpreter's memory could get past it, not past the limits.
-"""
+"""Tool calls in a sandbox: a Python function (`module:function`, JSON in, JSON out) run in a child
+process with a time limit, a memory limit, no file system and no network, because a tool answers
+(and may run) code the model wrote, which must not reach the trainer's files, credentials or
+network, nor hold the rollout forever."""
 
 from __future__ import annotations
 
@@ -162,9 +140,18 @@ class _Child:
 
 
 class SandboxedFunction:
-    """`target` ("module:function", importable by this process) called in the sandbox: JSON-able
-    argument in, JSON-able value out (module docstring). Thread-safe; at most `max_children`
-    children at once, the others wait for one."""
+    """`target` ("module:function", importable by this process) called in the sandbox: JSON-able argument
+    in, JSON-able value out. Thread-safe; at most `max_children` children at once, the others wait.
+
+        time     no answer within wall_s: the process group is killed, SandboxTimeout
+        memory   RLIMIT_AS of memory_mb: MemoryError in the child, SandboxRefused
+        files    RLIMIT_NOFILE at the descriptors open after import, RLIMIT_FSIZE 0, and an audit hook
+                 refusing path operations, processes, ctypes and new imports
+        network  its own network namespace where `unshare --user --net` works; always no socket
+
+    Children (sandbox_child.py: `python -I`, empty environment and folder) serve many calls;
+    `fresh_per_call` gives each call its own. The audit hook is Python's, not the kernel's: code that
+    corrupts the interpreter could get past it, not past the limits."""
 
     def __init__(
         self, target: str, limits: SandboxLimits = SandboxLimits(), fresh_per_call: bool = False, max_children: int = 2

@@ -1,26 +1,8 @@
-"""The trainer checkpoint on disk.
-
-    <storage>/checkpoints/<run>/rollout_<k:06d>/
-        rank_<r>.pt        torch.save of one dict per rank: this rank's Megatron weights (its TP
-                           shard), optimizer state, RNG states, counters, extra_state
-        critic_rank_<r>.pt with a critic (advantage_estimator=ppo): the same rank's value model
-                           (body and head), its optimizer state and schedule (trainer/critic.py);
-                           with critic_save in <critic_save>/<run>/rollout_<k:06d>/ instead
-        manifest.json      written last by rank 0, after every rank's file is in place:
-                           {format, version, rollout_id, world_size, tp, dp, weight_version,
-                            files, critic_files (empty without a critic), critic_dir (the
-                            folder of critic_files; null: this one), hf_checkpoint, created_at}
-
-Every file is written atomically (`StorageLocation.put_atomic`: beside and renamed on a local
-file system, one PUT on an object store), and a checkpoint counts only once its manifest
-exists, so a reader never sees a partial one; critic files in critic_save count only through
-the manifest that names their folder (the critic folder has none of its own). Nothing is
-removed: every checkpoint is kept. Paths are local folders or ``s3://...`` URIs, opened like
-the batch store (`vime_core.storage.fs.open_location`), at the run's S3 endpoint (`endpoint`:
-the trainer passes its configuration's; None: this process's environment). Rank files are read
-with torch's weights-only unpickler (load_state_bytes): a file that holds any other pickled
-object is refused, so writing to the run's storage does not let anyone run code in the trainer.
-"""
+"""The trainer checkpoint on disk: `<storage>/checkpoints/<run>/rollout_<k:06d>/` holds one
+`rank_<r>.pt` per rank (weights shard, optimizer, RNG states, counters), `critic_rank_<r>.pt` with a
+critic, and `manifest.json`, written last by rank 0. Every file is written atomically and a
+checkpoint counts only once its manifest exists, so a reader never sees a partial one. Rank files
+are read with torch's weights-only unpickler, so writing to the run's storage cannot run code here."""
 
 from __future__ import annotations
 

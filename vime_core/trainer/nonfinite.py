@@ -1,29 +1,7 @@
-"""No non-finite loss or gradient reaches the weights: such an optimizer step is skipped on every
-rank, counted, and too many in a row stop the run.
-
-For one optimizer step (the policy's or the critic's), on rank r after the micro-batches'
-backward and Megatron's finalize_model_grads (the DP all-reduce of the gradients):
-
-    f_r = 1  if the step's loss on r or the sum of any of its DDP gradient buffers is NaN or +-Inf
-    f   = max_r f_r          one all-reduce of one float over the world group (every TP and DP
-                             rank: a TP rank only sees its own shard of the gradients)
-    f = 1    the step is skipped on every rank alike: no optimizer step (weights, Adam's moments
-             and step count stay bit for bit), the gradient buffers are zeroed, the learning-rate
-             schedule does not advance; the step counts in `skipped_steps`
-    run      a finite step resets the count of skipped steps in a row; one more than
-             max_skipped_steps in a row raises NonFiniteStepsError, naming the rollout id
-
-A buffer's sum is NaN or Inf exactly when one of its elements is (or when the finite gradients
-sum past fp32's 3e38, a broken step too); summing reads the buffer once and allocates nothing of
-its size, where torch.isfinite(buffer).all() would allocate a bool per parameter. Megatron's own
-check (a grad scaler's found_inf) exists only for fp16; with bf16 or fp32 a NaN gradient passes
-its step as a success, and clipping does not clip a NaN norm.
-
-NonFiniteStepsError is a ValueError: a data or training error that a second try of the iteration
-would hit again (vime_core/faults.py does not retry it). The iteration fails before its
-checkpoint and its publish, so the engines, the checkpoints and the stored batches keep what
-they had.
-"""
+"""No non-finite loss or gradient reaches the weights: such an optimizer step is skipped on every rank
+(weights, Adam's moments, step count and schedule stay), counted, and more than max_skipped_steps
+in a row raise NonFiniteStepsError, a ValueError the train flow does not retry. Megatron's own check
+exists only for fp16; with bf16 or fp32 a NaN gradient would pass."""
 
 from __future__ import annotations
 
@@ -86,8 +64,13 @@ def gradient_buffers(model: Any) -> list[torch.Tensor]:
 
 
 def step_is_finite(model: Any, loss: Any, device: Any) -> bool:
-    """Whether the step's loss and gradients are finite on every rank (module docstring: f = 0);
-    one all-reduce of one float, then one read-back."""
+    """Whether the step's loss and gradients are finite on every rank; call after finalize_model_grads.
+
+        f_r = 1 if the loss on rank r or the sum of any of its DDP gradient buffers is NaN or +-Inf
+        f   = max_r f_r     (one all-reduce over the world group: a TP rank sees only its shard)
+
+    A buffer's sum reads it once and allocates nothing of its size (isfinite would allocate a bool per
+    parameter); finite gradients summing past fp32's range are a broken step too."""
     # each sum in its buffer's dtype: a dtype argument would make a converted copy of the buffer
     values = [g.sum().double().reshape(1).to(device) for g in gradient_buffers(model)]
     values.append(torch.as_tensor(loss, dtype=torch.float64).to(device).reshape(1))

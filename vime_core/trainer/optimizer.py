@@ -1,29 +1,12 @@
-"""Megatron's optimizer and learning-rate schedule for one trainer rank, and their checkpoint state.
+"""Megatron's optimizer (AdamW over its standard parameter groups) and learning-rate schedule for one
+trainer rank, and their checkpoint state. The schedule, in optimizer steps n (step n runs at lr(n)):
 
-    DDP        DistributedDataParallelConfig(grad_reduce_in_fp32, use_distributed_optimizer)
-    optimizer  get_megatron_optimizer(OptimizerConfig(adam, lr, min_lr, weight_decay, adam_beta1,
-               adam_beta2, adam_eps, clip_grad, bf16, use_distributed_optimizer)): AdamW over
-               Megatron's standard parameter groups (no weight decay on biases and 1-D parameters)
-    schedule   Megatron's OptimizerParamScheduler, in optimizer steps:
-                 lr(n) = lr_warmup_init + (lr - lr_warmup_init) * n / W        n <= W (W > 0)
-                       = lr                                                    n > W, constant
-                       = min_lr + (lr - min_lr) * c(r),  r = (n - W) / (D - W)  W < n <= D
-                       = min_lr                                                n > D
-               with c(r) = 1 - r (linear) or (1 + cos(pi r)) / 2 (cosine), W the warmup steps and D
-               = lr_decay_iters (vime_core/config/optimizer.py). Optimizer step n (counting from 0)
-               runs at lr(n): the scheduler is stepped once after each successful optimizer step,
-               as Megatron's training loop does.
+    lr(n) = lr_warmup_init + (lr - lr_warmup_init) * n / W        n <= W (W > 0)
+          = lr                                                    n > W, constant
+          = min_lr + (lr - min_lr) * c(r),  r = (n - W) / (D - W)  W < n <= D
+          = min_lr                                                n > D
 
-In a checkpoint (one rank's file): the optimizer's state dict (as before), the scheduler's state
-dict, and under the distributed optimizer this rank's shard of the fp32 main parameters and Adam's
-moments, which Megatron's `DistributedOptimizer.state_dict()` leaves out. A checkpoint is read back
-by the same layout (vime_core/trainer/checkpoint.py), so each rank restores its own shard.
-
-On resume this run's settings win over the checkpoint's (Megatron's override_opt_param_scheduler,
-so a longer run may extend the decay); the step count comes from the checkpoint, and a setting that
-changed is logged. A checkpoint written before schedules were saved starts the schedule at its
-optimizer step count.
-"""
+c(r) = 1 - r (linear) or (1 + cos(pi r)) / 2 (cosine), W the warmup steps, D = lr_decay_iters."""
 
 from __future__ import annotations
 
@@ -125,7 +108,10 @@ def _shard_params(part: Any) -> list[Any]:
 
 
 def optimizer_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """What a rank's checkpoint keeps of the optimizer and its schedule."""
+    """What a rank's checkpoint keeps of the optimizer and its schedule.
+
+    Under the distributed optimizer it includes this rank's shard of the fp32 main parameters and Adam's
+    moments, which DistributedOptimizer.state_dict() leaves out; each rank restores its own shard."""
     state: dict[str, Any] = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     parts = _distributed_parts(optimizer)
     if parts:
@@ -165,7 +151,9 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> N
 
 
 def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer_steps: int, where: str) -> None:
-    """Bring a freshly built scheduler to the checkpoint's step (see the module docstring)."""
+    """Bring a freshly built scheduler to the checkpoint's step. This run's settings win over the
+    checkpoint's (Megatron's override_opt_param_scheduler, so a longer run may extend the decay) and a
+    changed setting is logged; a checkpoint without a schedule starts it at its optimizer step count."""
     if state is None:
         log.info(
             "%s holds no learning-rate schedule (written before it was saved): the schedule starts at "

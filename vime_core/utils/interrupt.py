@@ -1,29 +1,7 @@
-"""How `vime train` stops on Ctrl-C (SIGINT) or SIGTERM (a scheduler preempting the job).
-
-Either signal prints where the run stands and raises KeyboardInterrupt, so the flows unwind as
-they do for Ctrl-C; the process then exits at most `grace_s` later, whatever the unwinding does
-(exit status 130 for SIGINT, 143 for SIGTERM, as a shell reports them). A second signal exits
-at once. Stored batches and checkpoints are complete files (atomic writes); the same command
-resumes.
-
-Why a deadline: the signal also reaches Prefect's temporary server (same process group), and
-Prefect then reports the crash to that dead server with retries and backoff (measured: 75 s).
-
-Why a watcher thread and not a timer started by the handler: the deadline must hold whichever
-Python handler the signal finds. Every Prefect flow run replaces the SIGTERM handler with its own
-for the run's duration (prefect.utilities.engine.capture_sigterm), from before the flow's body
-runs until after it returns; a SIGTERM in that window raises Prefect's TerminationSignal, which
-code inside a C call turns into an ordinary SystemError that a retry may swallow. And a handler
-that starts a thread can deadlock: it runs between two bytecodes of the main thread, which may
-hold threading's own lock. So `install` starts one thread at once and points the interpreter's
-wakeup fd (signal.set_wakeup_fd) at it: the C-level handler writes every caught signal's number
-there, whatever Python handler runs, and the thread prints the message and ends the process when
-the grace period is over. The Python handler only raises KeyboardInterrupt (takes no lock).
-
-`reinstall` puts our handler back after Prefect replaced it (the train and iteration flows call
-it first); it does nothing unless the CLI called `install` (under a Prefect worker SIGTERM is the
-runner's cancellation and stays Prefect's).
-"""
+"""How `vime train` stops on Ctrl-C (SIGINT) or SIGTERM: either signal prints where the run stands and
+raises KeyboardInterrupt, so the flows unwind; the process exits at most `grace_s` later whatever the
+unwinding does (130 for SIGINT, 143 for SIGTERM), at once on a second signal. Stored batches and
+checkpoints are atomic, so the same command resumes."""
 
 from __future__ import annotations
 
@@ -86,15 +64,25 @@ class _Handler:
 
 
 def install(message: str, grace_s: float = GRACE_S) -> None:
-    """Handle SIGINT and SIGTERM as the module docstring says; `message` goes to stderr once.
-    Main thread only (the wakeup fd and signal handlers are the main thread's)."""
+    """Handle SIGINT and SIGTERM (module docstring); `message` goes to stderr once.
+    Main thread only (the wakeup fd and signal handlers are the main thread's).
+
+    Why a deadline: the signal also reaches Prefect's temporary server, and Prefect then reports the
+    crash to that dead server with retries and backoff. Why a watcher thread started here, not a timer
+    started by the handler: every Prefect flow run replaces the SIGTERM handler with its own
+    (capture_sigterm), and a handler that starts a thread can deadlock on threading's lock. So the
+    interpreter's wakeup fd (signal.set_wakeup_fd) feeds every caught signal to the thread, whatever
+    Python handler runs; the Python handler only raises KeyboardInterrupt."""
     global _installed
     _installed = _Handler(message, grace_s)
     reinstall()
 
 
 def reinstall() -> None:
-    """Put the handler back where a Prefect flow run replaced it (main thread only)."""
+    """Put the handler back where a Prefect flow run replaced it (main thread only).
+
+    The train and iteration flows call it first; it does nothing unless the CLI called `install`
+    (under a Prefect worker SIGTERM is the runner's cancellation and stays Prefect's)."""
     if _installed is None or threading.current_thread() is not threading.main_thread():
         return
     for signum in EXIT_STATUS:

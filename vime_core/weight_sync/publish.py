@@ -1,27 +1,8 @@
-"""Publish the trainer's HF-named weights into running vLLM engines as version `new_version`
-(the sync phase; the first publish at startup is version 1).
-
-    gather    materialise the (name, tensor) stream (TP gathers happen here, in the caller's
-              iterator); everything is checked before anything moves, so it is held whole
-    validate  names, shapes, dtypes against every engine's model (`weight_spec`); a mismatch
-              raises here and the engines never notice
-    pause     flush = should_flush_cache(interval, v, v0): pause every engine with mode
-              abort when flushing, else mode keep (in-flight requests freeze and continue
-              afterwards); the first bucket starts packing meanwhile
-    start     open the engines' weight-update session (transport-specific) and, when
-              flushing, reset the prefix cache (KV computed by the old weights must not be reused)
-    transfer  pack into buckets of cfg.update_weight_buffer_size bytes and send each
-    finish    close the session with the new version
-    resume    resume generation on every engine
-    verify    every engine reports `new_version`
-
-Failure before the first tensor byte reached an engine: the session is closed empty (vLLM
-restores the old weights), the engines resume and keep serving the old version, and the error
-names the tensor or engine. Failure after that: the engines may hold a half-applied update, so
-they stay paused and `PublishError` says so (republish or restart them).
-
-Control calls go to each engine directly, never through the router (it drops query strings).
-"""
+"""Publish the trainer's HF-named weights into running vLLM engines as version `new_version` (the sync
+phase; the first publish at startup is version 1): gather, validate against every engine's weight
+spec before anything moves, pause, start the session (resetting the prefix cache when flushing),
+send buckets, finish, resume, verify. Control calls go to each engine directly, never through the
+router (it drops query strings)."""
 
 from __future__ import annotations
 
@@ -80,7 +61,11 @@ def publish_weights(
     publishes); None makes one for this call and closes it afterwards. `peers`: the other
     trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py).
     `token`: the engine token every call sends; None: the loop's (`PublishLoop.engine_token`:
-    its own, else the run's, asked from the RolloutManager through Ray)."""
+    its own, else the run's, asked from the RolloutManager through Ray).
+
+    A failure before the first tensor byte reached an engine closes the session empty (vLLM keeps the
+    old weights) and the engines resume on the old version; after it, the engines may hold a
+    half-applied update, so they stay paused and PublishError says so (republish or restart them)."""
     from vime_core.weight_sync.publish_loop import PublishLoop
     from vime_core.weight_sync.transport import make_transport
 
