@@ -1,25 +1,10 @@
-"""GPU weight transport (CUDA IPC) and trainer sleep/wake, measured (issue 7).
+"""GPU weight transport (CUDA IPC) and trainer sleep/wake. For each --shapes model (random bf16, one
+GPU, TP=1) the trainer's weights go to a receiving process on the same GPU as to a colocated vLLM
+engine (gather, pack, handles, receive, and the same through IpcTransport), each tensor checked by
+checksum, against a device-to-device copy of the same bytes; then device memory and times of a
+trainer sleep and wake, and a training step after the wake.
 
-For each ``--shapes`` model (random bf16 weights, one GPU, TP=1) the trainer's weights go to a
-receiving process on the same GPU the way a colocated vLLM engine gets them:
-
-    gather    MegatronTrainer.iter_hf_weights(): HF names, fused QKV split, gate/up split
-    pack      buckets.iter_buckets (cfg.update_weight_buffer_size) + transport.ipc.pack_bucket
-    handles   transport.ipc.default_reduce (CUDA IPC handle) + ipc_update_info (vLLM's packed payload)
-    receive   a spawned process decodes the payload, rebuilds the buffer from the handle
-              (rebuild_cuda_tensor with its own device index, as vLLM's IPC engine does), splits it
-              by tensor_sizes, views each slice as its dtype/shape and copies it into its own
-              tensors (what the engine's load_weights does)
-    publish   the same through IpcTransport itself (prepare/start/send_bucket/finish) with an
-              in-process stand-in for the engine client that forwards to the receiver
-
-Every received tensor's checksum (sum of its 16-bit words times (position mod 65521 + 1)) is
-compared with the sender's. The baseline is a device-to-device copy of the same bytes in this
-process (bytes counted once; the read + write traffic is twice that). Then trainer sleep/wake:
-device memory before, after sleep and after wake, the times, and a training step after wake.
-
-    bench/run.py transport_gpu --shapes 0.5b,1.5b
-"""
+    bench/run.py transport_gpu --shapes 0.5b,1.5b"""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
-"""Shared pieces of the GPU benchmarks: model shapes, random HF checkpoints, FLOP counts, timing.
+"""Shared pieces of the GPU benchmarks: model shapes (Qwen-style HF configs built here, no hub), random
+HF checkpoints, FLOP counts and timing. FLOPs of one training step over samples of lengths s_i
+(T = sum_i s_i tokens, N the parameters that take part in a matmul, the LM head included):
 
-Shapes are Qwen-style HF configs built here (no hub): ``0.5b`` is Qwen2.5-0.5B's shape, ``1.5b``
-Qwen2.5-1.5B's, ``4b`` Qwen3-4B's (issue 8), ``tiny`` / ``tiny-qwen2`` small Qwen3 / Qwen2 models for CPU dry runs.
+    dense = 6 * N * T,   attention = sum_i 6 * L * (heads * head_dim) * s_i^2 (causal),
+    MFU   = flops / step_time / PEAK_BF16_FLOPS (the GPU's datasheet dense bf16 peak)
 
-FLOPs of one training step over samples of lengths s_i (T = sum_i s_i tokens):
-
-    dense     = 6 * N * T                        N = parameters that take part in a matmul
-                                                 (all but the input embedding when it is not tied;
-                                                 a tied embedding is the LM head's matmul)
-    attention = sum_i 6 * L * (heads * head_dim) * s_i^2
-                (QK^T and PV: 4 * s^2 * d_attn per layer forward, halved by the causal mask,
-                 times 3 for forward + backward)
-    MFU       = flops / step_time / 989e12        (H200 dense bf16 peak, datasheet)
-
-A forward-only pass (log-prob recompute) is a third of that: 2 * N * T + sum_i 2 * L * d_attn * s_i^2.
-
-The LM head (vocab x hidden, the tied embedding's matmul) is part of N and so counted on all T
-tokens. The trainer only needs its logits at the response positions (the next token of a prompt
-position is not trained on); ``head_tokens`` counts it on those R tokens instead:
-
-    dense(head_tokens=R) = 6 * (N - V * h) * T + 6 * V * h * R
-"""
+A forward-only pass is a third of that; `head_tokens` counts the LM head on the R response tokens
+only: 6 * (N - V * h) * T + 6 * V * h * R."""
 
 from __future__ import annotations
 

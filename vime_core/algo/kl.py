@@ -1,25 +1,12 @@
-"""KL estimators between the current policy and a reference (Schulman, "Approximating KL
-Divergence", 2020). With x sampled from p, m the loss mask and
+"""KL estimators between the current policy and a reference (Schulman, "Approximating KL Divergence",
+2020). With x sampled from p and m the loss mask:
 
-    log_ratio = where(m > 0, log p(x) - log p_ref(x), 0)          (masked_log_ratio)
-    s         = clamp(log_ratio, -20, 20)                         (verl's bound, before exp)
+    log_ratio  = where(m > 0, log p(x) - log p_ref(x), 0),   s = clamp(log_ratio, -20, 20)
+    k1 = log_ratio,   k2 = 0.5 * log_ratio^2,   k3 = exp(-s) - 1 + s,   low_var_kl = clamp(k3, -10, 10)
 
-the per-token estimates are
-
-    k1 = log_ratio                                   unbiased, high variance, can be negative
-    k2 = 0.5 * log_ratio^2                           biased, low variance
-    k3 = exp(-s) - 1 + s                             >= 0, low variance; unbiased (Schulman's k3)
-                                                     where |log_ratio| <= 20, which it equals
-    low_var_kl = clamp(k3, -10, 10)                  k3 with its tail cut (as verl/slime)
-
-The rule: no KL form overflows and a token with loss mask 0 (a tool output, padding) cannot
-poison the step. exp only ever sees s in [-20, 20], so k3's value and its derivative -exp(-s) + 1
-are finite (a log-ratio of -91 alone would give exp(91) = inf in fp32, and in the backward
-0 * inf = NaN even for a token the loss multiplies by 0). k1 and k2 have no exp: they are finite
-for finite log-probs. A masked token's log-ratio is replaced by 0 with torch.where, not multiplied
-by 0, so its KL is exactly 0 in every form and no gradient reaches its log-probs, whatever they
-are. The same masking guards every other log-ratio a loss exponentiates (losses.py, ppo_kl).
-"""
+The rule: no form overflows (exp only sees s in [-20, 20]), and a masked token's log-ratio is
+replaced by 0 with torch.where, not multiplied by 0, so its KL is exactly 0 and no gradient (no
+0 * inf = NaN) reaches its log-probs. The same masking guards every log-ratio a loss exponentiates."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""Derived configuration values, computed in one place.
-
-    global_batch_size      = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
-    eps_clip_high          = eps_clip                       (when unset)
-    over_sampling_batch_size = rollout_batch_size           (when unset)
-    rollout_max_context_len = rollout_max_prompt_len + rollout_max_response_len (when unset)
-    vllm_enforce_eager     = device == "cpu"               (when unset)
-    rollout_num_gpus       = trainer devices when colocated, else 1 (when unset)
-    num_engines            = rollout_num_gpus // rollout_num_gpus_per_engine
-    rollout_concurrency    = vllm_server_concurrency * num_engines
-    dp_size                = trainer devices // tensor_model_parallel_size
-    critic_lr              = lr                             (when unset, with a critic: ppo)
-    rollout_logprob_readers = the set flags of ROLLOUT_LOGPROB_FLAGS; the rollout requests the
-                             engines' log-probs (needs_rollout_logprobs) only when one is set
-    loss_scale_factor      = rollout_max_response_len       (when unset and loss_agg_mode=seq_mean_token_sum_norm)
-    lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
-
-Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
-
-The configuration's own class (VimeConfig, config/loader.py) calls `derive_in_place` whenever
-one is made; the functions here read only the schema's fields (config/schema.py).
-"""
+"""Derived configuration values and cross-field checks, computed in one place: VimeConfig
+(config/loader.py) calls `derive_in_place` whenever one is made; the functions here read only the
+schema's fields. Contradictions raise ValueError naming the fields."""
 
 from __future__ import annotations
 
@@ -97,6 +78,18 @@ def check_layout(trainer_devices: int, rollout_devices: int, devices_per_engine:
 
 
 def derive_in_place(cfg: ConfigFields) -> None:
+    """Fill the derived fields of `cfg` and run the cross-field checks:
+
+        global_batch_size        = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
+        eps_clip_high            = eps_clip                       (when unset)
+        over_sampling_batch_size = rollout_batch_size             (when unset)
+        rollout_max_context_len  = rollout_max_prompt_len + rollout_max_response_len (when unset)
+        vllm_enforce_eager       = device == "cpu"                (when unset)
+        rollout_num_gpus         = trainer devices when colocated, else 1 (when unset)
+        critic_lr                = lr                             (when unset, with a critic)
+        loss_scale_factor        = rollout_max_response_len       (when unset, seq_mean_token_sum_norm)
+
+    lr_decay_iters and the recompute defaults: vime_core/config/optimizer.py."""
     rollout_samples = samples_per_rollout(cfg)
     if cfg.num_steps_per_rollout is not None:
         if rollout_samples % cfg.num_steps_per_rollout:

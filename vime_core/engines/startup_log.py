@@ -1,25 +1,6 @@
-"""Where a vLLM server's start went, read from its log.
-
-`EngineServer` writes one line before it launches the server (`launch_line`); vLLM then logs
-with a time stamp (`MM-DD HH:MM:SS`, local time) per line. For each milestone below, the
-seconds from the launch to its first line:
-
-    args            vLLM's "non-default args" line: the interpreter and vLLM's imports are done
-    weights_loaded  "Loading weights took"
-    model_loaded    "Model loading took"
-    compiled        "torch.compile took" (also printed when the compiled graphs came from the cache)
-    graphs_captured "Graph capturing finished"
-    engine_ready    "init engine (profile, create kv cache, warmup model) took"
-    serving         "Available routes are" (the HTTP app's routes, logged as it starts serving:
-                    uvicorn's own "Application startup complete" has no time stamp)
-
-and what vLLM itself reports: `torch_compile_s`, `dynamo_s` (bytecode transform), `compile_s`
-(the sum of "Compiling a graph for compile range ... takes X s": 0 on a cache hit),
-`graph_capture_s`, `engine_init_s`; `compile_cache` is "hit" (the compiled model or its graphs
-were loaded from vLLM's compile cache), "miss" (graphs were compiled), "load_failure" (a cached
-artifact was there and could not be loaded, so the model compiled again) or None (no compile:
-eager, or a release that logs none of these). The formats are vLLM 0.26's and 0.32's.
-"""
+"""Where a vLLM server's start went, read from its log: the seconds from the launch line `EngineServer`
+writes to each milestone vLLM logs, and whether vLLM's compile cache answered (vLLM 0.26's and 0.32's
+formats)."""
 
 from __future__ import annotations
 
@@ -71,8 +52,19 @@ def _stamp(line: str, year: int) -> Optional[float]:
 
 
 def startup_marks(text: str) -> dict[str, Any]:
-    """The module docstring's figures from a server log's text (its last launch when the log
-    holds several: a restarted server appends to its log)."""
+    """Milestones of a server log's text (its last launch when the log holds several: a restarted server
+    appends to its log), in seconds from the launch line to its first line:
+
+        args            vLLM's "non-default args" line: the interpreter and vLLM's imports are done
+        weights_loaded  "Loading weights took"
+        model_loaded    "Model loading took"
+        compiled        "torch.compile took" (also printed when the graphs came from the cache)
+        graphs_captured "Graph capturing finished"
+        engine_ready    "init engine (profile, create kv cache, warmup model) took"
+        serving         "Available routes are"
+
+    and what vLLM reports: torch_compile_s, dynamo_s, compile_s (0 on a cache hit), graph_capture_s,
+    engine_init_s; compile_cache "hit", "miss", "load_failure" or None (no compile)."""
     start = text.rfind(LAUNCH_PREFIX)
     launched: Optional[float] = None
     if start >= 0:

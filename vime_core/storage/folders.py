@@ -1,25 +1,10 @@
-"""A folder of files (an HF export: weights, config, tokenizer) published as one unit: a reader
-sees the previous folder or the new one whole, never a mix or a part.
+"""A folder of files (an HF export) published as one unit: a reader sees the previous folder or the new
+one whole, never a mix or a part. On a local disk the staged folder is renamed into place; on an
+object store its files go under a fresh prefix and `<key>/manifest.json`, written last in one PUT,
+names it (the trainer checkpoint's rule), so an upload cut short is never read.
 
-    staged = staging_dir(location, key)        # a local folder to write the files into
-    ...write files into staged...
-    folder = publish_folder(location, key, staged, label="v8")
-    published_folder(location, key)            # the URI/path a reader loads, or None
-
-On a local disk the staged folder sits beside `key` and is renamed into place (the previous one
-renamed away first, then removed), so `key` itself is the folder.
-
-An object store renames nothing, and copying many objects is not atomic, so there the folder
-never changes in place: its files go under a fresh prefix `<key>/<label>-<random>/`, and
-`<key>/manifest.json` is written last (one PUT, `StorageLocation.put_atomic`) naming
-that prefix. It is the trainer checkpoint's rule (vime_core/trainer/checkpoint.py): a folder
-counts only once a manifest names it, so an upload cut short is never read. The previous folder
-and any upload cut short before are removed after the manifest moved on, as the local rename
-removes the old folder.
-
-    <key>/manifest.json     {"format", "version", "folder", "files", "created_at"}
-    <key>/<folder>/...      the files
-"""
+    staged = staging_dir(location, key)    # write the files here, then
+    folder = publish_folder(location, key, staged, label="v8")"""
 
 from __future__ import annotations
 

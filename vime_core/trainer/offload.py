@@ -1,25 +1,7 @@
-"""Sleep/wake of the trainer's device memory between phases (offload_train).
-
-On a GPU, ``offload`` copies every parameter, the optimizer's state and main (fp32) parameters
-to pinned CPU memory and frees their device storage, frees DDP's gradient buffers, then returns
-the allocator's cache to the driver; ``onload`` reverses it. The bytes freed are measured as the
-drop of ``torch.cuda.memory_allocated()`` (what the engines can now use) and reported.
-
-Tensors keep their device while asleep: only their storage is resized to 0 bytes and back (as
-Megatron does with its grad buffers). Moving them with ``t.data = t.data.to("cpu")`` instead
-changes a parameter's device, which makes autograd drop its gradient accumulator, and with it
-the hook through which Megatron's DDP adds each gradient into ``main_grad``: after the first
-wake every gradient went to ``param.grad``, the optimizer saw zeros (grad norm 0, measured on
-an H200) and training silently stopped.
-
-The parameters can stay behind (`keep_params`) and follow later (`offload_params`): in a
-colocated step the trainer sleeps right after training, but the engines copy the new weights out
-of the trainer's parameters over CUDA IPC afterwards, so those are released once the publish is
-done. The optimizer's state, fp32 main parameters and gradient buffers (7x the bf16 weights
-under Adam) go at once.
-
-On CPU there is nothing to free: both are logged no-ops.
-"""
+"""Sleep/wake of the trainer's device memory between phases (offload_train): `offload` copies the
+parameters, optimizer state and fp32 main parameters to pinned host memory, frees their storage and
+DDP's gradient buffers, and returns the allocator's cache; `onload` reverses it. On CPU both are
+logged no-ops."""
 
 from __future__ import annotations
 
@@ -111,7 +93,13 @@ def restore_from_host(copies: Iterable[HostCopy]) -> None:
 def offload(model: Any, optimizer: Any, keep_params: bool = False) -> tuple[int, list[HostCopy]]:
     """Free the training state's device memory; returns (device bytes freed, the host copies
     ``onload`` needs). Tensors that live on the CPU (torch Adam keeps its ``step`` counters
-    there) are left alone. `keep_params`: the model's parameters stay (module docstring)."""
+    there) are left alone. `keep_params`: the model's parameters stay (below).
+
+    Tensors keep their device while asleep, only their storage resized to 0 bytes and back (as
+    Megatron does): moving them with `t.data = t.data.to("cpu")` changes a parameter's device, autograd
+    then drops the hook through which Megatron's DDP fills main_grad, and training silently stops.
+    With keep_params the parameters follow later (`offload_params`): in a colocated step the engines
+    copy the new weights out of them over CUDA IPC after the trainer sleeps."""
     if not torch.cuda.is_available():
         log.info("sleep: CPU trainer, nothing to free (no-op)")
         return 0, []

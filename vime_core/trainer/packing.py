@@ -1,25 +1,10 @@
-"""Micro-batch packing: variable-length samples laid end to end in one sequence (THD format).
-
-A micro-batch of samples with token lists ``x_0 .. x_{n-1}`` (lengths ``L_i``) becomes one row of
-``T = sum_i L_i`` tokens with
+"""Micro-batch packing: variable-length samples laid end to end in one sequence (THD format), so a
+micro-batch needs no padding and a packed forward equals n separate forwards:
 
     cu_seqlens = [0, L_0, L_0 + L_1, ..., T]            (int32, Megatron's PackedSeqParams)
     position_ids[cu_seqlens[i] + j] = j                (each sample restarts at position 0)
 
-Megatron applies RoPE per sample from ``cu_seqlens`` and ``SDPACoreAttention`` attends causally
-inside each sample only, so a packed forward equals n separate forwards.
-
-Padding waste: **zero tokens** — THD packing needs no padding without sequence parallelism (we
-never enable it), so the padding-waste bound is 0 per micro-batch, whatever the length mix.
-
-Response positions: for sample i with prompt length P_i and response length R_i, the logits at
-packed positions ``cu_seqlens[i] + P_i - 1 + t`` predict response token t (t < R_i), whose id is
-``x_i[P_i + t]``.
-
-Host -> device copies go through pinned memory without blocking (``to_device``): a plain copy from
-pageable memory waits for the GPU to finish everything queued before it, so each micro-batch's
-inputs stalled the host until the previous micro-batch's backward had run.
-"""
+The logits at packed position cu_seqlens[i] + P_i - 1 + t predict response token t of sample i."""
 
 from __future__ import annotations
 
@@ -64,7 +49,10 @@ class PackedMicroBatch:
 
 def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """``tensor`` (on the CPU) on ``device``; to a GPU through pinned memory without blocking the
-    host (the caching host allocator keeps the pinned block until the copy has run)."""
+    host (the caching host allocator keeps the pinned block until the copy has run).
+
+    A plain copy from pageable memory waits for everything queued on the GPU, so each micro-batch's
+    inputs would stall the host until the previous backward had run."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)

@@ -1,24 +1,10 @@
-"""RoPE on THD-packed micro-batches, fused: Megatron's rope-fusion hook filled without Transformer Engine.
-
-A packed tensor ``t`` [T, h, d] holds samples at rows ``[cu_i, cu_{i+1})``; row r of sample i is
-at position ``p(r) = r - cu_i`` (each sample restarts at 0, as ``packing.py`` lays them out).
-With Megatron's frequency table ``f`` [S, 1, 1, d] (``f[p] = p * [theta_0 .. theta_{d/2-1}]``
-twice, not interleaved):
+"""RoPE on THD-packed micro-batches, fused: Megatron's rope-fusion hook filled without Transformer
+Engine. Row r of sample i sits at position p(r) = r - cu_i; with Megatron's frequency table f:
 
     y = t * cos(f[p]) + rotate_half(t) * sin(f[p]),    rotate_half([a, b]) = [-b, a]
 
-which is Megatron's unfused ``_apply_rotary_pos_emb_thd`` (single context-parallel rank).
-
-Why: the unfused path rebuilds the packed frequencies, their cos and sin, for q and for k in
-every layer, then makes ~8 elementwise passes over each (a cat, casts, two products, a negation,
-a cat, a sum, a final cat). Here cos and sin are built once per micro-batch (kept for the last
-``cu_seqlens``/``f`` pair seen: every layer and the backward's recompute reuse them) and on CUDA
-the rotation is one compiled kernel forward and one backward (``compiled.run_compiled``).
-
-Megatron calls ``rope_utils.fused_apply_rotary_pos_emb_thd`` when its config has
-``apply_rope_fusion``; ``install()`` puts ``packed_rope`` there (and leaves the non-packed
-layout to Megatron's own unfused code), once, before a ``TransformerConfig`` asks for fusion.
-"""
+Megatron's unfused `_apply_rotary_pos_emb_thd`, with cos and sin built once per micro-batch and on
+CUDA one compiled kernel each way. `install()` puts `packed_rope` into Megatron's hook."""
 
 from __future__ import annotations
 

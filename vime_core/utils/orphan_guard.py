@@ -1,24 +1,11 @@
 """Run a server so that it dies with the process that started it.
 
-Servers (vllm-router, vLLM) run in a session of their own, so that a shutdown signals the whole
-group (vLLM's API server and its engine-core children). A group of its own also outlives the Ray
-actor that started it when that actor's process is SIGKILLed: the router or the engine, and the
-device memory it holds, are left behind. This guard sits between the two:
+Servers run in a session of their own (a shutdown signals the whole group), which also outlives a
+SIGKILLed Ray actor that started them. The guard sits between: it polls its parent and, once
+reparented, SIGTERMs the group (SIGKILL after --grace-s); the server gets PR_SET_PDEATHSIG, so a
+killed guard takes it along. Standard library only.
 
-    actor --Popen(start_new_session)--> guard (session leader) --> server (same group)
-
-It polls its parent; once it has been reparented (the starter died), it SIGTERMs the group and
-SIGKILLs it after `--grace-s`. The server gets PR_SET_PDEATHSIG=SIGKILL, so a guard that is itself
-SIGKILLed takes the server with it (the guard is single-threaded: PDEATHSIG fires when the thread
-that forked dies, which here is the guard's only one). A SIGTERM or SIGINT to the guard (a normal
-shutdown signals the group) is passed on to the server, and the guard exits with the server's
-status: 128 + the signal when a signal ended it, as a shell reports it.
-
-Standard library only: it is started as a script by whatever interpreter runs the actor, next to
-an environment (PYTHONPATH) meant for the server.
-
-    python orphan_guard.py [--poll-s S] [--grace-s S] -- COMMAND [ARGS...]
-"""
+    python orphan_guard.py [--poll-s S] [--grace-s S] -- COMMAND [ARGS...]"""
 
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
-"""The wire format of the broadcast weight transports (backend `vime_broadcast`): one group that
-spans the trainer's rank 0 (group rank 0) and every worker of every engine, and one broadcast
-per weight bucket from rank 0.
+"""The wire format of the broadcast weight transports (backend `vime_broadcast`): one group spanning the
+trainer's rank 0 and every worker of every engine, one broadcast per bucket from rank 0. Both sides
+import it (the trainer's transport/broadcast.py, the worker's broadcast_backend.py), so it uses the
+standard library only; descriptors travel as JSON.
 
-Both sides import this module: the trainer (`vime_core/weight_sync/transport/broadcast.py`) and
-the vLLM worker (`vime_core/engines/vllm_side/broadcast_backend.py`), so it uses the standard
-library only. The carriers themselves are in `broadcast_group.py`. The descriptors travel as
-JSON (`init_info` of `/init_weight_transfer_engine`, `update_info` of `/update_weights`); no
-insecure serialization is needed.
-
-    carrier     "nccl": CUDA tensors over NCCL (engines on other GPUs, here or on other nodes);
-                "gloo": CPU tensors over gloo (CPU engines on other machines)
-    rendezvous  nccl: {"unique_id": base64 of the 128-byte ncclUniqueId minted by rank 0};
-                gloo: {"host", "port"} of the TCP store rank 0 serves
-    ranks       engine e's worker w (its TP x PP rank) is rank_offset(e) + w, where
-                rank_offset(e) = 1 + the worker counts of engines 0..e-1; world = 1 + all workers
-
-A bucket is one flat uint8 buffer: tensor i occupies `tensor_sizes[i]` bytes from
-`sum(tensor_sizes[:i])`, C-contiguous, in its wire dtype. `group_id` names the group a bucket
-travels in: a worker that is not in that group (e.g. its engine restarted) refuses the bucket
-before any collective starts, instead of waiting for bytes that never come.
-"""
+    ranks    engine e's worker w is rank_offset(e) + w, rank_offset(e) = 1 + the worker counts of
+             engines 0..e-1; world = 1 + all workers
+    bucket   one flat uint8 buffer: tensor i occupies tensor_sizes[i] bytes from sum(tensor_sizes[:i]),
+             C-contiguous, in its wire dtype; a worker outside `group_id` refuses it before any collective"""
 
 from __future__ import annotations
 

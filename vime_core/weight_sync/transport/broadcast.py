@@ -1,24 +1,7 @@
-"""Broadcast transports for engines that do not share the trainer's memory: `nccl` (GPU engines
-on other devices, on this node or others) and `gloo` (CPU engines on other machines). The
-trainer's rank 0 is rank 0 of one group with every worker of every engine and broadcasts each
-bucket once; the engines receive it through vime's `vime_broadcast` vLLM backend
-(`vime_core/engines/vllm_side/broadcast_backend.py`; format and carriers, shared by both ends,
-in `vime_core/wire/broadcast_format.py` and `broadcast_group.py`).
-
-The group outlives a publish (forming one costs a rendezvous and, for NCCL, seconds of setup):
-the publisher's `PublishLoop` keeps it (the `GroupKeeper` here). Before each publish `prepare`
-asks every engine worker which group it is in (`GROUP_ID_RPC`, one answer per worker) and forms
-a new group for all engines when any answer differs or the set of engines changed (an engine
-restarted or was replaced) — never a broadcast to a worker that is not listening.
-
-Per bucket: the tensors are packed into one uint8 buffer (on the trainer's GPU for nccl), the
-engines are told what comes (`/update_weights`, which returns once they loaded it) and, at the
-same time, rank 0 broadcasts the buffer. If an engine refuses the bucket, rank 0's broadcast is
-aborted and the group dropped (the next publish forms a new one).
-
-Blocking calls (joining the group, a broadcast) run in daemon threads, so an engine that never
-joins cannot keep the trainer's process from exiting.
-"""
+"""Broadcast transports for engines that do not share the trainer's memory: `nccl` (GPU engines on
+other devices or nodes) and `gloo` (CPU engines on other machines). The trainer's rank 0 broadcasts
+each bucket once to a group with every worker of every engine (format: vime_core/wire/). Blocking
+calls run in daemon threads, so an engine that never joins cannot keep the trainer from exiting."""
 
 from __future__ import annotations
 
@@ -63,7 +46,12 @@ class KeptGroup:
 
 
 class GroupKeeper(Protocol):
-    """Who keeps a formed group between publishes: the publisher's `PublishLoop`."""
+    """Who keeps a formed group between publishes: the publisher's `PublishLoop`.
+
+    The group outlives a publish (forming one costs a rendezvous and NCCL setup). Before each publish
+    `prepare` asks every worker which group it is in (GROUP_ID_RPC) and forms a new group when any
+    answer differs or the engines changed; an engine that refuses a bucket aborts the broadcast and
+    drops the group."""
 
     def broadcast_group(self, carrier: str) -> KeptGroup | None: ...
 
