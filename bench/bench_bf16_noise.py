@@ -1,22 +1,11 @@
-"""How far a bf16 forward's sampled-token log-probs fall from fp32's, on the model and prompts of
-the GPU colocated step (bench/gpu/build_model.py, same seed): the tolerance the run's
-rollout-vs-trainer log-prob difference (issue 30, `--get-mismatch-metrics`) is judged against.
+"""How far a bf16 forward's sampled-token log-probs fall from fp32's, on the GPU colocated step's model
+and prompts: the tolerance the run's engine-vs-trainer log-prob difference (--get-mismatch-metrics)
+is judged against. Two bf16 implementations each within e of fp32 are within 2e of each other:
 
-The engine (vLLM) and the trainer (Megatron) are two bf16 implementations of one model. If each
-stays within e of the fp32 log-probs on average, they stay within 2e of each other (triangle
-inequality, token by token, then averaged):
+    e = mean over response tokens |log p_bf16(y_t) - log p_fp32(y_t)|,   tolerance = 2 e
+    ratio = the GPU run's mean |engine - trainer| / tolerance    (from the latest colocated_step row)
 
-    e         = mean over response tokens |log p_bf16(y_t) - log p_fp32(y_t)|
-    tolerance = 2 e
-    ratio     = the GPU run's mean |engine - trainer| / tolerance    (<= 1: within bf16's own noise)
-
-log p is log_softmax over the vocabulary in fp32 of the model's logits (bf16 logits upcast, as
-both sides do). Responses are sampled from the fp32 model at temperature 1, like a rollout's.
-The GPU figure is read from the latest bench/results/colocated_step.jsonl row that has it.
-
-    python bench/bench_bf16_noise.py --samples 4 --response-len 256 --out /tmp/bf16_noise.json
-    bench/run.py bf16_noise                 # the same, recorded as a row
-"""
+    bench/run.py bf16_noise                 # python bench/bench_bf16_noise.py --samples 4 --out F"""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
-"""Benchmark of publish_weights into a real vLLM CPU engine, against two floors measured in the
-same run on the same weights:
+"""Benchmark of publish_weights into a real vLLM CPU engine, against two floors measured in the same
+run on the same weights: a memcpy of the same bytes, and the engine reloading them from /dev/shm.
 
-    memcpy   (a) copying the same bytes (wire dtype) into a preallocated buffer: the physical floor
-    reload   (b) the engine loading the same weights as safetensors from /dev/shm by itself
-             (`/collective_rpc reload_weights`, files written beforehand, not timed): the
-             engine's own floor
-    publish  the whole publish_weights (validate, pause + flush, session start, pack, transfer,
-             load, finish with version, resume, verify), transport shm, per bucket size
-    disk     publish_weights with the disk fallback (write safetensors + reload), for reference
-    gloo     publish_weights by gloo broadcast (the path of CPU engines on other machines), per
-             bucket size, into a second engine started with the `vime_broadcast` backend; its
-             ratios are against that engine's own reload (`reload_s_gloo_engine`)
+    publish  the whole publish_weights, transport shm, per bucket size
+    disk     the disk fallback (write safetensors + reload), for reference
+    gloo     gloo broadcast into a second engine with the vime_broadcast backend, against its reload
 
-Models: build_tiny_model Qwen3 shapes (head_dim 64, 4 kv heads, untied vocab of 19 tokens,
-so nearly every parameter is in the layers); the exact parameter counts are in the output.
-One engine at a time, served in the trainer's precision (fp32 by default; --bf16 for bf16).
-
-Prints JSON (medians over repeats; ratio = publish / reload), also to --out when given.
-Run: bench/run.py publish [--repeats N] [--transports shm gloo]
-"""
+Models: build_tiny_model Qwen3 shapes, one engine at a time, in the trainer's precision (fp32;
+--bf16). Prints JSON (medians over repeats; ratio = publish / reload).
+Run: bench/run.py publish [--repeats N] [--transports shm gloo]"""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""Rollout throughput through vime against the same requests sent straight to vLLM, and against
-transformers `generate`; and the framework's own cost per 256 samples.
+"""Rollout throughput through vime (RolloutManager -> real vllm-router -> one vLLM CPU server -> reward)
+against the same token ids sent straight to the server and against transformers `generate`, on a
+tiny-vocabulary model (so the figures are the transformer body's), fixed-length responses; and the
+framework's own cost per 256 samples with a zero-latency stub engine. Ratios are vime/direct and
+vime/transformers, medians over interleaved repeats.
 
-    model:      build_tiny_model(hidden 768, 12 layers, 12 heads, head_dim 64, FFN 2048): ~85M
-                parameters, but a 19-token character vocabulary (so the LM head is ~free and the
-                numbers are those of the transformer body)
-    workload:   G groups x 4 samples, 32-token prompts, exactly 64 output tokens each
-                (ignore_eos), temperature 1.0
-    vime:       RolloutManager.generate_samples: data source -> rollout loop -> real vllm-router
-                -> one vLLM CPU server (both cores) -> parse, reward (arith, rule-based), collect
-    direct:     the same token ids, 64 concurrent requests from one asyncio client straight to
-                the same server (no router, no loop)
-    transformers: model.generate on the same prompts, batch of G*4, 64 new tokens, fp32, 2 threads
-    overhead:   the loop with a zero-latency stub generator at 256 samples (tasks, semaphore,
-                parse, append, decode, reward, collect, finalize) + build_batch, as % of the real
-                rollout time of the same 256 samples
-
-Ratios are vime/direct and vime/transformers, medians over repeats (interleaved). Prints JSON;
---out gets it too, rewritten after each stage. Run: bench/run.py rollout [--groups G] [--repeats N]
-"""
+    bench/run.py rollout [--groups G] [--repeats N]"""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""Train tokens/s of vime's Megatron step against a plain transformers model of the same shape
-and batch, measured in the same run (target on CPU: ratio >= 0.9).
+"""Train tokens/s of vime's Megatron step against a plain transformers model of the same shape and
+batch, measured in the same run: `MegatronTrainer.train` (DP schedule, THD packing, SDPA, the
+registered PPO-clip loss, Megatron's DDP and Adam) against a padded transformers forward, the same
+loss inline, clip_grad_norm_ and torch AdamW. Interleaved repeats; ratio = baseline_s / vime_s.
 
-    vime:      MegatronTrainer.train(k, batch) — DP schedule, THD-packed micro-batches, SDPA core
-               attention, vocabulary-parallel log-probs (+ entropy metric), the registered PPO-clip
-               loss with token_mean, Megatron DDP grad accumulation, grad clip, Megatron's Adam
-    baseline:  the same HF model in transformers (SDPA attention): for each micro-batch a padded
-               [b, s] forward (every sample has the same length, so no padding), log_softmax +
-               gather of the response tokens, the same PPO-clip loss inline, backward; then
-               clip_grad_norm_ and torch AdamW — one optimizer step per step, like vime
-
-Both sides see the same random rollout batch (GRPO-like: prompts + responses, +-1 advantages) and
-the same micro-batch size. The two run interleaved in every repeat (bench_math.median_seconds),
-medians over repeats; ratio = baseline_s / vime_s = vime tokens/s / baseline tokens/s.
-
-    bench/run.py train                                          # CPU, fp32, ~20M parameters
-    bench/run.py train --device cuda --dtype bf16 --hidden 1024 --layers 12 ...
-
-Prints JSON, also to --out when given.
-"""
+    bench/run.py train                                          # CPU, fp32
+    bench/run.py train --device cuda --dtype bf16 --hidden 1024 --layers 12 ..."""
 
 from __future__ import annotations
 

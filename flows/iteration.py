@@ -1,23 +1,8 @@
-"""One RL iteration as one Prefect flow run: `iter-k vV->vV+1`. vime_core/step_plan.py plans
-the step (which phases run, on CPU/GPU, colocated or not); `iteration` runs the rollout, then one
-of three schedules, each a function that reads in the order it runs:
-
-    _engines_asleep        engines sleep while the trainer trains (colocated on GPUs): offload the
-                           engines, train, offload the trainer, wake the weights, sync, wake the KV
-    _engines_awake         engines stay awake (CPU; engines on their own devices): training and the
-                           publish go to Ray at once, chained (tasks.sync.train_then_publish); the
-                           train and sync tasks wait for them
-    _one_step_off_policy   async_staleness 1: publish what k - 1 trained and start rollout k + 1
-                           on it, then train k while k + 1 generates
-
-then eval, the checkpoint and the report. Every task is idempotent per rollout id, so a retried
-or re-run iteration picks up where it failed. Persist runs beside offload + train (both only read
-the batch), and the sync ends only after it: no rollout is started on weights trained on a batch
-that is not stored. If the store fails after the trainer trained, a re-run gets the same batch
-from the RolloutManager (it keeps its last result until another rollout starts), the trainer does
-not train it again and engines already at v+1 are not published to again, so the stored batch is
-the one trained on.
-"""
+"""One RL iteration as one Prefect flow run, `iter-k vV->vV+1`: the rollout, then one of three schedules
+planned by vime_core/step_plan.py (each a function read in the order it runs), then eval, the
+checkpoint and the report. Every task is idempotent per rollout id, so a retried or re-run iteration
+picks up where it failed, and the sync ends only after the batch is stored: no rollout starts on
+weights trained on a batch that is not."""
 
 from __future__ import annotations
 

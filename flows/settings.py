@@ -1,23 +1,6 @@
-"""Prefect settings vime applies in code.
-
-Server (environment defaults, applied by `apply_env_defaults`, which the entry points call
-before the first flow runs: `vime`'s main, the test suite's conftest, benchmarks that call a
-flow in their own process; a value already in the environment wins). They matter only where
-Prefect starts its temporary server (no PREFECT_API_URL): a deployment's flow run talks to a
-`prefect server start` that reads its own environment, and the defaults go there. The
-temporary server keeps its state in SQLite, and a subflow's tracking-task insert that collides with another writer gets
-a 503 and a
-fixed 2 s client back-off that the iteration loop waits out. The colliding writers are the
-task-run recorder (batched here: the UI shows task states up to 5 s later) and the event
-persister (off here: runs, task runs, logs and artifacts are still recorded, only the UI's event
-feed stays empty; PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=true keeps it). A
-Postgres-backed server needs none of this. Measurements: docs/measurements.md.
-
-Heartbeats: a flow run's heartbeat thread sleeps in 1-second steps and is joined when the run
-ends, so every flow run waits up to ~1 s at exit. The train flow keeps its heartbeat (the UI
-still detects a crashed run); its iteration subflows run without one. The setting accepts no
-"off" value from the environment, only from code.
-"""
+"""Prefect settings vime applies in code: environment defaults for the temporary server Prefect starts
+without PREFECT_API_URL (SQLite write contention makes it slow a run down; a Postgres-backed server
+needs none of this), and iteration subflows without heartbeats. Measurements: docs/measurements.md."""
 
 from __future__ import annotations
 
@@ -41,13 +24,22 @@ SERVER_ENV_DEFAULTS = {
 def apply_env_defaults() -> None:
     """Set SERVER_ENV_DEFAULTS in os.environ where unset. Call it before the process's first
     flow run: Prefect's temporary server takes the environment when it starts (the settings
-    Prefect read at import are only those set then, so a later call still reaches it)."""
+    Prefect read at import are only those set then, so a later call still reaches it).
+
+    A value already in the environment wins. A deployment's flow run talks to a `prefect server start`
+    that reads its own environment: the defaults go there. A subflow's insert that collides with
+    another SQLite writer gets a 503 and a fixed client back-off; the colliding writers are the task-run
+    recorder (batched here: the UI shows task states a little later) and the event persister (off here:
+    only the UI's event feed stays empty; PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=true keeps it)."""
     for key, value in SERVER_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
 
 @contextmanager
 def without_heartbeats():
+    """A flow run's heartbeat thread sleeps in steps and is joined when the run ends, so every flow run
+    waits for it at exit; iteration subflows run without one (the train flow keeps its own, so the UI
+    still detects a crashed run). The setting takes no "off" value from the environment, only from code."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):

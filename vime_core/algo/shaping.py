@@ -1,22 +1,12 @@
-"""Reward shaping: terms added to a sample's scalar reward before its estimator's group
-normalisation (algo/advantages.py), so they move the sample's advantage against its group.
-
-DAPO's overlong reward shaping, the soft overlong punishment (Yu et al. 2025, arXiv:2503.14476,
-eq. 13), for a response of |y| tokens, with L_max = rollout_max_response_len, L_cache =
-overlong_buffer_len and f = overlong_buffer_penalty_factor (1 in the paper):
+"""Reward shaping before the estimator's group normalisation: DAPO's soft overlong punishment (Yu et
+al. 2025, arXiv:2503.14476, eq. 13), with L_max = rollout_max_response_len, L_cache =
+overlong_buffer_len and f = overlong_buffer_penalty_factor (verl's overlong_buffer_cfg, flattened):
 
     R_length(y) = 0                                        |y| <= L_max - L_cache
                 = ((L_max - L_cache) - |y|) / L_cache * f   L_max - L_cache < |y| <= L_max
                 = -f                                       L_max < |y|
 
-    r'_i = r_i + R_length(y_i)             when overlong_buffer_enable, else r'_i = r_i
-
-The penalty falls linearly from 0 to -f over the last L_cache tokens of the length budget. The
-flags are verl's `reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor}` (its
-DAPO reward manager, where L_max is data.max_response_length), flattened. The batch builder
-(vime_core/data/batch.py, build_batch) shapes the scored samples' rewards before their group
-normalisation; a failed sample is left out of both.
-"""
+    r'_i = r_i + R_length(y_i)             when overlong_buffer_enable, else r'_i = r_i"""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""Samples -> the rollout batch: a `dict[str, list]` of columns, one entry per sample, rows sorted
-by (group_index, index) so groups are contiguous (docs/interfaces.md, "Data crossing boundaries").
-
-    raw_reward_i = sample.reward                      (0.0 for a FAILED sample)
-    shaped_i     = shape_rewards(raw, response_length, cfg)_i
-                   (raw_reward_i + R_length(y_i) with overlong_buffer_enable, DAPO's soft overlong
-                   punishment; else raw_reward_i; formula in vime_core/algo/shaping.py)
-    reward_i     = postprocess_rewards(shaped, group_index, cfg.advantage_estimator,
-                                       cfg.grpo_std_normalization)_i      over non-failed samples
-                   (the estimator's registered group normalisation, e.g. GRPO's
-                   (r_i - mean_g) / (std_unbiased_g + 1e-6); formulas in vime_core/algo/advantages.py)
-    advantage_i  = reward_i   (the scalar the trainer broadcasts or discounts per token)
-
-raw_reward stays the reward function's score, unshaped: the run's reward metrics (reward_mean)
-read it, so the overlong penalty moves advantages and not the learning curve. The shaped reward
-itself is not stored; it is raw_reward + R_length(response_length), recomputable from the row.
-
-Failed samples (their reward function raised) get raw_reward 0.0, reward 0.0, advantage 0.0 and
-a loss_mask of zeros: they stay in the batch, so lineage shows them, but carry no gradient and do
-not move their group's mean or std.
-"""
+"""Samples -> the rollout batch: a `dict[str, list]` of columns, one entry per sample, rows sorted by
+(group_index, index) so groups are contiguous, with the rewards shaped and group-normalised into
+each sample's advantage."""
 
 from __future__ import annotations
 
@@ -45,8 +27,18 @@ def _check_scored(s: Sample) -> None:
 
 def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[str, list]:
     """The batch of `samples`: the columns of vime_core.data.columns in their order (formulas
-    in the module docstring); raises UntrainableBatchError for a sample whose lengths disagree
-    (data/validation.py, lengths_only: trainability is checked by whoever hands the batch on)."""
+    below); raises UntrainableBatchError for a sample whose lengths disagree
+    (data/validation.py, lengths_only: trainability is checked by whoever hands the batch on).
+
+        raw_reward_i = sample.reward                 (0.0 for a FAILED sample)
+        shaped_i     = shape_rewards(raw, response_length, cfg)_i        (algo/shaping.py)
+        reward_i     = postprocess_rewards(shaped, group_index, ...)_i   over non-failed samples
+                                                                         (algo/advantages.py)
+        advantage_i  = reward_i
+
+    raw_reward stays unshaped (the reward metrics read it, so the overlong penalty moves advantages,
+    not the learning curve). Failed samples get rewards and advantage 0.0 and a zero loss mask: kept
+    for lineage, no gradient, no effect on their group's mean or std."""
     ordered = sorted(samples, key=lambda s: (s.group_index, s.index))
     for s in ordered:
         _check_scored(s)

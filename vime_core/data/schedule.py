@@ -1,22 +1,6 @@
-"""The DP schedule: which samples each data-parallel rank trains on, in which step and
-micro-batch (the build phase).
-
-    num_steps      = N // global_batch_size            (N must be a multiple; nothing is dropped)
-    per_rank       = global_batch_size // dp_size      samples of each step on each rank
-    fixed size:    rank r of step s takes the contiguous samples
-                   s*global_batch_size + r*per_rank ... + per_rank - 1,
-                   cut in order into ceil(per_rank / micro_batch_size) micro-batches
-    token budget:  (max_tokens_per_gpu given) the step's samples are dealt to ranks balanced by
-                   tokens (longest first, to the rank with the fewest tokens that still has room
-                   for per_rank samples), then each rank packs its samples into micro-batches
-                   of at most max_tokens_per_gpu tokens by first-fit decreasing; a sample longer
-                   than the budget gets a micro-batch of its own
-    num_microbatches[s] = the same count on every rank: ranks with fewer packed micro-batches
-                   split their fullest ones in two until they match (no empty micro-batches)
-
-Every rank must run the same number of forward/backward passes per step, or the gradient
-all-reduce of the last micro-batch would wait forever; that is why counts are equalised.
-"""
+"""The DP schedule: which samples each data-parallel rank trains on, in which step and micro-batch.
+Every rank runs the same number of forward/backward passes per step, or the gradient all-reduce of
+the last micro-batch would wait forever."""
 
 from __future__ import annotations
 
@@ -47,7 +31,18 @@ def build_dp_schedule(
     micro_batch_size: int,
     max_tokens_per_gpu: Optional[int] = None,
 ) -> DPSchedule:
-    """Split N samples into steps, DP ranks and micro-batches (rules in the module docstring)."""
+    """Split N samples into steps, DP ranks and micro-batches (rules below).
+
+        num_steps      = N // global_batch_size            (N must be a multiple; nothing is dropped)
+        per_rank       = global_batch_size // dp_size
+        fixed size:    rank r of step s takes per_rank contiguous samples from
+                       s*global_batch_size + r*per_rank, cut in order into micro_batch_size pieces
+        token budget:  the step's samples dealt to ranks longest first, to the rank with the fewest
+                       tokens that has room; each rank packs them first-fit decreasing into micro-batches
+                       of at most max_tokens_per_gpu tokens (a longer sample gets one of its own)
+        counts:        ranks with fewer micro-batches split their fullest in two until all match
+
+    No empty micro-batch is made."""
     n = len(total_lengths)
     for name, value in (
         ("global_batch_size", global_batch_size),

@@ -1,24 +1,14 @@
-"""Where prompt records come from: a file, a local dataset folder, or a hub dataset.
+"""Where prompt records come from: a file, a local dataset folder, or a hub dataset. The first rule
+that matches `prompt_data` (or `eval_prompt_data`) decides:
 
-`prompt_data` (and `eval_prompt_data`) name one of three kinds of source; the first rule that
-matches decides, so a JSONL/Parquet path or URI is never taken for anything else:
-
-    1. contains "://"                         -> file   (fsspec URI: s3://, file://, ...)
+    1. contains "://"                         -> file   (fsspec URI)
     2. ends with .jsonl, .json or .parquet    -> file   (local path)
-    3. an existing local directory            -> folder (datasets: a `save_to_disk` folder,
-                                                         else its data files via `load_dataset`)
+    3. an existing local directory            -> folder (save_to_disk, else its data files)
     4. an existing local file                 -> file   (any other suffix: "unknown format")
-    5. `namespace/name` or `namespace/name:config`, nothing of that name on disk
-                                              -> hub    (datasets.load_dataset(name, config))
+    5. `namespace/name[:config]`, not on disk -> hub    (from the HF datasets cache inside actors)
     6. anything else                          -> file   ("does not exist")
 
-Folders and hub datasets read one split (`prompt_data_split`); a folder written by
-`Dataset.save_to_disk` holds a single table and has no splits. With HF_HUB_OFFLINE=1 (always so
-inside the run's actors) a hub dataset comes from the HF datasets cache, where an earlier
-`load_dataset` of it left it. Every kind gives the same list of row dicts, in a fixed order, so
-the data source's cursor resumes the same way for each. `datasets` is imported only for
-folders and hub datasets.
-"""
+Every kind gives the same rows in a fixed order, so the data source resumes the same way for each."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Per-turn spans of a multi-turn sample: which response tokens the model generated and which a
-tool appended, turn by turn.
-
-A multi-turn generate function (vime_core/rollout/multi_turn.py) records them in the sample's
-metadata under TURNS_KEY, so they are stored with the batch (the `metadata` column, a JSON string)
-without a schema change, and read back from any stored batch:
+"""Per-turn spans of a multi-turn sample, in its metadata (stored with the batch, no schema change):
+which response tokens the model generated and which a tool appended, turn by turn.
 
     metadata["turns"] = [span, ...]     in response order, contiguous, covering [0, response_length)
     span = {"turn": t, "role": "model", "start": s, "end": e, "finish": <engine finish reason>}
-         | {"turn": t, "role": "tool",  "start": s, "end": e, "call": <call text>, "output": <text>,
-            "error": <why the tool gave no result, only when it gave none>}
+         | {"turn": t, "role": "tool", "start": s, "end": e, "call": ..., "output": ..., "error": ...}
 
-Offsets index the response tokens (as `weight_versions` and `loss_mask` do): the tokens of a span
-are `tokens[prompt_length + start : prompt_length + end]`. Model turn t is followed by its tool
-turn t (same number) when it ended with a tool call that was answered. Tool tokens carry loss
-mask 0 (the model did not generate them); model tokens carry the rollout's mask (1, or 0 where
-the whole sample is untrained: a failed reward, the off-policy part of a partial rollout).
-
-A sample without the key (every single-turn sample, every batch stored before multi-turn) reads
-as one model turn over the whole response.
-"""
+Offsets index the response tokens; tool tokens carry loss mask 0. A sample without the key reads as
+one model turn over the whole response."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""Request routing in front of the engines: the real vllm-router, or the same policies in-client.
-
-`Router` runs `vllm-router` (the Rust router's console script in the trainer environment) on a
-free loopback port. It forwards `POST /inference/v1/generate` unchanged (token ids, log-probs,
-weight_versions); with `consistent_hash` it keys on the `X-Session-ID` header. It is only for
-generate: control calls go to each engine directly (the router sends them to one worker and
-drops their query string).
-
-`PolicyRouter` is the in-client fallback (`use_router=False`): it picks an `EngineClient` per
-request with round_robin, random or consistent_hash on the session id.
-
-Authentication: vllm-router 0.1.17 asks nothing of inbound requests, and its `--api-key` is
-neither required inbound nor sent to workers (measured: not on health checks, not on forwarded
-requests). So it binds 127.0.0.1 always (and its Prometheus port too), whatever
-engine_bind_host says: its only caller is the RolloutManager that starts it, on the same node.
-It holds no token: it forwards the caller's `Authorization` header unchanged, and the engines
-check it, so a request through it without the run's token is refused by the engine (401). Its
-own routes (`/add_worker`, `/remove_worker`, `/list_workers`) are open to local users of that
-node (docs/gpus-and-clusters.md).
-"""
+"""Request routing in front of the engines for generate calls: `Router` runs the real vllm-router on a
+free loopback port (consistent_hash keys on X-Session-ID); `PolicyRouter` is the in-client fallback
+(use_router=False) with the same policies. Control calls go to each engine directly (the router
+sends them to one worker and drops their query string)."""
 
 from __future__ import annotations
 
@@ -84,8 +68,13 @@ class RouterError(RuntimeError, InfrastructureError):
 
 
 class Router:
-    """The real vllm-router on 127.0.0.1 (never another address: module docstring), in front of
-    `worker_urls` (more can be added later)."""
+    """The real vllm-router on 127.0.0.1 (never another address: below), in front of
+    `worker_urls` (more can be added later).
+
+    vllm-router asks nothing of inbound requests and sends no key to workers, so it binds 127.0.0.1
+    whatever engine_bind_host says (its only caller is the RolloutManager on the same node). It holds
+    no token: it forwards the caller's Authorization header and the engines check it. Its own routes
+    (/add_worker, ...) are open to local users of the node (docs/gpus-and-clusters.md)."""
 
     def __init__(
         self,

@@ -1,24 +1,6 @@
-"""The child side of vime_core/rollout/sandbox.py, run as a script by `python -I` (no vime
-imports, stdlib only). Protocol over its stdin/stdout, one JSON object per line:
-
-    parent -> child   {"target": "pkg.mod:fn", "path": [...], "memory_bytes": N, "cpu_s": S or null}
-    child -> parent   {"ready": true}  once the target is imported and the limits are on,
-                      or {"ok": false, "kind": "setup", "error": "..."}
-    parent -> child   {"argument": ...}                         one call
-    child -> parent   {"ok": true, "value": ...} | {"ok": false, "kind": "memory"|"refused"|"error", "error": "Type:
-    text"}
-
-Limits, set after the target's import and before any call (they cannot be lifted: raising a
-limit is itself refused):
-    RLIMIT_AS      memory_bytes of address space: a larger allocation raises MemoryError
-    RLIMIT_CPU     cpu_s seconds of CPU for the process when given (a fresh process per call)
-    RLIMIT_NOFILE  no descriptor beyond those open now: opening a file or a socket fails in the kernel
-    RLIMIT_FSIZE   0: no regular file grows
-    audit hook     refuses, by Python's audit events, every file-system operation (open, os.*:
-                   remove, rename, chmod, listdir, ...), process creation (subprocess, os.system,
-                   fork, exec), sockets, ctypes, signals, new imports, reading stdin and limit
-                   changes
-"""
+"""The child side of vime_core/rollout/sandbox.py, run as a script by `python -I` (standard library only,
+no vime imports): it imports the target, locks itself down, then answers calls over stdin/stdout,
+one JSON object per line."""
 
 import importlib
 import json
@@ -81,6 +63,10 @@ def _error(exc: BaseException) -> dict:
 
 
 def _lock_down(memory_bytes: int, cpu_s) -> None:
+    """Limits that cannot be lifted (raising one is refused): RLIMIT_AS of memory_bytes, RLIMIT_CPU of cpu_s
+    when given, RLIMIT_NOFILE at the descriptors open now (no file or socket can be opened),
+    RLIMIT_FSIZE 0, and an audit hook refusing file-system operations, processes, sockets, ctypes,
+    signals, new imports, reading stdin and limit changes."""
     highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, highest + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
@@ -91,6 +77,16 @@ def _lock_down(memory_bytes: int, cpu_s) -> None:
 
 
 def main() -> None:
+    """Serve calls of one target until stdin closes:
+
+        parent -> child   {"target": "pkg.mod:fn", "path": [...], "memory_bytes": N, "cpu_s": S or null}
+        child -> parent   {"ready": true} once the target is imported and the limits are on,
+                          or {"ok": false, "kind": "setup", "error": "..."}
+        parent -> child   {"argument": ...}    one call
+        child -> parent   {"ok": true, "value": ...}
+                          | {"ok": false, "kind": "memory"|"refused"|"error", "error": "Type: text"}
+
+    What the target prints goes to stderr, never into the protocol."""
     stdin, out = sys.stdin, sys.stdout
     sys.stdout = sys.stderr  # what the target prints does not reach the protocol
     try:

@@ -1,22 +1,8 @@
 """The trainer's CUDA caching allocator: expandable segments, except for memory shared over CUDA IPC.
-
-Asleep (offload_train), a trainer rank should hold on the device only what it still needs. With
-PyTorch's default allocator a segment (one cudaMalloc) goes back to the driver only once every
-block in it is free, so a few small tensors left in segments that held activations keep those
-whole segments reserved: on an H200, 0.07 GiB still allocated after the publish kept 3.3 GiB
-reserved (39% of the awake 8.5 GiB; docs/measurements.md). With expandable segments a segment
-is virtual memory mapped page by page, and `torch.cuda.empty_cache()` unmaps every free page.
-
-The publish's buckets are shared with the engines over CUDA IPC, which needs cudaMalloc'd memory:
-expandable memory is shared as a file descriptor that the engine must fetch with pidfd_getfd,
-which needs ptrace rights over the trainer's process. Buckets are therefore allocated with
-expandable segments switched off for the allocation (`plain_segments`); PyTorch's allocator then
-serves only non-expandable blocks, and those segments are released whole after the publish.
-
-A configuration the user chose (PYTORCH_CUDA_ALLOC_CONF in the trainer's environment) is left as
-it is. vLLM's engines are other processes with their own allocator (their sleep mode refuses
-expandable segments) and are not touched.
-"""
+Asleep, a rank should hold only what it needs, but the default allocator returns a segment only once
+all its blocks are free, so a few small tensors keep whole segments reserved (docs/measurements.md);
+expandable segments unmap every free page. IPC needs cudaMalloc'd memory, so buckets are allocated
+in `plain_segments`. A PYTORCH_CUDA_ALLOC_CONF the user set is left as it is."""
 
 from __future__ import annotations
 

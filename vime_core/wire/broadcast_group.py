@@ -1,23 +1,7 @@
 """One broadcast group across processes, for the `vime_broadcast` weight transports: rank 0 (the
-trainer) sends a flat uint8 buffer, every other rank (an engine worker) receives it in place.
-
-Two carriers behind one interface (`BroadcastGroup.broadcast`, `abort`, `close`):
-
-- `NcclGroup`: CUDA buffers over NCCL, called through its C API with ctypes
-  (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclBroadcast`, `ncclCommAbort`, `ncclCommDestroy`).
-  Rank 0 mints the unique id; the others receive it in the init descriptor, so no side needs
-  the other's Python packages (the trainer has no vLLM, the engine no Megatron). NCCL's own
-  bootstrap carries the connection: set `NCCL_SOCKET_IFNAME` where the default interface is
-  not the one the nodes share.
-- `GlooGroup`: CPU buffers over gloo (torch's `ProcessGroupGloo`), with a TCP store served by
-  rank 0 on the address it advertises; a loopback address keeps every socket on loopback.
-
-Rank 0 calls `serve_rendezvous` first (it mints the id or opens the store) and sends the
-returned descriptor to the other ranks; then every rank calls `open_group` at about the same
-time (each blocks until all have joined, at most its `timeout_s`: then TimeoutError).
-
-Imports only torch and the standard library: it runs in the trainer and inside vLLM workers.
-"""
+trainer) sends a flat uint8 buffer, every engine worker receives it in place. Two carriers behind one
+interface: NCCL through its C API with ctypes (so neither side needs the other's Python packages)
+and gloo with a TCP store served by rank 0. Imports only torch and the standard library."""
 
 from __future__ import annotations
 
@@ -307,7 +291,11 @@ def open_group(
     local: Any = None,
 ) -> BroadcastGroup:
     """Join the group (blocks until every rank has joined). `local`: what `serve_rendezvous`
-    returned to rank 0."""
+    returned to rank 0.
+
+    Rank 0 calls `serve_rendezvous` first and sends the descriptor to the others; then every rank calls
+    this at about the same time. NCCL's bootstrap carries the connection: set NCCL_SOCKET_IFNAME where
+    the default interface is not the one the nodes share."""
     if carrier == "nccl":
         return NcclGroup(rendezvous["unique_id"], rank, world_size, device, timeout_s)
     if carrier == "gloo":

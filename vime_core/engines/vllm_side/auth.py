@@ -1,24 +1,11 @@
-"""The engine's authentication: an ASGI middleware loaded into vLLM's API server with
-`--middleware vime_core.engines.vllm_side.auth.EngineAuthMiddleware` (EngineServer.command).
+"""The engine's authentication: an ASGI middleware loaded into vLLM's API server (`--middleware
+...auth.EngineAuthMiddleware`). Rule: a request reaches vLLM only with `Authorization: Bearer <token>`
+carrying the run's token, on every route and websockets too (vLLM's own --api-key guards only some
+prefixes); anything else gets 401 before any vLLM code runs. The token comes from the process's
+environment (TOKEN_ENV), compared in constant time; without it the middleware refuses to start.
 
-Rule: a request reaches vLLM only when it carries `Authorization: Bearer <token>` with the run's
-token, on every route (the OpenAI routes, `/inference/v1/generate`, the dev-mode routes
-`/collective_rpc`, `/sleep`, `/wake_up`, `/pause`, the weight-update session, `/metrics`,
-`/health`, ...) and for websockets too; anything else is answered 401 here, before any vLLM code
-runs. vLLM's own `--api-key` guards only the `/v1`, `/inference` (and a few other) prefixes.
-
-The token comes from the server process's environment (`TOKEN_ENV`, set by EngineServer for the
-engine's processes only, never on the command line, which vLLM logs and `ps` shows) and is
-compared in constant time. Without it the middleware refuses to start: an engine asked to
-authenticate never serves unauthenticated.
-
-One exception, only where `OPEN_HEALTH_ENV` is "1" (runs that route through vllm-router): `GET`
-and `HEAD /health` pass without the token, because vllm-router 0.1.17 sends no Authorization
-header on its worker health checks (measured) and admits a worker only once `/health` answers
-200. That route says whether the server is up, nothing more.
-
-Imports only the standard library: it runs inside vLLM's API server process.
-"""
+Only where OPEN_HEALTH_ENV is "1" (runs through vllm-router, whose worker health checks carry no
+Authorization header) GET and HEAD /health pass without it. Standard library only: it runs in vLLM."""
 
 from __future__ import annotations
 

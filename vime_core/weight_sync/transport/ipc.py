@@ -1,22 +1,8 @@
-"""CUDA transport: CUDA IPC handles in the format of vLLM's own `ipc` weight-transfer engine.
-
-Colocated trainer and engine share a GPU; the engine maps the trainer's device memory and copies
-out of it (~2 TB/s on an H200), so the bytes never cross PCIe or HTTP. Per bucket, packed mode:
-one uint8 CUDA buffer (`buckets.pack_ipc`) and one `update_info` with the handle of each GPU's
-buffer (`wire/ipc_format.py` has the payload).
-
-One handle per trainer rank's GPU: with more than one rank, every rank packs the same bucket on
-its own GPU (transport/ipc_peers.py) and each engine worker opens the handle of its GPU. Before
-the first bucket moves, every engine worker's GPU (`DEVICE_UUID_RPC`) must be one of those: a
-worker elsewhere would find no handle of its GPU (the error says to use the nccl transport).
-
-The `packed` flag goes in `init_weight_transfer`'s info on vLLM >= 0.27 and in each bucket's
-`update_info` on 0.26 (`vime_core/engines/vllm_api.py`); the server needs
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` to unpickle the handle. vLLM may keep views of a buffer
-until its layer is complete (layerwise reload), so buffers live until `finish` returns.
-
-`reduce_fn` and `device_uuid` are injectable so the payload can be built and checked on CPU.
-"""
+"""CUDA transport: CUDA IPC handles in the format of vLLM's own `ipc` weight-transfer engine. A
+colocated engine maps the trainer's device memory and copies out of it, so the bytes never cross
+PCIe or HTTP; every engine worker's GPU must have a handle (else: the nccl transport). Buffers live
+until `finish` returns (vLLM may keep views until a layer is complete); the server needs
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 to unpickle the handle."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""CUDA IPC from every trainer rank's GPU.
-
-A vLLM engine of tensor-parallel size t runs t workers on t GPUs, and each worker opens the CUDA
-IPC handle of its own GPU (vLLM's `ipc` backend looks up `ipc_handles[its GPU's UUID]`) and
-shards the full HF tensor itself. Colocated, those GPUs are the trainer ranks' GPUs, so every
-rank packs the same bucket of full HF-named tensors (its TP group all-gathered them) on its own
-GPU, and rank 0 sends the engines one handle per GPU:
-
-    rank 0 (IpcTransport.send_bucket)              rank r > 0 (follow_publish)
-    command ("bucket", names, wire dtypes)    ->   pack those tensors on its GPU
-    gather (uuid_0, handle_0), ..., (uuid_r, .) <- (uuid_r, handle_r) (or what failed)
-    POST /update_weights {uuid: handle, ...}       keeps its buffer: engines may read it until finish
-    ...
-    command ("done",)                          ->  frees its buffers
-
-Rank 0 sends "done" when its publish returns or fails, whatever failed (`PeerChannel.release`
-in the trainer's finally), so no rank waits for a publish that stopped. The messages go over a
-gloo group of all trainer ranks (CPU objects, any thread), created at init by every rank.
-"""
+"""CUDA IPC from every trainer rank's GPU: each worker of a TP engine opens the handle of its own GPU,
+so colocated every trainer rank packs the same bucket of full HF tensors on its GPU and rank 0 sends
+the engines one handle per GPU. Rank 0's commands go over a gloo group of all trainer ranks."""
 
 from __future__ import annotations
 
@@ -67,7 +51,15 @@ def follow_publish(
     reduce_fn: Callable[[torch.Tensor], tuple],
 ) -> int:
     """A rank r > 0's side of one IPC publish: pack each bucket rank 0 names on this rank's
-    device and hand rank 0 its handle; free the buffers at "done". Returns the buckets packed."""
+    device and hand rank 0 its handle; free the buffers at "done". Returns the buckets packed.
+
+        rank 0 (IpcTransport.send_bucket)              rank r > 0 (follow_publish)
+        command ("bucket", names, wire dtypes)    ->   pack those tensors on its GPU
+        gather (uuid_0, handle_0), ...            <-   (uuid_r, handle_r) (or what failed)
+        POST /update_weights {uuid: handle, ...}       keeps its buffer until finish
+        command ("done",)                          ->  frees its buffers
+
+    Rank 0 sends "done" whatever failed (PeerChannel.release in its finally), so no rank waits forever."""
     tensors = dict(named_tensors)  # the TP gathers, in step with rank 0's "gather" phase
     buffers: list[torch.Tensor] = []
     failed: Exception | None = None
