@@ -1,18 +1,7 @@
-"""Benchmark of the step's pure math, each against a baseline measured in the same run.
-
-    build:     build_batch + build_dp_schedule (fixed micro-batches, and token packing) for a
-               256-sample rollout (32 groups x 8, 64-token prompts, responses of 1..1024 tokens);
-               baseline: copying the same token/mask/log-prob lists into columns (the floor any
-               builder pays)
-    loss:      PPO-clip policy loss (registry ppo loss + token_mean aggregation) forward +
-               backward on 256 x 1024 response tokens; baseline: the same loss written inline in
-               plain torch (it also computes the clip fraction)
-    advantages: GRPO broadcast and REINFORCE++ returns + whitening for 256 x 1024 tokens;
-               baseline: torch broadcast of the scalar rewards (one op)
-
-Prints JSON (medians over repeats, ratio = vime / baseline), also to --out when given.
-Run: bench/run.py math [--repeats N] (records a row in bench/results/math.jsonl)
-"""
+"""Benchmark of the step's pure math, each against a baseline measured in the same run: build_batch and
+the DP schedule against copying the same lists, the registered PPO-clip loss against the same loss
+inline, and GRPO / REINFORCE++ advantages against a torch broadcast. Prints JSON (medians, ratio =
+vime / baseline). Run: bench/run.py math [--repeats N]"""
 
 from __future__ import annotations
 

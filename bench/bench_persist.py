@@ -1,20 +1,9 @@
 """Persist cost of a rollout batch, against a raw write of the same bytes to the same store.
 
-    batch:     256 samples (32 groups x 8) x 1024 tokens (64 prompt + 960 response), with loss
-               masks, float32 log-probs, rewards and weight-version spans
-    write:     BatchStore.write: batch dict -> Arrow table + lineage + checksum -> Parquet bytes ->
-               upload to a temporary key -> read back + verify checksum -> move to the final key
-               -> index manifest
-    baseline:  one upload of the very same Parquet bytes to a key of the same store (the floor any
-               persist pays: encoding nothing, verifying nothing, indexing nothing)
-    read:      BatchStore.read (index lookup, download, verify, to dict) against a raw download +
-               Parquet decode of the same object
-    encode:    batch_to_table + Parquet encoding alone (no I/O), for the breakdown
-
-Both a local folder and a real S3 server (SeaweedFS on loopback, started here) are measured.
-Prints JSON (medians over repeats, ratio = vime / baseline), also to --out when given.
-Run: bench/run.py persist [--repeats N] [--skip-s3]
-"""
+BatchStore.write (encode, upload, read back and verify, move, index) and BatchStore.read against one
+upload and one download + decode of the same Parquet bytes, plus the encoding alone, on a local
+folder and a real S3 server (SeaweedFS on loopback). Prints JSON (medians, ratio = vime / baseline).
+Run: bench/run.py persist [--repeats N] [--skip-s3]"""
 
 from __future__ import annotations
 

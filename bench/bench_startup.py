@@ -1,20 +1,7 @@
-"""Startup of `vime train`: from the command to its first iteration, with the early start (the
-default: the actors start while the first flow run starts Prefect's temporary server) against
-`--no-early-start` (bootstrap starts them, after Prefect's server is up), and the early start
-without `engine_prestart` (each engine's server launched when the RolloutManager starts it, not
-as soon as its actor exists).
-
-    startup_s   the train flow's summary: seconds from the process's start to the first
-                iteration flow run (vime_core/utils/processes.py, process_age_s)
-    marks       the summary's startup_marks_s: the early start's begin and end, bootstrap's start,
-                actors created, trainer init, engines ready, published, the trainer asleep (where it
-                sleeps), KV; seconds since the command
-
-Each run is the real command (`python -m flows.cli train`) on the default job with one
-iteration, on a fresh loopback Ray head, with its own Prefect home (so each starts Prefect's
-temporary server as a first run does); the modes interleave `--repeats` times. Prints JSON with
-the medians and their ratio; --out gets it too. Run: bench/run.py startup [--repeats N]
-"""
+"""Startup of `vime train`, from the command to its first iteration (startup_s, and the summary's marks):
+the early start (the default) against --no-early-start, and the early start without engine_prestart.
+Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
+own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The default job's figures: reward gain (mean of the last 3 iterations minus the first 3), T_step
-and phase medians (iterations after the first), wall time and orchestration overhead per run.
+"""The default job's figures: reward gain (mean of the last 3 iterations minus the first 3), T_step and
+phase medians (iterations after the first), wall time and orchestration overhead per run.
 
     bench/run.py default_job --seeds 1 2 3         # runs infra/main_job.sh once per seed, then this
-    .venv/bin/python bench/default_job_report.py --storage runs RUN [RUN...]   # runs already made
-
-With --seeds each run is `bash infra/main_job.sh --seed S --run-name default-job-sS-<time>
---storage-uri STORAGE` plus any --job-args, one after the other (~3.5 minutes each on 2 cores).
-Prints JSON, also to --out when given.
-"""
+    .venv/bin/python bench/default_job_report.py --storage runs RUN [RUN...]   # runs already made"""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""What the driver's console shows of a run's failures: one line each for a failure the train
-flow explains (an infrastructure failure it retries, a configuration or data error), a bug's
-traceback kept. Prefect's API and UI, and the debug log, keep every line.
-
-    KnownFailureWithoutTraceback    on Prefect's run loggers: an explained failure's traceback
-                                    dropped, a traceback inside a message cut off
-    ExplainedFailuresOffTheConsole  on the console's handlers: the failure lines the train flow
-                                    says again in its own line left out
-    RayErrorInOneLine               on Ray's driver logger: an uncollected remote error in one line
-
-`one_line_failures()` installs the three while a run starts and its iterations run (flows/train.py)
-and around the flow run itself (`vime train`, flows/cli.py).
-"""
+"""What the driver's console shows of a run's failures: one line for a failure the train flow explains
+(retried infrastructure, a configuration or data error), a bug's traceback kept; Prefect's API, UI
+and the debug log keep every line. `one_line_failures()` installs the three filters below while a
+run starts and its iterations run."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The replay job: stored batches -> a trainer restored from a chosen checkpoint -> training,
-without any engine. With the same checkpoint, batch and configuration on the CPU default, the
-weights come out bit-identical to the original run's.
-
-Batches are chosen by source run + rollout ids, or by a lineage query (`weight_version`: every
-batch sampled from those weights).
-"""
+"""The replay job: stored batches (by run and rollout ids, or every batch of a weight version) -> a
+trainer restored from a chosen checkpoint -> training, without engines. With the same checkpoint,
+batches and configuration on the CPU default the weights come out bit-identical to the original run's."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The train job: bootstrap once, then one iteration flow run per rollout id.
-
-Resumable: bootstrap restores the run's latest checkpoint and iterations whose batch is already
-stored load it instead of generating it again.
-
-An iteration that fails for an infrastructure reason (an engine or trainer actor died, a
-connection failed: vime_core/faults.py) is run again after a back-off, up to
-`iteration_retries` times: bootstrap runs first and rebuilds what died the way a resumed run
-does. A rebuilt trainer stands at its latest checkpoint, so the loop goes back to the rollout
-after it and trains the stored batches since then again, in order: no rollout id is skipped or
-trained twice. Configuration and data errors are not retried.
-"""
+"""The train job: bootstrap once, then one iteration flow run per rollout id, resumable (bootstrap
+restores the latest checkpoint; a stored batch is loaded, not generated again). An iteration that
+failed for an infrastructure reason (vime_core/faults.py) is run again after a back-off, up to
+`iteration_retries` times, from the rollout after the rebuilt trainer's checkpoint: no rollout id is
+skipped or trained twice. Configuration and data errors are not retried."""
 
 from __future__ import annotations
 

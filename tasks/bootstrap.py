@@ -1,14 +1,7 @@
-"""bootstrap: the run's startup (resources, engines, router, trainer actors, checkpoint, version 1,
-KV wake). Idempotent: attaches to the run's actors when they exist, creates what is missing,
-restores the latest checkpoint of the run, wakes the weights of engines a stopped iteration left
-asleep, publishes the trainer's weights to the engines when they differ or were asleep, and wakes
-the KV cache.
-
-Early start: `vime train` calls `start_early` before its first flow run, so the actors are
-created, the engines start and the trainer loads its weights while Prefect's temporary server
-starts (~24 s on the 2-core machine); bootstrap then claims what was started instead of starting
-it. `start_actors` is the one place either creates them.
-"""
+"""bootstrap: the run's startup, idempotent: attaches to the run's actors or creates what is missing,
+restores the latest checkpoint, wakes engines a stopped iteration left asleep, publishes the
+trainer's weights where they differ, and wakes the KV cache. `vime train` starts the actors early
+(`start_early`), while Prefect's temporary server starts; bootstrap then claims them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""sync-v: publish the trainer's weights to every engine as version v (design phase sync).
-
-`publish` is the one way weights reach the engines, submitted to Ray and chained by object
-references: the flow's publish submitted with training (`train_then_publish`), the sync task's
-own (a retry, or engines that sleep) and bootstrap's. The engines' side of a sync is
-`begin_sync` (versions; admission paused; URLs) and `end_sync` (admission resumed or the next
-rollout started): the RolloutManager's.
-"""
+"""sync-v: publish the trainer's weights to every engine as version v. `publish` is the one way weights
+reach the engines, submitted to Ray and chained by object references; the engines' side of a sync is
+the RolloutManager's `begin_sync` and `end_sync`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Session-wide fixtures shared by every test folder, and the test tiers.
-
-Folder-specific fixtures (servers, clusters) live in the conftest.py of their folder.
-
-Tiers (docs/testing.md): every test has exactly one of `unit`, `integration`, `e2e`. A test gets
-the tier of its folder (tests/unit, tests/integration, tests/e2e) unless its module
-(`pytestmark = pytest.mark.e2e`) or the test itself (`@pytest.mark.integration`) names one; a test
-with no tier, or with two, stops the run before anything runs. `gpu(gpus=N)` is orthogonal: such
-a test is skipped, with the reason, where torch sees fewer than N CUDA devices.
-"""
+"""Session-wide fixtures shared by every test folder, and the test tiers (docs/testing.md): every test
+has exactly one of unit, integration, e2e, from its folder unless its module or itself names one; a
+test with none or two stops the run. `gpu(gpus=N)` skips, with the reason, where torch sees fewer."""
 
 from __future__ import annotations
 

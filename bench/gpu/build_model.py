@@ -1,14 +1,8 @@
-"""A random Qwen-shaped model on the arithmetic task's alphabet, and a prompt set, for GPU runs
-without a hub (issue 14): the layers of `bench/gpu_common.SHAPES[shape]`, its vocabulary size
-(Qwen's 151936: the task's 19 characters plus filler tokens, `vime_core/demo/model.py`), bf16.
+"""A random Qwen-shaped model on the arithmetic task's alphabet (gpu_common.SHAPES, Qwen's vocabulary
+size with filler tokens, bf16) and a prompt set, for GPU runs without a hub. --prompt-noise LO,HI
+spreads the prompt lengths; --prompt-tokens N makes every prompt exactly N tokens.
 
-    python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500
-
-`--prompt-noise LO,HI` puts a random run of LO..HI task characters before each "a+b=" so the
-prompt lengths spread up to the run's `--rollout-max-prompt-len`; the label is unchanged.
-`--prompt-tokens N` instead makes every prompt exactly N tokens long (the noise fills the rest;
-checked against the model's tokenizer), so a run's prefill work equals a fixed-length baseline's.
-"""
+    python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500"""
 
 from __future__ import annotations
 

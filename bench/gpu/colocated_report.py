@@ -1,10 +1,7 @@
-"""Summary of a GPU run's iteration records (bench/gpu/run_colocated_h200.sh) as JSON: versions,
-T_step and each phase (median over iterations after the first), the memory table per phase,
-the weight check after each publish, the reward, and every stored batch read back (checksum
-verified by the store).
+"""Summary of a GPU run's iteration records as JSON: versions, T_step and phase medians, the memory table
+per phase, the weight check after each publish, the reward, and every stored batch read back.
 
-    python bench/gpu/colocated_report.py --storage-uri /tmp/vime-gpu/runs --run-name R --out r.json
-"""
+    python bench/gpu/colocated_report.py --storage-uri /tmp/vime-gpu/runs --run-name R --out r.json"""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""vLLM's offline `LLM.generate` on given token-id prompts: the rollout's upper bound on one GPU.
-
-Runs under the vLLM environment's interpreter (`infra/gpu-host/vllm_python.sh`), as its own
-process, so the GPU is free again when it exits. The engine is built from the flags of the
-server command vime would launch (`--server-flags`, a JSON list), keeping the ones that change
-how fast tokens come out (model, dtype, memory fraction, context length, sleep mode, logprobs
-mode, eager, TP, seed); the ones that only concern serving or weight updates are listed in the
-output's `dropped_flags`. One warm-up generate, then `--repeats` timed ones of every prompt:
-
-    output tokens/s = sum of output tokens / wall seconds of one `LLM.generate` call
+"""vLLM's offline `LLM.generate` on given token-id prompts: the rollout's upper bound on one GPU. Runs
+under the vLLM interpreter in its own process; the engine keeps the server flags that change speed
+(the others go to `dropped_flags`). One warm-up, then --repeats timed calls:
+output tokens/s = output tokens / wall seconds of one call.
 
     python offline_generate.py --prompts p.json --server-flags '["--model", "M", ...]' \
-        --sampling '{"temperature": 1.0, "max_tokens": 1024}' --repeats 3
-"""
+        --sampling '{"temperature": 1.0, "max_tokens": 1024}' --repeats 3"""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The RL math of one step, in pure torch: reward shaping, group reward normalisation, advantage
-estimators, policy losses, KL estimators and the scheduling gates. Nothing here imports ray, HTTP or prefect.
-
-Estimators and losses are registered by name (`register_adv_est`, `register_policy_loss`), so a
-new one is one decorated function in its own module; an estimator's registration also carries its
-group normalisation, its policy loss and its gate rules (registry.py).
-
-The registry module is a leaf; this package is the populated registry: importing it registers
-the built-in estimators (algo.advantages, no torch), and `get_policy_loss_fn` /
-`registered_policy_losses` import the built-in policy losses (algo.losses, torch) first. Look
-estimators and losses up through here; implementers import algo.registry only.
-"""
+"""The RL math of one step, in pure torch (no ray, HTTP or prefect): reward shaping, group reward
+normalisation, advantage estimators, policy losses, KL estimators and the gates. Importing the
+package registers the built-in estimators, so look estimators and losses up through here;
+implementers import algo.registry only."""
 
 from typing import Callable
 

@@ -1,14 +1,7 @@
-"""The run's engine token through Ray: made once when the run's actors are first created, then
-asked from them by whoever comes later (a new flow run, `vime` commands, the trainer's
-publisher). Never read from or written to disk: Ray is the trust boundary (whoever can call the
-run's actors can ask them for it; docs/gpus-and-clusters.md).
-
-Where it is, in the order asked: the RolloutManager (`engine_token`), an engine actor
-(`engine_token`: the manager died, its engines live on); when neither exists the run is new and
-gets a new token (`EngineToken.new`, with engine_auth), or the driver's VIME_ENGINE_TOKEN for
-servers vime does not start (engine_urls). Whatever exists was made with the token found this
-way, so a run's actors never hold two tokens.
-"""
+"""The run's engine token through Ray: made once when the run's actors are first created, then asked
+from them by whoever comes later, never on disk (Ray is the trust boundary; docs/gpus-and-clusters.md).
+Asked in order from the RolloutManager, then an engine actor; with neither, a new run gets a new
+token (or the driver's VIME_ENGINE_TOKEN for servers vime does not start), so actors never hold two."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""A run's long-lived actors: the device placement group, the engine actors (one vLLM server
-each), the RolloutManager and the trainer group (TP x DP Megatron actors, handled together by
-`trainer_group.TrainerGroup`). All detached and named under the run's namespace, so bootstrap
-is idempotent: it attaches to what exists and creates what is missing.
-
-Placement (`vime_core/cluster/placement.py`): one bundle per device ({"GPU": 1}; on CPU
-machines the Ray head declares device slots with --num-gpus so the same placement works).
-Trainer rank i takes a share of bundle i; each engine actor sits in the first bundle of its
-range and gives its server the device ids Ray assigned to all of them. Custom node resources
-(`trainer_node_resource`, `engine_node_resource`) pin either side's bundles to chosen nodes.
-
-The engine actors and the RolloutManager are created with the run's engine token (constructor
-arguments: `cluster/engine_token.py`), which they keep for every later driver that asks.
-"""
+"""A run's long-lived actors: the device placement group, the engine actors, the RolloutManager and the
+trainer group, all detached and named under the run's namespace, so bootstrap is idempotent (it
+attaches to what exists and creates what is missing). The engine actors and the RolloutManager are
+created with the run's engine token (cluster/engine_token.py)."""
 
 from __future__ import annotations
 

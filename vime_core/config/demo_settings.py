@@ -1,12 +1,6 @@
-"""The embedded demo's settings, as data (a leaf: the configuration reads it, imports nothing;
-vime_core/demo/ imports the configuration, so the table lives here).
-
-A configuration that names no model (`hf_checkpoint` empty) runs the embedded demo: a tiny
-Qwen3-style model learning single-digit addition on the CPU (vime_core/run_assets.py builds it).
-The schema's defaults are for real models on GPUs (slime's values); the demo needs others, and
-they apply to every field of this table the configuration does not set itself. A flag or a
-config-file value always wins. vime_core/demo/settings.py adds `demo_config`, which makes one.
-"""
+"""The embedded demo's settings, as data: a configuration that names no model runs the demo (a tiny
+model learning addition on the CPU), and these values apply to every field it does not set. A leaf:
+the configuration reads it, and vime_core/demo/ imports the configuration."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The optimizer's, learning-rate schedule's and activation recompute's configuration:
-derived values and the checks that name the fields (called from `derive_in_place`).
-
-    total optimizer steps  = num_rollout * num_steps_per_rollout
-    lr_decay_iters         = total optimizer steps                 (when unset)
-    warmup steps           = lr_warmup_iters, or lr_warmup_fraction * lr_decay_iters
-    recompute_method       = uniform, recompute_num_layers = 1     (when unset, with full)
-
-The schedule itself is Megatron's `OptimizerParamScheduler` (vime_core/trainer/optimizer.py);
-these checks refuse, before anything starts, what its assertions would refuse later.
-"""
+"""The optimizer's, schedule's and activation recompute's configuration, called from `derive_in_place`:
+lr_decay_iters = num_rollout * num_steps_per_rollout when unset, warmup from lr_warmup_iters or
+lr_warmup_fraction, recompute defaults; and checks that refuse, before anything starts, what
+Megatron's OptimizerParamScheduler would assert later."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""The fields of a vime run's configuration and their constraints, nothing else.
-
-Field names are the flag names users of slime / verl already know (`--rollout-batch-size 32`).
-Each field's description is its documentation: it is what `vime train --help` prints, what the
-Prefect UI shows in the parameter form, and what docs/configuration.md is generated
-from. A field's constraints are its own (type, bounds, pattern, the registered estimator names).
-
-This module is a leaf of the configuration: the configuration a run uses, `VimeConfig`
-(config/loader.py), is this class plus what reaches into the rest of vime: the embedded demo's
-settings, the storage endpoint from the environment, the chat-template arguments parsed, the
-values derived from others and the cross-field checks (config/derive.py, config/optimizer.py),
-tested in `tests/unit/test_config.py`.
-"""
+"""The fields of a vime run's configuration and their constraints, nothing else: slime / verl flag
+names, and each field's description is its documentation (`--help`, the Prefect form,
+docs/configuration.md). A leaf: VimeConfig (config/loader.py) adds what reaches into the rest of vime."""
 
 from __future__ import annotations
 

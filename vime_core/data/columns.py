@@ -1,13 +1,6 @@
-"""The rollout batch's columns, defined once: name, Arrow type, meaning, whether the trainer
-requires it.
-
-A rollout batch is a `dict[str, list]` with these keys, in this order, one entry per sample.
-Everything else is made from this table: the batch builder's keys (data/batch.py), the columns
-the trainability check requires (data/validation.py), the stored Arrow schema
-(storage/schema.py: each meaning is its field's `description` metadata, so editing a meaning
-changes the stored schema and needs a SCHEMA_VERSION bump), and the column tables of
-docs/interfaces.md and docs/lineage.md (`python -m vime_core.storage.docs`).
-"""
+"""The rollout batch's columns, defined once: name, Arrow type, meaning, whether the trainer requires
+it. The batch builder, the trainability check, the stored Arrow schema and the column tables of
+docs/ are all made from this table, so editing a meaning changes the stored schema (SCHEMA_VERSION)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Which rewards count in a group's statistics, in one place for the dynamic filters
-(rewards/filters.py) and the batch builder's group normalisation (data/batch.py):
-
-    counts_in_group(s)  = s is not FAILED: a FAILED sample has no reward (its 0.0 is a
-                          placeholder, rewards/hub.py); it neither moves its group's mean and std
-                          in the normalisation nor makes a filter keep or drop its group
-    live_rewards(group) = [float(s.reward) for s in group if counts_in_group(s)]
-
-So a group [1, 1, 1, FAILED] has live rewards [1, 1, 1]: std 0, every advantage 0, and
-check_reward_nonzero_std drops it.
-"""
+"""Which rewards count in a group's statistics, for the dynamic filters and the group normalisation:
+a FAILED sample's 0.0 is a placeholder, so it neither moves its group's mean and std nor makes a
+filter keep or drop the group. [1, 1, 1, FAILED] has live rewards [1, 1, 1]: std 0."""
 
 from __future__ import annotations
 

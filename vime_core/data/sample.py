@@ -1,11 +1,6 @@
-"""One rollout sample: a prompt copy inside a group, the response generated for it, its reward.
-
-`tokens` holds prompt + response token ids; the response is the last `response_length` of them.
-`loss_mask` covers the response only (one entry per response token). `rollout_log_probs` holds
-the engines' log-prob of each response token, or nothing at all: it is empty when the rollout did
-not request log-probs (vime_core.config.derive.needs_rollout_logprobs), and an entry is
-MISSING_LOGPROB where the engine sent none for that token.
-"""
+"""One rollout sample: a prompt copy inside a group, the response generated for it, its reward. `tokens`
+is prompt + response; `loss_mask` and `rollout_log_probs` cover the response only (log-probs empty when
+not requested, MISSING_LOGPROB where the engine sent none)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A tiny Qwen3/Qwen2/Llama-style causal LM and a character-level tokenizer, built locally and
-saved as a normal Hugging Face checkpoint (config.json, model.safetensors, tokenizer.json) that
-transformers, vLLM and vime's Megatron loader all read.
-
-The vocabulary is the synthetic tasks' alphabet: digits, a few operators, and the special
-tokens. Building is deterministic for a given seed and family, so tests and the default job can
-share one cached folder.
-"""
+"""A tiny Qwen3/Qwen2/Llama-style causal LM and a character-level tokenizer over the synthetic tasks'
+alphabet, saved as a normal Hugging Face checkpoint that transformers, vLLM and vime's Megatron loader
+read; deterministic per seed and family, so tests and the default job share one cached folder."""
 
 from __future__ import annotations
 

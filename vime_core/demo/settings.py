@@ -1,10 +1,5 @@
-"""The embedded demo's settings (the table: vime_core/config/demo_settings.py) and `demo_config`,
-a configuration of given fields over them.
-
-The table lives in the configuration package because the configuration reads it (the demo's
-settings apply to a configuration that names no model): this module makes configurations, so it
-imports the configuration and the configuration must not import it.
-"""
+"""`demo_config`: a configuration of given fields over the embedded demo's settings (the table is
+vime_core/config/demo_settings.py, because the configuration reads it and must not import this module)."""
 
 from __future__ import annotations
 

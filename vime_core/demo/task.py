@@ -1,12 +1,7 @@
-"""The embedded default task: single-digit addition, "a+b=" -> "c" then EOS, a and b in 0..4.
-
-Why this task: the answer depends on the prompt (a conditional task, not one fixed string), and
-a freshly initialised 0.1M-parameter model learns it from a binary reward alone in a few dozen
-GRPO iterations of 32 prompts x 8 samples (measured with a plain PyTorch GRPO loop). So the
-default job shows a real reward curve within minutes on two CPU cores.
-
-Reward: 1.0 when the response is exactly the sum followed by EOS, else 0.0.
-"""
+"""The embedded default task: single-digit addition, "a+b=" -> "c" then EOS, a and b in 0..4; reward 1.0
+when the response is exactly the sum followed by EOS, else 0.0. The answer depends on the prompt, and
+a freshly initialised tiny model learns it from the binary reward alone, so the default job shows a
+real reward curve on CPU cores (docs/measurements.md)."""
 
 from __future__ import annotations
 

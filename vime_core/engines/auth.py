@@ -1,19 +1,7 @@
-"""The run's engine token, on the side that sends it (docs/gpus-and-clusters.md, "Who may call
-an engine").
-
-One token per run, made at start (`EngineToken.new`: 32 random bytes, URL-safe) and handed to
-the run's actors through Ray (constructor arguments and `RolloutManager.engine_token`,
-`vime_core/cluster/engine_token.py`), never through a file. Every engine vime starts requires it
-on every route (`vllm_side/auth.py`); every client sends it as `Authorization: Bearer <token>`.
-
-`EngineToken` hides its value from `repr`, `str` and f-strings, so a token that reaches a log
-line, an exception or a stored configuration by mistake shows as `EngineToken(<redacted>)`;
-`reveal()` is called only where the header or the engine's environment is built.
-
-Servers vime does not start (`engine_urls`) get a token only when the user gives one: the
-driver's `VIME_ENGINE_TOKEN` (the variable the middleware reads, so a server started with
-vime's middleware and that variable accepts it).
-"""
+"""The run's engine token, on the side that sends it: one per run, made at start, handed to the run's
+actors through Ray (never a file), sent as `Authorization: Bearer <token>` (docs/gpus-and-clusters.md).
+`EngineToken` hides its value from repr, str and f-strings; `reveal()` is called only where the header
+or the engine's environment is built. Servers vime does not start get the driver's VIME_ENGINE_TOKEN."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""HTTP client of one vLLM server: token-in/token-out generate and every control call of the step.
-
-`EngineClient` is async (aiohttp) because generate sits in the rollout's hot path; control calls
-(pause, resume, sleep/wake, the weight-update session, the prefix cache, the weight version) are
-also available blocking through `SyncEngineClient`, for the trainer's weight publisher, tests and
-the CLI.
-
-Every failure is an `EngineError` naming the engine, the endpoint, the HTTP status (None when no
-answer came: refused connection, timeout) and an excerpt of the body.
-
-Control calls go to each engine directly, never through vllm-router: the router sends a control
-call to one worker only and drops its query string (`/pause?mode=keep` arrives as `/pause`,
-i.e. abort).
-
-Every request carries the run's token (`token`: `Authorization: Bearer ...`, engines/auth.py)
-when the client has one; an engine that refuses it answers 401, an `EngineError` like any other.
-"""
+"""HTTP client of one vLLM server: token-in/token-out generate (async, aiohttp: the rollout's hot path)
+and every control call of the step, also blocking through `SyncEngineClient`. Every failure is an
+`EngineError` naming the engine, endpoint, status and a body excerpt. Every request carries the run's
+token when the client has one. Control calls never go through vllm-router (it sends them to one
+worker and drops the query string)."""
 
 from __future__ import annotations
 

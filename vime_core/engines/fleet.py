@@ -1,18 +1,7 @@
-"""EngineFleet: a run's vLLM engines as one thing, the engine half of the RolloutManager.
-
-It owns the engines' handles and topology (servers started here, engine actors watched here, or
-`engine_urls` attached to; the router; one client per engine), sleep and wake, the engines'
-weight versions, admission (whether new generate requests may go out), health and restarts, and
-the run's engine token. The RolloutManager holds one (`manager.fleet`) and keeps generation,
-prefetch, evaluation, the data source and rewards; its Ray actor interface delegates these
-engine calls here in one line each: `engine_token`, `engine_urls`, `startup_epochs`,
-`engine_startup_marks`, `offload`, `wake_asleep_engines`, `onload_weights`, `onload_kv`,
-`engine_memory`, `pause_admission`, `resume_admission`, `begin_sync`, `weight_versions`,
-`check_engines`.
-
-Its event loop (`loop`, a thread of its own) holds every engine connection, so they stay open
-between rollouts; the manager runs its rollouts on the same loop.
-"""
+"""EngineFleet: a run's vLLM engines as one thing, the engine half of the RolloutManager: topology
+(servers, engine actors or attached URLs; the router; one client per engine), sleep and wake, weight
+versions, admission, health and restarts, and the run's engine token. Its event loop holds every
+engine connection, so they stay open between rollouts; the manager runs its rollouts on it."""
 
 from __future__ import annotations
 

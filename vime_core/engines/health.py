@@ -1,18 +1,7 @@
-"""Engine health monitoring: find a dead engine, restart it, give it the current weights, put
-it back behind the router.
-
-A background thread polls each engine every `interval_s`. An engine whose process exited, or
-that failed `failures_to_restart` health checks in a row, is restarted; before it serves again
-`on_restarted(engine_index, url)` is called (the owner pushes the current weights and version
-there), then the router (or the in-client PolicyRouter) gets its new URL. Requests that were in
-flight on it fail, and the rollout loop retries them on a live engine: nothing is lost.
-
-The monitor is paused while engines sleep (offload: a sleeping engine may not answer) and
-resumed when they generate again. An engine whose memory is in an unknown state (a wake that
-failed part-way: vime_core.engines.client.EngineWakeError) is condemned: the next pass restarts
-it although it answers. Bootstrap's pass (`check_now(even_paused=True)`) runs while engines sleep,
-so an engine that died or failed to wake in an iteration that stopped there is restarted too.
-"""
+"""Engine health monitoring: a background thread finds a dead engine (its process exited, or
+`failures_to_restart` failed checks in a row), restarts it, gives it the current weights
+(`on_restarted`) and puts it back behind the router; the rollout loop retries what was in flight.
+Paused while engines sleep; an engine whose wake failed part-way is condemned and restarted."""
 
 from __future__ import annotations
 

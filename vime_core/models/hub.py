@@ -1,17 +1,7 @@
-"""``hf_checkpoint`` -> a local folder, once, on the driver when the run's configuration is
-resolved (vime_core/run_assets.py).
-
-It accepts a local folder or a Hugging Face hub id (``org/name``, optionally ``org/name@revision``
-with a branch, tag or commit). A hub id is fetched with ``huggingface_hub.snapshot_download``
-into the usual cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
-with ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached, the cached snapshot is used. The
-resolved value is the snapshot folder, so trainer actors and engines (which run with
-``HF_HUB_OFFLINE=1``) only ever see a local path. A hub id with no cached snapshot and no way to
-download it fails here, before any actor or server starts, naming the id and the cache folder.
-
-Only what training and serving read is downloaded: configs, safetensors, tokenizer files and the
-chat template. The hub token (``HF_TOKEN``) is read by huggingface_hub itself and never logged.
-"""
+"""`hf_checkpoint` -> a local folder, once, on the driver: a local folder, or a hub id (`org/name[@rev]`)
+fetched with snapshot_download into the usual cache (the cached snapshot offline), so actors and
+engines only see a local path. An id that cannot be resolved fails here, before anything starts. Only
+configs, safetensors and tokenizer files are downloaded; HF_TOKEN is huggingface_hub's, never logged."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""Orchestration overhead of a run's iterations.
+"""Orchestration overhead of a run's iterations: everything vime adds around the work measured inside
+the actors (Prefect runs, Ray calls and transfers, the report, persist where not hidden).
 
-    compute_k  = rollout generate + build (RolloutManager) + train (MegatronTrainer) + weight
-                 publish (rank 0), all measured inside the actors
-    overhead   = sum_k wall_k - sum_k compute_k        over a window of iterations
-    fraction   = overhead / sum_k wall_k
+    overhead = sum_k wall_k - sum_k compute_k,   fraction = overhead / sum_k wall_k
 
-Everything else is overhead, as the orchestration issue defines it: Prefect flow and task runs,
-Ray calls and object transfers, the report, and persist (the batch's Arrow encode, write,
-verify and index publish) as far as it is not hidden behind training.
-
-wall_k is the iteration flow run's wall time as its caller sees it (flow-run start and end
-included). Sums, not per-iteration ratios: with rollout_prefetch part of rollout k+1 runs
-inside wall_k, and over a window the part entering at its end and the part leaving at its start
-cancel. The window drops the first iteration (warm-up) and the last (it starts no next rollout).
-"""
+compute_k = rollout generate + build + train + rank 0's publish. Sums over a window (without the
+first and the last iteration), because a prefetched rollout k+1 runs inside wall_k."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Iteration records of a run, kept as `metrics.jsonl` in the run's report folder.
-
-Kept in `<storage>/reports/<run>/metrics.jsonl`. One record per finished iteration: rollout id, weight versions, reward
-and length statistics,
-training metrics and the phase times T_rollout ... T_sync (seconds), with
-T_step = wall time of the iteration. Records are appended, and re-reading them keeps the last
-record per rollout id, so a retried iteration replaces its earlier record.
-
-The report folder (config.json, metrics.jsonl, reward_curve.png, summary.json, the trackers'
-files) is written through the storage's own StorageLocation (vime_core/storage/fs.py), a local
-folder or an object store alike, at the run's S3 endpoint (`endpoint`; None: this process's
-environment, for library callers).
-"""
+"""Iteration records of a run, appended to `<storage>/reports/<run>/metrics.jsonl`: one per finished
+iteration (versions, reward and length statistics, training metrics, phase times T_*). Re-reading
+keeps the last record per rollout id, so a retried iteration replaces its earlier one. The report
+folder is written through the store's StorageLocation, local or object store alike."""
 
 from __future__ import annotations
 

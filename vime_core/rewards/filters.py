@@ -1,17 +1,7 @@
-"""Dynamic-sampling group filters: `filter(group: list[Sample]) -> bool` (True keeps the group).
-
-A filter gets the whole group, after scoring and before the normalisation. The rewards that count
-are those of its samples that are not FAILED, `data.group_rewards.live_rewards(group)`: the same set the
-normalisation uses (data/batch.py), so a filter never keeps a group whose advantages are all 0.
-
-check_reward_nonzero_std keeps a group only when at least two of its rewards count and they are
-not all equal: with std = 0 every GRPO advantage (r - mean) / (std + 1e-6) is 0 and the group adds
-no gradient (DAPO's dynamic sampling, Yu et al. 2025). [1, 1, 1, FAILED] is dropped: the three
-rewards that count are equal.
-
-How many batches a rollout may submit while a filter leaves it short, and what then, is the
-rollout loop's (max_num_gen_batches, filter_exhausted).
-"""
+"""Dynamic-sampling group filters: `filter(group: list[Sample]) -> bool` (True keeps the group), after
+scoring and before the normalisation, on the rewards that count (data/group_rewards.py).
+check_reward_nonzero_std keeps a group only when at least two rewards count and differ: with std 0
+every GRPO advantage is 0 (DAPO's dynamic sampling, Yu et al. 2025)."""
 
 from __future__ import annotations
 

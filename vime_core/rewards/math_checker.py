@@ -1,15 +1,10 @@
-"""Rule-based math answer checking.
+"""Rule-based math answer checking: reward = 1.0 if equivalent(answer(response), reference) else 0.0.
 
-    answer(text) = content of the last \\boxed{...} (or \\fbox{...}) when there is one,
-                   else the last number in the text
-    reference    = content of the label's last \\boxed{...}, else what follows its last "####"
-                   (GSM8K's answer column: "...reasoning... #### 72"), else the whole label
-    reward       = 1.0 if equivalent(answer(response), reference) else 0.0
+    answer(text) = the last \boxed{...} (or \fbox{...}), else the last number in the text
+    reference    = the label's last \boxed{...}, else what follows its last "####" (GSM8K), else the label
 
-Two answers are equivalent when, after normalisation (strip $, spaces, \\left/\\right, \\text{},
-trailing '.', thousands separators, a leading "x =" ), they are the same string, or both parse
-as numbers (integers, decimals, a/b, \\frac{a}{b}, \\dfrac, percentages) within 1e-6 relative.
-"""
+Equivalent: the same string after normalisation ($, spaces, \left/\right, \text{}, a trailing '.',
+thousands separators, a leading "x ="), or both numbers (a/b, \frac, percentages) within 1e-6 relative."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""A reward model behind HTTP (rm_type=remote_rm).
-
-One POST per sample to `url` with JSON {"prompt", "response", "label", "metadata"}; the answer is
-a JSON number or {"reward": number}, read by the hub's rule (values.as_reward: a bool is 0/1, NaN
-and Infinity are refused). Transport errors, timeouts, 429 and 5xx are retried up to
-`max_retries` times, waiting backoff_s * 2^(n-1) after failed attempt n (`vime_core/utils/retry`);
-other 4xx fail at once.
-
-Headers (e.g. an API key) are sent but never logged and never put in exceptions; URLs are shown
-without user-info or query string, which may carry credentials.
-"""
+"""A reward model behind HTTP (rm_type=remote_rm): one POST per sample with {"prompt", "response",
+"label", "metadata"}, answered by a JSON number or {"reward": number} (values.as_reward). Transport
+errors, timeouts, 429 and 5xx are retried with back-off (utils/retry.py). Headers are never logged
+and URLs are shown without user-info or query string."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Text scorers on sample.response against sample.label.
+"""Text scorers on sample.response against sample.label:
 
-    normalise(s) = lower-case, drop punctuation and the articles a/an/the, collapse whitespace
+    normalise(s) = lower-case, no punctuation or articles a/an/the, whitespace collapsed
     exact_match  = 1.0 if normalise(response) == normalise(label) else 0.0
-    f1           = 2 P R / (P + R) over the multiset of normalised tokens,
-                   P = |common| / |response tokens|, R = |common| / |label tokens|
-                   (both empty -> 1.0; one empty -> 0.0)
+    f1           = 2 P R / (P + R) over the normalised token multisets (both empty 1.0, one 0.0)
 
-A list label means "any of these": the best score over its items.
-"""
+A list label means "any of these": the best score over its items."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""What a reward is, in one place: the reward hub and the remote reward model read every reward
-through as_reward. (Which rewards count in a group's statistics is vime_core/data/group_rewards.py.)
-
-    as_reward(v)        = float(v) when v is a finite real number: an int, a float, a bool (0/1),
-                          any numbers.Real (fractions.Fraction, numpy.float32, numpy.int64...), a
-                          numpy.bool_, or a 0-d numpy array / torch tensor holding one (read with
-                          `.item()`, so torch is never imported here). Anything else (complex, str,
-                          None, a list, an array of one element, NaN, +-Inf) raises
-                          InvalidRewardError naming the value's type, never the value: a reward
-                          function's output may be private.
-"""
+"""What a reward is, in one place: `as_reward(v)` = float(v) for a finite real number (int, float, bool,
+any numbers.Real, numpy.bool_, a 0-d numpy array or torch tensor); anything else (complex, str, None,
+a list, NaN, +-Inf) raises InvalidRewardError naming the type, never the value (it may be private)."""
 
 from __future__ import annotations
 

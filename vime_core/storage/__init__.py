@@ -1,13 +1,6 @@
-"""Rollout batches as Arrow tables in object storage, with lineage and an index.
-
-    from vime_core.storage import BatchStore
-    store = BatchStore("runs")                     # or "s3://bucket/prefix"
-    ref = store.write(batch_dict, {"run": "r1", "rollout_id": 7, ...})
-    batch, lineage = store.read("r1", 7)           # verified
-    store.index()                                  # pyarrow.Table, one row per batch
-
-docs/lineage.md describes the layout, the schema, the queries and retention.
-"""
+"""Rollout batches as Arrow tables in object storage, with lineage and an index:
+`BatchStore("runs")` (or "s3://bucket/prefix") writes, reads verified and indexes them.
+docs/lineage.md describes the layout, the schema, the queries and retention."""
 
 from vime_core.storage.schema import (
     BATCH_SCHEMA,

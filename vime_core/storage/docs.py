@@ -1,11 +1,6 @@
-"""The generated sections of docs/: the batch's columns in docs/interfaces.md (from
-vime_core/data/columns.py) and the stored schema in docs/lineage.md (from schema.py and index.py).
-
-    python -m vime_core.storage.docs                                   # print the sections
-    python -m vime_core.storage.docs --write docs/interfaces.md docs/lineage.md
-
-A unit test fails when a section in docs/ differs from what this module generates.
-"""
+"""The generated sections of docs/: the batch's columns in docs/interfaces.md and the stored schema in
+docs/lineage.md; `python -m vime_core.storage.docs --write docs/interfaces.md docs/lineage.md`
+refreshes them, and a unit test fails when they are stale."""
 
 from __future__ import annotations
 

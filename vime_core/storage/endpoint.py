@@ -1,17 +1,10 @@
-"""Where an `s3://` store's server is: its endpoint URL and region, never its credentials.
-
-One resolution, used when a configuration is made (VimeConfig's `storage_endpoint_url` and
-`storage_region`, filled once there and passed with the configuration to every process that
-opens the store) and by library callers that open a store without a configuration:
+"""Where an `s3://` store's server is, resolved once when a configuration is made (and by library
+callers without one), never its credentials (botocore's chain reads those):
 
     endpoint  the value given, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else "" (AWS itself)
     region    the value given, else AWS_REGION, else AWS_DEFAULT_REGION, else "" (botocore's choice)
 
-Credentials are not part of it: botocore's usual chain reads them where the store is opened
-(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, AWS_PROFILE and the shared
-credentials file, instance roles). An endpoint carrying them (`http://key:secret@host`) is
-refused, since the endpoint is recorded (configuration dumps, lineage, logs).
-"""
+An endpoint carrying credentials is refused: it is recorded in dumps, lineage and logs."""
 
 from __future__ import annotations
 

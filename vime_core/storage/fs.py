@@ -1,20 +1,7 @@
-"""An fsspec filesystem and a root path from a storage URI.
-
-- a plain path (`runs`, `/data/vime`) or `file:///data/vime`: the local filesystem; relative
-  paths are made absolute against the current directory when the store is opened;
-- `s3://bucket/prefix`: s3fs. The endpoint and region are the caller's `endpoint` (a run's comes
-  from its configuration: `S3Endpoint.of(cfg)`), `storage_options["endpoint_url"]` and
-  `["client_kwargs"]["region_name"]` winning; a caller that gives none gets this process's
-  environment, resolved as a configuration would (`vime_core.storage.endpoint`). Credentials are
-  left to botocore's usual chain
-  (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, `AWS_PROFILE` and the shared
-  credentials file, instance roles). Credentials are never passed, stored, logged or put in an
-  error message by this module; a URI carrying them (`s3://key:secret@bucket`) is refused;
-- any other `protocol://` that fsspec knows, with `storage_options` passed through.
-
-Paths handed to pyarrow are plain paths inside the filesystem, never `file://` URIs (pyarrow
-refuses a URI together with an fsspec filesystem).
-"""
+"""An fsspec filesystem and a root path from a storage URI: a plain path or `file://` (local), `s3://`
+(s3fs at the caller's `endpoint`, else this process's environment, vime_core.storage.endpoint), or
+any other protocol fsspec knows. Credentials are left to botocore's chain and never passed, stored
+or logged here; a URI carrying them is refused. Paths handed to pyarrow are plain paths, never URIs."""
 
 from __future__ import annotations
 

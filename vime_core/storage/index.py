@@ -1,21 +1,8 @@
-"""The index of all published batches: one Parquet manifest per batch, folded by `compact()`.
-
-Every file under `index/` is a Parquet table of INDEX_SCHEMA, so the folder is one Parquet
-dataset (pyarrow.dataset, DuckDB `read_parquet('.../index/**/*.parquet')`). `BatchIndex.table()`
-reads it consistently while writers and compactions run:
-
-1. list the manifests, then list the compacted files (this order matters: a compaction writes
-   its output before deleting what it folded, so anything deleted after step 1 is already in a
-   compacted file listed in step 2 or in a manifest read in step 3);
-2. read them all; if any listed file vanished meanwhile, start again;
-3. keep one row per (run, rollout_id): the latest `published_at` (duplicates exist only while
-   a compaction runs, or after an overwrite).
-
-Compactions may run concurrently with writers and with each other (each folds what it read into a
-new file and deletes only what it read; union semantics make the result complete). `prune`
-(retention.py) must not run concurrently with a compaction: a compaction that read a pruned
-manifest would list the pruned batch again (its read then fails with BatchNotFoundError).
-"""
+"""The index of all published batches: one Parquet manifest per batch, folded by `compact()`; the folder
+is one Parquet dataset (pyarrow.dataset, DuckDB). `BatchIndex.table()` reads it consistently while
+writers and compactions run: it lists the manifests before the compacted files (a compaction writes
+its output before deleting what it folded), starts again if a listed file vanished, and keeps the
+latest `published_at` per (run, rollout_id). `prune` must not run concurrently with a compaction."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""Where things live inside a store (keys are relative to the store's root).
+"""Where things live inside a store (keys relative to its root):
 
-    batches/<run>/<rollout_id:08d>-<checksum[:16]>.parquet   published batch objects
-    index/manifests/<run>/<rollout_id:08d>-<checksum[:16]>.parquet
-                                                             one index row per published batch
-    index/compacted/<utc time>-<random>.parquet              many index rows, made by compact()
-    tmp/<run>/<rollout_id:08d>-<random>.parquet              uploads not yet verified
+    batches/<run>/<rollout_id:08d>-<checksum[:16]>.parquet         published batch objects
+    index/manifests/<run>/<rollout_id:08d>-<checksum[:16]>.parquet one index row per batch
+    index/compacted/<utc time>-<random>.parquet                    many rows, made by compact()
+    tmp/<run>/<rollout_id:08d>-<random>.parquet                    uploads not yet verified
 
-A batch is visible only once its manifest exists (or its row is in a compacted file). Batch and
-manifest names carry the checksum, so a re-written batch never replaces an object a reader may
-be reading, and a compaction never deletes a manifest it did not read.
-"""
+Names carry the checksum, so a re-written batch never replaces an object a reader may be reading."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""Lineage questions answered from the index alone (index.INDEX_SCHEMA), never by reading batches.
-
-Each function takes the index table (`BatchStore(uri).index()`, so callers read it once and ask
-several questions) or a BatchStore (its index is read), and returns a pyarrow.Table
-(`.to_pylist()` for JSON). The same queries work on the Parquet files directly, without vime:
-
-    import pyarrow.dataset as ds, pyarrow.compute as pc
-    index = ds.dataset("runs/index", format="parquet").to_table()       # local store
-    # S3: ds.dataset("bucket/prefix/index", format="parquet", filesystem=s3fs.S3FileSystem(...))
-    v7 = index.filter(pc.and_(pc.less_equal(index["weight_version_min"], 7),
-                              pc.greater_equal(index["weight_version_max"], 7)))
-
-(Reading the folder directly can show a batch twice while a compaction runs; keep the row with
-the last published_at per (run, rollout_id), as `index.latest_per_batch` does.)
-"""
+"""Lineage questions answered from the index alone (index.INDEX_SCHEMA), never by reading batches: each
+function takes the index table or a BatchStore and returns a pyarrow.Table. The same queries work on
+the Parquet files without vime (`pyarrow.dataset.dataset("runs/index")`; keep the last published_at
+per (run, rollout_id) while a compaction may run). docs/lineage.md has examples."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""Retention: everything is kept by default; these remove batches on request.
-
-`prune_selection` says which published batches `BatchStore.prune` removes: those of a run and/or
-older than an age (created_at before a cutoff); the store then removes first their manifests
-(they stop being visible), then their objects, then recompacts the index without them.
-`remove_orphans` removes what killed writers left behind: uploads under tmp/ and batch objects
-no index entry points to, older than a grace period (a writer may be between upload and publish
-right now).
-
-Run neither concurrently with a compaction (index.py says why); writers may keep writing.
-
-A leaf of the store: this module imports no other part of it but the key layout; the store
-imports it. A store passed in is used through its public surface only (`index()`, `location`,
-`prune`).
-"""
+"""Retention: everything is kept by default; these remove batches on request. `prune_selection` says
+which batches `BatchStore.prune` removes (a run, an age); `remove_orphans` removes what killed
+writers left (tmp/ uploads and unindexed objects older than a grace period). Run neither
+concurrently with a compaction (index.py says why)."""
 
 from __future__ import annotations
 

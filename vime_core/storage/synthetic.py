@@ -1,10 +1,6 @@
-"""Synthetic rollout batches of a chosen shape, for tests, benchmarks and examples.
-
-Values are drawn from a seeded generator and respect the invariants batch_to_table checks
-(lengths agree, groups contiguous); log-probs are float32-representable so a round trip is
-exact; rewards are GRPO-normalised from the raw ones by the builder's own function
-(vime_core.algo.advantages.postprocess_rewards).
-"""
+"""Synthetic rollout batches of a chosen shape, for tests, benchmarks and examples: seeded, respecting
+the invariants batch_to_table checks, float32-representable log-probs (exact round trip), rewards
+normalised by the builder's own function."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Elementwise math through ``torch.compile`` on CUDA, eagerly elsewhere.
-
-The trainer's memory-bound pieces (the response head's chunk math, RoPE) are plain functions of
-tensors. Eagerly each torch operator is one pass over memory; compiled, the chain becomes one or
-two fused kernels, forward and backward. On the CPU (the test machines) they run eagerly: the
-same math, no compiler needed.
-"""
+"""Elementwise math through torch.compile on CUDA, eagerly elsewhere: the trainer's memory-bound pieces
+(the response head's chunk math, RoPE) become one or two fused kernels each way on a GPU, and run the
+same math eagerly on the CPU."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Write the trainer's weights as a Hugging Face checkpoint folder that transformers and vLLM load.
-
-    <path>/model.safetensors     every HF tensor (TP shards gathered, vocabulary padding cut), in
-                                 the source checkpoint's dtype
-    <path>/config.json           the source checkpoint's config (dtype fields set to that dtype)
-    <path>/tokenizer*, ...       every other non-weight file of the source folder, copied
-
-`<path>` is a local folder or a storage URI (`s3://bucket/prefix/exports/<run>`). The files are
-written into a local folder first and then published as one unit (vime_core/storage/folders.py):
-renamed into place on a local disk; on an object store uploaded under a fresh prefix
-`<path>/<label>-<random>/` that `<path>/manifest.json`, written last, names. Either way a reader
-sees the previous export or the new one.
-"""
+"""Write the trainer's weights as a Hugging Face checkpoint folder that transformers and vLLM load:
+model.safetensors (TP shards gathered, padding cut, the source's dtype), the source's config.json and
+its other non-weight files, at a local folder or a storage URI, published as one unit
+(vime_core/storage/folders.py), so a reader sees the previous export or the new one."""
 
 from __future__ import annotations
 

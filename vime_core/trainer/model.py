@@ -1,19 +1,7 @@
-"""Build a Megatron-core ``GPTModel`` from a Hugging Face config (Qwen2, Qwen3, Llama).
-
-The families map onto one Megatron layer (local spec, RMSNorm, SwiGLU MLP, RoPE) with two
-switches: Qwen2 has q/k/v biases (``add_qkv_bias``), Qwen3 normalises q and k per head before
-RoPE (``qk_layernorm``). Embeddings are tied or untied as the checkpoint says.
-
-Vocabulary padding: the embedding and output layers are split over the TP ranks along the
-vocabulary, so the vocabulary is padded up to a multiple of the TP size:
-``padded = ceil(vocab / tp) * tp``. The padded rows are zeros; their logits are *not* real tokens
-and are masked to a very negative value before any softmax (see ``logprobs.py``) and cut when
-weights are exported (``hf_convert.py``).
-
-Anything the mapping cannot express exactly (another ``model_type``, biases on the output or MLP
-projections, sliding-window attention, RoPE scaling other than Llama 3.1's with its standard
-constants, a non-SiLU activation) is refused with an error naming the config field.
-"""
+"""Build a Megatron-core GPTModel from a Hugging Face config (Qwen2, Qwen3, Llama): one Megatron layer
+(local spec, RMSNorm, SwiGLU, RoPE) with q/k/v biases (Qwen2) or per-head q/k norms (Qwen3). The
+vocabulary is padded to a multiple of the TP size (zero rows, masked before any softmax, cut on
+export). What the mapping cannot express exactly is refused with an error naming the config field."""
 
 from __future__ import annotations
 

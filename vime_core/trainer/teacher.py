@@ -1,10 +1,6 @@
-"""The on-policy distillation teacher's checkpoint check (use_opd, opd_type=megatron).
-
-The teacher scores the student's sampled token ids, so both must read the same ids as the same
-tokens: the teacher's config.json `vocab_size` must equal the student's, and its tokenizer's
-vocabulary (token -> id, added tokens included) must equal the student's. Its architecture may
-differ (a larger model of the same family); the trainer builds it like the policy.
-"""
+"""The on-policy distillation teacher's checkpoint check (use_opd, opd_type=megatron): the teacher scores
+the student's token ids, so its vocab_size and tokenizer vocabulary must equal the student's; its
+architecture may differ."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""``MegatronTrainer``: one trainer rank (a plain class; the cluster module wraps it as a Ray actor).
-
-Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
-builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
-Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
-``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py), and, for an estimator
-with a critic (ppo), the value model beside it (vime_core/trainer/critic.py). Then per rollout:
-``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
-``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
-
-Every method is called on every rank at once (collectives over TP/DP), except ``state``.
-"""
+"""`MegatronTrainer`: one trainer rank (a plain class; the cluster module makes it a Ray actor).
+`init(hf_checkpoint)` builds the Megatron model, DDP, optimizer and schedule (and the critic with
+ppo); then `train` per rollout, `update_weights` per sync, `save` / `load` / `export_hf`,
+`sleep` / `wake` between phases, `close`. Every method runs on every rank at once, except `state`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Device memory seen from outside a process, through `nvidia-smi` (no CUDA context is opened:
-an engine actor that imported torch.cuda to ask would itself hold ~0.5 GB on the GPU).
-
-    process_bytes   sum of `used_memory` of the compute apps whose pid is in the process group
-                    or descends from it (a vLLM server and its engine-core workers share one
-                    session/group)
-    device_used_bytes  `memory.used` of each listed device (everything on it: trainer included)
-
-Inside some containers nvidia-smi lists no pids; `process_bytes` is then None and only the
-devices' totals are known.
-"""
+"""Device memory seen from outside a process, through `nvidia-smi`, because an actor that opened a CUDA
+context to ask would itself hold device memory: `process_bytes` of a process group and its
+descendants (None where the container's nvidia-smi lists no pids) and each device's `memory.used`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Library warnings a vime user cannot act on, kept off the console.
-
-Megatron-core warns on every import that Apex and Transformer Engine are absent and that it
-falls back to torch implementations (the CPU build and vime's GPU path use those fallbacks on
-purpose), and on every layer about arguments it fills in itself. Each trainer actor forwards
-them to the driver's console through Ray, a page per run. Only these messages are silenced, and
-only when they come from Megatron's modules.
-
-Ray's GCS and raylet log at ERROR, and every driver prints, that they cannot reach the metrics
-exporter agent, which a local head without the dashboard does not run (`RAY_DAEMON_NOISE`);
-the driver's printer of streamed logs drops those lines (`quiet_ray_daemons`), nothing else.
-"""
+"""Library warnings a vime user cannot act on, kept off the console: Megatron's warnings about absent
+Apex / Transformer Engine and arguments it fills in (from Megatron's modules only), and Ray daemons'
+lines about the metrics exporter a local head without the dashboard does not run."""
 
 from __future__ import annotations
 

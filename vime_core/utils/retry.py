@@ -1,16 +1,9 @@
-"""The retry and poll policies of vime, on tenacity: every bounded retry with back-off and every
-"wait until ready or deadline" poll goes through here, so each one states only what differs
-(how many attempts, which failures, what to wait for).
-
-Back-off: the wait after failed attempt n (n = 1, 2, ...) is
+"""The retry and poll policies of vime, on tenacity, so each caller states only what differs. The wait
+after failed attempt n (n = 1, 2, ...; none after the last):
 
     wait(n) = min(first_s * 2^(n-1), max_s)
 
-(tenacity's `wait_exponential(multiplier=first_s, max=max_s)`); no wait follows the last attempt.
-
-A tenacity retrying object keeps its per-run state on itself (per thread, not per coroutine), so
-these functions build a new one on every call: one object is never shared by concurrent calls.
-"""
+A tenacity object keeps per-run state on itself, so each call builds a new one."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Keeping credentials out of stored configurations, metadata, logs and error messages.
-
-Rules, applied recursively to dicts, lists and strings:
-- a value under a key that names a credential (secret, password, token, access key, api key,
-  signature, ...) becomes `REDACTED`; keys that name where a credential is kept (`*_env`,
-  `*_file`, `*_path`: rm_api_key_env holds a variable's name, not its value) and `tokens`-style
-  data keys such as `max_tokens_per_gpu` are not credentials;
-- in a URI, the password of `scheme://user:password@host` and the value of a query parameter
-  named like a credential (`?api_key=...`, `&token=...`, `&X-Amz-Signature=...`) become `REDACTED`;
-- in a list of command-line words (vllm_extra_args), the value after a flag named like a
-  credential (`--api-key VALUE`, `--api-key=VALUE`) and the value of a `NAME=VALUE` word whose
-  NAME is one becomes `REDACTED`;
-- any occurrence of the current process's AWS credential values (from the environment) becomes
-  `REDACTED`, wherever it appears.
-Redacting twice gives the same text as redacting once, so a stored configuration's hash is
-that of the redacted configuration (config_hash) whichever of the two is hashed.
-"""
+"""Keeping credentials out of stored configurations, metadata, logs and error messages. Applied
+recursively, these become REDACTED: a value under a key naming a credential (not `*_env`, `*_file`,
+`*_path` or `tokens`-style data keys), a URI's password and credential-named query parameters, the
+value after a credential-named flag or in a NAME=VALUE word, and this process's AWS credential
+values anywhere. Redacting twice gives the same text as once, so config_hash is stable."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""Group HF-named tensors into weight-update buckets of a bounded byte size.
-
-A bucket is what one `/update_weights` call carries. Sizes count bytes *on the wire*, i.e. in
-the dtype the engine wants (`wire_dtypes`), which may differ from the trainer's (fp32 master
-weights sent as bf16 take half the room).
-
-Rule, in the order tensors arrive: a tensor joins the open bucket if the bucket's bytes plus its
-own stay <= `bucket_bytes`; otherwise the open bucket is closed and a new one starts with it. A
-tensor larger than `bucket_bytes` therefore travels alone, and no bucket is empty.
-
-Packing: a bucket's tensors go into one flat uint8 buffer by the byte layout both ends share
-(`wire/layout.py`): `pack_flat` back to back (what `vime_broadcast` and vLLM's `ipc` backend
-split by sizes), `pack_ipc` the same into memory CUDA IPC can share, `copy_into` at the aligned
-offsets of a shared-memory bucket file (`transport/shm.py`).
-"""
+"""Group HF-named tensors into weight-update buckets (one `/update_weights` call each) of a bounded size
+in wire bytes. Rule, in arrival order: a tensor joins the open bucket if the total stays <=
+`bucket_bytes`, else a new bucket starts with it; a larger tensor travels alone, no bucket is empty.
+Packing follows wire/layout.py: `pack_flat`, `pack_ipc` (CUDA IPC memory), `copy_into` (shm files)."""
 
 from __future__ import annotations
 

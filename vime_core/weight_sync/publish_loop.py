@@ -1,19 +1,8 @@
-"""What a publisher keeps between publishes: a long-lived event loop in a daemon thread, the
-engine clients bound to it, the shared-memory bucket pools and the broadcast groups. The trainer (rank 0) owns one
-and closes it with itself (`MegatronTrainer.close`); a `publish_weights` call given none makes
-one for that call.
-
-Why: an `EngineClient` is bound to the loop that first used it and keeps its connections open;
-a publish run in a fresh loop each time would open new connections to every engine on every
-publish. The pools keep their tmpfs pages allocated between publishes (`transport/shm_pool.py`);
-a broadcast group (`transport/broadcast.py`) is formed once, not per publish.
-Nothing here is process-wide: a trainer rebuilt after a failure is a new Ray actor (a new
-process), so there is no reuse across trainers to keep.
-
-The engine token its clients send: the one it was made with (`token`), else the run's, asked
-from the run's RolloutManager through Ray at each publish (`engine_token`), so a trainer that
-outlived the engines and their manager sends the token of the ones that replaced them.
-"""
+"""What a publisher keeps between publishes, so connections, tmpfs pages and broadcast groups are made
+once: a long-lived event loop in a daemon thread, the engine clients bound to it, the shared-memory
+bucket pools and the broadcast groups. The trainer (rank 0) owns one; a publish given none makes its
+own. Its clients send the token it was made with, else the run's, asked from the RolloutManager at
+each publish (the engines may have been replaced)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
-"""Did the publish arrive? (`check_weight_update_equal`, as slime's --check-weight-update-equal)
+"""Did the publish arrive? (`check_weight_update_equal`, as slime's --check-weight-update-equal.) The
+trainer and every engine score one fixed seeded probe at temperature 1:
 
-After weights v are published, the trainer and every engine score one fixed probe sequence
-x_0 .. x_{n-1} (temperature 1, so both sides compute plain log-softmax):
+    max_abs_diff = max_j |e_j - l_j|          small: the engine serves the trainer's weights
+    changed_max  = max_j |e_j(v) - e_j(v-1)|  > 0: the weights did change
 
-    trainer   l_j = log p_theta(x_j | x_<j)            j = 1 .. n-1 (Megatron forward)
-    engine    e_j = the same from vLLM's prompt log-probs (`prompt_logprobs: 0`)
-
-    max_abs_diff   = max_j |e_j - l_j|                   small: the engine serves the trainer's weights
-    changed_max    = max_j |e_j(v) - e_j(v-1)|           > 0: the weights did change
-
-The probe is a fixed pseudo-random token sequence (seeded), the same for every version, so the
-two versions' log-probs compare position by position. The tolerance is a bf16 one: both sides
-round weights and activations to bf16 but run different kernels; what was measured is reported
-in bench/results (not asserted here).
-"""
+l_j the trainer's log p(x_j | x_<j), e_j vLLM's prompt log-probs. Both round to bf16 with different
+kernels, so the difference is reported (bench/results), not asserted here."""
 
 from __future__ import annotations
 

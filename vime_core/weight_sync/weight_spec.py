@@ -1,11 +1,6 @@
-"""What an engine's model accepts, and the check of a publish against it before any byte moves.
-
-A vLLM server whose weight update fails half-way keeps a half-loaded model and dies on the next
-request, so `publish_weights` checks names, shapes and dtypes first. The spec comes from the
-worker extension (`vime_weight_spec` over `/collective_rpc`), which reads it once from the
-checkpoint the server started from and caches it in the worker; its format is
-`wire/spec_format.py`.
-"""
+"""What an engine's model accepts, and the check of a publish against it before any byte moves: a vLLM
+server whose update fails half-way keeps a half-loaded model. The spec comes from the worker
+extension (`vime_weight_spec`, format wire/spec_format.py), read once from the server's checkpoint."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""The CUDA IPC wire format: what vLLM's own `ipc` weight-transfer backend reads from a packed
-bucket's `update_info` (`IPCWeightTransferUpdateInfo`, over HTTP), and how GPUs are named in it.
-
-    buffer   one uint8 CUDA tensor per GPU; tensor i (in its wire dtype) at byte
-             sum(tensor_sizes[:i]), no padding (`layout.place` with alignment 1); vLLM splits
-             the buffer by `tensor_sizes`
-    payload  {"names", "dtype_names", "shapes", "tensor_sizes",
-              "ipc_handles_pickled": base64(pickle({gpu_uuid: reduce_tensor(buffer)[1], ...})),
-              "packed": true (vLLM 0.26 only; later releases take it in `init_weight_transfer`)}
-
-Each engine worker opens the handle of its own GPU, keyed by `gpu_uuid` on both ends: the
-trainer when it packs (`vime_core/weight_sync/transport/ipc.py`), the worker extension when the
-trainer asks where its workers run (`DEVICE_UUID_RPC`). The server needs
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` to unpickle the handles.
-
-Standard library only at import (torch inside `gpu_uuid`).
-"""
+"""The CUDA IPC wire format: what vLLM's own `ipc` weight-transfer backend reads from a packed bucket's
+`update_info`, and how GPUs are keyed in it (`gpu_uuid`, on both ends). One uint8 buffer per GPU,
+tensors back to back (`layout.place` with alignment 1); the payload carries names, dtypes, shapes,
+sizes and the pickled handles. Standard library only at import (torch inside `gpu_uuid`)."""
 
 from __future__ import annotations
 

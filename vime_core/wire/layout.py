@@ -1,17 +1,10 @@
-"""A weight bucket's bytes, as both ends see them.
-
-A bucket travels as one flat uint8 buffer. Tensor i is C-contiguous in its wire dtype and takes
-`tensor_nbytes(dtype_i, shape_i)` bytes from `offsets[i]`, where
+"""A weight bucket's bytes, as both ends see them: one flat uint8 buffer, tensor i C-contiguous in its
+wire dtype from
 
     offsets[0] = 0,   offsets[i] = align_up(offsets[i-1] + nbytes[i-1], alignment)
 
-`alignment` is 1 (back to back) for the packed buffers of `vime_broadcast` and vLLM's `ipc`
-backend, and `shm_format.ALIGNMENT` for shared-memory bucket files. The sender places tensors
-with `place` (vime_core/weight_sync/buckets.py); the receiver views them with `bucket_views`.
-
-Standard library only at import (torch inside `bucket_views`): the configuration imports the
-format modules built on this one.
-"""
+alignment 1 for packed buffers (vime_broadcast, vLLM's ipc), shm_format.ALIGNMENT for shm files.
+Standard library only at import (torch inside `bucket_views`)."""
 
 from __future__ import annotations
 

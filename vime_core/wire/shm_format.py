@@ -1,15 +1,7 @@
-"""The wire format of one weight bucket passed through shared memory (backend `vime_shm`).
-
-Both sides import this module: the trainer (which writes the bucket,
-`vime_core/weight_sync/transport/shm.py`) and the vLLM worker (which reads it,
-`vime_core/engines/vllm_side/shm_backend.py`), so it uses the standard library only.
-
-A bucket is one file on a tmpfs (`/dev/shm`) holding a flat byte buffer; tensor `i` occupies
-bytes `[offsets[i], offsets[i] + numel(shapes[i]) * itemsize(dtype_names[i]))`, C-contiguous
-(`layout.py`). Offsets are multiples of `ALIGNMENT` so every tensor can be viewed in place with
-its dtype. The descriptor (this dataclass as a dict) travels as the `update_info` of vLLM's
-`POST /update_weights`; it is plain JSON, so no insecure serialization is needed.
-"""
+"""The wire format of one weight bucket in shared memory (backend `vime_shm`), imported by the trainer's
+transport and the vLLM worker, so standard library only. A bucket is one tmpfs file; tensor i at
+`offsets[i]` (multiples of ALIGNMENT, so viewable in place), C-contiguous. The descriptor travels as
+plain JSON in `update_info`: no insecure serialization."""
 
 from __future__ import annotations
 

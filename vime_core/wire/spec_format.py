@@ -1,17 +1,6 @@
-"""What an engine's model accepts, as the worker reports it and the trainer checks it.
-
-    spec = {"source": the checkpoint folder the server started from,
-            "served_dtype": the model's parameter dtype ("bfloat16"),
-            "tensors": {HF name: {"shape": [...], "dtype": the dtype it travels in}}}
-
-The worker extension answers `SPEC_RPC` over `/collective_rpc` with `engine_spec(...)`, read
-from the checkpoint's safetensors headers (floating tensors travel in the served dtype, others
-in the checkpoint's); the trainer checks a publish against it before any byte moves
-(`vime_core/weight_sync/weight_spec.py`).
-
-Standard library only: the vLLM worker uses it (`VimeWorkerExtension.vime_weight_spec`) and the
-trainer's tests can import it without vllm.
-"""
+"""What an engine's model accepts, as the worker reports it (SPEC_RPC) and the trainer checks it before
+any byte moves: {"source", "served_dtype", "tensors": {HF name: {"shape", "dtype"}}}, read from the
+checkpoint's safetensors headers (floating tensors travel in the served dtype). Standard library only."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""vLLM weight-transfer engine `vime_broadcast`: receives weight buckets by broadcast from the
-trainer's rank 0, over NCCL (GPU engines on devices the trainer does not share) or gloo (CPU
-engines on other machines). Format and ranks: `vime_core/wire/broadcast_format.py`;
-carriers: `wire/broadcast_group.py` (the trainer's end uses both too).
-
-The session is vLLM's checkpoint-format reload (`reload_session`, as for `vime_shm`); vLLM
-keeps views of a bucket until its layers are complete, so received buffers are held until
-`finish`.
-
-Why not vLLM's own `nccl` backend: on vLLM 0.26 (the GPU hosts' release) its rendezvous is
-vLLM's `StatelessProcessGroup` with a pickled vLLM object as the NCCL id, which a trainer
-without vLLM cannot join; here rank 0 mints the id and sends it as base64 in the init info.
-
-Runs inside the vLLM worker: imports only vllm, torch, the standard library, vime's vllm_side
-modules and the shared wire formats (`vime_core.wire`).
-"""
+"""vLLM weight-transfer engine `vime_broadcast`: receives buckets broadcast by the trainer's rank 0 over
+NCCL or gloo (format and carriers: vime_core/wire/), through the shared reload session. Not vLLM's
+own `nccl` backend: on 0.26 its rendezvous needs a pickled vLLM object, which a trainer without vLLM
+cannot make. Runs inside the vLLM worker: vllm, torch, the standard library and vime_core.wire only."""
 
 from __future__ import annotations
 

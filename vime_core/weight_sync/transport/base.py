@@ -1,21 +1,7 @@
-"""The one interface every weight transport implements.
-
-`publish_weights` drives a transport through one versioned update:
-
-    await t.prepare(engines)      once per publish: backend handshake (idempotent on the engine)
-    t.stage(first_bucket)         optional head start on packing, before the engines pause
-    await t.start()               open the engines' update session
-    await t.send_bucket(b)        for each bucket, in order; may return before the engines have
-                                  loaded it (a transport may pipeline packing with delivery)
-    await t.finish(version)       deliver what is pending, close the session, set the version
-    await t.abort()               after a failure while `bytes_moved` is False: close an open
-                                  session without loading anything (vLLM puts the old weights back)
-    await t.close()               always (also after a failure): free buffers, files, handles
-
-After `finish` returns, every engine has loaded every bucket and reports `version`.
-`bytes_moved` says whether any tensor byte reached an engine yet: before that, a failure leaves
-the engines on their old weights.
-"""
+"""The one interface every weight transport implements; `publish_weights` drives it through one
+versioned update: prepare, stage (optional head start), start, send_bucket per bucket, finish(version),
+abort (after a failure while no byte moved: vLLM puts the old weights back), close (always). After
+`finish` returns every engine has loaded every bucket and reports `version`."""
 
 from __future__ import annotations
 

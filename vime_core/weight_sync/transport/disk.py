@@ -1,15 +1,7 @@
-"""Fallback transport: safetensors files in a folder, which every engine reloads by itself.
-
-No weight-transfer backend is needed on the server: each bucket becomes one
-`model-<index>.safetensors` in a fresh folder (on `/dev/shm` by default, so "disk" is memory),
-and `finish` asks every engine to reload from it through `/collective_rpc` (the worker
-extension's `vime_reload_weights`: vLLM's `reload_weights` plus a fix for tied embeddings), then sets the version with
-`/update_weight_version`. Nothing reaches an
-engine before `finish`, so a failure while writing leaves the engines untouched.
-
-Trap: vLLM's reload repoints the engine's `model_config.model` at the folder, which is deleted
-afterwards; a later reload *without* a path would fail (publishes always pass one).
-"""
+"""Fallback transport: each bucket becomes a safetensors file in a fresh folder (on /dev/shm by
+default), and `finish` asks every engine to reload from it (`vime_reload_weights`) and sets the
+version; nothing reaches an engine before `finish`. vLLM's reload repoints model_config.model at
+the folder, which is deleted afterwards, so every reload must pass a path."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""CPU transport: each bucket is written once into a tmpfs file and every engine maps it.
-
-The vLLM side is the `vime_shm` backend (`vime_core/engines/vllm_side/shm_backend.py`), so the
-standard session endpoints carry it: `/start_weight_update`, one `/update_weights` per bucket
-with a `ShmBucketInfo` descriptor, `/finish_weight_update {"weight_version"}`.
-
-Packing bucket k+1 (a thread: torch's copy releases the GIL) overlaps with the engines loading
-bucket k, so the publish costs about max(pack, load) instead of their sum. Bucket files come
-from a pool that keeps them between publishes (`shm_pool`: fresh tmpfs pages cost ~10x the
-copy), given by the publisher that keeps it (`PublishLoop.shm_pool`); without one the transport
-makes a pool for its publish and releases it at close. Engines map the files only for the
-duration of a session.
-"""
+"""CPU transport: each bucket is written once into a tmpfs file that every engine maps (the `vime_shm`
+backend). Packing bucket k+1 overlaps the engines loading bucket k, so a publish costs about
+max(pack, load); bucket files come from a pool kept between publishes (`shm_pool`)."""
 
 from __future__ import annotations
 

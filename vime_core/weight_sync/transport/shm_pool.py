@@ -1,18 +1,8 @@
-"""Bucket files on a tmpfs, kept mapped between publishes so their pages are allocated once.
-
-Why: allocating fresh tmpfs pages (a fault plus zeroing per page) cost ~10x the copy itself on
-the project's VM (490 MB: ~1.1 s fresh vs ~0.1 s into pages already there). So bucket `k` of
-every publish is written into the same file `vime-wb-<pid>-<k>`, which only grows.
-
-Safe to overwrite because a slot is written at most once per publish, and an engine lets go of
-every mapping when its update session starts and when it finishes (`vime_shm` backend), i.e.
-before the next publish writes anything. Cost: the pool holds one copy of the model's wire
-bytes in shared memory between publishes; `release()` gives it back. Its owner keeps it between
-publishes and releases it when it closes (`publish_loop.PublishLoop`, which the trainer owns); a
-transport given no pool makes one for its publish. Files of processes that died without
-releasing are removed when the next pool for that folder is made. Each pool's files carry the
-process id and a name of their own, so two pools of one process never share a file.
-"""
+"""Bucket files on a tmpfs, kept mapped between publishes so their pages are allocated once (fresh
+tmpfs pages cost more than the copy: docs/measurements.md). Bucket k of every publish reuses file
+`vime-wb-<pid>-<k>`, safe because engines let go of their mappings when a session starts and ends.
+The pool holds one copy of the wire bytes between publishes; `release()` gives it back, and files
+of dead processes are removed when the next pool for the folder is made."""
 
 from __future__ import annotations
 
