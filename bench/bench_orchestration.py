@@ -31,7 +31,7 @@ TASK_TIMES = ("t_rollout", "t_persist", "t_train", "t_sync")
 
 class PrefectRetryCounter(logging.Handler):
     """Counts the Prefect client's retries of retryable answers (a 503 from a locked SQLite
-    database costs a fixed ~2 s back-off each); Prefect logs each one at DEBUG."""
+    database costs a fixed back-off each); Prefect logs each one at DEBUG."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)

@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_env_defaults()
 
     # Before anything imports Ray: without these a driver resolved the loopback head's address
-    # to the machine's other interface and waited for it forever (measured on the H200 host,
-    # where nothing had sourced infra/env.sh).
+    # to the machine's other interface and waited for it forever (on a host where nothing had
+    # sourced infra/env.sh).
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -34,7 +34,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     """rollout, then the schedule's phases (one function each, below), then eval, save, report."""
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
-    cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (~2 ms a task run)
+    cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (a cost per task run)
     out = rollout(cfg, k, plan.version)
     if plan.off_policy:
         done = _one_step_off_policy(cfg, plan, out)

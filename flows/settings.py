@@ -14,8 +14,8 @@ SERVER_ENV_DEFAULTS = {
     # no network here, and no reason to send any from a training job
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     # The temporary server's own log lines reach the run's console (it inherits it). Stopped at
-    # the run's end, its task-run recorder logs the batch it had not flushed (events of its last
-    # <= 5 s, above) as an error with a page of traceback. Those lines are the server's, not the
+    # the run's end, its task-run recorder logs the batch it had not flushed (the events batched
+    # above) as an error with a page of traceback. Those lines are the server's, not the
     # run's: only its critical ones stay; a flow or task that fails still says why in its own line.
     "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
 }

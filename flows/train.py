@@ -30,7 +30,7 @@ def train(config: VimeConfig) -> dict:
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     log = get_run_logger()
     t0 = time.perf_counter()
-    preload_curve()  # the first reward curve then draws in ~0.1 s
+    preload_curve()  # the first reward curve then costs only its drawing
     config = prepare_assets(config)
     log.info("resolved configuration:\n%s", describe(config))
     dump_config(config, run_config_uri(config.storage_uri, config.run_name))

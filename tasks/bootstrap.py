@@ -153,7 +153,7 @@ def bootstrap(config: VimeConfig) -> dict:
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
-    if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
+    if publish_needed(target, versions, bool(woken)):  # the first publish is v1
         trainers.wait(publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(resume=True))  # admission open again
     seconds["published"] = since.seconds

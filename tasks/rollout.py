@@ -25,7 +25,7 @@ class RolloutOutput:
 
 @task(name=Phase.ROLLOUT, task_run_name="rollout-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> RolloutOutput:
-    """Design phases rollout + build, with the engines at weights `version`. Idempotent: a batch
+    """The rollout phase (generate, then build the batch), with the engines at weights `version`. Idempotent: a batch
     already stored for this rollout id is loaded (checksum verified) instead of regenerated, unless
     the trainer could not train on it (it is then quarantined and generated again); a
     rollout the previous iteration started for this id and version (sync or start_next_rollout) is
@@ -75,7 +75,7 @@ def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> boo
 
 
 # An object store that does not answer (server down or restarting) fails a try after s3fs's own
-# retries (~6-8 s); the tries after it wait longer each time: ~40 s of outage in all.
+# retries; the tries after it wait longer each time, so a short outage is ridden out.
 PERSIST_RETRY_DELAYS_S = [2, 5, 10]
 
 
@@ -87,7 +87,7 @@ PERSIST_RETRY_DELAYS_S = [2, 5, 10]
     **TASK_DEFAULTS,
 )
 def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
-    """Design phase persist: the batch as an Arrow table with its lineage, written atomically
+    """The persist phase: the batch as an Arrow table with its lineage, written atomically
     (a try cut short leaves nothing visible). A retry that finds the batch published keeps it:
     the try before stored it and lost the answer."""
     from vime_core.cluster import batch_io

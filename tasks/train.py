@@ -13,7 +13,7 @@ from vime_core.utils.timing import timed
 
 @task(name=Phase.TRAIN, task_run_name="train-{rollout_id}", retries=1, retry_delay_seconds=5, **TASK_DEFAULTS)
 def train(config: VimeConfig, rollout_id: int, batch_ref, submitted: Submitted | None = None) -> dict:
-    """Design phase train. `submitted`: the calls the flow submitted on this batch right after
+    """The train phase. `submitted`: the calls the flow submitted on this batch right after
     the rollout (tasks.sync.train_then_publish); the first try waits for their training, a retry
     calls the trainer afresh. Idempotent: a trainer that already trained this rollout id returns its recorded
     metrics without a second optimizer step."""

@@ -16,7 +16,7 @@ CACHE = Path(os.environ.get("VIME_TEST_CACHE", REPO / ".cache" / "tests"))
 # No hub on these machines: make every accidental download fail fast.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Prefect's temporary server can take more than its default 20 s to start on a loaded 2-core box.
+# Prefect's temporary server can take more than its default 20 s to start on a loaded machine.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Ray reads these when it is imported, and any test may import it first: set them before any
 # test module loads, or a driver looks for the loopback head at another address and hangs

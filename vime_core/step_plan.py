@@ -41,8 +41,8 @@ T_STEP_TERMS = {
     "onload": (Phase.ONLOAD_WEIGHTS, Phase.ONLOAD_KV),
     "sync": (Phase.SYNC,),
 }
-# The reward curve and its artifact every 10th iteration and on the last (drawing costs ~0.4 s
-# on the 2-core machine, the artifact one more API call); the metrics table every iteration.
+# The reward curve and its artifact every 10th iteration and on the last (drawing is not free,
+# the artifact one more API call); the metrics table every iteration.
 CURVE_EVERY = 10
 
 

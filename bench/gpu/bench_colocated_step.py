@@ -373,7 +373,7 @@ def phase_report(a, paths: dict) -> dict:
             },
             "generate_tokens_per_s": _median([r.get("generate_tokens_per_s") for r in recs]),
             "missing_logprob_count": _median([r.get("missing_logprob_count") for r in recs]),
-            # with --get-mismatch-metrics / --use-tis (issue 30): the engines' log-probs against the trainer's
+            # with --get-mismatch-metrics / --use-tis: the engines' log-probs against the trainer's
             "rollout_logprob_abs_diff": _median([r.get("train_rollout_logprob_abs_diff") for r in recs]),
             "rollout_logprob_abs_diff_max": max(
                 (r.get("train_rollout_logprob_abs_diff") or 0.0 for r in recs), default=None

@@ -1,7 +1,6 @@
 """A real `vime train` with on-policy distillation: the embedded demo as the student, a sharpened
 copy of it as the teacher (--use-opd --opd-type megatron --opd-teacher-load), 4 iterations on a
-local Ray head of its own (tests/e2e/check_distillation_run.sh; `vime train` took 177 s of a
-~5-minute script on the shared 2-core machine). The learning itself is measured in
+local Ray head of its own (tests/e2e/check_distillation_run.sh). The learning itself is measured in
 tests/integration/trainer/test_distillation_learning.py; this is the whole path (the driver's
 resolution of the teacher, the Ray trainer actor loading it, opd_reverse_kl in metrics.jsonl),
 so it runs only when asked:

@@ -1,6 +1,6 @@
 """A run killed and resumed with new actors trains on the same prompts as an uninterrupted one:
-two real 6-iteration runs of the default job on a local Ray head (tests/e2e/check_resume_prompts.sh,
-~4 minutes on 2 cores). The data source's position is unit-tested in
+two real 6-iteration runs of the default job on a local Ray head (tests/e2e/check_resume_prompts.sh).
+The data source's position is unit-tested in
 tests/unit/test_data_source_resume.py; this is the whole path, so it runs only when asked:
 
     VIME_E2E=1 .venv/bin/python -m pytest tests/e2e -q

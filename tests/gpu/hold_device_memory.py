@@ -1,6 +1,6 @@
 """Hold all but `--leave-gib` of a GPU's free memory until killed: another tenant taking the
-memory a sleeping engine gave back, so that its wake runs out of memory (issue 14's wake failure,
-tests/gpu/check_stopped_asleep.sh with HARM=hog).
+memory a sleeping engine gave back, so that its wake runs out of memory (the wake failure
+tests/gpu/check_stopped_asleep.sh checks with HARM=hog).
 
     python3 tests/gpu/hold_device_memory.py --leave-gib 0.25 --ready /tmp/hog.ready
 Writes the bytes it holds to --ready once they are allocated, then sleeps until SIGTERM/SIGKILL."""

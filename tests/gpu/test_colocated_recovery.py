@@ -15,7 +15,7 @@ two iterations further from wherever it stands, so the checks run in any order:
 
 The checks are tests/gpu/check_memory_refusal.sh and tests/gpu/check_stopped_asleep.sh (their
 headers say what each asserts); each writes its verdict as JSON, asserted here. Needs the GPU
-host's bundle in $PARTS (default /tmp/parts). About 25 minutes on one H200.
+host's bundle in $PARTS (default /tmp/parts).
 """
 
 from __future__ import annotations

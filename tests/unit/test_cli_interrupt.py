@@ -101,8 +101,8 @@ def test_second_ctrl_c_exits_at_once():
 
 
 def test_a_task_is_not_retried_once_the_process_was_told_to_stop():
-    """A signal raised inside a C call arrives as a SystemError caused by it (seen on the H200
-    with Prefect's TerminationSignal): that is the stop, not a failure to retry."""
+    """A signal raised inside a C call arrives as a SystemError caused by it (as Prefect's
+    TerminationSignal does on a GPU host): that is the stop, not a failure to retry."""
     from tasks.common import retry_unless_configuration
     from tasks.signals import stopped_by_signal
 

@@ -1,4 +1,4 @@
-"""The engine token (issue 39): the middleware vLLM loads refuses every request without the run's
+"""The engine token: the middleware vLLM loads refuses every request without the run's
 token (called here as the ASGI app it is, in-process); the token never shows in a repr, a
 command line, a stored configuration or the exception of a failed request (a canary searched for
 in each). The configuration's refusal: test_engine_auth_config.py; the real vLLM server and

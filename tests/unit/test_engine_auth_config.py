@@ -1,4 +1,4 @@
-"""Nothing vime starts listens beyond loopback unauthenticated (issue 39): engine_auth=false with an
+"""Nothing vime starts listens beyond loopback unauthenticated: engine_auth=false with an
 engine_bind_host beyond loopback is refused at configuration time in one line, unless
 allow_unauthenticated_engines, and then a warning names what is open."""
 

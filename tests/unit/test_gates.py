@@ -1,4 +1,4 @@
-"""can_reuse_log_probs_in_loss (step 38) and should_flush_cache (steps 7 and 45)."""
+"""can_reuse_log_probs_in_loss and should_flush_cache (vime_core/algo/gates.py)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_each_condition_blocks_reuse(override):
 
 
 def test_should_flush_cache_reference_numbers():
-    assert should_flush_cache(1, 1, 0) is True  # first publish, step 7
-    assert should_flush_cache(1, 2, 0) is True  # second publish, step 45
+    assert should_flush_cache(1, 1, 0) is True  # first publish
+    assert should_flush_cache(1, 2, 0) is True  # second publish
 
 
 def test_should_flush_cache_interval():

@@ -2,7 +2,7 @@
 ranks (processes in a gloo group) on CPU: rank 0 publishes to a stub engine through
 IpcTransport, rank 1 follows; the "handle" of a rank is a copy of its buffer and its GPU UUID a
 name, so the engine can check what each GPU's worker would read, and an engine worker on a GPU
-no rank publishes from is refused. The real two-GPU run is issue 18.
+no rank publishes from is refused. The real two-GPU run needs two GPUs.
 """
 
 from __future__ import annotations

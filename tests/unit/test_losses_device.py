@@ -1,7 +1,7 @@
 """The loss helpers build their index tensors on the device of their inputs (GPU training).
 
 Checked on PyTorch's "meta" device, which mixes with CPU tensors no better than CUDA does, so a
-helper that creates a CPU tensor internally fails here just as it failed on an H200.
+helper that creates a CPU tensor internally fails here just as it fails on a GPU.
 """
 
 from __future__ import annotations

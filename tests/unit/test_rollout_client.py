@@ -352,7 +352,7 @@ def test_an_engine_that_fails_to_wake_is_restarted_before_it_is_woken_again():
 
 def test_an_engine_that_cannot_be_restarted_stops_bootstrap_naming_why():
     """The restart's own error reaches the message although the wake's answer fills the excerpt
-    an EngineError keeps (on the H200 a long vLLM answer cut the restart's error off)."""
+    an EngineError keeps (a long vLLM answer could cut the restart's error off)."""
     servers = [WakeableServer("", fail_restart=True)]
     servers[0].wake_fails = True
     servers[0].wake_answer = "Call to wake_up method failed: CUDA Error: out of memory " + "x" * BODY_EXCERPT_CHARS

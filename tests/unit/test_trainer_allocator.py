@@ -1,6 +1,6 @@
 """The trainer's allocator settings (vime_core/weight_sync/allocator.py): expandable segments on a
 GPU unless the user configured the allocator, switched off only around IPC-shared allocations.
-The allocator itself is stubbed here (CPU); the colocated H200 run measures its effect."""
+The allocator itself is stubbed here (CPU); the colocated GPU run measures its effect."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Megatron's DDP adds each gradient into ``main_grad`` from a hook on the parameter's autograd
 gradient accumulator. Changing a parameter's device through ``.data`` makes autograd drop that
-accumulator (and the hook); on an H200 the grad norm after the first wake was 0. CPU tensors
+accumulator (and the hook); on a GPU the grad norm after the first wake was then 0. CPU tensors
 cannot change device here (``.data`` refuses a "meta" tensor), so these tests check the
 replacement: storages freed and restored in place, values intact, the hook still firing.
 """

@@ -1,8 +1,8 @@
 """Packed micro-batches keep their segment offsets on the host, whatever the model's device,
 and a device copy for the varlen attention kernel.
 
-Megatron's THD RoPE reads ``cu_seqlens`` as Python ints twice per layer; on an H200 each read of
-a device tensor was a sync. The "meta" device stands in for CUDA.
+Megatron's THD RoPE reads ``cu_seqlens`` as Python ints twice per layer; on a GPU each read of
+a device tensor is a sync. The "meta" device stands in for CUDA.
 """
 
 from __future__ import annotations

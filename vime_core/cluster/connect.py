@@ -8,7 +8,7 @@ import os
 log = logging.getLogger(__name__)
 
 # Ray picks a non-loopback address unless this is set in the head and in every driver
-# (measured: --node-ip-address=127.0.0.1 alone is replaced by another address).
+# (--node-ip-address=127.0.0.1 alone is replaced by another address).
 LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # Ray 2.60 turns token auth on for `ray start` and drivers as soon as ~/.ray/auth_token exists

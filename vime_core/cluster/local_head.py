@@ -237,8 +237,8 @@ def start_local_head(
 def _end_processes(pgid: int, grace: float = 3.0) -> int:
     """SIGTERM the head's processes, SIGKILL what is left after `grace` s; returns how many.
 
-    gcs_server and the autoscaler monitor ignore SIGTERM for 15 s and more and the raylet takes
-    ~10 s; a local head keeps nothing worth that wait (its detached actors end with it anyway).
+    gcs_server and the autoscaler monitor ignore SIGTERM for a long while and the raylet is slow
+    to stop; a local head keeps nothing worth that wait (its detached actors end with it anyway).
     """
     pids = _head_processes(pgid)
     for pid in pids:

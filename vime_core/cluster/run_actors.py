@@ -173,8 +173,8 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
             runtime_env={"env_vars": actor_env()},
         ).remote(cfg, e, device_ids=device_ids, token=token)
         # vLLM launches as soon as the actor exists, not once the RolloutManager is made and
-        # calls start() (which then waits for this start): its ~20 s of imports and ~20 s of
-        # engine-core start overlap the manager's own start
+        # calls start() (which then waits for this start): its imports and engine-core start
+        # overlap the manager's own start
         if cfg.engine_prestart:
             actor.prestart.remote()
         actors.append(actor)

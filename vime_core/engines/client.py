@@ -130,9 +130,9 @@ class EngineClient:
     """Async client of one vLLM server at `base_url` (e.g. http://127.0.0.1:8000).
 
     The underlying aiohttp session is bound to the event loop that first used it; a call from a
-    different loop opens a fresh one. aiohttp rather than httpx: on the default job (512
-    requests of 4 tokens per rollout) httpx spent 1.05 s of client CPU per rollout and aiohttp
-    0.34 s, on a machine whose 2 cores the engine needs too (bench/bench_rollout.py).
+    different loop opens a fresh one. aiohttp rather than httpx: on the default job's many short
+    requests httpx spent several times aiohttp's client CPU, which the engine on the same cores
+    needs too.
     """
 
     def __init__(
@@ -440,7 +440,7 @@ def run_blocking(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
 class SyncEngineClient:
     """Blocking versions of `EngineClient`'s calls (`SyncEngineClient(url).pause("keep")`), with
     the same names, signatures and docstrings (generated below from `EngineClient`, so the two
-    never drift apart); each call opens and closes its own connection, which costs ~1 ms and
+    never drift apart); each call opens and closes its own connection, which costs little and
     keeps the object free of event-loop state."""
 
     def __init__(self, base_url: str, name: Optional[str] = None, **client_kwargs: Any) -> None:

@@ -28,8 +28,8 @@ from vime_core.utils.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
-# Lowered from the router's defaults (30 s startup polls, ~2.7 min to notice a dead worker):
-# a killed engine is taken out within seconds and a restarted one comes back within ~1 s.
+# Lowered from the router's defaults (slow startup polls, minutes to notice a dead worker), so
+# a killed engine is taken out and a restarted one comes back quickly.
 FAST_HEALTH_ARGS = (
     "--worker-startup-check-interval",
     "1",

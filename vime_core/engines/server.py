@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 40
-# A port picked free may be taken before vLLM binds it, ~20 s of imports later (an outbound
+# A port picked free may be taken before vLLM binds it, its imports later (an outbound
 # connection's ephemeral port, another server's): the launch then fails at once, and is made
 # again on another port, at most this many times in all.
 PORT_ATTEMPTS = 3

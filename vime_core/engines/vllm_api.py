@@ -51,8 +51,8 @@ _PROBE = (
 
 
 def installed_version(python: str | Path, env: dict[str, str] | None = None, timeout_s: float = 10.0) -> str:
-    """The vLLM release installed for interpreter `python`, from package metadata (~50 ms;
-    importing vllm would take seconds). Raises naming the interpreter when there is none."""
+    """The vLLM release installed for interpreter `python`, from package metadata (far
+    cheaper than importing vllm). Raises naming the interpreter when there is none."""
     out = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, env=env, timeout=timeout_s)
     version = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
     if not version:

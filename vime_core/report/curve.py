@@ -15,8 +15,8 @@ def _pyplot():
 
 
 def preload() -> None:
-    """Import matplotlib now (~0.9 s on the 2-core machine, once per process), so the first
-    reward curve an iteration draws costs only the drawing (~0.13 s): the report ends an
+    """Import matplotlib now (once per process, and slow), so the first
+    reward curve an iteration draws costs only the drawing: the report ends an
     iteration flow run, and with rollout_prefetch its time is hidden only while it is shorter
     than the next rollout. In the caller's thread, not in the background: CPython before 3.11.8
     keeps the AST constructor's recursion depth in global state (gh-106905), so an import in a

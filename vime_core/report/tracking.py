@@ -15,7 +15,7 @@ import time
 from typing import Any, Protocol
 
 # Trackers stay open across the iteration flow runs of one driver process: opening a W&B run
-# costs ~0.5 s and starts W&B's service, and each TensorBoard writer opens a new event file.
+# takes a while and starts W&B's service, and each TensorBoard writer opens a new event file.
 _OPEN: dict[str, "Tracking"] = {}
 _LOCK = threading.Lock()
 

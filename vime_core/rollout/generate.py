@@ -83,8 +83,8 @@ def request_params(sampling_params: dict, max_tokens: int) -> dict:
     """One request's sampling params: `sampling_params` with `max_tokens`, and `detokenize`
     false unless stop strings are set (the server then needs the text to match them): vime
     decodes the response itself (`decode_response`), and the server's incremental
-    detokenization is per-token work on its one event loop (measured ~7% of its throughput on
-    the H200, bench/results/rollout_vs_offline.jsonl, variant `tokens`)."""
+    detokenization is per-token work on its one event loop (its cost: the `tokens` variant of
+    bench/results/rollout_vs_offline.jsonl, docs/measurements.md)."""
     params = dict(sampling_params, max_tokens=max_tokens)
     params.setdefault("detokenize", bool(params.get("stop")))
     return params

@@ -63,9 +63,9 @@ class BatchRef:
     created_at: str
 
 
-# Measured on a 256 x 1024-token batch (bench/bench_persist.py): dictionary-encoding the token,
-# mask and log-prob lists and collecting statistics on them cost ~0.2 s per write and as much
-# per read for nothing; zstd gives the smallest files at about snappy's speed.
+# Dictionary-encoding the token, mask and log-prob lists and collecting statistics on them
+# cost time on every write and read for nothing (bench/bench_persist.py, docs/measurements.md);
+# zstd gives the smallest files at about snappy's speed.
 PARQUET_OPTIONS = {
     "compression": "zstd",
     "use_dictionary": ["prompt_id", "status", "finish_reason"],

@@ -254,7 +254,7 @@ def norms_in_dtype(model: Any, dtype: torch.dtype) -> int:
     Megatron's torch fallback norms (no Transformer Engine) are created in fp32 whatever
     params_dtype says, so in a bf16 model they get bf16 activations with fp32 weights, which
     torch's fused RMSNorm kernel refuses: every norm of every layer then takes the slower path
-    ("Mismatch dtype between input and weight", seen on the H200). Transformer Engine's norms,
+    ("Mismatch dtype between input and weight" on GPUs). Transformer Engine's norms,
     HF checkpoints and vLLM all hold them in the model's dtype; the optimizer's fp32 main copies
     keep the update's precision."""
     changed = 0

@@ -1,7 +1,7 @@
-"""A run survives its processes being killed (issue 15), on real actors: a Ray head, one vLLM CPU
+"""A run survives its processes being killed, on real actors: a Ray head, one vLLM CPU
 engine behind vllm-router, one Megatron actor, Prefect.
 
-One run is shared by the module (engines take ~40 s to start on 2 cores). The run the module's
+One run is shared by the module (engines are slow to start). The run the module's
 fixture makes (the first case below) is checked when it ends; each test after it takes the run
 on from wherever it stands, so the tests run in any order:
 - the trainer actor's process is SIGKILLed as train-3 starts (training was submitted after the

@@ -4,7 +4,7 @@ the engine's version and log-probs against the trainer, load the checkpoint and 
 retry a failed task, re-run a killed iteration, and replay a stored batch bit for bit. The model
 is given as a hub id (``--hf-checkpoint vime-test/tiny-qwen3``) resolved from a prepared HF cache.
 
-One run is shared by the module (engines take ~40 s to start on 2 cores). The tests run in any
+One run is shared by the module (engines are slow to start). The tests run in any
 order: those that read the run look at the train flow's three iterations (or at the state the
 engines and the trainer agree on now), and each test that extends it runs the run's next
 iteration, whichever ran before (3, 4 and 5 in file order).
@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 CANARIES = ("pw-canary-7f3a", "key-canary-19bd", "hf-canary-c2e0")
 RUN_STARTED = __import__("time").time()
 
-# vLLM's CPU build computes in the model's dtype (fp32 here) with its own kernels; measured
-# max |trainer - engine| log-prob difference on the tiny model was well below this bound.
+# vLLM's CPU build computes in the model's dtype (fp32 here) with its own kernels; the
+# max |trainer - engine| log-prob difference on the tiny model stays well below this bound.
 LOGPROB_TOLERANCE = 2e-3
 
 

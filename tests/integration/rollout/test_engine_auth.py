@@ -1,4 +1,4 @@
-"""Issue 39's attacks on the real vLLM server: a request without the run's token, or with a wrong one,
+"""Attacks on the real vLLM server: a request without the run's token, or with a wrong one,
 to each route family of a real vLLM CPU server started the way vime starts it (generate, the
 OpenAI routes, health, /collective_rpc, sleep/wake/pause, the weight-update session, metrics and
 the rest) is refused with 401 and changes nothing (not paused, same weight version, no session

@@ -285,7 +285,7 @@ def test_killing_an_engine_mid_rollout_still_returns_a_full_batch(make_manager, 
 def test_the_only_engine_killed_mid_rollout_gives_a_full_trainable_batch(
     healthy_engines, tiny_model_dir, vllm_python, arith_data, cache_dir
 ):
-    """Issue 15's first fault: the run's only vLLM server SIGKILLed during a rollout. Its samples
+    """A fault: the run's only vLLM server SIGKILLed during a rollout. Its samples
     fail until the health monitor has it back; their groups are generated again on it, and the
     batch is full, trainable and without a duplicate (nothing failed is handed on). One attempt
     per request: a request's own retries could otherwise outlast the restart, and the group

@@ -1,6 +1,6 @@
-"""The real vllm-router in front of two real engines of a run (issue 39). vllm-router 0.1.17 cannot
-ask for a key on inbound requests and sends none to its workers (`--api-key` does neither:
-measured), so vime binds it to 127.0.0.1, where only the RolloutManager on its node calls it, and
+"""The real vllm-router in front of two real engines of a run. vllm-router 0.1.17 cannot
+ask for a key on inbound requests and sends none to its workers (`--api-key` does
+neither), so vime binds it to 127.0.0.1, where only the RolloutManager on its node calls it, and
 gives it no token: it forwards the caller's `Authorization` header, and the engines check it. Every
 route family through the router without the token is refused (the engines' 401) and changes
 nothing; the run's own requests go through; the router's ports do not answer on this machine's

@@ -1,4 +1,4 @@
-"""The object store goes away while batches are persisted (issue 15), on a real S3 server.
+"""The object store goes away while batches are persisted, on a real S3 server.
 
 The SeaweedFS process is SIGKILLed and started again a few seconds later on the same ports and
 data folder (what a restarted or briefly unreachable S3 endpoint looks like to a client):

@@ -1,4 +1,4 @@
-"""The object store goes away during a whole `vime train` run (issue 15), on real parts: SeaweedFS
+"""The object store goes away during a whole `vime train` run, on real parts: SeaweedFS
 S3 as the run's storage (batches, index, checkpoints, records), a Ray head, one vLLM CPU engine
 behind vllm-router, one Megatron actor, Prefect. The endpoint reaches every process through the
 configuration only: the driver's and the Ray workers' environments hold the credentials alone.

@@ -16,7 +16,7 @@ def spawn(worker: Callable, world_size: int, *args) -> None:
     from vime_core.trainer.parallel import free_port
 
     previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # two ranks on a 2-core machine; children inherit it
+    os.environ["OMP_NUM_THREADS"] = "1"  # two ranks share the machine's cores; children inherit it
     try:
         mp.spawn(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
     finally:

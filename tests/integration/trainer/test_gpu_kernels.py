@@ -1,7 +1,7 @@
 """The GPU paths of the trainer's packed forward: FlashAttention's varlen kernel (one call per
 layer) against per-segment SDPA, and the whole model with the varlen kernel and the chunked
 response head against the per-segment / full-logits path, both in bf16 and both measured
-against an fp32 run of the same weights. They run only where CUDA is (the H200 host)."""
+against an fp32 run of the same weights. They run only where CUDA is."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Weight transports behind one interface (`base.WeightTransport`), picked by placement: shm (CPU engines
-on this machine), ipc (engines on the trainer's GPUs), nccl (GPU engines elsewhere), gloo (CPU engines
+on the trainer's machine), ipc (engines on the trainer's GPUs), nccl (GPU engines elsewhere), gloo (CPU engines
 elsewhere), disk (anywhere both sides see one path)."""
 
 from __future__ import annotations
