@@ -3,7 +3,7 @@
 # Run A: 6 iterations, checkpoint every 3. Run B: the same, its driver SIGKILLed once rollout 4 is
 # recorded, its actors torn down (a new RolloutManager), then the same command again. Prints JSON:
 # per rollout id, whether B's prompt ids equal A's, and "ok". Two real runs on a local Ray head,
-# ~4 minutes on 2 cores; tests/e2e/test_resume_prompts.py runs it (VIME_E2E=1).
+# tests/e2e/test_resume_prompts.py runs it (VIME_E2E=1).
 #   bash tests/e2e/check_resume_prompts.sh
 set -u
 cd "$(dirname "$0")/../.." && source infra/env.sh
