@@ -1,6 +1,6 @@
 """Prefect settings vime applies in code: environment defaults for the temporary server Prefect starts
 without PREFECT_API_URL (SQLite write contention makes it slow a run down; a Postgres-backed server
-needs none of this), and iteration subflows without heartbeats. Measurements: docs/measurements.md."""
+needs none of this), and iteration subflows without heartbeats. bench/bench_orchestration.py counts the 503s."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ take a group after that.
     python tests/gpu/check_nccl_group.py [--bytes N] [--repeats R] [--init-timeout S]
 
 tests/gpu/test_nccl_group.py runs it as pass/fail checks. With two GPUs and the bytes of a
-model's bf16 weights it is also the bandwidth a publish can reach (docs/measurements.md).
+model's bf16 weights it is also the bandwidth a publish can reach.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def request_params(sampling_params: dict, max_tokens: int) -> dict:
     false unless stop strings are set (the server then needs the text to match them): vime
     decodes the response itself (`decode_response`), and the server's incremental
     detokenization is per-token work on its one event loop (its cost: the `tokens` variant of
-    bench/results/rollout_vs_offline.jsonl, docs/measurements.md)."""
+    bench/results/rollout_vs_offline.jsonl, row 733a745)."""
     params = dict(sampling_params, max_tokens=max_tokens)
     params.setdefault("detokenize", bool(params.get("stop")))
     return params

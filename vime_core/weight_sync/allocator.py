@@ -1,6 +1,6 @@
 """The trainer's CUDA caching allocator: expandable segments, except for memory shared over CUDA IPC.
 Asleep, a rank should hold only what it needs, but the default allocator returns a segment only once
-all its blocks are free, so a few small tensors keep whole segments reserved (docs/measurements.md);
+all its blocks are free, so a few small tensors keep whole segments reserved (bench/results/colocated.jsonl, fcd3aa6);
 expandable segments unmap every free page. IPC needs cudaMalloc'd memory, so buckets are allocated
 in `plain_segments`. A PYTORCH_CUDA_ALLOC_CONF the user set is left as it is."""
 

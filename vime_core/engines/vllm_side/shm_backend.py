@@ -60,7 +60,7 @@ class ShmWeightTransferEngine(LayerwiseReloadEngine):
             mapped = mmap.mmap(f.fileno(), info.nbytes, access=mmap.ACCESS_COPY)
         try:
             # Map every page now, in one call, instead of one fault per page during the copy
-            # (faster: docs/measurements.md). Linux >= 5.14; older kernels just fault.
+            # (fewer faults). Linux >= 5.14; older kernels just fault.
             mapped.madvise(MADV_POPULATE_READ)
         except (OSError, ValueError):
             pass

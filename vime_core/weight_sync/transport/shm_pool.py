@@ -1,5 +1,5 @@
-"""Bucket files on a tmpfs, kept mapped between publishes so their pages are allocated once (fresh
-tmpfs pages cost more than the copy: docs/measurements.md). Bucket k of every publish reuses file
+"""Bucket files on a tmpfs, kept mapped between publishes so their pages are allocated once (a fresh
+tmpfs page faults and is zeroed, which costs more than the copy). Bucket k of every publish reuses file
 `vime-wb-<pid>-<k>`, safe because engines let go of their mappings when a session starts and ends.
 The pool holds one copy of the wire bytes between publishes; `release()` gives it back, and files
 of dead processes are removed when the next pool for the folder is made."""
