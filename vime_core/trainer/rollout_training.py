@@ -29,7 +29,8 @@ use_rollout_logprobs, else the recomputed ones; as in slime, where the KL penalt
 rewards and the distillation signal take the rollout log-probs under --use-rollout-logprobs.
 
 Metrics: the per-step metrics averaged over the steps (lr: the last step's learning rate), plus
-num_steps (the policy's optimizer steps) and tokens.
+num_steps (the policy's optimizer steps), tokens and trained_tokens (loss-mask-1 tokens of the
+applied steps).
 """
 
 from __future__ import annotations
@@ -125,6 +126,17 @@ def step_advantages(
             advantages, [student[i] for i in indices], [teacher[i] for i in indices], cfg.opd_kl_coef
         )
     return dict(zip(indices, advantages)), dict(zip(indices, returns))
+
+
+def trained_tokens(loss_masks: Sequence[Sequence[int]], per_step: Sequence[Mapping[str, float]], gbs: int) -> int:
+    """Loss-mask-1 tokens of the policy's optimizer steps that were applied (not skipped for a
+    non-finite loss or gradient): the compute ledger's `trained` (vime_core/ledger.py)."""
+    return sum(
+        sum(loss_masks[i])
+        for step, m in enumerate(per_step)
+        if not m.get("skipped_steps")
+        for i in range(step * gbs, (step + 1) * gbs)
+    )
 
 
 def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_id: int = 0) -> dict[str, Any]:
@@ -223,5 +235,6 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     metrics["num_steps"] = len(per_step) if train_policy else 0
     metrics["num_samples"] = n
     metrics["tokens"] = sum(lengths)
+    metrics["trained_tokens"] = trained_tokens(batch["loss_mask"], per_step, gbs) if train_policy else 0
     metrics["reused_log_probs"] = reuse
     return metrics
