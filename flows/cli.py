@@ -4,6 +4,7 @@
     vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
     vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration |
     --batches | --quarantined)
+    vime lineage --run RUN --ledger                          the compute ledger per rollout id (docs/running.md)
     vime lineage --run RUN --turns K [--sample ROW ...]      a stored sample's turns (model / tool spans)
     vime cluster up [--num-gpus N] [--temp-dir DIR] | down | status   a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
@@ -128,6 +129,13 @@ def cmd_lineage(argv: list[str]) -> int:
         help="Stored batches set aside because they could not be trained on, with the reason.",
     )
     q.add_argument(
+        "--ledger",
+        action="store_true",
+        help="The run's compute ledger per rollout id (needs --run): tokens generated, trained and discarded by "
+        "cause, device-seconds per phase, from its iteration records, beside the token counts of its stored "
+        "batches (vime_core/report/ledger_query.py).",
+    )
+    q.add_argument(
         "--turns",
         type=int,
         metavar="ROLLOUT_ID",
@@ -153,8 +161,8 @@ def cmd_lineage(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.turns is None and (args.sample is not None or args.tokenizer is not None):
         parser.error("--sample and --tokenizer go with --turns")
-    if args.turns is not None and not args.run:
-        parser.error("--turns needs --run")
+    if (args.turns is not None or args.ledger) and not args.run:
+        parser.error(f"--{'turns' if args.turns is not None else 'ledger'} needs --run")
     from vime_core.storage import lineage
 
     store = _store(args)
@@ -168,6 +176,11 @@ def cmd_lineage(argv: list[str]) -> int:
         result = lineage.reward_by_iteration(store, run=args.run)
     elif args.quarantined:
         result = store.quarantined(run=args.run)
+    elif args.ledger:
+        from vime_core.report.ledger_query import ledger_table
+        from vime_core.storage.endpoint import resolve
+
+        result = ledger_table(store, args.run, resolve(args.storage_endpoint_url, args.storage_region))
     else:
         result = store.index()
     rows = result.to_pylist() if hasattr(result, "to_pylist") else result

@@ -170,3 +170,32 @@ def flat(ledger: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def ledger_markdown(run: str, rollout_id: int, ledger: dict) -> str:
+    """The ledger as the Prefect artifact's markdown: where the tokens went, where the device-seconds went."""
+    generated = ledger["tokens_generated"]
+    share = lambda n: f"{n / generated * 100:.1f}%" if generated and n is not None else "-"  # noqa: E731
+    tokens = [("generated", generated), ("trained", ledger["tokens_trained"])]
+    tokens += [(f"discarded: {cause}", n) for cause, n in ledger["tokens_discarded"].items() if n]
+    tokens += [("truncated (trained)", ledger["tokens_truncated"])] if ledger["tokens_truncated"] else []
+    held = ledger["device_s_held"]
+    rate = ledger["trained_tokens_per_device_s"]
+    lines = [
+        f"### Compute ledger, run `{run}`, rollout {rollout_id}",
+        "",
+        "| tokens | count | of generated |",
+        "|---|---:|---:|",
+        *(f"| {what} | {'-' if n is None else n} | {share(n)} |" for what, n in tokens),
+        "",
+        f"| phase | device-seconds | of held ({ledger['devices']['run']} devices x T_step) |",
+        "|---|---:|---:|",
+        *(
+            f"| {p} | {s:.2f} | {s / held * 100:.1f}% |" if held else f"| {p} | {s:.2f} | - |"
+            for p, s in ledger["device_s"].items()
+        ),
+        f"| held | {held:.2f} | |",
+        "",
+        f"trained tokens per device-second: {'-' if rate is None else f'{rate:.2f}'}",
+    ]
+    return "\n".join(lines)
