@@ -121,7 +121,11 @@ def cmd_rescore(argv: list[str]) -> int:
     from vime_core.storage.endpoint import resolve
 
     endpoint = resolve(args.storage_endpoint_url, args.storage_region)
-    result = rescore_run(args.storage_uri, args.run, args.custom_rm_path, args.rollout_ids, endpoint)
+    try:
+        result = rescore_run(args.storage_uri, args.run, args.custom_rm_path, args.rollout_ids, endpoint)
+    except ValueError as exc:  # a flag, the run's files or the reward function: said in one line
+        sys.stderr.write(f"[vime] rescore: {exc}\n")
+        return 1
     print(json.dumps(result, indent=2, default=str) if args.json else "\n".join(describe(result)))
     return 0
 
