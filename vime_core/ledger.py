@@ -150,8 +150,9 @@ def ledger_line(rollout_id: int, ledger: dict) -> str:
     device-s held (rollout 4.1 train 6.0 ...), 73.2 trained tok/device-s`."""
     share = ledger["useful_share"]
     trained = ledger["tokens_trained"]
-    discarded = " ".join(f"{c} {n}" for c, n in ledger["tokens_discarded"].items() if n) or "none"
-    phases = " ".join(f"{p} {s:.1f}" for p, s in ledger["device_s"].items() if s)
+    # in CAUSES' and PHASES' order (a record read back from metrics.jsonl has its keys sorted)
+    discarded = " ".join(f"{c} {n}" for c in CAUSES if (n := ledger["tokens_discarded"].get(c))) or "none"
+    phases = " ".join(f"{p} {s:.1f}" for p in PHASES if (s := ledger["device_s"].get(p)))
     rate = ledger["trained_tokens_per_device_s"]
     return (
         f"ledger {rollout_id}: generated {ledger['tokens_generated']} tok, trained "
@@ -177,9 +178,11 @@ def ledger_markdown(run: str, rollout_id: int, ledger: dict) -> str:
     generated = ledger["tokens_generated"]
     share = lambda n: f"{n / generated * 100:.1f}%" if generated and n is not None else "-"  # noqa: E731
     tokens = [("generated", generated), ("trained", ledger["tokens_trained"])]
-    tokens += [(f"discarded: {cause}", n) for cause, n in ledger["tokens_discarded"].items() if n]
+    tokens += [(f"discarded: {cause}", n) for cause in CAUSES if (n := ledger["tokens_discarded"].get(cause))]
     tokens += [("truncated (trained)", ledger["tokens_truncated"])] if ledger["tokens_truncated"] else []
     held = ledger["device_s_held"]
+    of_held = lambda s: f"{s / held * 100:.1f}%" if held else "-"  # noqa: E731
+    phases = [(p, ledger["device_s"].get(p, 0.0)) for p in PHASES]
     rate = ledger["trained_tokens_per_device_s"]
     lines = [
         f"### Compute ledger, run `{run}`, rollout {rollout_id}",
@@ -190,10 +193,7 @@ def ledger_markdown(run: str, rollout_id: int, ledger: dict) -> str:
         "",
         f"| phase | device-seconds | of held ({ledger['devices']['run']} devices x T_step) |",
         "|---|---:|---:|",
-        *(
-            f"| {p} | {s:.2f} | {s / held * 100:.1f}% |" if held else f"| {p} | {s:.2f} | - |"
-            for p, s in ledger["device_s"].items()
-        ),
+        *(f"| {p} | {s:.2f} | {of_held(s)} |" for p, s in phases),
         f"| held | {held:.2f} | |",
         "",
         f"trained tokens per device-second: {'-' if rate is None else f'{rate:.2f}'}",

@@ -5,6 +5,8 @@ every count is computed here from the samples and groups, and generated = traine
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.unit.test_rollout_loop import EOS, FakeGenerator, HealthyFake, make_state, run_loop
@@ -248,6 +250,7 @@ def test_the_record_carries_the_ledger_with_device_seconds(layout):
     assert ledger["device_s_held"] == TIMES["t_step"] * run
     assert ledger["trained_tokens_per_device_s"] == 60 / (TIMES["t_step"] * run)
     line = ledger_line(0, ledger)
+    assert ledger_line(0, json.loads(json.dumps(ledger, sort_keys=True))) == line  # as metrics.jsonl holds it
     assert "generated 100 tok, trained 60 (60.0%)" in line and "filter 20 aborted 10 skipped_steps 10" in line
     assert (
         flat(ledger)["tokens_discarded_filter"] == 20 and flat(ledger)["device_s_train"] == ledger["device_s"]["train"]
