@@ -40,8 +40,9 @@ def stored_run(tmp_path):
     batches = {k: _batch(k) for k in (0, 1, 2)}
     for k, batch in batches.items():
         store.write(batch, {"run": RUN, "rollout_id": k})
-    for k in (0, 1):  # iteration 2 stored its batch and did not record (killed before its report)
+    for k in (0, 1):
         append_record(str(tmp_path), RUN, {"rollout_id": k, "ledger": _ledger(batches[k], surplus=8 * (k + 1))})
+    append_record(str(tmp_path), RUN, {"rollout_id": 2, "t_step": 1.0})  # written before the ledger existed
     return store, batches
 
 
@@ -67,7 +68,7 @@ def test_the_ledger_table_joins_stored_counts_with_the_records(stored_run):
         assert row["tokens_trained"] == row["stored_trainable_tokens"]
         assert row["tokens_discarded_reward_failed"] == row["stored_reward_failed_tokens"]
         assert row["tokens_discarded_surplus"] == 8 * (row["rollout_id"] + 1)
-    assert rows[2]["tokens_generated"] is None  # no record: the stored counts alone
+    assert rows[2]["tokens_generated"] is None  # a record without a ledger: the stored counts alone
 
 
 def test_vime_lineage_ledger_prints_the_table(stored_run, capsys):

@@ -83,8 +83,9 @@ _STORED_SCHEMA = pa.schema(
 
 def recorded_ledgers(storage_uri: str, run: str, endpoint=None) -> pa.Table:
     """Per rollout id of `run`, its iteration record's ledger, flattened (vime_core/ledger.flat)."""
-    rows = [{"rollout_id": r["rollout_id"], **flat(r["ledger"])} for r in read_records(storage_uri, run, endpoint)]
-    rows = [r for r in rows if len(r) > 1]
+    # records written before the ledger existed have none: their rows show the stored counts alone
+    records = [r for r in read_records(storage_uri, run, endpoint) if r.get("ledger")]
+    rows = [{"rollout_id": r["rollout_id"], **flat(r["ledger"])} for r in records]
     return pa.Table.from_pylist(rows) if rows else pa.table({"rollout_id": pa.array([], pa.int64())})
 
 
