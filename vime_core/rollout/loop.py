@@ -203,7 +203,6 @@ async def _handle_failed_group(
     """Generate the group again on a live engine, or drop it (module docstring)."""
     cfg = state.cfg
     reason, retryable = failure
-    progress.tokens.discard("generate_failed", group)
     progress.failure_reasons[_reason_key(reason)] += 1
     attempts = int(group[0].metadata.get("group_attempts", 1))
     if retryable and attempts < cfg.rollout_group_max_attempts:
@@ -505,6 +504,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     )
                 failure = generate_failure(group)
                 if failure is not None:
+                    progress.tokens.discard("generate_failed", group)
                     if len(progress.kept) < target:
                         await _handle_failed_group(state, rollout_id, group, failure, progress)
                     continue
