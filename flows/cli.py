@@ -1,9 +1,11 @@
 """`vime`: the command line over the same flows the Prefect deployments run.
 
     vime train   [--config FILE] [--<field> VALUE ...]     the train flow (bootstrap + iterations)
-    vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V)
+    vime replay  --source-run RUN --checkpoint PATH (--rollout-ids K ... | --weight-version V) [--rewards WHICH]
+    vime rescore --run RUN --custom-rm-path MOD:FN [--rollout-ids K ...] [--json]   score stored samples again
     vime lineage [--storage-uri URI] [--run RUN] (--weight-version V | --prompts-seen-twice | --reward-by-iteration |
     --batches | --quarantined)
+    vime lineage --run RUN --ledger                          the compute ledger per rollout id (docs/running.md)
     vime lineage --run RUN --turns K [--sample ROW ...]      a stored sample's turns (model / tool spans)
     vime cluster up [--num-gpus N] [--temp-dir DIR] | down | status   a local Ray head on loopback
     vime teardown --run-name RUN                          stop a run's engines and actors
@@ -82,13 +84,49 @@ def cmd_replay(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="Trainer checkpoint to start from.")
     parser.add_argument("--rollout-ids", type=int, nargs="+", help="Rollout ids of the batches.")
     parser.add_argument("--weight-version", type=int, help="Replay every batch sampled from this weight version.")
+    parser.add_argument(
+        "--rewards",
+        default="stored",
+        metavar="stored|rescored|vN",
+        help="Rewards to train on: stored (the batches' own), rescored (each batch's newest `vime rescore` "
+        "version, else its own) or vN (that re-scoring; every batch must be in it).",
+    )
     ns = vars(parser.parse_args(argv))
-    extra = {k: ns.pop(k, None) for k in ("source_run", "checkpoint", "rollout_ids", "weight_version")}
+    extra = {k: ns.pop(k, None) for k in ("source_run", "checkpoint", "rollout_ids", "weight_version", "rewards")}
     cfg = _config_from(ns, parser)
     from flows.replay import replay
 
     out = replay(cfg, **extra)
     print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def cmd_rescore(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vime rescore",
+        description="Score a run's stored samples again with a new reward function (no generation), store the new "
+        "rewards beside the old ones (rescored/<run>/v<N>) and print what the old ones reached: per rollout, the "
+        "samples whose reward changed, the advantages that moved, the checkpoints trained on them.",
+    )
+    _add_storage_arguments(parser)
+    parser.add_argument(
+        "--custom-rm-path", required=True, help="The new reward function, module:function or file:function."
+    )
+    parser.add_argument("--rollout-ids", type=int, nargs="+", help="Only these stored batches (default: all).")
+    parser.add_argument("--json", action="store_true", help="Print the whole result as JSON (reward values included).")
+    args = parser.parse_args(argv)
+    if not args.run:
+        parser.error("--run is required")
+    from vime_core.rescore import describe, rescore_run
+    from vime_core.storage.endpoint import resolve
+
+    endpoint = resolve(args.storage_endpoint_url, args.storage_region)
+    try:
+        result = rescore_run(args.storage_uri, args.run, args.custom_rm_path, args.rollout_ids, endpoint)
+    except ValueError as exc:  # a flag, the run's files or the reward function: said in one line
+        sys.stderr.write(f"[vime] rescore: {exc}\n")
+        return 1
+    print(json.dumps(result, indent=2, default=str) if args.json else "\n".join(describe(result)))
     return 0
 
 
@@ -128,6 +166,13 @@ def cmd_lineage(argv: list[str]) -> int:
         help="Stored batches set aside because they could not be trained on, with the reason.",
     )
     q.add_argument(
+        "--ledger",
+        action="store_true",
+        help="The run's compute ledger per rollout id (needs --run): tokens generated, trained and discarded by "
+        "cause, device-seconds per phase, from its iteration records, beside the token counts of its stored "
+        "batches (vime_core/report/ledger_query.py).",
+    )
+    q.add_argument(
         "--turns",
         type=int,
         metavar="ROLLOUT_ID",
@@ -153,8 +198,8 @@ def cmd_lineage(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.turns is None and (args.sample is not None or args.tokenizer is not None):
         parser.error("--sample and --tokenizer go with --turns")
-    if args.turns is not None and not args.run:
-        parser.error("--turns needs --run")
+    if (args.turns is not None or args.ledger) and not args.run:
+        parser.error(f"--{'turns' if args.turns is not None else 'ledger'} needs --run")
     from vime_core.storage import lineage
 
     store = _store(args)
@@ -168,6 +213,11 @@ def cmd_lineage(argv: list[str]) -> int:
         result = lineage.reward_by_iteration(store, run=args.run)
     elif args.quarantined:
         result = store.quarantined(run=args.run)
+    elif args.ledger:
+        from vime_core.report.ledger_query import ledger_table
+        from vime_core.storage.endpoint import resolve
+
+        result = ledger_table(store, args.run, resolve(args.storage_endpoint_url, args.storage_region))
     else:
         result = store.index()
     rows = result.to_pylist() if hasattr(result, "to_pylist") else result
@@ -263,6 +313,7 @@ def cmd_prune(argv: list[str]) -> int:
 COMMANDS = {
     "train": cmd_train,
     "replay": cmd_replay,
+    "rescore": cmd_rescore,
     "lineage": cmd_lineage,
     "cluster": cmd_cluster,
     "teardown": cmd_teardown,

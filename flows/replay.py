@@ -1,6 +1,7 @@
 """The replay job: stored batches (by run and rollout ids, or every batch of a weight version) -> a
 trainer restored from a chosen checkpoint -> training, without engines. With the same checkpoint,
-batches and configuration on the CPU default the weights come out bit-identical to the original run's."""
+batches and configuration on the CPU default the weights come out bit-identical to the original run's.
+`rewards`: the batches' own, or those a `vime rescore` stored beside them (vime_core/storage/rescored.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from vime_core.config import VimeConfig
 
 
 @task(name="replay-train", task_run_name="replay-train-{rollout_id}", **TASK_DEFAULTS)
-def replay_one(config: VimeConfig, source_run: str, rollout_id: int) -> dict:
+def replay_one(config: VimeConfig, source_run: str, rollout_id: int, rewards: str = "stored") -> dict:
     from vime_core.cluster.replay_trainers import train_on_stored_batch
 
-    return train_on_stored_batch(config, source_run, rollout_id)
+    return train_on_stored_batch(config, source_run, rollout_id, rewards)
 
 
 @flow(name="replay", flow_run_name="replay-{source_run}", log_prints=True)
@@ -28,17 +29,19 @@ def replay(
     rollout_ids: list[int] | None = None,
     weight_version: int | None = None,
     save: bool = True,
+    rewards: str = "stored",
 ) -> dict:
-    """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`."""
+    """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`;
+    `rewards`: the batches' own (stored), or those `vime rescore` stored (rescored, vN)."""
     from vime_core.cluster.replay_trainers import prepare_replay_trainers, save_replay, select_batches
 
     log = get_run_logger()
     t0 = time.perf_counter()
     config = prepare_assets(config)
     ids = select_batches(config, source_run, rollout_ids, weight_version)
-    log.info("replaying %s batches %s on checkpoint %s", source_run, ids, checkpoint)
+    log.info("replaying %s batches %s on checkpoint %s (rewards: %s)", source_run, ids, checkpoint, rewards)
     prepare_replay_trainers(config, checkpoint)
-    metrics = {k: replay_one(config, source_run, k) for k in ids}
+    metrics = {k: replay_one(config, source_run, k, rewards) for k in ids}
     out = {"rollout_ids": ids, "metrics": metrics, "seconds": time.perf_counter() - t0}
     if save and ids:
         out["checkpoint"] = save_replay(config, ids[-1])

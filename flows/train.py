@@ -18,6 +18,7 @@ from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import compact_index, export_hf
 from vime_core.config import VimeConfig
 from vime_core.config.loader import describe, dump_config, run_config_uri
+from vime_core.ledger import run_ledger
 from vime_core.report.curve import preload as preload_curve
 from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
 from vime_core.storage.endpoint import S3Endpoint
@@ -54,6 +55,7 @@ def train(config: VimeConfig) -> dict:
         "reward_last3": _mean([r.get("reward_mean") for r in records[-3:]]),
         "reward_gain": reward_gain(records),
         "t_step_median": _median([r.get("t_step") for r in records]),
+        "ledger": run_ledger(r.get("ledger") for r in records),  # the run's compute ledger (vime_core/ledger.py)
         "startup_s": startup_s,
         "bootstrap_marks_s": boot.get("bootstrap_marks_s"),
         # where the startup's seconds go, each mark in seconds since the command

@@ -1,6 +1,6 @@
-"""report-k: the iteration's record in metrics.jsonl, the console line, the Prefect artifacts
-(a metrics table, the reward curve, a link to the stored batch), and W&B / TensorBoard when
-asked for (vime_core/report/tracking.py)."""
+"""report-k: the iteration's record in metrics.jsonl, the console line and the compute ledger's
+line, the Prefect artifacts (a metrics table, the ledger, the reward curve, a link to the stored
+batch), and W&B / TensorBoard when asked for (vime_core/report/tracking.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.common import TASK_DEFAULTS
 from vime_core.config import VimeConfig
+from vime_core.ledger import ledger_line, ledger_markdown
 from vime_core.step_plan import Phase
 from vime_core.report.curve import reward_curve_png, write_reward_curve
 from vime_core.report.records import METRICS, append_record, console_line, read_records, run_dir, sparkline
@@ -37,10 +38,19 @@ def report_iteration(config: VimeConfig, rollout_id: int, record: dict, draw_cur
     append_record(config.storage_uri, config.run_name, record, endpoint)
     records = read_records(config.storage_uri, config.run_name, endpoint)
     line = console_line(record)
-    get_run_logger().info(line)
-    # the console line is for the person running the job, whatever Prefect's log level is
-    sys.__stdout__.write(line + "\n")
+    ledger = record.get("ledger")
+    lines = [line, ledger_line(rollout_id, ledger)] if ledger else [line]
+    for each in lines:
+        get_run_logger().info(each)
+    # the console lines are for the person running the job, whatever Prefect's log level is
+    sys.__stdout__.write("".join(each + "\n" for each in lines))
     sys.__stdout__.flush()
+    if ledger:
+        create_markdown_artifact(
+            key=_artifact_key(config.run_name, "ledger"),
+            markdown=ledger_markdown(config.run_name, rollout_id, ledger),
+            description=f"compute ledger of rollout {rollout_id}: tokens by where they went, device-seconds by phase",
+        )
     create_table_artifact(
         key=_artifact_key(config.run_name, "metrics"),
         table=[{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in records[-TABLE_ROWS:]],

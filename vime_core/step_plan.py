@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
+from vime_core.ledger import ROLLOUT_TOKENS, PhaseDevices, iteration_ledger
+
 
 class Phase(StrEnum):
     """The phases' one vocabulary: each is its Prefect task's name (a task run is named
@@ -97,6 +99,7 @@ class StepPlan:
     draw_curve: bool
     prefetch_wanted: bool
     off_policy: bool = False  # async_staleness: one step off-policy (module docstring)
+    devices: PhaseDevices = PhaseDevices()  # what each phase holds, for the compute ledger
 
     @property
     def next_version(self) -> int:
@@ -133,6 +136,7 @@ def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
         draw_curve=due(CURVE_EVERY, rollout_id, last_id),
         prefetch_wanted=(bool(cfg.rollout_prefetch) or off_policy) and rollout_id != last_id and not sleeping,
         off_policy=off_policy,
+        devices=PhaseDevices.of(cfg),
     )
 
 
@@ -149,7 +153,8 @@ def iteration_record(
 ) -> dict:
     """The iteration's record (metrics.jsonl, the Prefect artifact, the console line) from
     what each phase returned; `phases` maps a Phase to that phase's result ({} when it did not
-    run). Times are seconds; memory is bytes, per engine / rank."""
+    run). Times are seconds; memory is bytes, per engine / rank; "ledger" is the compute ledger
+    (vime_core/ledger.py)."""
     get = lambda phase: phases.get(phase) or {}  # noqa: E731
     trained, stored, synced = get(Phase.TRAIN), get(Phase.PERSIST), get(Phase.SYNC)
     off_r, off_t = get(Phase.OFFLOAD_ROLLOUT), get(Phase.OFFLOAD_TRAIN)
@@ -196,4 +201,5 @@ def iteration_record(
     if plan.save_due:
         record["checkpoint"] = get(Phase.SAVE).get("path")
     record["t_step"] = t_step
+    record["ledger"] = iteration_ledger(rollout_metrics.get(ROLLOUT_TOKENS), record, plan.devices)
     return record

@@ -50,12 +50,17 @@ def _trainers(cfg: VimeConfig):
     return trainers
 
 
-def train_on_stored_batch(cfg: VimeConfig, source_run: str, rollout_id: int) -> dict:
-    from vime_core.cluster import batch_io
+def train_on_stored_batch(cfg: VimeConfig, source_run: str, rollout_id: int, rewards: str = "stored") -> dict:
+    """Train on the stored batch, with its own rewards or a re-scoring's (`rewards`: stored,
+    rescored, vN; vime_core/storage/rescored.py); the metrics say which (`rewards`)."""
+    from vime_core.cluster import batch_io, rescored_io
 
     trainers = _trainers(cfg)
-    ref, _ = batch_io.load(cfg.model_copy(update={"run_name": source_run}), rollout_id)
-    return trainers.call("train", rollout_id, ref)[0]
+    source = cfg.model_copy(update={"run_name": source_run})
+    version = rescored_io.rescored_version(source, rollout_id, rewards)
+    ref = rescored_io.load_rescored(source, rollout_id, version) if version else batch_io.load(source, rollout_id)[0]
+    metrics = trainers.call("train", rollout_id, ref)[0]
+    return {**metrics, "rewards": f"v{version}" if version else "stored"}
 
 
 def save_replay(cfg: VimeConfig, rollout_id: int) -> str:

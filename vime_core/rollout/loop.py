@@ -2,7 +2,8 @@
 fills one rollout with groups the trainer can train on, asynchronously, retrying groups the
 infrastructure failed and refusing rollouts whose rewards or log-probs cannot be trusted.
 RewardFailureError and FilterExhaustedError are ValueErrors: the data, reward function or filter
-must change, so the train flow does not retry them (vime_core/faults.py)."""
+must change, so the train flow does not retry them (vime_core/faults.py). Every response token
+generated is counted once, by where it went, for the compute ledger (rollout/tokens.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import UntrainableBatchError, log_probs_error
+from vime_core.ledger import ROLLOUT_TOKENS
 from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+from vime_core.rollout.tokens import RolloutTokens
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.timing import Stopwatch, timed
 
@@ -67,6 +70,7 @@ class _Progress:
     topped_up: int = 0
     rewards_scored: int = 0  # samples the reward function was called on
     reward_failures: list[tuple[int, int, str]] = field(default_factory=list)  # (group, index, error type)
+    tokens: RolloutTokens = field(default_factory=RolloutTokens)  # the compute ledger's counts
 
 
 class RolloutFailedError(RuntimeError, InfrastructureError):
@@ -206,6 +210,7 @@ async def _run_sample(
         before = sample.response_length
         await state.generate_fn(ctx, sample, dict(params))
     progress.output_tokens += sample.response_length - before
+    progress.tokens.add(sample, sample.response_length - before)
     if not state.cfg.group_rm and sample.status in (Status.COMPLETED, Status.TRUNCATED):
         with timed() as scoring:
             await state.reward_hub.score(sample)
@@ -301,6 +306,7 @@ def fill_exhausted(state: RolloutState, rollout_id: int, progress: _Progress) ->
     if cfg.filter_exhausted == "keep_rejected" and len(progress.rejected) >= short:
         topped = sorted(progress.rejected, key=lambda g: g[0].group_index)[:short]
         progress.kept.extend(topped)
+        progress.tokens.take_back(topped)
         progress.topped_up = short
         logger.warning(
             "rollout %d: the dynamic filter %s kept %d of rollout_batch_size=%d groups in "
@@ -479,6 +485,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     )
                 failure = generate_failure(group)
                 if failure is not None:
+                    progress.tokens.discard("generate_failed", group)
                     if len(progress.kept) < target:
                         await _handle_failed_group(state, rollout_id, group, failure, progress)
                     continue
@@ -487,10 +494,12 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                     raise UntrainableBatchError(f"rollout {rollout_id}: {error}")
                 if len(progress.kept) >= target:
                     progress.surplus_groups += 1
+                    progress.tokens.discard("surplus", group)
                 elif state.group_filter(group):
                     progress.kept.append(group)
                 else:
                     progress.dropped_groups += 1
+                    progress.tokens.discard("filter", group)
                     if cfg.filter_exhausted == "keep_rejected":
                         progress.rejected.append(group)
         t_generated = since.seconds
@@ -514,6 +523,8 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     aborted = sum(s.status is Status.ABORTED for g in leftovers for s in g)
     requeued = 0
     unfinished = [g for g in leftovers if not _group_is_complete(g)]
+    for group in (g for g in leftovers if _group_is_complete(g)):  # finished beside the abort
+        progress.tokens.discard("surplus", group)
     if cfg.partial_rollout and unfinished:
         requeued = requeue_partial(state.data_source, unfinished)
     check_reward_failures(state, rollout_id, progress)  # first: a failing reward also empties the filter
@@ -530,6 +541,7 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
         "rollout/time_total_s": t_end,
     }
     metrics = rollout_metrics(groups, progress, aborted, requeued, times)
+    metrics[ROLLOUT_TOKENS] = progress.tokens.close(samples)  # the rest was cut by the abort
     logger.info(
         "rollout %d: %d groups, reward %.3f, %.0f tok/s",
         rollout_id,

@@ -148,6 +148,12 @@ def load_state_bytes(data: bytes, where: str) -> dict[str, Any]:
 
 def latest_checkpoint(cfg: Any) -> Optional[str]:
     """The finished checkpoint of the run with the highest rollout id, or None."""
+    done = finished_checkpoints(cfg)
+    return done[-1][1] if done else None
+
+
+def finished_checkpoints(cfg: Any) -> list[tuple[int, str]]:
+    """(rollout id, folder) of every finished checkpoint of the run (its manifest written), by rollout id."""
     from vime_core.storage.fs import open_location
 
     root = checkpoint_root(cfg)
@@ -155,9 +161,9 @@ def latest_checkpoint(cfg: Any) -> Optional[str]:
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in location.fs.ls(location.path(""), detail=False)]
     except FileNotFoundError:
-        return None
+        return []
     done = sorted(n for n in names if n.startswith("rollout_") and location.fs.isfile(location.path(f"{n}/{MANIFEST}")))
-    return f"{root.rstrip('/')}/{done[-1]}" if done else None
+    return [(int(n.removeprefix("rollout_")), f"{root.rstrip('/')}/{n}") for n in done]
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -97,6 +97,17 @@ def step_advantages(
     return dict(zip(indices, advantages)), dict(zip(indices, returns))
 
 
+def trained_tokens(loss_masks: Sequence[Sequence[int]], per_step: Sequence[Mapping[str, float]], gbs: int) -> int:
+    """Loss-mask-1 tokens of the policy's optimizer steps that were applied (not skipped for a
+    non-finite loss or gradient): the compute ledger's `trained` (vime_core/ledger.py)."""
+    return sum(
+        sum(loss_masks[i])
+        for step, m in enumerate(per_step)
+        if not m.get("skipped_steps")
+        for i in range(step * gbs, (step + 1) * gbs)
+    )
+
+
 def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_id: int = 0) -> dict[str, Any]:
     """Train one rollout on this rank; returns the per-step metrics averaged over the steps (lr: the
     last step's), num_steps and tokens.
@@ -208,5 +219,6 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     metrics["num_steps"] = len(per_step) if train_policy else 0
     metrics["num_samples"] = n
     metrics["tokens"] = sum(lengths)
+    metrics["trained_tokens"] = trained_tokens(batch["loss_mask"], per_step, gbs) if train_policy else 0
     metrics["reused_log_probs"] = reuse
     return metrics
