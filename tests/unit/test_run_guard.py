@@ -169,3 +169,21 @@ def test_flags_parse_off_and_their_defaults():
             default.reward_drop,
         )
     )
+
+
+def test_a_breach_is_rolled_back_up_to_guard_retries_then_stops():
+    from tasks.guard import rollback_due, stopped_why
+
+    breach = g.GuardBreachError("run guard stopped rollout 3: grad-norm: ...")
+    stop, rollback = parse_args([]), parse_args(["--guard-action", "rollback", "--guard-retries", "2"])
+    assert rollback_due(stop, breach, 1) is False
+    assert [rollback_due(rollback, breach, n) for n in (1, 2, 3)] == [True, True, False]
+    try:  # as the train flow sees it: raised while handling another error
+        try:
+            raise breach
+        except g.GuardBreachError as inner:
+            raise RuntimeError("iteration flow run failed") from inner
+    except RuntimeError as outer:
+        assert rollback_due(rollback, outer, 1) is True
+    assert rollback_due(rollback, ValueError("a data error"), 1) is None  # not the guard's: faults.py decides
+    assert "after 2 rollback(s) (guard_retries=2)" in stopped_why(rollback, 3) and "\n" not in stopped_why(stop, 1)

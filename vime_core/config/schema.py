@@ -993,7 +993,7 @@ class ConfigFields(BaseModel):
         ),
     )
     guard_grad_norm_factor: OffOrFloat = Field(
-        10.0,
+        50.0,
         gt=0,
         description=(
             "Run guard: stop when grad_norm exceeds this many times its running median (over guard_window accepted "
@@ -1001,12 +1001,12 @@ class ConfigFields(BaseModel):
         ),
     )
     guard_entropy_min: OffOrFloat = Field(
-        0.01,
+        0.005,
         ge=0,
         description="Run guard: stop when the policy's token entropy falls below this floor (nats). `off`: no floor.",
     )
     guard_entropy_drop: OffOrFloat = Field(
-        0.5,
+        0.75,
         gt=0,
         le=1,
         description=(
@@ -1054,11 +1054,17 @@ class ConfigFields(BaseModel):
     guard_warmup: int = Field(
         5, ge=1, description="Run guard: accepted iterations before the checks against a running median apply."
     )
-    guard_action: Literal["stop"] = Field(
+    guard_action: Literal["stop", "rollback"] = Field(
         "stop",
         description=(
-            "Run guard: what a breach does. stop: the iteration's flow run fails with one line naming the check, "
-            "before its publish and checkpoint; the engines and the checkpoints keep the last good weights, the "
-            "iteration's batch is quarantined (kept, unpublished) and the run stops (the same command resumes)."
+            "Run guard: what a breach does. Either way the iteration's flow run fails with one line naming the check, "
+            "before its publish and checkpoint; the iteration's batch is quarantined (kept, unpublished) and the data "
+            "source goes back before it. stop: the run stops, the engines and the checkpoints keeping the last good "
+            "weights (the same command resumes). rollback: the trainer returns to the last good weights (rebuilt from "
+            "its last checkpoint, the stored batches since trained again, each publish checked), and the iteration "
+            "is run again on the same prompts with new samples, up to guard_retries times; then the run stops."
         ),
+    )
+    guard_retries: int = Field(
+        2, ge=0, description="Run guard: with guard_action rollback, how many times one iteration is run again."
     )

@@ -105,6 +105,7 @@ class RolloutManager:
         self._generate_lock = threading.Lock()  # generate calls one at a time (module docstring)
         self._prefetched: Optional[_Prefetched] = None
         self._last: Optional[tuple[int, Optional[int], tuple[dict, dict]]] = None  # (id, version, result)
+        self._sources_before: dict[int, dict] = {}  # rollout id -> the data source before it (forget_rollout)
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         self.fleet = EngineFleet(
             cfg,
@@ -258,6 +259,8 @@ class RolloutManager:
         self.state.weight_version = version
 
         before = self.data_source.state_dict()
+        kept = {k: v for k, v in self._sources_before.items() if k >= rollout_id - 1}  # a prefetch and its rollout
+        self._sources_before = {**kept, rollout_id: before}
         try:
             samples, metrics = self.generate_samples(rollout_id)
             t0 = time.perf_counter()
@@ -351,6 +354,19 @@ class RolloutManager:
         with self._prefetch_lock:
             pending = self._prefetched
         return pending.data_source_before if pending is not None else self.data_source.state_dict()
+
+    def forget_rollout(self, rollout_id: int) -> bool:
+        """The run guard discarded rollout `rollout_id` (tasks/guard.py): its result is not handed
+        out again, a rollout started after it is dropped, and the data source goes back to where
+        it stood before it, so its prompts are drawn again. False when this manager did not
+        generate it (a batch loaded from storage: the data source is already past it as restored)."""
+        with self._generate_lock:
+            self._last = None
+            self.discard_prefetch(restore_data_source=False)
+            before = self._sources_before.pop(rollout_id, None)
+            if before is not None:
+                self.data_source.load_state_dict(before)
+            return before is not None
 
     def load_data_source_state(self, state: dict) -> None:
         self.discard_prefetch(restore_data_source=False)
