@@ -17,6 +17,9 @@ that is not stored. If the store fails after the trainer trained, a re-run gets 
 from the RolloutManager (it keeps its last result until another rollout starts), the trainer does
 not train it again and engines already at v+1 are not published to again, so the stored batch is
 the one trained on.
+
+The run guard (tasks/guard.py) checks the rollout's metrics before training and the trainer's
+before the publish; a breach fails the flow run there.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
+    record.update(guard.record_fields())
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record
 
@@ -80,7 +84,7 @@ def _engines_asleep(cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Pha
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
-    guard.check_trained(out, done[Phase.TRAIN], done[Phase.PERSIST])
+    guard.check_trained(out, done[Phase.TRAIN])
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k)
     done[Phase.SYNC] = sync_weights(
@@ -109,7 +113,7 @@ def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out, guard: Iteratio
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
-    guard.check_trained(out, done[Phase.TRAIN], done[Phase.PERSIST], ahead)
+    guard.check_trained(out, done[Phase.TRAIN], ahead)
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.SYNC] = sync_weights(
         cfg,
@@ -138,7 +142,7 @@ def _one_step_off_policy(cfg, plan: StepPlan, out, guard: IterationGuard) -> dic
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
-    guard.check_trained(out, done[Phase.TRAIN], done[Phase.PERSIST])
+    guard.check_trained(out, done[Phase.TRAIN])
     if plan.last:
         done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
         if plan.check_weights:

@@ -50,6 +50,7 @@ class IterationGuard:
     rollout_id: int
     settings: GuardSettings
     history: History
+    breaches_before: int = 0  # earlier breaches of this rollout id (rolled back, or stopped and resumed)
     gates: list = field(default_factory=list, compare=False)  # the gate calls made, to collect a failed one
 
     @classmethod
@@ -57,7 +58,12 @@ class IterationGuard:
         """The history from the run's stored records (a resumed run keeps its running values)."""
         settings = GuardSettings.of(config)
         records = read_records(config.storage_uri, config.run_name, S3Endpoint.of(config))
-        return cls(config, rollout_id, settings, History.of(records, rollout_id, settings.window))
+        earlier = sum(1 for b in previous_breaches(config) if b.get("rollout_id") == rollout_id)
+        return cls(config, rollout_id, settings, History.of(records, rollout_id, settings.window), earlier)
+
+    def record_fields(self) -> dict:
+        """What the accepted iteration's record says of the guard."""
+        return {"guard_breaches_before": self.breaches_before}
 
     def check_rollout(self, out: Any, flow_run_id: str) -> None:
         """The rollout's checks; on a breach the batch is stored, then discarded, and the flow
@@ -66,10 +72,10 @@ class IterationGuard:
         if breaches:
             from tasks.rollout import persist
 
-            stored = persist(self.config, self.rollout_id, out, flow_run_id)
-            self.stop(breaches, "rollout", out.metrics, {}, stored, trained_on=False)
+            persist(self.config, self.rollout_id, out, flow_run_id)  # kept aside by the discard, lineage whole
+            self.stop(breaches, "rollout", out.metrics, {}, trained_on=False)
 
-    def check_trained(self, out: Any, trained: dict, stored: dict, submitted: Any = None) -> None:
+    def check_trained(self, out: Any, trained: dict, submitted: Any = None) -> None:
         """The trainer's checks, once training and persist ended; `submitted`: the publish that
         `gate` held back, collected so Ray does not report its error again."""
         breaches = train_breaches(self.settings, self.history, trained)
@@ -78,7 +84,7 @@ class IterationGuard:
 
             settle(submitted)  # the held-back publish's failed calls, so Ray does not report them again
             settle(Submitted(train=list(self.gates)))
-            self.stop(breaches, "train", out.metrics, trained, stored, trained_on=True)
+            self.stop(breaches, "train", out.metrics, trained, trained_on=True)
 
     def gate(self, trained_refs: list) -> list:
         """A Ray reference that succeeds only when the trainer's metrics (rank 0's, all-reduced)
@@ -86,16 +92,16 @@ class IterationGuard:
         self.gates.append(_gate_function().remote(self.settings, self.history, *trained_refs))
         return [self.gates[-1]]
 
-    def stop(
-        self, breaches: list[Breach], phase: str, rollout_metrics: dict, trained: dict, stored: dict, trained_on: bool
-    ) -> None:
-        """Record the breach, discard what the iteration made, and raise GuardBreachError."""
+    def stop(self, breaches: list[Breach], phase: str, rollout_metrics: dict, trained: dict, trained_on: bool) -> None:
+        """Record the breach, discard what the iteration made (its batch is stored by now), and
+        raise GuardBreachError."""
         message = breach_message(self.rollout_id, breaches)
         log = get_run_logger()
         log.error(message)
-        discarded = self._discard(stored, message, trained_on)
+        discarded = self._discard(message, trained_on)
         record = {
             "rollout_id": self.rollout_id,
+            "attempt": self.breaches_before + 1,
             "phase": phase,
             "guard_action": self.config.guard_action,
             "guard_breaches": [b.as_dict() for b in breaches],
@@ -118,7 +124,7 @@ class IterationGuard:
         )
         raise GuardBreachError(message)
 
-    def _discard(self, stored: dict, reason: str, trained_on: bool) -> dict:
+    def _discard(self, reason: str, trained_on: bool) -> dict:
         """Quarantine and unpublish the batch, rewind the data source, mark the trainer; what was
         done. Each step on its own: one that fails is logged and the others still run."""
         from vime_core.storage import BatchStore
