@@ -2,7 +2,8 @@
 planned by vime_core/step_plan.py (each a function read in the order it runs), then eval, the
 checkpoint and the report. Every task is idempotent per rollout id, so a retried or re-run iteration
 picks up where it failed, and the sync ends only after the batch is stored: no rollout starts on
-weights trained on a batch that is not."""
+weights trained on a batch that is not. The run guard (tasks/guard.py) checks the rollout before
+training and the trainer before the publish; a breach fails the flow run there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prefect.utilities.annotations import quote
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
+from tasks.guard import IterationGuard
 from tasks.offload import offload_rollout, offload_train, onload_kv, onload_weights
 from tasks.report import report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
@@ -36,22 +38,25 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (a cost per task run)
     out = rollout(cfg, k, plan.version)
+    guard = IterationGuard.start(config, k)  # the run guard: tasks/guard.py
+    guard.check_rollout(out, str(flow_run.id or ""))
     if plan.off_policy:
-        done = _one_step_off_policy(cfg, plan, out)
+        done = _one_step_off_policy(cfg, plan, out, guard)
     elif plan.engines_sleep:
-        done = _engines_asleep(cfg, plan, out)
+        done = _engines_asleep(cfg, plan, out, guard)
     else:
-        done = _engines_awake(config, cfg, plan, out)
+        done = _engines_awake(config, cfg, plan, out, guard)
     done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
     record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
+    record.update(guard.record_fields())
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record
 
 
-def _engines_asleep(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+def _engines_asleep(cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Phase, dict]:
     """Iteration k's phases up to eval where the engines sleep while the trainer trains
     (colocated on GPUs): each task makes its own calls, one after another, in the order read."""
     k, done = plan.rollout_id, {}
@@ -62,6 +67,7 @@ def _engines_asleep(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
+    guard.check_trained(out, done[Phase.TRAIN])
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k)
     done[Phase.SYNC] = sync_weights(
@@ -77,19 +83,20 @@ def _engines_asleep(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
     return done
 
 
-def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Phase, dict]:
     """Iteration k's phases up to eval where the engines stay awake (CPU; engines on their own
     devices): training and the publish go to Ray at once, chained by object references
     (train_then_publish: the publish starts the moment training ends); the train and sync tasks
     wait for those calls, and the sync ends the sync (admission resumed or rollout k + 1 started)."""
     k, done = plan.rollout_id, {}
-    ahead = train_then_publish(config, k, out.batch_ref, plan.next_version)  # submitted to Ray
+    ahead = train_then_publish(config, k, out.batch_ref, plan.next_version, guard.gate)  # submitted to Ray
     persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
+    guard.check_trained(out, done[Phase.TRAIN], ahead)
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.SYNC] = sync_weights(
         cfg,
@@ -104,7 +111,7 @@ def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out) -> dict[Phase, 
     return done
 
 
-def _one_step_off_policy(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
+def _one_step_off_policy(cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Phase, dict]:
     """Iteration k's phases up to eval with async_staleness 1 (engines awake): the weights
     trained through k - 1 are published first and rollout k + 1 starts on them, in the sync's
     last actor call; the trainer then trains on k while rollout k + 1 generates. The last
@@ -118,6 +125,7 @@ def _one_step_off_policy(cfg, plan: StepPlan, out) -> dict[Phase, dict]:
     finally:
         persisting.wait()  # stored even when training fails: a re-run loads it
     done[Phase.PERSIST] = persisting.result()
+    guard.check_trained(out, done[Phase.TRAIN])
     if plan.last:
         done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
         if plan.check_weights:

@@ -16,6 +16,7 @@ from flows.iteration import iteration
 from flows.settings import without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import compact_index, export_hf
+from tasks.guard import rollback_due, stopped_why
 from vime_core.config import VimeConfig
 from vime_core.config.loader import describe, dump_config, run_config_uri
 from vime_core.ledger import run_ledger
@@ -149,6 +150,18 @@ def retry_or_raise(config: VimeConfig, rollout_id: int, exc: Exception, failed: 
     fault = classify(exc)
     attempts = config.iteration_retries + 1
     what = f"iteration {rollout_id} failed: {fault.what} ({fault.error_type})"
+    rollback = rollback_due(config, exc, failed)  # a run-guard breach: tasks/guard.py
+    if rollback:
+        log.warning(
+            "%s; run guard: back to the last good weights, running it again (%d of %d)",
+            what,
+            failed,
+            config.guard_retries,
+        )
+        return 0.0
+    if rollback is False:
+        log.error("%s; %s", what, stopped_why(config, failed))
+        raise IterationFailedError(f"{what}; {stopped_why(config, failed)}") from exc
     if fault.retryable and failed < attempts:
         delay = retry_delay(config.iteration_retry_delay_s, failed + 1)
         log.warning("%s; retrying in %g s (attempt %d of %d)", what, delay, failed + 1, attempts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 # The package, not algo.registry: importing it registers the built-in estimators.
 from vime_core.algo import check_adv_estimator, describe_adv_estimators, registered_adv_estimators
@@ -22,6 +22,14 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
+
+
+def _off_is_none(value: Any) -> Any:
+    return None if isinstance(value, str) and value.strip().lower() == "off" else value
+
+
+# A run-guard bound: a number, or `off` (None) for no such check.
+OffOrFloat = Annotated[Optional[float], BeforeValidator(_off_is_none)]
 
 
 class ConfigFields(BaseModel):
@@ -963,4 +971,90 @@ class ConfigFields(BaseModel):
             "Flush engines' prefix cache (and abort in-flight requests) every N weight versions; the first publish "
             "always flushes."
         ),
+    )
+
+    # ---- run guard (vime_core/report/guard.py) ------------------------------------------------
+    guard_nonfinite: bool = Field(
+        True,
+        description=(
+            "Run guard: stop when a guarded metric of the iteration (reward mean and std, response length, grad "
+            "norm; entropy, losses and the k3 mismatch when no optimizer step was skipped) is NaN or Inf. `off`: "
+            "no such check (skipped optimizer steps are max_skipped_steps' own)."
+        ),
+    )
+    guard_grad_norm_factor: OffOrFloat = Field(
+        50.0,
+        gt=0,
+        description=(
+            "Run guard: stop when grad_norm exceeds this many times its running median (over guard_window accepted "
+            "iterations, after guard_warmup of them). `off`: no such check."
+        ),
+    )
+    guard_entropy_min: OffOrFloat = Field(
+        0.005,
+        ge=0,
+        description="Run guard: stop when the policy's token entropy falls below this floor (nats). `off`: no floor.",
+    )
+    guard_entropy_drop: OffOrFloat = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description=(
+            "Run guard: stop when the entropy falls by more than this share of its previous iteration's value in one "
+            "iteration. `off`: no such check."
+        ),
+    )
+    guard_k3_max: OffOrFloat = Field(
+        0.05,
+        ge=0,
+        description=(
+            "Run guard: stop when the train/rollout log-prob mismatch, KL(engine || trainer) estimated by k3 over the "
+            "sampled tokens (train_rollout_k3_kl), exceeds this (nats per token): the engines sample from another "
+            "policy than the trainer scores. `off`: no such check."
+        ),
+    )
+    guard_reward_failure_share: OffOrFloat = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description=(
+            "Run guard: stop when more than this share of the rollout's reward calls failed (reward_failure_share; "
+            "max_reward_failure_share is the rollout's own, harder bound). `off`: no such check."
+        ),
+    )
+    guard_aborted_share: OffOrFloat = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Run guard: stop when more than this share of the samples a rollout submitted were aborted "
+            "(aborted_count over submitted_groups x n_samples_per_prompt; raise it with heavy over-sampling). `off`: "
+            "no such check."
+        ),
+    )
+    guard_reward_drop: OffOrFloat = Field(
+        0.5,
+        gt=0,
+        description=(
+            "Run guard: stop when reward_mean falls below its running median by more than this share of "
+            "max(|median|, the median reward std) (after guard_warmup accepted iterations). `off`: no such check."
+        ),
+    )
+    guard_window: int = Field(20, ge=1, description="Run guard: accepted iterations the running medians cover.")
+    guard_warmup: int = Field(
+        5, ge=1, description="Run guard: accepted iterations before the checks against a running median apply."
+    )
+    guard_action: Literal["stop", "rollback"] = Field(
+        "stop",
+        description=(
+            "Run guard: what a breach does. Either way the iteration's flow run fails with one line naming the check, "
+            "before its publish and checkpoint; the iteration's batch is quarantined (kept, unpublished) and the data "
+            "source goes back before it. stop: the run stops, the engines and the checkpoints keeping the last good "
+            "weights (the same command resumes). rollback: the trainer returns to the last good weights (rebuilt from "
+            "its last checkpoint, the stored batches since trained again, each publish checked), and the iteration "
+            "is run again on the same prompts with new samples, up to guard_retries times; then the run stops."
+        ),
+    )
+    guard_retries: int = Field(
+        2, ge=0, description="Run guard: with guard_action rollback, how many times one iteration is run again."
     )

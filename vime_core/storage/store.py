@@ -232,6 +232,17 @@ class BatchStore:
         log.warning("quarantined batch %s/%d (%s) at %s: %s", run, rollout_id, entry["key"], dst, reason)
         return record
 
+    def discard(self, run: str, rollout_id: int, reason: str) -> dict:
+        """Quarantine the published batch (run, rollout_id) with `reason` (its copy and record
+        under `quarantine/`), then unpublish it: its manifest, its object and its index row go,
+        so the rollout is generated again. The run guard's, for a batch it rejected. Returns the
+        quarantine record."""
+        record = self.quarantine(run, rollout_id, reason)
+        entry = self._entry(run, rollout_id)
+        self._forget(entry)
+        self.batch_index.compact(drop_keys=frozenset({entry["key"]}))
+        return record
+
     def quarantined(self, run: str | None = None) -> list[dict]:
         """The quarantine records (of `run`, or all), by run then rollout id."""
         prefix = f"{layout.QUARANTINE}/{layout.check_run(run)}" if run else layout.QUARANTINE

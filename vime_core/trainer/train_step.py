@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 # tis_weight: mean w_t over the loss tokens; tis_rejected_frac: the share of them tis_mode=mask rejected
 # opd_reverse_kl: mean of log pi_old - log pi_teacher over the loss tokens (use_opd)
+# train_rollout_k3_kl: KL(engine || trainer) over the loss tokens, Schulman's k3 of the engine's
+# sampled tokens: exp(r) - 1 - r, r = log p_trainer - log p_engine (vime_core/algo/kl.py)
 METRIC_SUMS = (
     "pg_clipfrac",
     "kl",
     "entropy",
     "train_rollout_logprob_abs_diff",
+    "train_rollout_k3_kl",
     "tis_weight",
     "tis_rejected_frac",
     "opd_reverse_kl",
@@ -209,6 +212,7 @@ def micro_batch_loss(
     )
     if mb.rollout_log_probs is not None:
         acc.add("train_rollout_logprob_abs_diff", (recomputed - mb.rollout_log_probs).abs(), mask, count)
+        acc.add("train_rollout_k3_kl", compute_approx_kl(mb.rollout_log_probs, recomputed, "k3", mask), mask, count)
     if cfg.use_rollout_logprobs:
         if mb.rollout_log_probs is None:
             raise ValueError("use_rollout_logprobs is set but the batch has no rollout_log_probs")

@@ -241,6 +241,14 @@ class MegatronTrainer:
             del self._metrics[old]
         return metrics
 
+    def discard_trained(self, rollout_id: int) -> dict[str, Any]:
+        """The run guard rejected rollout `rollout_id` after it was trained (tasks/guard.py): the
+        weights hold its steps, so, as after non-finite steps, state()'s diverged_rollout_id makes
+        the next bootstrap rebuild the group from the last checkpoint. Nothing is saved."""
+        if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
+            self._diverged = rollout_id
+        return self.state()
+
     def compute_log_probs(self, batch: dict[str, list]) -> list[list[float]]:
         """Response-token log-probs of every sample under the current weights (sample order)."""
         self._require_init()
