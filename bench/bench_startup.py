@@ -7,7 +7,7 @@ as soon as its actor exists).
     startup_s   the train flow's summary: seconds from the process's start to the first
                 iteration flow run (vime_core/utils/processes.py, process_age_s)
     marks       the summary's startup_marks_s: the early start's begin and end, bootstrap's start,
-                actors created, trainer init, engines ready, published, the trainer asleep (where it
+                actors created, trainer init, engines ready, synced, the trainer asleep (where it
                 sleeps), KV; seconds since the command
 
 Each run is the real command (`python -m flows.cli train`) on the default job with one

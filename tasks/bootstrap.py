@@ -21,7 +21,7 @@ import ray
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS
-from tasks.sync import publish
+from tasks.sync import submit_publish
 from vime_core.cluster.connect import ensure_ray
 from vime_core.config import VimeConfig
 from vime_core.utils.processes import process_age_s, process_started_epoch
@@ -161,9 +161,9 @@ def bootstrap(config: VimeConfig) -> dict:
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
     if publish_needed(target, versions, bool(woken)):  # step 8: first publish is v1
-        trainers.wait(publish(manager, trainers, target, force=True))
+        trainers.wait(submit_publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(resume=True))  # admission open again
-    seconds["published"] = since.seconds
+    seconds["synced"] = since.seconds
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
         seconds["trainer_asleep"] = since.seconds

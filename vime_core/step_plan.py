@@ -123,8 +123,8 @@ class StepPlan:
         publish, and not already stored (a resumed run replays a stored batch instead)."""
         return self.prefetch_wanted and not next_stored
 
-    def publish_starts_next(self, next_stored: bool) -> Optional[int]:
-        """The rollout id the publish's last actor call starts, or None. One step off-policy,
+    def sync_starts_next(self, next_stored: bool) -> Optional[int]:
+        """The rollout id the sync's last actor call (end_sync) starts, or None. One step off-policy,
         rollout k + 1 starts even when an evaluation is due: overlapping is the point."""
         return self.rollout_id + 1 if self.prefetch(next_stored) and (self.off_policy or not self.eval_due) else None
 

@@ -210,7 +210,7 @@ def get_or_create_rollout_manager(
     from vime_core.rollout.manager import RolloutManager
 
     actor_cls = ray.remote(RolloutManager)
-    restarted = functools.partial(republish_to_engine, cfg)
+    restarted = functools.partial(publish_to_restarted_engine, cfg)
     return actor_cls.options(
         name=names.ROLLOUT_MANAGER,
         namespace=names.namespace(cfg.run_name),
@@ -222,13 +222,13 @@ def get_or_create_rollout_manager(
     ).remote(cfg, engine_actors=engines or None, on_engine_restarted=restarted, token=token)
 
 
-def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:
+def publish_to_restarted_engine(cfg: VimeConfig, index: int, url: str) -> None:
     """Give a restarted engine the trainer's current weights (at the current version) before it
     serves again. Runs inside the RolloutManager actor; every TP rank takes part in the gather."""
     _, trainers = attach(cfg)
     version = trainers.rank0("state")["weight_version"]
     log.info("engine %d restarted at %s: publishing v%d to it", index, url, version)
-    trainers.call("update_weights", [url], version)
+    trainers.call("publish", [url], version)
 
 
 def _master_endpoint(pg) -> tuple[str, int]:

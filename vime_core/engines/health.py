@@ -3,7 +3,7 @@ it back behind the router.
 
 A background thread polls each engine every `interval_s`. An engine whose process exited, or
 that failed `failures_to_restart` health checks in a row, is restarted; before it serves again
-`on_restarted(engine_index, url)` is called (the owner pushes the current weights and version
+`on_restarted(engine_index, url)` is called (the owner publishes the current weights and version
 there), then the router (or the in-client PolicyRouter) gets its new URL. Requests that were in
 flight on it fail, and the rollout loop retries them on a live engine: nothing is lost.
 

@@ -7,7 +7,7 @@ long-lived event loop, so the HTTP connections to the engines and the router sta
 
 Phases it serves: rollout (`generate`, `eval`), offload rollout (`offload`), the engine side of
 sync (`begin_sync` = versions + pause admission + URLs, `onload_weights`, `end_sync` = resume
-admission or start the next rollout, `onload_kv`). Weight pushes themselves go from the
+admission or start the next rollout, `onload_kv`). The publish itself goes from the
 trainer straight to `engine_urls()`.
 
 Prefetch: `start_generate(k, v)` starts rollout k in a background thread once the engines hold
@@ -335,7 +335,7 @@ class RolloutManager:
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
 
-        `published` is not read: the sync task passes the trainer ranks' `update_weights`
+        `published` is not read: the sync task passes the trainer ranks' `publish`
         references there, top-level arguments that Ray resolves before it runs a call, so this
         call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if start_rollout_id is not None:

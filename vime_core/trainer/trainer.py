@@ -5,7 +5,7 @@ builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
 ``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py), and, for an estimator
 with a critic (ppo), the value model beside it (vime_core/trainer/critic.py). Then per rollout:
-``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
+``train(rollout_id, batch)``; per sync: ``publish(urls)``; on demand:
 ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
 
 Every method is called on every rank at once (collectives over TP/DP), except ``state``.
@@ -270,9 +270,7 @@ class MegatronTrainer:
 
         return iter_hf_weights(self.model, self.arch)
 
-    def update_weights(
-        self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any
-    ) -> Any:
+    def publish(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
         Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
@@ -283,7 +281,7 @@ class MegatronTrainer:
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
         answer inside Ray, without a round trip through the driver. ``after`` is ignored:
-        references passed there (every rank's train call, tasks.sync.publish) make Ray run the
+        references passed there (every rank's train call, tasks.sync.submit_publish) make Ray run the
         publish only once they succeeded."""
         if engine_urls is None:
             return None
