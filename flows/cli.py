@@ -44,8 +44,10 @@ def cmd_train(argv: list[str]) -> int:
         f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
         f"run again with --run-name {cfg.run_name} to resume\n"
     )
-    if cfg.early_start:
-        _start_actors_early(cfg)
+    if cfg.early_start:  # the run's actors start while the first flow run starts Prefect's server
+        from vime_core.cluster.early_start import start_actors_early
+
+        start_actors_early(cfg)
     try:
         with one_line_failures():  # the flow run's own failure line, without a page of traceback
             summary = train(cfg)
@@ -60,20 +62,6 @@ def cmd_train(argv: list[str]) -> int:
         return 1
     print(json.dumps(summary, indent=2, default=str))
     return 0
-
-
-def _start_actors_early(cfg) -> None:
-    """The run's actors start while the first flow run starts Prefect's server (tasks/bootstrap.py,
-    early_start). Anything that stops it here (a missing file, no cluster) is left to the flow,
-    which fails on it with its usual one line."""
-    from tasks.bootstrap import start_early
-    from vime_core.run_assets import resolve_run_config
-
-    try:
-        resolved = resolve_run_config(cfg)
-    except Exception:
-        return
-    start_early(resolved)
 
 
 def cmd_replay(argv: list[str]) -> int:

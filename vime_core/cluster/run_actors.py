@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from vime_core.cluster import names
+from vime_core.cluster.connect import actor_env, ensure_ray
+from vime_core.cluster.engine_token import run_engine_token
 from vime_core.cluster.placement import (
     PROBE_SHARE,
     BundleDevice,
@@ -33,6 +36,8 @@ from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 from vime_core.engines.auth import EngineToken
 from vime_core.utils.errors import InfrastructureError
+from vime_core.utils.processes import process_age_s
+from vime_core.utils.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,39 @@ def is_alive(actor) -> bool:
     except RayActorError:
         return False
     return True
+
+
+@dataclass
+class RunActors:
+    """The run's actors as `start_actors` found or made them."""
+
+    manager: Any
+    trainers: TrainerGroup
+    new_manager: bool  # the RolloutManager was created (its data source starts at the beginning)
+    created: bool  # the trainer group was created: `init` holds its first call, every rank's
+    init: Optional[list]
+    seconds: float  # finding or creating them
+    began_s: Optional[float] = None  # when start_actors began, seconds since the command
+
+
+def start_actors(config: VimeConfig) -> RunActors:
+    """Find the run's actors or create what is missing: the placement group, one actor per
+    engine, the RolloutManager (its constructor starts the engines and the router) and the
+    trainer group, whose `init` (the weights from hf_checkpoint) is submitted at once when the
+    group is new. New engine actors and a new RolloutManager get the run's engine token: the one
+    the existing actors hold, else a new one (vime_core/cluster/engine_token.py). Returns
+    without waiting for the engines or `init`. Plain (no Prefect): bootstrap calls it, and
+    `vime train` before its first flow run (vime_core/cluster/early_start.py)."""
+    since, began = Stopwatch(), process_age_s()
+    ensure_ray(config.ray_address)
+    pg = get_or_create_placement_group(config)
+    token = run_engine_token(config, len(plan_for(config).engine_bundles))  # through Ray, never a file
+    engines = get_or_create_engines(config, pg, token)  # one actor per engine, in its device bundles
+    new_manager = not rollout_manager_exists(config)
+    manager = get_or_create_rollout_manager(config, engines, token)
+    trainers, created = get_or_create_trainer_group(config, pg)
+    init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
+    return RunActors(manager, trainers, new_manager, created, init, since.seconds, began)
 
 
 def rollout_manager_exists(cfg: VimeConfig) -> bool:
@@ -151,8 +189,6 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
     returns []. New ones get `token` (None: the run's, `engine_token.run_engine_token`)."""
     import ray
 
-    from vime_core.cluster.connect import actor_env
-    from vime_core.cluster.engine_token import run_engine_token
     from vime_core.engines.server import EngineServer
 
     if cfg.engine_urls:
@@ -199,9 +235,6 @@ def get_or_create_rollout_manager(
     run's, `engine_token.run_engine_token`), the token its engines were made with."""
     import ray
 
-    from vime_core.cluster.connect import actor_env
-    from vime_core.cluster.engine_token import run_engine_token
-
     existing = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
     if existing is not None:
         return existing
@@ -247,8 +280,6 @@ def _master_endpoint(pg) -> tuple[str, int]:
 def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:
     """Returns (group, created). A created group still needs `init`."""
     import ray
-
-    from vime_core.cluster.connect import actor_env
 
     world = trainer_num_devices(cfg)
     # a rank whose process died may still be found by name for a moment: ask it
