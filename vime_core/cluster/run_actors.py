@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from vime_core.cluster import names
 from vime_core.cluster.connect import actor_env, ensure_ray
-from vime_core.cluster.engine_token import run_engine_token
+from vime_core.cluster.engine_token import manager_engine_token, run_engine_token
 from vime_core.cluster.placement import (
     PROBE_SHARE,
     BundleDevice,
@@ -306,6 +306,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
     master_addr, master_port = _master_endpoint(pg)
     plan = plan_for(cfg)
     actor_cls = ray.remote(MegatronTrainer)
+    token_source = functools.partial(manager_engine_token, cfg)  # the publish asks the run's RolloutManager
     actors = []
     for rank in range(world):
         actors.append(
@@ -318,7 +319,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
                 max_concurrency=1,
                 scheduling_strategy=_in_bundle(pg, plan.trainer_bundles[rank]),
                 runtime_env={"env_vars": actor_env()},
-            ).remote(cfg, rank, world, master_addr, master_port)
+            ).remote(cfg, rank, world, master_addr, master_port, engine_token=token_source)
         )
     return TrainerGroup(cfg, actors), True
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from vime_core.config import VimeConfig
+from vime_core.engines.auth import EngineToken
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
 from vime_core.trainer.parallel import layout_for
@@ -35,8 +36,20 @@ KEEP_METRICS = 8
 class MegatronTrainer:
     """One TP x DP rank of the trainer (interface in docs/interfaces.md, "Trainer side")."""
 
-    def __init__(self, cfg: VimeConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self,
+        cfg: VimeConfig,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        engine_token: Optional[Callable[[], Optional[EngineToken]]] = None,
+    ) -> None:
+        """`engine_token`: asked at each publish for the token the engines expect (run_actors
+        passes the run's RolloutManager's, vime_core/cluster/engine_token.py); None: none is
+        sent unless the publisher was made with one."""
         self.cfg = cfg
+        self._engine_token = engine_token
         self.layout = layout_for(rank, world_size, cfg.tensor_model_parallel_size)
         self.master_addr, self.master_port = master_addr, int(master_port)
         self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
@@ -298,7 +311,7 @@ class MegatronTrainer:
                     from vime_core.weight_sync.publish import publish_weights
                     from vime_core.weight_sync.publish_loop import PublishLoop
 
-                    self._publisher = self._publisher or PublishLoop()
+                    self._publisher = self._publisher or PublishLoop(token_source=self._engine_token)
                     result = publish_weights(
                         weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers
                     )

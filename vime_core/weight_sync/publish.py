@@ -80,7 +80,7 @@ def publish_weights(
     publishes); None makes one for this call and closes it afterwards. `peers`: the other
     trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py).
     `token`: the engine token every call sends; None: the loop's (`PublishLoop.engine_token`:
-    its own, else the run's, asked from the RolloutManager through Ray)."""
+    its own, else its token source's)."""
     from vime_core.weight_sync.publish_loop import PublishLoop
     from vime_core.weight_sync.transport import make_transport
 
@@ -107,7 +107,7 @@ def publish_weights(
     # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
     clock = PhaseClock()
     if client_factory is None:
-        token = token if token is not None else loop.engine_token(cfg)
+        token = token if token is not None else loop.engine_token()
         client_factory = functools.partial(loop.client, token=token)
     with clock("gather"):
         tensors = list(named_tensors)

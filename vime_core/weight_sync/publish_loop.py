@@ -10,16 +10,17 @@ a broadcast group (`transport/broadcast.py`) is formed once, not per publish.
 Nothing here is process-wide: a trainer rebuilt after a failure is a new Ray actor (a new
 process), so there is no reuse across trainers to keep.
 
-The engine token its clients send: the one it was made with (`token`), else the run's, asked
-from the run's RolloutManager through Ray at each publish (`engine_token`), so a trainer that
-outlived the engines and their manager sends the token of the ones that replaced them.
+The engine token its clients send: the one it was made with (`token`), else its
+`token_source`'s answer at each publish (the trainer's: the run's RolloutManager, asked through
+Ray, vime_core/cluster/engine_token.py), so a trainer that outlived the engines and their
+manager sends the token of the ones that replaced them.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable, Optional
 
 from vime_core.utils.loop_thread import LoopThread
 
@@ -31,21 +32,22 @@ if TYPE_CHECKING:
 
 
 class PublishLoop(LoopThread):
-    def __init__(self, token: "EngineToken | None" = None) -> None:
+    def __init__(
+        self, token: "EngineToken | None" = None, token_source: "Callable[[], Optional[EngineToken]] | None" = None
+    ) -> None:
         super().__init__("vime-publish-loop")
         self._token = token
+        self._token_source = token_source
         self._clients: dict[str, "EngineClient"] = {}
         self._pools: dict[str, "ShmBufferPool"] = {}
         self._groups: dict[str, "KeptGroup"] = {}
         atexit.register(self.close)  # a process that ends without close() still gives its pools back
 
-    def engine_token(self, cfg: Any) -> "EngineToken | None":
-        """The token to send: this loop's own, else the run's RolloutManager's (None without one)."""
+    def engine_token(self) -> "EngineToken | None":
+        """The token to send: this loop's own, else its token source's (None without either)."""
         if self._token is not None:
             return self._token
-        from vime_core.cluster.engine_token import manager_engine_token
-
-        return manager_engine_token(cfg)
+        return self._token_source() if self._token_source is not None else None
 
     def client(self, url: str, token: "EngineToken | None" = None) -> "EngineClient":
         """The cached client of `url`, sending `token`; only to be used by coroutines running on
