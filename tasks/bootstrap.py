@@ -18,12 +18,15 @@ from typing import Optional, Sequence
 import ray
 from prefect import get_run_logger, task
 
-from tasks.common import TASK_DEFAULTS
+from tasks.common import ATTACHED, TASK_DEFAULTS
 from tasks.sync import submit_publish
+from vime_core.cluster.batch_io import data_source_after
 from vime_core.cluster.connect import ensure_ray
 from vime_core.cluster.early_start import claim_early, early_marks
 from vime_core.cluster.run_actors import start_actors
 from vime_core.config import VimeConfig
+from vime_core.run_assets import resolve_run_config
+from vime_core.step_plan import trainer_sleeps
 from vime_core.utils.processes import process_age_s, process_started_epoch
 from vime_core.utils.timing import Stopwatch
 
@@ -31,16 +34,12 @@ from vime_core.utils.timing import Stopwatch
 @task(name="prepare-assets", retries=1, **TASK_DEFAULTS)
 def prepare_assets(config: VimeConfig) -> VimeConfig:
     """Absolute paths, plus the embedded tiny model and task data when none are configured."""
-    from vime_core.run_assets import resolve_run_config
-
     return resolve_run_config(config)
 
 
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
-    from vime_core.step_plan import trainer_sleeps
-    from tasks.common import ATTACHED
-    from vime_core.trainer.checkpoint import latest_checkpoint
+    from vime_core.trainer.checkpoint import latest_checkpoint  # torch: the driver imports no trainer/ module
 
     log = get_run_logger()
     since = Stopwatch()  # the marks below: seconds since this task began
@@ -160,8 +159,6 @@ def _restore_data_source(config: VimeConfig, manager, checkpoint_state: dict | N
     if not new_manager:
         ray.get(manager.discard_prefetch.remote(True))
         return
-    from vime_core.cluster.batch_io import data_source_after
-
     newest = data_source_after(config, 0)
     state = newest[1] if newest is not None else checkpoint_state
     if state is not None:

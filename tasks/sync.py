@@ -17,8 +17,10 @@ from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
+from vime_core.faults import classify
 from vime_core.step_plan import Phase
 from vime_core.utils.timing import Stopwatch
+from vime_core.weight_sync.weight_check import compare
 
 
 def submit_publish(manager, trainers, target_version: int, after: Sequence[Any] = (), force: bool = False) -> list:
@@ -116,8 +118,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _what(exc: BaseException) -> str:
     """One line saying what failed: the remote error's own message, not Ray's call header."""
-    from vime_core.faults import classify
-
     fault = classify(exc)
     return f"{fault.what} ({fault.error_type})"
 
@@ -154,8 +154,6 @@ def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict
     trainer's (computed by the publish, before its weights were released), and against the
     engines' previous version (vime_core/weight_sync/weight_check). Runs once the engines'
     KV cache is awake. Logs and returns the comparison; it does not fail the iteration."""
-    from vime_core.weight_sync.weight_check import compare
-
     probe = synced.get("probe")
     if not probe:
         return {}

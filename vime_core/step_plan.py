@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
+from vime_core.config.derive import platform_supports_sleep
+
 
 class Phase(StrEnum):
     """The phases' one vocabulary: each is its Prefect task's name (a task run is named
@@ -78,8 +80,6 @@ CURVE_EVERY = 10
 
 def engines_sleep(cfg: Any) -> bool:
     """Engines offload and the platform can put them to sleep (not vLLM's CPU build)."""
-    from vime_core.config.derive import platform_supports_sleep
-
     return bool(cfg.offload_rollout) and platform_supports_sleep(cfg)
 
 

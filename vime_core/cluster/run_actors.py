@@ -23,6 +23,7 @@ from typing import Any, Optional
 from vime_core.cluster import names
 from vime_core.cluster.connect import actor_env, ensure_ray
 from vime_core.cluster.engine_token import manager_engine_token, run_engine_token
+from vime_core.cluster.errors import ActorsMissingError
 from vime_core.cluster.placement import (
     PROBE_SHARE,
     BundleDevice,
@@ -35,8 +36,9 @@ from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 from vime_core.engines.auth import EngineToken
-from vime_core.utils.errors import InfrastructureError
-from vime_core.utils.processes import process_age_s
+from vime_core.engines.server import EngineServer
+from vime_core.rollout.manager import RolloutManager
+from vime_core.utils.processes import free_port, process_age_s
 from vime_core.utils.timing import Stopwatch
 
 log = logging.getLogger(__name__)
@@ -55,18 +57,6 @@ class PlacementError(ValueError):
 def plan_for(cfg: VimeConfig) -> PlacementPlan:
     """The run's placement plan (cluster/placement.py) from its configuration."""
     return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
-
-
-class ActorsMissingError(RuntimeError, InfrastructureError):
-    """The run's actors named in `missing` are not there (never created, or dead: Ray frees a
-    dead actor's name)."""
-
-    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.missing = tuple(missing)
-
-    def __reduce__(self):  # crosses Ray (pickle) with its own arguments
-        return type(self), (str(self), self.missing)
 
 
 def _get_actor(name: str, run_name: str):
@@ -189,8 +179,6 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
     returns []. New ones get `token` (None: the run's, `engine_token.run_engine_token`)."""
     import ray
 
-    from vime_core.engines.server import EngineServer
-
     if cfg.engine_urls:
         return []
     plan = plan_for(cfg)
@@ -240,8 +228,6 @@ def get_or_create_rollout_manager(
         return existing
     if token is None:
         token = run_engine_token(cfg, len(plan_for(cfg).engine_bundles))
-    from vime_core.rollout.manager import RolloutManager
-
     actor_cls = ray.remote(RolloutManager)
     restarted = functools.partial(publish_to_restarted_engine, cfg)
     return actor_cls.options(
@@ -270,8 +256,6 @@ def _master_endpoint(pg) -> tuple[str, int]:
 
     @ray.remote(num_cpus=0)
     def node_and_free_port() -> tuple[str, int]:
-        from vime_core.utils.processes import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     return ray.get(node_and_free_port.options(scheduling_strategy=_in_bundle(pg, 0)).remote())
@@ -301,7 +285,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         for a in found:
             if a is not None:
                 ray.kill(a)
-    from vime_core.trainer.trainer import MegatronTrainer
+    from vime_core.trainer.trainer import MegatronTrainer  # torch: the driver imports no trainer/ module
 
     master_addr, master_port = _master_endpoint(pg)
     plan = plan_for(cfg)

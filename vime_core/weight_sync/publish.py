@@ -31,9 +31,13 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vime_core.algo.gates import should_flush_cache
 from vime_core.engines.client import call_all as _on_all
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.timing import PhaseClock
+from vime_core.weight_sync.buckets import iter_buckets
+from vime_core.weight_sync.publish_loop import PublishLoop
+from vime_core.weight_sync.transport import make_transport
 from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:
@@ -81,9 +85,6 @@ def publish_weights(
     trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py).
     `token`: the engine token every call sends; None: the loop's (`PublishLoop.engine_token`:
     its own, else its token source's)."""
-    from vime_core.weight_sync.publish_loop import PublishLoop
-    from vime_core.weight_sync.transport import make_transport
-
     if loop is None:
         own = PublishLoop()
         try:
@@ -136,8 +137,6 @@ async def publish_weights_async(
     client_factory: "Callable[[str], EngineClient]",
     clock: PhaseClock,
 ) -> dict[str, Any]:
-    from vime_core.algo.gates import should_flush_cache
-
     if not engine_urls:
         raise ValueError("publish_weights: engine_urls is empty")
     flush = should_flush_cache(cfg.flush_cache_interval, new_version, initial_version)
@@ -196,8 +195,6 @@ async def _apply(
 ) -> tuple[int, int]:
     """pause -> start -> buckets -> finish; on failure undo what can be undone (see the module
     docstring). Returns (buckets, bytes)."""
-    from vime_core.weight_sync.buckets import iter_buckets
-
     engines = transport.engines
     buckets = nbytes = 0
     to_send = iter_buckets(tensors, cfg.update_weight_buffer_size, wire)

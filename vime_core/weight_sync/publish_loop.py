@@ -22,7 +22,9 @@ import atexit
 import os
 from typing import TYPE_CHECKING, Callable, Optional
 
+from vime_core.engines.client import EngineClient
 from vime_core.utils.loop_thread import LoopThread
+from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
 if TYPE_CHECKING:
     from vime_core.engines.auth import EngineToken
@@ -52,8 +54,6 @@ class PublishLoop(LoopThread):
     def client(self, url: str, token: "EngineToken | None" = None) -> "EngineClient":
         """The cached client of `url`, sending `token`; only to be used by coroutines running on
         this loop."""
-        from vime_core.engines.client import EngineClient
-
         if url not in self._clients:
             self._clients[url] = EngineClient(url)
         client = self._clients[url]
@@ -62,8 +62,6 @@ class PublishLoop(LoopThread):
 
     def shm_pool(self, shm_dir: str) -> "ShmBufferPool":
         """The bucket pool of `shm_dir` kept for this publisher's publishes (made on first use)."""
-        from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
-
         key = os.path.realpath(shm_dir)
         if key not in self._pools:
             self._pools[key] = ShmBufferPool(shm_dir)
