@@ -21,6 +21,16 @@ import json
 import os
 import sys
 
+from flows.console import one_line_failures
+from flows.settings import apply_env_defaults
+from vime_core.cluster import local_head
+from vime_core.cluster.connect import LOOPBACK_ENV
+from vime_core.data.turns import sample_turns
+from vime_core.utils import interrupt
+
+# The configuration, Prefect, Ray, storage and torch are imported inside the command that needs them:
+# `vime --help` and `vime cluster` start without them.
+
 
 def _config_parser(prog: str):
     from vime_core.config.loader import build_parser
@@ -37,17 +47,16 @@ def _config_from(ns: dict, parser):
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("vime train")
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
-    from flows.console import one_line_failures
     from flows.train import RunStoppedError, train
-
-    from vime_core.utils import interrupt
 
     interrupt.install(
         f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
         f"run again with --run-name {cfg.run_name} to resume\n"
     )
-    if cfg.early_start:
-        _start_actors_early(cfg)
+    if cfg.early_start:  # the run's actors start while the first flow run starts Prefect's server
+        from vime_core.cluster.early_start import start_actors_early
+
+        start_actors_early(cfg)
     try:
         with one_line_failures():  # the flow run's own failure line, without a page of traceback
             summary = train(cfg)
@@ -62,20 +71,6 @@ def cmd_train(argv: list[str]) -> int:
         return 1
     print(json.dumps(summary, indent=2, default=str))
     return 0
-
-
-def _start_actors_early(cfg) -> None:
-    """The run's actors start while the first flow run starts Prefect's server (tasks/bootstrap.py,
-    early_start). Anything that stops it here (a missing file, no cluster) is left to the flow,
-    which fails on it with its usual one line."""
-    from tasks.bootstrap import start_early
-    from vime_core.run_assets import resolve_run_config
-
-    try:
-        resolved = resolve_run_config(cfg)
-    except Exception:
-        return
-    start_early(resolved)
 
 
 def cmd_replay(argv: list[str]) -> int:
@@ -227,8 +222,6 @@ def cmd_lineage(argv: list[str]) -> int:
 
 def _sample_turns(parser: argparse.ArgumentParser, store, args) -> list[dict]:
     """`vime lineage --turns`: the chosen samples of one stored batch, turn by turn."""
-    from vime_core.data.turns import sample_turns
-
     batch, lineage = store.read(args.run, args.turns)
     num_rows = len(batch["tokens"])
     rows = args.sample if args.sample is not None else list(range(num_rows))
@@ -262,8 +255,6 @@ def cmd_cluster(argv: list[str]) -> int:
         "--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines)."
     )
     parser.add_argument("--num-cpus", type=int, default=None)
-    from vime_core.cluster import local_head
-
     parser.add_argument(
         "--temp-dir",
         default=local_head.default_temp_dir(),
@@ -322,9 +313,6 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flows.settings import apply_env_defaults
-    from vime_core.cluster.connect import LOOPBACK_ENV
-
     # before a flow runs: Prefect's temporary server reads these when it starts (flows/settings.py)
     apply_env_defaults()
 

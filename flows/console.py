@@ -9,6 +9,8 @@ import logging
 from contextlib import contextmanager
 from typing import Any
 
+from vime_core.faults import UNKNOWN, classify
+
 _PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Ray's logger for its own errors on the driver (ray/_private/worker.py)
 RAY_DRIVER_LOGGER = "ray._private.worker"
@@ -26,8 +28,6 @@ class KnownFailureWithoutTraceback(logging.Filter):
     (flows/train.py, retry_or_raise and start_failed)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from vime_core.faults import UNKNOWN, classify
-
         exc = record.exc_info[1] if record.exc_info and record.levelno >= logging.WARNING else None
         if exc is not None and classify(exc).kind != UNKNOWN:
             record.exc_info, record.exc_text = None, None

@@ -19,7 +19,7 @@ from tasks.guard import IterationGuard
 from tasks.offload import offload_rollout, offload_train, onload_kv, onload_weights
 from tasks.report import report_iteration
 from tasks.rollout import persist, rollout, start_next_rollout
-from tasks.sync import check_weight_update, sync_weights, train_then_publish
+from tasks.sync import check_weights, sync, train_then_publish
 from tasks.train import train
 from vime_core.config import VimeConfig
 from vime_core.step_plan import Phase, StepPlan, iteration_record, plan_step, version_before
@@ -70,16 +70,14 @@ def _engines_asleep(cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Pha
     guard.check_trained(out, done[Phase.TRAIN])
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
     done[Phase.ONLOAD_WEIGHTS] = onload_weights(cfg, k)
-    done[Phase.SYNC] = sync_weights(
+    done[Phase.SYNC] = sync(
         cfg,
         plan.next_version,
         resume_admission=not plan.last,
-        start_rollout_id=plan.publish_starts_next(out.next_stored),
+        start_rollout_id=plan.sync_starts_next(out.next_stored),
     )
     done[Phase.ONLOAD_KV] = onload_kv(cfg, k)
-    done[Phase.CHECK_WEIGHTS] = (
-        check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
-    )
+    done[Phase.CHECK_WEIGHTS] = check_weights(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
     return done
 
 
@@ -98,16 +96,14 @@ def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out, guard: Iteratio
     done[Phase.PERSIST] = persisting.result()
     guard.check_trained(out, done[Phase.TRAIN], ahead)
     done[Phase.OFFLOAD_TRAIN] = offload_train(cfg, k) if plan.trainer_sleeps else {}
-    done[Phase.SYNC] = sync_weights(
+    done[Phase.SYNC] = sync(
         cfg,
         plan.next_version,
         resume_admission=not plan.last,
-        start_rollout_id=plan.publish_starts_next(out.next_stored),
+        start_rollout_id=plan.sync_starts_next(out.next_stored),
         submitted=ahead,
     )
-    done[Phase.CHECK_WEIGHTS] = (
-        check_weight_update(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
-    )
+    done[Phase.CHECK_WEIGHTS] = check_weights(cfg, plan.next_version, done[Phase.SYNC]) if plan.check_weights else {}
     return done
 
 
@@ -117,8 +113,8 @@ def _one_step_off_policy(cfg, plan: StepPlan, out, guard: IterationGuard) -> dic
     last actor call; the trainer then trains on k while rollout k + 1 generates. The last
     iteration also publishes what it trained, so a run ends with the engines on its final weights."""
     k, done = plan.rollout_id, {}
-    done[Phase.SYNC] = sync_weights(cfg, plan.version, start_rollout_id=plan.publish_starts_next(out.next_stored))
-    done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
+    done[Phase.SYNC] = sync(cfg, plan.version, start_rollout_id=plan.sync_starts_next(out.next_stored))
+    done[Phase.CHECK_WEIGHTS] = check_weights(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
     persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
@@ -127,7 +123,7 @@ def _one_step_off_policy(cfg, plan: StepPlan, out, guard: IterationGuard) -> dic
     done[Phase.PERSIST] = persisting.result()
     guard.check_trained(out, done[Phase.TRAIN])
     if plan.last:
-        done[Phase.SYNC] = sync_weights(cfg, plan.next_version, resume_admission=False)
+        done[Phase.SYNC] = sync(cfg, plan.next_version, resume_admission=False)
         if plan.check_weights:
-            done[Phase.CHECK_WEIGHTS] = check_weight_update(cfg, plan.next_version, done[Phase.SYNC])
+            done[Phase.CHECK_WEIGHTS] = check_weights(cfg, plan.next_version, done[Phase.SYNC])
     return done

@@ -11,13 +11,17 @@ from prefect import flow, get_run_logger, task
 
 from tasks.bootstrap import prepare_assets
 from tasks.common import TASK_DEFAULTS
+from vime_core.cluster.replay_trainers import (
+    prepare_replay_trainers,
+    save_replay,
+    select_batches,
+    train_on_stored_batch,
+)
 from vime_core.config import VimeConfig
 
 
 @task(name="replay-train", task_run_name="replay-train-{rollout_id}", **TASK_DEFAULTS)
 def replay_one(config: VimeConfig, source_run: str, rollout_id: int, rewards: str = "stored") -> dict:
-    from vime_core.cluster.replay_trainers import train_on_stored_batch
-
     return train_on_stored_batch(config, source_run, rollout_id, rewards)
 
 
@@ -33,8 +37,6 @@ def replay(
 ) -> dict:
     """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`;
     `rewards`: the batches' own (stored), or those `vime rescore` stored (rescored, vN)."""
-    from vime_core.cluster.replay_trainers import prepare_replay_trainers, save_replay, select_batches
-
     log = get_run_logger()
     t0 = time.perf_counter()
     config = prepare_assets(config)

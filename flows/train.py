@@ -19,6 +19,7 @@ from tasks.checkpoint import compact_index, export_hf
 from tasks.guard import rollback_due, stopped_why
 from vime_core.config import VimeConfig
 from vime_core.config.loader import describe, dump_config, run_config_uri
+from vime_core.faults import CONFIGURATION, classify, retry_delay
 from vime_core.ledger import run_ledger
 from vime_core.report.curve import preload as preload_curve
 from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
@@ -102,8 +103,6 @@ class StartFailedError(RunStoppedError):
 
 def start_failed(exc: Exception) -> StartFailedError:
     """The one-line error for a bootstrap that failed (logged, and returned to be raised)."""
-    from vime_core.faults import CONFIGURATION, classify
-
     get_run_logger().debug("bootstrap failed", exc_info=exc)
     fault = classify(exc)
     if fault.kind == CONFIGURATION:
@@ -143,8 +142,6 @@ def retry_or_raise(config: VimeConfig, rollout_id: int, exc: Exception, failed: 
     """After the `failed`-th failure of iteration `rollout_id`: the seconds to wait before the
     next attempt, or IterationFailedError when there is none. Says so in one line; the full
     traceback goes to the debug log."""
-    from vime_core.faults import CONFIGURATION, classify, retry_delay
-
     log = get_run_logger()
     log.debug("iteration %d failed", rollout_id, exc_info=exc)
     fault = classify(exc)

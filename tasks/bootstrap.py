@@ -5,112 +5,33 @@ trainer's weights where they differ, and wakes the KV cache. `vime train` starts
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 from prefect import get_run_logger, task
 
-from tasks.common import TASK_DEFAULTS
-from tasks.sync import publish
+from tasks.common import ATTACHED, TASK_DEFAULTS
+from tasks.sync import submit_publish
+from vime_core.cluster.batch_io import data_source_after
 from vime_core.cluster.connect import ensure_ray
+from vime_core.cluster.early_start import claim_early, early_marks
+from vime_core.cluster.run_actors import start_actors
 from vime_core.config import VimeConfig
+from vime_core.run_assets import resolve_run_config
+from vime_core.step_plan import trainer_sleeps
 from vime_core.utils.processes import process_age_s, process_started_epoch
 from vime_core.utils.timing import Stopwatch
-
-
-@dataclass
-class RunActors:
-    """The run's actors as `start_actors` found or made them."""
-
-    manager: Any
-    trainers: Any  # vime_core.cluster.trainer_group.TrainerGroup
-    new_manager: bool  # the RolloutManager was created (its data source starts at the beginning)
-    created: bool  # the trainer group was created: `init` holds its first call, every rank's
-    init: Optional[list]
-    seconds: float  # finding or creating them
-    began_s: Optional[float] = None  # when start_actors began, seconds since the command
-
-
-def start_actors(config: VimeConfig) -> RunActors:
-    """Find the run's actors or create what is missing: the placement group, one actor per
-    engine, the RolloutManager (its constructor starts the engines and the router) and the
-    trainer group, whose `init` (the weights from hf_checkpoint) is submitted at once when the
-    group is new. New engine actors and a new RolloutManager get the run's engine token: the one
-    the existing actors hold, else a new one (vime_core/cluster/engine_token.py). Returns
-    without waiting for the engines or `init`. Plain (no Prefect): bootstrap calls it, and
-    `vime train` before its first flow run (`start_early`)."""
-    from vime_core.cluster.engine_token import run_engine_token
-    from vime_core.cluster.run_actors import (
-        get_or_create_engines,
-        get_or_create_placement_group,
-        get_or_create_rollout_manager,
-        get_or_create_trainer_group,
-        plan_for,
-        rollout_manager_exists,
-    )
-
-    since, began = Stopwatch(), process_age_s()
-    ensure_ray(config.ray_address)
-    pg = get_or_create_placement_group(config)
-    token = run_engine_token(config, len(plan_for(config).engine_bundles))  # through Ray, never a file
-    engines = get_or_create_engines(config, pg, token)  # one actor per engine, in its device bundles
-    new_manager = not rollout_manager_exists(config)
-    manager = get_or_create_rollout_manager(config, engines, token)
-    trainers, created = get_or_create_trainer_group(config, pg)
-    init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
-    return RunActors(manager, trainers, new_manager, created, init, since.seconds, began)
-
-
-# run name -> its start_actors call, running in a thread
-_EARLY: dict[str, concurrent.futures.Future] = {}
-
-
-def start_early(config: VimeConfig) -> bool:
-    """Begin `start_actors(config)` in a thread (`vime train`, before its first flow run).
-    `config` is the resolved one (vime_core.run_assets.resolve_run_config), as bootstrap gets
-    it. False when the cluster cannot be reached: bootstrap then says why, as without it."""
-    try:
-        ensure_ray(config.ray_address)  # in the main thread, not the worker's
-    except Exception as exc:
-        logging.getLogger("vime.bootstrap").debug("no early start: %s", exc)
-        return False
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vime-early-start")
-    _EARLY[config.run_name] = pool.submit(start_actors, config)
-    pool.shutdown(wait=False)
-    return True
-
-
-def claim_early(config: VimeConfig) -> Optional[RunActors]:
-    """What `start_early` started for this run (once), or None: nothing was started early, or
-    it failed (bootstrap then starts the actors itself, and fails the way it would have). The
-    actors are the run's whatever configuration started them, as when bootstrap attaches to the
-    actors of an earlier driver."""
-    future = _EARLY.pop(config.run_name, None)
-    if future is None:
-        return None
-    try:
-        return future.result()
-    except Exception as exc:
-        logging.getLogger("vime.bootstrap").warning("starting the actors early failed (%s); starting them now", exc)
-        return None
 
 
 @task(name="prepare-assets", retries=1, **TASK_DEFAULTS)
 def prepare_assets(config: VimeConfig) -> VimeConfig:
     """Absolute paths, plus the embedded tiny model and task data when none are configured."""
-    from vime_core.run_assets import resolve_run_config
-
     return resolve_run_config(config)
 
 
 @task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
 def bootstrap(config: VimeConfig) -> dict:
-    from vime_core.step_plan import trainer_sleeps
-    from tasks.common import ATTACHED
-    from vime_core.trainer.checkpoint import latest_checkpoint
+    from vime_core.trainer.checkpoint import latest_checkpoint  # torch: the driver imports no trainer/ module
 
     log = get_run_logger()
     since = Stopwatch()  # the marks below: seconds since this task began
@@ -154,9 +75,9 @@ def bootstrap(config: VimeConfig) -> dict:
     target = max(1, state["weight_version"])
     versions = ray.get(manager.weight_versions.remote())
     if publish_needed(target, versions, bool(woken)):  # the first publish is v1
-        trainers.wait(publish(manager, trainers, target, force=True))
+        trainers.wait(submit_publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(resume=True))  # admission open again
-    seconds["published"] = since.seconds
+    seconds["synced"] = since.seconds
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")
         seconds["trainer_asleep"] = since.seconds
@@ -180,14 +101,6 @@ def bootstrap(config: VimeConfig) -> dict:
         ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()),
     )
     return out
-
-
-def early_marks(early: Optional[RunActors]) -> dict[str, float]:
-    """When the early start began and when its actors were created, seconds since the command;
-    empty without an early start."""
-    if early is None or early.began_s is None:
-        return {}
-    return {"early_start": early.began_s, "early_actors_created": early.began_s + early.seconds}
 
 
 def startup_marks(
@@ -238,8 +151,6 @@ def _restore_data_source(config: VimeConfig, manager, checkpoint_state: dict | N
     if not new_manager:
         ray.get(manager.discard_prefetch.remote(True))
         return
-    from vime_core.cluster.batch_io import data_source_after
-
     newest = data_source_after(config, 0)
     state = newest[1] if newest is not None else checkpoint_state
     if state is not None:

@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from tasks.common import TASK_DEFAULTS, run_handles
 from vime_core.config import VimeConfig
 from vime_core.step_plan import Phase
+from vime_core.storage import BatchStore
 from vime_core.utils.timing import timed
 
 
@@ -32,8 +33,6 @@ def export_hf(config: VimeConfig, path: str) -> str:
 @task(name="compact-index", retries=2, **TASK_DEFAULTS)
 def compact_index(config: VimeConfig) -> int:
     """Fold the run's per-batch manifests into one Parquet index file (lineage queries stay fast)."""
-    from vime_core.storage import BatchStore
-
     try:
         return BatchStore.for_config(config).compact()
     except ValueError as exc:  # compaction only speeds lineage queries up: the run stands without it

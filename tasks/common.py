@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from prefect.cache_policies import NO_CACHE
 
+from tasks.signals import stopped_by_signal
 from vime_core.cluster.connect import ensure_ray
-from vime_core.cluster.run_actors import AttachedHandles
+from vime_core.cluster.run_actors import AttachedHandles, attach
 from vime_core.config import VimeConfig
-from vime_core.faults import pause_points
+from vime_core.faults import CONFIGURATION, actor_died, classify, pause_points
+from vime_core.utils import interrupt
 
 
 def retry_unless_configuration(task, task_run, state) -> bool:
@@ -15,10 +17,6 @@ def retry_unless_configuration(task, task_run, state) -> bool:
     same way on every try (vime_core/faults.py), and so does a call to an actor that died (only
     bootstrap, before the iteration's retry, rebuilds it): neither is retried; nor is anything
     once the process was told to stop (vime_core.faults.stopped_by_signal); anything else is."""
-    from tasks.signals import stopped_by_signal
-    from vime_core.faults import CONFIGURATION, actor_died, classify
-    from vime_core.utils import interrupt
-
     exc = state.data if isinstance(state.data, BaseException) else None
     if interrupt.received() is not None or (exc is not None and stopped_by_signal(exc)):
         return False
@@ -81,6 +79,4 @@ def run_handles(cfg: VimeConfig):
     handles are looked up once per process and reused; a retried task looks them up afresh
     (an actor may have been replaced)."""
     ensure_ray(cfg.ray_address)
-    from vime_core.cluster.run_actors import attach
-
     return attach(cfg, ATTACHED, reuse=first_try())

@@ -8,8 +8,11 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
+from vime_core.cluster import batch_io
 from vime_core.config import VimeConfig
 from vime_core.step_plan import Phase
+from vime_core.storage import BatchStore
+from vime_core.storage.schema import DATA_SOURCE_AFTER
 from vime_core.utils.timing import Stopwatch
 
 
@@ -31,8 +34,6 @@ def rollout(config: VimeConfig, rollout_id: int, version: int | None = None) -> 
     rollout the previous iteration started for this id and version (sync or start_next_rollout) is
     claimed instead of started."""
     import ray
-
-    from vime_core.cluster import batch_io
 
     log = get_run_logger()
     manager, _ = run_handles(config)
@@ -90,19 +91,13 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
     """The persist phase: the batch as an Arrow table with its lineage, written atomically
     (a try cut short leaves nothing visible). A retry that finds the batch published keeps it:
     the try before stored it and lost the answer."""
-    from vime_core.cluster import batch_io
-
     if out.from_store:
         return {"key": out.storage_key, "t_persist": 0.0, "skipped": True}
     since = Stopwatch()  # t_persist: to whichever return ends the phase
     if not first_try() and not out.replaces_quarantined and batch_io.stored(config, rollout_id):
-        from vime_core.storage import BatchStore
-
         key = BatchStore.for_config(config).ref(config.run_name, rollout_id).key
         get_run_logger().info("rollout %d: stored by an earlier try at %s", rollout_id, key)
         return {"key": key, "t_persist": since.seconds, "stored_by_earlier_try": True}
-    from vime_core.storage.schema import DATA_SOURCE_AFTER
-
     info = batch_io.save(
         config,
         rollout_id,

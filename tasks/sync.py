@@ -1,4 +1,4 @@
-"""sync-v: publish the trainer's weights to every engine as version v. `publish` is the one way weights
+"""sync-v: publish the trainer's weights to every engine as version v. `submit_publish` is the one way weights
 reach the engines, submitted to Ray and chained by object references; the engines' side of a sync is
 the RolloutManager's `begin_sync` and `end_sync`."""
 
@@ -12,20 +12,22 @@ from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
+from vime_core.faults import classify
 from vime_core.step_plan import Phase
 from vime_core.utils.timing import Stopwatch
+from vime_core.weight_sync.weight_check import compare
 
 
-def publish(manager, trainers, target_version: int, after: Sequence[Any] = (), force: bool = False) -> list:
+def submit_publish(manager, trainers, target_version: int, after: Sequence[Any] = (), force: bool = False) -> list:
     """Submit the publish of the trainer's weights to every engine as `target_version`; every
-    rank's `update_weights` reference, rank order. `begin_sync` answers None when every engine
+    rank's `publish` reference, rank order. `begin_sync` answers None when every engine
     already reports `target_version` (unless `force`: bootstrap publishes to engines woken from a
     sleep whatever they report), and the ranks then publish nothing; else admission is paused
     and the ranks publish to the engines' URLs. `after`: references (every rank's train call)
     that must succeed first; Ray runs a call only once the references among its top-level
     arguments exist, and not at all when one failed. The caller ends the sync (`end_sync`)."""
     urls = manager.begin_sync.remote(target_version, force=force)
-    return trainers.call_async("update_weights", urls, target_version, *after)
+    return trainers.call_async("publish", urls, target_version, *after)
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Submitted:
     iteration flow right after the rollout; the train and sync tasks wait for them."""
 
     train: list = field(default_factory=list)  # every rank's train call, rank order
-    publish: list = field(default_factory=list)  # every rank's update_weights call, rank order
+    publish: list = field(default_factory=list)  # every rank's publish call, rank order
 
 
 def train_then_publish(
@@ -53,7 +55,7 @@ def train_then_publish(
     manager, trainers = run_handles(config)
     trained = trainers.call_async("train", rollout_id, batch_ref)
     after = gate(trained) if gate is not None else trained
-    return Submitted(trained, publish(manager, trainers, target_version, after=after))
+    return Submitted(trained, submit_publish(manager, trainers, target_version, after=after))
 
 
 def settle(submitted: Submitted | None, timeout_s: float = 2.0) -> None:
@@ -68,7 +70,7 @@ def settle(submitted: Submitted | None, timeout_s: float = 2.0) -> None:
 
 
 @task(name=Phase.SYNC, task_run_name="sync-v{target_version}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
-def sync_weights(
+def sync(
     config: VimeConfig,
     target_version: int,
     resume_admission: bool = True,
@@ -82,7 +84,7 @@ def sync_weights(
 
     `submitted`: the publish the flow submitted with training (`train_then_publish`); the first
     try waits for it and then only ends the sync. Otherwise (a retry, engines that sleep, or that
-    publish failed) `publish` is submitted here and end_sync chained on it inside Ray, so no step
+    publish failed) `submit_publish` is submitted here and end_sync chained on it inside Ray, so no step
     waits for a round trip through this process."""
     manager, trainers = run_handles(config)
     log = get_run_logger()
@@ -97,7 +99,9 @@ def sync_weights(
     if per_rank is not None:
         started = ray.get(manager.end_sync.remote(resume_admission, start_rollout_id, target_version))
     else:
-        per_rank, started = _publish_chained(manager, trainers, target_version, resume_admission, start_rollout_id)
+        per_rank, started = _publish_then_end_sync(
+            manager, trainers, target_version, resume_admission, start_rollout_id
+        )
     if per_rank[0] is None:
         log.info("sync: engines already at v%d", target_version)
         stats = {"version": target_version, "skipped": True}
@@ -114,18 +118,16 @@ def _first_line(exc: BaseException) -> str:
 
 def _what(exc: BaseException) -> str:
     """One line saying what failed: the remote error's own message, not Ray's call header."""
-    from vime_core.faults import classify
-
     fault = classify(exc)
     return f"{fault.what} ({fault.error_type})"
 
 
-def _publish_chained(
+def _publish_then_end_sync(
     manager, trainers, target_version: int, resume_admission: bool, start_rollout_id: int | None
 ) -> tuple[list, bool]:
-    """(every rank's update_weights result, whether a rollout was started). end_sync runs once
+    """(every rank's publish result, whether a rollout was started). end_sync runs once
     every rank published (the references among its top-level arguments), not at all when one failed."""
-    published = publish(manager, trainers, target_version)
+    published = submit_publish(manager, trainers, target_version)
     ended = manager.end_sync.remote(resume_admission, start_rollout_id, target_version, *published)
     try:
         per_rank = trainers.wait(published)
@@ -147,13 +149,11 @@ def _collect_failed(ref) -> None:
 
 
 @task(name=Phase.CHECK_WEIGHTS, task_run_name="check-weights-v{target_version}", **TASK_DEFAULTS)
-def check_weight_update(config: VimeConfig, target_version: int, synced: dict) -> dict:
+def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict:
     """check_weight_update_equal: the engines' log-probs of the probe sequence against the
     trainer's (computed by the publish, before its weights were released), and against the
     engines' previous version (vime_core/weight_sync/weight_check). Runs once the engines'
     KV cache is awake. Logs and returns the comparison; it does not fail the iteration."""
-    from vime_core.weight_sync.weight_check import compare
-
     probe = synced.get("probe")
     if not probe:
         return {}

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from vime_core.cluster.errors import ActorsMissingError
 from vime_core.utils.errors import InfrastructureError
 
 INFRASTRUCTURE = "infrastructure"
@@ -155,8 +156,6 @@ def actor_died(exc: BaseException) -> bool:
     (bootstrap first) comes at once. An actor that is only unreachable for now
     (ActorUnavailableError) is not dead."""
     from ray.exceptions import ActorDiedError
-
-    from vime_core.cluster.run_actors import ActorsMissingError
 
     return isinstance(exc, (ActorDiedError, ActorsMissingError))
 

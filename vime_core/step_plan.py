@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
+from vime_core.config.derive import platform_supports_sleep
 from vime_core.ledger import ROLLOUT_TOKENS, PhaseDevices, iteration_ledger
 
 
@@ -50,8 +51,6 @@ CURVE_EVERY = 10
 
 def engines_sleep(cfg: Any) -> bool:
     """Engines offload and the platform can put them to sleep (not vLLM's CPU build)."""
-    from vime_core.config.derive import platform_supports_sleep
-
     return bool(cfg.offload_rollout) and platform_supports_sleep(cfg)
 
 
@@ -110,8 +109,8 @@ class StepPlan:
         publish, and not already stored (a resumed run replays a stored batch instead)."""
         return self.prefetch_wanted and not next_stored
 
-    def publish_starts_next(self, next_stored: bool) -> Optional[int]:
-        """The rollout id the publish's last actor call starts, or None. One step off-policy,
+    def sync_starts_next(self, next_stored: bool) -> Optional[int]:
+        """The rollout id the sync's last actor call (end_sync) starts, or None. One step off-policy,
         rollout k + 1 starts even when an evaluation is due: overlapping is the point."""
         return self.rollout_id + 1 if self.prefetch(next_stored) and (self.off_policy or not self.eval_due) else None
 

@@ -182,8 +182,8 @@ STARTUP_STAGES = (
     ("compile_kv_and_graphs", "engine0_weights_loaded", "engine0_graphs_captured"),
     ("vllm_warmup", "engine0_graphs_captured", "engine0_engine_ready"),
     ("serving_and_router", "engine0_engine_ready", "engines_ready"),
-    ("first_publish", "engines_ready", "published"),
-    ("trainer_sleep", "published", "trainer_asleep"),
+    ("first_publish", "engines_ready", "synced"),
+    ("trainer_sleep", "synced", "trainer_asleep"),
     ("kv_wake", "trainer_asleep", "kv_onloaded"),
     ("to_first_iteration", "kv_onloaded", "first_iteration"),
 )

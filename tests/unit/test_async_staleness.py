@@ -16,13 +16,11 @@ def _cfg(**kw):
 def test_the_plan_starts_the_next_rollout_at_the_sync_even_when_an_evaluation_is_due():
     plan = plan_step(_cfg(async_staleness=1, rollout_prefetch=False, eval_interval=4), 3)
     assert plan.off_policy and plan.eval_due
-    assert plan.publish_starts_next(next_stored=False) == 4 and not plan.flow_starts_next(False)
-    assert plan.publish_starts_next(next_stored=True) is None  # a stored batch 4 is replayed
-    assert plan_step(_cfg(async_staleness=1), 9).publish_starts_next(False) is None  # the last starts nothing
+    assert plan.sync_starts_next(next_stored=False) == 4 and not plan.flow_starts_next(False)
+    assert plan.sync_starts_next(next_stored=True) is None  # a stored batch 4 is replayed
+    assert plan_step(_cfg(async_staleness=1), 9).sync_starts_next(False) is None  # the last starts nothing
     on_policy = plan_step(_cfg(rollout_prefetch=True, eval_interval=4), 3)
-    assert (
-        not on_policy.off_policy and on_policy.publish_starts_next(False) is None and on_policy.flow_starts_next(False)
-    )
+    assert not on_policy.off_policy and on_policy.sync_starts_next(False) is None and on_policy.flow_starts_next(False)
 
 
 @pytest.mark.parametrize(

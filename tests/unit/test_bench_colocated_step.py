@@ -185,7 +185,7 @@ def _marks(launched: float, warmup: float, sleep: float) -> dict:
         "engine0_graphs_captured": 4,
         "engine0_engine_ready": warmup,
         "engines_ready": 6,
-        "published": 7,
+        "synced": 7,
         "trainer_asleep": sleep,
         "kv_onloaded": 9,
         "first_iteration": 10,

@@ -11,6 +11,7 @@ import logging
 import pytest
 
 import tasks.bootstrap as boot
+from vime_core.cluster.run_actors import RunActors
 from vime_core.demo.settings import demo_config
 
 
@@ -74,7 +75,7 @@ def run(monkeypatch, tmp_path):
 
     def bootstrap(trainers, created):
         init = trainers.call_async("init", cfg.hf_checkpoint) if created else None
-        actors = boot.RunActors(_Manager(), trainers, new_manager=False, created=created, init=init, seconds=0.0)
+        actors = RunActors(_Manager(), trainers, new_manager=False, created=created, init=init, seconds=0.0)
         monkeypatch.setattr(boot, "start_actors", lambda config: actors)
         return boot.bootstrap.fn(cfg)
 

@@ -10,7 +10,7 @@ import ray.cloudpickle as cloudpickle
 
 
 def _instances():
-    from vime_core.cluster.run_actors import ActorsMissingError
+    from vime_core.cluster.errors import ActorsMissingError
     from vime_core.engines.client import EngineError, EngineWakeError
     from vime_core.rewards.values import InvalidRewardError
     from vime_core.storage.store import CorruptBatchError

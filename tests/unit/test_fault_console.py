@@ -16,7 +16,7 @@ def _retried(exc) -> bool:
 
 
 def test_a_task_does_not_retry_a_call_to_a_dead_actor():
-    from vime_core.cluster.run_actors import ActorsMissingError
+    from vime_core.cluster.errors import ActorsMissingError
     from vime_core.faults import INFRASTRUCTURE, actor_died, classify
 
     dead = ActorDiedError()

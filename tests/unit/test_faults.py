@@ -83,7 +83,7 @@ def test_prefect_retries_a_task_unless_the_error_is_configuration_or_data():
 
 
 def test_missing_actors_are_infrastructure():
-    from vime_core.cluster.run_actors import ActorsMissingError
+    from vime_core.cluster.errors import ActorsMissingError
 
     fault = classify(ActorsMissingError("run 'x' has no trainer-0 in namespace vime-x ...", ("trainer-0",)))
     assert fault.retryable and fault.what == "trainer-0 gone (its process died)"
@@ -227,9 +227,8 @@ def test_gives_up_after_the_configured_attempts(loop):
 
 
 def test_a_data_error_is_not_retried_and_says_what_to_fix(loop):
-    from vime_core.data.validation import UntrainableBatchError
-
     import flows.train as train_flow
+    from vime_core.data.validation import UntrainableBatchError
 
     cfg, calls, fail_plan, boot, log, sleeps = loop
     fail_plan[(1, 1)] = _remote(UntrainableBatchError("sample 0: response_length=0 must be >= 1"))
@@ -285,7 +284,6 @@ def test_vime_train_ends_a_run_it_gives_up_on_with_one_line_and_exit_code_1(monk
 
 def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
     from flows.console import KnownFailureWithoutTraceback
-
     from vime_core.engines.server import DeviceMemoryError
 
     err = DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90% of each device")
@@ -306,7 +304,6 @@ def test_a_known_failure_is_logged_in_one_line_without_the_remote_traceback():
 
 def test_a_run_that_cannot_start_for_a_setting_says_so_in_one_line(monkeypatch):
     import flows.train as train_flow
-
     from vime_core.engines.server import DeviceMemoryError
 
     lines = []

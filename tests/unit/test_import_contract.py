@@ -24,14 +24,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("flows", "tasks", "vime_core")
 
-# Cycles allowed to exist: none. The last two (trainer/publish_loop <-> trainer/transport/broadcast
-# and trainer/transport/ipc <-> trainer/transport/ipc_peers) went with the weight-sync move
-# (issue 28, item 3: vime_core/weight_sync/). An entry is one strongly connected component,
-# exactly as found: the test fails on any other cycle, and on one of these grown (or moved
-# elsewhere).
-KNOWN_CYCLES: list[frozenset[str]] = []
-
-
 # --- reading the graph --------------------------------------------------------------------------
 
 
@@ -196,10 +188,9 @@ def test_math_knows_nothing_of_actors_http_or_prefect():
     assert bad == []
 
 
-def test_no_new_import_cycles():
-    found = cycles(EDGES)
-    new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    assert new == [], "import cycles (break them; see docs/architecture.md):\n" + "\n".join(map(str, new))
+def test_no_import_cycles():
+    found = [sorted(c) for c in cycles(EDGES)]
+    assert found == [], "import cycles (break them; see docs/architecture.md):\n" + "\n".join(map(str, found))
 
 
 # --- package-level cycles inside vime_core ------------------------------------------------------
@@ -207,14 +198,6 @@ def test_no_new_import_cycles():
 # directly under it (faults, run_assets, step_plan). Package A depends on B when any module of
 # A imports any module of B, at any depth (the same edges as above), so two packages that each
 # use a little of the other are a cycle even when no two modules are.
-
-# One strongly connected component allowed, exactly as found (the test fails on any other, and on
-# this one grown): weight_sync.publish_loop asks the run's RolloutManager actor for the engine
-# token through cluster.engine_token (a lazy import in PublishLoop.engine_token), while
-# cluster.run_actors builds the trainer and the RolloutManager, which import weight_sync. Breaking
-# it means handing the trainer a token source at construction: trainer/trainer.py and
-# rollout/manager.py, left to the fleet and schedule work of issue 40.
-KNOWN_PACKAGE_CYCLES: list[frozenset[str]] = [frozenset({"cluster", "rollout", "trainer", "weight_sync"})]
 
 
 def package_of(module: str) -> str | None:
@@ -246,11 +229,10 @@ def test_package_graph_is_read():
 
 
 def test_no_package_level_cycles_in_vime_core():
-    found = cycles(package_graph(EDGES))
-    new = [sorted(c) for c in found if c not in KNOWN_PACKAGE_CYCLES]
-    assert new == [], (
+    found = [sorted(c) for c in cycles(package_graph(EDGES))]
+    assert found == [], (
         "package-level import cycles in vime_core (move what both need to the package it "
-        "belongs to or a leaf; see docs/architecture.md):\n" + "\n".join(map(str, new))
+        "belongs to or a leaf; see docs/architecture.md):\n" + "\n".join(map(str, found))
     )
 
 

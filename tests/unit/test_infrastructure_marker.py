@@ -13,7 +13,7 @@ from vime_core.utils.errors import InfrastructureError
 
 
 def _instances():
-    from vime_core.cluster.run_actors import ActorsMissingError
+    from vime_core.cluster.errors import ActorsMissingError
     from vime_core.engines.client import EngineError, EngineWakeError
     from vime_core.engines.router import RouterError
     from vime_core.engines.server import EngineStartError

@@ -17,9 +17,9 @@ TASKS = [
     "train",
     "offload_train",
     "onload_weights",
-    "sync_weights",
+    "sync",
     "onload_kv",
-    "check_weight_update",
+    "check_weights",
     "evaluate",
     "save_checkpoint",
     "start_next_rollout",
@@ -103,8 +103,8 @@ def test_colocated_gpu_iteration_order(monkeypatch):
     ]
 
 
-@pytest.mark.parametrize("rollout_id, last_publish", [(4, []), (9, ["sync", "check-weights"])])
-def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_publish):
+@pytest.mark.parametrize("rollout_id, last_sync", [(4, []), (9, ["sync", "check-weights"])])
+def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_sync):
     """async_staleness 1: the sync (which starts rollout k + 1) before training on k; the last
     iteration (9 of 10) publishes what it trained too."""
     calls = _run(
@@ -117,7 +117,7 @@ def test_one_step_off_policy_iteration_order(monkeypatch, rollout_id, last_publi
         eval_interval=5,
         save_interval=5,
     )
-    assert calls == ["rollout", "sync", "check-weights", "persist", "train", *last_publish, "eval", "save", "report"]
+    assert calls == ["rollout", "sync", "check-weights", "persist", "train", *last_sync, "eval", "save", "report"]
 
 
 @pytest.mark.parametrize("phase", list(Phase))

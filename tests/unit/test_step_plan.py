@@ -14,14 +14,14 @@ def test_cpu_runs_no_engine_moves_and_prefetches():
     assert (plan.engines_sleep, plan.trainer_sleeps) == (False, False)
     assert plan.version == 4 and plan.next_version == 5
     assert plan.save_due and not plan.last
-    assert plan.publish_starts_next(next_stored=False) == 4
-    assert plan.publish_starts_next(next_stored=True) is None  # a stored batch 4 is replayed, not generated
+    assert plan.sync_starts_next(next_stored=False) == 4
+    assert plan.sync_starts_next(next_stored=True) is None  # a stored batch 4 is replayed, not generated
 
 
 def test_gpu_colocated_sleeps_both_sides_and_never_prefetches():
     plan = plan_step(_cfg(device="cuda", offload_rollout=True, offload_train=True, rollout_prefetch=True), 0)
     assert plan.engines_sleep and plan.trainer_sleeps
-    assert plan.publish_starts_next(False) is None and not plan.flow_starts_next(False)
+    assert plan.sync_starts_next(False) is None and not plan.flow_starts_next(False)
 
 
 def test_gpu_without_offload_train_keeps_the_trainer_awake():
@@ -32,13 +32,13 @@ def test_gpu_without_offload_train_keeps_the_trainer_awake():
 def test_eval_due_moves_the_prefetch_after_the_evaluation():
     plan = plan_step(_cfg(device="cpu", rollout_prefetch=True, eval_interval=5), 4)
     assert plan.eval_due
-    assert plan.publish_starts_next(False) is None and plan.flow_starts_next(False)
+    assert plan.sync_starts_next(False) is None and plan.flow_starts_next(False)
 
 
 def test_last_rollout_saves_evaluates_draws_and_starts_nothing():
     plan = plan_step(_cfg(device="cpu", rollout_prefetch=True, eval_interval=3, save_interval=None), 9)
     assert plan.last and plan.save_due and plan.eval_due and plan.draw_curve
-    assert not plan.flow_starts_next(False) and plan.publish_starts_next(False) is None
+    assert not plan.flow_starts_next(False) and plan.sync_starts_next(False) is None
 
 
 def test_due_every_interval_and_on_the_last():

@@ -9,9 +9,14 @@ import statistics
 from functools import lru_cache
 
 from vime_core.config import VimeConfig, config_hash
+from vime_core.config.derive import rollout_logprob_readers
 from vime_core.config.loader import config_dict
 from vime_core.data.batch import weight_version_range
+from vime_core.data.validation import UntrainableBatchError, validate_trainable
+from vime_core.storage import BatchStore
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.storage.schema import DATA_SOURCE_AFTER, lineage_of
+from vime_core.storage.store import CorruptBatchError
 from vime_core.utils.timing import timed
 
 
@@ -21,8 +26,6 @@ def _remote_functions():
 
     @ray.remote(num_cpus=0)
     def write(uri: str, endpoint, batch: dict, lineage: dict, overwrite: bool = False) -> dict:
-        from vime_core.storage import BatchStore
-
         from dataclasses import asdict
 
         with timed() as writing:
@@ -31,8 +34,6 @@ def _remote_functions():
 
     @ray.remote(num_cpus=0)
     def read(uri: str, endpoint, run: str, rollout_id: int) -> dict:
-        from vime_core.storage import BatchStore
-
         batch, _lineage = BatchStore(uri, endpoint=endpoint).read(run, rollout_id)
         return batch
 
@@ -53,8 +54,6 @@ def summarize(batch_ref) -> dict:
 def lineage_for(cfg: VimeConfig, rollout_id: int, flow_run_id: str = "", data_source_after: dict | None = None) -> dict:
     """The lineage the caller knows; the store adds prompt ids, weight versions, row count,
     checksum, code version and creation time from the batch itself."""
-    from vime_core.storage.schema import DATA_SOURCE_AFTER
-
     return {
         "run": cfg.run_name,
         "rollout_id": rollout_id,
@@ -71,9 +70,6 @@ def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict
     """(rollout id, the data source's state after it) of the newest stored batch with an id >=
     `after_rollout_id` that recorded it, or None. A run resumed past its checkpoint loads the
     stored batches since then instead of generating them: its data source goes on from here."""
-    from vime_core.storage import BatchStore
-    from vime_core.storage.schema import DATA_SOURCE_AFTER, lineage_of
-
     store = BatchStore.for_config(cfg)
     for ref in sorted(store.list_batches(cfg.run_name), key=lambda r: r.rollout_id, reverse=True):
         if ref.rollout_id < after_rollout_id:
@@ -85,8 +81,6 @@ def data_source_after(cfg: VimeConfig, after_rollout_id: int) -> tuple[int, dict
 
 
 def stored(cfg: VimeConfig, rollout_id: int) -> bool:
-    from vime_core.storage import BatchStore
-
     return BatchStore.for_config(cfg).exists(cfg.run_name, rollout_id)
 
 
@@ -112,11 +106,6 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
     that check existed) is quarantined (BatchStore.quarantine): kept, recorded with the reason,
     and replaced when the rollout is generated again; so is one without the log-probs a flag of
     `cfg` reads (e.g. stored before use_tis was set)."""
-    from vime_core.config.derive import rollout_logprob_readers
-    from vime_core.data.validation import UntrainableBatchError, validate_trainable
-    from vime_core.storage import BatchStore
-    from vime_core.storage.store import CorruptBatchError
-
     store = BatchStore.for_config(cfg)
     if not store.exists(cfg.run_name, rollout_id):
         return False, None

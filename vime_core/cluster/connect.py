@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from vime_core.utils.quiet import quiet_ray_daemons
+
 log = logging.getLogger(__name__)
 
 # Ray picks a non-loopback address unless this is set in the head and in every driver
@@ -60,7 +62,5 @@ def ensure_ray(address: str = "auto"):
             f"no Ray cluster at address {address!r}: start one with `vime cluster up` "
             f"(or infra/ray_head.sh start) or pass --ray-address ({exc})"
         ) from None
-    from vime_core.utils.quiet import quiet_ray_daemons
-
     quiet_ray_daemons()
     return ray

@@ -3,8 +3,12 @@ batches (the flow that drives them is flows/replay.py)."""
 
 from __future__ import annotations
 
+from vime_core.cluster import batch_io, rescored_io
 from vime_core.cluster.connect import ensure_ray
+from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group
 from vime_core.config import VimeConfig
+from vime_core.storage import BatchStore
+from vime_core.storage.lineage import batches_by_weight_version
 
 
 def select_batches(
@@ -12,14 +16,10 @@ def select_batches(
 ) -> list[int]:
     """Rollout ids to replay: the given ones (each must be stored), or those a lineage query
     over the index selects."""
-    from vime_core.storage import BatchStore
-
     store = BatchStore.for_config(cfg)
     if rollout_ids is None and weight_version is None:
         raise ValueError("replay needs rollout_ids or weight_version (a lineage query)")
     if rollout_ids is None:
-        from vime_core.storage.lineage import batches_by_weight_version
-
         table = batches_by_weight_version(store, weight_version, run=source_run)
         return sorted(int(k) for k in table.column("rollout_id").to_pylist())  # published, by the index
     missing = [k for k in rollout_ids if not store.exists(source_run, k)]
@@ -29,8 +29,6 @@ def select_batches(
 
 
 def prepare_replay_trainers(cfg: VimeConfig, checkpoint: str):
-    from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group
-
     ensure_ray(cfg.ray_address)
     pg = get_or_create_placement_group(cfg)
     trainers, created = get_or_create_trainer_group(cfg, pg)
@@ -41,8 +39,6 @@ def prepare_replay_trainers(cfg: VimeConfig, checkpoint: str):
 
 
 def _trainers(cfg: VimeConfig):
-    from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group
-
     ensure_ray(cfg.ray_address)
     trainers, created = get_or_create_trainer_group(cfg, get_or_create_placement_group(cfg))
     if created:
@@ -53,8 +49,6 @@ def _trainers(cfg: VimeConfig):
 def train_on_stored_batch(cfg: VimeConfig, source_run: str, rollout_id: int, rewards: str = "stored") -> dict:
     """Train on the stored batch, with its own rewards or a re-scoring's (`rewards`: stored,
     rescored, vN; vime_core/storage/rescored.py); the metrics say which (`rewards`)."""
-    from vime_core.cluster import batch_io, rescored_io
-
     trainers = _trainers(cfg)
     source = cfg.model_copy(update={"run_name": source_run})
     version = rescored_io.rescored_version(source, rollout_id, rewards)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from vime_core.cluster import names
+from vime_core.cluster.connect import actor_env, ensure_ray
+from vime_core.cluster.engine_token import manager_engine_token, run_engine_token
+from vime_core.cluster.errors import ActorsMissingError
 from vime_core.cluster.placement import (
     PROBE_SHARE,
     BundleDevice,
@@ -22,7 +26,10 @@ from vime_core.cluster.trainer_group import TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 from vime_core.engines.auth import EngineToken
-from vime_core.utils.errors import InfrastructureError
+from vime_core.engines.server import EngineServer
+from vime_core.rollout.manager import RolloutManager
+from vime_core.utils.processes import free_port, process_age_s
+from vime_core.utils.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +47,6 @@ class PlacementError(ValueError):
 def plan_for(cfg: VimeConfig) -> PlacementPlan:
     """The run's placement plan (cluster/placement.py) from its configuration."""
     return plan_placement(trainer_num_devices(cfg), cfg.rollout_num_gpus, cfg.rollout_num_gpus_per_engine, cfg.colocate)
-
-
-class ActorsMissingError(RuntimeError, InfrastructureError):
-    """The run's actors named in `missing` are not there (never created, or dead: Ray frees a
-    dead actor's name)."""
-
-    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.missing = tuple(missing)
-
-    def __reduce__(self):  # crosses Ray (pickle) with its own arguments
-        return type(self), (str(self), self.missing)
 
 
 def _get_actor(name: str, run_name: str):
@@ -78,6 +73,39 @@ def is_alive(actor) -> bool:
     except RayActorError:
         return False
     return True
+
+
+@dataclass
+class RunActors:
+    """The run's actors as `start_actors` found or made them."""
+
+    manager: Any
+    trainers: TrainerGroup
+    new_manager: bool  # the RolloutManager was created (its data source starts at the beginning)
+    created: bool  # the trainer group was created: `init` holds its first call, every rank's
+    init: Optional[list]
+    seconds: float  # finding or creating them
+    began_s: Optional[float] = None  # when start_actors began, seconds since the command
+
+
+def start_actors(config: VimeConfig) -> RunActors:
+    """Find the run's actors or create what is missing: the placement group, one actor per
+    engine, the RolloutManager (its constructor starts the engines and the router) and the
+    trainer group, whose `init` (the weights from hf_checkpoint) is submitted at once when the
+    group is new. New engine actors and a new RolloutManager get the run's engine token: the one
+    the existing actors hold, else a new one (vime_core/cluster/engine_token.py). Returns
+    without waiting for the engines or `init`. Plain (no Prefect): bootstrap calls it, and
+    `vime train` before its first flow run (vime_core/cluster/early_start.py)."""
+    since, began = Stopwatch(), process_age_s()
+    ensure_ray(config.ray_address)
+    pg = get_or_create_placement_group(config)
+    token = run_engine_token(config, len(plan_for(config).engine_bundles))  # through Ray, never a file
+    engines = get_or_create_engines(config, pg, token)  # one actor per engine, in its device bundles
+    new_manager = not rollout_manager_exists(config)
+    manager = get_or_create_rollout_manager(config, engines, token)
+    trainers, created = get_or_create_trainer_group(config, pg)
+    init = trainers.call_async("init", config.hf_checkpoint) if created else None  # beside the engines' start
+    return RunActors(manager, trainers, new_manager, created, init, since.seconds, began)
 
 
 def rollout_manager_exists(cfg: VimeConfig) -> bool:
@@ -141,10 +169,6 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
     returns []. New ones get `token` (None: the run's, `engine_token.run_engine_token`)."""
     import ray
 
-    from vime_core.cluster.connect import actor_env
-    from vime_core.cluster.engine_token import run_engine_token
-    from vime_core.engines.server import EngineServer
-
     if cfg.engine_urls:
         return []
     plan = plan_for(cfg)
@@ -189,18 +213,13 @@ def get_or_create_rollout_manager(
     run's, `engine_token.run_engine_token`), the token its engines were made with."""
     import ray
 
-    from vime_core.cluster.connect import actor_env
-    from vime_core.cluster.engine_token import run_engine_token
-
     existing = _get_actor(names.ROLLOUT_MANAGER, cfg.run_name)
     if existing is not None:
         return existing
     if token is None:
         token = run_engine_token(cfg, len(plan_for(cfg).engine_bundles))
-    from vime_core.rollout.manager import RolloutManager
-
     actor_cls = ray.remote(RolloutManager)
-    restarted = functools.partial(republish_to_engine, cfg)
+    restarted = functools.partial(publish_to_restarted_engine, cfg)
     return actor_cls.options(
         name=names.ROLLOUT_MANAGER,
         namespace=names.namespace(cfg.run_name),
@@ -212,13 +231,13 @@ def get_or_create_rollout_manager(
     ).remote(cfg, engine_actors=engines or None, on_engine_restarted=restarted, token=token)
 
 
-def republish_to_engine(cfg: VimeConfig, index: int, url: str) -> None:
+def publish_to_restarted_engine(cfg: VimeConfig, index: int, url: str) -> None:
     """Give a restarted engine the trainer's current weights (at the current version) before it
     serves again. Runs inside the RolloutManager actor; every TP rank takes part in the gather."""
     _, trainers = attach(cfg)
     version = trainers.rank0("state")["weight_version"]
     log.info("engine %d restarted at %s: publishing v%d to it", index, url, version)
-    trainers.call("update_weights", [url], version)
+    trainers.call("publish", [url], version)
 
 
 def _master_endpoint(pg) -> tuple[str, int]:
@@ -227,8 +246,6 @@ def _master_endpoint(pg) -> tuple[str, int]:
 
     @ray.remote(num_cpus=0)
     def node_and_free_port() -> tuple[str, int]:
-        from vime_core.utils.processes import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     return ray.get(node_and_free_port.options(scheduling_strategy=_in_bundle(pg, 0)).remote())
@@ -237,8 +254,6 @@ def _master_endpoint(pg) -> tuple[str, int]:
 def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool]:
     """Returns (group, created). A created group still needs `init`."""
     import ray
-
-    from vime_core.cluster.connect import actor_env
 
     world = trainer_num_devices(cfg)
     # a rank whose process died may still be found by name for a moment: ask it
@@ -260,11 +275,12 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         for a in found:
             if a is not None:
                 ray.kill(a)
-    from vime_core.trainer.trainer import MegatronTrainer
+    from vime_core.trainer.trainer import MegatronTrainer  # torch: the driver imports no trainer/ module
 
     master_addr, master_port = _master_endpoint(pg)
     plan = plan_for(cfg)
     actor_cls = ray.remote(MegatronTrainer)
+    token_source = functools.partial(manager_engine_token, cfg)  # the publish asks the run's RolloutManager
     actors = []
     for rank in range(world):
         actors.append(
@@ -277,7 +293,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
                 max_concurrency=1,
                 scheduling_strategy=_in_bundle(pg, plan.trainer_bundles[rank]),
                 runtime_env={"env_vars": actor_env()},
-            ).remote(cfg, rank, world, master_addr, master_port)
+            ).remote(cfg, rank, world, master_addr, master_port, engine_token=token_source)
         )
     return TrainerGroup(cfg, actors), True
 

@@ -233,7 +233,7 @@ class EngineFleet:
     # ---- offload / onload ----------------------------------------------------------------------
 
     def offload(self) -> list[dict]:
-        """Engines sleep: level 2 (drop weights too) when the trainer will push new ones, else 1.
+        """Engines sleep: level 2 (drop weights too) when the trainer will publish new ones, else 1.
         Returns each engine's device memory afterwards (as the wake calls do)."""
         self.health.pause()
         self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")

@@ -16,16 +16,18 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from vime_core.config import engine_server_args, num_engines
 from vime_core.config.derive import engine_env, platform_supports_sleep
 from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
+from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
+from vime_core.utils.device_memory import free_and_total, group_device_memory
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.orphan_guard import guard_command
 from vime_core.utils.processes import free_port, log_tail, port_is_free, terminate_group
 from vime_core.utils.retry import poll_until
 from vime_core.utils.secrets import redact_secrets
-from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 
 if TYPE_CHECKING:
     from vime_core.config import VimeConfig
@@ -160,8 +162,6 @@ class EngineServer:
         """`token`: the run's engine token (all of a run's engines share one: the router forwards
         one client's header to any of them); None makes one for this server when cfg.engine_auth.
         Attached servers (`attach_url`) are sent `token` when given, and nothing else."""
-        from vime_core.config import engine_server_args, num_engines
-
         self.cfg = cfg
         self.engine_index = engine_index
         self.name = f"engine-{engine_index}"
@@ -362,8 +362,6 @@ class EngineServer:
     def memory(self) -> dict[str, Any]:
         """Device memory the server's processes hold and its devices' used memory, in bytes
         (`vime_core/utils/device_memory`); empty on CPU or without nvidia-smi."""
-        from vime_core.utils.device_memory import group_device_memory
-
         if self.cfg.device != "cuda" or self._proc is None:
             return {}
         return group_device_memory(self._proc.pid, self.device_ids)
@@ -446,8 +444,6 @@ class EngineServer:
     def _check_device_memory(self) -> None:
         """vLLM claims vllm_gpu_memory_utilization of each device's total memory; refuse before
         launching when another process (a trainer awake beside it) leaves less than that free."""
-        from vime_core.utils.device_memory import free_and_total
-
         wanted = self.cfg.vllm_gpu_memory_utilization
         short = [
             f"device {i}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from vime_core.config.derive import needs_rollout_logprobs
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE, Sample, Status, WeightSpan
 from vime_core.engines.client import ANSWERED_BY, EngineError, parse_weight_version
 from vime_core.utils.retry import async_attempts
@@ -62,8 +63,6 @@ def base_sampling_params(cfg: Any, temperature: Optional[float] = None, log_prob
     """vLLM sampling params of the configuration; each sample gets its own copy. `log_probs`:
     ask for the sampled tokens' log-probs (`logprobs: 0`); None: when a flag of the
     configuration reads them (needs_rollout_logprobs)."""
-    from vime_core.config.derive import needs_rollout_logprobs
-
     params: dict[str, Any] = {
         "temperature": cfg.rollout_temperature if temperature is None else temperature,
         "top_p": cfg.rollout_top_p,

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import UntrainableBatchError, log_probs_error
+from vime_core.engines.client import EngineError
 from vime_core.ledger import ROLLOUT_TOKENS
 from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
 from vime_core.rollout.tokens import RolloutTokens
@@ -121,8 +122,6 @@ async def wait_for_live_engine(
     generate of `probe_tokens` goes through it: vllm-router keeps a restarted engine's circuit
     open for a while after the engine answers /health, and a group sent in that window fails
     again without reaching it. RolloutFailedError after `timeout_s`."""
-    from vime_core.engines.client import EngineError
-
     deadline = time.monotonic() + timeout_s
     names = ", ".join(str(getattr(e, "name", e)) for e in engines)
     while True:

@@ -13,9 +13,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from vime_core.config.derive import rollout_logprob_readers
+from vime_core.data.batch import build_batch, weight_version_range
+from vime_core.data.data_source import DataSource, load_prompt_rows, load_tokenizer
+from vime_core.data.validation import validate_trainable
 from vime_core.engines.auth import EngineToken
 from vime_core.engines.fleet import EngineFleet
+from vime_core.rewards.filters import load_filter
+from vime_core.rewards.hub import RewardHub
+from vime_core.rollout.eval import run_eval
+from vime_core.rollout.generate import generate_sample
+from vime_core.rollout.loop import RolloutState
 from vime_core.rollout.tokens import add_stale, generated_tokens
+from vime_core.storage.schema import DATA_SOURCE_AFTER
+from vime_core.utils.imports import load_function
+from vime_core.weight_sync.weight_check import prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +63,6 @@ class RolloutManager:
         every request and kept for later drivers (`engine_token`); None: the one `servers` (or
         `engine_actors`) were started with, else a new one for the engines started here
         (engine_auth), else the environment's VIME_ENGINE_TOKEN for engine_urls (engines/auth.py)."""
-        from vime_core.data.data_source import DataSource, load_tokenizer
-        from vime_core.rewards.filters import load_filter
-        from vime_core.rewards.hub import RewardHub
-        from vime_core.rollout.generate import generate_sample
-        from vime_core.rollout.loop import RolloutState
-        from vime_core.utils.imports import load_function
-
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg)
         self.data_source = DataSource(cfg, tokenizer=self.tokenizer)
@@ -233,10 +238,6 @@ class RolloutManager:
         logger.warning("discarded the prefetched rollout %d (weights v%s)", pending.rollout_id, pending.version)
 
     def _generate_now(self, rollout_id: int, version: Optional[int] = None) -> tuple[dict, dict]:
-        from vime_core.config.derive import rollout_logprob_readers
-        from vime_core.data.batch import build_batch, weight_version_range
-        from vime_core.data.validation import validate_trainable
-
         self._last = None  # a new rollout: the previous result is no longer asked for
         self.state.weight_version = version
 
@@ -261,8 +262,6 @@ class RolloutManager:
         metrics["rollout/engine_restarts"] = float(self.fleet.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),
         # so a run resumed past its checkpoint continues from the last stored batch's prompts
-        from vime_core.storage.schema import DATA_SOURCE_AFTER
-
         metrics[DATA_SOURCE_AFTER] = self.data_source.state_dict()
         return batch, metrics
 
@@ -273,15 +272,11 @@ class RolloutManager:
 
     def _load_eval_rows(self) -> list:
         """eval_prompt_data's rows, checked as the training prompts are (vime_core/data/prompt_checks.py)."""
-        from vime_core.data.data_source import load_prompt_rows
-
         split = self.cfg.eval_prompt_data_split or self.cfg.prompt_data_split
         return load_prompt_rows(self.cfg.eval_prompt_data, self.cfg, self.tokenizer, split)
 
     def eval(self, rollout_id: int) -> dict:
         """Eval rollout over cfg.eval_prompt_data; metrics only. The training data is untouched."""
-        from vime_core.rollout.eval import run_eval
-
         if not self.cfg.eval_prompt_data:
             raise ValueError("eval_prompt_data is empty: nothing to evaluate")
         if self._eval_rows is None:
@@ -297,8 +292,6 @@ class RolloutManager:
     def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
         the previous call's answer (check_weight_update_equal; vime_core/weight_sync/weight_check)."""
-        from vime_core.weight_sync.weight_check import prompt_logprobs_of
-
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         clients = self.fleet.clients
 
@@ -320,7 +313,7 @@ class RolloutManager:
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
 
-        `published` is not read: the sync task passes the trainer ranks' `update_weights`
+        `published` is not read: the sync task passes the trainer ranks' `publish`
         references there, top-level arguments that Ray resolves before it runs a call, so this
         call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if start_rollout_id is not None:

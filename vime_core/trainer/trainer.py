@@ -1,22 +1,54 @@
 """`MegatronTrainer`: one trainer rank (a plain class; the cluster module makes it a Ray actor).
 `init(hf_checkpoint)` builds the Megatron model, DDP, optimizer and schedule (and the critic with
-ppo); then `train` per rollout, `update_weights` per sync, `save` / `load` / `export_hf`,
+ppo); then `train` per rollout, `publish` per sync, `save` / `load` / `export_hf`,
 `sleep` / `wake` between phases, `close`. Every method runs on every rank at once, except `state`."""
 
 from __future__ import annotations
 
 import contextlib
-
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from vime_core.config import VimeConfig
+from vime_core.algo.gates import needs_critic, needs_reference, needs_teacher
+from vime_core.config import VimeConfig, weight_transport
+from vime_core.engines.auth import EngineToken
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.trainer import checkpoint as ckpt
+from vime_core.trainer.compat_cpu import seed_everything
+from vime_core.trainer.critic import Critic
+from vime_core.trainer.hf_convert import iter_hf_weights, load_hf_into_model
+from vime_core.trainer.hf_export import write_hf_folder
+from vime_core.trainer.model import (
+    architecture_from_hf,
+    build_gpt_model,
+    fusion_settings,
+    read_hf_config,
+    recompute_settings,
+)
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
-from vime_core.trainer.parallel import layout_for
+from vime_core.trainer.offload import device_memory, offload, offload_params, onload, prepin_host_memory, sleep_tensors
+from vime_core.trainer.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    ddp_config,
+    load_optimizer_state,
+    optimizer_state,
+    restore_scheduler,
+)
+from vime_core.trainer.parallel import init_parallel, layout_for
+from vime_core.trainer.rollout_training import train_on_rollout
+from vime_core.trainer.teacher import check_teacher_checkpoint
+from vime_core.trainer.train_step import check_batch, forward_log_probs
+from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
+from vime_core.weight_sync.allocator import use_expandable_segments
+from vime_core.weight_sync.publish import publish_weights
+from vime_core.weight_sync.publish_loop import PublishLoop
+from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
+from vime_core.weight_sync.transport.ipc_peers import PeerChannel, follow_publish
+from vime_core.weight_sync.weight_check import probe_batch, probe_length, probe_tokens
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +59,20 @@ KEEP_METRICS = 8
 class MegatronTrainer:
     """One TP x DP rank of the trainer (interface in docs/interfaces.md, "Trainer side")."""
 
-    def __init__(self, cfg: VimeConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self,
+        cfg: VimeConfig,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        engine_token: Optional[Callable[[], Optional[EngineToken]]] = None,
+    ) -> None:
+        """`engine_token`: asked at each publish for the token the engines expect (run_actors
+        passes the run's RolloutManager's, vime_core/cluster/engine_token.py); None: none is
+        sent unless the publisher was made with one."""
         self.cfg = cfg
+        self._engine_token = engine_token
         self.layout = layout_for(rank, world_size, cfg.tensor_model_parallel_size)
         self.master_addr, self.master_port = master_addr, int(master_port)
         self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
@@ -61,18 +105,6 @@ class MegatronTrainer:
         """Build model + optimizer from an HF checkpoint (idempotent: a second call is a no-op)."""
         if self.model is not None:
             return self.state()
-        from vime_core.trainer.compat_cpu import seed_everything
-        from vime_core.trainer.hf_convert import load_hf_into_model
-        from vime_core.trainer.model import (
-            architecture_from_hf,
-            build_gpt_model,
-            fusion_settings,
-            read_hf_config,
-            recompute_settings,
-        )
-        from vime_core.trainer.optimizer import build_optimizer, build_scheduler
-        from vime_core.trainer.parallel import init_parallel
-
         path = hf_checkpoint or self.cfg.hf_checkpoint
         if not path:
             raise ValueError("hf_checkpoint is empty: pass the HF checkpoint folder to init()")
@@ -82,15 +114,9 @@ class MegatronTrainer:
             )
         lay = self.layout
         if self.device.type == "cuda":  # before the first allocation (vime_core/weight_sync/allocator.py)
-            from vime_core.weight_sync.allocator import use_expandable_segments
-
             use_expandable_segments()
         init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
-        from vime_core.config import weight_transport
-
         if lay.world_size > 1 and weight_transport(self.cfg) == "ipc":  # every rank makes it (ipc_peers.py)
-            from vime_core.weight_sync.transport.ipc_peers import PeerChannel
-
             self._peers = PeerChannel(torch.distributed.new_group(backend="gloo"), lay.rank)
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
@@ -112,21 +138,13 @@ class MegatronTrainer:
         self.model = self._wrap_ddp(load_model(path))
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        from vime_core.algo.gates import needs_critic, needs_reference
-
         if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
         if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
-            from vime_core.trainer.critic import Critic
-
             self.critic = Critic.build(
                 self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch), self._wrap_ddp, dtype, self.device
             )
-        from vime_core.algo.gates import needs_teacher
-
         if needs_teacher(self.cfg):  # frozen, its own architecture, the student's vocabulary (trainer/teacher.py)
-            from vime_core.trainer.teacher import check_teacher_checkpoint
-
             teacher_arch = architecture_from_hf(check_teacher_checkpoint(path, self.cfg.opd_teacher_load))
             self.teacher_model = load_model(self.cfg.opd_teacher_load, teacher_arch).eval().requires_grad_(False)
         self.hf_checkpoint = str(path)
@@ -144,8 +162,6 @@ class MegatronTrainer:
         return self.state()
 
     def _prepin_host_memory(self) -> None:
-        from vime_core.trainer.offload import prepin_host_memory, sleep_tensors
-
         with timed() as pinning:
             pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
         log.info(
@@ -162,8 +178,6 @@ class MegatronTrainer:
             return policy_path
         from pathlib import Path
 
-        from vime_core.trainer.model import architecture_from_hf, read_hf_config
-
         ref = Path(self.cfg.ref_load)
         if not (ref / "config.json").is_file():
             raise FileNotFoundError(f"ref_load={self.cfg.ref_load!r}: no HF checkpoint there (config.json missing)")
@@ -176,8 +190,6 @@ class MegatronTrainer:
 
     def _wrap_ddp(self, model: Any) -> Any:
         from megatron.core.distributed import DistributedDataParallel
-
-        from vime_core.trainer.optimizer import ddp_config
 
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.cfg), module=model)
 
@@ -209,8 +221,6 @@ class MegatronTrainer:
         self._require_init()
         if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
-        from vime_core.trainer.rollout_training import train_on_rollout
-
         with timed() as waking:
             woke = self.wake()
         with timed() as training:
@@ -252,9 +262,6 @@ class MegatronTrainer:
     def compute_log_probs(self, batch: dict[str, list]) -> list[list[float]]:
         """Response-token log-probs of every sample under the current weights (sample order)."""
         self._require_init()
-        from vime_core.trainer.train_step import check_batch, forward_log_probs
-        from vime_core.trainer.truncation import Sampling
-
         n = check_batch(batch)
         size = self.cfg.micro_batch_size
         mbs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
@@ -266,13 +273,9 @@ class MegatronTrainer:
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (a collective over this rank's TP group)."""
         self._require_init()
-        from vime_core.trainer.hf_convert import iter_hf_weights
-
         return iter_hf_weights(self.model, self.arch)
 
-    def update_weights(
-        self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any
-    ) -> Any:
+    def publish(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
         Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
@@ -283,7 +286,7 @@ class MegatronTrainer:
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
         answer inside Ray, without a round trip through the driver. ``after`` is ignored:
-        references passed there (every rank's train call, tasks.sync.publish) make Ray run the
+        references passed there (every rank's train call, tasks.sync.submit_publish) make Ray run the
         publish only once they succeeded."""
         if engine_urls is None:
             return None
@@ -297,17 +300,11 @@ class MegatronTrainer:
             weights = self.iter_hf_weights()
             try:
                 if self.layout.rank == 0:
-                    from vime_core.weight_sync.publish import publish_weights
-                    from vime_core.weight_sync.publish_loop import PublishLoop
-
-                    self._publisher = self._publisher or PublishLoop()
+                    self._publisher = self._publisher or PublishLoop(token_source=self._engine_token)
                     result = publish_weights(
                         weights, engine_urls, new_version, self.cfg, loop=self._publisher, peers=peers
                     )
                 elif peers is not None:
-                    from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
-                    from vime_core.weight_sync.transport.ipc_peers import follow_publish
-
                     device = torch.device("cuda", torch.cuda.current_device())
                     follow_publish(weights, peers, device, cuda_device_uuid(device), default_reduce)
             finally:
@@ -320,8 +317,6 @@ class MegatronTrainer:
         if self._asleep:  # put to sleep with its weights kept for this publish: they go now
             self._release_params()
         if isinstance(result, dict):
-            from vime_core.trainer.offload import device_memory
-
             result["trainer_memory_after_publish"] = device_memory()
             if probe is not None:
                 result["probe"] = probe
@@ -331,9 +326,6 @@ class MegatronTrainer:
         """The trainer's half of `check_weight_update_equal` (vime_core/weight_sync/weight_check):
         the probe's tokens and their log-probs under the current weights (every TP rank
         takes part)."""
-        from vime_core.trainer.train_step import forward_log_probs
-        from vime_core.weight_sync.weight_check import probe_batch, probe_length, probe_tokens
-
         tokens = probe_tokens(self.arch.vocab_size, self.cfg.seed, probe_length(self.cfg.rollout_max_context_len))
         batch = probe_batch(tokens)
         with torch.no_grad():
@@ -345,9 +337,6 @@ class MegatronTrainer:
         folder or a storage URI; rank 0 returns where it is (vime_core/trainer/hf_export.py), the
         other ranks ``path``."""
         self._require_init()
-        from vime_core.storage.endpoint import S3Endpoint
-        from vime_core.trainer.hf_export import write_hf_folder
-
         where = str(path)
         with self._awake():
             if self.layout.dp_rank == 0:
@@ -379,17 +368,12 @@ class MegatronTrainer:
     def save(self, rollout_id: int, extra_state: Optional[dict[str, Any]] = None) -> str:
         """Checkpoint weights, optimizer, RNG, counters and ``extra_state``; returns the folder."""
         self._require_init()
-        from vime_core.trainer import checkpoint as ckpt
-
         path = ckpt.checkpoint_dir(self.cfg, rollout_id)
         with self._awake():  # the state dicts read the device tensors
             self._save_state(path, rollout_id, extra_state)
         return path
 
     def _save_state(self, path: str, rollout_id: int, extra_state: Optional[dict[str, Any]]) -> None:
-        from vime_core.trainer import checkpoint as ckpt
-        from vime_core.trainer.optimizer import optimizer_state
-
         state = {
             "model": self.model.state_dict(),
             **optimizer_state(self.optimizer, self.scheduler),  # optimizer, scheduler (, shards)
@@ -441,9 +425,6 @@ class MegatronTrainer:
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""
         self._require_init()
-        from vime_core.trainer import checkpoint as ckpt
-        from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
-
         state = ckpt.load_rank_state(
             path, self.layout.rank, self.layout.world_size, self.layout.tp_size, S3Endpoint.of(self.cfg)
         )
@@ -465,8 +446,6 @@ class MegatronTrainer:
         the folder its manifest names (critic_save when it was saved with one, whatever this
         run's critic_save); one written without a critic (another estimator) leaves the critic
         as initialised, logged."""
-        from vime_core.trainer import checkpoint as ckpt
-
         lay, endpoint = self.layout, S3Endpoint.of(self.cfg)
         manifest = ckpt.read_manifest(path, endpoint)
         if not manifest.get("critic_files"):
@@ -487,8 +466,6 @@ class MegatronTrainer:
         `keep_weights` (a publish reads them next and releases them when done). A logged no-op
         on CPU. Returns the bytes freed and this rank's allocator afterwards."""
         self._require_init()
-        from vime_core.trainer.offload import device_memory, offload, offload_params
-
         freed = 0
         if self.device.type == "cuda" and not self._asleep:
             freed, copies = offload(self.model, self.optimizer, keep_params=True)
@@ -508,8 +485,6 @@ class MegatronTrainer:
         return [m for m in (self.ref_model, self.teacher_model) if m is not None]
 
     def _release_params(self) -> int:
-        from vime_core.trainer.offload import offload_params
-
         if self.device.type != "cuda" or self._params_asleep:
             return 0
         freed, copies = offload_params(self.model)
@@ -519,8 +494,6 @@ class MegatronTrainer:
 
     def wake(self) -> dict[str, Any]:
         self._require_init()
-        from vime_core.trainer.offload import device_memory, onload
-
         if not self._asleep and not self._params_asleep:
             return {"allocated_bytes": 0, "asleep": False, **device_memory()}
         allocated = onload(self.model, self._offloaded)
@@ -539,6 +512,4 @@ class MegatronTrainer:
 
     def memory(self) -> dict[str, Any]:
         """This rank's allocator (allocated/reserved bytes); empty on CPU."""
-        from vime_core.trainer.offload import device_memory
-
         return {"rank": self.layout.rank, **device_memory()}

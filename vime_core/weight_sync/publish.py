@@ -12,9 +12,13 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vime_core.algo.gates import should_flush_cache
 from vime_core.engines.client import call_all as _on_all
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.timing import PhaseClock
+from vime_core.weight_sync.buckets import iter_buckets
+from vime_core.weight_sync.publish_loop import PublishLoop
+from vime_core.weight_sync.transport import make_transport
 from vime_core.weight_sync.weight_spec import check_against_spec, fetch_spec
 
 if TYPE_CHECKING:
@@ -61,14 +65,11 @@ def publish_weights(
     publishes); None makes one for this call and closes it afterwards. `peers`: the other
     trainer ranks, which pack the IPC buckets on their GPUs too (transport/ipc_peers.py).
     `token`: the engine token every call sends; None: the loop's (`PublishLoop.engine_token`:
-    its own, else the run's, asked from the RolloutManager through Ray).
+    its own, else its token source's).
 
     A failure before the first tensor byte reached an engine closes the session empty (vLLM keeps the
     old weights) and the engines resume on the old version; after it, the engines may hold a
-    half-applied update, so they stay paused and PublishError says so (republish or restart them)."""
-    from vime_core.weight_sync.publish_loop import PublishLoop
-    from vime_core.weight_sync.transport import make_transport
-
+    half-applied update, so they stay paused and PublishError says so (publish again or restart them)."""
     if loop is None:
         own = PublishLoop()
         try:
@@ -92,7 +93,7 @@ def publish_weights(
     # (TP gathers) and CUDA state is per thread; the rest runs on the publish loop's thread.
     clock = PhaseClock()
     if client_factory is None:
-        token = token if token is not None else loop.engine_token(cfg)
+        token = token if token is not None else loop.engine_token()
         client_factory = functools.partial(loop.client, token=token)
     with clock("gather"):
         tensors = list(named_tensors)
@@ -121,8 +122,6 @@ async def publish_weights_async(
     client_factory: "Callable[[str], EngineClient]",
     clock: PhaseClock,
 ) -> dict[str, Any]:
-    from vime_core.algo.gates import should_flush_cache
-
     if not engine_urls:
         raise ValueError("publish_weights: engine_urls is empty")
     flush = should_flush_cache(cfg.flush_cache_interval, new_version, initial_version)
@@ -181,8 +180,6 @@ async def _apply(
 ) -> tuple[int, int]:
     """pause -> start -> buckets -> finish; on failure undo what can be undone (see the module
     docstring). Returns (buckets, bytes)."""
-    from vime_core.weight_sync.buckets import iter_buckets
-
     engines = transport.engines
     buckets = nbytes = 0
     to_send = iter_buckets(tensors, cfg.update_weight_buffer_size, wire)

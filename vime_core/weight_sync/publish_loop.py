@@ -1,16 +1,18 @@
 """What a publisher keeps between publishes, so connections, tmpfs pages and broadcast groups are made
 once: a long-lived event loop in a daemon thread, the engine clients bound to it, the shared-memory
 bucket pools and the broadcast groups. The trainer (rank 0) owns one; a publish given none makes its
-own. Its clients send the token it was made with, else the run's, asked from the RolloutManager at
+own. Its clients send the token it was made with, else its token source's answer at
 each publish (the engines may have been replaced)."""
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable, Optional
 
+from vime_core.engines.client import EngineClient
 from vime_core.utils.loop_thread import LoopThread
+from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 
 if TYPE_CHECKING:
     from vime_core.engines.auth import EngineToken
@@ -20,27 +22,26 @@ if TYPE_CHECKING:
 
 
 class PublishLoop(LoopThread):
-    def __init__(self, token: "EngineToken | None" = None) -> None:
+    def __init__(
+        self, token: "EngineToken | None" = None, token_source: "Callable[[], Optional[EngineToken]] | None" = None
+    ) -> None:
         super().__init__("vime-publish-loop")
         self._token = token
+        self._token_source = token_source
         self._clients: dict[str, "EngineClient"] = {}
         self._pools: dict[str, "ShmBufferPool"] = {}
         self._groups: dict[str, "KeptGroup"] = {}
         atexit.register(self.close)  # a process that ends without close() still gives its pools back
 
-    def engine_token(self, cfg: Any) -> "EngineToken | None":
-        """The token to send: this loop's own, else the run's RolloutManager's (None without one)."""
+    def engine_token(self) -> "EngineToken | None":
+        """The token to send: this loop's own, else its token source's (None without either)."""
         if self._token is not None:
             return self._token
-        from vime_core.cluster.engine_token import manager_engine_token
-
-        return manager_engine_token(cfg)
+        return self._token_source() if self._token_source is not None else None
 
     def client(self, url: str, token: "EngineToken | None" = None) -> "EngineClient":
         """The cached client of `url`, sending `token`; only to be used by coroutines running on
         this loop."""
-        from vime_core.engines.client import EngineClient
-
         if url not in self._clients:
             self._clients[url] = EngineClient(url)
         client = self._clients[url]
@@ -49,8 +50,6 @@ class PublishLoop(LoopThread):
 
     def shm_pool(self, shm_dir: str) -> "ShmBufferPool":
         """The bucket pool of `shm_dir` kept for this publisher's publishes (made on first use)."""
-        from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
-
         key = os.path.realpath(shm_dir)
         if key not in self._pools:
             self._pools[key] = ShmBufferPool(shm_dir)

@@ -138,12 +138,12 @@ def test_engine_reports_version_4(trained):
 
 
 def test_sync_to_the_version_the_engines_hold_publishes_nothing(trained):
-    from tasks.sync import sync_weights
+    from tasks.sync import sync
 
     cfg, _ = trained
     _, trainers = _handles(cfg)
     final = 1 + _next_rollout_id(trainers)  # 4 after the train flow
-    out = sync_weights(cfg, final)  # a task run of its own, outside any flow
+    out = sync(cfg, final)  # a task run of its own, outside any flow
     assert out["skipped"] is True and out["started_rollout"] is False
     assert trainers.rank0("state")["weight_version"] == final
 
@@ -172,9 +172,9 @@ def test_sync_whose_publish_fails_changes_nothing_and_starts_no_rollout(trained,
             return self.group.wait(refs)
 
     monkeypatch.setattr(sync_task, "run_handles", lambda c: (real(c)[0], PublishToNoEngine(real(c)[1])))
-    monkeypatch.setattr(sync_task.sync_weights, "retry_delay_seconds", 0)
+    monkeypatch.setattr(sync_task.sync, "retry_delay_seconds", 0)
     with pytest.raises(Exception, match="engine_urls is empty"):
-        sync_task.sync_weights(cfg, final + 1, start_rollout_id=next_id)
+        sync_task.sync(cfg, final + 1, start_rollout_id=next_id)
     assert ray.get(manager.weight_versions.remote()) == [final]
     assert trainers.rank0("state")["weight_version"] == final
     assert ray.get(manager.prefetched.remote()) is None

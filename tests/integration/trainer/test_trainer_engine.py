@@ -1,5 +1,5 @@
 """The trainer against a real vLLM CPU engine: the engine starts on the trainer's HF export and
-serves exactly the trained weights; after another step, update_weights() publishes version 1 and
+serves exactly the trained weights; after another step, publish() publishes version 1 and
 the engine's log-probs follow the trainer's again."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def _trainer_log_probs(trainer, prompt: list[int], tokens: list[int]) -> list[fl
 
 
 @pytest.mark.slow
-def test_export_serves_in_vllm_and_update_weights_publishes(
+def test_export_serves_in_vllm_and_publish_sends_the_weights(
     single_rank, tiny_model_dir, vllm_python, cache_dir, tmp_path
 ):
     from vime_core.engines.server import EngineServer
@@ -48,7 +48,7 @@ def test_export_serves_in_vllm_and_update_weights_publishes(
         assert max(abs(a - b) for a, b in zip(moved, engine_lp)) > 10 * LOGPROB_ATOL  # the step mattered
         # no RolloutManager to ask the run's token from (cluster/engine_token.py): give it the engine's
         trainer._publisher = PublishLoop(token=server.auth_token)
-        stats = trainer.update_weights([server.url])
+        stats = trainer.publish([server.url])
         assert trainer.weight_version == 1 and stats["version"] == 1
         assert engine_call(server, "weight_version") == 1
         tokens, engine_lp, spans = engine_sample(server, PROMPT, seed=2)

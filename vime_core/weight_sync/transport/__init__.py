@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vime_core.config import weight_transport
 from vime_core.weight_sync.transport.base import WeightTransport
+from vime_core.weight_sync.transport.broadcast import BroadcastTransport, rendezvous_host
+from vime_core.weight_sync.transport.disk import DiskTransport
+from vime_core.weight_sync.transport.ipc import IpcTransport
+from vime_core.weight_sync.transport.shm import ShmTransport
 
 if TYPE_CHECKING:
     from vime_core.config.schema import VimeConfig
@@ -25,25 +30,15 @@ def make_transport(
     """A fresh transport for one publish, by `vime_core.config.weight_transport(cfg)`; `keeper`
     (the publisher's PublishLoop) lends what outlives one publish (the shm transport's pool);
     `peers`: the other trainer ranks also publish from their GPUs (ipc only: ipc_peers.py)."""
-    from vime_core.config import weight_transport
-
     kind = weight_transport(cfg)
     if kind == "shm":
-        from vime_core.weight_sync.transport.shm import ShmTransport
-
         return ShmTransport(shm_dir, pool=keeper.shm_pool(shm_dir) if keeper is not None else None)
     if kind == "disk":
-        from vime_core.weight_sync.transport.disk import DiskTransport
-
         return DiskTransport(shm_dir)
     if kind == "ipc":
-        from vime_core.weight_sync.transport.ipc import IpcTransport
-
         return IpcTransport(peers=peers)
     if kind in ("nccl", "gloo"):
         import torch
-
-        from vime_core.weight_sync.transport.broadcast import BroadcastTransport, rendezvous_host
 
         device = torch.device("cuda", torch.cuda.current_device()) if kind == "nccl" else torch.device("cpu")
         return BroadcastTransport(kind, rendezvous_host(cfg.engine_bind_host), device, keeper=keeper)

@@ -9,6 +9,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from vime_core.engines.client import call_all
+
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
     from vime_core.weight_sync.buckets import Bucket
@@ -61,6 +63,4 @@ class WeightTransport(ABC):
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     async def on_every_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        from vime_core.engines.client import call_all
-
         return await call_all(self.engines, method, *args, **kwargs)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from vime_core.engines.server import advertised_host
 from vime_core.weight_sync.buckets import Bucket, pack_flat
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
@@ -82,8 +83,6 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
 def rendezvous_host(engine_bind_host: str) -> str:
     """The address engines reach this (the trainer's) process at: loopback when the engines bind
     loopback (one machine), else this node's address (Ray's view of it inside a cluster)."""
-    from vime_core.engines.server import advertised_host
-
     return "127.0.0.1" if engine_bind_host in LOOPBACK else advertised_host("0.0.0.0")
 
 
