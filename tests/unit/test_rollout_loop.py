@@ -896,6 +896,7 @@ def test_a_rollout_that_fails_gives_its_prompts_back(make_cfg, tokenizer):
     manager.fleet = SimpleNamespace(
         health=SimpleNamespace(resume=lambda: None, restarts=0), loop=SimpleNamespace(run=asyncio.run)
     )
+    manager._sources_before = {}
     before = state.data_source.state_dict()
     with pytest.raises(FilterExhaustedError):
         manager._generate_now(0)
