@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -61,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from transformers import AutoModelForCausalLM
-
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompt_file = Path(tmp) / "model", Path(tmp) / "prompts.jsonl"
@@ -85,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             cwd=REPO,
             stdout=subprocess.DEVNULL,
         )
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(model_dir)
         rows = [json.loads(line) for line in prompt_file.read_text().splitlines()[: a.samples]]
         prompts = [tok.encode(r["prompt"]) for r in rows]  # as build_model.py counts them

@@ -19,6 +19,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from vime_core.cluster import local_head  # noqa: E402
+from vime_core.cluster.connect import ensure_ray, LOOPBACK_ENV  # noqa: E402
+from vime_core.cluster.run_actors import attach, teardown  # noqa: E402
+from vime_core.config import VimeConfig  # noqa: E402
+from vime_core.data.validation import validate_trainable  # noqa: E402
+from vime_core.storage import BatchStore  # noqa: E402
 
 KINDS = ("engine", "trainer", "driver")
 VLLM_SERVER = b"vllm.entrypoints.openai.api_server"
@@ -194,13 +200,7 @@ def check_invariants(a: argparse.Namespace, run: dict) -> dict:
     """Every rollout id 0..N-1 has exactly one published batch passing its checksum and the trainer's
     check; one optimizer step per rollout id trained; the engine's weight version equals the trainer's
     (N + 1) and every sync's probe agreed; nothing quarantined, no unpublished batch object left."""
-    import ray
-
-    from vime_core.cluster.connect import ensure_ray
-    from vime_core.cluster.run_actors import attach
-    from vime_core.config import VimeConfig
-    from vime_core.data.validation import validate_trainable
-    from vime_core.storage import BatchStore
+    import ray  # boundary: main() sets LOOPBACK_ENV before anything imports Ray
 
     n, store_path, ray_address = a.num_rollout, Path(run["storage_uri"]), run["ray_address"]
     store = BatchStore(str(store_path))
@@ -273,9 +273,6 @@ def main() -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args()
 
-    from vime_core.cluster import local_head
-    from vime_core.cluster.connect import LOOPBACK_ENV
-
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     workdir = Path(tempfile.mkdtemp(prefix="vime-bench-faults-"))
@@ -294,8 +291,6 @@ def main() -> int:
     finally:
         job.kill()
         try:
-            from vime_core.cluster.run_actors import teardown
-
             teardown(a.run_name)
         except Exception as exc:  # noqa: BLE001 - the head goes down next anyway
             print(f"[bench] teardown: {exc}", file=sys.stderr)

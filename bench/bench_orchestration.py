@@ -23,6 +23,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from vime_core.cluster import local_head  # noqa: E402
+from vime_core.cluster.run_actors import teardown  # noqa: E402
+from vime_core.config import VimeConfig  # noqa: E402
+from vime_core.report.overhead import compute_split, overhead, steady_window  # noqa: E402
+from vime_core.report.records import read_records  # noqa: E402
 
 
 # the record's task-side times: each phase task's wall inside its task run
@@ -68,13 +73,9 @@ MODES = {
 def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
     """One run of the real `train` flow on its own local Ray head; its summary has the wall time
     of every iteration flow run as the train flow saw it."""
+    # boundary: main() sets Prefect's and Ray's environment before anything imports them
     from flows.settings import apply_env_defaults
     from flows.train import train
-    from vime_core.cluster import local_head
-    from vime_core.cluster.run_actors import teardown
-    from vime_core.config import VimeConfig
-    from vime_core.report.overhead import compute_split, overhead, steady_window
-    from vime_core.report.records import read_records
 
     apply_env_defaults()  # as `vime train` does, before the first flow run starts Prefect's server
     retries = PrefectRetryCounter.attach()
@@ -102,7 +103,7 @@ def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
         try:
             teardown(cfg.run_name)
         finally:
-            import ray
+            import ray  # boundary: main() sets Ray's environment before anything imports it
 
             ray.shutdown()  # the next mode starts another head; this driver must not keep the old one
             local_head.stop_local_head(temp_dir=work / "ray")

@@ -19,9 +19,10 @@ import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
-
 from bench_math import median_seconds  # interleaved repeats, medians (bench/ is on sys.path)
+
 from vime_core.storage import BatchStore
+from vime_core.storage.s3_server import start_s3_server, stop_s3_server
 from vime_core.storage.schema import batch_to_table
 from vime_core.storage.store import _parquet_bytes
 from vime_core.storage.synthetic import synthetic_batch
@@ -86,8 +87,6 @@ def main() -> None:
     try:
         result["local"] = measure(BatchStore(str(work / "store")), batch, args.repeats)
         if not args.skip_s3:
-            from vime_core.storage.s3_server import start_s3_server, stop_s3_server
-
             # Made-up credentials for the throwaway server this benchmark starts.
             os.environ.setdefault("AWS_ACCESS_KEY_ID", "vimebenchkey")
             os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "vimebenchsecret" + uuid.uuid4().hex)

@@ -22,6 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from vime_core.config import make_config
+from vime_core.demo.model import build_tiny_model
+from vime_core.engines.client import SyncEngineClient
+from vime_core.engines.server import EngineServer
+from vime_core.weight_sync.publish import publish_weights
+from vime_core.weight_sync.publish_loop import PublishLoop
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -72,8 +80,6 @@ def memcpy_seconds(weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats
 
 def engine_rpc(url: str, token, method: str, *args, **kwargs):
     """One control call to the engine at `url` with the run's `token` (engines/auth.py)."""
-    from vime_core.engines.client import SyncEngineClient
-
     return getattr(SyncEngineClient(url, token=token), method)(*args, **kwargs)
 
 
@@ -108,13 +114,6 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
     published `args.repeats` times (after a warm-up round), and the engine's own reload of the
     same weights from /dev/shm in every round. Returns the engine's start time, the reload
     floor and each configuration's summary (ratios against this engine's floor)."""
-    from safetensors.torch import save_file
-
-    from vime_core.config import make_config
-    from vime_core.engines.server import EngineServer
-    from vime_core.weight_sync.publish import publish_weights
-    from vime_core.weight_sync.publish_loop import PublishLoop
-
     server = EngineServer(make_config(base_cfg), 0, log_dir=str(REPO / ".cache" / "engine-logs"), warmup=False)
     t0 = time.perf_counter()
     server.start()
@@ -154,11 +153,6 @@ def bench_engine(base_cfg: dict, cfgs: dict, weights: dict, wire: torch.dtype, a
 
 
 def bench_model(name: str, shape: dict, args) -> dict:
-    from safetensors.torch import load_file
-
-    from vime_core.config import make_config
-    from vime_core.demo.model import build_tiny_model
-
     model_dir = build_tiny_model(
         REPO / ".cache" / "bench" / "models" / name,
         family="qwen3",

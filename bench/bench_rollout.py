@@ -20,11 +20,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vime_core.config import make_config  # noqa: E402
+from vime_core.data.batch import build_batch  # noqa: E402
+from vime_core.data.data_source import DataSource  # noqa: E402
 from vime_core.demo.model import CHARACTERS, SPECIAL_TOKENS, VOCAB, build_tiny_model  # noqa: E402
+from vime_core.engines.client import EngineClient  # noqa: E402
+from vime_core.rewards.filters import keep_all  # noqa: E402
+from vime_core.rewards.hub import RewardHub  # noqa: E402
+from vime_core.rollout.generate import generate_sample  # noqa: E402
+from vime_core.rollout.loop import RolloutState, generate_rollout  # noqa: E402
+from vime_core.rollout.manager import RolloutManager  # noqa: E402
 
 PROMPT_CHARS, NEW_TOKENS, GROUP_SIZE = 31, 64, 4
 OVERHEAD_SAMPLES = 256  # the reference implementation's figure is per 256 samples
@@ -34,8 +46,6 @@ SHAPE = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, head
 
 async def ignore_eos_generate(ctx, sample, params):
     """Fixed-length responses so every path generates the same number of tokens."""
-    from vime_core.rollout.generate import generate_sample
-
     params["ignore_eos"] = True
     return await generate_sample(ctx, sample, params)
 
@@ -85,8 +95,6 @@ def vime_rollout(manager, rollout_id: int) -> tuple[float, int, dict]:
 
 
 def direct_rollout(url: str, prompts: list[list[int]], token) -> tuple[float, int]:
-    from vime_core.engines.client import EngineClient
-
     async def go():
         params = {
             "max_tokens": NEW_TOKENS,
@@ -105,9 +113,6 @@ def direct_rollout(url: str, prompts: list[list[int]], token) -> tuple[float, in
 
 
 def transformers_rollout(model_dir: Path, prompts: list[list[int]]) -> tuple[float, int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)  # all prompts have the same length: no padding
@@ -129,14 +134,6 @@ def transformers_rollout(model_dir: Path, prompts: list[list[int]]) -> tuple[flo
 
 def overhead_per_256(model_dir: Path, data: Path) -> dict:
     """The loop + build_batch with an engine that answers instantly (256 samples)."""
-    from transformers import AutoTokenizer
-
-    from vime_core.data.batch import build_batch
-    from vime_core.data.data_source import DataSource
-    from vime_core.rewards.filters import keep_all
-    from vime_core.rewards.hub import RewardHub
-    from vime_core.rollout.loop import RolloutState, generate_rollout
-
     cfg = make_cfg(model_dir, data, OVERHEAD_GROUPS, custom_generate_function_path="")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokens = [len(SPECIAL_TOKENS) + i % len(CHARACTERS) for i in range(NEW_TOKENS)]  # character ids
@@ -189,8 +186,6 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the JSON here (after each stage)")
     args = parser.parse_args()
 
-    from vime_core.rollout.manager import RolloutManager
-
     cache = REPO / ".cache" / "bench"
     model_dir = build_tiny_model(cache / "models" / "rollout-85m", family="qwen3", seed=0, **SHAPE)
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
@@ -221,8 +216,6 @@ def main() -> None:
     # server beside it), then vLLM direct and through vime, interleaved per repeat.
     result.update(overhead_per_256(model_dir, data))
     save("overhead")
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [
         list(tok.encode(json.loads(line)["prompt"]))
@@ -288,8 +281,6 @@ def main() -> None:
 
 
 def model_params(model_dir: Path) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         return sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from vime_core.cluster import local_head  # noqa: E402
 
 MODES = {
     "early": ["--early-start"],
@@ -27,8 +28,6 @@ MODES = {
 
 def run_once(mode: str, work: Path) -> dict:
     """One `vime train --num-rollout 1` on its own Ray head; its summary's startup figures."""
-    from vime_core.cluster import local_head
-
     work.mkdir(parents=True)
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
     env = dict(os.environ, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))

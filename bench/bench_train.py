@@ -21,14 +21,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import time
+
 from bench_math import median_seconds  # noqa: E402
 from gpu_common import pairs_of_samples  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from vime_core.demo.settings import demo_config
+from vime_core.trainer.parallel import free_port
+from vime_core.trainer.trainer import MegatronTrainer
 
 
 def write_checkpoint(out: Path, args: argparse.Namespace) -> Path:
     """A random Qwen3-style HF checkpoint of the requested shape (no tokenizer needed)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     config = Qwen3Config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -66,10 +71,6 @@ def make_batch(args: argparse.Namespace) -> dict[str, list]:
 
 
 def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
-    from vime_core.demo.settings import demo_config
-    from vime_core.trainer.parallel import free_port
-    from vime_core.trainer.trainer import MegatronTrainer
-
     cfg = demo_config(
         **pairs_of_samples(args.samples),
         num_steps_per_rollout=1,
@@ -90,8 +91,6 @@ def vime_trainer(ckpt: Path, storage: Path, args: argparse.Namespace):
 
 def baseline_step_fn(ckpt: Path, batch: dict[str, list], args: argparse.Namespace):
     """One plain-transformers training step over the batch's micro-batches."""
-    from transformers import AutoModelForCausalLM
-
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="sdpa").to(args.device)
     model.train()
@@ -120,8 +119,6 @@ def baseline_step_fn(ckpt: Path, batch: dict[str, list], args: argparse.Namespac
 def sleep_wake(trainer, step) -> dict:
     """GPU only: bytes freed by trainer.sleep() (offload to CPU) and the time of sleep and wake;
     a training step after wake checks the state came back whole."""
-    import time
-
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     start = time.perf_counter()

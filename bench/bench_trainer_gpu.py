@@ -41,6 +41,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_common as common  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from vime_core.data.schedule import build_dp_schedule  # noqa: E402
+from vime_core.trainer import logprobs, rope, train_step  # noqa: E402
+from vime_core.trainer import model as model_module  # noqa: E402
+from vime_core.trainer.attention import SDPACoreAttention  # noqa: E402
+from vime_core.trainer.hf_convert import unwrap  # noqa: E402
+from vime_core.trainer.model import fusion_settings  # noqa: E402
+from vime_core.trainer.packing import PackedMicroBatch  # noqa: E402
+from vime_core.trainer.parallel import destroy_parallel  # noqa: E402
+from vime_core.trainer.rollout_training import step_advantages, train_on_rollout  # noqa: E402
 
 CHECK_TOKENS = 2048  # initial log-probs kept in the JSON for layout comparisons
 
@@ -116,11 +128,6 @@ class Options:
     """Switches the bench options on the live trainer and back off (so variants share one model)."""
 
     def __init__(self, trainer: Any, base_cfg: Any) -> None:
-        import vime_core.trainer.logprobs as logprobs
-        import vime_core.trainer.train_step as train_step
-        from vime_core.trainer.attention import SDPACoreAttention
-        from vime_core.trainer.packing import PackedMicroBatch
-
         self.trainer, self.base_cfg = trainer, base_cfg
         self.logprobs, self.train_step = logprobs, train_step
         self.loss_head = logprobs.log_probs_and_entropy
@@ -164,10 +171,6 @@ class Options:
 
     def set_fusions(self, rope_fusion: bool, swiglu_fusion: bool) -> None:
         """The run's fusions (model.fusion_settings: on CUDA unless switched off) less the variant's."""
-        from vime_core.trainer import rope
-        from vime_core.trainer.hf_convert import unwrap
-        from vime_core.trainer.model import fusion_settings
-
         base = fusion_settings(self.base_cfg, self.trainer.device)
         config = unwrap(self.trainer.model).config
         config.apply_rope_fusion = base["apply_rope_fusion"] and rope_fusion
@@ -176,8 +179,6 @@ class Options:
             rope.install()
 
     def set_old_attention(self, on: bool) -> None:
-        from vime_core.trainer.attention import SDPACoreAttention
-
         SDPACoreAttention._packed = SDPACoreAttention._packed_per_segment if on else self.packed_attention  # type: ignore[method-assign]
 
     def set_full_head(self, on: bool) -> None:
@@ -185,8 +186,6 @@ class Options:
         self.train_step.packed_response_log_probs = self.logprobs.packed_response_log_probs_full if on else self.head
 
     def set_device_offsets(self, on: bool) -> None:
-        from vime_core.trainer.packing import PackedMicroBatch
-
         def on_device(mb: PackedMicroBatch) -> Any:
             params = self.packed_seq_params(mb)
             params.cu_seqlens_q = params.cu_seqlens_kv = mb.cu_seqlens.to(mb.input_ids.device)
@@ -205,8 +204,6 @@ class Options:
                     inner.state[p]["step"] = step.to(p.device if on else "cpu", torch.float32)
 
     def set_recompute(self, on: bool) -> None:
-        from vime_core.trainer.hf_convert import unwrap
-
         config = unwrap(self.trainer.model).config
         if on and self.trainer.device.type != "cuda":
             raise ValueError("+recompute needs CUDA (Megatron's checkpoint saves the CUDA RNG state)")
@@ -224,8 +221,6 @@ class Options:
 
 
 def schedule_for(trainer: Any, batch: dict[str, list], global_batch_size: int | None = None) -> list[list[list[int]]]:
-    from vime_core.data.schedule import build_dp_schedule
-
     cfg, lay = trainer.cfg, trainer.layout
     budget = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
     lengths = [len(t) for t in batch["tokens"]]
@@ -236,10 +231,8 @@ def schedule_for(trainer: Any, batch: dict[str, list], global_batch_size: int | 
 
 
 def recompute_old(trainer: Any, batch: dict[str, list], mine: list[list[list[int]]]) -> dict[int, torch.Tensor]:
-    from vime_core.trainer.train_step import forward_log_probs
-
     flat = [mb for step in mine for mb in step]
-    return forward_log_probs(
+    return train_step.forward_log_probs(
         trainer.model, batch, flat, trainer.arch.vocab_size, trainer.cfg.rollout_temperature, trainer.device
     )
 
@@ -247,24 +240,19 @@ def recompute_old(trainer: Any, batch: dict[str, list], mine: list[list[list[int
 def one_step(
     trainer: Any, batch: dict[str, list], mine: list[list[list[int]]], old: dict[int, torch.Tensor]
 ) -> dict[str, float]:
-    from megatron.core import parallel_state
-
-    from vime_core.trainer.rollout_training import step_advantages
-    from vime_core.trainer.train_step import StepDenominators, StepInputs, train_step
-
     cfg, lay = trainer.cfg, trainer.layout
     micro_batches = mine[0]
     step_indices = list(range(cfg.global_batch_size))
-    inputs = StepInputs(
+    inputs = train_step.StepInputs(
         batch=batch,
         micro_batches=micro_batches,
-        denominators=StepDenominators.of(batch, step_indices),
+        denominators=train_step.StepDenominators.of(batch, step_indices),
         advantages=step_advantages(cfg, batch, [i for mb in micro_batches for i in mb], old, None)[0],
         old_log_probs=old,
         step_tokens=sum(len(batch["tokens"][i]) for i in step_indices),
     )
     dp_group = parallel_state.get_data_parallel_group() if lay.dp_size > 1 else None
-    return train_step(
+    return train_step.train_step(
         trainer.model, trainer.optimizer, inputs, cfg, trainer.arch.vocab_size, lay.dp_size, dp_group, trainer.device
     )
 
@@ -272,8 +260,6 @@ def one_step(
 def measure_variant(
     trainer: Any, batch: dict[str, list], spec: str, opts: Options, args: argparse.Namespace, cfg_json: dict[str, Any]
 ) -> dict[str, Any]:
-    from vime_core.trainer.rollout_training import train_on_rollout
-
     dev = trainer.device.type
     opts.apply(spec)
     if dev == "cuda":
@@ -360,8 +346,6 @@ def path_check(trainer: Any, batch: dict[str, list], specs: list[str], opts: Opt
 
 def layout_check(trainer: Any, batch: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
     """Numbers that must agree across layouts: initial log-probs, then a few steps' metrics."""
-    from vime_core.trainer.rollout_training import train_on_rollout
-
     mine = schedule_for(trainer, batch)
     old = recompute_old(trainer, batch, mine)
     # At DP > 1 each rank holds only its samples; gather them so rank 0 sees every sample.
@@ -380,8 +364,6 @@ def layout_check(trainer: Any, batch: dict[str, list], args: argparse.Namespace)
 
 
 def compare(a_path: str, b_path: str) -> dict[str, Any]:
-    import json
-
     a, b = (json.loads(Path(p).read_text())["check"] for p in (a_path, b_path))
     la, lb = torch.tensor(a["initial_log_probs_head"]), torch.tensor(b["initial_log_probs_head"])
     rel = lambda x, y: [abs(p - q) / max(abs(p), 1e-12) for p, q in zip(x, y)]  # noqa: E731
@@ -416,8 +398,6 @@ def build_trainer(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def profile_step(trainer: Any, batch: dict[str, list], opts: Options, spec: str, path: str) -> None:
     """torch.profiler tables (by CPU time and by device time) of one old-log-prob pass + step."""
-    from torch.profiler import ProfilerActivity, profile
-
     opts.apply(spec)
     mine = schedule_for(trainer, batch)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
@@ -456,8 +436,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     warnings.filterwarnings("ignore")
     if args.norms_fp32:
-        import vime_core.trainer.model as model_module
-
         model_module.norms_in_dtype = lambda model, dtype: 0  # type: ignore[assignment]
     t0 = time.perf_counter()
     trainer, cfg_json = build_trainer(args)
@@ -526,8 +504,6 @@ def main(argv: list[str] | None = None) -> None:
             print("\n".join(common.summary_lines(args.out)), file=sys.stderr, flush=True)
     if args.profile and lay.rank == 0 and lay.world_size == 1:
         profile_step(trainer, batch, opts, args.variants.split(",")[0], args.profile)
-    from vime_core.trainer.parallel import destroy_parallel
-
     destroy_parallel()
 
 

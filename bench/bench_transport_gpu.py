@@ -24,7 +24,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import gc
+import random
+
 import gpu_common as common  # noqa: E402
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from vime_core.engines.vllm_api import VllmApi
+from vime_core.weight_sync.buckets import iter_buckets
+from vime_core.weight_sync.buckets import pack_ipc as pack_bucket
+from vime_core.weight_sync.transport.ipc import IpcTransport, cuda_device_uuid, default_reduce
+from vime_core.wire.ipc_format import DEVICE_UUID_RPC, ipc_update_info
 
 GB = 1e9
 
@@ -52,8 +62,6 @@ def checksum(t: torch.Tensor) -> int:
 
 def receiver_main(conn: Any, device_index: int) -> None:
     """Stand-in for a colocated engine worker: owns its weights, loads IPC buckets into them."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     torch.cuda.set_device(device_index)
     own: dict[str, torch.Tensor] = {}
     while True:
@@ -97,14 +105,9 @@ class PipeEngine:
         self.open_s: list[float] = []
 
     async def api(self) -> Any:
-        from vime_core.engines.vllm_api import VllmApi
-
         return VllmApi.for_version("0.26.0")  # the GPU hosts' release: packed flag per update
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list:
-        from vime_core.weight_sync.transport.ipc import cuda_device_uuid
-        from vime_core.wire.ipc_format import DEVICE_UUID_RPC
-
         assert method == DEVICE_UUID_RPC, method
         return [cuda_device_uuid(torch.device("cuda", torch.cuda.current_device()))]  # the receiver shares this GPU
 
@@ -133,10 +136,6 @@ def gather(trainer: Any) -> list[tuple[str, torch.Tensor]]:
 
 def pack_and_handles(tensors: list, bucket_bytes: int, device: torch.device) -> dict[str, Any]:
     """The transport's per-bucket work in two timed parts: packing, then handle + payload."""
-    from vime_core.weight_sync.buckets import iter_buckets, pack_ipc as pack_bucket  # the IPC packer
-    from vime_core.weight_sync.transport.ipc import cuda_device_uuid, default_reduce
-    from vime_core.wire.ipc_format import ipc_update_info
-
     uuid = cuda_device_uuid(device)
     pack_s = handle_s = 0.0
     buffers, infos = [], []
@@ -152,9 +151,6 @@ def pack_and_handles(tensors: list, bucket_bytes: int, device: torch.device) -> 
 
 async def publish_through_transport(tensors: list, engine: PipeEngine, bucket_bytes: int, device: torch.device) -> dict:
     """IpcTransport driven as publish._transfer drives it (prepare, start, buckets, finish, close)."""
-    from vime_core.weight_sync.buckets import iter_buckets
-    from vime_core.weight_sync.transport.ipc import IpcTransport
-
     transport = IpcTransport(device=device)
     await transport.prepare([engine])  # type: ignore[list-item]
     await transport.start()
@@ -260,8 +256,7 @@ def bench_shape(shape: str, conn: Any, args: argparse.Namespace) -> dict[str, An
 
 def sleep_wake(trainer: Any) -> dict[str, Any]:
     """One training rollout (so Adam has state), then sleep, wake, and another rollout."""
-    import random
-
+    # boundary: the receiver process (spawn) imports this module and stands in for an engine: no megatron
     from vime_core.trainer.rollout_training import train_on_rollout
 
     rng = random.Random(0)
@@ -309,8 +304,6 @@ def sleep_wake(trainer: Any) -> dict[str, Any]:
 
 
 def release(trainer: Any) -> None:
-    import gc
-
     trainer.model = trainer.optimizer = None
     gc.collect()
     torch.cuda.empty_cache()
@@ -337,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         "shapes": shapes,
     }
     common.write_json(result, args.out)
-    from vime_core.trainer.parallel import destroy_parallel
+    from vime_core.trainer.parallel import destroy_parallel  # boundary: as in sleep_wake (no megatron)
 
     destroy_parallel()
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import save_file
+
+from vime_core.demo.settings import demo_config
 
 PEAK_BF16_FLOPS = 989e12
 
@@ -165,8 +169,6 @@ def mfu(flops: float, seconds: float) -> float:
 def write_random_checkpoint(path: Path, shape: str, seed: int, device: str) -> Path:
     """An HF checkpoint folder (config.json + model.safetensors, bf16) with N(0, 0.02) weights and
     unit norms, reproducible from ``seed``; written once and renamed into place (atomic)."""
-    from safetensors.torch import save_file
-
     if (path / "model.safetensors").is_file():
         return path
     cfg = hf_config(shape)
@@ -185,8 +187,6 @@ def write_random_checkpoint(path: Path, shape: str, seed: int, device: str) -> P
     try:
         tmp.rename(path)
     except OSError:  # another process won the race; its folder is the same checkpoint
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -215,7 +215,7 @@ def pairs_of_samples(samples: int) -> dict[str, int]:
 def build_trainer(shape: str, device: str, tp: int, seed: int, checkpoint_root: Path, **cfg_fields: Any) -> Any:
     """A ``MegatronTrainer`` (initialised: process group, model, HF load, DDP, optimizer) for this
     process, over a random checkpoint of ``shape``; rank and world from torchrun's variables."""
-    from vime_core.demo.settings import demo_config
+    # boundary: build_model.py and rollout_vs_offline.py import this module without megatron
     from vime_core.trainer.parallel import free_port
     from vime_core.trainer.trainer import MegatronTrainer
 

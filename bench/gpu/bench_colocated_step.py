@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
+from colocated_baselines import trainer_alone  # noqa: E402
+from vime_core.config.loader import load_config  # noqa: E402
 
 CONFIG = REPO / "bench" / "gpu" / "colocated_0.5b.yaml"
 PHASES = ("model", "offline", "train", "startup", "trainer", "report")
@@ -248,10 +250,6 @@ def startup_report(results: Path) -> dict | None:
 
 
 def phase_trainer(a, paths: dict) -> None:
-    from colocated_baselines import trainer_alone
-
-    from vime_core.config.loader import load_config
-
     report = json.loads((paths["results"] / "train" / "colocated_0.5b.json").read_text())
     shape = batch_shape(report)
     cfg = load_config(CONFIG)

@@ -15,14 +15,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+import gpu_common  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from vime_core.demo.model import build_tiny_model  # noqa: E402
+from vime_core.demo.task import make_rows  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    import gpu_common
-
-    from vime_core.demo.model import build_tiny_model
-    from vime_core.demo.task import make_rows
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.5b", choices=sorted(gpu_common.SHAPES))
     p.add_argument("--out", required=True)
@@ -56,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         tokenizer = None
         if a.prompt_tokens:
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(path)
         for row in make_rows():
             size = rng.randint(lo, hi)

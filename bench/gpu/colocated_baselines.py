@@ -24,6 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import ray  # noqa: E402
+import torch  # noqa: E402
+from rollout_vs_offline import through_server  # noqa: E402
+from vime_core.cluster import names  # noqa: E402
+from vime_core.config.loader import read_run_config  # noqa: E402
+from vime_core.report.records import read_records  # noqa: E402
+from vime_core.rollout.generate import base_sampling_params, request_params  # noqa: E402
+from vime_core.storage.store import BatchStore  # noqa: E402
 
 
 def _median(values):
@@ -33,18 +41,12 @@ def _median(values):
 
 async def direct_rollout(url: str, prompts: list[list[int]], cfg, concurrency: int, token=None) -> dict:
     """Every prompt once, straight to the server; the same budget rule as rollout/generate."""
-    from rollout_vs_offline import through_server
-
-    from vime_core.rollout.generate import base_sampling_params, request_params
-
     params = request_params(base_sampling_params(cfg), cfg.rollout_max_response_len)
     return await through_server(url, prompts, params, concurrency, cfg.rollout_max_context_len, token)
 
 
 def device_copy_s(nbytes: int, repeats: int = 20) -> float:
     """Median seconds of one device-to-device copy of `nbytes` on the current GPU."""
-    import torch
-
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     times = []
@@ -101,13 +103,6 @@ def trainer_alone(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-
-    from vime_core.cluster import names
-    from vime_core.config.loader import read_run_config
-    from vime_core.report.records import read_records
-    from vime_core.storage.store import BatchStore
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ray-address", help="the run's Ray head (not needed with --measured)")
     p.add_argument("--storage-uri", required=True)

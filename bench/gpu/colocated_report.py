@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from vime_core.report.records import read_records  # noqa: E402
+from vime_core.storage.store import BatchStore  # noqa: E402
 
 GIB = 2**30
 PHASES = (
@@ -60,9 +62,6 @@ def memory_row(memory: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vime_core.report.records import read_records
-    from vime_core.storage.store import BatchStore
-
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--storage-uri", required=True)
     p.add_argument("--run-name", required=True)

@@ -29,11 +29,16 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_common import write_json  # noqa: E402
 
+from vime_core.config import make_config, rollout_concurrency  # noqa: E402
+from vime_core.config.loader import load_config  # noqa: E402
+from vime_core.data.data_source import load_prompt_rows, load_tokenizer  # noqa: E402
+from vime_core.engines.client import EngineClient  # noqa: E402
+from vime_core.engines.server import EngineServer, resolve_python  # noqa: E402
+from vime_core.rollout.generate import base_sampling_params, request_params  # noqa: E402
+
 
 def run_prompts(cfg) -> list[list[int]]:
     """Token ids of one rollout's samples: the first prompts, each n_samples_per_prompt times."""
-    from vime_core.data.data_source import load_prompt_rows, load_tokenizer
-
     rows = load_prompt_rows(cfg.prompt_data, cfg, load_tokenizer(cfg))
     # as the data source does, a prompt set smaller than a rollout is taken again from its start
     return [
@@ -56,8 +61,6 @@ EVERY_REQUEST: dict = {}
 
 
 def variant_params(cfg, variant: str) -> dict:
-    from vime_core.rollout.generate import base_sampling_params, request_params
-
     name, *modifiers = variant.split("+")
     unknown = [m for m in modifiers if m not in MODIFIERS]
     if unknown or name not in ("vime", "logprobs", "nologprobs", "tokens"):
@@ -78,8 +81,6 @@ def variant_params(cfg, variant: str) -> dict:
 
 
 def offline(cfg, prompts: list[list[int]], flags: list[str], params: dict, repeats: int, work: Path) -> dict:
-    from vime_core.engines.server import resolve_python
-
     prompt_file = work / "prompts.json"
     prompt_file.write_text(json.dumps(prompts))
     sampling = {k: v for k, v in params.items() if k != "skip_special_tokens"}
@@ -107,8 +108,6 @@ async def through_server(
     """Every prompt once, straight to the server, `concurrency` in flight (prefix cache reset
     first); with `max_context_len`, max_tokens is cut to the room each prompt leaves, as
     rollout/generate does."""
-    from vime_core.engines.client import EngineClient
-
     gate = asyncio.Semaphore(concurrency)
     async with EngineClient(url, timeout_s=1800.0, max_connections=max(64, concurrency * 2), token=token) as client:
         await client.reset_prefix_cache()
@@ -132,9 +131,6 @@ def serve_and_measure(
 ) -> dict:
     """One server for the configuration (plus `extra_flags`); each request variant `repeats`
     times, interleaved."""
-    from vime_core.config import make_config, rollout_concurrency
-    from vime_core.engines.server import EngineServer
-
     env = dict(word[len("env:") :].split("=", 1) for word in extra_flags if word.startswith("env:"))
     words = [word for word in extra_flags if not word.startswith("env:")]
     fields = dict(word.split("=", 1) for word in words if not word.startswith("-") and "=" in word)
@@ -169,10 +165,6 @@ def serve_and_measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vime_core.config import rollout_concurrency
-    from vime_core.config.loader import load_config
-    from vime_core.engines.server import EngineServer
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--hf-checkpoint", required=True)

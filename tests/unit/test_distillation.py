@@ -93,7 +93,7 @@ def _config(**fields):
 def _train(monkeypatch, cfg):
     """train_on_rollout with the forwards answering STUDENT_P (policy) / TEACHER_P (teacher) ->
     (forwards run, the StepInputs of the one step)."""
-    from vime_core.trainer import train_step
+    from vime_core.trainer import rollout_training
     from vime_core.trainer.rollout_training import train_on_rollout
 
     forwards, steps = [], []
@@ -107,8 +107,8 @@ def _train(monkeypatch, cfg):
         steps.append(inputs)
         return {"lr": 0.0, "loss": 0.0}
 
-    monkeypatch.setattr(train_step, "forward_log_probs", forward_log_probs)
-    monkeypatch.setattr(train_step, "train_step", step)
+    monkeypatch.setattr(rollout_training, "forward_log_probs", forward_log_probs)
+    monkeypatch.setattr(rollout_training, "train_step", step)
     trainer = SimpleNamespace(
         cfg=cfg,
         layout=SimpleNamespace(dp_size=1, dp_rank=0),

@@ -126,6 +126,8 @@ class _Recorder:
 def test_a_tp_rank_reads_only_its_slices_and_each_file_once(tmp_path, monkeypatch):
     import safetensors
 
+    from vime_core.trainer import hf_convert
+
     arch = architecture_from_hf(tiny_config("qwen3", tie_word_embeddings=False, num_heads=4, num_kv_heads=2))
     hf = _random_hf(arch, False)
     folder = write_sharded(hf, tmp_path, shards=3)
@@ -133,7 +135,7 @@ def test_a_tp_rank_reads_only_its_slices_and_each_file_once(tmp_path, monkeypatc
     per_rank = []
     for rank in range(2):
         recorder = _Recorder(safetensors.safe_open)
-        monkeypatch.setattr(safetensors, "safe_open", recorder)
+        monkeypatch.setattr(hf_convert, "safe_open", recorder)
         shard = dict(iter_megatron_shard(folder, arch, 2, rank))
         monkeypatch.undo()
         assert sorted(recorder.opened) == sorted({p.name for p in folder.glob("*.safetensors")})  # once each

@@ -102,16 +102,12 @@ def test_non_finite_steps_are_a_data_error_the_train_flow_does_not_retry():
 def test_step_optimizer_moves_nothing_on_a_non_finite_step(monkeypatch):
     """step_optimizer around fakes of Megatron's pieces: a NaN gradient means no optimizer step,
     no schedule step, zeroed gradients, grad_norm None; a finite one steps both."""
-    import importlib
-
-    from vime_core.trainer import optimizer as optimizer_module
+    from vime_core.trainer import train_step
     from vime_core.trainer.train_step import step_optimizer
 
-    # the module (megatron.core.distributed re-exports its function under the same name)
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     calls: list[str] = []
-    monkeypatch.setattr(finalize, "finalize_model_grads", lambda models: calls.append("finalize"))
-    monkeypatch.setattr(optimizer_module, "current_lr", lambda opt: 1e-3)
+    monkeypatch.setattr(train_step, "finalize_model_grads", lambda models: calls.append("finalize"))
+    monkeypatch.setattr(train_step, "current_lr", lambda opt: 1e-3)
 
     class Optimizer:
         def step(self):
@@ -142,16 +138,14 @@ def test_a_step_megatron_itself_skips_is_counted_and_logged(monkeypatch, caplog)
     """Megatron's optimizer may refuse a step itself (an fp16 grad scaler's found_inf: step()
     returns not-ok): nothing moved, so it counts as skipped, with a warning, and the schedule
     does not advance."""
-    import importlib
     import logging
 
-    from vime_core.trainer import optimizer as optimizer_module
+    from vime_core.trainer import train_step
     from vime_core.trainer.train_step import step_optimizer
 
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     calls: list[str] = []
-    monkeypatch.setattr(finalize, "finalize_model_grads", lambda models: calls.append("finalize"))
-    monkeypatch.setattr(optimizer_module, "current_lr", lambda opt: 1e-3)
+    monkeypatch.setattr(train_step, "finalize_model_grads", lambda models: calls.append("finalize"))
+    monkeypatch.setattr(train_step, "current_lr", lambda opt: 1e-3)
 
     class RefusingOptimizer:
         def step(self):

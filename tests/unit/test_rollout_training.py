@@ -57,7 +57,7 @@ class _Trainer:
 @pytest.fixture
 def trained(monkeypatch):
     """train_on_rollout(cfg) -> (forwards run, per step: the StepInputs given to train_step)."""
-    from vime_core.trainer import train_step
+    from vime_core.trainer import rollout_training
     from vime_core.trainer.rollout_training import train_on_rollout
 
     def run(cfg):
@@ -72,8 +72,8 @@ def trained(monkeypatch):
             steps.append(inputs)
             return {"lr": 0.0, "loss": 0.0}
 
-        monkeypatch.setattr(train_step, "forward_log_probs", forward_log_probs)
-        monkeypatch.setattr(train_step, "train_step", step)
+        monkeypatch.setattr(rollout_training, "forward_log_probs", forward_log_probs)
+        monkeypatch.setattr(rollout_training, "train_step", step)
         train_on_rollout(_Trainer(cfg, with_ref=cfg.kl_coef > 0 or cfg.use_kl_loss), _batch(cfg))
         return forwards, steps
 
@@ -161,13 +161,13 @@ def test_a_batch_without_engine_log_probs_is_refused_before_any_forward_where_a_
     """A replayed batch generated without log-probs (no flag read them then): the trainer stops
     in one line naming the column and the flag, before a forward or a step."""
     from vime_core.data.validation import UntrainableBatchError
-    from vime_core.trainer import train_step
+    from vime_core.trainer import rollout_training
     from vime_core.trainer.rollout_training import train_on_rollout
 
     cfg = _config(**{flag: True})
     batch = _batch(cfg)
     batch["rollout_log_probs"] = [[] for _ in batch["rollout_log_probs"]]
-    monkeypatch.setattr(train_step, "forward_log_probs", lambda *a, **k: pytest.fail("a forward ran"))
+    monkeypatch.setattr(rollout_training, "forward_log_probs", lambda *a, **k: pytest.fail("a forward ran"))
     with pytest.raises(
         UntrainableBatchError,
         match=rf"^sample 0 \(group 0 index 0, prompt 'p0'\): rollout_log_probs is empty .*and {flag} needs them$",
@@ -202,7 +202,7 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
     sample 1: A = [0 - 0.3]; sample 2: A = [0.4 + 0.5 * 0.6, 1 - 0.4] = [0.7, 0.6]
     returns = A + V; the policy's advantages are A whitened over the step's six tokens. The
     critic steps every rollout; the policy from num_critic_only_steps = 1 on."""
-    from vime_core.trainer import train_step
+    from vime_core.trainer import rollout_training
     from vime_core.trainer.rollout_training import train_on_rollout
 
     cfg = _config(advantage_estimator="ppo", lambd=0.5, num_critic_only_steps=1)
@@ -210,7 +210,7 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
     trainer.critic = _Critic()
     policy_steps, forwards = [], []
     monkeypatch.setattr(
-        train_step,
+        rollout_training,
         "forward_log_probs",
         lambda model, batch, mbs, *a: (
             forwards.append(model)
@@ -218,7 +218,7 @@ def test_ppo_advantages_are_gae_on_the_critics_values_and_both_models_step(monke
         ),
     )
     monkeypatch.setattr(
-        train_step,
+        rollout_training,
         "train_step",
         lambda model, optimizer, inputs, *a, **k: policy_steps.append(inputs) or {"lr": 0.0, "loss": 0.0},
     )

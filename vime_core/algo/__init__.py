@@ -19,7 +19,8 @@ from vime_core.algo.registry import (
 
 
 def _load_builtin_policy_losses() -> None:
-    import vime_core.algo.losses  # noqa: F401  (registers them; imports torch)
+    # boundary: the driver imports this package (the configuration's checks); algo.losses imports torch
+    import vime_core.algo.losses  # noqa: F401  (registers them)
 
 
 def get_policy_loss_fn(name: str) -> Callable:

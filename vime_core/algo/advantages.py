@@ -116,7 +116,7 @@ def masked_whiten(
     Centred two-pass sums (not slime's one-pass sum m x^2 - n mu^2 in float32, which cancels
     catastrophically on flat rewards); whitening over every DP rank together keeps the advantages
     independent of the DP layout."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     lengths = [len(v) for v in values]
     flat = torch.cat(list(values)).double() if values else torch.zeros(0, dtype=torch.float64)
@@ -139,7 +139,7 @@ def _token_rewards(
 ) -> torch.Tensor:
     """r_t = m_t * (-kl_coef * kl_t) + [t = t_K] * reward: the KL penalty on model tokens only, the
     sequence reward at the last model token t_K (none without model tokens)."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     model = loss_mask != 0
     if kl is None:
@@ -154,7 +154,7 @@ def _token_rewards(
 
 def _float32(xs: list[float]) -> torch.Tensor:
     """torch.tensor(xs, dtype=float32), through array("f"): the same rounding, faster."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     return torch.frombuffer(array.array("f", xs), dtype=torch.float32) if xs else torch.zeros(0)
 
@@ -190,7 +190,7 @@ def gae(
     """Over the model tokens t_1 < ... < t_K only (loss_mask != 0; every token when None):
     delta_k = r_{t_k} + gamma V_{t_{k+1}} - V_{t_k};  D_k = delta_k + gamma lambd D_{k+1};
     returns = D + V. The values of other tokens are never read; their D and returns are 0."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     r, v = token_rewards.tolist(), values.float().tolist()
     advantages = [0.0] * len(r)
@@ -246,7 +246,7 @@ def group_broadcast_advantages(
     kl_coef: float = 0.0,
 ) -> AdvantagesAndReturns:
     """A_{i,t} = A_i for every response token t of sample i; returns = advantages."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     _check(rewards, loss_masks)
     advantages = [torch.full((len(m),), float(r), dtype=torch.float32) for r, m in zip(rewards.tolist(), loss_masks)]
@@ -288,7 +288,7 @@ def reinforce_plus_plus_baseline_advantages(
     reduce_sums: Optional[ReduceSums] = None,
 ) -> AdvantagesAndReturns:
     """A = whiten(m_t (A_i - kl_coef * kl_t)) (A_i already group-centred); returns = A."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     _check(rewards, loss_masks, kl=kl)
     raw = []
@@ -369,7 +369,7 @@ def compute_advantages(
     process holds the whole step). It reaches the estimators that declare the parameter (those
     that whiten, and must whiten over the step); a registered estimator without it, whose
     advantages depend on its own sample only, is called with the other arguments as before."""
-    import torch
+    import torch  # boundary: the driver imports this module; torch only in the trainer
 
     fn = get_adv_estimator(advantage_estimator).fn
     rewards_t = torch.as_tensor(rewards, dtype=torch.float32)

@@ -9,8 +9,11 @@ import logging
 import os
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
+from vime_core.algo.shaping import check_overlong_buffer
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
+from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
+from vime_core.wire.shm_format import BACKEND_NAME as SHM
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +157,6 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_opd(cfg)
     _check_async_staleness(cfg)
     _check_loss_scale(cfg)
-    from vime_core.algo.shaping import check_overlong_buffer
-
     check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
@@ -370,9 +371,6 @@ def check_engine_auth(cfg: ConfigFields) -> None:
 
 def _vllm_backends() -> dict[str, str | None]:
     """transport -> the vLLM weight-transfer backend the engines start with (None: none needed)."""
-    from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
-    from vime_core.wire.shm_format import BACKEND_NAME as SHM
-
     return {"ipc": "ipc", "nccl": BROADCAST, "gloo": BROADCAST, "shm": SHM, "disk": None}
 
 

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
+import yaml
 from pydantic import (
     SerializationInfo,
     SerializerFunctionWrapHandler,
@@ -25,6 +26,7 @@ from pydantic import (
 from vime_core.config.derive import derive_in_place
 from vime_core.config.schema import ConfigFields
 from vime_core.config.demo_settings import DEMO_SETTINGS, with_demo_settings
+from vime_core.data.sources import parse_chat_template_kwargs
 from vime_core.utils.secrets import redact_secrets
 
 
@@ -41,15 +43,12 @@ class VimeConfig(ConfigFields):
     @field_validator("apply_chat_template_kwargs", mode="before")
     @classmethod
     def _chat_template_kwargs(cls, value: Any) -> Any:
-        from vime_core.data.sources import parse_chat_template_kwargs
-
         return parse_chat_template_kwargs(value)
 
     @field_validator("storage_endpoint_url")
     @classmethod
     def _storage_endpoint_url(cls, value: str) -> str:
-        # deferred, as the other storage imports here: vime_core.storage loads pyarrow, and
-        # `vime train --help` needs none of it
+        # boundary: `vime train --help` imports this module, and vime_core.storage loads pyarrow
         from vime_core.storage.endpoint import resolve_endpoint_url
 
         return resolve_endpoint_url(value)  # the environment's when empty: once, here
@@ -57,7 +56,7 @@ class VimeConfig(ConfigFields):
     @field_validator("storage_region")
     @classmethod
     def _storage_region(cls, value: str) -> str:
-        from vime_core.storage.endpoint import resolve_region
+        from vime_core.storage.endpoint import resolve_region  # boundary: `vime train --help` (pyarrow)
 
         return resolve_region(value)
 
@@ -159,8 +158,6 @@ def _read_file(path: str | Path) -> dict:
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text)
@@ -230,7 +227,7 @@ def config_hash(cfg: VimeConfig) -> str:
 
 def run_config_uri(storage_uri: str, run_name: str) -> str:
     """Where a run's resolved configuration is kept: `<storage>/reports/<run>/config.json`."""
-    from vime_core.storage.layout import RUN_CONFIG, run_dir
+    from vime_core.storage.layout import RUN_CONFIG, run_dir  # boundary: `vime train --help` (pyarrow)
 
     return f"{run_dir(storage_uri, run_name)}/{RUN_CONFIG}"
 
@@ -238,6 +235,7 @@ def run_config_uri(storage_uri: str, run_name: str) -> str:
 def dump_config(cfg: VimeConfig, path: str | Path) -> str:
     """Write the resolved configuration as JSON at `path`, a local path or a storage URI
     (`s3://...`, opened at the configuration's own S3 endpoint), in one atomic write."""
+    # boundary: `vime train --help` imports this module, and vime_core.storage loads pyarrow
     from vime_core.storage.endpoint import S3Endpoint
     from vime_core.storage.fs import open_parent
 
@@ -250,7 +248,7 @@ def read_run_config(storage_uri: str, run_name: str, endpoint=None) -> VimeConfi
     """The configuration a run was started with (its config.json, local or in object storage;
     `endpoint`: an S3Endpoint, None for this process's environment). ConfigError names the file
     when there is none or it does not validate."""
-    from vime_core.storage.fs import open_parent
+    from vime_core.storage.fs import open_parent  # boundary: `vime train --help` (pyarrow)
 
     uri = run_config_uri(storage_uri, run_name)
     location, name = open_parent(uri, endpoint)

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from transformers import AutoTokenizer
+
 from vime_core.data.prompt_checks import FIRST_ROWS, BadRows, length_problem, prompt_problem, warn_partial_labels
 from vime_core.data.sample import Sample
 from vime_core.data.sources import describe, read_records
@@ -98,8 +100,6 @@ def tokenize_prompt(
 def load_tokenizer(cfg) -> Any:
     if not cfg.hf_checkpoint:
         raise ValueError("hf_checkpoint is empty: the data source needs its tokenizer (or pass tokenizer=)")
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
 
 

@@ -76,12 +76,13 @@ def read_records(spec: str, split: str) -> list[dict]:
 
 
 def _read_file(path: str) -> list[dict]:
+    # boundary: `vime train --help` imports this module (the configuration's chat-template check)
     import fsspec
 
     lower = path.lower()
     try:
         if lower.endswith(".parquet"):
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # boundary: `vime train --help` imports this module (pyarrow)
 
             with fsspec.open(path, "rb") as f:
                 return pq.read_table(f).to_pylist()
@@ -117,7 +118,7 @@ def _read_file(path: str) -> list[dict]:
 
 def _datasets():
     try:
-        import datasets
+        import datasets  # boundary: optional and heavy, only for dataset folders and hub names
     except ImportError:
         raise ImportError(
             "prompt data from a dataset folder or a hub name needs the `datasets` package "
@@ -129,15 +130,13 @@ def _datasets():
 @contextlib.contextmanager
 def _quiet(datasets):
     """No per-split progress bars in the run's log while a dataset loads."""
-    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    was_disabled = are_progress_bars_disabled()
-    disable_progress_bars()
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
     try:
         yield
     finally:
         if not was_disabled:
-            enable_progress_bars()
+            datasets.utils.enable_progress_bars()
 
 
 def _load_folder(folder: str, split: str):

@@ -72,6 +72,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int | None = None):
     """A character-level WordLevel tokenizer saved as tokenizer.json + tokenizer_config.json.
     `vocab_size` beyond the alphabet adds filler tokens `<|fN|>` that no text encodes to, so a
     model with a real-sized vocabulary (e.g. Qwen's 151936) decodes every id it samples."""
+    # boundary: the driver imports this module (run_assets.py); tokenizers, torch and transformers only to build
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,6 +98,7 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     """Build (or reuse) a randomly initialised model and its tokenizer in `out_dir`. `shape`:
     `tiny_config`'s arguments (a larger shape and vocab_size give e.g. a Qwen2-0.5B-shaped
     model on the same task alphabet); weights are written in `torch_dtype`."""
+    # boundary: the driver imports this module (run_assets.py) and reuses a built model without torch
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from vime_core.config.demo_settings import DEMO_SETTINGS, demo_values, with_demo_settings
+from vime_core.config.loader import make_config
 
 __all__ = ["DEMO_SETTINGS", "demo_config", "demo_values", "with_demo_settings"]
 
 
 def demo_config(**fields: Any):
     """A VimeConfig of `fields` over the demo's settings (demo_values)."""
-    from vime_core.config.loader import make_config  # deferred: keeps importing the table cheap
-
     return make_config(demo_values(fields))

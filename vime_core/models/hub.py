@@ -10,6 +10,9 @@ import os
 import re
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
 log = logging.getLogger(__name__)
 
 # What the trainer, vLLM and the tokenizer read; not *.bin/*.pth/onnx/gguf copies of the weights.
@@ -62,9 +65,6 @@ def resolve_hf_checkpoint(value: str, base: Path, field: str = "hf_checkpoint") 
 
 def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "", field: str = "hf_checkpoint") -> Path:
     """The snapshot folder of a hub model, downloaded when online, from the cache offline."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     cache, offline = hub_cache_dir(), hub_offline()
     shown = repo_id + (f"@{revision}" if revision else "")
     try:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 
+from vime_core.report.records import REWARD_CURVE, report_location
+
 
 def _pyplot():
+    # boundary: the driver imports this module at start; matplotlib (heavy) loads in preload() or the first curve
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # boundary: as matplotlib above, and after choosing the Agg backend
 
     return plt
 
@@ -49,8 +52,6 @@ def reward_curve_png(records: list[dict], title: str) -> bytes:
 
 def write_reward_curve(storage_uri: str, run_name: str, png: bytes, endpoint=None) -> str:
     """Replace the run's reward_curve.png (one atomic write); returns its path or URI."""
-    from vime_core.report.records import REWARD_CURVE, report_location
-
     reports = report_location(storage_uri, run_name, endpoint)
     reports.put_atomic(REWARD_CURVE, png)
     return reports.url(REWARD_CURVE)

@@ -9,6 +9,7 @@ import json
 from typing import TYPE_CHECKING, Iterable
 
 from vime_core.step_plan import T_STEP_TERMS
+from vime_core.storage.fs import open_location
 from vime_core.storage.layout import RUN_CONFIG, run_dir
 
 if TYPE_CHECKING:
@@ -22,8 +23,6 @@ METRICS, REWARD_CURVE, SUMMARY = "metrics.jsonl", "reward_curve.png", "summary.j
 
 def report_location(storage_uri: str, run_name: str, endpoint: "S3Endpoint | None" = None) -> "StorageLocation":
     """The run's report folder `<storage>/reports/<run>`, keys being the file names above."""
-    from vime_core.storage.fs import open_location
-
     return open_location(run_dir(storage_uri, run_name), endpoint=endpoint)
 
 

@@ -14,6 +14,10 @@ import threading
 import time
 from typing import Any, Protocol
 
+from vime_core.config.loader import config_dict
+from vime_core.storage.endpoint import S3Endpoint
+from vime_core.storage.fs import open_location
+
 # Trackers stay open across the iteration flow runs of one driver process: opening a W&B run
 # takes a while and starts W&B's service, and each TensorBoard writer opens a new event file.
 _OPEN: dict[str, "Tracking"] = {}
@@ -51,8 +55,6 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
 def report_folder(storage_uri: str, run_name: str, endpoint=None):
     """(StorageLocation of the storage, path inside it) of the run's report folder
     `<storage>/reports/<run>`; `endpoint`: the run's S3Endpoint (None: this process's environment)."""
-    from vime_core.storage.fs import open_location
-
     loc = open_location(storage_uri, endpoint=endpoint)
     return loc, loc.path(f"reports/{run_name}")
 
@@ -76,7 +78,7 @@ class WandbTracker:
         self.run = None
 
     def start(self, config: dict) -> None:
-        import wandb
+        import wandb  # boundary: optional and heavy, only with --use-wandb (module docstring)
 
         if self.folder:
             os.makedirs(self.folder, exist_ok=True)
@@ -119,10 +121,12 @@ class TensorBoardTracker:
         os.makedirs(self.folder, exist_ok=True)  # the configuration is config.json beside it
 
     def log(self, record: dict, step: int) -> None:
+        # boundary: optional and heavy, only with --use-tensorboard (module docstring)
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         if self.writer is None:
+            # boundary: optional (--use-tensorboard)
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
             self.writer = EventFileWriter(self.folder)
@@ -183,8 +187,6 @@ def trackers_for(cfg) -> list[Tracker]:
     trackers: list[Tracker] = []
     if not (cfg.use_wandb or cfg.use_tensorboard):
         return trackers
-    from vime_core.storage.endpoint import S3Endpoint
-
     loc, folder = report_folder(cfg.storage_uri, cfg.run_name, S3Endpoint.of(cfg))
     if cfg.use_wandb:
         # W&B writes its files on the local disk: the run's report folder when that is local
@@ -214,8 +216,6 @@ def track(cfg, record: dict, step: int, last: bool) -> list[str]:
     iteration. Returns warnings for trackers that failed; nothing when no tracker is asked for."""
     if not (cfg.use_wandb or cfg.use_tensorboard):
         return []
-    from vime_core.config.loader import config_dict
-
     warnings: list[str] = []
     key = f"{cfg.storage_uri} {cfg.run_name}"
     with _LOCK:

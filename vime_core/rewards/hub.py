@@ -11,7 +11,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from vime_core.config import VimeConfig
 from vime_core.data.sample import Sample, Status
+from vime_core.rewards.remote import RemoteRewardModel
 from vime_core.rewards.values import InvalidRewardError, as_reward, type_name
 from vime_core.utils.imports import load_function
 
@@ -41,8 +43,6 @@ def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[st
         if not token:
             raise ValueError(f"rm_api_key_file={cfg.rm_api_key_file!r}: the token file is empty")
         return token
-    from vime_core.config import VimeConfig
-
     name = cfg.rm_api_key_env
     token = environ.get(name, "").strip() if name else ""
     if token or not name or name == VimeConfig.model_fields["rm_api_key_env"].default:
@@ -61,8 +61,6 @@ class RewardHub:
             self.name = cfg.custom_rm_path
             self.fn_takes_group = self.group_rm
         elif cfg.rm_type == "remote_rm":
-            from vime_core.rewards.remote import RemoteRewardModel
-
             key = remote_rm_token(cfg)  # read once, here; kept only in the client's headers
             headers = {"Authorization": f"Bearer {key}"} if key else None
             self.fn = RemoteRewardModel(cfg.rm_url, timeout_s=cfg.rm_timeout_s, headers=headers)

@@ -9,6 +9,8 @@ import logging
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
+
 from vime_core.rewards.values import InvalidRewardError, as_reward
 from vime_core.utils.retry import RetryCallState, async_attempts
 
@@ -71,8 +73,6 @@ class RemoteRewardModel:
         return f"RemoteRewardModel(url={url!r}, timeout_s={self.timeout_s}, max_retries={self.max_retries})"
 
     async def __call__(self, sample) -> float:
-        import httpx
-
         body = {
             "prompt": sample.prompt,
             "response": sample.response,

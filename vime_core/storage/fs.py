@@ -193,7 +193,7 @@ def open_parent(uri: str, endpoint: S3Endpoint | None = None) -> tuple[StorageLo
 
 
 def _s3_location(root: str, options: dict, where: S3Endpoint) -> StorageLocation:
-    import s3fs
+    import s3fs  # boundary: the driver imports this module at start; s3fs (heavy) only for s3:// storage
 
     endpoint = options.pop("endpoint_url", None) or where.url
     client_kwargs = dict(options.pop("client_kwargs", {}))

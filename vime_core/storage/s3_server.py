@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import s3fs
+
 from vime_core.utils.processes import free_port, log_tail, pid_alive
 
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
@@ -114,8 +116,6 @@ def server_status(data_dir: str | Path) -> S3Server | None:
 
 
 def _ready(endpoint: str, bucket: str) -> bool:
-    import s3fs
-
     fs = s3fs.S3FileSystem(
         endpoint_url=endpoint,
         skip_instance_cache=True,

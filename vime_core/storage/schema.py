@@ -19,6 +19,7 @@ import json
 import numbers
 import subprocess
 from dataclasses import asdict, is_dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,8 +126,6 @@ def code_version() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             return f"vime-{version('vime')}"
         except PackageNotFoundError:

@@ -17,7 +17,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from vime_core.report.records import run_dir
 from vime_core.storage.endpoint import S3Endpoint
+from vime_core.storage.fs import open_location
 
 FORMAT = "vime-trainer-checkpoint"
 FORMAT_VERSION = 1
@@ -33,8 +35,6 @@ def checkpoint_root(cfg: Any, critic: bool = False) -> str:
     files go: `<critic_save>/<run>` when critic_save is set, else the same."""
     if critic and cfg.critic_save:
         return f"{cfg.critic_save.rstrip('/')}/{cfg.run_name}"
-    from vime_core.report.records import run_dir
-
     return run_dir(cfg.storage_uri, cfg.run_name, "checkpoints")
 
 
@@ -57,8 +57,6 @@ def save_rank_state(
     path: str, rank: int, state: dict[str, Any], endpoint: Optional[S3Endpoint] = None, critic: bool = False
 ) -> str:
     """One rank's file (its critic's with `critic`)."""
-    from vime_core.storage.fs import open_location
-
     name = rank_file_name(rank, critic)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -67,16 +65,12 @@ def save_rank_state(
 
 
 def write_manifest(path: str, manifest: dict[str, Any], endpoint: Optional[S3Endpoint] = None) -> None:
-    from vime_core.storage.fs import open_location
-
     body = {"format": FORMAT, "version": FORMAT_VERSION, "created_at": time.time(), **manifest}
     open_location(path, endpoint=endpoint).put_atomic(MANIFEST, json.dumps(body, indent=2).encode())
 
 
 def _read(path: str, name: str, missing: str, endpoint: Optional[S3Endpoint] = None) -> bytes:
     """The bytes of `name` in the checkpoint folder `path`; CheckpointError(`missing`) if absent."""
-    from vime_core.storage.fs import open_location
-
     try:
         return open_location(path, endpoint=endpoint).get(name)
     except FileNotFoundError:
@@ -154,8 +148,6 @@ def latest_checkpoint(cfg: Any) -> Optional[str]:
 
 def finished_checkpoints(cfg: Any) -> list[tuple[int, str]]:
     """(rollout id, folder) of every finished checkpoint of the run (its manifest written), by rollout id."""
-    from vime_core.storage.fs import open_location
-
     root = checkpoint_root(cfg)
     location = open_location(root, endpoint=S3Endpoint.of(cfg))
     try:
@@ -168,6 +160,7 @@ def finished_checkpoints(cfg: Any) -> list[tuple[int, str]]:
 
 def capture_rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from (torch CPU/CUDA, Megatron's tracker, python, numpy)."""
+    # boundary: the driver imports this module (tasks/bootstrap: latest_checkpoint); megatron only in the trainer
     from megatron.core import tensor_parallel
 
     state: dict[str, Any] = {
@@ -182,6 +175,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    # boundary: the driver imports this module (tasks/bootstrap: latest_checkpoint); megatron only in the trainer
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])

@@ -66,6 +66,7 @@ def seed_everything(seed: int) -> None:
 
     On a GPU this also seeds the CUDA tracker the way ``model_parallel_cuda_manual_seed`` does.
     """
+    # boundary: this module must import before megatron.core (the triton stub goes in first)
     from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)

@@ -6,11 +6,33 @@ after each of the policy's, on the clipped value loss (algo/value_loss.py)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from vime_core.algo.losses import aggregate_loss
+from vime_core.algo.value_loss import clipped_value_loss, explained_variance_from_moments
+from vime_core.trainer.hf_convert import unwrap
+from vime_core.trainer.logprobs import forward_packed, hidden_states_only
+from vime_core.trainer.model import architecture_from_hf, read_hf_config
 from vime_core.trainer.nonfinite import SkipCounter
+from vime_core.trainer.offload import offload, onload
+from vime_core.trainer.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+    optimizer_state,
+    restore_scheduler,
+)
+from vime_core.trainer.packing import to_device
+from vime_core.trainer.train_step import (
+    _Accumulator,
+    gather_per_token,
+    make_micro_batch,
+    split_per_sample,
+    step_optimizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +63,6 @@ def add_value_head(gpt: Any, dtype: torch.dtype) -> torch.nn.Linear:
 
 def forward_values(model: Any, packed: Any) -> torch.Tensor:
     """V_t of every response token of a packed micro-batch, flat over its samples, float32."""
-    from vime_core.trainer.hf_convert import unwrap
-    from vime_core.trainer.logprobs import forward_packed, hidden_states_only
-
     gpt = unwrap(model)
     with hidden_states_only(gpt):
         hidden = forward_packed(model, packed)  # [T, 1, hidden]
@@ -82,8 +101,6 @@ class Critic:
         """From critic_load, else the policy's HF folder ``policy_checkpoint``. ``load_body(arch,
         checkpoint)``: the trainer's GPTModel of this rank loaded from an HF folder;
         ``wrap_ddp``: the trainer's DDP wrapper."""
-        from vime_core.trainer.optimizer import build_optimizer, build_scheduler
-
         source = cfg.critic_load or policy_checkpoint
         arch = _critic_arch(cfg.critic_load, policy_arch) if cfg.critic_load else policy_arch
         body = load_body(arch, source)
@@ -101,8 +118,6 @@ class Critic:
         self, batch: Mapping[str, Sequence[Any]], micro_batches: Sequence[Sequence[int]]
     ) -> dict[int, torch.Tensor]:
         """V_old of every sample of ``micro_batches``, per sample on the CPU (where GAE runs)."""
-        from vime_core.trainer.train_step import make_micro_batch, split_per_sample
-
         out: dict[int, torch.Tensor] = {}
         for indices in micro_batches:
             mb = make_micro_batch(batch, indices, self.device)
@@ -121,9 +136,6 @@ class Critic:
     ) -> dict[str, float]:
         """One optimizer step of the value loss over this rank's micro-batches of the step (the
         policy's train_step, with the value loss): returns the critic's metrics."""
-        from vime_core.algo.value_loss import explained_variance_from_moments
-        from vime_core.trainer.train_step import _Accumulator, make_micro_batch, step_optimizer
-
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         acc = _Accumulator(keys=CRITIC_METRIC_SUMS)
@@ -155,11 +167,6 @@ class Critic:
         old_values: Mapping[int, torch.Tensor],
         acc: Any,
     ) -> torch.Tensor:
-        from vime_core.algo.losses import aggregate_loss
-        from vime_core.algo.value_loss import clipped_value_loss
-        from vime_core.trainer.packing import to_device
-        from vime_core.trainer.train_step import gather_per_token
-
         values = forward_values(self.model, mb.packed)
         target = to_device(gather_per_token(returns, mb.indices), values.device)
         old = to_device(gather_per_token(old_values, mb.indices), values.device)
@@ -184,13 +191,9 @@ class Critic:
 
     def state(self) -> dict[str, Any]:
         """What a rank's critic file keeps: weights (body and head), optimizer, schedule."""
-        from vime_core.trainer.optimizer import optimizer_state
-
         return {"model": self.model.state_dict(), **optimizer_state(self.optimizer, self.scheduler)}
 
     def load_state(self, state: Mapping[str, Any], where: str) -> None:
-        from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
-
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, dict(state), where)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
@@ -201,8 +204,6 @@ class Critic:
     def sleep(self) -> int:
         """Weights, optimizer state and gradient buffers to the host (nothing reads the critic
         until the next train); bytes freed (0 on CPU)."""
-        from vime_core.trainer.offload import offload
-
         if self.device.type != "cuda" or self._asleep:
             return 0
         freed, self._offloaded = offload(self.model, self.optimizer)
@@ -210,8 +211,6 @@ class Critic:
         return freed
 
     def wake(self) -> int:
-        from vime_core.trainer.offload import onload
-
         if not self._asleep:
             return 0
         allocated = onload(self.model, self._offloaded)
@@ -221,10 +220,6 @@ class Critic:
 
 def _critic_arch(path: str, policy_arch: Any) -> Any:
     """The architecture of critic_load, which must read the policy's token ids."""
-    from pathlib import Path
-
-    from vime_core.trainer.model import architecture_from_hf, read_hf_config
-
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"critic_load={path!r}: no HF checkpoint there (config.json missing)")
     arch = architecture_from_hf(read_hf_config(path))

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from vime_core.trainer.model import HFArchitecture, padded_vocab_size
 
@@ -210,8 +213,6 @@ def tensor_files(checkpoint_dir: str | Path) -> dict[str, Path]:
     """Which file holds each tensor: the index's ``weight_map`` when the folder has
     ``model.safetensors.index.json``, else the headers of its ``*.safetensors`` files (one file
     is the unsharded case)."""
-    from safetensors import safe_open
-
     folder = Path(checkpoint_dir)
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
@@ -236,8 +237,6 @@ def tensor_files(checkpoint_dir: str | Path) -> dict[str, Path]:
 def read_hf_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, whole (single file or sharded): for tests and tools; the
     trainer reads its TP slices with ``iter_megatron_shard``."""
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(set(tensor_files(checkpoint_dir).values())):
         tensors.update(load_file(str(f)))
@@ -254,8 +253,6 @@ def iter_megatron_shard(
     ``get_slice`` as just the range this rank holds (``rank_range``): a rank never materialises
     a TP-split tensor whole. A parameter is yielded as soon as its last HF tensor is read; only
     the parts of parameters whose tensors span files wait (a few layers' worth at most)."""
-    from safetensors import safe_open
-
     source = str(checkpoint_dir)
     located = tensor_files(checkpoint_dir)
     check_hf_names(located, arch, source)
@@ -366,8 +363,6 @@ def iter_hf_weights(
     yielded tensors (default: the parameters' dtype). At TP=1 replicated and unsplit tensors
     are detached views of the parameters: copy before mutating them.
     """
-    from megatron.core import parallel_state
-
     bare = unwrap(model)
     arch = arch or bare.vime_hf_arch
     tp = parallel_state.get_tensor_model_parallel_world_size()

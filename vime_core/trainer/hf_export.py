@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors.torch import save_file
 
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.folders import publish_folder, staging_dir
@@ -39,8 +40,6 @@ def write_hf_folder(
     """Write ``named_tensors`` plus the source folder's config and tokenizer files at ``path``
     (module docstring); ``endpoint``: the run's S3 server (None: this process's environment).
     Returns where the folder is: ``path``, or on an object store ``path/<label>-<random>``."""
-    from safetensors.torch import save_file
-
     source = Path(source_dir)
     config = json.loads((source / "config.json").read_text())
     dtype = source_dtype(config)

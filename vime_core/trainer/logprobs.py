@@ -17,8 +17,15 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
 from vime_core.trainer.compiled import run_compiled
+from vime_core.trainer.hf_convert import unwrap
 from vime_core.trainer.truncation import (
     Collectives,
     ProcessGroupCollectives,
@@ -66,9 +73,6 @@ def log_probs_and_entropy(
     entropy [N] or None), float32; the entropy is differentiable only when ``entropy_grad``
     (a metric-only entropy skips building its backward graph). ``sampling``: the temperature, or
     the whole ``Sampling`` (with top-k / top-p: over the kept set: truncation.py)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     sampling = as_sampling(sampling)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     y = logits.float()
@@ -93,8 +97,6 @@ def _full_head_weights(
     y: torch.Tensor, targets: torch.Tensor, vocab_size: int, sampling: Sampling, tp_rank: int
 ) -> torch.Tensor:
     """w_v of the kept set over this rank's [N, V/tp] slice (padding 0)."""
-    from megatron.core import parallel_state
-
     per_rank = y.shape[-1]
     start = tp_rank * per_rank
     valid = max(0, min(per_rank, vocab_size - start))
@@ -114,9 +116,6 @@ def _tp_collectives(parallel_state: Any) -> Optional[Collectives]:
 def _vocab_parallel_entropy(y: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """H = logsumexp(y) - sum p y over the TP-split last dimension (formula in the docstring);
     with ``weights`` w, over the kept set: every sum's terms weighted by w."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
     y_max = y.detach().max(dim=-1, keepdim=True).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(
@@ -162,8 +161,6 @@ def packed_response_log_probs(
     """Forward a packed micro-batch and return its response tokens' log-probs (and entropy),
     flat over the samples in order (``sum(response_lengths)`` long), float32. ``sampling``: the
     rollout's temperature, or its ``Sampling`` (temperature, top-k, top-p: truncation.py)."""
-    from vime_core.trainer.hf_convert import unwrap
-
     gpt = unwrap(model)
     with hidden_states_only(gpt):
         hidden = forward_packed(model, packed)  # [T, 1, hidden]: the decoder's output after the final norm
@@ -213,9 +210,6 @@ def response_log_probs(
 
     The entropy is differentiable only when ``entropy_grad``; otherwise it is a metric computed
     in the same pass (no backward work). ``sampling``: the temperature, or the ``Sampling``."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     sampling = as_sampling(sampling)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     comm = _tp_collectives(parallel_state)

@@ -11,6 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vime_core.trainer import compat_cpu, rope
+from vime_core.trainer.attention import SDPACoreAttention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -140,14 +153,9 @@ def transformer_config(
     Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
     SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
     Engine or apex and stay off."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     check_tp_divides(arch, tp_size)
     fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
     if fusions["apply_rope_fusion"]:
-        from vime_core.trainer import rope
-
         rope.install()  # before the config: its checks look for a fused RoPE
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -202,10 +210,6 @@ def fusion_settings(cfg: Any, device: torch.device | str) -> dict[str, bool]:
 
 def layer_spec(arch: HFArchitecture) -> Any:
     """The local layer spec with SDPA core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from vime_core.trainer.attention import SDPACoreAttention
-
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
@@ -223,10 +227,6 @@ def build_gpt_model(
 
     The output layer returns vocabulary-parallel logits [b, s, padded_vocab / tp].
     """
-    from megatron.core.models.gpt import GPTModel
-
-    from vime_core.trainer import compat_cpu
-
     compat_cpu.activate()
     model = GPTModel(
         config=transformer_config(arch, tp_size, dtype, recompute, fusions),
@@ -275,13 +275,6 @@ def mark_tensor_parallel_params(model: Any) -> None:
     other ranks' shards. Column-parallel weights/biases and vocabulary-parallel embeddings are
     split on dim 0, row-parallel weights on dim 1 (their biases are replicated).
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             splits = [(getattr(module, "weight", None), 0), (getattr(module, "bias", None), 0)]

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from vime_core.utils.device_memory import processes_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -140,8 +142,6 @@ def device_memory() -> dict[str, int]:
     workspaces); empty on CPU."""
     if not torch.cuda.is_available():
         return {}
-    from vime_core.utils.device_memory import processes_bytes
-
     return {
         "allocated_bytes": torch.cuda.memory_allocated(),
         "reserved_bytes": torch.cuda.memory_reserved(),

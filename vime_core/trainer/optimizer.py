@@ -14,6 +14,12 @@ import logging
 from typing import Any, Optional
 
 import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+
+from vime_core.config.optimizer import lr_warmup_steps
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +29,12 @@ GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
 
 
 def ddp_config(cfg: Any) -> Any:
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
     )
 
 
 def optimizer_config(cfg: Any, dtype: torch.dtype) -> Any:
-    from megatron.core.optimizer import OptimizerConfig
-
     return OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -50,17 +52,11 @@ def optimizer_config(cfg: Any, dtype: torch.dtype) -> Any:
 
 def build_optimizer(cfg: Any, model: Any, dtype: torch.dtype) -> Any:
     """Megatron's optimizer over the DDP-wrapped ``model`` (a ChainedOptimizer of its parts)."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
     return get_megatron_optimizer(optimizer_config(cfg, dtype), [model], use_gloo_process_groups=False)
 
 
 def build_scheduler(cfg: Any, optimizer: Any) -> Any:
     """Megatron's scheduler at step 0 (it sets the first step's lr on the parameter groups)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from vime_core.config.optimizer import lr_warmup_steps
-
     return OptimizerParamScheduler(
         optimizer,
         init_lr=cfg.lr_warmup_init,
@@ -80,8 +76,6 @@ def build_scheduler(cfg: Any, optimizer: Any) -> Any:
 
 def current_lr(optimizer: Any) -> float:
     """The learning rate the next optimizer step uses (the schedule's, on the default groups)."""
-    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
-
     lr = get_canonical_lr_for_logging(optimizer.param_groups)
     return float(lr if lr is not None else optimizer.param_groups[0]["lr"])
 
@@ -90,8 +84,6 @@ def current_lr(optimizer: Any) -> float:
 
 
 def _distributed_parts(optimizer: Any) -> list[Any]:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [p for p in parts if isinstance(p, DistributedOptimizer)]
 

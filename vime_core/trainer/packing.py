@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
@@ -32,8 +33,6 @@ class PackedMicroBatch:
         return int(self.input_ids.shape[1])
 
     def packed_seq_params(self) -> Any:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,

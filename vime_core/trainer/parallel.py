@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 
+from vime_core.trainer import compat_cpu
 from vime_core.utils.processes import free_port  # noqa: F401  (re-exported: single-machine process groups)
 
 
@@ -46,10 +48,6 @@ def init_parallel(
     timeout_s: float = 600.0,
 ) -> ParallelLayout:
     """Join the process group and create Megatron's TP/DP groups (idempotent in a process)."""
-    from megatron.core import parallel_state
-
-    from vime_core.trainer import compat_cpu
-
     layout = layout_for(rank, world_size, tp_size)
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
@@ -75,8 +73,6 @@ def init_parallel(
 
 def destroy_parallel() -> None:
     """Leave the process group and forget Megatron's groups (for tests and shutdown)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():

@@ -6,6 +6,16 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from megatron.core import parallel_state
+
+from vime_core.algo.advantages import apply_opd_kl, compute_advantages
+from vime_core.algo.gates import can_reuse_log_probs_in_loss
+from vime_core.algo.kl import compute_approx_kl
+from vime_core.config.derive import rollout_logprob_readers
+from vime_core.data.schedule import build_dp_schedule
+from vime_core.data.validation import validate_trainable
+from vime_core.trainer.train_step import StepDenominators, StepInputs, forward_log_probs, train_step
+from vime_core.trainer.truncation import Sampling
 
 
 def advantage_column(batch: Mapping[str, Sequence[Any]]) -> Sequence[float]:
@@ -65,9 +75,6 @@ def step_advantages(
     """(advantages, returns) of `indices` (this rank's share of one step), per sample; `values`:
     the critic's V_old (ppo); `teacher`: the teacher's log-probs (use_opd); `reduce_sums`: dp_sum
     when the step is spread over DP ranks (the whitening then covers the whole step), else None."""
-    from vime_core.algo.advantages import apply_opd_kl, compute_advantages
-    from vime_core.algo.kl import compute_approx_kl
-
     scalars = advantage_column(batch)
     kl = None
     if cfg.kl_coef > 0:
@@ -124,20 +131,6 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
                     then apply_opd_kl when use_opd
         steps       the critic's optimizer step, then the policy's; rollout ids below
                     num_critic_only_steps train the critic only"""
-    from megatron.core import parallel_state
-
-    from vime_core.algo.gates import can_reuse_log_probs_in_loss
-    from vime_core.config.derive import rollout_logprob_readers
-    from vime_core.data.schedule import build_dp_schedule
-    from vime_core.data.validation import validate_trainable
-    from vime_core.trainer.train_step import (
-        StepDenominators,
-        StepInputs,
-        forward_log_probs,
-        train_step,
-    )
-    from vime_core.trainer.truncation import Sampling
-
     cfg, lay = trainer.cfg, trainer.layout
     # the trainability check (train_step.check_batch's), with the engines' log-probs required
     # where a flag reads them: a replayed batch stored without them stops here, naming the column

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
 
 from vime_core.trainer.compiled import run_compiled
+from vime_core.trainer.packing import to_device
 
 # (cu_seqlens, freqs, dtype, device) -> (cos, sin) of the last micro-batch: strong references, so
 # the identities compared below cannot be reused by other tensors while cached.
@@ -33,8 +35,6 @@ def cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -
     global _last
     if _last is not None and _last[0] is cu_seqlens and _last[1] is freqs and _last[2] == dtype:
         return _last[3], _last[4]
-    from vime_core.trainer.packing import to_device
-
     positions = to_device(packed_positions(cu_seqlens), freqs.device)
     angles = freqs.reshape(freqs.shape[0], freqs.shape[-1]).index_select(0, positions).unsqueeze(1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -66,16 +66,12 @@ def packed_rope(
 
 
 def _unfused_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, **kwargs: Any) -> torch.Tensor:
-    from megatron.core.models.common.embeddings import rope_utils
-
     return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
 
 
 def install() -> None:
     """Fill Megatron's RoPE-fusion hooks: ``packed_rope`` for THD, Megatron's unfused code for the
     [s, b, h, d] layout. Idempotent; hooks Transformer Engine already filled are kept."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     if rope_utils.fused_apply_rotary_pos_emb_thd is None:
         rope_utils.fused_apply_rotary_pos_emb_thd = packed_rope
     if rope_utils.fused_apply_rotary_pos_emb is None:

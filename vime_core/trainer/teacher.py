@@ -7,6 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from vime_core.trainer.model import read_hf_config
+
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -18,10 +22,6 @@ def tokenizer_file(folder: Path) -> Path | None:
 def check_teacher_checkpoint(student: str | Path, teacher: str | Path) -> dict[str, Any]:
     """The teacher's HF config after checking its vocabulary against the student's (module
     docstring); FileNotFoundError or ValueError naming the teacher's file otherwise."""
-    from transformers import AutoTokenizer
-
-    from vime_core.trainer.model import read_hf_config
-
     student, teacher = Path(student), Path(teacher)
     config = teacher / "config.json"
     if not config.is_file():

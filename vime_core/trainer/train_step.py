@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+from vime_core.algo import get_policy_loss_fn
+from vime_core.algo.kl import compute_approx_kl
+from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, rollout_is_weights
+from vime_core.data.validation import validate_trainable
 from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
+from vime_core.trainer.optimizer import current_lr
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
@@ -44,8 +50,6 @@ METRIC_SUMS = (
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
     """Number of samples; raises naming the column and row that the trainer cannot train on
     (the one check the rollout side applies too: vime_core/data/validation.py)."""
-    from vime_core.data.validation import validate_trainable
-
     return validate_trainable(batch)
 
 
@@ -192,10 +196,6 @@ def micro_batch_loss(
     (can_reuse_log_probs_in_loss: the policy has not moved yet), or a no-grad forward beforehand. A
     token tis_mode=mask rejects (w = 0) adds nothing and still counts in agg's and D's denominators
     (as slime; verl drops it from the mean), so a rejected sample shrinks the step."""
-    from vime_core.algo import get_policy_loss_fn
-    from vime_core.algo.kl import compute_approx_kl
-    from vime_core.algo.losses import PolicyLossParams, aggregate_loss, policy_loss_name, rollout_is_weights
-
     log_probs, entropy = packed_response_log_probs(
         model, mb.packed, vocab_size, Sampling.of(cfg), with_entropy=True, entropy_grad=cfg.entropy_coef > 0
     )
@@ -310,10 +310,6 @@ def step_optimizer(
     given), else nothing moves and the gradients are zeroed. ``skips`` counts the skipped steps in a
     row and raises past max_skipped_steps (None: a count of this step alone). Returns (grad_norm,
     lr), grad_norm None for a skipped step. The policy's step and the critic's (trainer/critic.py)."""
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-    from vime_core.trainer.optimizer import current_lr
-
     # Average the accumulated grads over DP, and sum over TP the grads of parameters that each
     # TP rank only sees part of (Qwen3's per-head q/k norms).
     finalize_model_grads([model])

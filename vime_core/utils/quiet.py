@@ -44,6 +44,7 @@ def quiet_ray_daemons() -> bool:
     log_to_driver) with `drop_ray_daemon_noise`; False when Ray has no such handler (then
     nothing changes). Idempotent."""
     try:
+        # boundary: vime_core.trainer imports this module without Ray; a private module a release may lack
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
         return False

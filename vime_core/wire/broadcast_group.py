@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NCCL_UNIQUE_ID_BYTES = 128
@@ -58,8 +59,6 @@ def pooled_host_buffer(pool: list[torch.Tensor], index: int, nbytes: int) -> tor
 
 class GlooGroup(BroadcastGroup):
     def __init__(self, store: Any, host: str, rank: int, world_size: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-
         options = dist.ProcessGroupGloo._Options()
         # A loopback rendezvous keeps the mesh on loopback; otherwise gloo takes this host's name
         device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host in LOOPBACK else socket.gethostname())
@@ -68,8 +67,6 @@ class GlooGroup(BroadcastGroup):
         self._group = dist.ProcessGroupGloo(dist.PrefixStore("vime-broadcast", store), rank, world_size, options)
 
     def broadcast(self, buffer: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         self._group.broadcast([buffer], options).wait()
@@ -89,8 +86,6 @@ class GlooGroup(BroadcastGroup):
 def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dict, Any]:
     """Rank 0's TCP store on a socket bound to `host` (torch's own would listen on every
     interface); port chosen by the OS."""
-    import torch.distributed as dist
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -299,8 +294,6 @@ def open_group(
     if carrier == "nccl":
         return NcclGroup(rendezvous["unique_id"], rank, world_size, device, timeout_s)
     if carrier == "gloo":
-        import torch.distributed as dist
-
         host, port = rendezvous["host"], int(rendezvous["port"])
         store = (
             local

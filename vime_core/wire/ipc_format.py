@@ -14,7 +14,7 @@ DEVICE_UUID_RPC = "vime_device_uuid"  # the worker extension's method that answe
 
 def gpu_uuid(index: int) -> str:
     """CUDA device `index`'s UUID, the key of its handle in `ipc_handles_pickled`."""
-    import torch
+    import torch  # boundary: the wire formats load without torch (wire/__init__.py)
 
     return str(torch.cuda.get_device_properties(index).uuid)
 

@@ -60,7 +60,7 @@ def bucket_views(
 ) -> list[tuple[str, "torch.Tensor"]]:
     """(name, tensor) views of a received bucket: tensor i is `dtype_names[i]` of `shapes[i]`,
     C-contiguous from byte `offsets[i]` of the uint8 buffer `flat` (zero copies)."""
-    import torch
+    import torch  # boundary: the wire formats load without torch (wire/__init__.py): the driver reads them
 
     views = []
     for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets):

@@ -12,6 +12,12 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+try:  # the CPU build's vLLM (0.32); 0.26, the GPU hosts' release, has neither the check nor this module
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+except ImportError:
+    disable_mtp_completeness_check = None
 
 
 @dataclass
@@ -67,9 +73,7 @@ def _no_mtp_completeness_check() -> contextlib.AbstractContextManager:
     """The CPU build's vLLM (0.32) checks that a load brought a model's MTP weights too, which one
     bucket of an update never does (its own backends switch the check off the same way); 0.26,
     the GPU hosts' release, has neither the check nor its module."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:
+    if disable_mtp_completeness_check is None:
         return contextlib.nullcontext()
     return disable_mtp_completeness_check()
 
@@ -85,8 +89,6 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
         self.stats = UpdateStats()
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self.release_received()
         self.stats = UpdateStats()
         initialize_layerwise_reload(self.model)
@@ -110,8 +112,6 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
         self.stats.loaded_names.update(name for name, _ in weights)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         t0 = time.perf_counter()
         try:
             with torch.no_grad():

@@ -31,6 +31,7 @@ def _installed_vllm_version(lookup):
 
 def main() -> None:
     metadata.version = _installed_vllm_version(metadata.version)
+    # boundary: the trainer's environment imports this module (vllm_api.py); vllm imports after the patch
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *sys.argv[1:]]

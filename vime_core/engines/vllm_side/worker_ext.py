@@ -8,6 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+from vime_core.engines.vllm_side.reload_session import refresh_tied_layers
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
 from vime_core.wire.ipc_format import gpu_uuid
 from vime_core.wire.shm_format import BACKEND_NAME
@@ -21,8 +25,6 @@ BACKENDS = {  # name -> (module, class), registered with vLLM when a worker impo
 
 
 def _register_backends() -> None:
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
-
     for name, (module, cls) in BACKENDS.items():
         try:
             WeightTransferEngineFactory.register_engine(name, module, cls)
@@ -54,10 +56,6 @@ class VimeWorkerExtension:
     def vime_reload_weights(self, weights_path: str) -> None:
         """vLLM's `reload_weights(weights_path=...)` plus the tied-layer refresh it lacks on CPU
         (see `reload_session.refresh_tied_layers`)."""
-        import torch
-
-        from vime_core.engines.vllm_side.reload_session import refresh_tied_layers
-
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         with torch.no_grad():
             refresh_tied_layers(self.get_model())  # type: ignore[attr-defined]
@@ -69,8 +67,6 @@ class VimeWorkerExtension:
 
     def vime_device_uuid(self) -> str | None:
         """This worker's GPU as the trainer names it in CUDA IPC handles (None without CUDA)."""
-        import torch
-
         if not torch.cuda.is_available():
             return None
         return gpu_uuid(torch.cuda.current_device())
