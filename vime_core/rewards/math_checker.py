@@ -1,4 +1,4 @@
-"""Rule-based math answer checking: reward = 1.0 if equivalent(answer(response), reference) else 0.0.
+r"""Rule-based math answer checking: reward = 1.0 if equivalent(answer(response), reference) else 0.0.
 
     answer(text) = the last \boxed{...} (or \fbox{...}), else the last number in the text
     reference    = the label's last \boxed{...}, else what follows its last "####" (GSM8K), else the label
