@@ -212,9 +212,8 @@ class ConfigFields(BaseModel):
         description=(
             "With offload_train on a GPU: pin the host memory the trainer's first sleep copies its weights and fp32 "
             "main parameters to while the trainer starts (beside the engines' start), so that sleep, on the way to "
-            "the first iteration, only copies (vime_core/trainer/offload.py, prepin_host_memory): on one H200 at 0.5B "
-            "it took the first sleep from 2.2-2.3 s to 0.1 s (docs/measurements.md). False: the first sleep pins its "
-            "own."
+            "the first iteration, only copies (vime_core/trainer/offload.py, prepin_host_memory). False: the first "
+            "sleep pins its own."
         ),
     )
     device: Literal["cpu", "cuda"] = Field("cuda", description="Device of trainer actors and engines.")
