@@ -14,6 +14,7 @@
                              engines' log-probs (needs_rollout_logprobs) only when one is set
     loss_scale_factor      = rollout_max_response_len       (when unset and loss_agg_mode=seq_mean_token_sum_norm)
     lr_decay_iters, recompute defaults: vime_core/config/optimizer.py (with its checks)
+    target_modules         = the HF names of the adapted layers (all-linear expanded): config/lora.py
 
 Contradictions raise `ValueError` naming the fields; pydantic reports them at parse time.
 
@@ -28,6 +29,7 @@ import logging
 import os
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
+from vime_core.config.lora import check_lora
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
 
@@ -167,6 +169,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_critic(cfg)
+    check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
     _check_fill_bound(cfg)
     check_engine_auth(cfg)
