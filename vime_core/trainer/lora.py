@@ -69,13 +69,17 @@ class LoRAAdapter(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
-        u = torch.nn.functional.linear(self.dropout(x.to(self.A.dtype)), self.A)
+        x = x.to(self.A.dtype)
+        if torch.is_grad_enabled():  # the training forward only: log-prob passes (no_grad) are deterministic
+            x = self.dropout(x)
+        u = torch.nn.functional.linear(x, self.A)
         u = reduce_from_tensor_model_parallel_region(u) if self.row else copy_to_tensor_model_parallel_region(u)
         return torch.nn.functional.linear(u, self.B) * self.scale
 
-    def delta_weight(self) -> torch.Tensor:
-        """This rank's part of s B A, shaped like its shard of W."""
-        return (self.B.float() @ self.A.float()) * self.scale
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of W + s B A (W's shard, dtype and device), summed in fp32."""
+        delta = (self.B.detach().float() @ self.A.detach().float()) * self.scale
+        return (weight.detach().float() + delta).to(weight.dtype)
 
 
 def _add_adapter(module: Any, args: tuple, output: Any) -> Any:
@@ -164,11 +168,8 @@ def load_full_adapter(
 
 def merged_weight(module: Any) -> torch.Tensor:
     """This rank's W + s B A of an adapted layer in W's dtype (W itself when not adapted)."""
-    weight = module.weight.detach()
     adapter = getattr(module, "lora", None)
-    if adapter is None:
-        return weight
-    return (weight.float() + adapter.delta_weight()).to(weight.dtype)
+    return module.weight.detach() if adapter is None else adapter.merged(module.weight)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ log-probs, advantages, then ``num_steps`` optimizer steps.
                 can_reuse_log_probs_in_loss (then each step uses its own detached log-probs);
                 skipped when use_rollout_logprobs without get_mismatch_metrics
     reference   a forward of the frozen reference policy (ref_load, else the initial weights) when a KL
-                term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0)
+                term needs it (gates.needs_reference: use_kl_loss or kl_coef > 0); with LoRA and no
+                ref_load, the policy's forward with its adapters off (trainer/lora.py)
     teacher     a forward of the frozen teacher (opd_teacher_load) when use_opd (gates.needs_teacher)
     values      with a critic (ppo): V_old, the critic's values of all of this rank's samples, once
                 before the first step (vime_core/trainer/critic.py)
@@ -34,6 +35,7 @@ num_steps (the policy's optimizer steps) and tokens.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -134,6 +136,7 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     from vime_core.config.derive import rollout_logprob_readers
     from vime_core.data.schedule import build_dp_schedule
     from vime_core.data.validation import validate_trainable
+    from vime_core.trainer.lora import adapters_disabled
     from vime_core.trainer.train_step import (
         StepDenominators,
         StepInputs,
@@ -161,8 +164,13 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device) if need_old else None
-    need_ref = trainer.ref_model is not None and policy_forwards
-    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, sampling, device) if need_ref else None
+    # LoRA: the reference is the policy with its adapters off (no second copy of the weights)
+    ref_is_base = getattr(trainer, "ref_is_base_model", False)
+    ref = None
+    if (trainer.ref_model is not None or ref_is_base) and policy_forwards:
+        with adapters_disabled(trainer.model) if ref_is_base else contextlib.nullcontext():
+            ref_model = trainer.model if ref_is_base else trainer.ref_model
+            ref = forward_log_probs(ref_model, batch, all_mine, vocab, sampling, device)
     teacher = (
         forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
         if trainer.teacher_model is not None

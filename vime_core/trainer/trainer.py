@@ -3,7 +3,8 @@
 Lifecycle: ``__init__`` only records who it is; ``init(hf_checkpoint)`` joins the process group,
 builds the Megatron model (TP shard), loads the HF weights, wraps it in Megatron's DDP and builds
 Megatron's optimizer (Adam; fp32 on CPU, bf16 params with fp32 main params on GPUs when
-``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py), and, for an estimator
+``bf16``) and its learning-rate scheduler (vime_core/trainer/optimizer.py); with ``lora_rank`` the
+base weights are frozen and only LoRA adapters train (vime_core/trainer/lora.py); for an estimator
 with a critic (ppo), the value model beside it (vime_core/trainer/critic.py). Then per rollout:
 ``train(rollout_id, batch)``; per sync: ``update_weights(urls)``; on demand:
 ``save``/``load``/``export_hf``; between phases: ``sleep``/``wake``; at the end: ``close``.
@@ -52,7 +53,8 @@ class MegatronTrainer:
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
-        self.ref_model: Any = None
+        self.ref_model: Any = None  # the KL terms' reference, unless ref_is_base_model
+        self.ref_is_base_model = False  # LoRA: the reference is the policy with its adapters off
         self.critic: Any = None  # the value model of an estimator with a critic (trainer/critic.py)
         self.teacher_model: Any = None  # use_opd's frozen teacher (opd_teacher_load)
         self.arch: Any = None
@@ -69,6 +71,7 @@ class MegatronTrainer:
         """Build model + optimizer from an HF checkpoint (idempotent: a second call is a no-op)."""
         if self.model is not None:
             return self.state()
+        from vime_core.config.lora import lora_enabled
         from vime_core.trainer.compat_cpu import seed_everything
         from vime_core.trainer.hf_convert import load_hf_into_model
         from vime_core.trainer.model import (
@@ -117,12 +120,20 @@ class MegatronTrainer:
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 
-        self.model = self._wrap_ddp(load_model(path))
+        policy = load_model(path)
+        if lora_enabled(self.cfg):  # base frozen, adapters only in DDP's buffers and the optimizer
+            from vime_core.trainer.lora import apply_lora
+
+            apply_lora(policy, self.cfg, self.arch, lay.tp_size, lay.tp_rank)
+        self.model = self._wrap_ddp(policy)
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
         from vime_core.algo.gates import needs_critic, needs_reference
 
-        if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
+        # LoRA without ref_load: the initial weights are the base the adapters sit on, so the
+        # reference is the policy with its adapters off (rollout_training.py), not a second copy
+        self.ref_is_base_model = needs_reference(self.cfg) and lora_enabled(self.cfg) and not self.cfg.ref_load
+        if needs_reference(self.cfg) and not self.ref_is_base_model:  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
         if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
             from vime_core.trainer.critic import Critic
