@@ -218,6 +218,20 @@ def lora_hf_state(model: Any, arch: HFArchitecture, prefix: str = "base_model.mo
     return state
 
 
+def check_lora_state(saved: dict[str, Any], own: dict[str, Any], lora_rank: int, where: str) -> None:
+    """Refuse, in one line, a checkpoint whose adapters are not this run's (another lora_rank,
+    or saved with LoRA on or off the other way)."""
+    adapters = {k: tuple(v.shape) for k, v in saved.items() if k.endswith((".lora.A", ".lora.B"))}
+    mine = {k: tuple(v.shape) for k, v in own.items() if k.endswith((".lora.A", ".lora.B"))}
+    if adapters != mine:
+        ranks = sorted({shape[0] for k, shape in adapters.items() if k.endswith(".lora.A")})
+        held = f"adapters of rank {', '.join(map(str, ranks))}" if ranks else "no LoRA adapters"
+        raise ValueError(
+            f"{where} holds {held} on {len(adapters) // 2} layers; this run has lora_rank={lora_rank} on "
+            f"{len(mine) // 2} (target_modules): resume with the settings it was saved with"
+        )
+
+
 def lora_settings(cfg: Any) -> dict[str, Any]:
     """The adapter's settings as PEFT's LoraConfig names them."""
     return {

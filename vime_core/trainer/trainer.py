@@ -453,11 +453,13 @@ class MegatronTrainer:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""
         self._require_init()
         from vime_core.trainer import checkpoint as ckpt
+        from vime_core.trainer.lora import check_lora_state
         from vime_core.trainer.optimizer import build_scheduler, load_optimizer_state, restore_scheduler
 
         state = ckpt.load_rank_state(
             path, self.layout.rank, self.layout.world_size, self.layout.tp_size, S3Endpoint.of(self.cfg)
         )
+        check_lora_state(state["model"], self.model.state_dict(), self.cfg.lora_rank, path)
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])

@@ -146,3 +146,15 @@ def test_resume_restores_adapters_and_their_adam_state_bit_for_bit(single_rank, 
         assert torch.equal(tensor, dict(first.iter_hf_weights())[name]), name
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed[key] == uninterrupted[key] and math.isfinite(resumed[key]), key
+
+
+def test_a_checkpoint_with_other_adapters_is_refused_in_one_line(single_rank, ckpt, tmp_path):
+    saved = single_rank_trainer(lora_config(ckpt, tmp_path)).save(0)
+    for over, held in (
+        ({"lora_rank": 0, "lora_alpha": 16.0}, "adapters of rank 4 on 8 layers"),
+        ({"lora_rank": 8}, "adapters of rank 4 on 8 layers"),
+    ):
+        with pytest.raises(ValueError) as err:
+            single_rank_trainer(lora_config(ckpt, tmp_path / "other", **over)).load(saved)
+        assert len(str(err.value).splitlines()) == 1 and held in str(err.value), err.value
+        assert f"lora_rank={over['lora_rank']}" in str(err.value)
