@@ -131,3 +131,25 @@ def test_a_is_kaiming_uniform_and_the_peft_tensors_round_trip(one_rank_model):
         load_full_adapter(module, name, arch, 1, 0, a[0], b)
     after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_cli_takes_comma_separated_target_modules(capsys):
+    from vime_core.config import parse_args
+
+    cfg = parse_args(["--lora-rank", "8", "--target-modules", "q_proj,k_proj,v_proj", "o_proj"])
+    assert cfg.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with pytest.raises(SystemExit):
+        parse_args(["--lora-rank", "8", "--target-modules", "up_proj"])
+    assert "target_modules has up_proj without gate_proj" in capsys.readouterr().err
+
+
+def test_adapter_dropout_acts_in_the_gradient_forward_only(one_rank_model):
+    from vime_core.trainer.lora import apply_lora
+
+    model, arch = one_rank_model
+    apply_lora(model, load_config(overrides={"lora_rank": 4, "lora_dropout": 0.5}), arch, 1, 0)
+    _randomise_b(model, 3)
+    tokens = torch.randint(0, arch.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the log-prob passes: deterministic
+        assert torch.equal(_logits(model, tokens), _logits(model, tokens))
+    assert not torch.equal(_logits(model, tokens), _logits(model, tokens))
