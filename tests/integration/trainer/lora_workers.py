@@ -72,6 +72,16 @@ def forward_backward(trainer, batch) -> dict:
     return {"log_probs": lp.detach().clone(), "grads": grads}
 
 
+def train_adapters(trainer) -> dict:
+    """Two optimizer steps of the hand batch: loss, grad norm, the whole adapters afterwards."""
+    from tests.integration.trainer.hand_batch import hand_batch
+    from vime_core.trainer.lora import lora_hf_state
+
+    metrics = trainer.train(0, hand_batch())
+    peft = lora_hf_state(trainer.model, trainer.arch)
+    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "peft": peft}
+
+
 def lora_config(checkpoint, storage, **overrides):
     from tests.integration.trainer.hand_batch import hand_config
 
@@ -105,4 +115,5 @@ def tp_forward_backward(rank: int, world_size: int, port: int, checkpoint: str, 
     result["initial"] = initial
     result["hf"] = {n: t.clone() for n, t in trainer.iter_hf_weights()}
     result["peft"] = lora_hf_state(trainer.model, trainer.arch)
+    result["trained"] = train_adapters(trainer)
     torch.save(result, Path(out) / f"rank{rank}.pt")
