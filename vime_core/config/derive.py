@@ -9,6 +9,7 @@ import logging
 import os
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
+from vime_core.config.lora import check_lora
 from vime_core.algo.shaping import check_overlong_buffer
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
@@ -161,6 +162,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_critic(cfg)
+    check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
     _check_fill_bound(cfg)
     check_engine_auth(cfg)

@@ -1057,3 +1057,38 @@ class ConfigFields(BaseModel):
     guard_retries: int = Field(
         2, ge=0, description="Run guard: with guard_action rollback, how many times one iteration is run again."
     )
+    # ---- LoRA (vime_core/trainer/lora.py; checks in vime_core/config/lora.py) ----------------------
+    lora_rank: int = Field(
+        0,
+        description=(
+            "Rank r of the LoRA adapters on the linear layers of target_modules; 0 trains the full weights. With LoRA "
+            "the base weights are frozen, only the adapters are in the optimizer, and the KL terms' reference is the "
+            "same model with its adapters switched off (no second copy). As verl's --lora-rank / PEFT's r."
+        ),
+    )
+    lora_alpha: float = Field(
+        16.0,
+        gt=0,
+        description="LoRA scaling numerator: the adapter adds (lora_alpha / lora_rank) * B A x (PEFT's lora_alpha).",
+    )
+    lora_dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input while training (PEFT's lora_dropout); the base path has none.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description=(
+            "Linear layers that get adapters, by their HF names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+            "down_proj (space- or comma-separated), or all-linear for all of them (PEFT's target_modules). Megatron "
+            "fuses q/k/v in one layer and gate/up in another, so those come in groups."
+        ),
+    )
+    lora_publish: Literal["merged", "adapter"] = Field(
+        "merged",
+        description=(
+            "What a publish sends to the engines with LoRA: merged sends W + (lora_alpha / lora_rank) B A under the "
+            "HF names through the usual transports (any engine, the full weights' bytes)."
+        ),
+    )

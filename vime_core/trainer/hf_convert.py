@@ -360,7 +360,8 @@ def iter_hf_weights(
     """Yield ``(hf_name, full_tensor)`` for every HF weight, gathering TP shards.
 
     A collective over the TP group: all its ranks must iterate in step. ``dtype`` casts the
-    yielded tensors (default: the parameters' dtype). At TP=1 replicated and unsplit tensors
+    yielded tensors (default: the parameters' dtype). A layer with a LoRA adapter yields its
+    merged weight, so engines and exports see one plain model. At TP=1 replicated and unsplit tensors
     are detached views of the parameters: copy before mutating them.
     """
     bare = unwrap(model)
@@ -378,5 +379,9 @@ def iter_hf_weights(
     params = dict(bare.named_parameters())
     for rule in conversion_rules(arch):
         local = params[rule.megatron].detach()
+        owner, _, leaf = rule.megatron.rpartition(".")
+        adapter = getattr(bare.get_submodule(owner), "lora", None) if leaf == "weight" else None
+        if adapter is not None:  # LoRA (trainer/lora.py): the merged weight W + s B A, split as W
+            local = adapter.merged(local)
         for name, tensor in zip(rule.hf, shards_to_hf(rule, gather, local, arch, tp)):
             yield name, tensor if dtype is None else tensor.to(dtype)

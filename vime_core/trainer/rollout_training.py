@@ -3,6 +3,7 @@ advantages over the whole step, then `num_steps` optimizer steps (the critic's f
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -14,6 +15,7 @@ from vime_core.algo.kl import compute_approx_kl
 from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.schedule import build_dp_schedule
 from vime_core.data.validation import validate_trainable
+from vime_core.trainer.lora import adapters_disabled
 from vime_core.trainer.train_step import StepDenominators, StepInputs, forward_log_probs, train_step
 from vime_core.trainer.truncation import Sampling
 
@@ -124,7 +126,8 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
         old         recomputed once before the first step, unless can_reuse_log_probs_in_loss (each step
                     then uses its own detached log-probs); skipped when use_rollout_logprobs without
                     get_mismatch_metrics
-        reference   the frozen reference policy's forward when a KL term needs it (gates.needs_reference)
+        reference   the frozen reference policy's forward when a KL term needs it (gates.needs_reference);
+                    with LoRA and no ref_load, the policy's forward with its adapters off (trainer/lora.py)
         teacher     the frozen teacher's forward when use_opd (gates.needs_teacher)
         values      with a critic (ppo): V_old of all of this rank's samples, once
         advantages  per step, whitened over the whole step (dp_sum), so independent of the DP layout;
@@ -150,8 +153,13 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
     old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device) if need_old else None
-    need_ref = trainer.ref_model is not None and policy_forwards
-    ref = forward_log_probs(trainer.ref_model, batch, all_mine, vocab, sampling, device) if need_ref else None
+    # LoRA: the reference is the policy with its adapters off (no second copy of the weights)
+    ref_is_base = getattr(trainer, "ref_is_base_model", False)
+    ref = None
+    if (trainer.ref_model is not None or ref_is_base) and policy_forwards:
+        with adapters_disabled(trainer.model) if ref_is_base else contextlib.nullcontext():
+            ref_model = trainer.model if ref_is_base else trainer.ref_model
+            ref = forward_log_probs(ref_model, batch, all_mine, vocab, sampling, device)
     teacher = (
         forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
         if trainer.teacher_model is not None

@@ -1,7 +1,8 @@
 """`MegatronTrainer`: one trainer rank (a plain class; the cluster module makes it a Ray actor).
-`init(hf_checkpoint)` builds the Megatron model, DDP, optimizer and schedule (and the critic with
-ppo); then `train` per rollout, `publish` per sync, `save` / `load` / `export_hf`,
-`sleep` / `wake` between phases, `close`. Every method runs on every rank at once, except `state`."""
+`init(hf_checkpoint)` builds the Megatron model, DDP, optimizer and schedule (the critic with ppo;
+with lora_rank, LoRA adapters on a frozen base: trainer/lora.py); then `train` per rollout, `publish`
+per sync, `save` / `load` / `export_hf`, `sleep` / `wake` between phases, `close`. Every method runs
+on every rank at once, except `state`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from vime_core.algo.gates import needs_critic, needs_reference, needs_teacher
 from vime_core.config import VimeConfig, weight_transport
+from vime_core.config.lora import lora_enabled
 from vime_core.engines.auth import EngineToken
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.trainer import checkpoint as ckpt
@@ -20,6 +22,7 @@ from vime_core.trainer.compat_cpu import seed_everything
 from vime_core.trainer.critic import Critic
 from vime_core.trainer.hf_convert import iter_hf_weights, load_hf_into_model
 from vime_core.trainer.hf_export import write_hf_folder
+from vime_core.trainer.lora import apply_lora, check_lora_state
 from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
@@ -88,7 +91,8 @@ class MegatronTrainer:
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None  # Megatron's OptimizerParamScheduler, one step per optimizer step
-        self.ref_model: Any = None
+        self.ref_model: Any = None  # the KL terms' reference, unless ref_is_base_model
+        self.ref_is_base_model = False  # LoRA: the reference is the policy with its adapters off
         self.critic: Any = None  # the value model of an estimator with a critic (trainer/critic.py)
         self.teacher_model: Any = None  # use_opd's frozen teacher (opd_teacher_load)
         self.arch: Any = None
@@ -135,10 +139,16 @@ class MegatronTrainer:
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 
-        self.model = self._wrap_ddp(load_model(path))
+        policy = load_model(path)
+        if lora_enabled(self.cfg):  # base frozen, adapters only in DDP's buffers and the optimizer
+            apply_lora(policy, self.cfg, self.arch, lay.tp_size, lay.tp_rank)
+        self.model = self._wrap_ddp(policy)
         self.optimizer = build_optimizer(self.cfg, self.model, dtype)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        if needs_reference(self.cfg):  # frozen: ref_load, else the initial weights
+        # LoRA without ref_load: the initial weights are the base the adapters sit on, so the
+        # reference is the policy with its adapters off (rollout_training.py), not a second copy
+        self.ref_is_base_model = needs_reference(self.cfg) and lora_enabled(self.cfg) and not self.cfg.ref_load
+        if needs_reference(self.cfg) and not self.ref_is_base_model:  # frozen: ref_load, else the initial weights
             self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
         if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
             self.critic = Critic.build(
@@ -428,6 +438,7 @@ class MegatronTrainer:
         state = ckpt.load_rank_state(
             path, self.layout.rank, self.layout.world_size, self.layout.tp_size, S3Endpoint.of(self.cfg)
         )
+        check_lora_state(state["model"], self.model.state_dict(), self.cfg.lora_rank, path)
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])

@@ -28,6 +28,9 @@ Per estimator, beside --advantage-estimator (the demo's settings otherwise):
     ppo          the critic as configured by default: the policy's body, a zero value head,
                  critic_lr = lr; GAE with gamma = lambd = 1. Its value metrics are reported and the
                  critic must explain part of the returns' variance by the last iterations
+
+LoRA (test_lora_learns_from_a_format_tuned_base_as_full_weights_do): GRPO with adapters only and
+with the full weights, both from one base that answers in the task's format (a short SFT).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ ESTIMATORS = {
     "rloo": {},
     "ppo": {},
 }
+# LoRA on every linear layer; adapters take a larger lr than full weights (as PEFT users do)
+LORA = {"lora_rank": 16, "lora_alpha": 32.0, "lr": 5e-3}
+FORMAT_STEPS = 30  # SFT steps of the format-tuned base (_format_tuned_base)
+FORMAT_RIGHT = 0.25  # of its SFT answers, the right sum; the others a random digit
 
 
 class PolicySampler:
@@ -145,30 +152,18 @@ def task(tiny_model_dir, tmp_path_factory):
     return tiny_model_dir, data, AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-@pytest.mark.parametrize("estimator", list(ESTIMATORS))
-def test_the_estimator_learns_the_default_task(single_rank, task, tmp_path, estimator):
+def _learn(cfg, model_dir, tokenizer, label: str) -> None:
+    """Train ITERATIONS rollouts of the default task from `model_dir` with `cfg` and assert the
+    reward rose by the run's own margin (the module docstring)."""
     from transformers import AutoModelForCausalLM
 
     from vime_core.data.batch import build_batch
     from vime_core.data.data_source import DataSource
-    from vime_core.demo.settings import demo_config
     from vime_core.rewards.filters import load_filter
     from vime_core.rewards.hub import RewardHub
     from vime_core.rollout.loop import RolloutState, generate_rollout
     from vime_core.trainer.trainer import MegatronTrainer
 
-    model_dir, data, tokenizer = task
-    cfg = demo_config(
-        hf_checkpoint=str(model_dir),
-        storage_uri=str(tmp_path),
-        prompt_data=str(data),
-        advantage_estimator=estimator,
-        rollout_batch_size=PROMPTS,
-        n_samples_per_prompt=SAMPLES,
-        micro_batch_size=64,
-        num_rollout=ITERATIONS,
-        **ESTIMATORS[estimator],
-    )
     start = time.perf_counter()
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)  # the session's process group is reused
     trainer.init()  # seeds torch with cfg.seed: the sampling below is reproducible
@@ -194,25 +189,117 @@ def test_the_estimator_learns_the_default_task(single_rank, task, tmp_path, esti
         metrics = trainer.train(k, batch)
         assert math.isfinite(metrics["loss"]) and metrics["num_steps"] == cfg.num_steps_per_rollout
         groups.append(_group_means(batch))
-        if estimator == "ppo":
+        if trainer.critic is not None:
             assert math.isfinite(metrics["value_loss"]) and 0 <= metrics["value_clipfrac"] <= 1
             explained.append(round(metrics.get("explained_variance", math.nan), 3))
         curve.append(round(statistics.fmean(batch["raw_reward"]), 3))
 
     (first, first_se), (last, last_se) = _window(groups[:K]), _window(groups[-K:])
     margin = Z * math.hypot(first_se, last_se)
-    print(
-        (
-            f"{estimator}: reward {first:.3f} -> {last:.3f} (margin {margin:.3f}) in "
-            f"{time.perf_counter() - start:.0f} s; {curve}"
-        )
-    )
+    seconds = time.perf_counter() - start
+    print(f"{label}: reward {first:.3f} -> {last:.3f} (margin {margin:.3f}) in {seconds:.0f} s; {curve}")
     if explained:
-        print(f"{estimator}: explained variance of the returns {explained}")
+        print(f"{label}: explained variance of the returns {explained}")
         # the returns vary from the first iteration with a reward; the critic must have learnt to
         # explain part of their variance by the last K
         early, late = [e for e in explained[:K] if math.isfinite(e)], explained[-K:]
         assert statistics.fmean(late) > max(0.0, statistics.fmean(early)), explained
     assert last - first > margin, (
-        f"{estimator} did not learn: first {K} {first:.3f}, last {K} {last:.3f}, margin {margin:.3f}; {curve}"
+        f"{label} did not learn: first {K} {first:.3f}, last {K} {last:.3f}, margin {margin:.3f}; {curve}"
     )
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_the_estimator_learns_the_default_task(single_rank, task, tmp_path, estimator):
+    from vime_core.demo.settings import demo_config
+
+    model_dir, data, tokenizer = task
+    cfg = demo_config(
+        hf_checkpoint=str(model_dir),
+        storage_uri=str(tmp_path),
+        prompt_data=str(data),
+        advantage_estimator=estimator,
+        rollout_batch_size=PROMPTS,
+        n_samples_per_prompt=SAMPLES,
+        micro_batch_size=64,
+        num_rollout=ITERATIONS,
+        **ESTIMATORS[estimator],
+    )
+    _learn(cfg, model_dir, tokenizer, estimator)
+
+
+def _format_tuned_base(model_dir, data, tokenizer, folder) -> str:
+    """The tiny model after SFT (full weights) on "a+b=" -> a digit then EOS, the right sum for
+    FORMAT_RIGHT of them and a random digit otherwise: it answers in the task's format and is
+    right more often than chance, as a pretrained base partly knows a task. Written as an HF
+    folder."""
+    import json
+    import random
+
+    from vime_core.data.data_source import tokenize_prompt
+    from vime_core.demo.settings import demo_config
+    from vime_core.demo.task import MAX_OPERAND
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    rows = [json.loads(line) for line in open(data)]
+    prompts = [tokenize_prompt(tokenizer, r["prompt"], False) for r in rows]
+    rng = random.Random(0)
+    cfg = demo_config(
+        hf_checkpoint=str(model_dir),
+        storage_uri=str(folder),
+        prompt_data=str(data),
+        loss_type="sft_loss",
+        rollout_batch_size=len(rows),
+        n_samples_per_prompt=SAMPLES,
+        micro_batch_size=64,
+        num_rollout=FORMAT_STEPS,
+        entropy_coef=0.0,
+    )
+    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)
+    trainer.init()
+    for k in range(FORMAT_STEPS):
+        tokens, responses = [], []
+        for row, prompt in zip(rows, prompts):
+            for _ in range(SAMPLES):
+                digit = row["label"] if rng.random() < FORMAT_RIGHT else str(rng.randint(0, 2 * MAX_OPERAND))
+                answer = tokenizer.encode(digit, add_special_tokens=False)
+                tokens.append(prompt + answer + [tokenizer.eos_token_id])
+                responses.append(len(answer) + 1)
+        batch = {
+            "tokens": tokens,
+            "response_length": responses,
+            "total_length": [len(t) for t in tokens],
+            "loss_mask": [[1] * r for r in responses],
+            "reward": [0.0] * len(tokens),
+        }
+        trainer.train(k, batch)
+    return trainer.export_hf(str(folder / "format-tuned"))
+
+
+@pytest.fixture(scope="module")
+def format_tuned(single_rank, task, tmp_path_factory):
+    model_dir, data, tokenizer = task
+    return _format_tuned_base(model_dir, data, tokenizer, tmp_path_factory.mktemp("format-tuned"))
+
+
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_lora_learns_from_a_format_tuned_base_as_full_weights_do(single_rank, task, format_tuned, tmp_path, weights):
+    """GRPO training LoRA adapters only (every linear layer; the embeddings, norms and head
+    frozen; the sampler loading the merged weights the trainer publishes), and the full weights
+    beside it from the same base. From the freshly initialised model LoRA barely moves the reward
+    in 20 iterations (frozen random embeddings and head: measured 0.008 -> 0.018), so both start,
+    as LoRA is used, from a base that already answers in the task's format."""
+    from vime_core.demo.settings import demo_config
+
+    _, data, tokenizer = task
+    cfg = demo_config(
+        hf_checkpoint=format_tuned,
+        storage_uri=str(tmp_path),
+        prompt_data=str(data),
+        rollout_batch_size=PROMPTS,
+        n_samples_per_prompt=SAMPLES,
+        micro_batch_size=64,
+        num_rollout=ITERATIONS,
+        **(LORA if weights == "lora" else {}),
+    )
+    _learn(cfg, format_tuned, tokenizer, f"grpo_{weights}")
