@@ -11,7 +11,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from transformers import AutoTokenizer
 
 from vime_core.data.prompt_checks import FIRST_ROWS, BadRows, length_problem, prompt_problem, warn_partial_labels
 from vime_core.data.sample import Sample
@@ -100,6 +99,10 @@ def tokenize_prompt(
 def load_tokenizer(cfg) -> Any:
     if not cfg.hf_checkpoint:
         raise ValueError("hf_checkpoint is empty: the data source needs its tokenizer (or pass tokenizer=)")
+    # boundary: the driver imports this module (through the RolloutManager's class) and must not load
+    # transformers, which imports torch; only the RolloutManager's process loads a tokenizer
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
 
 
