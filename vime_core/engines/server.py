@@ -13,10 +13,12 @@ environment never imports vllm:
         --worker-extension-cls VimeWorkerExtension  # weight spec, versions, CPU transfer backend
         [--middleware EngineAuthMiddleware]       # every route needs the run's token (engine_auth)
         [--enable-sleep-mode] [--weight-transfer-config JSON] [--gpu-memory-utilization F] ...
+        [--enable-lora --max-lora-rank R --max-loras 1 --max-cpu-loras 2]  # lora_publish=adapter
 
 with VLLM_SERVER_DEV_MODE=1 (pause/resume, weight session, collective_rpc, reset cache),
 VLLM_CPU_KVCACHE_SPACE (else vLLM CPU asks for ~92% of RAM), HF_HUB_OFFLINE=1, a CPU core set
-per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core, the
+per engine index (VLLM_CPU_OMP_THREADS_BIND) so co-located engines never share a core,
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 where adapters are published (engines/adapters.py), the
 devices Ray gave the engine's placement bundles (`device_ids` -> CUDA_VISIBLE_DEVICES, so the
 engine's TP workers land on distinct GPUs), and the repository root on PYTHONPATH so modules
 under vime_core/engines/vllm_side load inside vLLM. Which vLLM release runs decides a few flags
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.config.derive import engine_env, platform_supports_sleep
+from vime_core.engines.adapters import RUNTIME_UPDATES_ENV, lora_server_args, serves_adapters
 from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
@@ -192,6 +195,8 @@ class EngineServer:
             self.auth_token = (token or EngineToken.new()) if cfg.engine_auth else None
         self.engines_per_node = engines_per_node or num_engines(cfg)
         self.server_args = dict(engine_server_args(cfg))
+        if serves_adapters(cfg):  # lora_publish=adapter: vLLM's LoRA support (engines/adapters.py)
+            self.server_args.update(lora_server_args(cfg.lora_rank))
         self.server_args.update(server_args or {})
         if weight_transfer_config != "from_cfg":
             self.server_args["weight_transfer_config"] = weight_transfer_config
@@ -343,6 +348,8 @@ class EngineServer:
                 env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
+        if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses
+            env.update(RUNTIME_UPDATES_ENV)
         env.update(self.extra_env)
         env.pop(TOKEN_ENV, None)  # a user's token for engine_urls is not this server's
         env.pop(OPEN_HEALTH_ENV, None)
