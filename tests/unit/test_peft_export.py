@@ -12,30 +12,11 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tests.adapter_helpers import MLP, PROJECTIONS, random_adapter, settings_of
 from vime_core.trainer.lora_merge import merge_lora
 from vime_core.trainer.peft_export import CONFIG_FILE, WEIGHTS_FILE, write_adapter_files, write_peft_folder
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 IDS = torch.tensor([[1, 5, 9, 3, 14, 7, 2, 11, 4, 6, 8, 12]])
-
-
-def random_adapter(weights: dict, modules: tuple[str, ...], rank: int, seed: int) -> dict[str, torch.Tensor]:
-    """A and B for every layer's `modules`, both random (B is zero only at PEFT's init)."""
-    g = torch.Generator().manual_seed(seed)
-    adapter = {}
-    layers = sorted({int(n.split(".")[2]) for n in weights if n.startswith("model.layers.")})
-    for i in layers:
-        for module in modules:
-            out, inp = weights[f"model.layers.{i}.{module}.weight"].shape
-            base = f"base_model.model.model.layers.{i}.{module}"
-            adapter[f"{base}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp**0.5
-            adapter[f"{base}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
-    return adapter
-
-
-def settings_of(modules, rank: int, alpha: float) -> dict:
-    return {"r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": [m.split(".")[-1] for m in modules]}
 
 
 def logits(model) -> torch.Tensor:

@@ -15,9 +15,11 @@ the engines serve the frozen base weights and load adapters, `vime_core/engines/
     retire    adapters older than the previous version are unloaded and their folders deleted;
               the previous one stays for requests sent before their client moved on
 
-Failure before the version is set: the new name is unloaded where it was loaded, the engines
-resume, serve what they served before and report the old version; the error names the engine.
-Failure after that: `PublishError(bytes_moved=True)`, the engines stay paused.
+An engine that already serves the version's name keeps it (a repeated publish, or one that
+brings a restarted engine up to the others' version). Failure before the version is set: the
+new name is unloaded where it was loaded, the engines resume, serve what they served before and
+report the old version; the error names the engine. Failure after that:
+`PublishError(bytes_moved=True)`, the engines stay paused.
 
 Why a folder and not tensors through the worker extension: vLLM's only way to load an adapter
 into its workers (`add_lora` -> `WorkerLoRAManager._load_adapter`) reads a PEFT folder at the
@@ -128,8 +130,10 @@ async def publish_adapter_async(
         await _apply(engines, name, folder, new_version, clock)
         with clock("retire"):
             retired = await _retire(engines, new_version, root)
+        if not await _serves_from(engines, name, folder):  # every engine had this version already
+            shutil.rmtree(folder, ignore_errors=True)
     except BaseException:
-        if folder is not None and not await _any_serves(engines, name):
+        if folder is not None and not await _serves_from(engines, name, folder):
             shutil.rmtree(folder, ignore_errors=True)
         raise
     finally:
@@ -148,10 +152,13 @@ async def publish_adapter_async(
 
 
 async def _apply(engines: list[EngineClient], name: str, folder: str, version: int, clock: PhaseClock) -> None:
-    """pause -> load -> version -> resume -> verify; undo what can be undone (module docstring)."""
+    """pause -> load -> version -> resume -> verify; undo what can be undone (module docstring).
+    An engine that already serves `name` (a publish of this version repeated) keeps it."""
     loaded: list[EngineClient] = []
 
     async def load(engine: EngineClient) -> None:
+        if name in await served_adapters(engine):
+            return
         await load_adapter(engine, name, folder)
         loaded.append(engine)
 
@@ -201,7 +208,8 @@ async def _retire(engines: list[EngineClient], version: int, root: str) -> list[
     return sorted(retired)
 
 
-async def _any_serves(engines: list[EngineClient], name: str) -> bool:
-    """Whether any engine still has `name` registered (its folder must then stay)."""
+async def _serves_from(engines: list[EngineClient], name: str, folder: str) -> bool:
+    """Whether any engine has `name` registered from `folder` (which must then stay); True
+    also when an engine cannot say."""
     answers = await asyncio.gather(*(served_adapters(e) for e in engines), return_exceptions=True)
-    return any(isinstance(a, BaseException) or name in a for a in answers)
+    return any(isinstance(a, BaseException) or a.get(name) == folder for a in answers)

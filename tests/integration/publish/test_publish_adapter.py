@@ -10,6 +10,7 @@ is made by a module fixture, and every test starts from the version the engine h
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -19,14 +20,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.integration.publish.conftest import LOGPROB_ATOL, engine_call, hf_logprobs, make_cfg, started_engine
-from tests.unit.test_peft_export import MLP, PROJECTIONS, random_adapter, settings_of
-from vime_core.engines.adapters import adapter_name, served_adapters
+from tests.adapter_helpers import MLP, PROJECTIONS, random_adapter, settings_of
+from vime_core.engines.adapters import adapter_name, load_adapter, served_adapters
 from vime_core.engines.client import EngineClient, EngineError
 from vime_core.trainer.lora_merge import merge_lora
+from vime_core.trainer.peft_export import write_adapter_files
 from vime_core.weight_sync.adapter_publish import publish_adapter
 from vime_core.weight_sync.weight_spec import WeightSpecError
 
 pytestmark = pytest.mark.slow
+logger = logging.getLogger(__name__)
 
 RANK, ALPHA = 4, 8.0
 MODULES = PROJECTIONS + MLP
@@ -62,6 +65,14 @@ def generate(engine, prompt: list[int], params: dict, model: str | None = None) 
     async def call():
         async with EngineClient(engine.url, token=engine.auth_token, model=model) as client:
             return await client.generate(prompt, params)
+
+    return asyncio.run(call())
+
+
+def adapters_of(engine) -> dict[str, str]:
+    async def call():
+        async with EngineClient(engine.url, token=engine.auth_token) as client:
+            return await served_adapters(client)
 
     return asyncio.run(call())
 
@@ -137,7 +148,8 @@ def test_adapter_v1_serves_the_merged_weights(first, lora_engine, publish_engine
     merged = dict(merge_lora(base_weights.items(), adapter, settings_of(MODULES, RANK, ALPHA)))
     version = engine_call(publish_engine, "weight_version") + 1
     cfg = make_cfg(publish_engine.model_path, publish_engine.cfg.vllm_python)
-    publish_weights(merged.items(), [publish_engine.url], version, cfg, token=publish_engine.auth_token)
+    merged_stats = publish_weights(merged.items(), [publish_engine.url], version, cfg, token=publish_engine.auth_token)
+    logger.info("adapter publish %s; merged publish %s", stats, merged_stats)
     for prompt in PROMPTS:
         merged_tokens = greedy(publish_engine, prompt)[0]
         assert merged_tokens == tokens[tuple(prompt)]
@@ -156,8 +168,14 @@ def test_new_versions_change_the_output_and_retire_old_adapters(
     assert stats["retired"] == [adapter_name(k) for k in range(1, v)]
     after = served_as(lora_engine, second, base_weights, tiny_model_dir, v + 1)
     assert after != before
-    served = asyncio.run(served_adapters(EngineClient(lora_engine.url, token=lora_engine.auth_token)))
+    served = adapters_of(lora_engine)
     assert sorted(served) == sorted([adapter_name(v), adapter_name(v + 1)])  # the previous one stays
+    folders = sorted(os.listdir(adapter_root))
+    publish(lora_engine, second, v + 1, adapter_root)  # repeated (an engine caught up): nothing changes
+    assert sorted(os.listdir(adapter_root)) == folders
+    assert adapters_of(lora_engine) == served
+    assert {tuple(p): greedy(lora_engine, p, adapter_name(v + 1))[0] for p in PROMPTS} == after
+    assert engine_call(lora_engine, "weight_version") == v + 1
 
     stats = publish(lora_engine, random_adapter(base_weights, MODULES, RANK, seed=13), v + 2, adapter_root)
     assert stats["retired"] == [adapter_name(v)]
@@ -165,7 +183,7 @@ def test_new_versions_change_the_output_and_retire_old_adapters(
     with pytest.raises(EngineError) as err:
         greedy(lora_engine, PROMPTS[0], adapter_name(v))
     assert err.value.status == 404
-    served = asyncio.run(served_adapters(EngineClient(lora_engine.url, token=lora_engine.auth_token)))
+    served = adapters_of(lora_engine)
     assert sorted(os.listdir(adapter_root)) == sorted(os.path.basename(f) for f in served.values())
 
 
@@ -181,6 +199,15 @@ def test_refused_adapters_leave_the_engine_serving(lora_engine, base_weights, ad
     tokens = {tuple(p): greedy(lora_engine, p, adapter_name(v))[0] for p in PROMPTS}
     folders = sorted(os.listdir(adapter_root))
     adapter = random_adapter(base_weights, MODULES, RANK, seed=14)
+
+    # the run-time adapter routes answer only with the run's token, as every other route
+    folder = tempfile.mkdtemp(prefix="unauthenticated-", dir=adapter_root)
+    write_adapter_files(adapter, settings_of(MODULES, RANK, ALPHA), lora_engine.model_path, folder)
+    with pytest.raises(EngineError) as err:
+        asyncio.run(load_adapter(EngineClient(lora_engine.url), adapter_name(v + 1), folder))  # no session kept
+    assert err.value.status == 401
+    shutil.rmtree(folder)
+    _still_serving(lora_engine, v, tokens, adapter_root, folders)
 
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     wrong_shape = {**adapter, key: adapter[key][:, :-1]}
