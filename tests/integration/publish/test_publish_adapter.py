@@ -19,7 +19,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.integration.publish.conftest import LOGPROB_ATOL, engine_call, hf_logprobs, make_cfg, started_engine
+from tests.integration.publish.conftest import (
+    LOGPROB_ATOL,
+    engine_call,
+    hf_logprobs,
+    make_cfg,
+    perturbed,
+    started_engine,
+)
 from tests.adapter_helpers import MLP, PROJECTIONS, random_adapter, settings_of
 from vime_core.engines.adapters import adapter_name, load_adapter, served_adapters
 from vime_core.engines.client import EngineClient, EngineError
@@ -228,3 +235,19 @@ def test_refused_adapters_leave_the_engine_serving(lora_engine, base_weights, ad
             token=lora_engine.auth_token,
         )
     _still_serving(lora_engine, v, tokens, adapter_root, folders)
+
+
+def test_base_weights_published_again_keep_the_adapter(lora_engine, base_weights, tiny_model_dir, adapter_root):
+    """What an engine woken from a level-2 sleep needs in adapter mode: its base weights sent again
+    through the usual transport, at the same version. vLLM then drops its adapters from the
+    device and loads them again from their folders when asked: the adapter applies to the new
+    base (shown with changed base weights, then the checkpoint's again)."""
+    from vime_core.weight_sync.publish import publish_weights
+
+    v = engine_call(lora_engine, "weight_version") + 1
+    adapter = random_adapter(base_weights, MODULES, RANK, seed=16)
+    publish(lora_engine, adapter, v, adapter_root)
+    cfg = make_cfg(lora_engine.model_path, lora_engine.cfg.vllm_python)
+    for base in (perturbed(base_weights, seed=17), base_weights):
+        publish_weights(base.items(), [lora_engine.url], v, cfg, token=lora_engine.auth_token)
+        served_as(lora_engine, adapter, base, tiny_model_dir, v)
