@@ -3,8 +3,9 @@ the engines serve the frozen base weights and load adapters, `vime_core/engines/
 
     validate  every adapted module against every engine's model (`weight_spec`): its weight
               exists and B A has its shape; a mismatch raises here and the engines never notice
-    write     the PEFT folder (`peft_export.write_adapter_files`) under `root`, once for all
-              engines: they read it from their machine's filesystem (tmpfs by default)
+    write     the PEFT folder (`peft_export.write_adapter_files`) under `root`, in the engines'
+              served dtype, once for all engines: they read it from their machine's filesystem
+              (tmpfs by default)
     pause     every engine with mode abort: a request's adapter is fixed at admission, so a
               request kept across the publish would go on with the old adapter under the new
               version; aborted requests come back partial and are continued with the new one
@@ -37,6 +38,8 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from vime_core.engines.adapters import (
     ADAPTER_PREFIX,
     adapter_name,
@@ -53,13 +56,11 @@ from vime_core.weight_sync.publish import PublishError
 from vime_core.weight_sync.weight_spec import WeightSpecError, fetch_spec
 
 if TYPE_CHECKING:
-    import torch
-
     from vime_core.engines.auth import EngineToken
 
 
 def check_adapter_against_spec(
-    adapter: Mapping[str, "torch.Tensor"], spec: dict[str, Any], engine: str
+    adapter: Mapping[str, torch.Tensor], spec: dict[str, Any], engine: str
 ) -> dict[str, list[int]]:
     """Raise `WeightSpecError` naming the module and engine when an adapted weight is not in the
     engine's model or B A has another shape; else {weight name: [out, in]}."""
@@ -79,7 +80,7 @@ def check_adapter_against_spec(
 
 
 def publish_adapter(
-    adapter: Mapping[str, "torch.Tensor"],
+    adapter: Mapping[str, torch.Tensor],
     settings: Mapping[str, Any],
     engine_urls: Sequence[str],
     new_version: int,
@@ -102,7 +103,7 @@ def publish_adapter(
 
 
 async def publish_adapter_async(
-    adapter: Mapping[str, "torch.Tensor"],
+    adapter: Mapping[str, torch.Tensor],
     settings: Mapping[str, Any],
     engine_urls: Sequence[str],
     new_version: int,
@@ -124,9 +125,13 @@ async def publish_adapter_async(
             specs = await asyncio.gather(*(fetch_spec(e) for e in engines))
             for engine, spec in zip(engines, specs):
                 check_adapter_against_spec(adapter, spec, engine.name)
-        with clock("write"):
+                if spec["served_dtype"] != specs[0]["served_dtype"]:
+                    raise WeightSpecError(f"engine {engine.name} serves other dtypes than {engines[0].name}")
+        with clock("write"):  # in the served dtype, which vLLM casts adapters to (lora_dtype auto)
+            dtype = getattr(torch, specs[0]["served_dtype"])
             folder = tempfile.mkdtemp(prefix=f"{name}-", dir=root)
-            await asyncio.to_thread(write_adapter_files, adapter, settings, base_model, folder)
+            await asyncio.to_thread(write_adapter_files, adapter, settings, base_model, folder, dtype)
+            nbytes = sum(t.numel() * dtype.itemsize for t in adapter.values())
         await _apply(engines, name, folder, new_version, clock)
         with clock("retire"):
             retired = await _retire(engines, new_version, root)
@@ -145,7 +150,7 @@ async def publish_adapter_async(
         "transport": "adapter",
         "engines": len(engines),
         "tensors": len(adapter),
-        "bytes": sum(t.numel() * t.element_size() for t in adapter.values()),
+        "bytes": nbytes,
         "seconds": {**clock.seconds, "total": clock.total()},
         "retired": retired,
     }
