@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.adapter_helpers import MLP, PROJECTIONS, random_adapter, settings_of
-from vime_core.trainer.lora_merge import merge_lora
-from vime_core.trainer.peft_export import CONFIG_FILE, WEIGHTS_FILE, write_adapter_files, write_peft_folder
+from vime_core.models.lora_merge import merge_lora
+from vime_core.models.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, write_adapter_files
+from vime_core.trainer.peft_export import write_peft_folder
 
 IDS = torch.tensor([[1, 5, 9, 3, 14, 7, 2, 11, 4, 6, 8, 12]])
 

@@ -49,8 +49,8 @@ from vime_core.engines.adapters import (
     unload_adapter,
 )
 from vime_core.engines.client import EngineClient, call_all, run_blocking
-from vime_core.trainer.lora_merge import adapter_pairs
-from vime_core.trainer.peft_export import write_adapter_files
+from vime_core.models.lora_merge import adapter_pairs
+from vime_core.models.peft_adapter import write_adapter_files
 from vime_core.utils.timing import PhaseClock
 from vime_core.weight_sync.publish import PublishError
 from vime_core.weight_sync.weight_spec import WeightSpecError, fetch_spec

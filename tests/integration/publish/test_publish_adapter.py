@@ -30,8 +30,8 @@ from tests.integration.publish.conftest import (
 from tests.adapter_helpers import MLP, PROJECTIONS, random_adapter, settings_of
 from vime_core.engines.adapters import adapter_name, load_adapter, served_adapters
 from vime_core.engines.client import EngineClient, EngineError
-from vime_core.trainer.lora_merge import merge_lora
-from vime_core.trainer.peft_export import write_adapter_files
+from vime_core.models.lora_merge import merge_lora
+from vime_core.models.peft_adapter import write_adapter_files
 from vime_core.weight_sync.adapter_publish import publish_adapter
 from vime_core.weight_sync.weight_spec import WeightSpecError
 

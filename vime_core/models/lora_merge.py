@@ -11,7 +11,7 @@ and the merge is, in float32 and then back to W's dtype,
     W' = W + s B A,    s = lora_alpha / r
 
 (PEFT's LoRA without rsLoRA or DoRA). The HF export's merged weights and the merged publish use
-this one rule; the PEFT folder (`peft_export`) carries A, B and s for a reader to apply it.
+this one rule; the PEFT folder (`peft_adapter`) carries A, B and s for a reader to apply it.
 """
 
 from __future__ import annotations
