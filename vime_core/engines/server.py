@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vime_core.config import engine_server_args, num_engines
 from vime_core.config.derive import engine_env, platform_supports_sleep
+from vime_core.engines.adapters import RUNTIME_UPDATES_ENV, lora_server_args, serves_adapters
 from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
 from vime_core.engines.client import SyncEngineClient, redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
@@ -174,6 +175,8 @@ class EngineServer:
             self.auth_token = (token or EngineToken.new()) if cfg.engine_auth else None
         self.engines_per_node = engines_per_node or num_engines(cfg)
         self.server_args = dict(engine_server_args(cfg))
+        if serves_adapters(cfg):  # lora_publish=adapter: vLLM's LoRA support (engines/adapters.py)
+            self.server_args.update(lora_server_args(cfg.lora_rank))
         self.server_args.update(server_args or {})
         if weight_transfer_config != "from_cfg":
             self.server_args["weight_transfer_config"] = weight_transfer_config
@@ -325,6 +328,8 @@ class EngineServer:
                 env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
+        if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses
+            env.update(RUNTIME_UPDATES_ENV)
         env.update(self.extra_env)
         env.pop(TOKEN_ENV, None)  # a user's token for engine_urls is not this server's
         env.pop(OPEN_HEALTH_ENV, None)
