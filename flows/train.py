@@ -15,9 +15,10 @@ from flows.console import one_line_failures
 from flows.iteration import iteration
 from flows.settings import without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
-from tasks.checkpoint import compact_index, export_hf
+from tasks.checkpoint import compact_index, export_hf, export_peft
 from tasks.guard import rollback_due, stopped_why
 from vime_core.config import VimeConfig
+from vime_core.config.lora import lora_enabled
 from vime_core.config.loader import describe, dump_config, run_config_uri
 from vime_core.faults import CONFIGURATION, classify, retry_delay
 from vime_core.ledger import run_ledger
@@ -50,6 +51,9 @@ def train(config: VimeConfig) -> dict:
     records = read_records(config.storage_uri, config.run_name, S3Endpoint.of(config))
     root = run_dir(config.storage_uri, config.run_name)
     export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports"))
+    adapter = (
+        export_peft(config, run_dir(config.storage_uri, config.run_name, "adapter")) if lora_enabled(config) else None
+    )
     summary = {
         "run_name": config.run_name,
         "iterations": len(records),
@@ -70,6 +74,7 @@ def train(config: VimeConfig) -> dict:
         "batches": run_dir(config.storage_uri, config.run_name, "batches"),
         "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),
         "hf_export": export,
+        "peft_adapter": adapter,  # with LoRA: the adapter as a PEFT folder, for PeftModel.from_pretrained
         "metrics": f"{root}/{METRICS}",
         "reward_curve": f"{root}/{REWARD_CURVE}",
     }

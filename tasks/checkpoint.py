@@ -30,6 +30,14 @@ def export_hf(config: VimeConfig, path: str) -> str:
     return trainers.call("export_hf", path)[0]
 
 
+@task(name="export-peft", retries=1, **TASK_DEFAULTS)
+def export_peft(config: VimeConfig, path: str) -> str:
+    """The LoRA adapter as a PEFT adapter folder at `path` (local or the run's storage URI); returns
+    where it is, as export_hf."""
+    _, trainers = run_handles(config)
+    return trainers.call("export_peft", path)[0]
+
+
 @task(name="compact-index", retries=2, **TASK_DEFAULTS)
 def compact_index(config: VimeConfig) -> int:
     """Fold the run's per-batch manifests into one Parquet index file (lineage queries stay fast)."""

@@ -22,7 +22,7 @@ from vime_core.trainer.compat_cpu import seed_everything
 from vime_core.trainer.critic import Critic
 from vime_core.trainer.hf_convert import iter_hf_weights, load_hf_into_model
 from vime_core.trainer.hf_export import write_hf_folder
-from vime_core.trainer.lora import apply_lora, check_lora_state
+from vime_core.trainer.lora import apply_lora, check_lora_state, lora_hf_state, lora_settings
 from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
@@ -41,6 +41,7 @@ from vime_core.trainer.optimizer import (
     restore_scheduler,
 )
 from vime_core.trainer.parallel import init_parallel, layout_for
+from vime_core.trainer.peft_export import write_peft_folder
 from vime_core.trainer.rollout_training import train_on_rollout
 from vime_core.trainer.teacher import check_teacher_checkpoint
 from vime_core.trainer.train_step import check_batch, forward_log_probs
@@ -358,6 +359,30 @@ class MegatronTrainer:
                 else:
                     for _ in weights:
                         pass
+            torch.distributed.barrier()
+        return where
+
+    def export_peft(self, path: str) -> str:
+        """Write the LoRA adapter as a PEFT adapter folder (adapter_config.json +
+        adapter_model.safetensors) at ``path``, a local folder or a storage URI, for
+        ``peft.PeftModel.from_pretrained`` on the HF base (vime_core/trainer/peft_export.py); rank 0
+        returns where it is, the other ranks ``path``. The adapters are gathered over TP."""
+        self._require_init()
+        if not lora_enabled(self.cfg):
+            raise ValueError("export_peft needs LoRA adapters: this run trains the full weights (lora_rank=0)")
+        where = str(path)
+        with self._awake():
+            if self.layout.dp_rank == 0:
+                adapter = lora_hf_state(self.model, self.arch)  # a TP collective
+                if self.layout.rank == 0:
+                    where = write_peft_folder(
+                        adapter,
+                        lora_settings(self.cfg),
+                        self.hf_checkpoint,
+                        path,
+                        endpoint=S3Endpoint.of(self.cfg),
+                        label=f"v{self.weight_version}",
+                    )
             torch.distributed.barrier()
         return where
 

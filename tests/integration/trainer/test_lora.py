@@ -170,3 +170,32 @@ def test_a_checkpoint_with_other_adapters_is_refused_in_one_line(single_rank, ck
             single_rank_trainer(lora_config(ckpt, tmp_path / "other", **over)).load(saved)
         assert len(str(err.value).splitlines()) == 1 and held in str(err.value), err.value
         assert f"lora_rank={over['lora_rank']}" in str(err.value)
+
+
+def test_the_peft_export_loads_in_peft_with_the_merged_exports_logits(single_rank, ckpt, tmp_path):
+    """`export_peft` writes the trained adapter as a PEFT folder: `PeftModel.from_pretrained` on the
+    HF base gives the logits of the merged HF export (`export_hf`: W + s B A) of the same trainer."""
+    peft = pytest.importorskip("peft", reason="peft is in the trainer lock; a bare environment lacks it")
+    from transformers import AutoModelForCausalLM
+
+    trainer = single_rank_trainer(lora_config(ckpt, tmp_path / "run"))
+    trainer.train(0, hand_batch())  # B moves off zero: the adapter changes the logits
+    merged_dir = trainer.export_hf(str(tmp_path / "merged"))
+    adapter_dir = trainer.export_peft(str(tmp_path / "adapter"))
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+        peft_logits = adapted(ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir, torch_dtype=torch.float32)(ids).logits
+    effect = (merged_logits - base_logits).abs().max().item()
+    assert effect > 1e-4, "the trained adapter should change the logits"
+    assert (peft_logits - merged_logits).abs().max().item() < max(1e-4, 1e-3 * effect)
+
+
+def test_export_peft_without_lora_is_refused_in_one_line(single_rank, ckpt, tmp_path):
+    trainer = single_rank_trainer(lora_config(ckpt, tmp_path / "full", lora_rank=0, lora_alpha=16.0))
+    with pytest.raises(ValueError, match="lora_rank=0"):
+        trainer.export_peft(str(tmp_path / "adapter"))
