@@ -42,9 +42,9 @@ CHILD = textwrap.dedent("""
                 pass
     if sys.argv[1:] == ["lock-held"]:  # threading's lock, held as a thread starts
         import threading
-        print("ready", flush=True)
         with threading._active_limbo_lock:
             try:
+                print("ready", flush=True)  # inside the try: the KeyboardInterrupt must not end the child
                 time.sleep(60)
             except KeyboardInterrupt:
                 time.sleep(60)
