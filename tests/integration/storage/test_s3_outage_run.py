@@ -186,7 +186,7 @@ def _store_down_at(driver, log: Path, outage, pause_file: Path) -> None:
     pause_file.unlink()
 
 
-def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
+def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home):
     from tasks.rollout import PERSIST_RETRY_DELAYS_S
     from vime_core.cluster.run_actors import teardown
 
@@ -194,6 +194,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
     server = outage.server
     pause_dir = tmp_path / "paused"
     pause_dir.mkdir()
+    new_prefect_home(tmp_path / "prefect")  # every driver's (_vime_train)
     try:
         # (a) an outage persist's retries cover: the run goes on to its end
         cfg = _config(server, tiny_model_dir, ray_address, RUN_A)
