@@ -10,5 +10,7 @@ export PREFECT_HOME="${PREFECT_HOME:-$(mktemp -d -t vime-prefect-XXXXXX)}"
 source infra/env.sh
 echo "[test] ruff check, ruff format --check (pyproject.toml)"
 .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
+# every test's seconds (setup + call + teardown) stay in .cache/tests/last-run.xml for the next look
+# at where the time goes; the slowest 15 are printed at the end
 echo "[test] pytest (PREFECT_HOME=$PREFECT_HOME)"
-exec .venv/bin/python -m pytest -ra --durations=15 "$@" tests
+exec .venv/bin/python -m pytest -ra --durations=15 --junitxml=.cache/tests/last-run.xml "$@" tests

@@ -44,11 +44,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture()
-def prefect_server(tmp_path):
+def prefect_server(tmp_path, new_prefect_home):
     port = free_port()
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_HOME": str(new_prefect_home(tmp_path / "prefect")),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "VIME_REPO_DIR": str(REPO),

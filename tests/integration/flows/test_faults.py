@@ -289,7 +289,9 @@ def _stored_ids_whole(cfg) -> list[int]:
     return ids
 
 
-def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_trainer, repo_root, tmp_path):
+def test_driver_killed_in_each_phase_resumes_with_the_same_command(
+    killed_trainer, repo_root, tmp_path, new_prefect_home
+):
     """`vime train` SIGKILLed (with everything it started) inside each phase of the step, one
     phase per driver, each driver the same command resuming after the one before, then one
     stopped by SIGTERM; the last runs the run to its end. Each kill lands in its phase: the
@@ -316,9 +318,10 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     trainer_pid = _trainer_pid(_handles(run)[1])
     pause_dir = tmp_path / "paused"
     pause_dir.mkdir()
+    prefect_home = new_prefect_home(tmp_path / "prefect")  # every driver's, as one user's
     for i, at in enumerate(kills):
         log = tmp_path / f"driver-{i}.log"
-        driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=[at], pause_dir=pause_dir)
+        driver = _vime_train(run, repo_root, prefect_home, log, pause_at=[at], pause_dir=pause_dir)
         try:
             _wait_paused(driver, pause_dir / at, log)
         finally:
@@ -335,7 +338,7 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     from vime_core.utils.interrupt import GRACE_S
 
     at, log = f"train-{term_k}", tmp_path / "sigterm.log"
-    driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=[at], pause_dir=pause_dir)
+    driver = _vime_train(run, repo_root, prefect_home, log, pause_at=[at], pause_dir=pause_dir)
     try:
         _wait_paused(driver, pause_dir / at, log)
         (pause_dir / at).unlink()  # the train task goes on into its call to the trainer
@@ -360,7 +363,7 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(killed_traine
     assert term_k <= stopped_k <= run.num_rollout, (term_k, stopped_k)  # num_rollout: after the last one
 
     log = tmp_path / "last.log"
-    rc = _vime_train(run, repo_root, tmp_path / "prefect", log).wait(timeout=900)
+    rc = _vime_train(run, repo_root, prefect_home, log).wait(timeout=900)
     assert rc == 0, _tail(log)
     killed_ids = frozenset(range(rollout_k, stopped_k + 1))
     _check_run(run, run.num_rollout, resumed=killed_ids)
@@ -394,7 +397,7 @@ def _kill_manager_noting_its_router(cfg, routers: list) -> None:
     manager.kill()
 
 
-def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, repo_root, tmp_path):
+def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, repo_root, tmp_path, new_prefect_home):
     """One `vime train` goes on while, each as a phase starts (the driver paused there), the
     trainer's process, the RolloutManager's process and the vLLM server are SIGKILLed: the run
     ends with every invariant held, and the console says what happened and what the run does in
@@ -412,8 +415,9 @@ def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, rep
     }
     pause_dir = tmp_path / "paused"
     pause_dir.mkdir()
+    prefect_home = new_prefect_home(tmp_path / "prefect")  # every driver's, as one user's
     log = tmp_path / "driver.log"
-    driver = _vime_train(run, repo_root, tmp_path / "prefect", log, pause_at=list(faults), pause_dir=pause_dir)
+    driver = _vime_train(run, repo_root, prefect_home, log, pause_at=list(faults), pause_dir=pause_dir)
     try:
         for at, harm in faults.items():
             _wait_paused(driver, pause_dir / at, log)

@@ -40,10 +40,10 @@ def _vime(args: list[str], repo_root, env: dict, timeout_s: float) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def tool_use_run(tmp_path_factory, ray_head, repo_root):
+def tool_use_run(tmp_path_factory, ray_head, repo_root, new_prefect_home):
     tmp = tmp_path_factory.mktemp("tool-use")
     store = tmp / "store"
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect")}
+    env = {**os.environ, "PREFECT_HOME": str(new_prefect_home(tmp / "prefect"))}
     t0 = time.monotonic()
     done = _vime(
         [

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from vime_core.storage.s3_server import S3Server, start_s3_server, stop_s3_server
 
-# Made-up test credentials; the server accepts exactly these.
-TEST_ACCESS_KEY = "vimetestaccesskey"
-TEST_SECRET_KEY = "vime-test-secret-" + uuid.uuid4().hex
+__all__ = ["TEST_ACCESS_KEY", "TEST_SECRET_KEY", "local_ray_head", "s3_env", "s3_server", "store_uri"]
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,6 @@ import json
 
 import pytest
 
-from .conftest import local_ray_head
-
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = "files-on-s3"
@@ -26,7 +24,7 @@ def _download(folder_uri: str, dest) -> None:
         (dest / key).write_bytes(folder.get(key))
 
 
-def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, tiny_model_dir, tmp_path):
+def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, ray_head, tiny_model_dir, tmp_path):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -42,23 +40,22 @@ def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, t
     from vime_core.storage.fs import open_location
 
     uri = s3_env.storage_uri("run-files")
-    with local_ray_head(2) as address:
-        cfg = demo_config(
-            run_name=RUN,
-            storage_uri=uri,
-            storage_endpoint_url=s3_env.endpoint,
-            hf_checkpoint=str(tiny_model_dir),
-            ray_address=address,
-            num_rollout=1,
-            rollout_batch_size=4,
-            n_samples_per_prompt=4,
-            micro_batch_size=8,
-            vllm_server_concurrency=64,
-        )
-        try:
-            summary = train(cfg)
-        finally:
-            teardown(cfg.run_name)
+    cfg = demo_config(
+        run_name=RUN,
+        storage_uri=uri,
+        storage_endpoint_url=s3_env.endpoint,
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=ray_head,  # its workers hold the credentials, the configuration the endpoint
+        num_rollout=1,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        micro_batch_size=8,
+        vllm_server_concurrency=64,
+    )
+    try:
+        summary = train(cfg)
+    finally:
+        teardown(cfg.run_name)
 
     reports = report_location(uri, RUN)
     assert sorted(reports.list_keys("")) == ["config.json", "metrics.jsonl", "reward_curve.png", "summary.json"]

@@ -37,7 +37,7 @@ from tests.integration.flows.test_faults import _check_run, _handles, _stderr_pa
 from vime_core.storage.endpoint import ENDPOINT_ENV
 from vime_core.storage.s3_server import start_s3_server, stop_s3_server
 
-from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, local_ray_head
+from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from .test_s3_outage import Outage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,10 +51,11 @@ RUN_B = LONG_OUTAGE_AT + 1
 
 
 @pytest.fixture(scope="module")
-def s3_cluster():
-    """A SeaweedFS server of this module's own (it is killed) and a Ray head whose workers hold
-    its credentials but not its endpoint (the run's configuration carries it); this process
-    holds both, for the checks. Yields (Outage, ray address)."""
+def s3_cluster(ray_head):
+    """A SeaweedFS server of this module's own (it is killed) and the session's Ray head, whose
+    workers hold its credentials but not its endpoint (the run's configuration carries it;
+    tests/integration/conftest.py); this process holds both, for the checks. Yields (Outage,
+    ray address)."""
     with pytest.MonkeyPatch.context() as mp:
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", *ENDPOINT_ENV):
             mp.delenv(name, raising=False)
@@ -63,9 +64,8 @@ def s3_cluster():
         data_dir = Path(tempfile.mkdtemp(prefix="vime-s3-run-"))
         try:
             server = start_s3_server(data_dir, bucket=BUCKET, timeout=60)
-            with local_ray_head(4) as address:
-                mp.setenv("AWS_ENDPOINT_URL", server.endpoint)
-                yield Outage(server), address
+            mp.setenv("AWS_ENDPOINT_URL", server.endpoint)
+            yield Outage(server), ray_head
         finally:
             stop_s3_server(data_dir)
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -186,7 +186,7 @@ def _store_down_at(driver, log: Path, outage, pause_file: Path) -> None:
     pause_file.unlink()
 
 
-def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
+def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home):
     from tasks.rollout import PERSIST_RETRY_DELAYS_S
     from vime_core.cluster.run_actors import teardown
 
@@ -194,6 +194,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path):
     server = outage.server
     pause_dir = tmp_path / "paused"
     pause_dir.mkdir()
+    new_prefect_home(tmp_path / "prefect")  # every driver's (_vime_train)
     try:
         # (a) an outage persist's retries cover: the run goes on to its end
         cfg = _config(server, tiny_model_dir, ray_address, RUN_A)
