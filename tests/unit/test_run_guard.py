@@ -187,3 +187,10 @@ def test_a_breach_is_rolled_back_up_to_guard_retries_then_stops():
         assert rollback_due(rollback, outer, 1) is True
     assert rollback_due(rollback, ValueError("a data error"), 1) is None  # not the guard's: faults.py decides
     assert "after 2 rollback(s) (guard_retries=2)" in stopped_why(rollback, 3) and "\n" not in stopped_why(stop, 1)
+
+
+def test_the_k3_check_is_off_where_the_rollout_is_off_policy_by_design():
+    """With async_staleness 1 the engines sample with the weights before the trainer's last step, so
+    the train/rollout mismatch measures that lag (the off-policy flow test's run showed 0.06 > 0.05)."""
+    assert g.GuardSettings.of(parse_args(["--async-staleness", "1", "--use-tis"])).k3_max is None
+    assert g.GuardSettings.of(parse_args(["--async-staleness", "0"])).k3_max == parse_args([]).guard_k3_max

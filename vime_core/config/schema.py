@@ -1009,7 +1009,8 @@ class ConfigFields(BaseModel):
         description=(
             "Run guard: stop when the train/rollout log-prob mismatch, KL(engine || trainer) estimated by k3 over the "
             "sampled tokens (train_rollout_k3_kl), exceeds this (nats per token): the engines sample from another "
-            "policy than the trainer scores. `off`: no such check."
+            "policy than the trainer scores. Not applied with async_staleness > 0, where the trainer has moved "
+            "past the weights the engines sampled with by design. `off`: no such check."
         ),
     )
     guard_reward_failure_share: OffOrFloat = Field(

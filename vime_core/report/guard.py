@@ -93,7 +93,9 @@ class GuardSettings:
             grad_norm_factor=cfg.guard_grad_norm_factor,
             entropy_min=cfg.guard_entropy_min,
             entropy_drop=cfg.guard_entropy_drop,
-            k3_max=cfg.guard_k3_max,
+            # off-policy (async_staleness > 0) the trainer has moved past the weights the engines
+            # sampled with: the mismatch then measures that lag by design, not a fault
+            k3_max=cfg.guard_k3_max if not cfg.async_staleness else None,
             reward_failure_share=cfg.guard_reward_failure_share,
             aborted_share=cfg.guard_aborted_share,
             reward_drop=cfg.guard_reward_drop,
