@@ -169,6 +169,9 @@ def iteration_record(
         "t_persist": stored.get("t_persist", 0.0),
         "t_write_s": stored.get("t_write_s", 0.0),
         "publish_s": (synced.get("seconds") or {}).get("total", 0.0),
+        # what the publish sent: "adapter" (lora_publish=adapter), else the weights' transport
+        "publish_transport": synced.get("transport"),
+        "publish_bytes": synced.get("bytes", 0),
         # where the publish's seconds go: gather, validate, pause, start, transfer, finish, resume,
         # verify (vime_core/weight_sync/publish.py), and the transport's own split (pack, wait_load)
         "publish_phases_s": {k: v for k, v in (synced.get("seconds") or {}).items() if k != "total"},

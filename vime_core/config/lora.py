@@ -8,6 +8,7 @@ adapter per Megatron layer, so a name of a fused group needs the others of its g
 from __future__ import annotations
 
 from vime_core.config.schema import ConfigFields  # the fields these functions read
+from vime_core.engines.adapters import VLLM_LORA_RANKS
 
 ALL_LINEAR = "all-linear"
 
@@ -79,5 +80,8 @@ def check_lora(cfg: ConfigFields, has_critic: bool) -> None:
             f"lora_rank={cfg.lora_rank} with advantage_estimator={cfg.advantage_estimator} (a critic) is not "
             "supported: the critic trains full weights; use an estimator without a critic (grpo, ...)"
         )
-    if cfg.lora_publish == "adapter":
-        raise ValueError("lora_publish=adapter is not available yet: use lora_publish=merged")
+    if cfg.lora_publish == "adapter" and cfg.lora_rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(
+            f"lora_rank={cfg.lora_rank} with lora_publish=adapter: vLLM serves adapters of rank up to "
+            f"{VLLM_LORA_RANKS[-1]}; use lora_publish=merged"
+        )
