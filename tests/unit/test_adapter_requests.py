@@ -54,3 +54,26 @@ def test_serve_version_names_the_adapter_on_every_client():
     fleet.cfg = MERGED
     fleet.serve_version(4)
     assert [c.model for c in clients] == [None, None]
+
+
+def test_a_missing_adapter_is_retried_another_missing_model_is_not():
+    from vime_core.engines.client import EngineError
+    from vime_core.rollout.generate import _no_answer
+
+    missing = '{"error":{"message":"The model `vime-lora-v2` does not exist.","code":404}}'
+    assert _no_answer(EngineError("engine-0", "POST /inference/v1/generate", 404, missing))
+    assert not _no_answer(EngineError("engine-0", "POST /inference/v1/generate", 404, "The model `x` does not exist"))
+    assert not _no_answer(EngineError("engine-0", "POST /inference/v1/generate", 400, "bad request"))
+
+
+def test_with_adapters_and_the_weight_check_no_rollout_is_prefetched():
+    from vime_core.config.loader import make_config
+    from vime_core.step_plan import plan_step
+
+    def cfg(**kw):
+        return make_config({"run_name": "p", "num_rollout": 4, "device": "cpu", "rollout_prefetch": True, **kw})
+
+    lora = {"lora_rank": 4, "lora_publish": "adapter"}
+    assert plan_step(cfg(**lora), 0).prefetch(False)
+    assert plan_step(cfg(check_weight_update_equal=True), 0).prefetch(False)
+    assert not plan_step(cfg(check_weight_update_equal=True, **lora), 0).prefetch(False)

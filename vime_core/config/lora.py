@@ -80,6 +80,12 @@ def check_lora(cfg: ConfigFields, has_critic: bool) -> None:
             f"lora_rank={cfg.lora_rank} with advantage_estimator={cfg.advantage_estimator} (a critic) is not "
             "supported: the critic trains full weights; use an estimator without a critic (grpo, ...)"
         )
+    if cfg.lora_publish == "adapter" and cfg.check_weight_update_equal and cfg.async_staleness:
+        raise ValueError(
+            f"check_weight_update_equal with lora_publish=adapter and async_staleness={cfg.async_staleness}: the "
+            "check's probe must run with no rollout beside it (vLLM's engine dies computing prompt log-probs "
+            "under an adapter in a batch); turn the check off or use async_staleness=0"
+        )
     if cfg.lora_publish == "adapter" and cfg.lora_rank > VLLM_LORA_RANKS[-1]:
         raise ValueError(
             f"lora_rank={cfg.lora_rank} with lora_publish=adapter: vLLM serves adapters of rank up to "

@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 
 from vime_core.config.derive import needs_rollout_logprobs
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE, Sample, Status, WeightSpan
-from vime_core.engines.adapters import adapter_version
+from vime_core.engines.adapters import ADAPTER_PREFIX, adapter_version
 from vime_core.engines.client import ANSWERED_BY, ASKED_MODEL, EngineError, parse_weight_version
 from vime_core.utils.retry import async_attempts
 
@@ -194,8 +194,12 @@ def fail_sample(sample: Sample, reason: str, retryable: bool = False) -> Sample:
 
 def _no_answer(exc: BaseException) -> bool:
     """No engine gave an answer (refused, dropped, timed out) or it failed on its side (5xx): the
-    request may succeed on the next attempt. A 4xx says the request itself is bad."""
-    return isinstance(exc, EngineError) and (exc.status is None or exc.status >= 500)
+    request may succeed on the next attempt. A 4xx says the request itself is bad, except a 404
+    for a vime adapter's name: an engine restarted and admitted again before its publish loaded
+    the adapter (lora_publish=adapter), which it serves moments later."""
+    if not isinstance(exc, EngineError):
+        return False
+    return exc.status is None or exc.status >= 500 or (exc.status == 404 and ADAPTER_PREFIX in exc.body)
 
 
 async def _wait_for_admission(ctx: GenerateContext) -> None:
