@@ -87,6 +87,7 @@ def test_lora_adapter_publish_end_to_end(lora_run, tiny_model_dir):
     # the engine, naming each version's adapter, scores the probe as the trainer, and the
     # adapter changed between versions (the update arrived)
     checks = [r["weight_check"] for r in records]
+    logger.info("weight checks %s; publish seconds %s", checks, [r["publish_s"] for r in records])
     assert [c["version"] for c in checks] == [2, 3]
     assert all(c["max_abs_diff"] < LOGPROB_TOLERANCE for c in checks), checks
     assert all(c["changed_max"] > 0 for c in checks[1:]), checks
