@@ -76,7 +76,7 @@ def bootstrap(config: VimeConfig) -> dict:
     versions = ray.get(manager.weight_versions.remote())
     if publish_needed(target, versions, bool(woken)):  # the first publish is v1
         trainers.wait(submit_publish(manager, trainers, target, force=True))
-        ray.get(manager.end_sync.remote(resume=True))  # admission open again
+        ray.get(manager.end_sync.remote(True, None, target))  # admission open again, requests name v`target`
     seconds["synced"] = since.seconds
     if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
         trainers.call("sleep")

@@ -159,7 +159,7 @@ def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict
         return {}
     manager, _ = run_handles(config)
     try:
-        engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"]))
+        engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"], target_version))
     except Exception as exc:  # a diagnostic: say so, do not fail the iteration
         first_line = _first_line(exc)
         get_run_logger().warning(

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from vime_core.config.derive import platform_supports_sleep
+from vime_core.engines.adapters import serves_adapters
 from vime_core.ledger import ROLLOUT_TOKENS, PhaseDevices, iteration_ledger
 
 
@@ -119,6 +120,14 @@ class StepPlan:
         return self.prefetch(next_stored) and self.eval_due and not self.off_policy
 
 
+def probe_alone(cfg: Any) -> bool:
+    """Whether the weight check's probe must run with no rollout beside it, so nothing is
+    prefetched: with lora_publish=adapter, vLLM (0.32) computes a prompt's log-probs under an
+    adapter with one adapter index per request of the batch (`add_lora_logits`), and its engine
+    dies when the probe shares a batch with other requests."""
+    return bool(cfg.check_weight_update_equal) and serves_adapters(cfg)
+
+
 def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
     last_id = cfg.num_rollout - 1
     sleeping = engines_sleep(cfg)
@@ -133,7 +142,10 @@ def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
         eval_due=bool(cfg.eval_interval) and due(cfg.eval_interval, rollout_id, last_id),
         save_due=due(cfg.save_interval, rollout_id, last_id),
         draw_curve=due(CURVE_EVERY, rollout_id, last_id),
-        prefetch_wanted=(bool(cfg.rollout_prefetch) or off_policy) and rollout_id != last_id and not sleeping,
+        prefetch_wanted=(bool(cfg.rollout_prefetch) or off_policy)
+        and rollout_id != last_id
+        and not sleeping
+        and not probe_alone(cfg),
         off_policy=off_policy,
         devices=PhaseDevices.of(cfg),
     )
@@ -169,6 +181,9 @@ def iteration_record(
         "t_persist": stored.get("t_persist", 0.0),
         "t_write_s": stored.get("t_write_s", 0.0),
         "publish_s": (synced.get("seconds") or {}).get("total", 0.0),
+        # what the publish sent: "adapter" (lora_publish=adapter), else the weights' transport
+        "publish_transport": synced.get("transport"),
+        "publish_bytes": synced.get("bytes", 0),
         # where the publish's seconds go: gather, validate, pause, start, transfer, finish, resume,
         # verify (vime_core/weight_sync/publish.py), and the transport's own split (pack, wait_load)
         "publish_phases_s": {k: v for k, v in (synced.get("seconds") or {}).items() if k != "total"},

@@ -13,6 +13,7 @@ from vime_core.config import ConfigError, load_config
 
 def test_lora_is_off_by_default_and_all_linear_expands_to_the_hf_names():
     assert load_config().lora_rank == 0
+    assert load_config(overrides={"lora_rank": 8, "lora_publish": "adapter"}).lora_publish == "adapter"
     cfg = load_config(overrides={"lora_rank": 8})
     assert cfg.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     commas = load_config(overrides={"lora_rank": 8, "target_modules": ["v_proj,q_proj,k_proj", "down_proj"]})
@@ -29,7 +30,17 @@ def test_lora_is_off_by_default_and_all_linear_expands_to_the_hf_names():
         ({"lora_rank": 4, "target_modules": ["q_proj"]}, "target_modules has q_proj without k_proj, v_proj"),
         ({"lora_rank": 4, "target_modules": ["gate_proj,down_proj"]}, "has gate_proj without up_proj"),
         ({"lora_rank": 4, "advantage_estimator": "ppo"}, "lora_rank=4 with advantage_estimator=ppo"),
-        ({"lora_rank": 4, "lora_publish": "adapter"}, "lora_publish=adapter is not available yet"),
+        ({"lora_rank": 1024, "lora_publish": "adapter"}, "lora_rank=1024 with lora_publish=adapter"),
+        (
+            {
+                "lora_rank": 4,
+                "lora_publish": "adapter",
+                "check_weight_update_equal": True,
+                "async_staleness": 1,
+                "use_tis": True,
+            },
+            "check_weight_update_equal with lora_publish=adapter and async_staleness=1",
+        ),
     ],
 )
 def test_bad_lora_settings_fail_with_one_line_naming_the_flag(over, message):

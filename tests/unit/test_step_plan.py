@@ -64,6 +64,8 @@ def test_record_from_the_phases_results():
         Phase.SYNC: {
             "seconds": {"gather": 0.01, "transfer": 0.2, "total": 0.25},
             "transport_seconds": {"pack": 0.1},
+            "transport": "adapter",
+            "bytes": 1234,
             "t_sync": 0.3,
             "trainer_memory_after_publish": [{"allocated_bytes": 1}],
         },
@@ -78,6 +80,7 @@ def test_record_from_the_phases_results():
     assert rec["train_loss"] == 0.5 and rec["clip_fraction"] == 0.1 and "per_rank" not in rec
     assert rec["t_offload"] == 0.5 and abs(rec["t_onload"] - 0.12) < 1e-12 and rec["publish_s"] == 0.25
     assert rec["publish_phases_s"] == {"gather": 0.01, "transfer": 0.2} and rec["publish_transport_s"] == {"pack": 0.1}
+    assert rec["publish_transport"] == "adapter" and rec["publish_bytes"] == 1234
     assert rec["memory"]["engines_after_offload_rollout"] == [{"process_bytes": 1}]
     assert rec["weight_check"] == {"max_abs_diff": 0.01} and rec["checkpoint"] == "ckpt/2" and rec["t_step"] == 9.0
     assert "eval_reward_mean" not in rec

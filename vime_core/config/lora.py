@@ -8,6 +8,7 @@ adapter per Megatron layer, so a name of a fused group needs the others of its g
 from __future__ import annotations
 
 from vime_core.config.schema import ConfigFields  # the fields these functions read
+from vime_core.engines.adapters import VLLM_LORA_RANKS
 
 ALL_LINEAR = "all-linear"
 
@@ -79,5 +80,14 @@ def check_lora(cfg: ConfigFields, has_critic: bool) -> None:
             f"lora_rank={cfg.lora_rank} with advantage_estimator={cfg.advantage_estimator} (a critic) is not "
             "supported: the critic trains full weights; use an estimator without a critic (grpo, ...)"
         )
-    if cfg.lora_publish == "adapter":
-        raise ValueError("lora_publish=adapter is not available yet: use lora_publish=merged")
+    if cfg.lora_publish == "adapter" and cfg.check_weight_update_equal and cfg.async_staleness:
+        raise ValueError(
+            f"check_weight_update_equal with lora_publish=adapter and async_staleness={cfg.async_staleness}: the "
+            "check's probe must run with no rollout beside it (vLLM's engine dies computing prompt log-probs "
+            "under an adapter in a batch); turn the check off or use async_staleness=0"
+        )
+    if cfg.lora_publish == "adapter" and cfg.lora_rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(
+            f"lora_rank={cfg.lora_rank} with lora_publish=adapter: vLLM serves adapters of rank up to "
+            f"{VLLM_LORA_RANKS[-1]}; use lora_publish=merged"
+        )

@@ -1090,6 +1090,8 @@ class ConfigFields(BaseModel):
         "merged",
         description=(
             "What a publish sends to the engines with LoRA: merged sends W + (lora_alpha / lora_rank) B A under the "
-            "HF names through the usual transports (any engine, the full weights' bytes)."
+            "HF names through the usual transports (any engine, the full weights' bytes); adapter sends only the "
+            "adapter (PEFT-named A and B) to engines started with vLLM's LoRA support, which serve the frozen base "
+            "weights and name the adapter of each version in their requests (vime-lora-v<version>)."
         ),
     )

@@ -54,7 +54,14 @@ def adapter_version(name: str) -> Optional[int]:
 def serves_adapters(cfg: Any) -> bool:
     """Whether the engines are started for adapter publishes: lora_publish=adapter, lora_rank > 0
     (fields of the schema's LoRA section; read by name, as that section may be absent)."""
-    return cfg.lora_publish == "adapter" and cfg.lora_rank > 0
+    return getattr(cfg, "lora_publish", "merged") == "adapter" and getattr(cfg, "lora_rank", 0) > 0
+
+
+def served_name(cfg: Any, version: int) -> Optional[str]:
+    """The model a generate request names to be served by weights `version`: the adapter of that
+    version where the engines serve adapters and one was published (version >= 1), else None
+    (the engine's own weights)."""
+    return adapter_name(version) if serves_adapters(cfg) and version >= 1 else None
 
 
 def lora_server_args(rank: int) -> dict[str, Any]:

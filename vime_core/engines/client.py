@@ -36,6 +36,9 @@ GENERATE_PATH = "/inference/v1/generate"
 # a problem found in the answer later (e.g. log-probs it lacks) can name the engine; through
 # vllm-router it names the router, which does not say which worker answered.
 ANSWERED_BY = "vime_answered_by"
+# Key added to a generate answer whose request named a model (`model`, a LoRA adapter's name with
+# lora_publish=adapter: engines/adapters.py): the name, which fixes the weights that generated it.
+ASKED_MODEL = "vime_model"
 
 T = TypeVar("T")
 
@@ -232,19 +235,24 @@ class EngineClient:
         sampling_params: dict,
         session_id: Optional[str] = None,
         request_id: Optional[str] = None,
+        model: Optional[str] = None,
     ) -> dict:
         """`POST /inference/v1/generate`: token ids in; the raw response (choices with token_ids,
         logprobs, finish_reason, weight_versions; usage) out, plus `ANSWERED_BY`: this client's
-        `label`. `session_id` travels in `X-Session-ID` (vllm-router's consistent_hash key)."""
+        `label`, and `ASKED_MODEL` when the request named a model (`model`, else this client's).
+        `session_id` travels in `X-Session-ID` (vllm-router's consistent_hash key)."""
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling_params}
-        if self.model:
-            body["model"] = self.model
+        model = model or self.model
+        if model:
+            body["model"] = model
         if request_id:
             body["request_id"] = request_id
         headers = {"X-Session-ID": session_id} if session_id else None
         answer = await self.request("POST", GENERATE_PATH, json=body, headers=headers, timeout_s=self.timeout_s)
         if isinstance(answer, dict):
             answer[ANSWERED_BY] = self.label
+            if model:
+                answer[ASKED_MODEL] = model
         return answer
 
     @property

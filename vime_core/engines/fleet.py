@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from vime_core.config import num_engines
 from vime_core.config.derive import platform_supports_sleep
+from vime_core.engines.adapters import served_name, serves_adapters
 from vime_core.engines.auth import EngineToken
 from vime_core.engines.client import (
     EngineClient,
@@ -82,6 +83,10 @@ class EngineFleet:
         self.health: Optional[HealthMonitor] = None
         self.clients: list[EngineClient] = []  # one per engine, in engine order; replaced in place on a new URL
         self.generator: Any = None  # where generate requests go: the router's client or a PolicyRouter
+        # lora_publish=adapter: the engines serve the base weights and one adapter per version;
+        # every generate request names the adapter of the version they hold (`serve_version`)
+        self.serves_adapters = serves_adapters(cfg)
+        self.served_model: Optional[str] = None
         self._startup_epochs: dict[str, float] = {}
 
     # ---- topology ----------------------------------------------------------------------------
@@ -179,6 +184,7 @@ class EngineFleet:
             supports_sleep=self.supports_sleep,
             token=self.token,
             max_connections=max(64, self.cfg.vllm_server_concurrency * 2),
+            model=self.served_model,
         )
 
     def engine_token(self) -> Optional[EngineToken]:
@@ -233,10 +239,12 @@ class EngineFleet:
     # ---- offload / onload ----------------------------------------------------------------------
 
     def offload(self) -> list[dict]:
-        """Engines sleep: level 2 (drop weights too) when the trainer will publish new ones, else 1.
-        Returns each engine's device memory afterwards (as the wake calls do)."""
+        """Engines sleep: level 2 (drop weights too) when the trainer will publish new ones, else 1
+        (also with lora_publish=adapter: a publish brings only the adapter, so the base weights
+        must come back from the host). Returns each engine's device memory afterwards (as the
+        wake calls do)."""
         self.health.pause()
-        self._each_engine("sleep", 2 if self.receives_weight_updates else 1, "keep")
+        self._each_engine("sleep", 2 if self.receives_weight_updates and not self.serves_adapters else 1, "keep")
         return self.engine_memory()
 
     def wake_asleep_engines(self) -> list[str]:
@@ -311,7 +319,23 @@ class EngineFleet:
         return self.engine_urls()
 
     def weight_versions(self) -> list[int]:
-        return self._each_engine("weight_version")
+        """Every engine's version; where they agree, generate requests name it from now on
+        (`serve_version`: a fleet attached to engines that already hold adapters)."""
+        versions = self._each_engine("weight_version")
+        if versions and len(set(versions)) == 1:
+            self.serve_version(versions[0])
+        return versions
+
+    def serve_version(self, version: int) -> None:
+        """Have every generate request name weights `version` from now on: with
+        lora_publish=adapter its adapter (engines/adapters.py `served_name`); else a no-op, the
+        engines serve what was published last. Called once a publish of `version` ended."""
+        name = served_name(self.cfg, version)
+        if name == self.served_model:
+            return
+        self.served_model = name
+        for client in self._all_clients():
+            client.model = name
 
     # ---- health --------------------------------------------------------------------------------
 

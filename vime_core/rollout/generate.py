@@ -13,7 +13,8 @@ from typing import Any, Optional, Protocol
 
 from vime_core.config.derive import needs_rollout_logprobs
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE, Sample, Status, WeightSpan
-from vime_core.engines.client import ANSWERED_BY, EngineError, parse_weight_version
+from vime_core.engines.adapters import ADAPTER_PREFIX, adapter_version
+from vime_core.engines.client import ANSWERED_BY, ASKED_MODEL, EngineError, parse_weight_version
 from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,11 @@ def parse_choice(
     "rank": r, "top_logprobs": [...]}. An entry naming another token (then its top_logprobs are
     searched), without a value, or at -9999.0 (vLLM's value for none, log 0 and NaN) is MISSING_LOGPROB;
     asked for log-probs, an answer without any counts every token as missing. Token and log-prob
-    counts that differ raise MalformedResponse."""
+    counts that differ raise MalformedResponse.
+
+    A request that named a vime LoRA adapter (`ASKED_MODEL`, lora_publish=adapter) was generated
+    by that adapter from its admission to its end: its one span is the adapter's version,
+    whatever version the engine reported meanwhile."""
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError):
@@ -110,6 +115,9 @@ def parse_choice(
         WeightSpan(parse_weight_version(s.get("version")), int(s["start"]), int(s["end"]))
         for s in choice.get("weight_versions") or []
     ]
+    adapter = adapter_version(str(answer.get(ASKED_MODEL) or ""))
+    if adapter is not None:
+        spans = [WeightSpan(adapter, 0, len(token_ids))] if token_ids else []
     finish = str(choice.get("finish_reason") or "")
     if not with_log_probs:
         return token_ids, None, 0, finish, spans
@@ -186,8 +194,12 @@ def fail_sample(sample: Sample, reason: str, retryable: bool = False) -> Sample:
 
 def _no_answer(exc: BaseException) -> bool:
     """No engine gave an answer (refused, dropped, timed out) or it failed on its side (5xx): the
-    request may succeed on the next attempt. A 4xx says the request itself is bad."""
-    return isinstance(exc, EngineError) and (exc.status is None or exc.status >= 500)
+    request may succeed on the next attempt. A 4xx says the request itself is bad, except a 404
+    for a vime adapter's name: an engine restarted and admitted again before its publish loaded
+    the adapter (lora_publish=adapter), which it serves moments later."""
+    if not isinstance(exc, EngineError):
+        return False
+    return exc.status is None or exc.status >= 500 or (exc.status == 404 and ADAPTER_PREFIX in exc.body)
 
 
 async def _wait_for_admission(ctx: GenerateContext) -> None:

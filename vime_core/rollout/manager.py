@@ -17,6 +17,7 @@ from vime_core.config.derive import rollout_logprob_readers
 from vime_core.data.batch import build_batch, weight_version_range
 from vime_core.data.data_source import DataSource, load_prompt_rows, load_tokenizer
 from vime_core.data.validation import validate_trainable
+from vime_core.engines.adapters import served_name
 from vime_core.engines.auth import EngineToken
 from vime_core.engines.fleet import EngineFleet
 from vime_core.rewards.filters import load_filter
@@ -289,14 +290,18 @@ class RolloutManager:
             _, metrics = self.fleet.loop.run(run_eval(self.state, rows, rollout_id))
         return metrics
 
-    def probe_log_probs(self, tokens: list[int]) -> tuple[list[list[float]], Optional[list[list[float]]]]:
-        """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1), and
-        the previous call's answer (check_weight_update_equal; vime_core/weight_sync/weight_check)."""
+    def probe_log_probs(
+        self, tokens: list[int], version: Optional[int] = None
+    ) -> tuple[list[list[float]], Optional[list[list[float]]]]:
+        """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1) under
+        weights `version` (with lora_publish=adapter, its adapter; None: what requests name now),
+        and the previous call's answer (check_weight_update_equal; vime_core/weight_sync/weight_check)."""
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         clients = self.fleet.clients
+        model = served_name(self.cfg, version) if version is not None else None
 
         async def all_engines() -> list[dict]:
-            return list(await asyncio.gather(*(c.generate(tokens, params) for c in clients)))
+            return list(await asyncio.gather(*(c.generate(tokens, params, model=model) for c in clients)))
 
         now = [prompt_logprobs_of(answer, tokens) for answer in self.fleet.loop.run(all_engines())]
         previous, self._last_probe = getattr(self, "_last_probe", None), now
@@ -312,10 +317,14 @@ class RolloutManager:
         """Sync's end, in one actor call: when `start_rollout_id` is given, that rollout started
         on weights `version` (start_generate, which opens admission); else admission resumed
         unless `resume` is False (after a run's last sync). True when a rollout was started.
+        `version`: what the publish made the engines hold, which generate requests name from now
+        on (with lora_publish=adapter, its adapter: `EngineFleet.serve_version`).
 
         `published` is not read: the sync task passes the trainer ranks' `publish`
         references there, top-level arguments that Ray resolves before it runs a call, so this
         call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
+        if version is not None:
+            self.fleet.serve_version(version)
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:

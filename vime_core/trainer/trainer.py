@@ -15,6 +15,7 @@ import torch
 from vime_core.algo.gates import needs_critic, needs_reference, needs_teacher
 from vime_core.config import VimeConfig, weight_transport
 from vime_core.config.lora import lora_enabled
+from vime_core.engines.adapters import serves_adapters
 from vime_core.engines.auth import EngineToken
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.trainer import checkpoint as ckpt
@@ -47,6 +48,7 @@ from vime_core.trainer.teacher import check_teacher_checkpoint
 from vime_core.trainer.train_step import check_batch, forward_log_probs
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
+from vime_core.weight_sync.adapter_publish import publish_adapter
 from vime_core.weight_sync.allocator import use_expandable_segments
 from vime_core.weight_sync.publish import publish_weights
 from vime_core.weight_sync.publish_loop import PublishLoop
@@ -293,6 +295,7 @@ class MegatronTrainer:
         replicas hold the same weights and only advance their version counter. Over CUDA IPC
         with more than one rank, every rank also packs each bucket on its own GPU for the engine
         workers there (transport/ipc_peers.py).
+        With lora_publish=adapter only the LoRA adapter goes (`_publish_adapter`).
 
         ``engine_urls`` None (the RolloutManager's `begin_sync` found every engine already at the
         target version) publishes nothing and returns None: sync chains this call on that
@@ -307,7 +310,9 @@ class MegatronTrainer:
         if self._params_asleep:
             self.wake()
         peers = self._peers
-        if self.layout.dp_rank == 0 or peers is not None:
+        if serves_adapters(self.cfg):
+            result = self._publish_adapter(engine_urls, new_version)
+        elif self.layout.dp_rank == 0 or peers is not None:
             weights = self.iter_hf_weights()
             try:
                 if self.layout.rank == 0:
@@ -332,6 +337,20 @@ class MegatronTrainer:
             if probe is not None:
                 result["probe"] = probe
         return result
+
+    def _publish_adapter(self, engine_urls: list[str], new_version: int) -> Any:
+        """lora_publish=adapter: the engines load the adapter as `adapter_name(new_version)`
+        (vime_core/weight_sync/adapter_publish.py); their base weights never change. Every TP rank
+        of DP replica 0 gathers the adapter, rank 0 publishes it and returns its stats."""
+        if self.layout.dp_rank != 0:
+            return new_version
+        adapter = lora_hf_state(self.model, self.arch)  # a TP collective
+        if self.layout.rank != 0:
+            return new_version
+        token = self._engine_token() if self._engine_token is not None else None
+        return publish_adapter(
+            adapter, lora_settings(self.cfg), engine_urls, new_version, self.hf_checkpoint, token=token
+        )
 
     def probe_log_probs(self) -> dict[str, Any]:
         """The trainer's half of `check_weight_update_equal` (vime_core/weight_sync/weight_check):
