@@ -8,7 +8,10 @@ adapter per Megatron layer, so a name of a fused group needs the others of its g
 from __future__ import annotations
 
 from vime_core.config.schema import ConfigFields  # the fields these functions read
-from vime_core.engines.adapters import VLLM_LORA_RANKS
+
+# `--max-lora-rank` takes one of these (vLLM's LoRAConfig.max_lora_rank; 0.32 also allows 1): the
+# engines' server flag (engines/adapters.py) and this configuration's check read them
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 ALL_LINEAR = "all-linear"
 

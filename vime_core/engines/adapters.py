@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import aiohttp
 
+from vime_core.config.lora import VLLM_LORA_RANKS
 from vime_core.engines.auth import auth_headers
 from vime_core.engines.client import EngineError
 
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 ADAPTER_PREFIX = "vime-lora-v"
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 RUNTIME_UPDATES_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-# `--max-lora-rank` takes one of these (vLLM's LoRAConfig.max_lora_rank; 0.32 also allows 1)
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # One adapter on the device (a publish aborts the requests of the previous version), the
 # previous version's kept on the host for requests sent before their client moved on.
 MAX_LORAS, MAX_CPU_LORAS = 1, 2

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from vime_core.models.lora_merge import adapter_pairs, lora_scale
 from vime_core.utils.secrets import redact_text
@@ -69,8 +70,6 @@ def write_adapter_files(
 ) -> Path:
     """Write the two files into the existing local `folder` (tensors in `dtype`, default their
     own); returns the folder."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     config = adapter_config(adapter, settings, base_model)
     tensors = {k: t.detach().to("cpu", dtype or t.dtype).contiguous() for k, t in adapter.items()}
