@@ -269,9 +269,9 @@ def fusion_settings(cfg: Any, device: torch.device | str) -> dict[str, bool]:
 
 
 def layer_spec(arch: HFArchitecture) -> Any:
-    """The local layer spec with SDPA core attention; MoE models get Megatron's MoE layer with
-    ``SequentialMLP`` experts (one local MLP per expert: no grouped-GEMM kernel without Transformer
-    Engine)."""
+    """The local layer spec with SDPA core attention; MoE models get Megatron's MoE layer
+    with ``SequentialMLP`` experts, one local MLP per expert:
+    the grouped-GEMM experts need Transformer Engine or the ``grouped_gemm`` package, absent here."""
     spec = get_gpt_layer_local_spec(
         num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
@@ -310,6 +310,7 @@ def build_gpt_model(
     )
     mark_tensor_parallel_params(model)
     norms_in_dtype(model, dtype)
+    compat_moe.allow_full_sequence_tp(model)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
     return model.to(device=device)
 
