@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.moe_tiny import tiny_moe_config
+from vime_core.config import ConfigError, load_config, parse_args
 from vime_core.trainer.hf_convert import conversion_rules, hf_to_megatron_shard, shards_to_hf
 from vime_core.trainer.model import UnsupportedModelError, architecture_from_hf, check_tp_divides, moe_settings
 
@@ -95,3 +96,9 @@ def test_tp_must_divide_the_expert_size():
     arch = architecture_from_hf(tiny_moe_config(moe_intermediate_size=31))
     with pytest.raises(ValueError, match="moe_intermediate_size=31"):
         check_tp_divides(arch, 2)
+
+
+def test_expert_parallel_above_one_is_refused_naming_the_flag():
+    assert parse_args(["--expert-model-parallel-size", "1"]).expert_model_parallel_size == 1
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=2: expert parallelism is not supported"):
+        load_config(overrides={"expert_model_parallel_size": 2})

@@ -1092,3 +1092,13 @@ class ConfigFields(BaseModel):
             "HF names through the usual transports (any engine, the full weights' bytes)."
         ),
     )
+
+    # ---- mixture of experts (Qwen3-MoE; vime_core/trainer/model.py moe_settings) ----------------
+    expert_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Megatron's expert-parallel size (slime's --expert-model-parallel-size). Only 1 for now: every trainer "
+            "rank holds all experts, each split over the TP ranks like a dense MLP; larger values are refused."
+        ),
+    )
