@@ -14,10 +14,10 @@ from vime_core.demo.model import VOCAB, build_tokenizer, tiny_config
 
 
 def tiny_moe_config(norm_topk_prob: bool = True, tie_word_embeddings: bool = False, **changes) -> dict:
-    """config.json of a 2-layer Qwen3-MoE: hidden 64, 4 heads / 2 KV heads (TP=2 splits them),
-    8 experts of intermediate size 32, top-2 routing."""
+    """config.json of a 2-layer Qwen3-MoE: hidden 64, 4 heads / 2 KV heads of dim 32 (TP=2 splits
+    them; vLLM's CPU attention has no head_dim 16), 8 experts of intermediate size 32, top-2 routing."""
     cfg = tiny_config(
-        "qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=tie_word_embeddings
+        "qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=tie_word_embeddings
     )
     cfg.update(
         architectures=["Qwen3MoeForCausalLM"],
