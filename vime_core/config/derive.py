@@ -152,6 +152,11 @@ def derive_in_place(cfg: ConfigFields) -> None:
         raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
     if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
         raise ValueError("rm_type=remote_rm needs rm_url")
+    if cfg.expert_model_parallel_size > 1:
+        raise ValueError(
+            f"expert_model_parallel_size={cfg.expert_model_parallel_size}: expert parallelism is not supported "
+            "yet; use 1 (every rank holds all experts, split over tensor_model_parallel_size)"
+        )
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)

@@ -1095,3 +1095,13 @@ class ConfigFields(BaseModel):
             "weights and name the adapter of each version in their requests (vime-lora-v<version>)."
         ),
     )
+
+    # ---- mixture of experts (Qwen3-MoE; vime_core/trainer/model.py moe_settings) ----------------
+    expert_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Megatron's expert-parallel size (slime's --expert-model-parallel-size). Only 1 for now: every trainer "
+            "rank holds all experts, each split over the TP ranks like a dense MLP; larger values are refused."
+        ),
+    )

@@ -54,13 +54,30 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
     if arch.qk_norm:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
+    rules.append(Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
+    rules += _moe_rules(arch, m, h) if arch.num_experts else _mlp_rules(m + "mlp.", h + "mlp.")
     rules += [
-        Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
-        Rule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up"),
-        Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
         Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
         Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
     ]
+    return rules
+
+
+def _mlp_rules(m: str, h: str) -> list[Rule]:
+    """One SwiGLU MLP: Megatron prefix ``m``, HF prefix ``h``."""
+    return [
+        Rule(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "gate_up"),
+        Rule(m + "linear_fc2.weight", (h + "down_proj.weight",), "row"),
+    ]
+
+
+def _moe_rules(arch: HFArchitecture, m: str, h: str) -> list[Rule]:
+    """Qwen3-MoE's sparse block: the router (``mlp.gate``, [experts, hidden], replicated) and each
+    expert's SwiGLU MLP, split over TP like the dense MLP (Megatron's ``SequentialMLP`` names; these
+    HF names are also vLLM's)."""
+    rules = [Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")]
+    for e in range(arch.num_experts):
+        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
     return rules
 
 

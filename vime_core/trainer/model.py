@@ -1,5 +1,6 @@
-"""Build a Megatron-core GPTModel from a Hugging Face config (Qwen2, Qwen3, Llama): one Megatron layer
-(local spec, RMSNorm, SwiGLU, RoPE) with q/k/v biases (Qwen2) or per-head q/k norms (Qwen3). The
+"""Build a Megatron-core GPTModel from a Hugging Face config (Qwen2, Qwen3, Llama, Qwen3-MoE): one
+Megatron layer (local spec, RMSNorm, SwiGLU, RoPE) with q/k/v biases (Qwen2) or per-head q/k norms
+(Qwen3); Qwen3-MoE layers replace the MLP with Megatron's MoE layer (top-k router, sequential experts). The
 vocabulary is padded to a multiple of the TP size (zero rows, masked before any softmax, cut on
 export). What the mapping cannot express exactly is refused with an error naming the config field."""
 
@@ -22,10 +23,10 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vime_core.trainer import compat_cpu, rope
+from vime_core.trainer import compat_cpu, compat_moe, rope
 from vime_core.trainer.attention import SDPACoreAttention
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -51,6 +52,10 @@ class HFArchitecture:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    num_experts: int = 0  # 0: dense MLP layers; else every layer's MLP is an MoE layer of this many experts
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1
 
 
 def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -97,7 +102,7 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
-    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise UnsupportedModelError(
             f"attention_bias=true for model_type={model_type!r} (bias on o_proj) is not supported"
         )
@@ -106,6 +111,7 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope_theta, rope_scaling_factor = _rope(cfg)
+    moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
     return HFArchitecture(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -121,8 +127,32 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields. Every layer must be sparse: dense layers mixed in
+    (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) are refused."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step != 1:
+        raise UnsupportedModelError(f"decoder_sparse_step={step} (dense layers between MoE layers) is not supported")
+    if cfg.get("mlp_only_layers"):
+        raise UnsupportedModelError(f"mlp_only_layers={cfg['mlp_only_layers']} (dense MLP layers) is not supported")
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts < 1:
+        raise UnsupportedModelError(f"num_experts={experts}: a qwen3_moe model needs at least one expert")
+    topk = int(cfg["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={topk} is not between 1 and num_experts={experts}")
+    return {
+        "num_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+        # transformers' Qwen3MoeConfig default; the released Qwen3-MoE checkpoints set it to true
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -131,11 +161,12 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
-    for field, value in (
-        ("num_attention_heads", arch.num_heads),
-        ("num_key_value_heads", arch.num_kv_heads),
-        ("intermediate_size", arch.ffn_hidden_size),
-    ):
+    mlp = (
+        ("moe_intermediate_size", arch.moe_ffn_hidden_size)
+        if arch.num_experts
+        else ("intermediate_size", arch.ffn_hidden_size)
+    )
+    for field, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), mlp):
         if value % tp_size:
             raise ValueError(f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}")
 
@@ -152,7 +183,7 @@ def transformer_config(
     fields (``recompute_settings(cfg)``). ``fusions``: ``apply_rope_fusion`` (vime's packed RoPE at
     Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
     SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
-    Engine or apex and stay off."""
+    Engine or apex and stay off. MoE models: ``moe_settings``."""
     check_tp_divides(arch, tp_size)
     fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
     if fusions["apply_rope_fusion"]:
@@ -184,9 +215,38 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        **moe_settings(arch, tp_size),
         **(recompute or {}),
         **fusions,
     )
+
+
+def moe_settings(arch: HFArchitecture, tp_size: int) -> dict[str, Any]:
+    """Megatron's MoE fields for ``arch`` (none for a dense model).
+
+    HF's router takes softmax over all experts, keeps the top k and (``norm_topk_prob``) divides by
+    their sum, which equals a softmax over the k largest logits: Megatron's softmax router with
+    ``moe_router_pre_softmax=False``; without the renormalisation it is softmax-then-top-k
+    (``moe_router_pre_softmax=True``). Routing in fp32 as slime runs Qwen3-MoE; dropless (no
+    capacity factor); no load-balancing or z loss; the allgather dispatcher (the alltoall one needs
+    CUDA streams; at EP=1 neither moves tokens between ranks); expert parallelism 1 and experts split over the
+    TP ranks like the dense MLP (expert TP = TP)."""
+    if not arch.num_experts:
+        return {}
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": tp_size,
+    }
 
 
 def recompute_settings(cfg: Any) -> dict[str, Any]:
@@ -209,8 +269,12 @@ def fusion_settings(cfg: Any, device: torch.device | str) -> dict[str, bool]:
 
 
 def layer_spec(arch: HFArchitecture) -> Any:
-    """The local layer spec with SDPA core attention."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    """The local layer spec with SDPA core attention; MoE models get Megatron's MoE layer
+    with ``SequentialMLP`` experts, one local MLP per expert:
+    the grouped-GEMM experts need Transformer Engine or the ``grouped_gemm`` package, absent here."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -228,6 +292,8 @@ def build_gpt_model(
     The output layer returns vocabulary-parallel logits [b, s, padded_vocab / tp].
     """
     compat_cpu.activate()
+    if arch.num_experts:
+        compat_moe.define_missing_te_gemm()
     model = GPTModel(
         config=transformer_config(arch, tp_size, dtype, recompute, fusions),
         transformer_layer_spec=layer_spec(arch),
@@ -244,6 +310,7 @@ def build_gpt_model(
     )
     mark_tensor_parallel_params(model)
     norms_in_dtype(model, dtype)
+    compat_moe.allow_full_sequence_tp(model)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
     return model.to(device=device)
 

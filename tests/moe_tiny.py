@@ -1,0 +1,58 @@
+"""A tiny random Qwen3-MoE checkpoint (transformers' own ``Qwen3MoeForCausalLM``) on the demo
+alphabet: the MoE trainer tests' fixture, as ``tests/integration/trainer/conftest.tiny_checkpoint``
+is the dense families'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vime_core.demo.model import VOCAB, build_tokenizer, tiny_config
+
+
+def tiny_moe_config(norm_topk_prob: bool = True, tie_word_embeddings: bool = False, **changes) -> dict:
+    """config.json of a 2-layer Qwen3-MoE: hidden 64, 4 heads / 2 KV heads of dim 32 (TP=2 splits
+    them; vLLM's CPU attention has no head_dim 16), 8 experts of intermediate size 32, top-2 routing."""
+    cfg = tiny_config(
+        "qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=tie_word_embeddings
+    )
+    cfg.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        intermediate_size=96,  # a dense MLP's size: unused while every layer is sparse
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
+    )
+    cfg.update(changes)
+    return cfg
+
+
+def tiny_moe_checkpoint(cache_dir: Path, norm_topk_prob: bool = True, tie: bool = False, seed: int = 1) -> Path:
+    """Build (or reuse) the checkpoint and a character tokenizer under ``cache_dir/models``."""
+    cfg = tiny_moe_config(norm_topk_prob, tie)
+    out = (
+        Path(cache_dir)
+        / "models"
+        / f"trainer-qwen3moe-{'norm' if norm_topk_prob else 'raw'}-{'tied' if tie else 'untied'}"
+    )
+    marker = out / "vime_tiny.json"
+    want = {"seed": seed, "config": cfg}
+    if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)), dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    build_tokenizer(out, len(VOCAB))
+    marker.write_text(json.dumps(want, indent=2))
+    return out

@@ -1,0 +1,54 @@
+"""megatron-core's MoE layer as vime runs it: without Transformer Engine (absent on the CPU box and
+the GPU host) and with TP ranks that each hold the whole sequence (no sequence parallelism)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+
+def define_missing_te_gemm() -> bool:
+    """Set ``moe_utils.te_general_gemm`` to None when TE left it undefined (idempotent); whether it did.
+
+    megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` from TE inside a try block and
+    the router's gating GEMM (``RouterGatingLinearFunction``) tests ``te_general_gemm is not None``
+    unguarded: without TE every MoE forward raises NameError. None selects the ``torch.mm`` path
+    megatron-core already has (its other TE kernels are guarded by ``HAVE_TE``)."""
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+class _OneRank:
+    """Stands in for the attention TP group of a ``MoELayer``, read only by its sequence-parallel check."""
+
+    def size(self) -> int:
+        return 1
+
+
+def allow_full_sequence_tp(model: Any) -> int:
+    """Let ``model``'s MoE layers train at TP > 1 without sequence parallelism; how many layers.
+
+    Megatron refuses that combination in training (``MoELayer.forward``) because its MoE layer
+    expects each TP rank to hold a different part of the sequence. Here each TP rank holds all of it:
+    the allgather dispatcher gathers the TP ranks' identical copies, every rank's experts compute
+    their TP slice of all copies and the reduce-scatter hands each rank the complete output of its
+    own copy. Outputs, the router's and the activations' gradients are then those of TP=1, and each
+    expert weight's gradient is TP times its TP=1 value (it sums over TP identical copies of every
+    token): a gradient hook divides it by TP. The cost is TP times the expert FLOPs of a
+    sequence-parallel run. ``attn_tp_group`` serves only that check in megatron-core 0.16.1 (the
+    dispatcher and the experts keep their own groups), so a one-rank stand-in lifts it."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        copies = layer.attn_tp_group.size()
+        layer.attn_tp_group = _OneRank()
+        if copies > 1:
+            for param in layer.experts.parameters():
+                param.register_hook(functools.partial(torch.div, other=copies))
+    return len(layers)
