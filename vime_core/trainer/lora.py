@@ -113,6 +113,11 @@ def apply_lora(model: Any, cfg: Any, arch: HFArchitecture, tp: int, tp_rank: int
     """Freeze every parameter of ``model`` and add adapters on ``cfg.target_modules``; returns the
     number of adapter parameters on this rank. Call after the base weights are loaded and before
     Megatron's DDP wraps the model."""
+    if arch.num_experts:
+        raise ValueError(
+            f"lora_rank={cfg.lora_rank} on model_type={arch.model_type!r}: LoRA on mixture-of-experts layers is not "
+            "supported yet; train the full weights (lora_rank 0)"
+        )
     bare = unwrap(model)
     for param in bare.parameters():
         param.requires_grad_(False)

@@ -105,3 +105,9 @@ def test_moe_training_step_moves_router_and_experts(single_rank, cache_dir, tmp_
         assert f"model.layers.{layer}.mlp.gate.weight" in changed
         experts = [f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight" for e in range(8)]
         assert any(name in changed for name in experts), layer
+
+
+def test_lora_on_an_moe_model_is_refused_in_one_line(single_rank, cache_dir, tmp_path):
+    ckpt = tiny_moe_checkpoint(cache_dir)
+    with pytest.raises(ValueError, match="LoRA on mixture-of-experts layers is not supported"):
+        single_rank_trainer(hand_config(ckpt, tmp_path, lora_rank=4, lora_alpha=8.0))
