@@ -7,8 +7,6 @@ training and the trainer before the publish; a breach fails the flow run there."
 
 from __future__ import annotations
 
-import time
-
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
@@ -24,6 +22,7 @@ from tasks.train import train
 from vime_core.config import VimeConfig
 from vime_core.step_plan import Phase, StepPlan, iteration_record, plan_step, version_before
 from vime_core.utils import interrupt
+from vime_core.utils.timing import Stopwatch
 
 
 def _run_name() -> str:
@@ -35,7 +34,7 @@ def _run_name() -> str:
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
     """rollout, then the schedule's phases (one function each, below), then eval, save, report."""
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
-    t0, k, plan = time.perf_counter(), rollout_id, plan_step(config, rollout_id)
+    step, k, plan = Stopwatch(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (a cost per task run)
     out = rollout(cfg, k, plan.version)
     guard = IterationGuard.start(config, k)  # the run guard: tasks/guard.py
@@ -50,7 +49,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
-    record = iteration_record(plan, out.metrics, out.from_store, done, time.perf_counter() - t0)
+    record = iteration_record(plan, out.metrics, out.from_store, done, step.seconds)
     record.update(guard.record_fields())
     report_iteration(cfg, k, record, draw_curve=plan.draw_curve)
     return record

@@ -5,8 +5,6 @@ batches and configuration on the CPU default the weights come out bit-identical 
 
 from __future__ import annotations
 
-import time
-
 from prefect import flow, get_run_logger, task
 
 from tasks.bootstrap import prepare_assets
@@ -18,6 +16,7 @@ from vime_core.cluster.replay_trainers import (
     train_on_stored_batch,
 )
 from vime_core.config import VimeConfig
+from vime_core.utils.timing import Stopwatch
 
 
 @task(name="replay-train", task_run_name="replay-train-{rollout_id}", **TASK_DEFAULTS)
@@ -38,13 +37,13 @@ def replay(
     """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`;
     `rewards`: the batches' own (stored), or those `vime rescore` stored (rescored, vN)."""
     log = get_run_logger()
-    t0 = time.perf_counter()
+    replaying = Stopwatch()
     config = prepare_assets(config)
     ids = select_batches(config, source_run, rollout_ids, weight_version)
     log.info("replaying %s batches %s on checkpoint %s (rewards: %s)", source_run, ids, checkpoint, rewards)
     prepare_replay_trainers(config, checkpoint)
     metrics = {k: replay_one(config, source_run, k, rewards) for k in ids}
-    out = {"rollout_ids": ids, "metrics": metrics, "seconds": time.perf_counter() - t0}
+    out = {"rollout_ids": ids, "metrics": metrics, "seconds": replaying.seconds}
     if save and ids:
         out["checkpoint"] = save_replay(config, ids[-1])
     return out

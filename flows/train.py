@@ -27,13 +27,14 @@ from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_record
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.utils import interrupt
 from vime_core.utils.processes import process_age_s
+from vime_core.utils.timing import Stopwatch
 
 
 @flow(name="train", flow_run_name="train-{config.run_name}", log_prints=True)
 def train(config: VimeConfig) -> dict:
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
     log = get_run_logger()
-    t0 = time.perf_counter()
+    run_clock = Stopwatch()
     preload_curve()  # the first reward curve then costs only its drawing
     config = prepare_assets(config)
     log.info("resolved configuration:\n%s", describe(config))
@@ -70,7 +71,7 @@ def train(config: VimeConfig) -> dict:
         "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
         "iteration_walls": iteration_walls,
         "failed_attempts": failed_attempts,  # rollout id -> failed tries that were retried
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": run_clock.seconds,
         "batches": run_dir(config.storage_uri, config.run_name, "batches"),
         "checkpoints": run_dir(config.storage_uri, config.run_name, "checkpoints"),
         "hf_export": export,
@@ -127,7 +128,7 @@ def run_iterations(config: VimeConfig, start: int) -> tuple[list[float], dict[in
     failures: dict[int, int] = {}  # failed attempts per rollout id
     rollout_id, rebuild = start, False
     while rollout_id < config.num_rollout:
-        t0 = time.perf_counter()
+        wall = Stopwatch()
         try:
             if rebuild:
                 rollout_id = resume_point(config, start, rollout_id, bootstrap(config))
@@ -138,7 +139,7 @@ def run_iterations(config: VimeConfig, start: int) -> tuple[list[float], dict[in
             time.sleep(retry_or_raise(config, rollout_id, exc, failures[rollout_id]))
             rebuild = True
             continue
-        walls.append(time.perf_counter() - t0)
+        walls.append(wall.seconds)
         rollout_id += 1
     return walls, failures
 

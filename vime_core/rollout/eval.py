@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from typing import Any
 
 from vime_core.data.sample import Sample, Status
 from vime_core.rollout.generate import GenerateContext, base_sampling_params
+from vime_core.utils.timing import Stopwatch
 
 
 def eval_samples(rows: list[Any], n_samples: int) -> list[list[Sample]]:
@@ -41,7 +41,7 @@ def eval_samples(rows: list[Any], n_samples: int) -> list[list[Sample]]:
 
 async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
     cfg = state.cfg
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     ctx = GenerateContext(
         cfg, state.generator, state.tokenizer, state.eos_token_id, admission_open=state.admission_open
     )
@@ -69,7 +69,7 @@ async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[S
         "eval/truncated_rate": sum(s.status is Status.TRUNCATED for s in samples) / max(1, len(samples)),
         "eval/failed_count": float(sum(s.status is Status.FAILED for s in samples)),
         "eval/num_samples": float(len(samples)),
-        "eval/time_s": time.perf_counter() - t0,
+        "eval/time_s": watch.seconds,
         "eval/rollout_id": float(rollout_id),
     }
     return samples, metrics

@@ -9,7 +9,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +27,7 @@ from vime_core.rollout.loop import RolloutState
 from vime_core.rollout.tokens import add_stale, generated_tokens
 from vime_core.storage.schema import DATA_SOURCE_AFTER
 from vime_core.utils.imports import load_function
+from vime_core.utils.timing import timed
 from vime_core.weight_sync.weight_check import prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
@@ -193,10 +193,10 @@ class RolloutManager:
         if pending is not None and usable_prefetch(
             pending.rollout_id, pending.version, rollout_id, version, self.cfg.async_staleness
         ):
-            t0 = time.perf_counter()
-            result = pending.future.result()
+            with timed() as wait:
+                result = pending.future.result()
             result[1]["rollout/prefetched"] = 1.0
-            result[1]["rollout/time_prefetch_wait_s"] = time.perf_counter() - t0
+            result[1]["rollout/time_prefetch_wait_s"] = wait.seconds
         elif pending is not None:
             self._drop(pending, restore=True)
         if result is None:
@@ -247,18 +247,18 @@ class RolloutManager:
         self._sources_before = {**kept, rollout_id: before}
         try:
             samples, metrics = self.generate_samples(rollout_id)
-            t0 = time.perf_counter()
-            batch = build_batch(samples, self.cfg)
-            # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
-            # (a custom rollout function may hand on samples the default loop would have retried)
-            validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
+            with timed() as build:
+                batch = build_batch(samples, self.cfg)
+                # the trainer's own check, before the batch goes anywhere: nothing untrainable is stored
+                # (a custom rollout function may hand on samples the default loop would have retried)
+                validate_trainable(batch, log_prob_readers=rollout_logprob_readers(self.cfg))
         except BaseException:
             # A failed rollout hands nothing on: its prompts go back, so a retry, or the run
             # resumed after a fix, draws them again instead of skipping them (this manager lives
             # on across the iteration's retries and a run's restart: tasks/bootstrap.py).
             self.data_source.load_state_dict(before)
             raise
-        metrics["rollout/time_build_s"] = time.perf_counter() - t0
+        metrics["rollout/time_build_s"] = build.seconds
         metrics.update({f"rollout/{k}": v for k, v in weight_version_range(batch).items()})
         metrics["rollout/engine_restarts"] = float(self.fleet.health.restarts)
         # where the data source stands after this rollout: stored with the batch (its lineage),

@@ -5,12 +5,12 @@ cannot make. Runs inside the vLLM worker: vllm, torch, the standard library and 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
+from vime_core.utils.timing import timed
 from vime_core.wire.broadcast_format import BroadcastBucketInfo, BroadcastInitInfo
 from vime_core.wire.broadcast_group import BroadcastGroup, open_group, pooled_host_buffer
 from vime_core.wire.layout import bucket_views
@@ -50,17 +50,17 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
                 f"vime_broadcast: bucket of group {update_info.group_id!r}, but this worker is in "
                 f"{self.group_id!r}; initialise the weight transfer again"
             )
-        t0 = time.perf_counter()
-        if self.device.type == "cpu":
-            buffer = pooled_host_buffer(self._host_buffers, len(self._received), update_info.nbytes)
-        else:  # on a GPU the memory goes back to the caching allocator, for the KV cache
-            buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
-        self.group.broadcast(buffer)
-        self._received.append(buffer)
-        weights = bucket_views(
-            buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets()
-        )
-        self.load(weights, update_info.nbytes, time.perf_counter() - t0)
+        with timed() as receiving:
+            if self.device.type == "cpu":
+                buffer = pooled_host_buffer(self._host_buffers, len(self._received), update_info.nbytes)
+            else:  # on a GPU the memory goes back to the caching allocator, for the KV cache
+                buffer = torch.empty(update_info.nbytes, dtype=torch.uint8, device=self.device)
+            self.group.broadcast(buffer)
+            self._received.append(buffer)
+            weights = bucket_views(
+                buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets()
+            )
+        self.load(weights, update_info.nbytes, receiving.seconds)
 
     def release_received(self) -> None:
         self._received = []

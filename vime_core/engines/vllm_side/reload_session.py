@@ -1,18 +1,20 @@
 """The weight-update session vime's vLLM backends share (`vime_shm`, `vime_broadcast`): vLLM's
 checkpoint-format reload, each bucket's tensors viewed in the received bytes and loaded through the
 model's own `load_weights` (which fuses and shards for TP). vLLM keeps views until a layer is complete,
-so a backend holds what it received until `finish`. Imports only vllm, torch and the standard library."""
+so a backend holds what it received until `finish`. Imports only vllm, torch, the standard library and
+vime_core/utils/timing.py (itself standard library only)."""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from vime_core.utils.timing import timed
 
 try:  # the CPU build's vLLM (0.32); 0.26, the GPU hosts' release, has neither the check nor this module
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -102,24 +104,23 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
 
     def load(self, weights: list[tuple[str, torch.Tensor]], nbytes: int, receive_seconds: float) -> None:
         """Load one received bucket's (name, tensor) views into the model; count it."""
-        t0 = time.perf_counter()
-        with _no_mtp_completeness_check():
+        with timed() as loading, _no_mtp_completeness_check():
             self.model.load_weights(weights)
         self.stats.buckets += 1
         self.stats.bytes += nbytes
         self.stats.map_seconds += receive_seconds
-        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.load_seconds += loading.seconds
         self.stats.loaded_names.update(name for name, _ in weights)
 
     def finish_weight_update(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                finalize_layerwise_reload(self.model, self.model_config)
-                refresh_tied_layers(self.model)
-        finally:
-            self.release_received()
-        self.stats.finish_seconds = time.perf_counter() - t0
+        with timed() as finishing:
+            try:
+                with torch.no_grad():
+                    finalize_layerwise_reload(self.model, self.model_config)
+                    refresh_tied_layers(self.model)
+            finally:
+                self.release_received()
+        self.stats.finish_seconds = finishing.seconds
 
     def release_received(self) -> None:
         """Give back what the received buckets hold (vLLM's views of them are gone after finish)."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 
 import torch
 
 from vime_core.engines.vllm_side.reload_session import LayerwiseReloadEngine
+from vime_core.utils.timing import timed
 from vime_core.wire.layout import bucket_views
 from vime_core.wire.shm_format import DEFAULT_SHM_DIR, ShmBucketInfo, ShmInitInfo
 
@@ -36,9 +36,9 @@ class ShmWeightTransferEngine(LayerwiseReloadEngine):
         self.shm_dir = shm_dir
 
     def receive_weights(self, update_info: ShmBucketInfo) -> None:
-        t0 = time.perf_counter()
-        weights = self._map_bucket(update_info)
-        self.load(weights, update_info.nbytes, time.perf_counter() - t0)
+        with timed() as receiving:
+            weights = self._map_bucket(update_info)
+        self.load(weights, update_info.nbytes, receiving.seconds)
 
     def shutdown(self) -> None:
         self.release_received()

@@ -5,11 +5,12 @@ abort (after a failure while no byte moved: vLLM puts the old weights back), clo
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vime_core.engines.client import call_all
+from vime_core.utils.timing import Stopwatch, timed
 
 if TYPE_CHECKING:
     from vime_core.engines.client import EngineClient
@@ -44,10 +45,9 @@ class WeightTransport(ABC):
 
     async def finish(self, version: int) -> None:
         """Close it: the engines finish loading and report `version` (timed as "finish")."""
-        t0 = time.perf_counter()
-        await self.on_every_engine("finish_weight_update", version)
-        self.session_open = False
-        self.add_time("finish", time.perf_counter() - t0)
+        with self.timed("finish"):
+            await self.on_every_engine("finish_weight_update", version)
+            self.session_open = False
 
     async def abort(self) -> None:
         """Close the engines' session with no weights loaded; layerwise reload then restores
@@ -59,8 +59,10 @@ class WeightTransport(ABC):
     async def close(self) -> None:
         return None
 
-    def add_time(self, phase: str, seconds: float) -> None:
-        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+    def timed(self, phase: str) -> AbstractContextManager[Stopwatch]:
+        """`with self.timed("write"):` adds the block's seconds to `timings["write"]` (summed over
+        the buckets of a publish)."""
+        return timed(phase, self.timings)
 
     async def on_every_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return await call_all(self.engines, method, *args, **kwargs)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,9 +121,8 @@ class BroadcastTransport(WeightTransport):
             return
         if kept is not None:
             self._drop(kept)
-        t0 = time.perf_counter()
-        self.kept = await self._form([len(per or []) for per in answers], urls)
-        self.add_time("form_group", time.perf_counter() - t0)
+        with self.timed("form_group"):
+            self.kept = await self._form([len(per or []) for per in answers], urls)
 
     async def _form(self, workers: list[int], urls: tuple[str, ...]) -> KeptGroup:
         offsets, world = rank_offsets(workers)
@@ -164,31 +162,33 @@ class BroadcastTransport(WeightTransport):
 
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.kept is not None, "prepare() forms or finds the group first"
-        t0 = time.perf_counter()
-        buffer, sizes = self.kept.pack(bucket, self.device)
-        if buffer.is_cuda:
-            torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
-        info = BroadcastBucketInfo(
-            self.kept.group_id, list(bucket.names), bucket.dtype_names, [list(t.shape) for t in bucket.tensors], sizes
-        ).to_dict()
-        t1 = time.perf_counter()
-        self.add_time("pack", t1 - t0)
+        with self.timed("pack"):
+            buffer, sizes = self.kept.pack(bucket, self.device)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
+            info = BroadcastBucketInfo(
+                self.kept.group_id,
+                list(bucket.names),
+                bucket.dtype_names,
+                [list(t.shape) for t in bucket.tensors],
+                sizes,
+            ).to_dict()
         self.bytes_moved = True
-        receiving = asyncio.ensure_future(self.on_every_engine("update_weights", info))
-        sending = in_daemon_thread(self.kept.group.broadcast, buffer)
-        done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((f for f in (receiving, sending) if f in done and f.exception() is not None), None)
-        if failed is not None:
-            kept, self.kept = self.kept, None
-            self._drop(kept, abort=True)  # unblocks rank 0's broadcast; the group is unusable now
-            other = sending if failed is receiving else receiving
-            if other.done():
-                other.exception()  # retrieved: only the first failure is raised
-            else:
-                other.cancel()
-            raise failed.exception()
-        await asyncio.gather(receiving, sending)
-        self.add_time("broadcast_and_load", time.perf_counter() - t1)
+        with self.timed("broadcast_and_load"):
+            receiving = asyncio.ensure_future(self.on_every_engine("update_weights", info))
+            sending = in_daemon_thread(self.kept.group.broadcast, buffer)
+            done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((f for f in (receiving, sending) if f in done and f.exception() is not None), None)
+            if failed is not None:
+                kept, self.kept = self.kept, None
+                self._drop(kept, abort=True)  # unblocks rank 0's broadcast; the group is unusable now
+                other = sending if failed is receiving else receiving
+                if other.done():
+                    other.exception()  # retrieved: only the first failure is raised
+                else:
+                    other.cancel()
+                raise failed.exception()
+            await asyncio.gather(receiving, sending)
 
     async def close(self) -> None:
         if self.keeper is None and self.kept is not None:  # nobody keeps it for the next publish

@@ -9,7 +9,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-import time
 
 from vime_core.weight_sync.buckets import Bucket
 from vime_core.weight_sync.transport.base import WeightTransport
@@ -40,19 +39,16 @@ class DiskTransport(WeightTransport):
 
     async def send_bucket(self, bucket: Bucket) -> None:
         assert self.folder is not None, "start() first"
-        t0 = time.perf_counter()
-        await asyncio.to_thread(write_bucket_safetensors, bucket, self.folder)
-        self.add_time("write", time.perf_counter() - t0)
+        with self.timed("write"):
+            await asyncio.to_thread(write_bucket_safetensors, bucket, self.folder)
 
     async def finish(self, version: int) -> None:
         assert self.folder is not None, "start() first"
-        t0 = time.perf_counter()
         self.bytes_moved = True
-        await self.on_every_engine("collective_rpc", "vime_reload_weights", {"weights_path": self.folder})
-        t1 = time.perf_counter()
-        await self.on_every_engine("update_weight_version", version)
-        self.add_time("reload", t1 - t0)
-        self.add_time("finish", time.perf_counter() - t1)
+        with self.timed("reload"):
+            await self.on_every_engine("collective_rpc", "vime_reload_weights", {"weights_path": self.folder})
+        with self.timed("finish"):
+            await self.on_every_engine("update_weight_version", version)
 
     async def close(self) -> None:
         if self.folder is not None:

@@ -6,7 +6,6 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1 to unpickle the handle."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -74,30 +73,28 @@ class IpcTransport(WeightTransport):
         await self.on_every_engine("init_weight_transfer", {} if self._packed_in_update else {"packed": True})
 
     async def send_bucket(self, bucket: Bucket) -> None:
-        t0 = time.perf_counter()
-        buffer, sizes = pack_ipc(bucket, self.device)
-        if buffer.is_cuda:
-            torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
-        self._buffers.append(buffer)
-        handles = {self.device_uuid: self.reduce_fn(buffer)}
-        if self.peers is not None:  # nothing that can fail between the command and the gather
-            self.peers.command((BUCKET, list(bucket.names), bucket.dtype_names))
-            handles = merge_handles(self.peers.gather((self.device_uuid, handles[self.device_uuid], None)))
-        if not self._placement_checked:  # before any byte moves: the publish can still be undone
-            elsewhere = unshared_workers(self._worker_gpus, set(handles))
-            if elsewhere:
-                raise ValueError(
-                    f"ipc publish: {', '.join(elsewhere)} runs on a GPU no trainer rank publishes from "
-                    f"({', '.join(sorted(handles))}); CUDA IPC needs every engine worker on a trainer "
-                    "rank's GPU (colocate), for engines elsewhere use weight_transport=nccl"
-                )
-            self._placement_checked = True
-        info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
-        t1 = time.perf_counter()
-        self.add_time("pack", t1 - t0)
+        with self.timed("pack"):
+            buffer, sizes = pack_ipc(bucket, self.device)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
+            self._buffers.append(buffer)
+            handles = {self.device_uuid: self.reduce_fn(buffer)}
+            if self.peers is not None:  # nothing that can fail between the command and the gather
+                self.peers.command((BUCKET, list(bucket.names), bucket.dtype_names))
+                handles = merge_handles(self.peers.gather((self.device_uuid, handles[self.device_uuid], None)))
+            if not self._placement_checked:  # before any byte moves: the publish can still be undone
+                elsewhere = unshared_workers(self._worker_gpus, set(handles))
+                if elsewhere:
+                    raise ValueError(
+                        f"ipc publish: {', '.join(elsewhere)} runs on a GPU no trainer rank publishes from "
+                        f"({', '.join(sorted(handles))}); CUDA IPC needs every engine worker on a trainer "
+                        "rank's GPU (colocate), for engines elsewhere use weight_transport=nccl"
+                    )
+                self._placement_checked = True
+            info = ipc_update_info(bucket, sizes, handles, self._packed_in_update)
         self.bytes_moved = True
-        await self.on_every_engine("update_weights", info)
-        self.add_time("wait_load", time.perf_counter() - t1)
+        with self.timed("wait_load"):
+            await self.on_every_engine("update_weights", info)
 
     async def close(self) -> None:
         self._buffers.clear()

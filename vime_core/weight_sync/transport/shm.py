@@ -5,7 +5,6 @@ max(pack, load); bucket files come from a pool kept between publishes (`shm_pool
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import asdict
 
 from vime_core.weight_sync.buckets import Bucket, copy_into, packed_layout
@@ -77,10 +76,8 @@ class ShmTransport(WeightTransport):
         self._in_flight = asyncio.create_task(self.on_every_engine("update_weights", info.to_dict()))
 
     async def _pack(self, bucket: Bucket) -> ShmBucketInfo:
-        t0 = time.perf_counter()
-        info = await asyncio.to_thread(write_bucket_file, bucket, self.pool)
-        self.add_time("pack", time.perf_counter() - t0)
-        return info
+        with self.timed("pack"):
+            return await asyncio.to_thread(write_bucket_file, bucket, self.pool)
 
     async def finish(self, version: int) -> None:
         await self._drain()
@@ -113,9 +110,6 @@ class ShmTransport(WeightTransport):
         """Wait until the engines have loaded the bucket in flight."""
         if self._in_flight is None:
             return
-        t0 = time.perf_counter()
         task, self._in_flight = self._in_flight, None
-        try:
+        with self.timed("wait_load"):
             await task
-        finally:
-            self.add_time("wait_load", time.perf_counter() - t0)
