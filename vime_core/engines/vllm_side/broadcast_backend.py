@@ -1,7 +1,8 @@
 """vLLM weight-transfer engine `vime_broadcast`: receives buckets broadcast by the trainer's rank 0 over
 NCCL or gloo (format and carriers: vime_core/wire/), through the shared reload session. Not vLLM's
 own `nccl` backend: on 0.26 its rendezvous needs a pickled vLLM object, which a trainer without vLLM
-cannot make. Runs inside the vLLM worker: vllm, torch, the standard library and vime_core.wire only."""
+cannot make. Runs inside the vLLM worker: vllm, torch, the standard library, vime_core.wire and
+vime_core.utils.timing only."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """vLLM weight-transfer engine `vime_shm`: receives weight buckets through shared memory on CPU, where
 vLLM's own backends need CUDA. Each bucket is a tmpfs file described by a ShmBucketInfo
 (wire/shm_format.py), loaded through the shared reload session; the mappings stay open until `finish`.
-Runs inside the vLLM worker: vllm, torch, the standard library and vime_core.wire only."""
+Runs inside the vLLM worker: vllm, torch, the standard library, vime_core.wire and
+vime_core.utils.timing only."""
 
 from __future__ import annotations
 
