@@ -34,9 +34,12 @@ CHILD = textwrap.dedent("""
         from prefect.utilities.engine import capture_sigterm
         window = capture_sigterm()  # kept: collected, it would put our handler back
         window.__enter__()
-        print("ready", flush=True)
+        ready = False
         while True:
             try:
+                if not ready:  # inside the try: the stop must not end the child before the grace period
+                    ready = True
+                    print("ready", flush=True)
                 time.sleep(60)
             except BaseException:  # a retry that took the stop for an ordinary failure
                 pass
