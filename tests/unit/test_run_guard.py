@@ -194,3 +194,15 @@ def test_the_k3_check_is_off_where_the_rollout_is_off_policy_by_design():
     the train/rollout mismatch measures that lag (the off-policy flow test's run showed 0.06 > 0.05)."""
     assert g.GuardSettings.of(parse_args(["--async-staleness", "1", "--use-tis"])).k3_max is None
     assert g.GuardSettings.of(parse_args(["--async-staleness", "0"])).k3_max == parse_args([]).guard_k3_max
+
+
+def test_a_grad_norm_the_clip_leaves_alone_is_no_spike_however_small_the_median():
+    """Steps of all-zero advantages have norms near 0 (the fault tests' run: median 0.0087), so the
+    next ordinary step (0.76) is 87 times it; below clip_grad it is applied as it is, no spike."""
+    tiny = [0.008, 0.009, 0.0087, 0.0085, 0.0088]
+    h = _history(grad_norm=lambda k: tiny[k % len(tiny)])
+    s = g.GuardSettings.of(parse_args([]))
+    assert s.grad_norm_floor == parse_args([]).clip_grad > 0
+    assert g.train_breaches(s, h, {"grad_norm": 0.76, "entropy": 1.5}) == []
+    (breach,) = g.train_breaches(s, h, {"grad_norm": 1.5 * s.grad_norm_floor, "entropy": 1.5})
+    assert breach.check == g.GRAD_NORM and breach.limit == s.grad_norm_floor

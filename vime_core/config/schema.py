@@ -986,7 +986,8 @@ class ConfigFields(BaseModel):
         gt=0,
         description=(
             "Run guard: stop when grad_norm exceeds this many times its running median (over guard_window accepted "
-            "iterations, after guard_warmup of them). `off`: no such check."
+            "iterations, after guard_warmup of them) and clip_grad too (a norm the clip leaves alone is an ordinary "
+            "step, however small the median). `off`: no such check."
         ),
     )
     guard_entropy_min: OffOrFloat = Field(

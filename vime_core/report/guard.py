@@ -9,7 +9,9 @@ med(x) the median of x over H and prev(x) x in the newest record of H:
     non-finite       any guarded metric NaN or +-Inf; the trainer's token means (entropy, the
                      losses, the k3 mismatch) only when no optimizer step was skipped (skipped
                      steps average in their non-finite values; max_skipped_steps rules them)
-    grad norm        grad_norm > guard_grad_norm_factor * med(grad_norm)
+    grad norm        grad_norm > max(guard_grad_norm_factor * med(grad_norm), clip_grad)   (a norm the
+                     clip would not touch is a step of the run's ordinary size, however small the
+                     median: steps of all-zero advantages have norms near 0)
     entropy floor    entropy < guard_entropy_min
     entropy fall     entropy < (1 - guard_entropy_drop) * prev(entropy)
     k3 mismatch      train_rollout_k3_kl > guard_k3_max   (KL(engine || trainer) of the sampled tokens)
@@ -76,6 +78,7 @@ class GuardSettings:
 
     nonfinite: bool = True
     grad_norm_factor: Optional[float] = None
+    grad_norm_floor: float = 0.0  # clip_grad: a norm at or below it is never a spike
     entropy_min: Optional[float] = None
     entropy_drop: Optional[float] = None
     k3_max: Optional[float] = None
@@ -91,6 +94,7 @@ class GuardSettings:
         return cls(
             nonfinite=bool(cfg.guard_nonfinite),
             grad_norm_factor=cfg.guard_grad_norm_factor,
+            grad_norm_floor=float(cfg.clip_grad or 0.0),
             entropy_min=cfg.guard_entropy_min,
             entropy_drop=cfg.guard_entropy_drop,
             # off-policy (async_staleness > 0) the trainer has moved past the weights the engines
@@ -212,13 +216,14 @@ def train_breaches(settings: GuardSettings, history: History, metrics: Mapping[s
     factor, norm = settings.grad_norm_factor, metrics.get("grad_norm")
     if factor is not None and history.accepted >= settings.warmup and history.grad_norms and _finite(norm):
         median = _median(history.grad_norms)
-        if norm > factor * median:
+        limit = max(factor * median, settings.grad_norm_floor)
+        if norm > limit:
             out.append(
                 Breach(
                     GRAD_NORM,
                     "grad_norm",
                     float(norm),
-                    factor * median,
+                    limit,
                     f"grad_norm {norm:.4g} > guard_grad_norm_factor={factor:g} x its running median {median:.4g}",
                 )
             )
@@ -290,7 +295,7 @@ def margins(records: Iterable[Mapping[str, Any]], settings: GuardSettings) -> di
         if _finite(rec.get("grad_norm")) and h.accepted >= settings.warmup and h.grad_norms:
             median = _median(h.grad_norms)
             if median > 0 and settings.grad_norm_factor:
-                limit = settings.grad_norm_factor * median
+                limit = max(settings.grad_norm_factor * median, settings.grad_norm_floor)
                 note(GRAD_NORM, k, rec["grad_norm"], limit, rec["grad_norm"] / limit)
         entropy = rec.get("entropy")
         if _finite(entropy):
