@@ -140,7 +140,10 @@ def first(lora_engine, base_weights, adapter_root) -> dict:
     return {"adapter": adapter, "stats": stats, "base": base}
 
 
-def test_adapter_v1_serves_the_merged_weights(first, lora_engine, publish_engine, base_weights, tiny_model_dir):
+def test_adapter_v1_serves_the_merged_weights(first, lora_engine, base_weights, tiny_model_dir):
+    """The adapter publish's stats, and the engine serving what the merged weights give in transformers.
+    (Not compared on the session's publish engine: publishing there would change the engine the
+    other publish tests expect at its first version.)"""
     adapter, stats = first["adapter"], first["stats"]
     assert stats["version"] == 1 and stats["adapter"] == adapter_name(1) and stats["transport"] == "adapter"
     assert stats["bytes"] == sum(t.numel() * 4 for t in adapter.values())
@@ -148,21 +151,9 @@ def test_adapter_v1_serves_the_merged_weights(first, lora_engine, publish_engine
     tokens = served_as(lora_engine, adapter, base_weights, tiny_model_dir, 1)
     assert tokens != first["base"]  # the adapter changes what is generated
     assert {p: greedy(lora_engine, list(p))[0] for p in first["base"]} == first["base"]  # the base model is intact
-
-    # the engine of the other publish tests, given the merged weights, generates the same
-    from vime_core.weight_sync.publish import publish_weights
-
-    merged = dict(merge_lora(base_weights.items(), adapter, settings_of(MODULES, RANK, ALPHA)))
-    version = engine_call(publish_engine, "weight_version") + 1
-    cfg = make_cfg(publish_engine.model_path, publish_engine.cfg.vllm_python)
-    merged_stats = publish_weights(merged.items(), [publish_engine.url], version, cfg, token=publish_engine.auth_token)
-    logger.info("adapter publish %s; merged publish %s", stats, merged_stats)
-    for prompt in PROMPTS:
-        merged_tokens = greedy(publish_engine, prompt)[0]
-        assert merged_tokens == tokens[tuple(prompt)]
-        on_merged = sequence_logprobs(publish_engine, prompt + merged_tokens)
-        on_adapter = sequence_logprobs(lora_engine, prompt + merged_tokens, adapter_name(1))
-        assert torch.allclose(on_adapter, on_merged, atol=LOGPROB_ATOL), (on_adapter - on_merged).abs().max()
+    full_bytes = sum(t.numel() * t.element_size() for t in base_weights.values())
+    logger.info("adapter publish %s; the full weights a merged publish sends: %d bytes", stats, full_bytes)
+    assert stats["bytes"] < full_bytes
 
 
 def test_new_versions_change_the_output_and_retire_old_adapters(
