@@ -21,11 +21,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import ray
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import run_handles
+from tasks.rollout import persist
+from tasks.sync import Submitted, settle
 from vime_core.config import VimeConfig
+from vime_core.faults import raised_in_chain
 from vime_core.report.guard import (
     Breach,
     GuardBreachError,
@@ -37,6 +41,7 @@ from vime_core.report.guard import (
     train_breaches,
 )
 from vime_core.report.records import read_records, report_location, run_dir
+from vime_core.storage import BatchStore
 from vime_core.storage.endpoint import S3Endpoint
 
 BREACHES = "guard.jsonl"  # in the run's report folder, beside metrics.jsonl
@@ -70,8 +75,6 @@ class IterationGuard:
         run fails (module docstring)."""
         breaches = rollout_breaches(self.settings, self.history, out.metrics)
         if breaches:
-            from tasks.rollout import persist
-
             persist(self.config, self.rollout_id, out, flow_run_id)  # kept aside by the discard, lineage whole
             self.stop(breaches, "rollout", out.metrics, {}, trained_on=False)
 
@@ -80,8 +83,6 @@ class IterationGuard:
         `gate` held back, collected so Ray does not report its error again."""
         breaches = train_breaches(self.settings, self.history, trained)
         if breaches:
-            from tasks.sync import Submitted, settle
-
             settle(submitted)  # the held-back publish's failed calls, so Ray does not report them again
             settle(Submitted(train=list(self.gates)))
             self.stop(breaches, "train", out.metrics, trained, trained_on=True)
@@ -127,8 +128,6 @@ class IterationGuard:
     def _discard(self, reason: str, trained_on: bool) -> dict:
         """Quarantine and unpublish the batch, rewind the data source, mark the trainer; what was
         done. Each step on its own: one that fails is logged and the others still run."""
-        from vime_core.storage import BatchStore
-
         log, done = get_run_logger(), {}
         manager, trainers = run_handles(self.config)
         try:
@@ -137,8 +136,6 @@ class IterationGuard:
             log.warning("run guard: batch of rollout %d quarantined at %s", self.rollout_id, batch["quarantined_key"])
         except Exception as exc:  # noqa: BLE001 - the breach is what the user must see first
             log.warning("run guard: the batch of rollout %d could not be quarantined: %s", self.rollout_id, exc)
-        import ray
-
         try:
             done["data_source"] = bool(ray.get(manager.forget_rollout.remote(self.rollout_id)))
         except Exception as exc:  # noqa: BLE001
@@ -154,8 +151,6 @@ class IterationGuard:
 
 @lru_cache(maxsize=None)
 def _gate_function():
-    import ray
-
     @ray.remote(num_cpus=0)
     def guard_gate(settings: GuardSettings, history: History, *per_rank: dict) -> bool:
         breaches = train_breaches(settings, history, dict(per_rank[0] or {}))
@@ -193,8 +188,6 @@ def rollback_due(config: VimeConfig, exc: BaseException, failed: int) -> bool | 
     """None when `exc` is no run-guard breach; else whether the iteration runs again after a
     rollback: guard_action rollback and at most guard_retries failed attempts so far (`failed`
     counts this one). The train flow's retry then rebuilds what the breach marked (bootstrap)."""
-    from vime_core.faults import raised_in_chain
-
     if not raised_in_chain(exc, (GuardBreachError,)):
         return None
     return config.guard_action == "rollback" and failed <= config.guard_retries
