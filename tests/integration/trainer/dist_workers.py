@@ -26,15 +26,14 @@ def spawn(worker: Callable, world_size: int, *args) -> None:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str) -> None:
-    """Train two rollouts of the hand batch at (TP=tp, DP=world/tp); dump losses, this rank's
-    HF-gathered weights and its local parameters."""
+def tp_trainer(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str):
+    """In a spawned worker: this rank's MegatronTrainer of the hand config at (TP=tp,
+    DP=world/tp), initialised from ``checkpoint`` (warnings off, one thread: ranks share cores)."""
     import warnings
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from tests.integration.trainer.hand_batch import hand_batch, hand_config
-    from vime_core.trainer.hf_convert import read_hf_safetensors
+    from tests.integration.trainer.hand_batch import hand_config
     from vime_core.trainer.trainer import MegatronTrainer
 
     cfg = hand_config(
@@ -47,6 +46,16 @@ def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: s
     )
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
+    return trainer
+
+
+def train_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str) -> None:
+    """Train two rollouts of the hand batch at (TP=tp, DP=world/tp); dump losses, this rank's
+    HF-gathered weights and its local parameters."""
+    from tests.integration.trainer.hand_batch import hand_batch
+    from vime_core.trainer.hf_convert import read_hf_safetensors
+
+    trainer = tp_trainer(rank, world_size, port, tp, checkpoint, storage)
     source = read_hf_safetensors(checkpoint)
     gathered = list(trainer.iter_hf_weights())  # whole: a short-circuit would desync the TP gathers
     round_trip_exact = all(torch.equal(t, source[n]) for n, t in gathered)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -11,23 +10,12 @@ import torch
 def train_moe_and_dump(rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str) -> None:
     """Train two rollouts of the hand batch at (TP=tp, DP=world/tp); dump the losses and grad
     norms, the HF-gathered weights, the local parameters and the log-probs after training."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from tests.integration.trainer.hand_batch import hand_batch, hand_config
+    from tests.integration.trainer.dist_workers import tp_trainer
+    from tests.integration.trainer.hand_batch import hand_batch
     from vime_core.trainer.hf_convert import read_hf_safetensors
     from vime_core.trainer.parallel import destroy_parallel
-    from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = hand_config(
-        Path(checkpoint),
-        Path(storage),
-        tensor_model_parallel_size=tp,
-        actor_num_gpus_per_node=world_size,
-        colocate=False,
-        rollout_num_gpus=1,
-    )
-    trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
-    trainer.init()
+    trainer = tp_trainer(rank, world_size, port, tp, checkpoint, storage)
     source = read_hf_safetensors(checkpoint)
     gathered = list(trainer.iter_hf_weights())  # whole: a short-circuit would desync the TP gathers
     round_trip_exact = all(torch.equal(t, source[n]) for n, t in gathered)  # before training: some are views
