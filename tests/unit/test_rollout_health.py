@@ -85,3 +85,48 @@ def test_background_thread_starts_and_stops():
         time.sleep(0.01)
     monitor.stop()
     assert server.restarts == 1
+
+
+@pytest.mark.parametrize("fail_restart", [False, True])
+def test_admission_is_held_from_before_the_restart_until_after_the_publish(fail_restart):
+    """A restarted server may answer on its old URL before it holds the trainer's weights: no
+    new request may go out until the weights are published (and the gate opens again after a
+    failed restart, so the other engines keep serving)."""
+    from vime_core.engines.admission import SYNC, Admission
+
+    gate = Admission()
+    seen = []
+    server = StubServer("http://a", alive=False, fail_restart=fail_restart)
+    real_restart = server.restart
+
+    def restart() -> str:
+        seen.append(("restart", gate.is_set()))
+        return real_restart()
+
+    server.restart = restart
+    monitor = HealthMonitor(
+        [server],
+        on_restarted=lambda i, url: seen.append(("weights", gate.is_set())),
+        on_url_changed=lambda old, new: seen.append(("route", gate.is_set())),
+        holding=lambda i: gate.held(f"restart of engine {i}"),
+    )
+    monitor.resume()
+    gate.hold(SYNC)  # a sync under way keeps its hold after the restart
+    monitor.check_now()
+    expected = [("restart", False)] if fail_restart else [("restart", False), ("weights", False), ("route", False)]
+    assert seen == expected
+    assert gate.holders() == {SYNC} and not gate.is_set()
+    gate.release(SYNC)
+    assert gate.is_set()
+
+
+def test_admission_opens_only_when_every_holder_let_go():
+    from vime_core.engines.admission import Admission
+
+    gate = Admission()
+    gate.hold("sync")
+    gate.hold("sync")
+    with gate.held("restart of engine 0"):
+        gate.release("sync")
+        assert not gate.is_set() and gate.holders() == {"restart of engine 0"}
+    assert gate.is_set() and gate.holders() == set()

@@ -9,7 +9,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -27,6 +26,7 @@ from vime_core.engines.client import (
     wake_each,
     which_asleep,
 )
+from vime_core.engines.admission import SYNC, Admission
 from vime_core.engines.health import HealthMonitor
 from vime_core.engines.remote import RemoteEngine
 from vime_core.engines.router import PolicyRouter, Router
@@ -58,8 +58,7 @@ class EngineFleet:
         self.on_engine_restarted = on_engine_restarted
         self.health_interval_s = health_interval_s
         self.supports_sleep = platform_supports_sleep(cfg)
-        self.admission_open = threading.Event()
-        self.admission_open.set()
+        self.admission_open = Admission()
         self._owns_servers = servers is None
         self.loop = LoopThread("rollout-loop")
         if servers is not None:
@@ -105,6 +104,7 @@ class EngineFleet:
             self.servers,
             on_restarted=self._engine_restarted,
             on_url_changed=self._url_changed,
+            holding=lambda index: self.admission_open.held(f"restart of engine {index}"),
             interval_s=self.health_interval_s,
         )
         self.health.start()
@@ -291,22 +291,23 @@ class EngineFleet:
 
     def pause_admission(self) -> None:
         """Hold new generate requests (those in flight continue) until resume_admission."""
-        self.admission_open.clear()
+        self.admission_open.hold(SYNC)
 
     def resume_admission(self) -> None:
-        self.admission_open.set()
+        """Let go of pause_admission's hold (an engine restart may still hold admission)."""
+        self.admission_open.release(SYNC)
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
         """Admission open inside the block, and held again after it if it was held before (an
         eval after a run's last sync, which leaves admission held: no rollout follows it)."""
-        held = not self.admission_open.is_set()
-        self.admission_open.set()
+        held = SYNC in self.admission_open.holders()
+        self.admission_open.release(SYNC)
         try:
             yield
         finally:
             if held:
-                self.admission_open.clear()
+                self.admission_open.hold(SYNC)
 
     def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
         """The engine side of sync's start: None when every engine already reports

@@ -1,13 +1,15 @@
 """Engine health monitoring: a background thread finds a dead engine (its process exited, or
 `failures_to_restart` failed checks in a row), restarts it, gives it the current weights
-(`on_restarted`) and puts it back behind the router; the rollout loop retries what was in flight.
+(`on_restarted`) and puts it back behind the router, new requests held meanwhile (`holding`); the
+rollout loop retries what was in flight.
 Paused while engines sleep; an engine whose wake failed part-way is condemned and restarted."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -18,12 +20,14 @@ class HealthMonitor:
         servers: Sequence[object],
         on_restarted: Optional[Callable[[int, str], None]] = None,
         on_url_changed: Optional[Callable[[str, str], None]] = None,
+        holding: Optional[Callable[[int], ContextManager[None]]] = None,
         interval_s: float = 2.0,
         failures_to_restart: int = 3,
     ) -> None:
         self.servers = list(servers)
         self.on_restarted = on_restarted
         self.on_url_changed = on_url_changed
+        self.holding = holding or (lambda index: contextlib.nullcontext())
         self.interval_s = interval_s
         self.failures_to_restart = failures_to_restart
         self.restarts = 0
@@ -115,11 +119,14 @@ class HealthMonitor:
         old_url = server.url  # type: ignore[attr-defined]
         logger.warning("engine %d at %s: %s; restarting", index, old_url, self._condemned.get(index, "dead"))
         try:
-            new_url = server.restart()  # type: ignore[attr-defined]
-            if self.on_restarted is not None:
-                self.on_restarted(index, new_url)
-            if self.on_url_changed is not None:
-                self.on_url_changed(old_url, new_url)
+            # held from before the restart to after the publish: the router may admit the new
+            # server on its old URL as soon as it answers, before it holds the trainer's weights
+            with self.holding(index):
+                new_url = server.restart()  # type: ignore[attr-defined]
+                if self.on_restarted is not None:
+                    self.on_restarted(index, new_url)
+                if self.on_url_changed is not None:
+                    self.on_url_changed(old_url, new_url)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"[:2000]
             logger.error("engine %d: restart failed: %s", index, why)
