@@ -140,7 +140,7 @@ def plan_step(cfg: Any, rollout_id: int) -> StepPlan:
         trainer_sleeps=trainer_sleeps(cfg),
         check_weights=bool(cfg.check_weight_update_equal),
         eval_due=bool(cfg.eval_interval) and due(cfg.eval_interval, rollout_id, last_id),
-        save_due=due(cfg.save_interval, rollout_id, last_id),
+        save_due=cfg.save_checkpoints and due(cfg.save_interval, rollout_id, last_id),
         draw_curve=due(CURVE_EVERY, rollout_id, last_id),
         prefetch_wanted=(bool(cfg.rollout_prefetch) or off_policy)
         and rollout_id != last_id

@@ -33,10 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
-from colocated_baselines import trainer_alone  # noqa: E402
-from vime_core.config.loader import load_config  # noqa: E402
 
-CONFIG = REPO / "bench" / "gpu" / "colocated_0.5b.yaml"
+CONFIGS = REPO / "bench" / "gpu"
+TRAINER_SITE = "/tmp/site-trainer"
 PHASES = ("model", "offline", "train", "startup", "trainer", "report")
 
 
@@ -62,7 +61,7 @@ def phase_model(a, paths: dict) -> None:
             sys.executable,
             str(REPO / "bench/gpu/build_model.py"),
             "--shape",
-            "0.5b",
+            a.shape,
             "--out",
             str(paths["model"]),
             "--prompts",
@@ -81,7 +80,7 @@ def phase_offline(a, paths: dict) -> None:
             sys.executable,
             str(REPO / "bench/gpu/rollout_vs_offline.py"),
             "--config",
-            str(CONFIG),
+            str(a.config),
             "--hf-checkpoint",
             str(paths["model"]),
             "--prompt-data",
@@ -104,7 +103,13 @@ def phase_train(a, paths: dict) -> None:
     out = paths["results"] / "train"
     out.mkdir(parents=True, exist_ok=True)
     env = dict(
-        os.environ, OUT=str(out), PROMPT_TOKENS=str(a.prompt_tokens), VIME_GPU_WORK=str(a.work), RUN_NAME=a.run_name
+        os.environ,
+        OUT=str(out),
+        PROMPT_TOKENS=str(a.prompt_tokens),
+        VIME_GPU_WORK=str(a.work),
+        RUN_NAME=a.run_name,
+        SHAPE=a.shape,
+        CONFIG=str(a.config),
     )
     launched = time.time()
     proc = subprocess.run(
@@ -148,6 +153,8 @@ def phase_startup(a, paths: dict) -> None:
             PROMPT_TOKENS=str(a.prompt_tokens),
             VIME_GPU_WORK=str(a.work),
             RUN_NAME=run,
+            SHAPE=a.shape,
+            CONFIG=str(a.config),
             TRAIN_TIMEOUT=os.environ.get("TRAIN_TIMEOUT", "300"),
         )
         (out / name).mkdir(parents=True, exist_ok=True)
@@ -250,12 +257,21 @@ def startup_report(results: Path) -> dict | None:
 
 
 def phase_trainer(a, paths: dict) -> None:
-    report = json.loads((paths["results"] / "train" / "colocated_0.5b.json").read_text())
+    from colocated_baselines import trainer_alone  # needs the trainer's site (host_setup)
+    from vime_core.config.loader import load_config
+
+    report = json.loads((paths["results"] / "train" / f"colocated_{a.shape}.json").read_text())
     shape = batch_shape(report)
-    cfg = load_config(CONFIG)
+    cfg = load_config(a.config)
     extra = tuple(v for v in a.trainer_variants.split(",") if v)
     trainer_alone(
-        shape["samples"], shape["prompt_len"], shape["response_len"], cfg, paths["results"] / "trainer.json", extra
+        shape["samples"],
+        shape["prompt_len"],
+        shape["response_len"],
+        cfg,
+        paths["results"] / "trainer.json",
+        extra,
+        model_shape=a.shape,
     )
 
 
@@ -307,14 +323,15 @@ def phase_report(a, paths: dict) -> dict:
     res = paths["results"]
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
     rollout, trainer, meta = read("rollout.json"), read("trainer.json"), read("train_meta.json")
-    run = read("train/colocated_0.5b.json")
+    run = read(f"train/colocated_{a.shape}.json")
     out: dict = {
         "bench": "colocated_step",
         "git_sha": git_sha(),
         "date": dt.date.today().isoformat(),
         "machine": gpu_name(),
+        "shape": a.shape,
         "prompt_tokens": a.prompt_tokens,
-        "config": str(CONFIG.relative_to(REPO)),
+        "config": str(Path(a.config).resolve().relative_to(REPO)),
     }
     ratios: dict = {}
     if rollout:
@@ -429,6 +446,21 @@ def phase_report(a, paths: dict) -> dict:
     return out
 
 
+def default_config(shape: str) -> Path:
+    """bench/gpu/colocated_<shape>.yaml where one exists (a shape's own memory settings), else the 0.5b one."""
+    own = CONFIGS / f"colocated_{shape}.yaml"
+    return own if own.exists() else CONFIGS / "colocated_0.5b.yaml"
+
+
+def host_setup() -> None:
+    """Every phase's packages, whatever phases run (bench/gpu/host_setup.sh), and the trainer's site
+    on this process's path and its children's: each phase's script finds what it imports."""
+    subprocess.run(["bash", str(REPO / "bench/gpu/host_setup.sh")], check=True, cwd=REPO)
+    paths = [TRAINER_SITE, str(REPO)]
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def gpu_name() -> str:
     try:
         return subprocess.run(
@@ -441,6 +473,17 @@ def gpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--shape", default="0.5b", help="the model's shape in bench/gpu_common.SHAPES")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the run's configuration (default bench/gpu/colocated_SHAPE.yaml where one exists, else the 0.5b one)",
+    )
+    p.add_argument(
+        "--no-host-setup",
+        action="store_true",
+        help="skip bench/gpu/host_setup.sh (the packages are importable already)",
+    )
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
@@ -480,9 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("train_args", nargs="*", help="extra `vime train` flags (after --)")
     a = p.parse_args(argv)
+    a.config = Path(a.config) if a.config else default_config(a.shape)
     work = Path(a.work)
     paths = {
-        "model": work / "model-0.5b",
+        "model": work / f"model-{a.shape}",
         "prompts": work / f"prompts-{a.prompt_tokens}.jsonl",
         "results": work / "bench",
     }
@@ -491,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise SystemExit(f"--phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)}")
+    if not a.no_host_setup:
+        host_setup()
     for name in PHASES[:-1]:
         if name in phases:
             print(f"[bench] {name}", flush=True)

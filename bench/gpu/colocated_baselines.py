@@ -62,7 +62,13 @@ def device_copy_s(nbytes: int, repeats: int = 20) -> float:
 
 
 def trainer_alone(
-    samples: int, prompt_len: int, response_len: int, cfg, out: Path, extra_variants: tuple[str, ...] = ()
+    samples: int,
+    prompt_len: int,
+    response_len: int,
+    cfg,
+    out: Path,
+    extra_variants: tuple[str, ...] = (),
+    model_shape: str = "0.5b",
 ) -> dict:
     """bench_trainer_gpu on a batch of this shape: the run's own packing first (the variant the
     figures below are of), then `extra_variants` measured in the same process for comparison."""
@@ -71,7 +77,7 @@ def trainer_alone(
         sys.executable,
         str(REPO / "bench" / "bench_trainer_gpu.py"),
         "--shape",
-        "0.5b",
+        model_shape,
         "--samples",
         str(samples),
         "--prompt-len",

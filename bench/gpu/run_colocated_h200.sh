@@ -12,20 +12,18 @@
 #                  nccl: disaggregated, the trainer on one GPU and the engine on the other,
 #                  weights by NCCL broadcast
 #   SHAPE          the model's shape in bench/gpu_common.SHAPES (default 0.5b)
+#   CONFIG         the run's configuration (default bench/gpu/colocated_$SHAPE.yaml where one
+#                  exists, else bench/gpu/colocated_0.5b.yaml)
 #   PROMPT_TOKENS  every prompt exactly N tokens (default: 16..500 characters of noise)
 #   TRAIN_TIMEOUT  seconds before the driver is stopped (default 480)
 #   KEEP_ACTORS=1  engines and trainer stay up: the same command with a larger ITERATIONS
 #                  attaches to them and goes on (tests/gpu's checks start from such a run)
 #   BASELINES_FROM=N  then bench/gpu/colocated_baselines.py against the iterations from N
-# Needs the bundle's pieces in $PARTS (default /tmp/parts: the GPU host's bundle of pinned wheels, built outside this repository)
-# and the wheels of bench/gpu/extra_wheels.sh: unpacked into /tmp/site-vllm and /tmp/site-trainer.
+# Needs the bundle's pieces in $PARTS (default /tmp/parts) and the wheels of bench/gpu/extra_wheels.sh
+# beside them: bench/gpu/host_setup.sh unpacks them into /tmp/site-vllm and /tmp/site-trainer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash "${PARTS:-/tmp/parts}/install_bundle.sh" "${PARTS:-/tmp/parts}"
-# wheels beyond the bundle (bench/gpu/extra_wheels.sh), unpacked over the trainer's site
-for wheel in "${PARTS:-/tmp/parts}"/*.whl; do
-  [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site-trainer/
-done
+bash bench/gpu/host_setup.sh
 iters=${1:-20}; shift || true
 out=${OUT:-/tmp/vime-out}; work=${VIME_GPU_WORK:-/tmp/vime-gpu}
 mkdir -p "$out" "$work"
@@ -33,6 +31,8 @@ export PYTHONPATH=/tmp/site-trainer:$PWD
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PREFECT_HOME=$work/prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 shape=${SHAPE:-0.5b}
+config=${CONFIG:-bench/gpu/colocated_$shape.yaml}
+[ -f "$config" ] || config=bench/gpu/colocated_0.5b.yaml
 layout=${LAYOUT:-one}
 case "$layout" in
   one)  gpus=${GPUS:-1}; layout_flags=() ;;
@@ -54,7 +54,7 @@ prompt_shape=$([ -n "${PROMPT_TOKENS:-}" ] && echo "--prompt-tokens $PROMPT_TOKE
 address=$(python3 -m flows.cli cluster up --num-gpus "$gpus" | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
-timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config bench/gpu/colocated_0.5b.yaml --run-name "$run" --num-rollout "$iters" \
+timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config "$config" --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
     --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$prompts" \
     --eval-prompt-data "$prompts" ${layout_flags[@]+"${layout_flags[@]}"} "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?

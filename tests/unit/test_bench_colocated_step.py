@@ -110,7 +110,9 @@ def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
             }
         )
     )
-    return argparse.Namespace(work=str(work), run_name="bench", prompt_tokens=512)
+    return argparse.Namespace(
+        work=str(work), run_name="bench", prompt_tokens=512, shape="0.5b", config=step.default_config("0.5b")
+    )
 
 
 @pytest.mark.parametrize("reused", [True, False])
@@ -237,9 +239,11 @@ def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
 
 def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_path, monkeypatch):
     calls = []
+    shapes = set()
 
     def fake_run(cmd, env, cwd):
         calls.append((cmd, env["RUN_NAME"], env["OUT"]))
+        shapes.add((env["SHAPE"], Path(env["CONFIG"]).name))
         summary = tmp_path / "work" / "runs" / "reports" / env["RUN_NAME"] / "summary.json"
         summary.parent.mkdir(parents=True)
         summary.write_text(json.dumps({"startup_s": 70.0 + len(calls)}))
@@ -253,6 +257,8 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
         work=str(tmp_path / "work"),
         train_args=["--use-tis"],
         startup_repeats=1,
+        shape="4b",
+        config=step.default_config("4b"),
     )
     step.phase_startup(a, {"results": tmp_path / "bench"})
     assert [c[0][2:] for c in calls] == [
@@ -260,6 +266,7 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
         ["1", "--use-tis", "--vllm-env", "VLLM_WORKER_MULTIPROC_METHOD=fork"],
     ]
     assert [c[0][1].endswith("bench/gpu/run_colocated_h200.sh") for c in calls] == [True, True]
+    assert shapes == {("4b", "colocated_4b.yaml")}
     assert [c[1] for c in calls] == ["b-startup-default", "b-startup-fork"]
     out = step.startup_report(tmp_path / "bench")
     assert (out["default"]["startup_s"], out["fork"]["startup_s"]) == (71.0, 72.0)

@@ -94,3 +94,9 @@ def test_bootstrap_publishes_to_engines_at_another_version_or_woken_from_sleep()
     assert not publish_needed(3, [3, 3], engines_woken=False)
     # asleep at level 2 the engine still says v3, but its weights were dropped
     assert publish_needed(3, [3, 3], engines_woken=True)
+
+
+def test_no_save_checkpoints_saves_nothing_not_even_the_last():
+    cfg = _cfg(device="cpu", save_interval=2, save_checkpoints=False)
+    assert [k for k in range(10) if plan_step(cfg, k).save_due] == []
+    assert [k for k in range(10) if plan_step(_cfg(device="cpu", save_interval=2), k).save_due] == [1, 3, 5, 7, 9]

@@ -84,6 +84,13 @@ class ConfigFields(BaseModel):
             "Save a trainer checkpoint every N rollouts (and always after the last one). None: only at the end."
         ),
     )
+    save_checkpoints: bool = Field(
+        True,
+        description=(
+            "Save trainer checkpoints (save_interval). --no-save-checkpoints: none at all, e.g. a benchmark of a model "
+            "whose optimizer state would fill the disk; a run that fails then starts again from the HF checkpoint."
+        ),
+    )
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
     iteration_retries: int = Field(
         2,
