@@ -46,7 +46,7 @@ def iteration(config: VimeConfig, rollout_id: int) -> dict:
     else:
         done = _engines_awake(config, cfg, plan, out, guard)
     done[Phase.EVAL] = evaluate(cfg, k) if plan.eval_due else {}
-    done[Phase.SAVE] = save_checkpoint(cfg, k) if plan.save_due else {}
+    done[Phase.SAVE] = save_checkpoint(cfg, k, plan.engines_sleep and plan.trainer_sleeps) if plan.save_due else {}
     if plan.flow_starts_next(out.next_stored):
         start_next_rollout(cfg, k + 1, plan.next_version)
     record = iteration_record(plan, out.metrics, out.from_store, done, step.seconds)

@@ -13,11 +13,22 @@ from vime_core.utils.timing import timed
 
 
 @task(name=Phase.SAVE, task_run_name="save-{rollout_id}", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
-def save_checkpoint(config: VimeConfig, rollout_id: int) -> dict:
+def save_checkpoint(config: VimeConfig, rollout_id: int, engines_rest: bool = False) -> dict:
+    """`engines_rest` (engines and a sleeping trainer share the devices): the trainer wakes whole
+    to read the state it saves, so the engines sleep meanwhile with their weights kept on the
+    host, and wake as they were (a model whose optimizer state and engine KV cache do not fit the
+    device together still checkpoints)."""
     manager, trainers = run_handles(config)
     with timed() as saving:
         extra = {"rollout_id": rollout_id, "data_source": ray.get(manager.data_source_state.remote())}
-        paths = trainers.call("save", rollout_id, extra)
+        if engines_rest:
+            ray.get(manager.offload.remote(keep_weights=True))
+        try:
+            paths = trainers.call("save", rollout_id, extra)
+        finally:
+            if engines_rest:
+                ray.get(manager.onload_weights.remote())
+                ray.get(manager.onload_kv.remote())
         get_run_logger().info("checkpoint of rollout %d: %s", rollout_id, paths[0])
     return {"path": paths[0], "t_save": saving.seconds}
 

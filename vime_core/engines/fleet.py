@@ -238,13 +238,15 @@ class EngineFleet:
 
     # ---- offload / onload ----------------------------------------------------------------------
 
-    def offload(self) -> list[dict]:
+    def offload(self, keep_weights: bool = False) -> list[dict]:
         """Engines sleep: level 2 (drop weights too) when the trainer will publish new ones, else 1
         (also with lora_publish=adapter: a publish brings only the adapter, so the base weights
-        must come back from the host). Returns each engine's device memory afterwards (as the
+        must come back from the host; and with `keep_weights`: the weights they serve wake as they
+        were, e.g. after a checkpoint). Returns each engine's device memory afterwards (as the
         wake calls do)."""
         self.health.pause()
-        self._each_engine("sleep", 2 if self.receives_weight_updates and not self.serves_adapters else 1, "keep")
+        level = 1 if keep_weights or self.serves_adapters or not self.receives_weight_updates else 2
+        self._each_engine("sleep", level, "keep")
         return self.engine_memory()
 
     def wake_asleep_engines(self) -> list[str]:

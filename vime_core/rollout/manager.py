@@ -134,8 +134,8 @@ class RolloutManager:
     def engine_startup_marks(self) -> list[dict[str, Any]]:
         return self.fleet.engine_startup_marks()
 
-    def offload(self) -> list[dict]:
-        return self.fleet.offload()
+    def offload(self, keep_weights: bool = False) -> list[dict]:
+        return self.fleet.offload(keep_weights)
 
     def wake_asleep_engines(self) -> list[str]:
         return self.fleet.wake_asleep_engines()

@@ -149,6 +149,16 @@ def device_memory() -> dict[str, int]:
     }
 
 
+def onload_params(copies: list[HostCopy]) -> int:
+    """Bring back the parameters ``offload_params`` freed, and nothing else; returns the bytes allocated."""
+    if not torch.cuda.is_available():
+        return 0
+    before = torch.cuda.memory_allocated()
+    restore_from_host(copies)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
+
+
 def onload(model: Any, copies: list[HostCopy]) -> int:
     """Bring back what ``offload`` freed; returns the bytes allocated."""
     if not torch.cuda.is_available():

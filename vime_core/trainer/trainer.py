@@ -32,7 +32,15 @@ from vime_core.trainer.model import (
     recompute_settings,
 )
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
-from vime_core.trainer.offload import device_memory, offload, offload_params, onload, prepin_host_memory, sleep_tensors
+from vime_core.trainer.offload import (
+    device_memory,
+    offload,
+    offload_params,
+    onload,
+    onload_params,
+    prepin_host_memory,
+    sleep_tensors,
+)
 from vime_core.trainer.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -103,6 +111,7 @@ class MegatronTrainer:
         self._asleep = False  # optimizer state and gradient buffers are on the host
         self._params_asleep = False  # so are the parameters
         self._offloaded: list[Any] = []  # what sleep() moved to the host, for wake()
+        self._offloaded_params: list[Any] = []  # the parameters, released after the publish that read them
         self._publisher: Any = None  # rank 0's PublishLoop: engine clients and bucket pools between publishes
         self._peers: Any = None  # PeerChannel of all ranks for an IPC publish from several (ipc_peers.py)
 
@@ -308,7 +317,7 @@ class MegatronTrainer:
         new_version = self.weight_version + 1 if target_version is None else int(target_version)
         result: Any = new_version
         if self._params_asleep:
-            self.wake()
+            self._wake_params()  # the optimizer state stays on the host: the engines are awake
         peers = self._peers
         if serves_adapters(self.cfg):
             result = self._publish_adapter(engine_urls, new_version)
@@ -368,7 +377,7 @@ class MegatronTrainer:
         other ranks ``path``."""
         self._require_init()
         where = str(path)
-        with self._awake():
+        with self._awake(weights_only=True):
             if self.layout.dp_rank == 0:
                 weights = self.iter_hf_weights()
                 if self.layout.rank == 0:
@@ -390,7 +399,7 @@ class MegatronTrainer:
         if not lora_enabled(self.cfg):
             raise ValueError("export_peft needs LoRA adapters: this run trains the full weights (lora_rank=0)")
         where = str(path)
-        with self._awake():
+        with self._awake(weights_only=True):
             if self.layout.dp_rank == 0:
                 adapter = lora_hf_state(self.model, self.arch)  # a TP collective
                 if self.layout.rank == 0:
@@ -406,11 +415,15 @@ class MegatronTrainer:
         return where
 
     @contextlib.contextmanager
-    def _awake(self):
-        """Wake for a read of the device state (checkpoint, export); back to sleep afterwards
-        if it slept (offload_train), with its weights too if they were released."""
+    def _awake(self, weights_only: bool = False):
+        """Wake for a read of the device state (checkpoint; `weights_only`: an export, which reads
+        the parameters alone, so the optimizer state stays on the host beside awake engines); back
+        to sleep afterwards if it slept (offload_train), with its weights too if they were released."""
         was_asleep, weights_asleep = self._asleep, self._params_asleep
-        self.wake()
+        if weights_only:
+            self._wake_params()
+        else:
+            self.wake()
         try:
             yield
         finally:
@@ -542,20 +555,28 @@ class MegatronTrainer:
     def _release_params(self) -> int:
         if self.device.type != "cuda" or self._params_asleep:
             return 0
-        freed, copies = offload_params(self.model)
-        self._offloaded += copies
+        freed, self._offloaded_params = offload_params(self.model)
         self._params_asleep = True
         return freed
+
+    def _wake_params(self) -> int:
+        """The parameters alone back on the device; the bytes allocated."""
+        if not self._params_asleep:
+            return 0
+        allocated = onload_params(self._offloaded_params)
+        self._offloaded_params, self._params_asleep = [], False
+        return allocated
 
     def wake(self) -> dict[str, Any]:
         self._require_init()
         if not self._asleep and not self._params_asleep:
             return {"allocated_bytes": 0, "asleep": False, **device_memory()}
-        allocated = onload(self.model, self._offloaded)
-        if self.critic is not None:
-            allocated += self.critic.wake()
-        self._offloaded = []
-        self._asleep = self._params_asleep = False
+        allocated = self._wake_params()
+        if self._asleep:
+            allocated += onload(self.model, self._offloaded)
+            if self.critic is not None:
+                allocated += self.critic.wake()
+            self._offloaded, self._asleep = [], False
         return {"woken_bytes": allocated, "asleep": False, **device_memory()}
 
     def close(self) -> None:
