@@ -7,9 +7,10 @@ vLLM offline, `vime train` colocated, its startup and the trainer alone, then on
     train    `vime train` for --iterations iterations, colocated, both sides sleeping
     startup  one-iteration `vime train` runs per --startup-variants entry, --startup-repeats rounds
     trainer  old-log-prob recompute plus one step on the stored batches' shape (bench_trainer_gpu.py)
+    link     the host link's bandwidth each way (bench/gpu/host_link.py), the bound of sleep and wake
     report   the git SHA, the parts and the ratios (medians over iterations after the first):
              step_vs_parts = T_step / (offline rollout + trainer alone), rollout_vs_offline,
-             logprobs_cost, trainer_mfu, startup_s
+             logprobs_cost, trainer_mfu, startup_s, sleep/wake GB/s against the link's
 
 Each phase can run alone (--phases); results stay under --work, so a later phase joins the report.
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 CONFIGS = REPO / "bench" / "gpu"
 TRAINER_SITE = "/tmp/site-trainer"
-PHASES = ("model", "offline", "train", "startup", "trainer", "report")
+PHASES = ("model", "offline", "train", "startup", "trainer", "link", "report")
 
 
 def _median(values) -> float | None:
@@ -275,6 +276,42 @@ def phase_trainer(a, paths: dict) -> None:
     )
 
 
+def phase_link(a, paths: dict) -> None:
+    subprocess.run(
+        [sys.executable, str(REPO / "bench/gpu/host_link.py"), "--out", str(paths["results"] / "link.json")],
+        check=True,
+        cwd=REPO,
+    )
+
+
+def sleep_wake(records: list[dict], link: dict | None) -> dict:
+    """The trainer's sleep and wake as bytes over seconds (medians over `records`), from each
+    record's `memory` (offload_train's freed_bytes, the wake's woken_bytes) and phase times; with the
+    link's bandwidth (phase_link), each as a share of it. The engines' sleep copies nothing over
+    the link (level 2 drops the weights a publish replaces and the KV cache); their device bytes
+    before and after are the record's engines_after_* rows."""
+
+    def rank0(row):
+        return (row[0] if isinstance(row, list) else row) if row else {}
+
+    def gbps(bytes_key: str, mem_key: str, time_key: str) -> tuple[float | None, float | None]:
+        pairs = [(rank0((r.get("memory") or {}).get(mem_key)).get(bytes_key), r.get(time_key)) for r in records]
+        pairs = [(b, t) for b, t in pairs if b and t]
+        if not pairs:
+            return None, None
+        return _median([b / 1e9 for b, _ in pairs]), _median([b / t / 1e9 for b, t in pairs])
+
+    out: dict = {}
+    for name, bytes_key, mem_key, time_key, link_key in (
+        ("trainer_sleep", "freed_bytes", "trainer_after_offload_train", "t_offload_train", "d2h_gbps"),
+        ("trainer_wake", "woken_bytes", "trainer_after_wake", "t_wake_train", "h2d_gbps"),
+    ):
+        gb, rate = gbps(bytes_key, mem_key, time_key)
+        bound = (link or {}).get(link_key)
+        out[name] = {"gb": gb, "gbps": rate, "link_gbps": bound, "vs_link": rate / bound if rate and bound else None}
+    return out
+
+
 def batch_shape(report: dict) -> dict:
     """Samples and mean prompt / response lengths of the run's stored batches."""
     batches = report["batches"]
@@ -323,6 +360,7 @@ def phase_report(a, paths: dict) -> dict:
     res = paths["results"]
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
     rollout, trainer, meta = read("rollout.json"), read("trainer.json"), read("train_meta.json")
+    link = read("link.json")
     run = read(f"train/colocated_{a.shape}.json")
     out: dict = {
         "bench": "colocated_step",
@@ -399,6 +437,7 @@ def phase_report(a, paths: dict) -> dict:
             else None,
         }
         out["vime"] = vime
+        out["sleep_wake"] = sleep_wake(recs, link)
         if meta:
             out["vime"]["exit"] = meta["exit"]
         if summary := run_summary(a, paths):

@@ -282,3 +282,26 @@ def test_startup_rounds_take_the_variants_in_turn():
         ("fork#2", ["--f"]),
     ]
     assert step.startup_runs(variants, 1) == list(variants.items())
+
+
+def test_sleep_and_wake_are_bytes_over_seconds_against_the_link():
+    records = [
+        {
+            "memory": {
+                "trainer_after_offload_train": [{"freed_bytes": freed}],
+                "trainer_after_wake": {"woken_bytes": woken},
+            },
+            "t_offload_train": t_sleep,
+            "t_wake_train": t_wake,
+        }
+        for freed, woken, t_sleep, t_wake in ((64e9, 72e9, 1.25, 1.2), (64e9, 72e9, 1.35, 1.0), (64e9, 72e9, 1.3, 1.1))
+    ]
+    link = {"d2h_gbps": 55.0, "h2d_gbps": 60.0}
+    out = step.sleep_wake(records, link)
+    sleep_rate = statistics.median([64 / t for t in (1.25, 1.35, 1.3)])
+    wake_rate = statistics.median([72 / t for t in (1.2, 1.0, 1.1)])
+    assert out["trainer_sleep"]["gb"] == pytest.approx(64) and out["trainer_wake"]["gb"] == pytest.approx(72)
+    assert out["trainer_sleep"]["gbps"] == pytest.approx(sleep_rate)
+    assert out["trainer_wake"]["vs_link"] == pytest.approx(wake_rate / 60.0)
+    assert step.sleep_wake(records, None)["trainer_sleep"]["vs_link"] is None
+    assert step.sleep_wake([{"memory": {}}], link)["trainer_wake"]["gbps"] is None
