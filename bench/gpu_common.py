@@ -81,6 +81,30 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),
+    # full fine-tuning needs ~18 bytes a parameter (bf16 weights, fp32 main copy, gradient and two
+    # Adam moments): 8b does not fit one H200, 14b is the LoRA case of issue 41
+    "8b": dict(
+        model_type="qwen3",
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "14b": dict(
+        model_type="qwen3",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=17408,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
 }
 
 
