@@ -76,3 +76,43 @@ def test_after_a_prepin_a_release_pins_no_new_host_memory():
     copies = release_to_host(tensors)
     assert all(c.host.is_pinned() for c in copies)
     assert torch.cuda.host_memory_stats()["num_host_alloc"] == made  # every buffer came from the cache
+
+
+def _adam_after(steps: int, device: str = "cpu") -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    params = [torch.nn.Parameter(torch.randn(6, 4, device=device)), torch.nn.Parameter(torch.randn(9, device=device))]
+    frozen = torch.nn.Parameter(torch.randn(3, device=device), requires_grad=False)
+    opt = torch.optim.AdamW([*params, frozen], lr=1e-3)
+    for _ in range(steps):
+        sum((p * p).sum() for p in params).backward()
+        opt.step()
+    return params, opt
+
+
+def test_prepin_counts_the_adam_moments_the_first_step_creates():
+    """Before the first step Adam has no moments: the prepin makes room for two per trainable
+    parameter, each its size; after the step they are ordinary state, counted by the release."""
+    from vime_core.trainer.offload import adam_moments_to_come, prepin_host_memory
+
+    params, opt = _adam_after(0)
+    moments = 2 * sum(p.numel() * p.element_size() for p in params)
+    assert sum(n for n, _ in adam_moments_to_come(opt)) == moments
+    assert prepin_host_memory(params, opt) == sum(p.numel() * 4 for p in params) + moments
+    params, opt = _adam_after(1)
+    assert adam_moments_to_come(opt) == []
+    states = [v for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")]
+    assert sum(t.numel() * t.element_size() for t in states) == moments
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: only a GPU pins host memory")
+def test_after_a_prepin_the_first_sleep_after_a_step_pins_no_new_host_memory():
+    from vime_core.trainer.offload import _tensors, prepin_host_memory
+
+    params, opt = _adam_after(0, "cuda")
+    model = torch.nn.Module()
+    model.ps = torch.nn.ParameterList(params)
+    prepin_host_memory([t for t in _tensors(model, opt) if t.device.type == "cuda"], opt)
+    made = torch.cuda.host_memory_stats()["num_host_alloc"]
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+    copies = release_to_host(t for t in _tensors(model, opt) if t.device.type == "cuda")
+    assert copies and torch.cuda.host_memory_stats()["num_host_alloc"] == made

@@ -74,14 +74,32 @@ def release_to_host(tensors: Iterable[torch.Tensor]) -> list[HostCopy]:
     return copies
 
 
-def prepin_host_memory(tensors: Iterable[torch.Tensor]) -> int:
-    """Make, then free, the host buffers ``release_to_host(tensors)`` will ask for; returns their
+def prepin_host_memory(tensors: Iterable[torch.Tensor], optimizer: Any = None) -> int:
+    """Make, then free, the host buffers ``release_to_host(tensors)`` will ask for, and those of the
+    Adam moments `optimizer`'s first step will create (`adam_moments_to_come`); returns their
     bytes. On a GPU they are pinned, and torch's caching host allocator keeps a freed pinned
     block for the next request of its size: a later release then only copies, without pinning
     new pages (cudaHostAlloc) on top. Run while nothing waits on it (the trainer's start, beside
     the engines'), it takes the pinning off the first sleep."""
-    buffers = [_host_buffer(storage.nbytes(), t.device) for t, storage in _distinct_storages(tensors)]
+    sizes = [(storage.nbytes(), t.device) for t, storage in _distinct_storages(tensors)]
+    sizes += adam_moments_to_come(optimizer) if optimizer is not None else []
+    buffers = [_host_buffer(n, device) for n, device in sizes]
     return sum(b.numel() for b in buffers)  # freed on return: to the allocator's cache, not the OS
+
+
+def adam_moments_to_come(optimizer: Any) -> list[tuple[int, torch.device]]:
+    """(bytes, device) of the two moments (exp_avg, exp_avg_sq: each like its parameter) that
+    Adam's first step creates for every trainable parameter without state yet; they are half of a
+    full fine-tuning's sleep and do not exist before that step."""
+    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
+    torch_optimizers = [getattr(w, "optimizer", w) for w in wrappers]
+    out = []
+    for o in torch_optimizers:
+        for group in o.param_groups:
+            for p in group["params"]:
+                if not o.state.get(p) and p.requires_grad:
+                    out += [(p.numel() * p.element_size(), p.device)] * 2
+    return out
 
 
 def restore_from_host(copies: Iterable[HostCopy]) -> None:

@@ -185,7 +185,8 @@ class MegatronTrainer:
 
     def _prepin_host_memory(self) -> None:
         with timed() as pinning:
-            pinned = prepin_host_memory(sleep_tensors(self.model, self.optimizer, self._frozen_models()))
+            tensors = sleep_tensors(self.model, self.optimizer, self._frozen_models())
+            pinned = prepin_host_memory(tensors, self.optimizer)
         log.info(
             "trainer rank %d: pinned %.2f GiB of host memory for its first sleep in %.2f s",
             self.layout.rank,
