@@ -1131,10 +1131,10 @@ class ConfigFields(BaseModel):
         description=(
             "Megatron's --moe-router-load-balancing-type: aux_loss is the Switch Transformer loss "
             "E * sum_i f_i * P_i over each micro-batch's tokens (f_i the share of routed slots to expert i, P_i "
-            "its mean router probability); seq_aux_loss the same per sequence, averaged over the sequences; the "
-            "trainer packs a micro-batch's samples into one sequence, so it equals aux_loss unless "
-            "micro_batch_size=1; none: no load-balancing loss (moe_aux_loss_coeff must then be 0). A dense model "
-            "refuses anything but the default."
+            "its mean router probability); seq_aux_loss Megatron's per-sequence variant, which here equals aux_loss: "
+            "the trainer packs a micro-batch's samples into one sequence (micro_batch_size=1 makes both per "
+            "sample); none: no load-balancing loss (moe_aux_loss_coeff must then be 0). A dense model refuses "
+            "anything but the default."
         ),
     )
     moe_z_loss_coeff: float = Field(

@@ -17,6 +17,8 @@ import torch
 
 from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 from tests.moe_tiny import tiny_moe_checkpoint
+from vime_core.report.records import append_record, read_records
+from vime_core.step_plan import Phase, iteration_record, plan_step
 
 COEFF = 0.5  # large enough that the router term stands well above the fp32 noise of the policy gradient
 
@@ -87,7 +89,16 @@ def _expected(ckpt, batch, aux_coeff, z_coeff):
     return grads, lb_mean, z_mean
 
 
-@pytest.mark.parametrize("flags", [{"moe_aux_loss_coeff": COEFF}, {"moe_z_loss_coeff": COEFF}], ids=["aux", "z"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"moe_aux_loss_coeff": COEFF},
+        # Megatron's per-sequence loss: a packed micro-batch is one sequence, so the same formula
+        {"moe_aux_loss_coeff": COEFF, "moe_router_load_balancing_type": "seq_aux_loss"},
+        {"moe_z_loss_coeff": COEFF},
+    ],
+    ids=["aux", "seq_aux", "z"],
+)
 def test_router_losses_enter_the_gradient_and_the_metrics(single_rank, cache_dir, tmp_path, flags):
     ckpt = tiny_moe_checkpoint(cache_dir)
     base_cfg, base, base_grads = _trained(ckpt, tmp_path, "base")
@@ -109,6 +120,11 @@ def test_router_losses_enter_the_gradient_and_the_metrics(single_rank, cache_dir
         assert (grads[n] - base_grads[n]).abs().max() > 1e-3 * grads[n].abs().max()
     for n, g in grads.items():  # by exactly the router term, in every parameter the term reaches
         torch.testing.assert_close(g - base_grads[n], expected[n], atol=1e-6, rtol=1e-4, msg=n)
+
+    # the metric reaches the iteration's record in metrics.jsonl like the trainer's other metrics
+    record = iteration_record(plan_step(cfg, 0), {}, False, {Phase.TRAIN: metrics}, 1.0)
+    append_record(cfg.storage_uri, cfg.run_name, record)
+    assert read_records(cfg.storage_uri, cfg.run_name)[-1][name] == metrics[name]
 
 
 @pytest.fixture(scope="module")
