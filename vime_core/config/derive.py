@@ -157,6 +157,11 @@ def derive_in_place(cfg: ConfigFields) -> None:
             f"expert_model_parallel_size={cfg.expert_model_parallel_size}: expert parallelism is not supported "
             "yet; use 1 (every rank holds all experts, split over tensor_model_parallel_size)"
         )
+    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type == "none":
+        raise ValueError(
+            f"moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} needs a load-balancing loss: "
+            "moe_router_load_balancing_type is none (use aux_loss or seq_aux_loss)"
+        )
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)

@@ -1113,3 +1113,36 @@ class ConfigFields(BaseModel):
             "rank holds all experts, each split over the TP ranks like a dense MLP; larger values are refused."
         ),
     )
+
+    # ---- MoE router losses (vime_core/trainer/model.py router_loss_settings; moe_metrics.py) ----------
+    moe_aux_loss_coeff: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the router's load-balancing loss in the policy's training loss (Megatron's and slime's "
+            "--moe-aux-loss-coeff; 1e-3 is the common pre-training value). Default 0.0, not the checkpoint's "
+            "router_aux_loss_coef: transformers adds that only with output_router_logits=true (false in the "
+            "released Qwen3-MoE configs), slime's RL recipes set 0, and a fixed default means the same run on every "
+            "checkpoint. Any value > 0 logs moe_aux_loss per iteration; a dense model refuses it at trainer start."
+        ),
+    )
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = Field(
+        "aux_loss",
+        description=(
+            "Megatron's --moe-router-load-balancing-type: aux_loss is the Switch Transformer loss "
+            "E * sum_i f_i * P_i over each micro-batch's tokens (f_i the share of routed slots to expert i, P_i "
+            "its mean router probability); seq_aux_loss Megatron's per-sequence variant, which here equals aux_loss: "
+            "the trainer packs a micro-batch's samples into one sequence (micro_batch_size=1 makes both per "
+            "sample); none: no load-balancing loss (moe_aux_loss_coeff must then be 0). A dense model refuses "
+            "anything but the default."
+        ),
+    )
+    moe_z_loss_coeff: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the router's z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE; Megatron's "
+            "--moe-z-loss-coeff); 0 turns it off. Any value > 0 logs moe_z_loss per iteration; a dense model "
+            "refuses it at trainer start."
+        ),
+    )

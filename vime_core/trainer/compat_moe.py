@@ -43,11 +43,17 @@ def allow_full_sequence_tp(model: Any) -> int:
     expert weight's gradient is TP times its TP=1 value (it sums over TP identical copies of every
     token): a gradient hook divides it by TP. The cost is TP times the expert FLOPs of a
     sequence-parallel run. ``attn_tp_group`` serves only that check in megatron-core 0.16.1 (the
-    dispatcher and the experts keep their own groups), so a one-rank stand-in lifts it."""
+    dispatcher and the experts keep their own groups), so a one-rank stand-in lifts it.
+
+    The router's losses sum its tokens-per-expert over ``tp_cp_group`` (and divide the z-loss by its
+    size), counting each token TP times here: the same stand-in keeps them at their TP=1 values, as
+    the router's gradient is (the tracker's reduction over that group, which vime does not call, is
+    the only other use)."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     for layer in layers:
         copies = layer.attn_tp_group.size()
         layer.attn_tp_group = _OneRank()
+        layer.router.tp_cp_group = _OneRank()
         if copies > 1:
             for param in layer.experts.parameters():
                 param.register_hook(functools.partial(torch.div, other=copies))

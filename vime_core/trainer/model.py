@@ -177,13 +177,15 @@ def transformer_config(
     dtype: torch.dtype,
     recompute: dict[str, Any] | None = None,
     fusions: dict[str, bool] | None = None,
+    router_losses: dict[str, Any] | None = None,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``arch``: no dropout, weights created on the CPU and
     left uninitialised (a checkpoint is loaded next). ``recompute``: Megatron's activation-recompute
     fields (``recompute_settings(cfg)``). ``fusions``: ``apply_rope_fusion`` (vime's packed RoPE at
     Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
     SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
-    Engine or apex and stay off. MoE models: ``moe_settings``."""
+    Engine or apex and stay off. MoE models: ``moe_settings`` (``router_losses`` from
+    ``router_loss_settings``; none by default)."""
     check_tp_divides(arch, tp_size)
     fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
     if fusions["apply_rope_fusion"]:
@@ -215,20 +217,21 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        **moe_settings(arch, tp_size),
+        **moe_settings(arch, tp_size, router_losses),
         **(recompute or {}),
         **fusions,
     )
 
 
-def moe_settings(arch: HFArchitecture, tp_size: int) -> dict[str, Any]:
+def moe_settings(arch: HFArchitecture, tp_size: int, router_losses: dict[str, Any] | None = None) -> dict[str, Any]:
     """Megatron's MoE fields for ``arch`` (none for a dense model).
 
     HF's router takes softmax over all experts, keeps the top k and (``norm_topk_prob``) divides by
     their sum, which equals a softmax over the k largest logits: Megatron's softmax router with
     ``moe_router_pre_softmax=False``; without the renormalisation it is softmax-then-top-k
     (``moe_router_pre_softmax=True``). Routing in fp32 as slime runs Qwen3-MoE; dropless (no
-    capacity factor); no load-balancing or z loss; the allgather dispatcher (the alltoall one needs
+    capacity factor); the load-balancing and z losses of ``router_losses`` (``router_loss_settings``;
+    default none); the allgather dispatcher (the alltoall one needs
     CUDA streams; at EP=1 neither moves tokens between ranks); expert parallelism 1 and experts split over the
     TP ranks like the dense MLP (expert TP = TP)."""
     if not arch.num_experts:
@@ -242,11 +245,44 @@ def moe_settings(arch: HFArchitecture, tp_size: int) -> dict[str, Any]:
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None,
+        **(router_losses or {}),
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": 1,
         "expert_tensor_parallel_size": tp_size,
     }
+
+
+# the router-loss flags' defaults (vime_core/config/schema.py): a dense model accepts only these
+ROUTER_LOSS_DEFAULTS = {
+    "moe_aux_loss_coeff": 0.0,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_z_loss_coeff": 0.0,
+}
+
+
+def router_loss_settings(cfg: Any) -> dict[str, Any]:
+    """The run's router losses, named as in Megatron's ``TransformerConfig``: the load-balancing
+    loss of ``moe_router_load_balancing_type`` weighted by ``moe_aux_loss_coeff`` (none when it is 0),
+    and the z-loss weighted by ``moe_z_loss_coeff`` (None: off)."""
+    coeff = float(cfg.moe_aux_loss_coeff)
+    return {
+        "moe_router_load_balancing_type": cfg.moe_router_load_balancing_type if coeff > 0 else "none",
+        "moe_aux_loss_coeff": coeff,
+        "moe_z_loss_coeff": float(cfg.moe_z_loss_coeff) or None,
+    }
+
+
+def check_router_losses(arch: HFArchitecture, cfg: Any) -> None:
+    """A dense ``arch`` has no router: refuse a router-loss flag set away from its default."""
+    if arch.num_experts:
+        return
+    for name, default in ROUTER_LOSS_DEFAULTS.items():
+        if getattr(cfg, name) != default:
+            raise ValueError(
+                f"{name}={getattr(cfg, name)}: the model (model_type={arch.model_type!r}) has no experts to route to"
+            )
 
 
 def recompute_settings(cfg: Any) -> dict[str, Any]:
@@ -286,6 +322,7 @@ def build_gpt_model(
     device: str | torch.device = "cpu",
     recompute: dict[str, Any] | None = None,
     fusions: dict[str, bool] | None = None,
+    router_losses: dict[str, Any] | None = None,
 ) -> Any:
     """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
 
@@ -295,7 +332,7 @@ def build_gpt_model(
     if arch.num_experts:
         compat_moe.define_missing_te_gemm()
     model = GPTModel(
-        config=transformer_config(arch, tp_size, dtype, recompute, fusions),
+        config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses),
         transformer_layer_spec=layer_spec(arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,

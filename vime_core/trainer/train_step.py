@@ -1,13 +1,15 @@
 """One training step over this DP rank's micro-batches B_1..B_M of the step's samples S (all DP ranks):
 
     L(B_m) = agg(pg * w) + [use_kl_loss] kl_loss_coef * agg(kl(log p, log p_ref)) - entropy_coef * agg(H)
+             + [MoE] sum_layers (moe_aux_loss_coeff * lb_l(B_m) + moe_z_loss_coeff * z_l(B_m))
     backward( L(B_m) * d(B_m) / D(S) * dp_size )          (DDP averages gradients over DP)
 
 pg is the estimator's registered policy loss (or -log p for sft_loss), w the rollout importance
 weight when use_tis, agg = aggregate_loss(., loss_mask, loss_agg_mode), and D the step-wide
 denominator (tokens or sequences, by loss_agg_mode), so the loss does not depend on the TP/DP
 layout or the micro-batch split. Then one optimizer step, skipped on every rank when the loss or a
-gradient is not finite on any (vime_core/trainer/nonfinite.py)."""
+gradient is not finite on any (vime_core/trainer/nonfinite.py). The router's terms lb_l and z_l
+enter through Megatron's router, their weight set by vime_core/trainer/router_losses.py."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.optimizer import current_lr
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
+from vime_core.trainer.router_losses import router_loss_metrics, set_router_loss_weight, take_router_losses
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
 
@@ -158,10 +161,14 @@ class _Accumulator:
     counts: dict[str, float] = field(default_factory=dict)
     loss: Any = 0.0
     pg_loss: Any = 0.0
+    # step means weighted like the loss (sum_m d(B_m)/D(S) * value(B_m) over every DP rank): the router's losses
+    weighted_keys: tuple[str, ...] = ()
+    weighted: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.sums = {k: 0.0 for k in self.keys}
         self.counts = {k: 0.0 for k in self.keys}
+        self.weighted = {k: 0.0 for k in self.weighted_keys}
 
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor, count: float) -> None:
         """Add sum(per_token * mask); ``count`` = sum(mask), known on the host."""
@@ -171,7 +178,8 @@ class _Accumulator:
     def all_reduced(self, dp_group: Any, dp_size: int, device: Any = "cpu") -> dict[str, float]:
         keys = list(self.keys)
         # On the trainer's device: NCCL (the GPU backend) cannot reduce CPU tensors.
-        values = [self.sums[k] for k in keys] + [self.loss, self.pg_loss]
+        weighted = list(self.weighted_keys)
+        values = [self.sums[k] for k in keys] + [self.loss, self.pg_loss] + [self.weighted[k] for k in weighted]
         t = torch.cat(
             [
                 torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]),
@@ -181,9 +189,10 @@ class _Accumulator:
         if dp_size > 1:
             torch.distributed.all_reduce(t, group=dp_group)
         t = t.tolist()  # the step's one read-back
-        n = len(keys)
-        out = {k: t[i] / t[n + 2 + i] for i, k in enumerate(keys) if t[n + 2 + i] > 0}
+        n, w = len(keys), len(weighted)
+        out = {k: t[i] / t[n + 2 + w + i] for i, k in enumerate(keys) if t[n + 2 + w + i] > 0}
         out["loss"], out["pg_loss"] = t[n], t[n + 1]
+        out.update({k: t[n + 2 + i] for i, k in enumerate(weighted)})
         return out
 
 
@@ -284,11 +293,17 @@ def train_step(
     with timed() as step:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        acc = _Accumulator()
+        acc = _Accumulator(weighted_keys=router_loss_metrics(cfg))
+        take_router_losses()  # drop what a forward outside this step recorded
         for indices in inputs.micro_batches:
             mb = make_micro_batch(inputs.batch, indices, device)
             loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
+            share = inputs.denominators.share(cfg.loss_agg_mode, mb)
+            set_router_loss_weight(share * dp_size)  # the router's losses weighted like L(B_m)
             (loss * dp_size).backward()
+            for name, value in take_router_losses().items():
+                if name in acc.weighted:
+                    acc.weighted[name] = acc.weighted[name] + value * share
         grad_norm, lr = step_optimizer(model, optimizer, scheduler, cfg, acc.loss, device, skips)
         metrics = acc.all_reduced(dp_group, dp_size, device)
     elapsed = step.seconds

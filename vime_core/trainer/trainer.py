@@ -27,9 +27,11 @@ from vime_core.trainer.lora import apply_lora, check_lora_state, lora_hf_state, 
 from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
+    check_router_losses,
     fusion_settings,
     read_hf_config,
     recompute_settings,
+    router_loss_settings,
 )
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
 from vime_core.trainer.offload import (
@@ -136,9 +138,10 @@ class MegatronTrainer:
             self._peers = PeerChannel(torch.distributed.new_group(backend="gloo"), lay.rank)
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
+        check_router_losses(self.arch, self.cfg)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
-        def load_model(checkpoint, arch: Any = None) -> Any:
+        def load_model(checkpoint, arch: Any = None, router_losses: Optional[dict[str, Any]] = None) -> Any:
             arch = arch or self.arch
             model = build_gpt_model(
                 arch,
@@ -147,11 +150,14 @@ class MegatronTrainer:
                 self.device,
                 recompute_settings(self.cfg),
                 fusion_settings(self.cfg, self.device),
+                router_losses,
             )
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 
-        policy = load_model(path)
+        # the router losses train the policy alone: the frozen models run no router loss, the critic's
+        # value loss gets none
+        policy = load_model(path, router_losses=router_loss_settings(self.cfg))
         if lora_enabled(self.cfg):  # base frozen, adapters only in DDP's buffers and the optimizer
             apply_lora(policy, self.cfg, self.arch, lay.tp_size, lay.tp_rank)
         self.model = self._wrap_ddp(policy)
