@@ -258,7 +258,7 @@ def startup_report(results: Path) -> dict | None:
 
 
 def phase_trainer(a, paths: dict) -> None:
-    from colocated_baselines import trainer_alone  # needs the trainer's site (host_setup)
+    from colocated_baselines import trainer_alone  # boundary: the trainer's site, on the path after host_setup
     from vime_core.config.loader import load_config
 
     report = json.loads((paths["results"] / "train" / f"colocated_{a.shape}.json").read_text())
