@@ -312,6 +312,16 @@ def sleep_wake(records: list[dict], link: dict | None) -> dict:
     return out
 
 
+def guard_margins(records: list[dict], config: Path) -> dict:
+    """Per run-guard check, the worst value the run's records came to against its default bound
+    (vime_core/report/guard.py `margins`; ratio 1 would have fired): the defaults must never fire
+    on this bench (issue 45)."""
+    from vime_core.config.loader import load_config  # boundary: the trainer's site, on the path after host_setup
+    from vime_core.report.guard import GuardSettings, margins
+
+    return margins(records, GuardSettings.of(load_config(config)))
+
+
 def batch_shape(report: dict) -> dict:
     """Samples and mean prompt / response lengths of the run's stored batches."""
     batches = report["batches"]
@@ -438,6 +448,7 @@ def phase_report(a, paths: dict) -> dict:
         }
         out["vime"] = vime
         out["sleep_wake"] = sleep_wake(recs, link)
+        out["guard_margins"] = guard_margins(run.get("records", []), a.config)
         if meta:
             out["vime"]["exit"] = meta["exit"]
         if summary := run_summary(a, paths):

@@ -305,3 +305,14 @@ def test_sleep_and_wake_are_bytes_over_seconds_against_the_link():
     assert out["trainer_wake"]["vs_link"] == pytest.approx(wake_rate / 60.0)
     assert step.sleep_wake(records, None)["trainer_sleep"]["vs_link"] is None
     assert step.sleep_wake([{"memory": {}}], link)["trainer_wake"]["gbps"] is None
+
+
+def test_guard_margins_are_the_worst_ratio_per_check():
+    records = [
+        {"rollout_id": k, "entropy": e, "reward_failure_share": f, "grad_norm": 1.0}
+        for k, (e, f) in enumerate([(2.0, 0.0), (1.0, 0.05), (1.5, 0.0)])
+    ]
+    m = step.guard_margins(records, step.default_config("0.5b"))
+    assert m["entropy-fall"]["rollout_id"] == 1 and m["entropy-fall"]["value"] == pytest.approx(0.5)
+    assert m["reward-failures"]["value"] == pytest.approx(0.05) and m["reward-failures"]["rollout_id"] == 1
+    assert all(v["ratio"] < 1 for v in m.values())
