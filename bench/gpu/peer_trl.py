@@ -23,8 +23,8 @@ GRPOConfig from vime's configuration (peer_settings):
 - beta = kl_loss_coef under use_kl_loss, else 0: no reference model is loaded.
 - epsilon/epsilon_high = eps_clip/eps_clip_high; loss_type from loss_agg_mode (token_mean: dapo,
   normalised by the tokens of the accumulated batch; seq_mean_token_mean: grpo;
-  seq_mean_token_sum_norm: dr_grpo); scale_rewards group/none from grpo_std_normalization;
-  entropy_coef.
+  seq_mean_token_sum_norm: dr_grpo, whose constant is max_completion_length); scale_rewards
+  group/none from grpo_std_normalization; entropy_coef.
 - vllm_importance_sampling_correction = not use_rollout_logprobs: with generation and optimizer
   steps aligned, TRL recomputes the old log-probs with the trainer only for that correction; vime
   recomputes them unless use_rollout_logprobs.
@@ -88,6 +88,9 @@ def peer_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
     if cfg["loss_agg_mode"] not in LOSS_TYPES:
         raise ValueError(f"loss_agg_mode={cfg['loss_agg_mode']}: TRL has none of that; one of {sorted(LOSS_TYPES)}")
+    scale = cfg["loss_scale_factor"]
+    if cfg["loss_agg_mode"] == "seq_mean_token_sum_norm" and scale not in (None, cfg["rollout_max_response_len"]):
+        raise ValueError(f"loss_scale_factor={scale}: TRL's dr_grpo divides by max_completion_length")
     if cfg["lr_decay_style"] != "constant":
         raise ValueError(f"lr_decay_style={cfg['lr_decay_style']}: the peer reproduces the constant schedule only")
     per_step = cfg["global_batch_size"]
