@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Wheels of the peer trainer (TRL's GRPOTrainer, bench/gpu/peer_trl.py) for the H200 host's Python
 # 3.12 on x86_64: TRL and only what it imports there that neither the host's own packages (torch,
-# transformers, numpy, pyarrow, psutil, requests, aiohttp, fsspec, jinja2, python-dateutil, ...)
-# nor the bundle's pins (/tmp/site-vllm: vLLM, pydantic, dill; /tmp/site-trainer) provide.
-# Keep them in their own folder, not beside the bundle's parts: host_setup.sh unpacks every wheel
-# it finds there into the trainer's site. On the host, bench/gpu/run_peer_trl_h200.sh unpacks them
-# into /tmp/site-peer. Any Python with pip runs this.
+# transformers, huggingface-hub, numpy, pyarrow, requests, aiohttp, fsspec, jinja2, python-dateutil:
+# what vLLM, prefect and transformers need that the pins leave out) nor the bundle's sites provide
+# (/tmp/site-vllm: vLLM, pydantic, dill 0.4.1; /tmp/site-trainer: psutil from extra_wheels.sh).
+# Keep them in their own folder (.gpu/peer), not beside the bundle's parts: host_setup.sh unpacks
+# every wheel there into the trainer's site. bench/gpu/run_peer_trl_h200.sh unpacks them into
+# /tmp/site-peer on the host (about 57 MB from 14 MB of wheels). Any Python with pip runs this.
 #   bash bench/gpu/peer_wheels.sh DIR
 set -euo pipefail
 dir=${1:?usage: peer_wheels.sh DIR}
