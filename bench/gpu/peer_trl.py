@@ -238,17 +238,16 @@ def train(a: argparse.Namespace, cfg: Mapping[str, Any], settings: dict[str, Any
 
     rows = prompts_for(read_rows(a.prompts), cfg["input_key"], a.steps, settings, cfg["rollout_batch_size"])
     config = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="peer-trl-"), max_steps=a.steps, **settings)
-    trainer = trl.GRPOTrainer(
-        model=a.model,
-        reward_funcs=alphabet_share_reward,
-        args=config,
-        train_dataset=datasets.Dataset.from_list(rows),
-        callbacks=[Timer()],
-    )
     error = None
     try:
-        trainer.train()
-    except Exception as exc:  # the steps measured so far still go to --out, with the cause
+        trl.GRPOTrainer(
+            model=a.model,
+            reward_funcs=alphabet_share_reward,
+            args=config,
+            train_dataset=datasets.Dataset.from_list(rows),
+            callbacks=[Timer()],
+        ).train()
+    except Exception as exc:  # a start or step that fails (out of memory): what was measured still goes to --out
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return {
         "trl_version": trl.__version__,
