@@ -8,9 +8,12 @@ vLLM offline, `vime train` colocated, its startup and the trainer alone, then on
     startup  one-iteration `vime train` runs per --startup-variants entry, --startup-repeats rounds
     trainer  old-log-prob recompute plus one step on the stored batches' shape (bench_trainer_gpu.py)
     link     the host link's bandwidth each way (bench/gpu/host_link.py), the bound of sleep and wake
+    peer     TRL's GRPOTrainer, vLLM colocated and sleeping, on the same model, prompts, reward and
+             settings (bench/gpu/run_peer_trl_h200.sh; its wheels: bench/gpu/peer_wheels.sh)
     report   the git SHA, the parts and the ratios (medians over iterations after the first):
              step_vs_parts = T_step / (offline rollout + trainer alone), rollout_vs_offline,
-             logprobs_cost, trainer_mfu, startup_s, sleep/wake GB/s against the link's
+             logprobs_cost, trainer_mfu, startup_s, sleep/wake GB/s against the link's,
+             step_vs_peer = T_step / the peer's step (medians, the first step of each left out)
 
 Each phase can run alone (--phases); results stay under --work, so a later phase joins the report.
 
@@ -37,7 +40,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 CONFIGS = REPO / "bench" / "gpu"
 TRAINER_SITE = "/tmp/site-trainer"
-PHASES = ("model", "offline", "train", "startup", "trainer", "link", "report")
+PHASES = ("model", "offline", "train", "startup", "trainer", "link", "peer", "report")
 
 
 def _median(values) -> float | None:
@@ -284,6 +287,18 @@ def phase_link(a, paths: dict) -> None:
     )
 
 
+def phase_peer(a, paths: dict) -> None:
+    env = dict(
+        os.environ,
+        OUT=str(paths["results"] / "peer"),
+        SHAPE=a.shape,
+        CONFIG=str(a.config),
+        PROMPT_TOKENS=str(a.prompt_tokens),
+        VIME_GPU_WORK=str(a.work),
+    )
+    subprocess.run(["bash", str(REPO / "bench/gpu/run_peer_trl_h200.sh"), str(a.iterations)], env=env, cwd=REPO)
+
+
 def sleep_wake(records: list[dict], link: dict | None) -> dict:
     """The trainer's sleep and wake as bytes over seconds (medians over `records`), from each
     record's `memory` (offload_train's freed_bytes, the wake's woken_bytes) and phase times; with the
@@ -371,6 +386,7 @@ def phase_report(a, paths: dict) -> dict:
     read = lambda name: json.loads((res / name).read_text()) if (res / name).exists() else None  # noqa: E731
     rollout, trainer, meta = read("rollout.json"), read("trainer.json"), read("train_meta.json")
     link = read("link.json")
+    peer = read(f"peer/peer_trl_{a.shape}.json")
     run = read(f"train/colocated_{a.shape}.json")
     out: dict = {
         "bench": "colocated_step",
@@ -492,6 +508,10 @@ def phase_report(a, paths: dict) -> dict:
         out["parts_include_logprob_recompute"] = recomputed
         ratios["step_vs_parts"] = out["vime"]["t_step_s"] / parts
         out["parts_s"] = parts
+    if peer:
+        out["peer"] = {k: peer.get(k) for k in ("peer", "trl_version", "vllm_version", "step_s_median", "startup_s")}
+        if run and peer.get("step_s_median") and out["vime"]["t_step_s"]:
+            ratios["step_vs_peer"] = out["vime"]["t_step_s"] / peer["step_s_median"]
     out["ratios"] = ratios
     return out
 

@@ -94,6 +94,10 @@ def _lay_out(work: Path, reused: bool) -> argparse.Namespace:
     )
     records = [_record(i, reused) for i in range(4)]
     (res / "train" / "colocated_0.5b.json").write_text(json.dumps({"records": records, "batches": []}))
+    (res / "peer").mkdir()
+    (res / "peer" / "peer_trl_0.5b.json").write_text(
+        json.dumps({"peer": "trl", "trl_version": "1.16.0", "step_s_median": 30.0, "startup_s": 70.0})
+    )
     summary = work / "runs" / "reports" / "bench" / "summary.json"
     summary.parent.mkdir(parents=True)
     summary.write_text(
@@ -125,6 +129,7 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     parts = 4.0 + 2.0 + (0.0 if reused else 1.0)
     assert out["parts_s"] == pytest.approx(parts) and out["parts_include_logprob_recompute"] is (not reused)
     assert out["ratios"]["step_vs_parts"] == pytest.approx(t_step / parts)
+    assert out["ratios"]["step_vs_peer"] == pytest.approx(t_step / 30.0) and out["peer"]["trl_version"] == "1.16.0"
     assert out["ratios"]["rollout_vs_offline"] == pytest.approx((240_000 / 6.0) / 60_000.0)
     assert out["ratios"]["logprobs_cost"] == pytest.approx(10_000 / 50_000)  # the default server's
     assert out["logprobs_cost_by_server"]["vllm_api_server_count=4"] == pytest.approx(0.5)
