@@ -7,7 +7,7 @@ the engine's vLLM server SIGKILLed as rollout 1 starts. The replacement engine g
 trainer's current weights (the adapter, in adapter mode) before it serves, so the run keeps the
 invariants of test_faults._check_run: one trainable batch per rollout id, sampled by that
 iteration's weights (its adapter); one optimizer step per rollout id; the engine scores the
-probe as the trainer after every publish. Then the same run name is run again from the
+probe as the trainer after every publish (the suite runs adapter mode). Then the same run name is run again from the
 checkpoint of rollout 1 (the last one set aside): it trains the stored batches of rollouts 2-3
 again, and its adapters and their Adam state end bit for bit as the first run's, whose trainer
 was never interrupted.
@@ -102,7 +102,9 @@ def _served_adapters(cfg) -> dict:
     return asyncio.run(listed())
 
 
-@pytest.fixture(scope="module", params=["adapter", "merged"])
+# adapter mode only in the suite (its restart takes another publish path); `merged` restarts through
+# the full weights' path (test_two_nodes, test_faults) and passed here too: add it to run both
+@pytest.fixture(scope="module", params=["adapter"])
 def lora_killed_engine(request, tmp_path_factory, ray_head, tiny_model_dir):
     """The run, trained to its end while its engine's vLLM server is SIGKILLed as rollout 1
     starts; checked (test_faults._check_run) and read (the engine's adapters, the trainer's
