@@ -162,6 +162,11 @@ def derive_in_place(cfg: ConfigFields) -> None:
             f"moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} needs a load-balancing loss: "
             "moe_router_load_balancing_type is none (use aux_loss or seq_aux_loss)"
         )
+    if cfg.use_rollout_routing_replay:
+        raise ValueError(
+            "use_rollout_routing_replay=true: the engine side (routed experts recorded by the engines and "
+            "stored in the batch) is not built yet"
+        )
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)

@@ -1146,3 +1146,16 @@ class ConfigFields(BaseModel):
             "refuses it at trainer start."
         ),
     )
+
+    # ---- routing replay (vime_core/trainer/routing_replay.py; docs/design/routing_replay.md) ----------
+    use_rollout_routing_replay: bool = Field(
+        False,
+        description=(
+            "Routing replay (slime's --use-rollout-routing-replay, R3): the trainer's MoE layers route each token "
+            "to the experts the engine chose for it, so the policy's and the reference's log-probs are computed "
+            "with the engine's routing (the router still gets gradients through the chosen experts' "
+            "probabilities). Needs the engines' routed experts in the batch, which is not wired yet: setting it "
+            "is refused at configuration time until the engine side is built. A dense model refuses it at "
+            "trainer start."
+        ),
+    )

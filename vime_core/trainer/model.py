@@ -178,6 +178,7 @@ def transformer_config(
     recompute: dict[str, Any] | None = None,
     fusions: dict[str, bool] | None = None,
     router_losses: dict[str, Any] | None = None,
+    routing_replay: bool = False,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``arch``: no dropout, weights created on the CPU and
     left uninitialised (a checkpoint is loaded next). ``recompute``: Megatron's activation-recompute
@@ -185,7 +186,7 @@ def transformer_config(
     Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
     SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
     Engine or apex and stay off. MoE models: ``moe_settings`` (``router_losses`` from
-    ``router_loss_settings``; none by default)."""
+    ``router_loss_settings``; none by default; ``routing_replay``: Megatron's routing replay)."""
     check_tp_divides(arch, tp_size)
     fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
     if fusions["apply_rope_fusion"]:
@@ -217,13 +218,15 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        **moe_settings(arch, tp_size, router_losses),
+        **moe_settings(arch, tp_size, router_losses, routing_replay),
         **(recompute or {}),
         **fusions,
     )
 
 
-def moe_settings(arch: HFArchitecture, tp_size: int, router_losses: dict[str, Any] | None = None) -> dict[str, Any]:
+def moe_settings(
+    arch: HFArchitecture, tp_size: int, router_losses: dict[str, Any] | None = None, routing_replay: bool = False
+) -> dict[str, Any]:
     """Megatron's MoE fields for ``arch`` (none for a dense model).
 
     HF's router takes softmax over all experts, keeps the top k and (``norm_topk_prob``) divides by
@@ -233,7 +236,8 @@ def moe_settings(arch: HFArchitecture, tp_size: int, router_losses: dict[str, An
     capacity factor); the load-balancing and z losses of ``router_losses`` (``router_loss_settings``;
     default none); the allgather dispatcher (the alltoall one needs
     CUDA streams; at EP=1 neither moves tokens between ranks); expert parallelism 1 and experts split over the
-    TP ranks like the dense MLP (expert TP = TP)."""
+    TP ranks like the dense MLP (expert TP = TP). ``routing_replay``: each router gets Megatron's
+    ``RouterReplay``, driven by ``vime_core/trainer/routing_replay.py`` (off: routers as before)."""
     if not arch.num_experts:
         return {}
     return {
@@ -251,6 +255,7 @@ def moe_settings(arch: HFArchitecture, tp_size: int, router_losses: dict[str, An
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": 1,
         "expert_tensor_parallel_size": tp_size,
+        **({"moe_enable_routing_replay": True} if routing_replay else {}),
     }
 
 
@@ -283,6 +288,15 @@ def check_router_losses(arch: HFArchitecture, cfg: Any) -> None:
             raise ValueError(
                 f"{name}={getattr(cfg, name)}: the model (model_type={arch.model_type!r}) has no experts to route to"
             )
+
+
+def check_routing_replay(arch: HFArchitecture, cfg: Any) -> None:
+    """A dense ``arch`` routes nothing: refuse ``use_rollout_routing_replay`` on it."""
+    if cfg.use_rollout_routing_replay and not arch.num_experts:
+        raise ValueError(
+            f"use_rollout_routing_replay=true: the model (model_type={arch.model_type!r}) has no experts, "
+            "a dense model routes nothing"
+        )
 
 
 def recompute_settings(cfg: Any) -> dict[str, Any]:
@@ -323,6 +337,7 @@ def build_gpt_model(
     recompute: dict[str, Any] | None = None,
     fusions: dict[str, bool] | None = None,
     router_losses: dict[str, Any] | None = None,
+    routing_replay: bool = False,
 ) -> Any:
     """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
 
@@ -332,7 +347,7 @@ def build_gpt_model(
     if arch.num_experts:
         compat_moe.define_missing_te_gemm()
     model = GPTModel(
-        config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses),
+        config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses, routing_replay),
         transformer_layer_spec=layer_spec(arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,

@@ -28,6 +28,7 @@ from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
     check_router_losses,
+    check_routing_replay,
     fusion_settings,
     read_hf_config,
     recompute_settings,
@@ -139,9 +140,12 @@ class MegatronTrainer:
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
         check_router_losses(self.arch, self.cfg)
+        check_routing_replay(self.arch, self.cfg)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
-        def load_model(checkpoint, arch: Any = None, router_losses: Optional[dict[str, Any]] = None) -> Any:
+        def load_model(
+            checkpoint, arch: Any = None, router_losses: Optional[dict[str, Any]] = None, routing_replay: bool = False
+        ) -> Any:
             arch = arch or self.arch
             model = build_gpt_model(
                 arch,
@@ -151,13 +155,16 @@ class MegatronTrainer:
                 recompute_settings(self.cfg),
                 fusion_settings(self.cfg, self.device),
                 router_losses,
+                routing_replay,
             )
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
             return model
 
         # the router losses train the policy alone: the frozen models run no router loss, the critic's
-        # value loss gets none
-        policy = load_model(path, router_losses=router_loss_settings(self.cfg))
+        # value loss gets none. Routing replay serves the policy and the reference, whose log-probs
+        # are compared with the engine's; the critic and the teacher route by themselves.
+        replay = self.cfg.use_rollout_routing_replay
+        policy = load_model(path, router_losses=router_loss_settings(self.cfg), routing_replay=replay)
         if lora_enabled(self.cfg):  # base frozen, adapters only in DDP's buffers and the optimizer
             apply_lora(policy, self.cfg, self.arch, lay.tp_size, lay.tp_rank)
         self.model = self._wrap_ddp(policy)
@@ -167,7 +174,8 @@ class MegatronTrainer:
         # reference is the policy with its adapters off (rollout_training.py), not a second copy
         self.ref_is_base_model = needs_reference(self.cfg) and lora_enabled(self.cfg) and not self.cfg.ref_load
         if needs_reference(self.cfg) and not self.ref_is_base_model:  # frozen: ref_load, else the initial weights
-            self.ref_model = load_model(self._reference_checkpoint(path)).eval().requires_grad_(False)
+            ref = load_model(self._reference_checkpoint(path), routing_replay=replay)
+            self.ref_model = ref.eval().requires_grad_(False)
         if needs_critic(self.cfg):  # the same layout as the policy, its own optimizer
             self.critic = Critic.build(
                 self.cfg, self.arch, path, lambda arch, ckpt: load_model(ckpt, arch), self._wrap_ddp, dtype, self.device
