@@ -1,0 +1,130 @@
+"""Routing replay on the trainer: a model's MoE layers route each token to given experts.
+
+Megatron-core's ``RouterReplay`` (built into each ``TopKRouter`` when ``moe_enable_routing_replay``
+is on) replaces the router's top-k selection; the probabilities stay live: under REPLAY_FORWARD a
+router with logits z and given experts e_1..e_k weighs expert e_j by softmax(z_{e_1}, ..., z_{e_k})_j
+(``norm_topk_prob``; without it softmax over all experts, then gathered), so the router still gets
+gradients. Megatron's static list of replay instances holds the routers of every model built in the
+process (policy, reference, critic, teacher); this module addresses one model's own routers."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+
+def routers(model: torch.nn.Module) -> list[TopKRouter]:
+    """``model``'s own top-k routers in layer order (DDP/Float16Module wrappers included)."""
+    found = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return sorted(found, key=lambda r: r.layer_number)
+
+
+def _replay_routers(model: torch.nn.Module) -> list[TopKRouter]:
+    found = routers(model)
+    if not found:
+        raise ValueError("routing replay: the model has no MoE router (a dense model routes nothing)")
+    if any(r.router_replay is None for r in found):
+        raise ValueError(
+            "routing replay: the model was built without moe_enable_routing_replay (use_rollout_routing_replay=false)"
+        )
+    return found
+
+
+def checked_experts(experts: torch.Tensor, found: list[TopKRouter]) -> torch.Tensor:
+    """``experts`` as int64, refused unless integer [tokens, len(found), top_k] with k distinct ids in
+    [0, E) per row (checked where it lies: the host, for the engine's bytes)."""
+    layers, top_k, num_experts = len(found), found[0].topk, found[0].config.num_moe_experts
+    if experts.is_floating_point() or experts.is_complex() or experts.dtype == torch.bool:
+        raise ValueError(f"routing replay: experts has dtype {experts.dtype}, expected an integer dtype")
+    experts = experts.to(torch.int64)  # the engine sends uint8/uint16, which few torch ops take
+    if experts.dim() != 3 or tuple(experts.shape[1:]) != (layers, top_k):
+        raise ValueError(
+            f"routing replay: experts has shape {tuple(experts.shape)}, expected [tokens, {layers} MoE layers, "
+            f"top_k={top_k}]"
+        )
+    if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
+        raise ValueError(
+            f"routing replay: expert ids span [{int(experts.min())}, {int(experts.max())}], "
+            f"the model has {num_experts} experts"
+        )
+    if top_k > 1 and experts.numel() and (experts.sort(-1).values.diff(dim=-1) == 0).any():
+        raise ValueError(f"routing replay: a token names the same expert twice among its top_k={top_k}")
+    return experts
+
+
+def _token_count_check(rows: int) -> Any:
+    """A router forward pre-hook that refuses a micro-batch of another length than the experts'."""
+
+    def hook(router: TopKRouter, args: tuple) -> None:
+        tokens = args[0].shape[0] * args[0].shape[1]  # [s, b, h]: Megatron routes s*b rows
+        if tokens != rows:
+            raise ValueError(
+                f"routing replay: layer {router.layer_number} routes {tokens} tokens, experts has {rows} rows"
+            )
+
+    return hook
+
+
+@contextmanager
+def replaying(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[None]:
+    """Inside: each MoE layer l of ``model`` routes packed token t to ``experts[t, l]`` (the packed
+    order of one micro-batch: row t = token t of ``input_ids[0]``). Kept through the backward
+    (activation recompute reads the same targets); cleared on exit, an exception included."""
+    found = _replay_routers(model)
+    targets = checked_experts(experts, found).to(next(model.parameters()).device)
+    hooks = []
+    try:
+        for layer, router in enumerate(found):
+            router.router_replay.set_target_indices(targets[:, layer].contiguous())
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            hooks.append(router.register_forward_pre_hook(_token_count_check(targets.shape[0])))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for router in found:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+
+class RoutingRecord:
+    """What a model's routers chose in the latest forward inside ``recording`` (kept after it)."""
+
+    def __init__(self, found: list[TopKRouter]) -> None:
+        self._routers: list[TopKRouter] | None = found
+        self._kept: list[torch.Tensor | None] = []
+
+    def experts(self) -> torch.Tensor:
+        """int64 [tokens, MoE layers, top_k]: layer l's top-k expert ids of packed token t."""
+        chosen = self._chosen() if self._routers is not None else self._kept
+        missing = [layer for layer, idx in enumerate(chosen) if idx is None]
+        if missing:
+            raise ValueError(f"routing replay: MoE layers {missing} recorded nothing (no forward inside recording)")
+        return torch.stack([idx.detach() for idx in chosen], dim=1).to(torch.int64)
+
+    def _chosen(self) -> list[torch.Tensor | None]:
+        return [r.router_replay.get_recorded_indices() for r in self._routers]
+
+    def _close(self) -> None:
+        self._kept, self._routers = self._chosen(), None
+
+
+@contextmanager
+def recording(model: torch.nn.Module) -> Iterator[RoutingRecord]:
+    """Inside: ``model`` routes by itself and each router keeps its top-k choice of the latest forward."""
+    found = _replay_routers(model)
+    for router in found:
+        router.router_replay.clear_indices()
+        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    record = RoutingRecord(found)
+    try:
+        yield record
+    finally:
+        record._close()
+        for router in found:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
