@@ -1,6 +1,6 @@
 """Routing replay on the trainer's models (tiny Qwen3-MoE, one gloo rank, CPU): replaying the
-trainer's own routing changes nothing, replaying other experts changes the logits, the router's
-gradient under replay is the one of the routing written out here,
+trainer's own routing changes nothing (logits and gradients), replaying other experts changes the
+logits, the router's gradient under replay is the one of the routing written out here,
 
     p_t = softmax(z_t[e_t1], ..., z_t[e_tk]),  z_t = h_t W_router^T  (norm_topk_prob)
 
@@ -165,6 +165,14 @@ def test_router_gradient_under_replay_is_the_hand_computed_one(single_rank, cach
     def gradients():
         loss = (forward_packed(model, packed) * weights).sum()
         return loss.detach(), dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
+
+    # the model's own choice replayed: the gradient of free routing, every parameter
+    free_loss, free_grads = gradients()
+    with replaying(model, record.experts()):
+        own_loss, own_grads = gradients()
+    assert torch.equal(own_loss, free_loss)
+    for name, grad in free_grads.items():
+        assert (grad is None and own_grads[name] is None) or torch.equal(grad, own_grads[name]), name
 
     with replaying(model, replayed):
         loss, grads = gradients()
