@@ -7,7 +7,12 @@
 set -euo pipefail
 parts=${PARTS:-/tmp/parts}
 bash "$parts/install_bundle.sh" "$parts"
-for wheel in "$parts"/*.whl; do
-  [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site-trainer/
-done
+# once per host: every phase and startup variant calls this script
+stamp=/tmp/site-trainer/.vime-extra-wheels
+if [ ! -e "$stamp" ]; then
+  for wheel in "$parts"/*.whl; do
+    [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site-trainer/ && basename "$wheel" >> "$stamp"
+  done
+  touch "$stamp"
+fi
 exit 0

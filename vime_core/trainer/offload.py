@@ -17,6 +17,12 @@ from vime_core.utils.device_memory import processes_bytes
 log = logging.getLogger(__name__)
 
 
+def torch_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside: Megatron returns a ChainedOptimizer of Megatron optimizers,
+    each wrapping a torch one."""
+    return [getattr(w, "optimizer", w) for w in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
 def _tensors(model: Any, optimizer: Any, keep_params: bool = False) -> Iterator[torch.Tensor]:
     """Parameters, the optimizer's params (fp32 main copies under bf16) and its state tensors;
     with `keep_params`, nothing that shares storage with a model parameter."""
@@ -24,11 +30,9 @@ def _tensors(model: Any, optimizer: Any, keep_params: bool = False) -> Iterator[
     if keep_params:
         seen = {id(p) for p in model.parameters()}
         kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    # Megatron returns a ChainedOptimizer of Megatron optimizers, each wrapping a torch one.
-    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
-    torch_optimizers = [getattr(w, "optimizer", w) for w in wrappers]
-    groups = [p for o in torch_optimizers for g in o.param_groups for p in g["params"]]
-    states = [v for o in torch_optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    optimizers = torch_optimizers(optimizer)
+    groups = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    states = [v for o in optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     for t in [*model.parameters(), *groups, *states]:
         if id(t) in seen or (keep_params and t.untyped_storage().data_ptr() in kept):
             continue
@@ -91,15 +95,8 @@ def adam_moments_to_come(optimizer: Any) -> list[tuple[int, torch.device]]:
     """(bytes, device) of the two moments (exp_avg, exp_avg_sq: each like its parameter) that
     Adam's first step creates for every trainable parameter without state yet; they are half of a
     full fine-tuning's sleep and do not exist before that step."""
-    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
-    torch_optimizers = [getattr(w, "optimizer", w) for w in wrappers]
-    out = []
-    for o in torch_optimizers:
-        for group in o.param_groups:
-            for p in group["params"]:
-                if not o.state.get(p) and p.requires_grad:
-                    out += [(p.numel() * p.element_size(), p.device)] * 2
-    return out
+    fresh = [p for o in torch_optimizers(optimizer) for g in o.param_groups for p in g["params"] if not o.state.get(p)]
+    return [(p.numel() * p.element_size(), p.device) for p in fresh if p.requires_grad for _ in range(2)]
 
 
 def restore_from_host(copies: Iterable[HostCopy]) -> None:
