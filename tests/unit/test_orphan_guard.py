@@ -89,3 +89,17 @@ def test_the_server_gets_the_environment_the_guard_is_not_disturbed_by_it(tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["seen", str(tmp_path)]
+
+
+def test_cpus_pin_the_server_and_the_processes_it_starts():
+    core = min(os.sched_getaffinity(0))
+    child = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); " + (
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    done = subprocess.run(
+        guard_command([sys.executable, "-c", child], cpus=[core]), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [f"[{core}]", f"[{core}]"]
+    unpinned = subprocess.run(guard_command([sys.executable, "-c", child]), capture_output=True, text=True, timeout=30)
+    assert unpinned.stdout.split("\n")[0] == str(sorted(os.sched_getaffinity(0)))

@@ -539,7 +539,7 @@ def test_a_server_whose_port_was_taken_launches_again_on_another(tmp_path, tiny_
 def test_engine_server_command_and_environment(tiny_model_dir):
     from vime_core.config import make_config
     from vime_core.demo.settings import demo_values
-    from vime_core.engines.server import EngineServer, cpu_bind
+    from vime_core.engines.server import EngineServer, cpu_bind, cpu_sets
 
     cfg = make_config(
         demo_values(
@@ -570,6 +570,15 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     assert env["PYTHONPATH"].split(":")[0] == str(Path(__file__).resolve().parents[2])
     assert cpu_bind(0, 2, cores=[0, 1]) == "0" and cpu_bind(1, 2, cores=[0, 1]) == "1"
     assert cpu_bind(0, 1, cores=[0, 1, 2, 3]) == "0-3" and cpu_bind(1, 1, 2, cores=[0, 1, 2, 3]) == "0-1|2-3"
+    # a one-rank CPU engine is one engine-core process pinned to its cores, with a thread per core
+    assert server.cpu_cores() == cpu_sets(1, 2)[0]
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == str(len(server.cpu_cores()))
+    own_threads = make_config({**cfg.model_dump(), "vllm_env": ["OMP_NUM_THREADS=3"]})
+    assert EngineServer(own_threads, 1).environment()["OMP_NUM_THREADS"] == "3"
+    two_ranks = EngineServer(cfg, 1, server_args={"tensor_parallel_size": 2})
+    assert two_ranks.cpu_cores() is None and "--distributed-executor-backend" not in two_ranks.command(4321)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two_ranks.environment()
 
 
 def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):

@@ -426,6 +426,7 @@ ENGINE_MANAGED_ENV = frozenset(
         "PYTHONPATH",
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_CPU_OMP_THREADS_BIND",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",  # a one-rank CPU engine's process layout (EngineServer.cpu_cores)
         "LD_PRELOAD",
         "CUDA_VISIBLE_DEVICES",
         "VIME_ENGINE_TOKEN",

@@ -83,21 +83,25 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(parts)
 
 
-def cpu_bind(engine_index: int, engines_per_node: int, tp_size: int = 1, cores: Optional[list[int]] = None) -> str:
-    """The core set of engine `engine_index`: the node's cores split evenly between its engines
-    (engine i gets the i-th slice), each engine's slice split between its TP ranks with "|".
-    With more engines than cores, engines wrap around and share (a warning says so)."""
+def cpu_sets(
+    engine_index: int, engines_per_node: int, tp_size: int = 1, cores: Optional[list[int]] = None
+) -> list[list[int]]:
+    """The cores of each TP rank of engine `engine_index`: the node's cores split evenly between its
+    engines (engine i gets the i-th slice), each engine's slice split between its TP ranks. With
+    more engines than cores, engines wrap around and share (a warning says so)."""
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
     slots = engines_per_node * tp_size
     if slots > len(cores):
         logger.warning("%d engine ranks on %d cores: engines will share cores", slots, len(cores))
     per_rank = max(1, len(cores) // slots)
     local = engine_index % engines_per_node
-    rank_sets = []
-    for rank in range(tp_size):
-        first = (local * tp_size + rank) * per_rank
-        rank_sets.append(_ranges(sorted({cores[(first + j) % len(cores)] for j in range(per_rank)})))
-    return "|".join(rank_sets)
+    first = [(local * tp_size + rank) * per_rank for rank in range(tp_size)]
+    return [sorted({cores[(f + j) % len(cores)] for j in range(per_rank)}) for f in first]
+
+
+def cpu_bind(engine_index: int, engines_per_node: int, tp_size: int = 1, cores: Optional[list[int]] = None) -> str:
+    """`cpu_sets` in VLLM_CPU_OMP_THREADS_BIND's syntax: "0-1|2-3" (one set per TP rank)."""
+    return "|".join(_ranges(s) for s in cpu_sets(engine_index, engines_per_node, tp_size, cores))
 
 
 def _module_file(dotted_class: str) -> Optional[Path]:
@@ -199,6 +203,17 @@ class EngineServer:
 
     # ---- what is launched -------------------------------------------------------------------
 
+    def cpu_cores(self) -> Optional[list[int]]:
+        """The cores of a one-rank engine on CPU, which runs as one engine-core process (vLLM's
+        "uni" executor; None otherwise). vLLM's CPU build otherwise spawns a worker process beside
+        the engine core, each importing vLLM and torch again: seconds of every start, for a
+        layout the GPU's one-rank engines do not have. The whole server is pinned to the engine's
+        cores (orphan_guard --cpus), which the worker process alone held before."""
+        tp = int(self.server_args.get("tensor_parallel_size", self.cfg.rollout_num_gpus_per_engine))
+        if self.cfg.device != "cpu" or tp != 1:
+            return None
+        return cpu_sets(self.engine_index, self.engines_per_node)[0]
+
     def command(self, port: int) -> list[str]:
         """The server's command line (without environment)."""
         cfg, args = self.cfg, dict(self.server_args)
@@ -240,6 +255,8 @@ class EngineServer:
             cmd.append("--disable-log-stats")
         if cfg.vllm_enforce_eager:
             cmd.append("--enforce-eager")
+        if self.cpu_cores() is not None:
+            cmd += ["--distributed-executor-backend", "uni"]
         # Serve in the trainer's precision so rollout log-probs match its recompute.
         cmd += ["--dtype", "bfloat16" if cfg.bf16 else "float32"]
         if cfg.device == "cuda":
@@ -326,6 +343,13 @@ class EngineServer:
                 preload.append(str(iomp))
             if preload:
                 env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+            if (cores := self.cpu_cores()) is not None:
+                # vLLM's CPU platform keeps the "uni" executor only without multiprocessing, and
+                # then serves on one torch thread unless OMP_NUM_THREADS says otherwise (a Ray
+                # worker's own OMP_NUM_THREADS is not meant for it; a vllm_env entry is)
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                if "OMP_NUM_THREADS" not in engine_env(cfg):
+                    env["OMP_NUM_THREADS"] = str(len(cores))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
         if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses
@@ -436,7 +460,7 @@ class EngineServer:
         # Own session: shutdown signals the whole group (API server + engine-core child); under
         # the guard, which stops the group when this process dies (utils/orphan_guard.py).
         self._proc = subprocess.Popen(
-            guard_command(cmd),
+            guard_command(cmd, cpus=self.cpu_cores()),
             env=self.environment(),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
