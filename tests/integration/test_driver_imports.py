@@ -24,3 +24,22 @@ def test_the_driver_imports_no_trainer_or_engine_library():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", f"the driver imported {out.stdout.strip()}"
+
+
+def test_the_driver_reuses_the_built_demo_model_without_torch(tmp_path):
+    """`vime train` with no hf_checkpoint resolves to the embedded tiny model, built once: a later
+    start finds it built and imports none of the libraries that build it."""
+    probe = (
+        "import json, sys\n"
+        "from vime_core.demo.model import build_tiny_model\n"
+        f"build_tiny_model({str(tmp_path / 'tiny')!r})\n"
+        f"print(json.dumps(sorted(h for h in {HEAVY!r} if h in sys.modules)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = [
+        subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    built, reused = (r.stdout.strip().splitlines()[-1] for r in runs)
+    assert "torch" in built and reused == "[]", (built, reused)

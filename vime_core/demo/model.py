@@ -98,16 +98,16 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     """Build (or reuse) a randomly initialised model and its tokenizer in `out_dir`. `shape`:
     `tiny_config`'s arguments (a larger shape and vocab_size give e.g. a Qwen2-0.5B-shaped
     model on the same task alphabet); weights are written in `torch_dtype`."""
-    # boundary: the driver imports this module (run_assets.py) and reuses a built model without torch
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     out = Path(out_dir)
     cfg_dict = tiny_config(family, **shape)
     marker = out / "vime_tiny.json"
     want = {"family": family, "seed": seed, "config": cfg_dict}
     if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():
         return out
+    # boundary: the driver imports this module (run_assets.py) and reuses a built model without torch
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     config = AutoConfig.from_pretrained(str(out))
