@@ -65,10 +65,10 @@ def two_nodes(tmp_path_factory):
 def trained(tmp_path_factory, two_nodes, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
     address, _ = two_nodes
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name="two-nodes",
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=str(tiny_model_dir),
@@ -78,10 +78,6 @@ def trained(tmp_path_factory, two_nodes, tiny_model_dir):
         engine_node_resource="vime_engine",
         engine_bind_host=WORKER_IP,
         num_rollout=2,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,
         weight_transport="gloo",  # the path of CPU engines on another machine (shm needs one machine)
     )

@@ -26,7 +26,7 @@ def dataset_run(tmp_path_factory, ray_head, tiny_model_dir):
 
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
     from vime_core.demo.task import write_dataset
 
     root = tmp_path_factory.mktemp("dataset-run")
@@ -37,16 +37,12 @@ def dataset_run(tmp_path_factory, ray_head, tiny_model_dir):
     datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(folder))
 
     store = root / "store"
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name="e2e-dataset",
         storage_uri=str(store),
         hf_checkpoint=str(tiny_model_dir),
         ray_address=ray_head,
         num_rollout=2,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
-        vllm_server_concurrency=64,
         prompt_data=str(folder),
         input_key="question",
         label_key="answer",

@@ -17,19 +17,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 def off_policy_run(tmp_path_factory, ray_head, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name="off-policy",
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=str(tiny_model_dir),
         ray_address=ray_head,
         num_rollout=4,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=2,
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,
         async_staleness=1,
         use_tis=True,

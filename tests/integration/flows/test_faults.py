@@ -42,7 +42,7 @@ KILLED_ROLLOUT = 3  # the trainer dies while this rollout trains; the checkpoint
 
 
 def _config(store, model, ray_address, **over):
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
     base = dict(
         run_name="fault-kill",
@@ -50,15 +50,11 @@ def _config(store, model, ray_address, **over):
         hf_checkpoint=str(model),
         ray_address=ray_address,
         num_rollout=5,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=2,  # checkpoints of rollouts 1, 3 and the last
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,  # every record then says whether engines == trainer
         iteration_retry_delay_s=0.5,
     )
-    return demo_config(**{**base, **over})
+    return small_run_config(**{**base, **over})
 
 
 def _handles(cfg):

@@ -34,19 +34,15 @@ KILLED_ROLLOUT = 1  # the engine's vLLM server dies as this rollout starts
 
 
 def _config(store, model, ray_address, mode: str):
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
-    return demo_config(
+    return small_run_config(
         run_name=f"lora-faults-{mode}",
         storage_uri=str(store),
         hf_checkpoint=str(model),
         ray_address=ray_address,
         num_rollout=NUM_ROLLOUT,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=SAVE_INTERVAL,
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,
         # rollout k starts in its rollout task, where the kill lands, in both modes (adapter mode
         # with the weight check prefetches nothing anyway: step_plan.probe_alone)

@@ -25,19 +25,15 @@ def flipped_on_index_0(sample) -> float:
 def trained(tmp_path_factory, ray_head, tiny_model_dir):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name=RUN,
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=str(tiny_model_dir),
         ray_address=ray_head,
         num_rollout=2,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=1,
-        vllm_server_concurrency=64,
     )
     summary = train(cfg)
     yield cfg, summary

@@ -37,7 +37,7 @@ BAD_AGAIN, LAST = 5, 6
 
 
 def _config(store, model, ray_address, **over):
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
     base = dict(
         run_name="guard-stop",
@@ -45,16 +45,12 @@ def _config(store, model, ray_address, **over):
         hf_checkpoint=str(model),
         ray_address=ray_address,
         num_rollout=NUM_ROLLOUT,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=2,  # checkpoints of rollouts 1, 3, 5 and the last
-        vllm_server_concurrency=64,
         custom_rm_path="tests.integration.flows.guard_rewards:fails_once_at_rollouts_2_and_5",
         max_reward_failure_share=1.0,  # the rollout's own bound off: the guard's is tested
         iteration_retry_delay_s=0.5,
     )
-    return demo_config(**{**base, **over})
+    return small_run_config(**{**base, **over})
 
 
 def _state(cfg) -> dict:

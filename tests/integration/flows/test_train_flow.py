@@ -50,19 +50,15 @@ def hub_model_id(tmp_path_factory, tiny_model_dir):
 def trained(tmp_path_factory, ray_head, hub_model_id):
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name="e2e-flows",
         storage_uri=str(tmp_path_factory.mktemp("store")),
         hf_checkpoint=hub_model_id,  # a hub id, from the prepared cache
         ray_address=ray_head,
         num_rollout=3,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=1,
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,
         # credentials a user may put in fields (unused by this run: rm_type is the demo's; vLLM
         # takes --hf-token and, offline, never uses it): no file, batch, log or Prefect record

@@ -32,7 +32,7 @@ def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, r
     from flows.train import train
     from vime_core.cluster.run_actors import teardown
     from vime_core.config import config_hash
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
     from vime_core.config.loader import read_run_config
     from vime_core.report.records import read_records, report_location, run_dir
     from vime_core.storage import BatchStore
@@ -40,17 +40,13 @@ def test_a_run_on_s3_writes_its_configuration_reports_and_export_there(s3_env, r
     from vime_core.storage.fs import open_location
 
     uri = s3_env.storage_uri("run-files")
-    cfg = demo_config(
+    cfg = small_run_config(
         run_name=RUN,
         storage_uri=uri,
-        storage_endpoint_url=s3_env.endpoint,
         hf_checkpoint=str(tiny_model_dir),
         ray_address=ray_head,  # its workers hold the credentials, the configuration the endpoint
+        storage_endpoint_url=s3_env.endpoint,
         num_rollout=1,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
-        vllm_server_concurrency=64,
     )
     try:
         summary = train(cfg)

@@ -72,20 +72,16 @@ def s3_cluster(ray_head):
 
 
 def _config(server, model, ray_address, num_rollout: int):
-    from vime_core.demo.settings import demo_config
+    from tests.integration.small_run import small_run_config
 
-    return demo_config(
+    return small_run_config(
         run_name=RUN,
         storage_uri=server.storage_uri("runs"),
-        storage_endpoint_url=server.endpoint,
         hf_checkpoint=str(model),
         ray_address=ray_address,
+        storage_endpoint_url=server.endpoint,
         num_rollout=num_rollout,
-        rollout_batch_size=4,
-        n_samples_per_prompt=4,
-        micro_batch_size=8,
         save_interval=2,  # a checkpoint at the end of each run (rollouts 1 and 2)
-        vllm_server_concurrency=64,
         check_weight_update_equal=True,
         iteration_retries=0,  # only persist's own retries stand between the outage and the run
     )
