@@ -1,7 +1,8 @@
-"""Qwen3-MoE on a real vLLM CPU server: loaded from the checkpoint it serves transformers' log-probs,
-and weights published from the Megatron model (vLLM's names: router and per-expert projections),
-first unchanged and then changed, are served as transformers serves the same weights saved to a
-checkpoint; the weight check after each publish (check_weight_update_equal) passes."""
+"""Qwen3-MoE and Mixtral on a real vLLM CPU server (one per family): loaded from the checkpoint it
+serves transformers' log-probs, and weights published from the Megatron model (vLLM's names: router
+and per-expert projections), first unchanged and then changed, are served as transformers serves the
+same weights saved to a checkpoint; the weight check after each publish (check_weight_update_equal)
+passes."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ from safetensors.torch import save_file
 
 from tests.integration.publish.conftest import LOGPROB_ATOL, PROMPT, engine_call, make_cfg, served, started_engine
 from tests.integration.trainer.test_moe import _megatron_model
-from tests.moe_tiny import tiny_moe_checkpoint
+from tests.moe_tiny import tiny_mixtral_checkpoint, tiny_moe_checkpoint
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def moe_engine(cache_dir, vllm_python):
-    ckpt = tiny_moe_checkpoint(cache_dir)
-    with started_engine(make_cfg(ckpt, vllm_python), cache_dir / "engine-logs-moe") as server:
+CHECKPOINTS = {"qwen3_moe": tiny_moe_checkpoint, "mixtral": tiny_mixtral_checkpoint}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def moe_engine(request, cache_dir, vllm_python):
+    """A server of the family's tiny checkpoint; pytest runs each family's tests in file order on it."""
+    ckpt = CHECKPOINTS[request.param](cache_dir)
+    with started_engine(make_cfg(ckpt, vllm_python), cache_dir / f"engine-logs-{request.param}") as server:
         yield server
 
 
@@ -99,8 +104,8 @@ def test_megatron_moe_weights_publish_to_vllm(single_rank, moe_engine, tmp_path)
     2: every tensor plus 5% of its std as noise, weights the engine has not seen; version 3: more
     noise, over the disk transport (vLLM's reload from a folder)."""
     ckpt = Path(moe_engine.model_path)
-    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_moe"
     model, arch = _megatron_model(ckpt)
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == arch.model_type in CHECKPOINTS
     names = {name for name, _ in model.named_parameters()}
     assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight" in names
 
