@@ -1,5 +1,5 @@
-"""A tiny random Qwen3-MoE checkpoint (transformers' own ``Qwen3MoeForCausalLM``) on the demo
-alphabet: the MoE trainer tests' fixture, as ``tests/integration/trainer/conftest.tiny_checkpoint``
+"""Tiny random MoE checkpoints (transformers' own ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``)
+on the demo alphabet: the MoE trainer tests' fixtures, as ``tests/integration/trainer/conftest.tiny_checkpoint``
 is the dense families'."""
 
 from __future__ import annotations
@@ -36,6 +36,36 @@ def tiny_moe_config(norm_topk_prob: bool = True, tie_word_embeddings: bool = Fal
     return cfg
 
 
+def tiny_mixtral_config(tie_word_embeddings: bool = False, **changes) -> dict:
+    """config.json of a 2-layer Mixtral with the Qwen3-MoE fixture's shape: hidden 64, 4 heads / 2 KV
+    heads of dim 32, 8 experts of intermediate size 32 (Mixtral's ``intermediate_size`` is each
+    expert's), top-2 routing; Llama attention (no q/k norms, no biases)."""
+    cfg = tiny_config(
+        "llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=tie_word_embeddings
+    )
+    for key in ("mlp_bias", "attention_bias"):  # Llama's fields; Mixtral has neither
+        cfg.pop(key, None)
+    cfg.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
+        sliding_window=None,
+    )
+    cfg.update(changes)
+    return cfg
+
+
+def tiny_mixtral_checkpoint(cache_dir: Path, tie: bool = False, seed: int = 1) -> Path:
+    """Build (or reuse) the Mixtral checkpoint and a character tokenizer under ``cache_dir/models``."""
+    out = Path(cache_dir) / "models" / f"trainer-mixtral-{'tied' if tie else 'untied'}"
+    return _saved(out, tiny_mixtral_config(tie), seed)
+
+
 def tiny_moe_checkpoint(cache_dir: Path, norm_topk_prob: bool = True, tie: bool = False, seed: int = 1) -> Path:
     """Build (or reuse) the checkpoint and a character tokenizer under ``cache_dir/models``."""
     cfg = tiny_moe_config(norm_topk_prob, tie)
@@ -44,6 +74,12 @@ def tiny_moe_checkpoint(cache_dir: Path, norm_topk_prob: bool = True, tie: bool 
         / "models"
         / f"trainer-qwen3moe-{'norm' if norm_topk_prob else 'raw'}-{'tied' if tie else 'untied'}"
     )
+    return _saved(out, cfg, seed)
+
+
+def _saved(out: Path, cfg: dict, seed: int) -> Path:
+    """``out`` holding transformers' model of ``cfg`` at ``seed`` (``save_pretrained``), unless the
+    folder already holds exactly that."""
     marker = out / "vime_tiny.json"
     want = {"seed": seed, "config": cfg}
     if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():

@@ -1,4 +1,4 @@
-"""Qwen3-MoE config -> Megatron MoE architecture and its conversion rules, without a process group:
+"""Qwen3-MoE and Mixtral configs -> Megatron MoE architecture and its conversion rules, without a process group:
 the names both ways (HF/vLLM names <-> Megatron's SequentialMLP names), the TP split of the
 experts, and one-line refusals naming the field."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe_tiny import tiny_moe_config
+from tests.moe_tiny import tiny_mixtral_config, tiny_moe_config
 from vime_core.config import ConfigError, load_config, parse_args
 from vime_core.trainer.hf_convert import conversion_rules, hf_to_megatron_shard, shards_to_hf
 from vime_core.trainer.model import UnsupportedModelError, architecture_from_hf, check_tp_divides, moe_settings
@@ -30,9 +30,59 @@ def test_moe_rules_name_router_and_every_expert():
     assert len(hf_names) == len(set(hf_names)) == 1 + arch.num_layers * per_layer + 1 + 1
 
 
+def test_mixtral_rules_name_block_sparse_moe_and_w1_w3_w2():
+    """save_pretrained's (and vLLM's) names: ``block_sparse_moe.gate`` and experts' w1 (gate), w3
+    (up), w2 (down); Llama attention, so no q/k norms."""
+    arch = architecture_from_hf(tiny_mixtral_config())
+    by_megatron = {r.megatron: r for r in conversion_rules(arch)}
+    router = by_megatron["decoder.layers.1.mlp.router.weight"]
+    assert router.hf == ("model.layers.1.block_sparse_moe.gate.weight",)
+    h = "model.layers.0.block_sparse_moe.experts.5."
+    fc1 = by_megatron["decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight"]
+    fc2 = by_megatron["decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight"]
+    assert (fc1.hf, fc1.kind) == ((h + "w1.weight", h + "w3.weight"), "gate_up")
+    assert (fc2.hf, fc2.kind) == ((h + "w2.weight",), "row")
+    hf_names = [n for r in conversion_rules(arch) for n in r.hf]
+    assert not any("norm" in n and "self_attn" in n for n in hf_names)
+    per_layer = 4 + 1 + arch.num_experts * 3 + 2  # q k v o, gate, experts, 2 norms
+    assert len(hf_names) == len(set(hf_names)) == 1 + arch.num_layers * per_layer + 1 + 1
+
+
+def test_mixtral_experts_are_intermediate_size_and_always_renormalised():
+    arch = architecture_from_hf(tiny_mixtral_config(intermediate_size=48))
+    assert (arch.num_experts, arch.moe_router_topk, arch.moe_ffn_hidden_size) == (8, 2, 48)
+    assert (arch.norm_topk_prob, arch.qk_norm, arch.qkv_bias) == (True, False, False)
+    settings = moe_settings(arch, 1)
+    assert settings["moe_router_pre_softmax"] is False and settings["moe_ffn_hidden_size"] == 48
+    with pytest.raises(ValueError, match="the model's intermediate_size=33"):
+        check_tp_divides(architecture_from_hf(tiny_mixtral_config(intermediate_size=33)), 2)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"num_local_experts": 0}, "num_experts=0"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_inexpressible_mixtral_configs_name_the_field(change, field):
+    with pytest.raises(UnsupportedModelError, match=field):
+        architecture_from_hf(tiny_mixtral_config(**change))
+
+
+def test_an_unknown_family_is_refused_naming_its_architecture():
+    cfg = tiny_mixtral_config(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    with pytest.raises(UnsupportedModelError, match=r"\['DeepseekV3ForCausalLM'\].*is not supported") as info:
+        architecture_from_hf(cfg)
+    assert "\n" not in str(info.value) and "mixtral" in str(info.value)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_expert_shards_gather_back_exactly(tp):
-    arch = architecture_from_hf(tiny_moe_config())
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_shards_gather_back_exactly(tp, family):
+    arch = architecture_from_hf(tiny_mixtral_config() if family == "mixtral" else tiny_moe_config())
     gen = torch.Generator().manual_seed(0)
     h, d, f = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
     shapes = {
@@ -43,6 +93,9 @@ def test_expert_shards_gather_back_exactly(tp):
         "gate_proj": (f, h),
         "up_proj": (f, h),
         "down_proj": (h, f),
+        "w1": (f, h),
+        "w3": (f, h),
+        "w2": (h, f),
         "gate": (arch.num_experts, h),
         "q_norm": (d,),
         "k_norm": (d,),
@@ -55,7 +108,8 @@ def test_expert_shards_gather_back_exactly(tp):
     shards = [hf_to_megatron_shard(hf, arch, tp, r) for r in range(tp)]
     fc1 = shards[-1]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert fc1.shape == (2 * f // tp, h)  # [gate_r; up_r] of this rank
-    assert torch.equal(fc1[: f // tp], hf["model.layers.0.mlp.experts.3.gate_proj.weight"][-(f // tp) :])
+    gate = next(r for r in conversion_rules(arch) if r.megatron.endswith("local_experts.3.linear_fc1.weight")).hf[0]
+    assert torch.equal(fc1[: f // tp], hf[gate][-(f // tp) :])
     for rule in conversion_rules(arch):
         locals_ = [s[rule.megatron] for s in shards]
         for name, tensor in zip(rule.hf, shards_to_hf(rule, lambda t, dim, ls=locals_: ls, locals_[0], arch, tp)):

@@ -63,21 +63,32 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
     return rules
 
 
-def _mlp_rules(m: str, h: str) -> list[Rule]:
-    """One SwiGLU MLP: Megatron prefix ``m``, HF prefix ``h``."""
+def _mlp_rules(m: str, h: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Rule]:
+    """One SwiGLU MLP: Megatron prefix ``m``, HF prefix ``h``, HF ``names`` of its gate, up and down
+    projections."""
+    gate, up, down = (f"{h}{name}.weight" for name in names)
     return [
-        Rule(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "gate_up"),
-        Rule(m + "linear_fc2.weight", (h + "down_proj.weight",), "row"),
+        Rule(m + "linear_fc1.weight", (gate, up), "gate_up"),
+        Rule(m + "linear_fc2.weight", (down,), "row"),
     ]
 
 
+# model_type -> the sparse block's HF module and its experts' (gate, up, down) projection names, as
+# save_pretrained writes them (transformers 5 fuses the experts in memory, not on disk) and vLLM loads them.
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
 def _moe_rules(arch: HFArchitecture, m: str, h: str) -> list[Rule]:
-    """Qwen3-MoE's sparse block: the router (``mlp.gate``, [experts, hidden], replicated) and each
-    expert's SwiGLU MLP, split over TP like the dense MLP (Megatron's ``SequentialMLP`` names; these
-    HF names are also vLLM's)."""
-    rules = [Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")]
+    """The sparse block (``MOE_HF_NAMES``): the router (``<block>.gate``, [experts, hidden],
+    replicated) and each expert's SwiGLU MLP, split over TP like the dense MLP (Megatron's
+    ``SequentialMLP`` names; these HF names are also vLLM's)."""
+    block, names = MOE_HF_NAMES[arch.model_type]
+    rules = [Rule(m + "mlp.router.weight", (f"{h}{block}.gate.weight",), "replicated")]
     for e in range(arch.num_experts):
-        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}{block}.experts.{e}.", names)
     return rules
 
 

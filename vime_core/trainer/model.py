@@ -1,8 +1,8 @@
-"""Build a Megatron-core GPTModel from a Hugging Face config (Qwen2, Qwen3, Llama, Qwen3-MoE): one
-Megatron layer (local spec, RMSNorm, SwiGLU, RoPE) with q/k/v biases (Qwen2) or per-head q/k norms
-(Qwen3); Qwen3-MoE layers replace the MLP with Megatron's MoE layer (top-k router, sequential experts). The
-vocabulary is padded to a multiple of the TP size (zero rows, masked before any softmax, cut on
-export). What the mapping cannot express exactly is refused with an error naming the config field."""
+"""Build a Megatron-core GPTModel from a Hugging Face config (Qwen2, Qwen3, Llama, Qwen3-MoE, Mixtral):
+one Megatron layer (local spec, RMSNorm, SwiGLU, RoPE) with q/k/v biases (Qwen2) or per-head q/k norms
+(Qwen3); MoE layers (Qwen3-MoE, Mixtral) replace the MLP with Megatron's MoE layer (top-k router,
+sequential experts). The vocabulary is padded to a multiple of the TP size (zero rows, masked before any
+softmax, cut on export). What the mapping cannot express exactly is refused with an error naming the config field."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vime_core.trainer import compat_cpu, compat_moe, rope
 from vime_core.trainer.attention import SDPACoreAttention
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 class UnsupportedModelError(ValueError):
@@ -95,23 +96,28 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"architectures={cfg.get('architectures')} (model_type={model_type!r}) is not supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
-    if model_type in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+    if model_type != "qwen2" and cfg.get("attention_bias"):
         raise UnsupportedModelError(
             f"attention_bias=true for model_type={model_type!r} (bias on o_proj) is not supported"
         )
     if cfg.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=true is not supported")
+    if model_type == "mixtral" and cfg.get("sliding_window") is not None:  # Mixtral's window has no switch
+        raise UnsupportedModelError(
+            f"sliding_window={cfg['sliding_window']} (sliding-window attention) is not supported"
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope_theta, rope_scaling_factor = _rope(cfg)
-    moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
+    moe = _moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}
     return HFArchitecture(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -133,19 +139,31 @@ def architecture_from_hf(cfg: dict[str, Any]) -> HFArchitecture:
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields. Every layer must be sparse: dense layers mixed in
-    (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) are refused."""
+    """The expert fields of Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``) or
+    Mixtral (``num_local_experts``; ``intermediate_size`` is each expert's; top-k probabilities always
+    renormalised). Every layer must be sparse: dense layers mixed in (``decoder_sparse_step`` > 1 or
+    ``mlp_only_layers``) are refused, as is Mixtral's training-time router jitter."""
+    model_type = cfg["model_type"]
     step = int(cfg.get("decoder_sparse_step") or 1)
     if step != 1:
         raise UnsupportedModelError(f"decoder_sparse_step={step} (dense layers between MoE layers) is not supported")
     if cfg.get("mlp_only_layers"):
         raise UnsupportedModelError(f"mlp_only_layers={cfg['mlp_only_layers']} (dense MLP layers) is not supported")
+    if float(cfg.get("router_jitter_noise") or 0.0):
+        raise UnsupportedModelError(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported (only 0)")
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if experts < 1:
-        raise UnsupportedModelError(f"num_experts={experts}: a qwen3_moe model needs at least one expert")
+        raise UnsupportedModelError(f"num_experts={experts}: a {model_type} model needs at least one expert")
     topk = int(cfg["num_experts_per_tok"])
     if not 1 <= topk <= experts:
         raise UnsupportedModelError(f"num_experts_per_tok={topk} is not between 1 and num_experts={experts}")
+    if model_type == "mixtral":
+        return {
+            "num_experts": experts,
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
     return {
         "num_experts": experts,
         "moe_router_topk": topk,
@@ -161,11 +179,13 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
-    mlp = (
-        ("moe_intermediate_size", arch.moe_ffn_hidden_size)
-        if arch.num_experts
-        else ("intermediate_size", arch.ffn_hidden_size)
-    )
+    if arch.num_experts:  # Mixtral's intermediate_size is each expert's
+        mlp = (
+            "intermediate_size" if arch.model_type == "mixtral" else "moe_intermediate_size",
+            arch.moe_ffn_hidden_size,
+        )
+    else:
+        mlp = ("intermediate_size", arch.ffn_hidden_size)
     for field, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), mlp):
         if value % tp_size:
             raise ValueError(f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}")

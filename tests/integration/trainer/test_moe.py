@@ -1,4 +1,4 @@
-"""Qwen3-MoE on the Megatron actor (TP=1): the Megatron MoE model built from a tiny random HF
+"""Qwen3-MoE and Mixtral on the Megatron actor (TP=1): the Megatron MoE model built from a tiny random HF
 checkpoint computes what transformers computes, HF -> Megatron -> HF is exact, and a GRPO step
 through the real trainer moves the router and the experts it routed to."""
 
@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
-from tests.moe_tiny import tiny_moe_checkpoint
+from tests.moe_tiny import tiny_mixtral_checkpoint, tiny_moe_checkpoint
 
 # fp32 on CPU, as test_model_parity.py: the same kernels, a different summation order.
 LOGITS_ATOL = 1e-5
+
+
+def _checkpoint(cache_dir, family: str):
+    return tiny_mixtral_checkpoint(cache_dir) if family == "mixtral" else tiny_moe_checkpoint(cache_dir)
 
 
 def _megatron_model(ckpt):
@@ -24,6 +28,13 @@ def _megatron_model(ckpt):
     model = build_gpt_model(arch, tp_size=1)
     load_hf_into_model(model, ckpt, arch, tp=1, rank=0)
     return model.eval(), arch
+
+
+def _logits(model, ids):
+    seq = ids.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return model(ids, torch.arange(seq)[None].expand(ids.shape[0], -1), causal)
 
 
 def _hf_logits(ckpt, ids, **config_changes):
@@ -40,14 +51,24 @@ def test_moe_logits_match_transformers(single_rank, cache_dir, norm_topk_prob):
     model, arch = _megatron_model(ckpt)
     assert (arch.num_experts, arch.moe_router_topk, arch.norm_topk_prob) == (8, 2, norm_topk_prob)
     ids = torch.randint(0, arch.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
-    seq = ids.shape[1]
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        ours = model(ids, torch.arange(seq)[None].expand(2, -1), causal)
+    ours = _logits(model, ids)
     ref = _hf_logits(ckpt, ids)
     # the routing weights matter: the other normalisation gives other logits
     other = _hf_logits(ckpt, ids, norm_topk_prob=not norm_topk_prob)
     assert (other - ref).abs().max() > 10 * LOGITS_ATOL
+    assert ours.shape == ref.shape and ref.abs().max() > 0.1
+    torch.testing.assert_close(ours, ref, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_mixtral_logits_match_transformers(single_rank, cache_dir):
+    """Mixtral: Llama attention (no q/k norms), softmax over all experts then the top k renormalised."""
+    ckpt = tiny_mixtral_checkpoint(cache_dir)
+    model, arch = _megatron_model(ckpt)
+    assert (arch.model_type, arch.num_experts, arch.moe_router_topk, arch.qk_norm) == ("mixtral", 8, 2, False)
+    ids = torch.randint(0, arch.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    ours = _logits(model, ids)
+    ref = _hf_logits(ckpt, ids)
+    assert (_hf_logits(ckpt, ids, num_experts_per_tok=1) - ref).abs().max() > 10 * LOGITS_ATOL  # routing matters
     assert ours.shape == ref.shape and ref.abs().max() > 0.1
     torch.testing.assert_close(ours, ref, atol=LOGITS_ATOL, rtol=0)
 
@@ -72,23 +93,34 @@ def test_moe_packed_log_probs_match_transformers(single_rank, cache_dir):
     torch.testing.assert_close(ours, torch.cat(ref), atol=LOGITS_ATOL, rtol=0)
 
 
-def test_moe_hf_megatron_hf_round_trip_is_exact(single_rank, cache_dir):
+@pytest.mark.parametrize(
+    "family,expert_weight",
+    [
+        ("qwen3_moe", "model.layers.1.mlp.experts.7.down_proj.weight"),
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.7.w2.weight"),
+    ],
+)
+def test_moe_hf_megatron_hf_round_trip_is_exact(single_rank, cache_dir, family, expert_weight):
+    """The exported names and tensors are those save_pretrained wrote."""
     from vime_core.trainer.hf_convert import iter_hf_weights, read_hf_safetensors
 
-    ckpt = tiny_moe_checkpoint(cache_dir)
+    ckpt = _checkpoint(cache_dir, family)
     model, _ = _megatron_model(ckpt)
     source = read_hf_safetensors(ckpt)
     exported = dict(iter_hf_weights(model))
     assert sorted(exported) == sorted(source)
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
+    assert expert_weight in exported
     for name, tensor in source.items():
         assert torch.equal(exported[name], tensor), name
 
 
-def test_moe_training_step_moves_router_and_experts(single_rank, cache_dir, tmp_path):
+@pytest.mark.parametrize(
+    "family,block,down", [("qwen3_moe", "mlp", "down_proj"), ("mixtral", "block_sparse_moe", "w2")]
+)
+def test_moe_training_step_moves_router_and_experts(single_rank, cache_dir, tmp_path, family, block, down):
     """One rollout of GRPO through MegatronTrainer: log-probs move with the advantage's sign, and
     every layer's router and experts change."""
-    ckpt = tiny_moe_checkpoint(cache_dir)
+    ckpt = _checkpoint(cache_dir, family)
     trainer = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=1))
     before_w = {n: t.clone() for n, t in trainer.iter_hf_weights()}
     batch = hand_batch()
@@ -102,8 +134,8 @@ def test_moe_training_step_moves_router_and_experts(single_rank, cache_dir, tmp_
     after_w = dict(trainer.iter_hf_weights())
     changed = {n for n in before_w if not torch.equal(before_w[n], after_w[n])}
     for layer in range(2):
-        assert f"model.layers.{layer}.mlp.gate.weight" in changed
-        experts = [f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight" for e in range(8)]
+        assert f"model.layers.{layer}.{block}.gate.weight" in changed
+        experts = [f"model.layers.{layer}.{block}.experts.{e}.{down}.weight" for e in range(8)]
         assert any(name in changed for name in experts), layer
 
 

@@ -7,6 +7,8 @@ vime_core/utils/timing.py (itself standard library only)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,11 @@ try:  # the CPU build's vLLM (0.32); 0.26, the GPU hosts' release, has neither t
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 except ImportError:
     disable_mtp_completeness_check = None
+
+try:  # the CPU build's vLLM (0.32): its CPU MoE experts; 0.26, the GPU hosts' release, has no such module
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+except ImportError:
+    CPUUnquantizedExperts = None
 
 
 @dataclass
@@ -71,6 +78,41 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
     return refreshed
 
 
+def repack_cpu_experts_on_reload(model: torch.nn.Module) -> int:
+    """Make every later reload of ``model``'s CPU MoE layers re-pack their expert weights; how many
+    layers (idempotent: a layer already made so is not counted again).
+
+    Why: on the first load vLLM's unquantized MoE method (``_setup_kernel``) builds its kernel and
+    lets the CPU experts (``CPUUnquantizedExperts.process_weights_after_loading``) pad the
+    intermediate dimension and pre-pack w13/w2 into the grouped-GEMM layout, same shape, other
+    element order. On a reload it only copies the checkpoint-layout weights into the parameters
+    and skips that step (vLLM CPU 0.32.0), so the kernel reads unpacked weights as packed ones:
+    even an unchanged publish moves the served log-probs. The wrapper runs the experts' step
+    after the method's own whenever the kernel already exists (a reload), on the layer vLLM's
+    layerwise reload processes, before it copies the result into the served tensors."""
+    if CPUUnquantizedExperts is None:
+        return 0
+    wrapped = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_vime_repacks", False):
+            continue
+        method.process_weights_after_loading = functools.partial(
+            _process_and_repack, method.process_weights_after_loading, method
+        )
+        method._vime_repacks = True
+        wrapped += 1
+    return wrapped
+
+
+def _process_and_repack(process: Callable[[torch.nn.Module], None], method: Any, layer: torch.nn.Module) -> None:
+    reloading = method.moe_kernel is not None
+    process(layer)
+    if reloading:
+        method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
 def _no_mtp_completeness_check() -> contextlib.AbstractContextManager:
     """The CPU build's vLLM (0.32) checks that a load brought a model's MTP weights too, which one
     bucket of an update never does (its own backends switch the check off the same way); 0.26,
@@ -93,6 +135,7 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
     def start_weight_update(self) -> None:
         self.release_received()
         self.stats = UpdateStats()
+        repack_cpu_experts_on_reload(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-from vime_core.engines.vllm_side.reload_session import refresh_tied_layers
+from vime_core.engines.vllm_side.reload_session import refresh_tied_layers, repack_cpu_experts_on_reload
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
 from vime_core.wire.ipc_format import gpu_uuid
 from vime_core.wire.shm_format import BACKEND_NAME
@@ -54,8 +54,9 @@ class VimeWorkerExtension:
         return spec
 
     def vime_reload_weights(self, weights_path: str) -> None:
-        """vLLM's `reload_weights(weights_path=...)` plus the tied-layer refresh it lacks on CPU
-        (see `reload_session.refresh_tied_layers`)."""
+        """vLLM's `reload_weights(weights_path=...)` plus the MoE expert re-pack and the tied-layer
+        refresh it lacks on CPU (see `reload_session`)."""
+        repack_cpu_experts_on_reload(self.get_model())  # type: ignore[attr-defined]
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         with torch.no_grad():
             refresh_tied_layers(self.get_model())  # type: ignore[attr-defined]
