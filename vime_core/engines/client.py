@@ -290,6 +290,8 @@ class EngineClient:
         taken = await self.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked)
         rows = (taken or [{}])[0].get(request_id)  # TP ranks route the same tokens: rank 0's rows
         if rows is None:
+            if not any(c.get("token_ids") for c in choices):
+                return  # nothing forwarded yet (aborted before its first step): no rows
             self._capture_armed = False  # a restarted engine's workers: armed again on the next request
             raise EngineError(self.name, endpoint, None, f"no routed experts captured for request {request_id}")
         for choice in choices:
