@@ -169,6 +169,9 @@ class EngineClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._api: Optional[VllmApi] = api
         self._capture_armed = False
+        # takes of routed experts waiting for the next /collective_rpc: {request id: (start, future)}
+        self._takes: dict[str, tuple[int, asyncio.Future]] = {}
+        self._take_flush: Optional[asyncio.Task] = None
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -286,9 +289,7 @@ class EngineClient:
         if not choices or all(c.get("routed_experts") is not None for c in choices):
             return
         endpoint = f"POST /collective_rpc {TAKE_ROUTED_EXPERTS_RPC}"
-        asked = {"request_ids": [request_id], "prompt_starts": [start]}
-        taken = await self.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked)
-        rows = (taken or [{}])[0].get(request_id)  # TP ranks route the same tokens: rank 0's rows
+        rows = await self._take_rows(request_id, start)
         if rows is None:
             if not any(c.get("token_ids") for c in choices):
                 return  # nothing forwarded yet (aborted before its first step): no rows
@@ -296,6 +297,32 @@ class EngineClient:
             raise EngineError(self.name, endpoint, None, f"no routed experts captured for request {request_id}")
         for choice in choices:
             choice["routed_experts"] = rows
+
+    async def _take_rows(self, request_id: str, start: int) -> Optional[str]:
+        """The worker's rows of one request; the takes that wait together go in one RPC (an RPC
+        runs between engine steps: one per answer would stall a busy engine)."""
+        future = asyncio.get_running_loop().create_future()
+        self._takes[request_id] = (start, future)
+        if self._take_flush is None or self._take_flush.done():
+            self._take_flush = asyncio.ensure_future(self._flush_takes())
+        return await future
+
+    async def _flush_takes(self) -> None:
+        await asyncio.sleep(0)  # answers that arrived together join the first RPC
+        while self._takes:
+            waiting, self._takes = self._takes, {}
+            asked = {"request_ids": list(waiting), "prompt_starts": [start for start, _ in waiting.values()]}
+            try:
+                taken = await self.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked)
+            except Exception as exc:  # each waiting generate raises it
+                for _, future in waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            rows = (taken or [{}])[0]  # TP ranks route the same tokens: rank 0's rows
+            for request_id, (_, future) in waiting.items():
+                if not future.done():
+                    future.set_result(rows.get(request_id))
 
     @property
     def label(self) -> str:

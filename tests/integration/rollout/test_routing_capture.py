@@ -14,7 +14,13 @@ import torch
 
 from tests.integration.publish.conftest import PROMPT, make_cfg, started_engine
 from tests.moe_tiny import tiny_moe_checkpoint
-from vime_core.engines.client import ROUTED_EXPERTS_START, TAKE_ROUTED_EXPERTS_RPC, EngineClient, EngineError
+from vime_core.engines.client import (
+    ARM_CAPTURE_RPC,
+    ROUTED_EXPERTS_START,
+    TAKE_ROUTED_EXPERTS_RPC,
+    EngineClient,
+    EngineError,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +85,14 @@ def test_rows_are_the_routers_topk_of_every_forwarded_token(capture_engine):
         np.testing.assert_array_equal(np.sort(rows, -1)[clear], np.sort(expected[:-1], -1)[clear])
         compared += int(clear.sum())
     assert compared > 100
+
+    async def stats():
+        async with EngineClient(capture_engine.url, token=capture_engine.auth_token) as client:
+            return await client.collective_rpc(ARM_CAPTURE_RPC)  # armed already: the layout and the cost so far
+
+    (worker,) = asyncio.run(stats())
+    assert (worker["layers"], worker["top_k"], worker["dtype"]) == (2, 2, "uint8")
+    assert worker["steps"] >= NEW_TOKENS and 0 < worker["capture_s"] < worker["step_s"]
 
 
 def test_prompt_start_and_a_continuation_stitch(capture_engine):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections import OrderedDict
 from functools import partial
 from typing import Any, Optional
@@ -93,6 +94,7 @@ class RoutingCapture:
         self._kept_bytes = 0
         self.error: Optional[str] = None
         self.steps = 0
+        self.capture_s = self.step_s = 0.0
 
     @staticmethod
     def _check_config(config: Any) -> None:
@@ -112,7 +114,16 @@ class RoutingCapture:
             raise ValueError("routing capture: pipeline parallelism > 1 (each stage routes its own layers)")
 
     def layout(self) -> dict[str, Any]:
-        return {"layers": self.layers, "top_k": self.top_k, "dtype": self.dtype.name}
+        """The rows' layout, and what capturing cost so far: seconds in the hooks and the filing
+        (`capture_s`) against the seconds of the steps they ran in (`step_s`, hooks included)."""
+        return {
+            "layers": self.layers,
+            "top_k": self.top_k,
+            "dtype": self.dtype.name,
+            "steps": self.steps,
+            "capture_s": self.capture_s,
+            "step_s": self.step_s,
+        }
 
     def arm(self) -> int:
         """Bind the hook on every MoE layer's router; returns how many layers."""
@@ -133,15 +144,22 @@ class RoutingCapture:
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self._step = {}
+            began = time.perf_counter()
             out = execute(scheduler_output, *args, **kwargs)
+            filing = time.perf_counter()
             self._record(scheduler_output)
+            done = time.perf_counter()
+            self.capture_s += done - filing
+            self.step_s += done - began
             return out
 
         self.runner.execute_model = execute_model
         return bound
 
     def _capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        began = time.perf_counter()
         self._step[layer_id] = topk_ids.detach().to("cpu", copy=True)
+        self.capture_s += time.perf_counter() - began
 
     def _record(self, scheduler_output: Any) -> None:
         for internal in scheduler_output.finished_req_ids:

@@ -83,8 +83,9 @@ class VimeWorkerExtension:
         self._vime_weight_version = str(version)
 
     def vime_arm_routing_capture(self) -> dict[str, Any]:
-        """Capture routed experts from now on (once per worker; vllm_side/routing_capture.py): the layout,
-        or {"native": True} when vLLM itself returns them (`--enable-return-routed-experts`)."""
+        """Capture routed experts from now on (once per worker; vllm_side/routing_capture.py): the layout
+        and the capture's cost so far, or {"native": True} when vLLM itself returns them
+        (`--enable-return-routed-experts`)."""
         if native_routing_capture(self.vllm_config):  # type: ignore[attr-defined]
             return {"native": True}
         capture = getattr(self, "_vime_routing_capture", None)
