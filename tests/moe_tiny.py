@@ -66,13 +66,16 @@ def tiny_mixtral_checkpoint(cache_dir: Path, tie: bool = False, seed: int = 1) -
     return _saved(out, tiny_mixtral_config(tie), seed)
 
 
-def tiny_moe_checkpoint(cache_dir: Path, norm_topk_prob: bool = True, tie: bool = False, seed: int = 1) -> Path:
+def tiny_moe_checkpoint(
+    cache_dir: Path, norm_topk_prob: bool = True, tie: bool = False, seed: int = 1, top_k: int = 2
+) -> Path:
     """Build (or reuse) the checkpoint and a character tokenizer under ``cache_dir/models``."""
-    cfg = tiny_moe_config(norm_topk_prob, tie)
+    cfg = tiny_moe_config(norm_topk_prob, tie, num_experts_per_tok=top_k)
     out = (
         Path(cache_dir)
         / "models"
         / f"trainer-qwen3moe-{'norm' if norm_topk_prob else 'raw'}-{'tied' if tie else 'untied'}"
+        f"{'' if top_k == 2 else f'-top{top_k}'}"
     )
     return _saved(out, cfg, seed)
 

@@ -1,13 +1,15 @@
-"""The routing-replay flag: slime's name, off by default (Megatron's MoE fields as before), refused at
-configuration time while the engine side is missing, refused on a dense model at trainer start, each
-in one line naming the flag."""
+"""The routing-replay flag: slime's name, off by default (Megatron's MoE fields as before); on the CPU
+it needs an eager engine addressed directly (refused at configuration time otherwise), the engines
+get the capture's server options, a dense model refuses it at trainer start; each error one line
+naming the flag."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.moe_tiny import tiny_moe_config
-from vime_core.config import ConfigError, load_config, parse_args
+from vime_core.config import ConfigError, engine_server_args, load_config, parse_args
+from vime_core.config.derive import routing_capture_server_args
 from vime_core.trainer.model import architecture_from_hf, check_routing_replay, moe_settings
 
 MOE = architecture_from_hf(tiny_moe_config())
@@ -29,13 +31,29 @@ def test_on_turns_on_megatrons_routing_replay_for_moe_only():
     assert moe_settings(DENSE, 2, routing_replay=True) == {}
 
 
-def test_slimes_flag_is_refused_until_the_engine_side_exists():
-    with pytest.raises(ConfigError, match="use_rollout_routing_replay=true: the engine side .* not built yet") as err:
-        load_config(overrides={"use_rollout_routing_replay": True})
-    # ConfigError heads its list of causes with "invalid configuration:"; this cause is one line
-    assert str(err.value).splitlines()[-1].strip().startswith("use_rollout_routing_replay=true: the engine side")
-    with pytest.raises(SystemExit):  # the CLI spelling reaches the same check
-        parse_args(["--use-rollout-routing-replay", "true"])
+def test_on_the_cpu_it_needs_an_eager_engine_addressed_directly_one_line_each():
+    cases = [
+        ({"vllm_enforce_eager": False}, "on device=cpu needs vllm_enforce_eager=true: a compiled engine forward"),
+        ({"use_router": True}, "on device=cpu needs use_router=false: the routed experts are taken"),
+    ]
+    for overrides, message in cases:
+        values = {"use_rollout_routing_replay": True, "use_router": False, **overrides}
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(overrides=values)
+        # ConfigError heads its list of causes with "invalid configuration:"; this cause is one line
+        assert str(err.value).splitlines()[-1].strip().startswith("use_rollout_routing_replay=true on device=cpu")
+    cfg = parse_args(["--use-rollout-routing-replay", "true", "--use-router", "false"])  # the CLI spelling
+    assert cfg.use_rollout_routing_replay and cfg.vllm_enforce_eager  # derived: eager on the CPU
+
+
+def test_engines_capture_the_routing_the_releases_way():
+    cpu = load_config(overrides={"use_rollout_routing_replay": True, "use_router": False})
+    off = load_config()
+    assert routing_capture_server_args(off) == {}
+    assert engine_server_args(off).keys() == engine_server_args(cpu).keys() - {"no_enable_prefix_caching"}
+    assert engine_server_args(cpu)["no_enable_prefix_caching"] is True  # every prompt token forwarded
+    cuda = cpu.model_copy(update={"device": "cuda"})
+    assert routing_capture_server_args(cuda) == {"enable_return_routed_experts": True}  # vLLM's own capture
 
 
 def test_a_dense_model_refuses_it_naming_the_flag():

@@ -98,7 +98,7 @@ def _train(monkeypatch, cfg):
 
     forwards, steps = [], []
 
-    def forward_log_probs(model, batch, micro_batches, vocab, temperature, device):
+    def forward_log_probs(model, batch, micro_batches, vocab, temperature, device, replay=False):
         forwards.append(model)
         rows = _logs(TEACHER_P if model == "teacher" else STUDENT_P)
         return {i: rows[i] for mb in micro_batches for i in mb}

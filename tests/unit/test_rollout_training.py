@@ -63,7 +63,7 @@ def trained(monkeypatch):
     def run(cfg):
         forwards, steps = [], []
 
-        def forward_log_probs(model, batch, micro_batches, vocab, temperature, device):
+        def forward_log_probs(model, batch, micro_batches, vocab, temperature, device, replay=False):
             forwards.append(model)
             value = REF_LOG_PROB if model == "reference" else OLD_LOG_PROB
             return {i: torch.full((int(batch["response_length"][i]),), value) for mb in micro_batches for i in mb}

@@ -23,6 +23,7 @@ from vime_core.storage.schema import (
     batch_to_table,
     describe_schema,
     lineage_of,
+    stored_schema_version,
     table_checksum,
     table_to_batch,
     upgrade_table,
@@ -171,7 +172,8 @@ def _as_version(table: pa.Table, version: int) -> pa.Table:
     return table.replace_schema_metadata({**meta, b"checksum": json.dumps(table_checksum(table)).encode()})
 
 
-def test_older_version_without_upgrade_is_refused_naming_both_versions():
+def test_older_version_without_upgrade_is_refused_naming_both_versions(monkeypatch):
+    monkeypatch.delitem(UPGRADES, SCHEMA_VERSION - 1)
     old = _as_version(batch_to_table(synthetic_batch(), LINEAGE), SCHEMA_VERSION - 1)
     with pytest.raises(SchemaVersionError, match=rf"version {SCHEMA_VERSION - 1}.*reads version {SCHEMA_VERSION}"):
         upgrade_table(old, source="batch X")
@@ -326,3 +328,31 @@ def test_a_batch_stored_by_schema_version_1_still_verifies_and_reads():
     batch, lineage = table_to_batch(table)
     assert lineage["run"] == "golden" and lineage["rollout_id"] == 1
     assert batch == synthetic_batch(num_groups=2, group_size=2, seed=123)
+
+
+def test_routed_experts_keep_their_bytes_type_and_checksum_through_parquet():
+    from vime_core.data import routed_experts
+
+    batch = synthetic_batch(num_groups=2, group_size=2, seed=5)
+    rng = np.random.default_rng(5)
+    for i, tokens in enumerate(batch["tokens"]):
+        if i:  # sample 0 recorded none: null
+            rows = rng.integers(0, 128, (len(tokens) - 1, 3, 4), dtype=np.uint8)
+            batch["routed_experts"][i] = routed_experts.encode(rows)
+    table = batch_to_table(batch, LINEAGE)
+    stored = _parquet_round_trip(table)
+    assert stored.schema.field("routed_experts").type == pa.large_binary()
+    assert table_checksum(stored) == lineage_of(table)["checksum"]
+    back, _ = table_to_batch(stored)
+    assert back["routed_experts"] == batch["routed_experts"] and back["routed_experts"][0] is None
+    assert routed_experts.decode(back["routed_experts"][1]).shape == (len(batch["tokens"][1]) - 1, 3, 4)
+
+
+def test_version_1_reads_with_a_null_routed_experts_column():
+    current = batch_to_table(synthetic_batch(seed=9), LINEAGE)
+    v1 = _as_version(current.drop_columns(["routed_experts"]), 1)
+    upgraded = upgrade_table(v1)
+    assert upgraded.schema.names == list(COLUMNS) and stored_schema_version(upgraded) == SCHEMA_VERSION
+    batch, _ = table_to_batch(upgraded)
+    assert batch["routed_experts"] == [None] * current.num_rows
+    assert batch["tokens"] == current.column("tokens").to_pylist()

@@ -162,11 +162,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
             f"moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} needs a load-balancing loss: "
             "moe_router_load_balancing_type is none (use aux_loss or seq_aux_loss)"
         )
-    if cfg.use_rollout_routing_replay:
-        raise ValueError(
-            "use_rollout_routing_replay=true: the engine side (routed experts recorded by the engines and "
-            "stored in the batch) is not built yet"
-        )
+    _check_routing_replay(cfg)
     derive_optimizer(cfg)
     _check_kl(cfg)
     _check_tis(cfg)
@@ -465,4 +461,33 @@ def engine_server_args(cfg: ConfigFields) -> dict:
         "tensor_parallel_size": cfg.rollout_num_gpus_per_engine,
         "weight_transfer_config": {"backend": vllm_backend} if vllm_backend else None,
         "logprobs_mode": "processed_logprobs",
+        **routing_capture_server_args(cfg),
     }
+
+
+def routing_capture_server_args(cfg: ConfigFields) -> dict:
+    """use_rollout_routing_replay: on CUDA vLLM's own capture (`--enable-return-routed-experts`); on
+    the CPU vime's worker extension captures (vllm_side/routing_capture.py), which needs every prompt
+    token forwarded: no prefix caching."""
+    if not cfg.use_rollout_routing_replay:
+        return {}
+    if cfg.device == "cpu":
+        return {"no_enable_prefix_caching": True}
+    return {"enable_return_routed_experts": True}
+
+
+def _check_routing_replay(cfg: ConfigFields) -> None:
+    """The engines' routed experts reach the trainer: on the CPU through the worker extension, which
+    reads the router hook of an eager forward and is addressed per engine (not through vllm-router)."""
+    if not cfg.use_rollout_routing_replay or cfg.device != "cpu":
+        return
+    if not cfg.vllm_enforce_eager:
+        raise ValueError(
+            "use_rollout_routing_replay=true on device=cpu needs vllm_enforce_eager=true: a compiled engine "
+            "forward never calls the router hook that captures the routed experts"
+        )
+    if cfg.use_router:
+        raise ValueError(
+            "use_rollout_routing_replay=true on device=cpu needs use_router=false: the routed experts are taken "
+            "from the engine that generated, which vllm-router does not name"
+        )

@@ -1154,8 +1154,9 @@ class ConfigFields(BaseModel):
             "Routing replay (slime's --use-rollout-routing-replay, R3): the trainer's MoE layers route each token "
             "to the experts the engine chose for it, so the policy's and the reference's log-probs are computed "
             "with the engine's routing (the router still gets gradients through the chosen experts' "
-            "probabilities). Needs the engines' routed experts in the batch, which is not wired yet: setting it "
-            "is refused at configuration time until the engine side is built. A dense model refuses it at "
+            "probabilities). The engines return the experts (on CUDA vLLM's --enable-return-routed-experts; on the "
+            "CPU vime's worker extension, which needs vllm_enforce_eager=true, use_router=false and starts the "
+            "engines without prefix caching) into the batch's routed_experts column. A dense model refuses it at "
             "trainer start."
         ),
     )

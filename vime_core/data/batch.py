@@ -75,6 +75,7 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
         "session_id": [s.session_id for s in ordered],
         "is_eval": [is_eval] * len(ordered),
         "metadata": [json.dumps(s.metadata, sort_keys=True, default=str) for s in ordered],
+        "routed_experts": [s.routed_experts for s in ordered],
     }
     batch = {name: values[name] for name in COLUMN_NAMES}
     validate_trainable(batch, lengths_only=True)

@@ -70,6 +70,14 @@ BATCH_COLUMNS: tuple[Column, ...] = (
     Column("session_id", pa.string(), "routing key sent as x-session-id"),
     Column("is_eval", pa.bool_(), "sample of an eval rollout"),
     Column("metadata", pa.string(), "free-form per-sample metadata, a JSON string"),
+    Column(
+        "routed_experts",
+        pa.large_binary(),
+        "expert ids the engine routed each token to: .npy bytes of [rows, engine layers, top_k] uint8 (uint16 "
+        "above 256 experts), row t = token t, rows <= total_length - 1 (the last token is never forwarded); "
+        "null when not recorded (use_rollout_routing_replay off)",
+        nullable=True,
+    ),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in BATCH_COLUMNS)
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c.name for c in BATCH_COLUMNS if c.required)

@@ -4,6 +4,7 @@ not requested, MISSING_LOGPROB where the engine sent none)."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import enum
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class Sample:
     session_id: str = ""
     weight_versions: list[WeightSpan] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    # .npy bytes of the engine's routed experts per token (vime_core/data/routed_experts.py); None: not asked
+    routed_experts: Optional[bytes] = None
 
     @property
     def response_tokens(self) -> list[int]:
@@ -99,6 +102,7 @@ class Sample:
         self.response_length, self.response, self.finish_reason = 0, "", ""
         self.loss_mask, self.rollout_log_probs, self.weight_versions = [], [], []
         self.reward, self.status = None, Status.PENDING
+        self.routed_experts = None
         for key in (
             "generate_error",
             "retryable",
@@ -116,6 +120,8 @@ class Sample:
         d = dict(self.__dict__)
         d["status"] = self.status.value
         d["weight_versions"] = [s.__dict__ for s in self.weight_versions]
+        if self.routed_experts is not None:  # the dict is JSON (a data source's state in the lineage)
+            d["routed_experts"] = base64.b64encode(self.routed_experts).decode("ascii")
         return d
 
     @classmethod
@@ -123,4 +129,6 @@ class Sample:
         d = dict(d)
         d["status"] = Status(d.get("status", "pending"))
         d["weight_versions"] = [WeightSpan(**s) for s in d.get("weight_versions") or []]
+        if isinstance(d.get("routed_experts"), str):
+            d["routed_experts"] = base64.b64decode(d["routed_experts"])
         return cls(**d)

@@ -7,6 +7,7 @@ one sample, and for every sample i
     len(tokens_i) == total_length_i                          (when total_length is present)
     len(loss_mask_i) == response_length_i
     len(rollout_log_probs_i) in {0, response_length_i}
+    routed_experts_i null, or a [rows, layers, top_k] array with rows <= len(tokens_i) - 1
     prompt_length_i >= 1, response_length_i >= 1
 
 `lengths_only` (what the store checks) drops the last rule. Where a set flag reads the engines'
@@ -19,6 +20,7 @@ import json
 import math
 from typing import Any, Mapping, Optional, Sequence
 
+from vime_core.data import routed_experts
 from vime_core.data.columns import REQUIRED_COLUMNS
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE
 
@@ -127,6 +129,16 @@ def validate_trainable(
             raise UntrainableBatchError(
                 f"{_where(batch, i)}: rollout_log_probs has {len(log_probs[i])} entries, response_length={r}"
             )
+        experts = batch.get("routed_experts")
+        if experts is not None and experts[i] is not None:
+            try:
+                rows = routed_experts.decode(experts[i]).shape[0]
+            except routed_experts.RoutedExpertsError as exc:
+                raise UntrainableBatchError(f"{_where(batch, i)}: {exc}") from None
+            if rows > n_tokens - 1:
+                raise UntrainableBatchError(
+                    f"{_where(batch, i)}: routed_experts has {rows} rows for {n_tokens} tokens (at most {n_tokens - 1})"
+                )
         if log_prob_readers:
             metadata = batch.get("metadata")
             error = log_probs_error(

@@ -12,6 +12,7 @@ import functools
 import inspect
 import json as jsonlib
 import logging
+import uuid
 from typing import Any, Callable, Coroutine, Iterable, Literal, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -39,6 +40,12 @@ ANSWERED_BY = "vime_answered_by"
 # Key added to a generate answer whose request named a model (`model`, a LoRA adapter's name with
 # lora_publish=adapter: engines/adapters.py): the name, which fixes the weights that generated it.
 ASKED_MODEL = "vime_model"
+# sampling param that asks for routed experts (vLLM's own name, per request, since 0.26): the rows
+# from this prompt position on; an engine without native capture hands them over through vime's
+# worker extension (vllm_side/routing_capture.py)
+ROUTED_EXPERTS_START = "routed_experts_prompt_start"
+ARM_CAPTURE_RPC = "vime_arm_routing_capture"
+TAKE_ROUTED_EXPERTS_RPC = "vime_take_routed_experts"
 
 T = TypeVar("T")
 
@@ -161,6 +168,10 @@ class EngineClient:
         self._http: Optional[aiohttp.ClientSession] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._api: Optional[VllmApi] = api
+        self._capture_armed = False
+        # takes of routed experts waiting for the next /collective_rpc: {request id: (start, future)}
+        self._takes: dict[str, tuple[int, asyncio.Future]] = {}
+        self._take_flush: Optional[asyncio.Task] = None
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -245,15 +256,73 @@ class EngineClient:
         model = model or self.model
         if model:
             body["model"] = model
+        routing_from = sampling_params.get(ROUTED_EXPERTS_START)
+        if routing_from is not None:
+            request_id = request_id or uuid.uuid4().hex
+            await self.arm_routing_capture()
         if request_id:
             body["request_id"] = request_id
         headers = {"X-Session-ID": session_id} if session_id else None
         answer = await self.request("POST", GENERATE_PATH, json=body, headers=headers, timeout_s=self.timeout_s)
+        if routing_from is not None and isinstance(answer, dict):
+            await self._add_captured_routing(answer, str(request_id), int(routing_from))
         if isinstance(answer, dict):
             answer[ANSWERED_BY] = self.label
             if model:
                 answer[ASKED_MODEL] = model
         return answer
+
+    async def arm_routing_capture(self) -> Optional[dict]:
+        """Make the engine's workers capture routed experts (once per client; a restarted engine is
+        armed again by `_add_captured_routing`): the layout {"layers", "top_k", "dtype"}, or {"native": True}
+        when vLLM returns them itself (the choices then carry them)."""
+        if self._capture_armed:
+            return None
+        layouts = await self.collective_rpc(ARM_CAPTURE_RPC) or [None]
+        self._capture_armed = True
+        return layouts[0]
+
+    async def _add_captured_routing(self, answer: dict, request_id: str, start: int) -> None:
+        """Put the worker's rows of `request_id` into each choice without `routed_experts` (a native
+        capture fills it; one choice per vime request)."""
+        choices = answer.get("choices") or []
+        if not choices or all(c.get("routed_experts") is not None for c in choices):
+            return
+        endpoint = f"POST /collective_rpc {TAKE_ROUTED_EXPERTS_RPC}"
+        rows = await self._take_rows(request_id, start)
+        if rows is None:
+            if not any(c.get("token_ids") for c in choices):
+                return  # nothing forwarded yet (aborted before its first step): no rows
+            self._capture_armed = False  # a restarted engine's workers: armed again on the next request
+            raise EngineError(self.name, endpoint, None, f"no routed experts captured for request {request_id}")
+        for choice in choices:
+            choice["routed_experts"] = rows
+
+    async def _take_rows(self, request_id: str, start: int) -> Optional[str]:
+        """The worker's rows of one request; the takes that wait together go in one RPC (an RPC
+        runs between engine steps: one per answer would stall a busy engine)."""
+        future = asyncio.get_running_loop().create_future()
+        self._takes[request_id] = (start, future)
+        if self._take_flush is None or self._take_flush.done():
+            self._take_flush = asyncio.ensure_future(self._flush_takes())
+        return await future
+
+    async def _flush_takes(self) -> None:
+        await asyncio.sleep(0)  # answers that arrived together join the first RPC
+        while self._takes:
+            waiting, self._takes = self._takes, {}
+            asked = {"request_ids": list(waiting), "prompt_starts": [start for start, _ in waiting.values()]}
+            try:
+                taken = await self.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked)
+            except Exception as exc:  # each waiting generate raises it
+                for _, future in waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            rows = (taken or [{}])[0]  # TP ranks route the same tokens: rank 0's rows
+            for request_id, (_, future) in waiting.items():
+                if not future.done():
+                    future.set_result(rows.get(request_id))
 
     @property
     def label(self) -> str:

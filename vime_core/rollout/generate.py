@@ -14,7 +14,8 @@ from typing import Any, Optional, Protocol
 from vime_core.config.derive import needs_rollout_logprobs
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE, Sample, Status, WeightSpan
 from vime_core.engines.adapters import ADAPTER_PREFIX, adapter_version
-from vime_core.engines.client import ANSWERED_BY, ASKED_MODEL, EngineError, parse_weight_version
+from vime_core.engines.client import ANSWERED_BY, ASKED_MODEL, ROUTED_EXPERTS_START, EngineError, parse_weight_version
+from vime_core.rollout.routing import append_rows, choice_rows, with_routing_request
 from vime_core.utils.retry import async_attempts
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,9 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
             ),
         )
     params = request_params(sampling_params, min(budget, context_room))
+    replay = bool(getattr(cfg, "use_rollout_routing_replay", False))
+    if replay:
+        params = with_routing_request(params, sample)
 
     answer = None
     max_attempts = ctx.cfg.rollout_request_max_attempts
@@ -266,12 +270,18 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         token_ids, log_probs, missing, finish, spans = parse_choice(
             answer, with_log_probs=params.get("logprobs") is not None
         )
+        rows = choice_rows(answer) if replay else None
     except (MalformedResponse, KeyError, TypeError, ValueError) as exc:
         return fail_sample(sample, f"malformed engine response: {exc}", retryable=True)
     if not spans and ctx.weight_version is not None and token_ids:
         spans = [WeightSpan(ctx.weight_version, 0, len(token_ids))]
     offset = sample.response_length
     sample.append_response_tokens(token_ids, log_probs)
+    if replay:
+        try:
+            append_rows(sample, rows, params[ROUTED_EXPERTS_START], len(token_ids))
+        except ValueError as exc:
+            return fail_sample(sample, f"malformed engine response: {exc}", retryable=True)
     extend_spans(sample, spans, offset)
     if missing:
         sample.metadata["missing_logprobs"] = sample.metadata.get("missing_logprobs", 0) + missing

@@ -26,6 +26,8 @@ def python_type(t: pa.DataType) -> str:
         return "str"
     if pa.types.is_boolean(t):
         return "bool"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "bytes"
     if pa.types.is_integer(t):
         return "int"
     if pa.types.is_floating(t):

@@ -30,7 +30,7 @@ from vime_core.data.columns import BATCH_COLUMNS
 from vime_core.data.validation import UntrainableBatchError, validate_trainable
 from vime_core.utils.secrets import redact_secrets
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bump when a column is added, removed or changes meaning; add an upgrade to `UPGRADES`."""
 
 # One field per column of vime_core.data.columns, its meaning as the field's description.
@@ -77,7 +77,16 @@ class SchemaVersionError(SchemaError):
 # UPGRADES[v] turns a table of schema version v into one of version v + 1 (lineage metadata
 # included). Reading a table of version v < SCHEMA_VERSION applies UPGRADES[v], UPGRADES[v+1], ...
 # A missing step refuses the read with a message naming both versions.
-UPGRADES: dict[int, Callable[[pa.Table], pa.Table]] = {}
+def _add_routed_experts(table: pa.Table) -> pa.Table:
+    """1 -> 2: the `routed_experts` column, null (version 1 recorded no routing)."""
+    field = BATCH_SCHEMA.field("routed_experts")
+    upgraded = table.add_column(COLUMNS.index(field.name), field, pa.nulls(table.num_rows, field.type))
+    meta = dict(table.schema.metadata or {})
+    meta[b"schema_version"] = json.dumps(2).encode()
+    return upgraded.replace_schema_metadata(meta)
+
+
+UPGRADES: dict[int, Callable[[pa.Table], pa.Table]] = {1: _add_routed_experts}
 
 
 def upgrade_table(table: pa.Table, source: str = "table") -> pa.Table:

@@ -61,4 +61,5 @@ def synthetic_batch(
             batch["session_id"].append(f"{prompt_prefix}{g}-{i}")
             batch["is_eval"].append(False)
             batch["metadata"].append(json.dumps({"seed": seed}))
+            batch["routed_experts"].append(None)
     return batch

@@ -152,14 +152,15 @@ def train_on_rollout(trainer: Any, batch: Mapping[str, Sequence[Any]], rollout_i
     policy_forwards = train_policy or cfg.kl_coef > 0
     reuse = can_reuse_log_probs_in_loss(schedule.num_microbatches, cfg)
     need_old = (not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics) and not reuse and policy_forwards
-    old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device) if need_old else None
+    replay = bool(cfg.use_rollout_routing_replay)  # the policy's and the reference's forwards (not the teacher's)
+    old = forward_log_probs(trainer.model, batch, all_mine, vocab, sampling, device, replay) if need_old else None
     # LoRA: the reference is the policy with its adapters off (no second copy of the weights)
     ref_is_base = getattr(trainer, "ref_is_base_model", False)
     ref = None
     if (trainer.ref_model is not None or ref_is_base) and policy_forwards:
         with adapters_disabled(trainer.model) if ref_is_base else contextlib.nullcontext():
             ref_model = trainer.model if ref_is_base else trainer.ref_model
-            ref = forward_log_probs(ref_model, batch, all_mine, vocab, sampling, device)
+            ref = forward_log_probs(ref_model, batch, all_mine, vocab, sampling, device, replay)
     teacher = (
         forward_log_probs(trainer.teacher_model, batch, all_mine, vocab, sampling, device)
         if trainer.teacher_model is not None

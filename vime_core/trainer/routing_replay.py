@@ -9,12 +9,15 @@ process (policy, reference, critic, teacher); this module addresses one model's 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from vime_core.data import routed_experts
 
 
 def routers(model: torch.nn.Module) -> list[TopKRouter]:
@@ -128,3 +131,56 @@ def recording(model: torch.nn.Module) -> Iterator[RoutingRecord]:
         for router in found:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+
+
+def engine_layers(model: torch.nn.Module) -> tuple[list[int], int]:
+    """The engine's layer index of each of ``model``'s routers (Megatron's 1-based layer_number - 1;
+    the engine returns every hidden layer) and their top_k."""
+    found = _replay_routers(model)
+    return [r.layer_number - 1 for r in found], found[0].topk
+
+
+def sample_experts(data: Optional[bytes], layers: list[int], top_k: int, tokens: int, needed: int, where: str) -> Any:
+    """One sample's experts [tokens, len(layers), top_k] (numpy, the engine's dtype) from its stored
+    rows: the rows past the recorded ones get experts 0..top_k-1 (their outputs feed no trained
+    log-prob: the sample's trained tokens need only the first ``needed`` rows, which are refused missing)."""
+    if data is None:
+        raise ValueError(
+            f"use_rollout_routing_replay=true: {where} has no routed_experts (generated without the flag, or "
+            "stored before schema version 2)"
+        )
+    rows = routed_experts.decode(data)
+    if rows.shape[2] != top_k or rows.shape[1] <= max(layers):
+        raise ValueError(
+            f"use_rollout_routing_replay=true: {where}'s routed_experts have {rows.shape[1]} layers x "
+            f"top_{rows.shape[2]}, the model routes layers {layers[0]}..{layers[-1]} with top_k={top_k}"
+        )
+    if rows.shape[0] < needed:
+        raise ValueError(
+            f"use_rollout_routing_replay=true: {where} has routed_experts for {rows.shape[0]} tokens, its trained "
+            f"tokens need {needed}"
+        )
+    out = np.empty((tokens, len(layers), top_k), dtype=rows.dtype)
+    out[:] = np.arange(top_k, dtype=rows.dtype)
+    kept = min(rows.shape[0], tokens)
+    out[:kept] = rows[:kept][:, layers]
+    return out
+
+
+def packed_experts(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], model: torch.nn.Module) -> torch.Tensor:
+    """The experts of a micro-batch of ``indices`` in pack_samples' order (sample i's tokens at
+    [cu_i, cu_i + L_i)): int64 [sum L_i, MoE layers, top_k] for ``replaying(model, ...)``."""
+    layers, top_k = engine_layers(model)
+    column = batch.get("routed_experts") or [None] * len(batch["tokens"])
+    parts = []
+    for i in indices:
+        tokens, response = len(batch["tokens"][i]), int(batch["response_length"][i])
+        trained = [j for j, m in enumerate(batch["loss_mask"][i]) if m]
+        needed = tokens - response + trained[-1] if trained else 0  # the last trained token's position
+        parts.append(sample_experts(column[i], layers, top_k, tokens, needed, f"sample {i}"))
+    return torch.from_numpy(np.concatenate(parts)).to(torch.int64)
+
+
+def replay_of(model: torch.nn.Module, experts: Optional[torch.Tensor]) -> Any:
+    """``replaying(model, experts)``, or nothing when ``experts`` is None (replay off)."""
+    return nullcontext() if experts is None else replaying(model, experts)

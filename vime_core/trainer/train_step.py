@@ -28,6 +28,7 @@ from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.optimizer import current_lr
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
+from vime_core.trainer.routing_replay import packed_experts, replay_of
 from vime_core.trainer.router_losses import router_loss_metrics, set_router_loss_weight, take_router_losses
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
@@ -65,13 +66,17 @@ class MicroBatch:
     loss_mask: torch.Tensor
     rollout_log_probs: Optional[torch.Tensor]
     mask_counts: list[float]  # sum of loss_mask per sample, from the host lists
+    experts: Optional[torch.Tensor] = None  # routing replay: the engine's experts per packed token
 
     @property
     def response_lengths(self) -> list[int]:
         return self.packed.response_lengths
 
 
-def make_micro_batch(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], device: Any) -> MicroBatch:
+def make_micro_batch(
+    batch: Mapping[str, Sequence[Any]], indices: Sequence[int], device: Any, replay_model: Any = None
+) -> MicroBatch:
+    """``replay_model``: routing replay, the model whose routers take the engine's experts (None: off)."""
     responses = [int(batch["response_length"][i]) for i in indices]
     packed = pack_samples([batch["tokens"][i] for i in indices], responses, device=device)
     masks = [[float(m) for m in batch["loss_mask"][i]] for i in indices]
@@ -85,7 +90,8 @@ def make_micro_batch(batch: Mapping[str, Sequence[Any]], indices: Sequence[int],
         if has_rollout
         else None
     )
-    return MicroBatch(list(indices), packed, mask, rollout_lp, [sum(sample) for sample in masks])
+    experts = packed_experts(batch, indices, replay_model) if replay_model is not None else None
+    return MicroBatch(list(indices), packed, mask, rollout_lp, [sum(sample) for sample in masks], experts)
 
 
 def split_per_sample(flat: torch.Tensor, indices: Sequence[int], lengths: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -104,13 +110,15 @@ def forward_log_probs(
     vocab_size: int,
     sampling: float | Sampling,
     device: Any,
+    replay: bool = False,
 ) -> dict[int, torch.Tensor]:
     """Response-token log-probs of every sample in ``micro_batches`` under the current weights,
-    at the rollout's ``Sampling`` (or a bare temperature)."""
+    at the rollout's ``Sampling`` (or a bare temperature); ``replay``: routed as the engines did."""
     out: dict[int, torch.Tensor] = {}
     for indices in micro_batches:
-        mb = make_micro_batch(batch, indices, device)
-        lp, _ = packed_response_log_probs(model, mb.packed, vocab_size, sampling)
+        mb = make_micro_batch(batch, indices, device, model if replay else None)
+        with replay_of(model, mb.experts):
+            lp, _ = packed_response_log_probs(model, mb.packed, vocab_size, sampling)
         out.update(split_per_sample(lp.float(), mb.indices, mb.response_lengths))
     return out
 
@@ -295,12 +303,14 @@ def train_step(
         optimizer.zero_grad()
         acc = _Accumulator(weighted_keys=router_loss_metrics(cfg))
         take_router_losses()  # drop what a forward outside this step recorded
+        replay_model = model if getattr(cfg, "use_rollout_routing_replay", False) else None
         for indices in inputs.micro_batches:
-            mb = make_micro_batch(inputs.batch, indices, device)
-            loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
-            share = inputs.denominators.share(cfg.loss_agg_mode, mb)
-            set_router_loss_weight(share * dp_size)  # the router's losses weighted like L(B_m)
-            (loss * dp_size).backward()
+            mb = make_micro_batch(inputs.batch, indices, device, replay_model)
+            with replay_of(model, mb.experts):  # through the backward: recompute routes the same way
+                loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
+                share = inputs.denominators.share(cfg.loss_agg_mode, mb)
+                set_router_loss_weight(share * dp_size)  # the router's losses weighted like L(B_m)
+                (loss * dp_size).backward()
             for name, value in take_router_losses().items():
                 if name in acc.weighted:
                     acc.weighted[name] = acc.weighted[name] + value * share

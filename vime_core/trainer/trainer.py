@@ -302,7 +302,15 @@ class MegatronTrainer:
         n = check_batch(batch)
         size = self.cfg.micro_batch_size
         mbs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        lps = forward_log_probs(self.model, batch, mbs, self.arch.vocab_size, Sampling.of(self.cfg), self.device)
+        lps = forward_log_probs(
+            self.model,
+            batch,
+            mbs,
+            self.arch.vocab_size,
+            Sampling.of(self.cfg),
+            self.device,
+            self.cfg.use_rollout_routing_replay,
+        )
         return [lps[i].tolist() for i in range(n)]
 
     # ---- weights out ---------------------------------------------------------------------------

@@ -9,23 +9,25 @@ themselves."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from tests.integration.trainer.hand_batch import hand_batch, hand_config, single_rank_trainer
 from tests.moe_tiny import tiny_moe_checkpoint
+from vime_core.data import routed_experts
 from vime_core.trainer.logprobs import forward_packed
 from vime_core.trainer.packing import pack_samples
 from vime_core.trainer.routing_replay import recording, replaying, routers
+from vime_core.trainer.train_step import forward_log_probs, make_micro_batch
 
 
 @pytest.fixture(scope="module")
 def trainer(single_rank, cache_dir, tmp_path_factory):
-    """The real trainer with the flag on (set past the configuration check, which refuses it until
-    the engine side exists) and a reference model (use_kl_loss) built in the same process."""
+    """The real trainer with the flag on and a reference model (use_kl_loss) built in the same process."""
     ckpt = tiny_moe_checkpoint(cache_dir)
-    cfg = hand_config(ckpt, tmp_path_factory.mktemp("replay"), use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = hand_config(ckpt, tmp_path_factory.mktemp("replay"), use_kl_loss=True, kl_loss_coef=0.1, use_router=False)
     cfg.use_rollout_routing_replay = True
     trainer = single_rank_trainer(cfg)
     assert trainer.ref_model is not None
@@ -194,3 +196,68 @@ def test_router_gradient_under_replay_is_the_hand_computed_one(single_rank, cach
             assert hand_grads[name] is None, name
             continue
         torch.testing.assert_close(grad, hand_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+
+
+def _engine_rows(trainer, batch) -> list[bytes]:
+    """Each sample's routing as an engine sends it: the trainer's own top-k of its tokens but the
+    last, [tokens - 1, layers, top_k] uint8 (.npy bytes)."""
+    out = []
+    for tokens, response in zip(batch["tokens"], batch["response_length"]):
+        packed_one = pack_samples([tokens], [response])
+        with recording(trainer.model) as record:
+            _logits(trainer.model, packed_one)
+        out.append(routed_experts.encode(record.experts()[:-1].numpy().astype(np.uint8)))
+    return out
+
+
+def test_the_micro_batch_carries_the_engines_experts_in_packed_order(trainer):
+    batch = hand_batch()
+    batch["routed_experts"] = _engine_rows(trainer, batch)
+    indices = [2, 0, 3]
+    mb = make_micro_batch(batch, indices, "cpu", trainer.model)
+    with recording(trainer.model) as record:
+        _logits(trainer.model, mb.packed)
+    own = record.experts()
+    starts = mb.packed.cu_seqlens.tolist()
+    k = trainer.arch.moe_router_topk
+    for n, i in enumerate(indices):
+        begin, end = starts[n], starts[n + 1]
+        # every recorded row is the engine's (here the trainer's own routing of the sample alone)
+        assert torch.equal(mb.experts[begin : end - 1], own[begin : end - 1])
+        assert torch.equal(mb.experts[end - 1], torch.arange(k).expand(trainer.arch.num_layers, k))  # pad row
+    lps = forward_log_probs(trainer.model, batch, [indices], trainer.arch.vocab_size, 1.0, "cpu")
+    replayed = forward_log_probs(trainer.model, batch, [indices], trainer.arch.vocab_size, 1.0, "cpu", replay=True)
+    for i in indices:  # its own routing replayed: the same log-probs
+        torch.testing.assert_close(replayed[i], lps[i], atol=1e-6, rtol=0)
+
+
+def test_other_experts_change_the_log_probs_and_missing_rows_are_refused(trainer):
+    batch = hand_batch()
+    rows = [routed_experts.decode(b) for b in _engine_rows(trainer, batch)]
+    num_experts = trainer.arch.num_experts
+    batch["routed_experts"] = [routed_experts.encode((r + 1) % num_experts) for r in rows]
+    vocab = trainer.arch.vocab_size
+    free = forward_log_probs(trainer.model, batch, [[0, 1]], vocab, 1.0, "cpu")
+    other = forward_log_probs(trainer.model, batch, [[0, 1]], vocab, 1.0, "cpu", replay=True)
+    assert max(float((other[i] - free[i]).abs().max()) for i in (0, 1)) > 1e-3
+
+    short = dict(batch, routed_experts=[routed_experts.encode(rows[0][:2]), *batch["routed_experts"][1:]])
+    needed = len(batch["tokens"][0]) - 1  # the last trained token's position
+    with pytest.raises(ValueError, match=f"sample 0 has routed_experts for 2 tokens, its trained tokens need {needed}"):
+        make_micro_batch(short, [0], "cpu", trainer.model)
+    untrained = dict(short, loss_mask=[[0] * r for r in batch["response_length"]])
+    make_micro_batch(untrained, [0], "cpu", trainer.model)  # no trained token: no row needed
+    with pytest.raises(ValueError, match="sample 1 has no routed_experts") as err:
+        make_micro_batch(dict(batch, routed_experts=[None] * 4), [1], "cpu", trainer.model)
+    assert "\n" not in str(err.value)
+    wide = [routed_experts.encode(np.zeros((5, 1, 2), np.uint8))] * 4
+    with pytest.raises(ValueError, match="routed_experts have 1 layers x top_2, the model routes layers 0..1"):
+        make_micro_batch(dict(batch, routed_experts=wide), [0], "cpu", trainer.model)
+
+
+def test_training_with_replay_runs_and_reports_the_mismatch(trainer):
+    batch = hand_batch()
+    batch["routed_experts"] = _engine_rows(trainer, batch)
+    metrics = trainer.train(0, batch)
+    assert np.isfinite(metrics["loss"]) and "train_rollout_logprob_abs_diff" in metrics
+    assert all(_untouched(r) for r in routers(trainer.model) + routers(trainer.ref_model))

@@ -12,6 +12,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
 from vime_core.engines.vllm_side.reload_session import refresh_tied_layers, repack_cpu_experts_on_reload
+from vime_core.engines.vllm_side.routing_capture import RoutingCapture, native_routing_capture
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST_BACKEND
 from vime_core.wire.ipc_format import gpu_uuid
 from vime_core.wire.shm_format import BACKEND_NAME
@@ -81,3 +82,23 @@ class VimeWorkerExtension:
 
     def vime_set_weight_version(self, version: str) -> None:
         self._vime_weight_version = str(version)
+
+    def vime_arm_routing_capture(self) -> dict[str, Any]:
+        """Capture routed experts from now on (once per worker; vllm_side/routing_capture.py): the layout
+        and the capture's cost so far, or {"native": True} when vLLM itself returns them
+        (`--enable-return-routed-experts`)."""
+        if native_routing_capture(self.vllm_config):  # type: ignore[attr-defined]
+            return {"native": True}
+        capture = getattr(self, "_vime_routing_capture", None)
+        if capture is None:
+            capture = RoutingCapture(self)
+            capture.arm()
+            self._vime_routing_capture = capture
+        return capture.layout()
+
+    def vime_take_routed_experts(self, request_ids: list[str], prompt_starts: list[int]) -> dict[str, Any]:
+        """Each request's captured rows from its prompt_start on (`RoutingCapture.take`), or None."""
+        capture = getattr(self, "_vime_routing_capture", None)
+        if capture is None:
+            return dict.fromkeys(request_ids)
+        return capture.take(request_ids, prompt_starts)
