@@ -1,0 +1,72 @@
+"""Expert parallelism (EP=2: the 8 experts of each MoE layer split over two data-parallel ranks,
+4 each) against one rank holding all experts, over gloo in subprocesses: the HF round trip is exact,
+each rank holds experts ep_rank * 4 .. ep_rank * 4 + 3, the logits, the loss with the router's
+aux loss, the gradient norm, the weights after a rollout of two optimizer steps and the log-probs
+are those of EP=1, and a publish streams every expert once, as EP=1 does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.trainer.dist_workers import spawn
+from tests.integration.trainer.ep_workers import ep_config, run_and_record, train_ep_and_dump
+from tests.integration.trainer.test_distributed import ATOL, WEIGHT_ATOL
+from tests.moe_tiny import tiny_mixtral_checkpoint, tiny_moe_checkpoint
+
+LOGITS_ATOL = 1e-5  # fp32 on CPU, as test_moe.py
+CHECKPOINTS = {"qwen3_moe": tiny_moe_checkpoint, "mixtral": tiny_mixtral_checkpoint}
+EXPERT_FC2 = {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def reference(request, single_rank, cache_dir, tmp_path_factory):
+    """The EP=1 run on one rank in this process, recorded as the workers record theirs."""
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    ckpt = CHECKPOINTS[request.param](cache_dir)
+    trainer = MegatronTrainer(ep_config(str(ckpt), str(tmp_path_factory.mktemp("ref"))), 0, 1, "127.0.0.1", 0)
+    trainer.init()
+    return {"family": request.param, "ckpt": ckpt, **run_and_record(trainer, str(ckpt), [0, 1])}
+
+
+def _check_against_reference(got: dict, ref: dict, probe: int) -> None:
+    assert got["round_trip_exact"] and got["round_trip_names"] == ref["round_trip_names"]
+    torch.testing.assert_close(got["logits"][probe], ref["logits"][probe], atol=LOGITS_ATOL, rtol=0)
+    ours, theirs = got["metrics"], ref["metrics"]
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=ATOL)
+    assert ours["moe_aux_loss"] == pytest.approx(theirs["moe_aux_loss"], rel=1e-5) and theirs["moe_aux_loss"] > 0
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert sorted(got["hf"]) == sorted(ref["hf"])
+    for name, tensor in ref["hf"].items():
+        torch.testing.assert_close(got["hf"][name], tensor, atol=WEIGHT_ATOL, rtol=0, msg=name)
+    for a, b in zip(got["log_probs"], ref["log_probs"]):
+        assert a == pytest.approx(b, abs=ATOL)
+
+
+@pytest.mark.slow
+def test_ep2_trains_and_publishes_as_ep1(tmp_path, reference):
+    from vime_core.trainer.hf_convert import read_hf_safetensors
+
+    ckpt = reference["ckpt"]
+    spawn(train_ep_and_dump, 2, 1, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path), False)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    source = read_hf_safetensors(ckpt)
+    changed = [n for n in source if not torch.equal(reference["hf"][n], source[n])]
+    assert any(".experts.5." in n for n in changed)  # the step moved experts of EP rank 1
+    for r, got in enumerate(ranks):
+        assert (got["layout"].ep_rank, got["megatron_ep_rank"]) == (r, r)
+        _check_against_reference(got, reference, r)
+        # this rank holds local experts 0..3, global experts 4r .. 4r+3
+        local = [n for n in got["local"] if ".experts.local_experts." in n and n.startswith("decoder.layers.1.")]
+        assert sorted({n.split("local_experts.")[1].split(".")[0] for n in local}) == ["0", "1", "2", "3"]
+        fc2 = got["local"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"]
+        name = "model.layers.1." + EXPERT_FC2[reference["family"]].format(e=4 * r + 1)
+        torch.testing.assert_close(fc2, got["hf"][name], atol=0, rtol=0)
+    # rank 0 published every HF tensor once, in EP=1's order and with EP=1's values; rank 1 took
+    # part in the gathers and sent nothing
+    stream, ref_stream = ranks[0]["stream"], reference["stream"]
+    assert [n for n, _ in stream] == [n for n, _ in ref_stream] == list(dict(ref_stream))
+    for (name, tensor), (_, expected) in zip(stream, ref_stream):
+        assert torch.equal(tensor, expected), name
+    assert ranks[1]["stream"] == []
