@@ -36,12 +36,21 @@ def probe_ids(vocab_size: int, index: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, 9 + 4 * index), generator=gen)
 
 
-def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits of ``ids`` (one causal sequence)."""
+def logits(model: Any, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The model's logits of ``ids`` (one causal sequence), its vocabulary-parallel parts gathered
+    over TP and the padding cut."""
+    from megatron.core import parallel_state
+
     seq = ids.shape[1]
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
-        return model(ids, torch.arange(seq)[None], causal).clone()
+        part = model(ids, torch.arange(seq)[None], causal)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(part) for _ in range(tp)]
+        torch.distributed.all_gather(parts, part, group=parallel_state.get_tensor_model_parallel_group())
+        part = torch.cat(parts, dim=-1)
+    return part[..., :vocab_size].clone()
 
 
 def published_stream(trainer: Any) -> list[tuple[str, torch.Tensor]]:
@@ -71,12 +80,12 @@ def run_and_record(trainer: Any, checkpoint: str, probe: list[int]) -> dict[str,
 
     source = read_hf_safetensors(checkpoint)
     gathered = list(trainer.iter_hf_weights())  # whole: a short-circuit would desync the gathers
-    bare = unwrap(trainer.model)
+    bare, vocab = unwrap(trainer.model), trainer.arch.vocab_size
     result: dict[str, Any] = {
         "round_trip_names": [n for n, _ in gathered],
         "round_trip_exact": sorted(n for n, _ in gathered) == sorted(source)
         and all(torch.equal(t, source[n]) for n, t in gathered),
-        "logits": {i: logits(bare, probe_ids(trainer.arch.vocab_size, i)) for i in probe},
+        "logits": {i: logits(bare, probe_ids(vocab, i), vocab) for i in probe},
         "stream": published_stream(trainer),
     }
     metrics = trainer.train(0, hand_batch())
@@ -90,7 +99,7 @@ def run_and_record(trainer: Any, checkpoint: str, probe: list[int]) -> dict[str,
 
 
 def train_ep_and_dump(
-    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str, dist_opt: bool
+    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str
 ) -> None:
     """This rank of a (TP=tp, DP=world/tp, EP=ep) trainer: ``run_and_record`` of its probe sequence
     (its DP rank's), plus its EP rank as Megatron's parallel state has it."""
@@ -101,7 +110,7 @@ def train_ep_and_dump(
     from vime_core.trainer.parallel import destroy_parallel
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = ep_config(checkpoint, storage, tp, ep, world_size, use_distributed_optimizer=dist_opt)
+    cfg = ep_config(checkpoint, storage, tp, ep, world_size)
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])

@@ -44,29 +44,43 @@ def _check_against_reference(got: dict, ref: dict, probe: int) -> None:
         assert a == pytest.approx(b, abs=ATOL)
 
 
-@pytest.mark.slow
-def test_ep2_trains_and_publishes_as_ep1(tmp_path, reference):
+def _run_and_check(tmp_path, reference, tp: int, world: int) -> None:
     from vime_core.trainer.hf_convert import read_hf_safetensors
 
     ckpt = reference["ckpt"]
-    spawn(train_ep_and_dump, 2, 1, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path), False)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    spawn(train_ep_and_dump, world, tp, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     source = read_hf_safetensors(ckpt)
     changed = [n for n in source if not torch.equal(reference["hf"][n], source[n])]
     assert any(".experts.5." in n for n in changed)  # the step moved experts of EP rank 1
-    for r, got in enumerate(ranks):
-        assert (got["layout"].ep_rank, got["megatron_ep_rank"]) == (r, r)
-        _check_against_reference(got, reference, r)
-        # this rank holds local experts 0..3, global experts 4r .. 4r+3
+    for got in ranks:
+        lay = got["layout"]
+        assert lay.ep_rank == got["megatron_ep_rank"] == lay.dp_rank % 2
+        _check_against_reference(got, reference, lay.dp_rank)
+        # this rank holds local experts 0..3, global experts 4 * ep_rank .. 4 * ep_rank + 3 (its TP slice)
         local = [n for n in got["local"] if ".experts.local_experts." in n and n.startswith("decoder.layers.1.")]
         assert sorted({n.split("local_experts.")[1].split(".")[0] for n in local}) == ["0", "1", "2", "3"]
         fc2 = got["local"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"]
-        name = "model.layers.1." + EXPERT_FC2[reference["family"]].format(e=4 * r + 1)
-        torch.testing.assert_close(fc2, got["hf"][name], atol=0, rtol=0)
-    # rank 0 published every HF tensor once, in EP=1's order and with EP=1's values; rank 1 took
-    # part in the gathers and sent nothing
+        full = got["hf"]["model.layers.1." + EXPERT_FC2[reference["family"]].format(e=4 * lay.ep_rank + 1)]
+        torch.testing.assert_close(fc2, full.chunk(tp, dim=1)[lay.tp_rank], atol=0, rtol=0)
+    # rank 0 published every HF tensor once, in EP=1's order and with EP=1's values; the other
+    # ranks took part in the gathers and sent nothing
     stream, ref_stream = ranks[0]["stream"], reference["stream"]
     assert [n for n, _ in stream] == [n for n, _ in ref_stream] == list(dict(ref_stream))
     for (name, tensor), (_, expected) in zip(stream, ref_stream):
         assert torch.equal(tensor, expected), name
-    assert ranks[1]["stream"] == []
+    assert all(got["stream"] == [] for got in ranks[1:])
+
+
+@pytest.mark.slow
+def test_ep2_trains_and_publishes_as_ep1(tmp_path, reference):
+    """EP=2 x DP=2 on two ranks, each family."""
+    _run_and_check(tmp_path, reference, tp=1, world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["qwen3_moe"], indirect=True)
+def test_ep2_with_tp2_on_four_ranks(tmp_path, reference):
+    """TP=2 x EP=2 x DP=2: each expert also split over TP (expert TP = TP), the TP ranks routing
+    the whole sequence (compat_moe.allow_full_sequence_tp)."""
+    _run_and_check(tmp_path, reference, tp=2, world=4)
