@@ -93,3 +93,22 @@ def test_ep_must_divide_the_experts_of_an_moe_model():
     with pytest.raises(ValueError, match="expert_model_parallel_size=2: the model .* has no experts") as e:
         check_ep_divides(dense, 2)
     assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_loads_only_at_the_expert_parallel_size_it_was_written_with(tmp_path):
+    """Each rank's file holds its own experts: another EP size is refused in one line, a manifest
+    without `ep` (written before expert parallelism) counts as EP=1."""
+    from vime_core.trainer import checkpoint as ckpt
+
+    manifest = {"rollout_id": 0, "world_size": 2, "tp": 1, "dp": 2, "files": ["rank_0.pt", "rank_1.pt"]}
+    for ep, folder in ((2, "ep2"), (None, "old")):
+        path = str(tmp_path / folder)
+        ckpt.save_rank_state(path, 0, {"model": {"w": torch.ones(2)}})
+        ckpt.write_manifest(path, manifest | ({"ep": ep} if ep else {}))
+    assert torch.equal(ckpt.load_rank_state(str(tmp_path / "ep2"), 0, 2, 1, ep_size=2)["model"]["w"], torch.ones(2))
+    assert torch.equal(ckpt.load_rank_state(str(tmp_path / "old"), 0, 2, 1)["model"]["w"], torch.ones(2))
+    with pytest.raises(ckpt.CheckpointError, match=r"written with world_size=2, tp=1, ep=2; .* ep=1 \(resharding") as e:
+        ckpt.load_rank_state(str(tmp_path / "ep2"), 0, 2, 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ckpt.CheckpointError, match="ep=1; this trainer has world_size=2, tp=1, ep=2"):
+        ckpt.load_rank_state(str(tmp_path / "old"), 0, 2, 1, ep_size=2)

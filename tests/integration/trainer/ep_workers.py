@@ -114,6 +114,16 @@ def train_ep_and_dump(
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])
+    # a checkpoint brings back this rank's experts after another rollout moved them
+    saved = trainer.save(0)
+    trainer.train(1, hand_batch())
+    moved = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
+    trainer.load(saved)
+    restored = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
+    result["checkpoint_restores"] = all(torch.equal(restored[n], result["local"][n]) for n in restored)
+    result["rollout_moved_experts"] = any(
+        not torch.equal(moved[n], result["local"][n]) for n in moved if ".local_experts." in n
+    )
     result["layout"] = trainer.layout
     result["megatron_ep_rank"] = parallel_state.get_expert_model_parallel_rank()
     torch.save(result, Path(out) / f"rank{rank}.pt")

@@ -2,7 +2,8 @@
 4 each) against one rank holding all experts, over gloo in subprocesses: the HF round trip is exact,
 each rank holds experts ep_rank * 4 .. ep_rank * 4 + 3, the logits, the loss with the router's
 aux loss, the gradient norm, the weights after a rollout of two optimizer steps and the log-probs
-are those of EP=1, and a publish streams every expert once, as EP=1 does."""
+are those of EP=1, a publish streams every expert once, as EP=1 does, and a checkpoint restores
+each rank's experts."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def _run_and_check(tmp_path, reference, tp: int, world: int) -> None:
         lay = got["layout"]
         assert lay.ep_rank == got["megatron_ep_rank"] == lay.dp_rank % 2
         _check_against_reference(got, reference, lay.dp_rank)
+        assert got["rollout_moved_experts"] and got["checkpoint_restores"]
         # this rank holds local experts 0..3, global experts 4 * ep_rank .. 4 * ep_rank + 3 (its TP slice)
         local = [n for n in got["local"] if ".experts.local_experts." in n and n.startswith("decoder.layers.1.")]
         assert sorted({n.split("local_experts.")[1].split(".")[0] for n in local}) == ["0", "1", "2", "3"]
