@@ -198,12 +198,14 @@ class MegatronTrainer:
         if self.cfg.offload_train and self.cfg.offload_train_prepin and self.device.type == "cuda":
             self._prepin_host_memory()
         log.info(
-            "trainer rank %d (tp %d/%d, dp %d/%d) ready from %s",
+            "trainer rank %d (tp %d/%d, dp %d/%d, ep %d/%d) ready from %s",
             lay.rank,
             lay.tp_rank,
             lay.tp_size,
             lay.dp_rank,
             lay.dp_size,
+            lay.ep_rank,
+            lay.ep_size,
             path,
         )
         return self.state()
