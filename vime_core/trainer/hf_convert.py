@@ -417,10 +417,10 @@ def iter_hf_weights(
     parallelism, each expert from the EP rank holding it (a broadcast over the EP group), once.
 
     A collective over the TP group and the EP group: all their ranks (``ParallelLayout.holds_first_copy``)
-    must iterate in step. ``dtype`` casts the
-    yielded tensors (default: the parameters' dtype). A layer with a LoRA adapter yields its
-    merged weight, so engines and exports see one plain model. At TP=1 replicated and unsplit tensors
-    are detached views of the parameters: copy before mutating them.
+    must iterate in step. ``dtype`` casts the yielded tensors (default: the parameters' dtype). A layer
+    with a LoRA adapter yields its merged weight, so engines and exports see one plain model. At TP=1
+    replicated and unsplit tensors (an expert on its owner too) are detached views of the parameters:
+    copy before mutating them.
     """
     bare = unwrap(model)
     arch = arch or bare.vime_hf_arch
