@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -15,7 +15,7 @@ AUX_COEFF = 0.5  # the router's load-balancing loss on: its gradient is part of 
 
 
 def ep_config(checkpoint: str, storage: str, tp: int = 1, ep: int = 1, world_size: int = 1, **overrides):
-    """The hand config with the aux loss on, at (TP=tp, DP=world_size/tp, EP=ep), one rollout of two steps."""
+    """The hand config with the aux loss on, at (TP=tp, DP=world_size/tp, EP=ep)."""
     return hand_config(
         Path(checkpoint),
         Path(storage),
@@ -73,8 +73,8 @@ def published_stream(trainer: Any) -> list[tuple[str, torch.Tensor]]:
     return stream
 
 
-def run_and_record(trainer: Any, checkpoint: str, probe: list[int]) -> dict[str, Any]:
-    """Round trip, probe logits, the publish stream, one rollout (two optimizer steps) and the
+def run_and_record(trainer: Any, checkpoint: str, probe: Iterable[int]) -> dict[str, Any]:
+    """Round trip, the logits of the ``probe`` sequences, the publish stream, one rollout and the
     weights and log-probs after it."""
     from vime_core.trainer.hf_convert import read_hf_safetensors, unwrap
 
@@ -99,7 +99,7 @@ def run_and_record(trainer: Any, checkpoint: str, probe: list[int]) -> dict[str,
 
 
 def train_ep_and_dump(
-    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str
+    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str, steps: int
 ) -> None:
     """This rank of a (TP=tp, DP=world/tp, EP=ep) trainer: ``run_and_record`` of its probe sequence
     (its DP rank's), plus its EP rank as Megatron's parallel state has it."""
@@ -110,7 +110,7 @@ def train_ep_and_dump(
     from vime_core.trainer.parallel import destroy_parallel
     from vime_core.trainer.trainer import MegatronTrainer
 
-    cfg = ep_config(checkpoint, storage, tp, ep, world_size)
+    cfg = ep_config(checkpoint, storage, tp, ep, world_size, num_steps_per_rollout=steps)
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
     result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])

@@ -1,7 +1,7 @@
 """Expert parallelism (EP=2: the 8 experts of each MoE layer split over two data-parallel ranks,
 4 each) against one rank holding all experts, over gloo in subprocesses: the HF round trip is exact,
 each rank holds experts ep_rank * 4 .. ep_rank * 4 + 3, the logits, the loss with the router's
-aux loss, the gradient norm, the weights after a rollout of two optimizer steps and the log-probs
+aux loss, the gradient norm, the weights after a rollout and the log-probs
 are those of EP=1, a publish streams every expert once, as EP=1 does, and a checkpoint restores
 each rank's experts."""
 
@@ -20,15 +20,18 @@ CHECKPOINTS = {"qwen3_moe": tiny_moe_checkpoint, "mixtral": tiny_mixtral_checkpo
 EXPERT_FC2 = {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}
 
 
-@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+@pytest.fixture(scope="module", params=[("qwen3_moe", 2), ("mixtral", 2)], ids=lambda p: p[0])
 def reference(request, single_rank, cache_dir, tmp_path_factory):
-    """The EP=1 run on one rank in this process, recorded as the workers record theirs."""
+    """The EP=1 run on one rank in this process (family, optimizer steps per rollout), recorded as the
+    workers record theirs, with the probe sequences of four DP ranks."""
     from vime_core.trainer.trainer import MegatronTrainer
 
-    ckpt = CHECKPOINTS[request.param](cache_dir)
-    trainer = MegatronTrainer(ep_config(str(ckpt), str(tmp_path_factory.mktemp("ref"))), 0, 1, "127.0.0.1", 0)
+    family, steps = request.param
+    ckpt = CHECKPOINTS[family](cache_dir)
+    cfg = ep_config(str(ckpt), str(tmp_path_factory.mktemp("ref")), num_steps_per_rollout=steps)
+    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", 0)
     trainer.init()
-    return {"family": request.param, "ckpt": ckpt, **run_and_record(trainer, str(ckpt), [0, 1])}
+    return {"family": family, "steps": steps, "ckpt": ckpt, **run_and_record(trainer, str(ckpt), range(4))}
 
 
 def _check_against_reference(got: dict, ref: dict, probe: int) -> None:
@@ -49,7 +52,7 @@ def _run_and_check(tmp_path, reference, tp: int, world: int) -> None:
     from vime_core.trainer.hf_convert import read_hf_safetensors
 
     ckpt = reference["ckpt"]
-    spawn(train_ep_and_dump, world, tp, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path))
+    spawn(train_ep_and_dump, world, tp, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path), reference["steps"])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     source = read_hf_safetensors(ckpt)
     changed = [n for n in source if not torch.equal(reference["hf"][n], source[n])]
@@ -81,8 +84,17 @@ def test_ep2_trains_and_publishes_as_ep1(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("reference", [("qwen3_moe", 2)], indirect=True, ids=["qwen3_moe"])
 def test_ep2_with_tp2_on_four_ranks(tmp_path, reference):
     """TP=2 x EP=2 x DP=2: each expert also split over TP (expert TP = TP), the TP ranks routing
     the whole sequence (compat_moe.allow_full_sequence_tp)."""
     _run_and_check(tmp_path, reference, tp=2, world=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", [("qwen3_moe", 1)], indirect=True, ids=["qwen3_moe-one-step"])
+def test_ep2_with_two_expert_data_parallel_replicas(tmp_path, reference):
+    """EP=2 x DP=4 (4 ranks, one sample each in a one-step rollout): two copies of each expert,
+    whose gradients Megatron's DDP reduces over the expert-DP group (ranks 0, 2 and 1, 3) and
+    scales by 1/DP; ranks 2 and 3 hold no part of the first copy and stay out of the publish."""
+    _run_and_check(tmp_path, reference, tp=1, world=4)
