@@ -152,7 +152,10 @@ def test_tp_must_divide_the_expert_size():
         check_tp_divides(arch, 2)
 
 
-def test_expert_parallel_above_one_is_refused_naming_the_flag():
-    assert parse_args(["--expert-model-parallel-size", "1"]).expert_model_parallel_size == 1
-    with pytest.raises(ConfigError, match="expert_model_parallel_size=2: expert parallelism is not supported"):
-        load_config(overrides={"expert_model_parallel_size": 2})
+def test_expert_parallel_size_must_divide_the_data_parallel_size():
+    flags = ["--actor-num-gpus-per-node", "2", "--colocate", "false", "--rollout-num-gpus", "1"]
+    assert parse_args(["--expert-model-parallel-size", "2", *flags]).expert_model_parallel_size == 2
+    four = {"actor_num_gpus_per_node": 4, "colocate": False, "rollout_num_gpus": 1}
+    assert load_config(overrides={**four, "expert_model_parallel_size": 2}).expert_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=4 does not divide the data-parallel size 2"):
+        load_config(overrides={**four, "tensor_model_parallel_size": 2, "expert_model_parallel_size": 4})

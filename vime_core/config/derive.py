@@ -152,10 +152,10 @@ def derive_in_place(cfg: ConfigFields) -> None:
         raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
     if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
         raise ValueError("rm_type=remote_rm needs rm_url")
-    if cfg.expert_model_parallel_size > 1:
+    if dp_size(cfg) % cfg.expert_model_parallel_size:  # Megatron: TP x EP divides the world (expert TP = TP)
         raise ValueError(
-            f"expert_model_parallel_size={cfg.expert_model_parallel_size}: expert parallelism is not supported "
-            "yet; use 1 (every rank holds all experts, split over tensor_model_parallel_size)"
+            f"expert_model_parallel_size={cfg.expert_model_parallel_size} does not divide the data-parallel size "
+            f"{dp_size(cfg)} (the trainer's {devices} devices / tensor_model_parallel_size)"
         )
     if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type == "none":
         raise ValueError(

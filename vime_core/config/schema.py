@@ -1109,8 +1109,10 @@ class ConfigFields(BaseModel):
         1,
         ge=1,
         description=(
-            "Megatron's expert-parallel size (slime's --expert-model-parallel-size). Only 1 for now: every trainer "
-            "rank holds all experts, each split over the TP ranks like a dense MLP; larger values are refused."
+            "Megatron's expert-parallel size (slime's --expert-model-parallel-size): the experts of each MoE layer "
+            "are split over this many data-parallel ranks (each holds num_experts / EP whole experts, each split "
+            "over the TP ranks like a dense MLP: expert TP = TP). Must divide the data-parallel size and the "
+            "model's num_experts; 1: every rank holds all experts."
         ),
     )
 

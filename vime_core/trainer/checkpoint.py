@@ -92,15 +92,22 @@ def read_manifest(path: str, endpoint: Optional[S3Endpoint] = None) -> dict[str,
 
 
 def load_rank_state(
-    path: str, rank: int, world_size: int, tp_size: int, endpoint: Optional[S3Endpoint] = None, critic: bool = False
+    path: str,
+    rank: int,
+    world_size: int,
+    tp_size: int,
+    endpoint: Optional[S3Endpoint] = None,
+    critic: bool = False,
+    ep_size: int = 1,
 ) -> dict[str, Any]:
     """This rank's state dict (its critic's with `critic`, from the manifest's critic_dir),
-    after checking the manifest matches the current layout."""
+    after checking the manifest matches the current layout (a manifest without `ep` was written at EP=1)."""
     manifest = read_manifest(path, endpoint)
-    if manifest["world_size"] != world_size or manifest["tp"] != tp_size:
+    written = (manifest["world_size"], manifest["tp"], manifest.get("ep", 1))
+    if written != (world_size, tp_size, ep_size):
         raise CheckpointError(
-            f"{path}: written with world_size={manifest['world_size']}, tp={manifest['tp']}; "
-            f"this trainer has world_size={world_size}, tp={tp_size} (resharding is not supported)"
+            f"{path}: written with world_size={written[0]}, tp={written[1]}, ep={written[2]}; "
+            f"this trainer has world_size={world_size}, tp={tp_size}, ep={ep_size} (resharding is not supported)"
         )
     name = rank_file_name(rank, critic)
     folder = critic_dir(path, manifest) if critic else path

@@ -1,5 +1,6 @@
 """megatron-core's MoE layer as vime runs it: without Transformer Engine (absent on the CPU box and
-the GPU host) and with TP ranks that each hold the whole sequence (no sequence parallelism)."""
+the GPU host), with TP ranks that each hold the whole sequence (no sequence parallelism) and, with
+expert parallelism, EP ranks whose micro-batches hold different numbers of tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
 def define_missing_te_gemm() -> bool:
@@ -57,4 +59,47 @@ def allow_full_sequence_tp(model: Any) -> int:
         if copies > 1:
             for param in layer.experts.parameters():
                 param.register_hook(functools.partial(torch.div, other=copies))
+    return len(layers)
+
+
+class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+    """The allgather dispatcher for token counts that differ over its TP x EP group.
+
+    Megatron's gathers the group's tokens with an equal-size all-gather, as its sequence-parallel
+    TP ranks hold equal parts of one sequence. EP ranks are data-parallel ranks holding different
+    packed micro-batches, so each rank pads its tokens to the group's largest count (one scalar
+    all-reduce) with rows routed to no expert (routing-map row false, probabilities 0): no expert
+    sees them, their outputs are 0 and they are cut after the reduce-scatter, so the real tokens'
+    outputs and gradients are those of the unpadded run. (gloo has no all-gather of unequal parts.)"""
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.view(-1, self.hidden_shape[-1])
+        self.real_tokens = hidden.shape[0]
+        most = torch.tensor([self.real_tokens], dtype=torch.int64, device=hidden.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=self.tp_ep_group)
+        pad = int(most.item()) - self.real_tokens
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+            probs = torch.cat([probs, probs.new_zeros(pad, probs.shape[1])])
+            routing_map = torch.cat([routing_map, routing_map.new_zeros(pad, routing_map.shape[1])])
+        self.routing_map = routing_map
+        return hidden, probs
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states[: self.real_tokens].view(self.hidden_shape)
+
+
+def pad_tokens_over_ep(model: Any) -> int:
+    """Give ``model``'s MoE layers split over EP ranks the ``PaddedAllGatherDispatcher``; how many."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, MoELayer) and type(m.token_dispatcher) is MoEAllGatherTokenDispatcher
+        if m.token_dispatcher.ep_size > 1
+    ]
+    for layer in layers:
+        layer.token_dispatcher.__class__ = PaddedAllGatherDispatcher  # same state, two methods differ
     return len(layers)

@@ -1,6 +1,6 @@
-"""Hugging Face <-> Megatron weight conversion, sharded for tensor parallelism. One table
-(`_layer_rules` / `_model_rules`) says, for every Megatron parameter, which HF tensors it is made of
-and how it is split over TP ranks; both directions read it."""
+"""Hugging Face <-> Megatron weight conversion, sharded for tensor and expert parallelism. One table
+(`conversion_rules`) says, for every Megatron parameter, which HF tensors it is made of, how it is
+split over TP ranks and, for an expert, which EP rank holds it; both directions read it."""
 
 from __future__ import annotations
 
@@ -31,9 +31,15 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     kind: str  # replicated | vocab | row | qkv | gate_up
+    expert_owner: int | None = None  # the EP rank holding this expert's weights (None: every EP rank)
 
 
-def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
+def held_by(rule: Rule, ep_rank: int) -> bool:
+    """Whether EP rank ``ep_rank`` holds ``rule``'s parameter."""
+    return rule.expert_owner is None or rule.expert_owner == ep_rank
+
+
+def _layer_rules(arch: HFArchitecture, i: int, ep: int) -> list[Rule]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     attn = h + "self_attn."
     rules = [
@@ -55,7 +61,7 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
     rules.append(Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
-    rules += _moe_rules(arch, m, h) if arch.num_experts else _mlp_rules(m + "mlp.", h + "mlp.")
+    rules += _moe_rules(arch, m, h, ep) if arch.num_experts else _mlp_rules(m + "mlp.", h + "mlp.")
     rules += [
         Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
         Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
@@ -63,13 +69,15 @@ def _layer_rules(arch: HFArchitecture, i: int) -> list[Rule]:
     return rules
 
 
-def _mlp_rules(m: str, h: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Rule]:
+def _mlp_rules(
+    m: str, h: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), owner: int | None = None
+) -> list[Rule]:
     """One SwiGLU MLP: Megatron prefix ``m``, HF prefix ``h``, HF ``names`` of its gate, up and down
-    projections."""
+    projections; ``owner``: the EP rank holding it (an expert)."""
     gate, up, down = (f"{h}{name}.weight" for name in names)
     return [
-        Rule(m + "linear_fc1.weight", (gate, up), "gate_up"),
-        Rule(m + "linear_fc2.weight", (down,), "row"),
+        Rule(m + "linear_fc1.weight", (gate, up), "gate_up", owner),
+        Rule(m + "linear_fc2.weight", (down,), "row", owner),
     ]
 
 
@@ -81,19 +89,24 @@ MOE_HF_NAMES = {
 }
 
 
-def _moe_rules(arch: HFArchitecture, m: str, h: str) -> list[Rule]:
+def _moe_rules(arch: HFArchitecture, m: str, h: str, ep: int) -> list[Rule]:
     """The sparse block (``MOE_HF_NAMES``): the router (``<block>.gate``, [experts, hidden],
     replicated) and each expert's SwiGLU MLP, split over TP like the dense MLP (Megatron's
-    ``SequentialMLP`` names; these HF names are also vLLM's)."""
+    ``SequentialMLP`` names; these HF names are also vLLM's). Over ``ep`` EP ranks of L = experts / ep
+    local experts each, HF expert e is local expert e mod L of EP rank e // L (Megatron's
+    ``local_expert_indices``: EP rank p holds experts p*L .. p*L + L - 1)."""
     block, names = MOE_HF_NAMES[arch.model_type]
     rules = [Rule(m + "mlp.router.weight", (f"{h}{block}.gate.weight",), "replicated")]
+    local = arch.num_experts // ep
     for e in range(arch.num_experts):
-        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}{block}.experts.{e}.", names)
+        owner = e // local if ep > 1 else None
+        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e % local}.", f"{h}{block}.experts.{e}.", names, owner)
     return rules
 
 
-def conversion_rules(arch: HFArchitecture) -> list[Rule]:
-    """All rules in HF checkpoint order (embeddings, layers, final norm, LM head).
+def conversion_rules(arch: HFArchitecture, ep: int = 1) -> list[Rule]:
+    """All rules in HF checkpoint order (embeddings, layers, final norm, LM head), the experts' named
+    as over ``ep`` EP ranks (``_moe_rules``; ``held_by`` picks one rank's).
 
     Layouts (tp ranks, g KV groups, n query heads): fused QKV is, per KV group, its n/g query heads, then
     its key and value heads, groups contiguous, so rank r holds the r-th of tp dim-0 chunks (Qwen2's
@@ -101,8 +114,12 @@ def conversion_rules(arch: HFArchitecture) -> list[Rule]:
     and LM head: the vocabulary padded with zero rows to a multiple of tp, then dim-0 chunks; norms
     (Qwen3's q/k norms too) are replicated."""
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    if arch.num_experts % ep:
+        raise CheckpointMismatchError(
+            f"expert_model_parallel_size={ep} does not divide the model's num_experts={arch.num_experts}"
+        )
     for i in range(arch.num_layers):
-        rules += _layer_rules(arch, i)
+        rules += _layer_rules(arch, i, ep)
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
     if not arch.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
@@ -221,14 +238,22 @@ def check_hf_names(names: Iterable[str], arch: HFArchitecture, source: str) -> N
 
 
 def hf_to_megatron_shard(
-    hf_tensors: Mapping[str, torch.Tensor], arch: HFArchitecture, tp: int, rank: int, source: str = "checkpoint"
+    hf_tensors: Mapping[str, torch.Tensor],
+    arch: HFArchitecture,
+    tp: int,
+    rank: int,
+    source: str = "checkpoint",
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Megatron-named tensors for TP rank ``rank`` from full HF tensors in memory; raises
-    ``CheckpointMismatchError`` naming every missing and unexpected HF tensor of ``source``."""
+    """Megatron-named tensors for TP rank ``rank`` (of EP rank ``ep_rank``: its experts) from full HF
+    tensors in memory; raises ``CheckpointMismatchError`` naming every missing and unexpected HF
+    tensor of ``source``."""
     check_hf_names(hf_tensors, arch, source)
     return {
         rule.megatron: shard_for_rank(rule, [hf_tensors[n] for n in rule.hf], arch, tp, rank)
-        for rule in conversion_rules(arch)
+        for rule in conversion_rules(arch, ep)
+        if held_by(rule, ep_rank)
     }
 
 
@@ -272,10 +297,10 @@ def read_hf_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def iter_megatron_shard(
-    checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int
+    checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(megatron_name, tensor)`` of TP rank ``rank``, reading the checkpoint shard file by
-    shard file.
+    """Yield ``(megatron_name, tensor)`` of TP rank ``rank`` of EP rank ``ep_rank`` (only its experts
+    are read), reading the checkpoint shard file by shard file.
 
     Each file is opened once (``safe_open``, memory-mapped) and each HF tensor is read through
     ``get_slice`` as just the range this rank holds (``rank_range``): a rank never materialises
@@ -284,7 +309,7 @@ def iter_megatron_shard(
     source = str(checkpoint_dir)
     located = tensor_files(checkpoint_dir)
     check_hf_names(located, arch, source)
-    rules = conversion_rules(arch)
+    rules = [rule for rule in conversion_rules(arch, ep) if held_by(rule, ep_rank)]
     by_file: dict[Path, list[tuple[int, int]]] = {}
     for i, rule in enumerate(rules):
         for j, name in enumerate(rule.hf):
@@ -320,13 +345,16 @@ def unwrap(model: Any) -> Any:
     return model
 
 
-def load_hf_into_model(model: Any, checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int) -> None:
+def load_hf_into_model(
+    model: Any, checkpoint_dir: str | Path, arch: HFArchitecture, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
+) -> None:
     """Copy an HF checkpoint into this rank's Megatron parameters (in place, under no_grad),
     one parameter at a time as ``iter_megatron_shard`` reads it."""
     source = str(checkpoint_dir)
-    params = _checked_params(model, {rule.megatron for rule in conversion_rules(arch)}, source)
+    held = {rule.megatron for rule in conversion_rules(arch, ep) if held_by(rule, ep_rank)}
+    params = _checked_params(model, held, source)
     with torch.no_grad():
-        for name, value in iter_megatron_shard(checkpoint_dir, arch, tp, rank):
+        for name, value in iter_megatron_shard(checkpoint_dir, arch, tp, rank, ep, ep_rank):
             _copy_param(params[name], name, value, source)
 
 
@@ -385,17 +413,22 @@ def shards_to_hf(
 def iter_hf_weights(
     model: Any, arch: HFArchitecture | None = None, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every HF weight, gathering TP shards.
+    """Yield ``(hf_name, full_tensor)`` for every HF weight, gathering TP shards and, with expert
+    parallelism, each expert from the EP rank holding it (a broadcast over the EP group), once.
 
-    A collective over the TP group: all its ranks must iterate in step. ``dtype`` casts the
-    yielded tensors (default: the parameters' dtype). A layer with a LoRA adapter yields its
-    merged weight, so engines and exports see one plain model. At TP=1 replicated and unsplit tensors
-    are detached views of the parameters: copy before mutating them.
+    A collective over the TP group and the EP group: all their ranks (``ParallelLayout.holds_first_copy``)
+    must iterate in step. ``dtype`` casts the yielded tensors (default: the parameters' dtype). A layer
+    with a LoRA adapter yields its merged weight, so engines and exports see one plain model. At TP=1
+    replicated and unsplit tensors (an expert on its owner too) are detached views of the parameters:
+    copy before mutating them.
     """
     bare = unwrap(model)
     arch = arch or bare.vime_hf_arch
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    ep = parallel_state.get_expert_model_parallel_world_size() if arch.num_experts else 1
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0
+    ep_group = parallel_state.get_expert_model_parallel_group() if ep > 1 else None
 
     def gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
         if tp == 1:
@@ -404,11 +437,19 @@ def iter_hf_weights(
         torch.distributed.all_gather(parts, t.contiguous(), group=group)
         return parts
 
+    def from_owner(t: torch.Tensor, owner: int) -> torch.Tensor:
+        """The owner's tensor of the same local name (the same shape) on every EP rank."""
+        out = t.contiguous() if owner == ep_rank else torch.empty_like(t)
+        torch.distributed.broadcast(out, group=ep_group, group_src=owner)
+        return out
+
     params = dict(bare.named_parameters())
-    for rule in conversion_rules(arch):
+    for rule in conversion_rules(arch, ep):
         local = params[rule.megatron].detach()
-        owner, _, leaf = rule.megatron.rpartition(".")
-        adapter = getattr(bare.get_submodule(owner), "lora", None) if leaf == "weight" else None
+        if rule.expert_owner is not None:
+            local = from_owner(local, rule.expert_owner)
+        module, _, leaf = rule.megatron.rpartition(".")
+        adapter = getattr(bare.get_submodule(module), "lora", None) if leaf == "weight" else None
         if adapter is not None:  # LoRA (trainer/lora.py): the merged weight W + s B A, split as W
             local = adapter.merged(local)
         for name, tensor in zip(rule.hf, shards_to_hf(rule, gather, local, arch, tp)):

@@ -191,6 +191,20 @@ def check_tp_divides(arch: HFArchitecture, tp_size: int) -> None:
             raise ValueError(f"tensor_model_parallel_size={tp_size} does not divide the model's {field}={value}")
 
 
+def check_ep_divides(arch: HFArchitecture, ep_size: int) -> None:
+    """Each EP rank holds ``num_experts / ep_size`` whole experts; a dense model has none to split."""
+    if ep_size == 1:
+        return
+    if not arch.num_experts:
+        raise ValueError(
+            f"expert_model_parallel_size={ep_size}: the model (model_type={arch.model_type!r}) has no experts to split"
+        )
+    if arch.num_experts % ep_size:
+        raise ValueError(
+            f"expert_model_parallel_size={ep_size} does not divide the model's num_experts={arch.num_experts}"
+        )
+
+
 def transformer_config(
     arch: HFArchitecture,
     tp_size: int,
@@ -199,6 +213,7 @@ def transformer_config(
     fusions: dict[str, bool] | None = None,
     router_losses: dict[str, Any] | None = None,
     routing_replay: bool = False,
+    ep_size: int = 1,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``arch``: no dropout, weights created on the CPU and
     left uninitialised (a checkpoint is loaded next). ``recompute``: Megatron's activation-recompute
@@ -206,8 +221,11 @@ def transformer_config(
     Megatron's hook, ``rope.py``) and ``bias_activation_fusion`` (Megatron's torch.compile'd
     SwiGLU), from ``fusion_settings``; off by default. The other fused kernels need Transformer
     Engine or apex and stay off. MoE models: ``moe_settings`` (``router_losses`` from
-    ``router_loss_settings``; none by default; ``routing_replay``: Megatron's routing replay)."""
+    ``router_loss_settings``; none by default; ``routing_replay``: Megatron's routing replay;
+    ``ep_size``: expert parallelism, as the parallel state was initialised)."""
     check_tp_divides(arch, tp_size)
+    if arch.num_experts:
+        check_ep_divides(arch, ep_size)
     fusions = {"apply_rope_fusion": False, "bias_activation_fusion": False, **(fusions or {})}
     if fusions["apply_rope_fusion"]:
         rope.install()  # before the config: its checks look for a fused RoPE
@@ -238,14 +256,18 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        **moe_settings(arch, tp_size, router_losses, routing_replay),
+        **moe_settings(arch, tp_size, router_losses, routing_replay, ep_size),
         **(recompute or {}),
         **fusions,
     )
 
 
 def moe_settings(
-    arch: HFArchitecture, tp_size: int, router_losses: dict[str, Any] | None = None, routing_replay: bool = False
+    arch: HFArchitecture,
+    tp_size: int,
+    router_losses: dict[str, Any] | None = None,
+    routing_replay: bool = False,
+    ep_size: int = 1,
 ) -> dict[str, Any]:
     """Megatron's MoE fields for ``arch`` (none for a dense model).
 
@@ -254,9 +276,12 @@ def moe_settings(
     ``moe_router_pre_softmax=False``; without the renormalisation it is softmax-then-top-k
     (``moe_router_pre_softmax=True``). Routing in fp32 as slime runs Qwen3-MoE; dropless (no
     capacity factor); the load-balancing and z losses of ``router_losses`` (``router_loss_settings``;
-    default none); the allgather dispatcher (the alltoall one needs
-    CUDA streams; at EP=1 neither moves tokens between ranks); expert parallelism 1 and experts split over the
-    TP ranks like the dense MLP (expert TP = TP). ``routing_replay``: each router gets Megatron's
+    default none); the allgather dispatcher (the alltoall one needs CUDA streams): it gathers every
+    token of the TP x EP ranks, each rank runs its experts on the tokens routed to them and a
+    reduce-scatter returns each rank its tokens' outputs. Experts split over ``ep_size`` ranks (each
+    holds ``num_experts / ep_size`` whole experts) and each over the TP ranks like the dense MLP
+    (expert TP = TP: the same TP split and gradient rule as at EP=1, ``compat_moe``).
+    ``routing_replay``: each router gets Megatron's
     ``RouterReplay``, driven by ``vime_core/trainer/routing_replay.py`` (off: routers as before)."""
     if not arch.num_experts:
         return {}
@@ -273,7 +298,7 @@ def moe_settings(
         **(router_losses or {}),
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
-        "expert_model_parallel_size": 1,
+        "expert_model_parallel_size": ep_size,
         "expert_tensor_parallel_size": tp_size,
         **({"moe_enable_routing_replay": True} if routing_replay else {}),
     }
@@ -358,8 +383,10 @@ def build_gpt_model(
     fusions: dict[str, bool] | None = None,
     router_losses: dict[str, Any] | None = None,
     routing_replay: bool = False,
+    ep_size: int = 1,
 ) -> Any:
-    """A Megatron ``GPTModel`` for this TP rank (parallel state must be initialised).
+    """A Megatron ``GPTModel`` for this TP (and EP) rank (parallel state must be initialised, with
+    ``ep_size`` as its expert-parallel size).
 
     The output layer returns vocabulary-parallel logits [b, s, padded_vocab / tp].
     """
@@ -367,7 +394,7 @@ def build_gpt_model(
     if arch.num_experts:
         compat_moe.define_missing_te_gemm()
     model = GPTModel(
-        config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses, routing_replay),
+        config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses, routing_replay, ep_size),
         transformer_layer_spec=layer_spec(arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,
@@ -383,6 +410,7 @@ def build_gpt_model(
     mark_tensor_parallel_params(model)
     norms_in_dtype(model, dtype)
     compat_moe.allow_full_sequence_tp(model)
+    compat_moe.pad_tokens_over_ep(model)
     model.vime_hf_arch = arch  # read by hf_convert.iter_hf_weights
     return model.to(device=device)
 

@@ -28,6 +28,7 @@ from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
     check_router_losses,
+    check_ep_divides,
     check_routing_replay,
     fusion_settings,
     read_hf_config,
@@ -90,7 +91,7 @@ class MegatronTrainer:
         sent unless the publisher was made with one."""
         self.cfg = cfg
         self._engine_token = engine_token
-        self.layout = layout_for(rank, world_size, cfg.tensor_model_parallel_size)
+        self.layout = layout_for(rank, world_size, cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size)
         self.master_addr, self.master_port = master_addr, int(master_port)
         self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
         self.weight_version = 0
@@ -134,13 +135,22 @@ class MegatronTrainer:
         lay = self.layout
         if self.device.type == "cuda":  # before the first allocation (vime_core/weight_sync/allocator.py)
             use_expandable_segments()
-        init_parallel(lay.rank, lay.world_size, self.master_addr, self.master_port, lay.tp_size, self.device.type)
+        init_parallel(
+            lay.rank,
+            lay.world_size,
+            self.master_addr,
+            self.master_port,
+            lay.tp_size,
+            self.device.type,
+            ep_size=lay.ep_size,
+        )
         if lay.world_size > 1 and weight_transport(self.cfg) == "ipc":  # every rank makes it (ipc_peers.py)
             self._peers = PeerChannel(torch.distributed.new_group(backend="gloo"), lay.rank)
         seed_everything(self.cfg.seed)
         self.arch = architecture_from_hf(read_hf_config(path))
         check_router_losses(self.arch, self.cfg)
         check_routing_replay(self.arch, self.cfg)
+        check_ep_divides(self.arch, lay.ep_size)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
 
         def load_model(
@@ -156,8 +166,9 @@ class MegatronTrainer:
                 fusion_settings(self.cfg, self.device),
                 router_losses,
                 routing_replay,
+                lay.ep_size,
             )
-            load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank)
+            load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank, lay.ep_size, lay.ep_rank)
             return model
 
         # the router losses train the policy alone: the frozen models run no router loss, the critic's
@@ -187,12 +198,14 @@ class MegatronTrainer:
         if self.cfg.offload_train and self.cfg.offload_train_prepin and self.device.type == "cuda":
             self._prepin_host_memory()
         log.info(
-            "trainer rank %d (tp %d/%d, dp %d/%d) ready from %s",
+            "trainer rank %d (tp %d/%d, dp %d/%d, ep %d/%d) ready from %s",
             lay.rank,
             lay.tp_rank,
             lay.tp_size,
             lay.dp_rank,
             lay.dp_size,
+            lay.ep_rank,
+            lay.ep_size,
             path,
         )
         return self.state()
@@ -316,15 +329,16 @@ class MegatronTrainer:
     # ---- weights out ---------------------------------------------------------------------------
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors (a collective over this rank's TP group)."""
+        """Full HF-named tensors (a collective over this rank's TP and EP groups)."""
         self._require_init()
         return iter_hf_weights(self.model, self.arch)
 
     def publish(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
 
-        Rank 0 publishes; the other ranks of its TP group take part in the gathers; other DP
-        replicas hold the same weights and only advance their version counter. Over CUDA IPC
+        Rank 0 publishes; the other ranks holding the first copy of the weights (its TP group and,
+        with expert parallelism, the EP ranks holding the other experts) take part in the gathers;
+        the other ranks hold the same weights and only advance their version counter. Over CUDA IPC
         with more than one rank, every rank also packs each bucket on its own GPU for the engine
         workers there (transport/ipc_peers.py).
         With lora_publish=adapter only the LoRA adapter goes (`_publish_adapter`).
@@ -344,7 +358,7 @@ class MegatronTrainer:
         peers = self._peers
         if serves_adapters(self.cfg):
             result = self._publish_adapter(engine_urls, new_version)
-        elif self.layout.dp_rank == 0 or peers is not None:
+        elif self.layout.holds_first_copy or peers is not None:
             weights = self.iter_hf_weights()
             try:
                 if self.layout.rank == 0:
@@ -358,7 +372,7 @@ class MegatronTrainer:
             finally:
                 if peers is not None and self.layout.rank == 0:
                     peers.release()  # the other ranks free their buffers, also after a failure
-                for _ in weights:  # finish the TP gathers so the other ranks are not left waiting
+                for _ in weights:  # finish the TP/EP gathers so the other ranks are not left waiting
                     pass
         self.weight_version = new_version
         probe = self.probe_log_probs() if self.cfg.check_weight_update_equal else None
@@ -401,7 +415,7 @@ class MegatronTrainer:
         self._require_init()
         where = str(path)
         with self._awake(weights_only=True):
-            if self.layout.dp_rank == 0:
+            if self.layout.holds_first_copy:
                 weights = self.iter_hf_weights()
                 if self.layout.rank == 0:
                     where = write_hf_folder(
@@ -490,6 +504,7 @@ class MegatronTrainer:
                     "world_size": lay.world_size,
                     "tp": lay.tp_size,
                     "dp": lay.dp_size,
+                    "ep": lay.ep_size,
                     "weight_version": self.weight_version,
                     "hf_checkpoint": self.hf_checkpoint,
                     "files": [ckpt.rank_file_name(r) for r in ranks],
@@ -515,8 +530,9 @@ class MegatronTrainer:
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` with the same layout; returns its extra_state."""
         self._require_init()
+        lay = self.layout
         state = ckpt.load_rank_state(
-            path, self.layout.rank, self.layout.world_size, self.layout.tp_size, S3Endpoint.of(self.cfg)
+            path, lay.rank, lay.world_size, lay.tp_size, S3Endpoint.of(self.cfg), ep_size=lay.ep_size
         )
         check_lora_state(state["model"], self.model.state_dict(), self.cfg.lora_rank, path)
         self.model.load_state_dict(state["model"], strict=True)
@@ -546,7 +562,9 @@ class MegatronTrainer:
                 self.cfg.critic_load or self.hf_checkpoint,
             )
             return
-        state = ckpt.load_rank_state(path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True)
+        state = ckpt.load_rank_state(
+            path, lay.rank, lay.world_size, lay.tp_size, endpoint, critic=True, ep_size=lay.ep_size
+        )
         self.critic.load_state(state, ckpt.critic_dir(path, manifest))
 
     # ---- memory between phases ---------------------------------------------------------------

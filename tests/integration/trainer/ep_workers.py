@@ -1,0 +1,130 @@
+"""Worker process of the expert-parallel MoE trainer tests (spawned by dist_workers.spawn), and what
+its reference run on one rank records the same way."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from tests.integration.trainer.hand_batch import hand_batch, hand_config
+
+AUX_COEFF = 0.5  # the router's load-balancing loss on: its gradient is part of the compared step
+
+
+def ep_config(checkpoint: str, storage: str, tp: int = 1, ep: int = 1, world_size: int = 1, **overrides):
+    """The hand config with the aux loss on, at (TP=tp, DP=world_size/tp, EP=ep)."""
+    return hand_config(
+        Path(checkpoint),
+        Path(storage),
+        moe_aux_loss_coeff=AUX_COEFF,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        actor_num_gpus_per_node=world_size,
+        colocate=False,
+        rollout_num_gpus=1,
+        **overrides,
+    )
+
+
+def probe_ids(vocab_size: int, index: int) -> torch.Tensor:
+    """Sequence ``index`` of the logits probe: each rank's has its own tokens and length, so the
+    EP ranks' micro-batches hold different numbers of tokens (compat_moe.PaddedAllGatherDispatcher)."""
+    gen = torch.Generator().manual_seed(11 + index)
+    return torch.randint(0, vocab_size, (1, 9 + 4 * index), generator=gen)
+
+
+def logits(model: Any, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The model's logits of ``ids`` (one causal sequence), its vocabulary-parallel parts gathered
+    over TP and the padding cut."""
+    from megatron.core import parallel_state
+
+    seq = ids.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        part = model(ids, torch.arange(seq)[None], causal)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(part) for _ in range(tp)]
+        torch.distributed.all_gather(parts, part, group=parallel_state.get_tensor_model_parallel_group())
+        part = torch.cat(parts, dim=-1)
+    return part[..., :vocab_size].clone()
+
+
+def published_stream(trainer: Any) -> list[tuple[str, torch.Tensor]]:
+    """What ``trainer.publish`` hands the transports on rank 0 (names and tensors, in order); the
+    engines are left out: the stream is replaced by a list at the trainer's call of publish_weights."""
+    import vime_core.trainer.trainer as trainer_module
+
+    stream: list[tuple[str, torch.Tensor]] = []
+
+    def record(weights, *args, **kwargs):
+        stream.extend((name, tensor.clone()) for name, tensor in weights)
+        return {"recorded": len(stream)}
+
+    saved = trainer_module.publish_weights, trainer_module.PublishLoop
+    trainer_module.publish_weights, trainer_module.PublishLoop = record, lambda **kwargs: None
+    try:
+        trainer.publish(["http://127.0.0.1:9"])
+    finally:
+        trainer_module.publish_weights, trainer_module.PublishLoop = saved
+    return stream
+
+
+def run_and_record(trainer: Any, checkpoint: str, probe: Iterable[int]) -> dict[str, Any]:
+    """Round trip, the logits of the ``probe`` sequences, the publish stream, one rollout and the
+    weights and log-probs after it."""
+    from vime_core.trainer.hf_convert import read_hf_safetensors, unwrap
+
+    source = read_hf_safetensors(checkpoint)
+    gathered = list(trainer.iter_hf_weights())  # whole: a short-circuit would desync the gathers
+    bare, vocab = unwrap(trainer.model), trainer.arch.vocab_size
+    result: dict[str, Any] = {
+        "round_trip_names": [n for n, _ in gathered],
+        "round_trip_exact": sorted(n for n, _ in gathered) == sorted(source)
+        and all(torch.equal(t, source[n]) for n, t in gathered),
+        "logits": {i: logits(bare, probe_ids(vocab, i), vocab) for i in probe},
+        "stream": published_stream(trainer),
+    }
+    metrics = trainer.train(0, hand_batch())
+    result.update(
+        metrics=metrics,
+        hf={n: t.clone() for n, t in trainer.iter_hf_weights()},
+        local={n: p.detach().clone() for n, p in bare.named_parameters()},
+        log_probs=trainer.compute_log_probs(hand_batch()),
+    )
+    return result
+
+
+def train_ep_and_dump(
+    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str, steps: int
+) -> None:
+    """This rank of a (TP=tp, DP=world/tp, EP=ep) trainer: ``run_and_record`` of its probe sequence
+    (its DP rank's), plus its EP rank as Megatron's parallel state has it."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from vime_core.trainer.parallel import destroy_parallel
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    cfg = ep_config(checkpoint, storage, tp, ep, world_size, num_steps_per_rollout=steps)
+    trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
+    trainer.init()
+    result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])
+    # a checkpoint brings back this rank's experts after another rollout moved them
+    saved = trainer.save(0)
+    trainer.train(1, hand_batch())
+    moved = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
+    trainer.load(saved)
+    restored = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
+    result["checkpoint_restores"] = all(torch.equal(restored[n], result["local"][n]) for n in restored)
+    result["rollout_moved_experts"] = any(
+        not torch.equal(moved[n], result["local"][n]) for n in moved if ".local_experts." in n
+    )
+    result["layout"] = trainer.layout
+    result["megatron_ep_rank"] = parallel_state.get_expert_model_parallel_rank()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    destroy_parallel()
