@@ -1,5 +1,6 @@
 """Startup of `vime train`, from the command to its first iteration (startup_s, and the summary's marks):
-the early start (the default) against --no-early-start, and the early start without engine_prestart.
+the early start (the default) against --no-early-start, the early start without engine_prestart, and
+(on CPU) the engine as vLLM's two processes (--no-vllm-cpu-single-process) against one.
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
@@ -23,6 +24,7 @@ MODES = {
     "early": ["--early-start"],
     "early_no_prestart": ["--early-start", "--no-engine-prestart"],
     "bootstrap": ["--no-early-start"],
+    "cpu_engine_two_processes": ["--early-start", "--no-vllm-cpu-single-process"],
 }
 
 
@@ -82,15 +84,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes to run (early always)")
     args = p.parse_args()
+    modes = ["early", *(m for m in args.modes if m != "early")]
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="vime-bench-startup-"))
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             runs[mode].append(run_once(mode, root / f"{mode}-{i}"))
     medians = {m: statistics.median(r["startup_s"] for r in rs) for m, rs in runs.items()}
     result = {
@@ -101,12 +105,12 @@ def main() -> None:
         "Prefect home per run",
         "repeats": args.repeats,
         "startup_s_median": medians,
-        "ratio_early_over_bootstrap": medians["early"] / medians["bootstrap"],
-        "per_repeat_ratio": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["bootstrap"])],
-        "ratio_prestart": medians["early"] / medians["early_no_prestart"],
-        "per_repeat_ratio_prestart": [
-            a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], runs["early_no_prestart"])
-        ],
+        **{f"ratio_early_over_{m}": medians["early"] / medians[m] for m in modes if m != "early"},
+        **{
+            f"per_repeat_ratio_early_over_{m}": [a["startup_s"] / b["startup_s"] for a, b in zip(runs["early"], rs)]
+            for m, rs in runs.items()
+            if m != "early"
+        },
         "runs": runs,
     }
     if args.out:

@@ -63,15 +63,20 @@ def _orchestration(f: dict) -> str:
 
 def _startup(f: dict) -> str:
     m = f["startup_s_median"]
-    line = (
-        f"command -> first iteration: early start {m['early']:.1f} s, bootstrap start {m['bootstrap']:.1f} s "
-        f"(ratio {f['ratio_early_over_bootstrap']:.2f})"
-    )
-    if "ratio_prestart" in f:  # rows since the engines' prestart
-        line += (
-            f", early start without engine prestart {m['early_no_prestart']:.1f} s (ratio {f['ratio_prestart']:.2f})"
-        )
-    return line + f", x{f['repeats']}"
+    ratios = {  # rows before the modes were selectable name two ratios their own way
+        "bootstrap": f.get("ratio_early_over_bootstrap"),
+        "early_no_prestart": f.get("ratio_early_over_early_no_prestart", f.get("ratio_prestart")),
+        "cpu_engine_two_processes": f.get("ratio_early_over_cpu_engine_two_processes"),
+    }
+    words = {
+        "bootstrap": "bootstrap start",
+        "early_no_prestart": "early start without engine prestart",
+        "cpu_engine_two_processes": "CPU engine as two processes",
+    }
+    parts = [f"command -> first iteration: early start {m['early']:.1f} s"] + [
+        f"{words[mode]} {m[mode]:.1f} s (ratio {ratio:.2f})" for mode, ratio in ratios.items() if ratio is not None
+    ]
+    return ", ".join(parts) + f", x{f['repeats']}"
 
 
 def _bf16_noise(f: dict) -> str:

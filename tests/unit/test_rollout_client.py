@@ -579,6 +579,8 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     two_ranks = EngineServer(cfg, 1, server_args={"tensor_parallel_size": 2})
     assert two_ranks.cpu_cores() is None and "--distributed-executor-backend" not in two_ranks.command(4321)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two_ranks.environment()
+    two_processes = EngineServer(make_config({**cfg.model_dump(), "vllm_cpu_single_process": False}), 1)
+    assert two_processes.cpu_cores() is None and "--distributed-executor-backend" not in two_processes.command(4321)
 
 
 def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):

@@ -514,6 +514,15 @@ class ConfigFields(BaseModel):
             "on CPU, false on CUDA."
         ),
     )
+    vllm_cpu_single_process: bool = Field(
+        True,
+        description=(
+            "On CPU, a one-rank engine runs its model worker inside vLLM's engine-core process (vLLM's uni executor, "
+            "as one-rank GPU engines do), pinned to the engine's cores with one thread per core: each start imports "
+            "vLLM and torch once less. False: vLLM's CPU default, a worker process beside the engine core with its "
+            "threads bound to the engine's cores. No effect on CUDA or with rollout_num_gpus_per_engine > 1."
+        ),
+    )
     vllm_api_server_count: int = Field(
         1,
         ge=1,

@@ -204,13 +204,13 @@ class EngineServer:
     # ---- what is launched -------------------------------------------------------------------
 
     def cpu_cores(self) -> Optional[list[int]]:
-        """The cores of a one-rank engine on CPU, which runs as one engine-core process (vLLM's
-        "uni" executor; None otherwise). vLLM's CPU build otherwise spawns a worker process beside
-        the engine core, each importing vLLM and torch again: seconds of every start, for a
-        layout the GPU's one-rank engines do not have. The whole server is pinned to the engine's
-        cores (orphan_guard --cpus), which the worker process alone held before."""
+        """The cores of a one-rank engine on CPU that runs as one engine-core process (vLLM's "uni"
+        executor, vllm_cpu_single_process; None otherwise). vLLM's CPU build otherwise spawns a
+        worker process beside the engine core, each importing vLLM and torch again: seconds of every
+        start, for a layout the GPU's one-rank engines do not have. The whole server is pinned to
+        the engine's cores (orphan_guard --cpus), which the worker process alone is bound to then."""
         tp = int(self.server_args.get("tensor_parallel_size", self.cfg.rollout_num_gpus_per_engine))
-        if self.cfg.device != "cpu" or tp != 1:
+        if self.cfg.device != "cpu" or tp != 1 or not self.cfg.vllm_cpu_single_process:
             return None
         return cpu_sets(self.engine_index, self.engines_per_node)[0]
 
