@@ -574,8 +574,6 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     assert server.cpu_cores() == cpu_sets(1, 2)[0]
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == str(len(server.cpu_cores()))
-    own_threads = make_config({**cfg.model_dump(), "vllm_env": ["OMP_NUM_THREADS=3"]})
-    assert EngineServer(own_threads, 1).environment()["OMP_NUM_THREADS"] == "3"
     two_ranks = EngineServer(cfg, 1, server_args={"tensor_parallel_size": 2})
     assert two_ranks.cpu_cores() is None and "--distributed-executor-backend" not in two_ranks.command(4321)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two_ranks.environment()

@@ -26,7 +26,7 @@ ON_THE_WAY = [
 ]
 # the phase timer the receivers time their buckets with
 TIMER = REPO / "vime_core" / "utils" / "timing.py"
-ENGINE_SIDE_THIRD_PARTY = {"torch", "vllm"}
+ENGINE_SIDE_THIRD_PARTY = {"torch", "vllm", "numpy"}  # numpy: a dependency of both
 
 
 def _imported(tree: ast.AST) -> set[str]:

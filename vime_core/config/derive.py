@@ -423,6 +423,7 @@ ENGINE_MANAGED_ENV = frozenset(
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_CPU_OMP_THREADS_BIND",
         "VLLM_ENABLE_V1_MULTIPROCESSING",  # a one-rank CPU engine's process layout (EngineServer.cpu_cores)
+        "OMP_NUM_THREADS",  # the same engine's threads: one per core it is pinned to
         "LD_PRELOAD",
         "CUDA_VISIBLE_DEVICES",
         "VIME_ENGINE_TOKEN",

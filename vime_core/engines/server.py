@@ -346,10 +346,9 @@ class EngineServer:
             if (cores := self.cpu_cores()) is not None:
                 # vLLM's CPU platform keeps the "uni" executor only without multiprocessing, and
                 # then serves on one torch thread unless OMP_NUM_THREADS says otherwise (a Ray
-                # worker's own OMP_NUM_THREADS is not meant for it; a vllm_env entry is)
+                # worker's own OMP_NUM_THREADS is not meant for it)
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-                if "OMP_NUM_THREADS" not in engine_env(cfg):
-                    env["OMP_NUM_THREADS"] = str(len(cores))
+                env["OMP_NUM_THREADS"] = str(len(cores))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
         if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses

@@ -257,24 +257,25 @@ def _publish_as_version(store: BatchStore, table: pa.Table, version: int) -> Non
 
 
 def test_older_schema_version_is_refused_clearly_or_upgraded(store_uri, monkeypatch):
+    """A version with no upgrade is refused naming both versions; the upgrades a version has are
+    applied in turn (here 0 -> 1 -> SCHEMA_VERSION: 0 without session_id, the later ones' own)."""
     store = BatchStore(store_uri)
     current = batch_to_table(synthetic_batch(seed=7), lineage("old", 1))
-    _publish_as_version(store, current.drop_columns(["session_id"]), SCHEMA_VERSION - 1)
-    with pytest.raises(
-        SchemaVersionError, match=rf"schema version {SCHEMA_VERSION - 1}.*reads version {SCHEMA_VERSION}"
-    ):
+    v1_columns = [name for name in COLUMNS if name != "routed_experts"]  # version 2 added routed_experts
+    _publish_as_version(store, current.drop_columns(["session_id", "routed_experts"]), 0)
+    with pytest.raises(SchemaVersionError, match=rf"schema version 0.*reads version {SCHEMA_VERSION}"):
         store.read("old", 1)
 
     def add_session_id(table: pa.Table) -> pa.Table:
-        table = table.add_column(
-            COLUMNS.index("session_id"), BATCH_SCHEMA.field("session_id"), pa.array(["s"] * table.num_rows)
-        )
-        return table.replace_schema_metadata({**table.schema.metadata, b"schema_version": str(SCHEMA_VERSION).encode()})
+        field = BATCH_SCHEMA.field("session_id")
+        table = table.add_column(v1_columns.index("session_id"), field, pa.array(["s"] * table.num_rows))
+        return table.replace_schema_metadata({**table.schema.metadata, b"schema_version": b"1"})
 
-    monkeypatch.setitem(UPGRADES, SCHEMA_VERSION - 1, add_session_id)
+    monkeypatch.setitem(UPGRADES, 0, add_session_id)
     batch, _ = store.read("old", 1)
     assert batch["session_id"] == ["s"] * current.num_rows
     assert batch["tokens"] == current.column("tokens").to_pylist()
+    assert batch["routed_experts"] == [None] * current.num_rows  # version 1 -> 2: no routing recorded
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ class _Critic:
 def _stand_ins(advantages: dict):
     from vime_core.trainer import rollout_training as train_step  # patched where train_on_rollout looks them up
 
-    def forward_log_probs(model, batch, micro_batches, vocab, temperature, device):
+    def forward_log_probs(model, batch, micro_batches, vocab, temperature, device, replay=False):
         return {i: _per_token(model, i, int(batch["response_length"][i])) for mb in micro_batches for i in mb}
 
     def step(model, optimizer, inputs, *args, **kwargs):
