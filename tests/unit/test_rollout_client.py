@@ -477,7 +477,8 @@ def test_engine_server_times_out_and_kills_a_silent_server(tmp_path, tiny_model_
     from vime_core.demo.settings import demo_values
     from vime_core.engines.server import EngineServer, EngineStartError
 
-    python = _fake_python(tmp_path, "echo starting; exec sleep 600\n")
+    # silent once launched; vime's question for vLLM's version (no --port) is refused at once
+    python = _fake_python(tmp_path, 'case " $* " in *" --port "*) echo starting; exec sleep 600;; esac; exit 1\n')
     cfg = make_config(
         demo_values({"hf_checkpoint": str(tiny_model_dir), "vllm_python": python, "engine_startup_timeout_s": 2})
     )
