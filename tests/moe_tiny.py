@@ -95,3 +95,24 @@ def _saved(out: Path, cfg: dict, seed: int) -> Path:
     build_tokenizer(out, len(VOCAB))
     marker.write_text(json.dumps(want, indent=2))
     return out
+
+
+def random_hf_tensors(arch, names, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under HF names ``names`` of an MoE ``arch`` (``HFArchitecture``), each in the
+    shape its name has in a checkpoint (either family's expert names)."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
+    shapes = {
+        "q_proj": (arch.num_heads * d, h),
+        "k_proj": (arch.num_kv_heads * d, h),
+        "v_proj": (arch.num_kv_heads * d, h),
+        "o_proj": (h, arch.num_heads * d),
+        **dict.fromkeys(("gate_proj", "up_proj", "w1", "w3"), (f, h)),
+        **dict.fromkeys(("down_proj", "w2"), (h, f)),
+        "gate": (arch.num_experts, h),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "embed_tokens": (arch.vocab_size, h),
+        "lm_head": (arch.vocab_size, h),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*shapes.get(n.split(".")[-2], (h,)), generator=gen) for n in names}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe_tiny import tiny_mixtral_config, tiny_moe_config
+from tests.moe_tiny import random_hf_tensors, tiny_mixtral_config, tiny_moe_config
 from vime_core.trainer.hf_convert import conversion_rules, held_by, hf_to_megatron_shard, shards_to_hf
 from vime_core.trainer.model import architecture_from_hf, check_ep_divides, moe_settings
 from vime_core.trainer.parallel import layout_for
@@ -43,13 +43,7 @@ def test_rules_give_each_ep_rank_its_block_of_experts(config):
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2), (1, 4)])
 def test_expert_shards_over_tp_and_ep_gather_back_exactly(tp, ep):
     arch = architecture_from_hf(tiny_moe_config())
-    gen = torch.Generator().manual_seed(0)
-    rules = conversion_rules(arch)
-    shapes = {r.hf[0]: None for r in rules}
-    hf = {}
-    for name in (n for r in rules for n in r.hf):
-        shapes[name] = _shape(arch, name)
-        hf[name] = torch.randn(*shapes[name], generator=gen)
+    hf = random_hf_tensors(arch, (n for r in conversion_rules(arch) for n in r.hf))
     shards = {(t, p): hf_to_megatron_shard(hf, arch, tp, t, ep=ep, ep_rank=p) for t in range(tp) for p in range(ep)}
     local = arch.num_experts // ep
     fc1 = shards[(0, ep - 1)]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
@@ -60,25 +54,6 @@ def test_expert_shards_over_tp_and_ep_gather_back_exactly(tp, ep):
         parts = [shards[(t, owner)][rule.megatron] for t in range(tp)]
         for name, tensor in zip(rule.hf, shards_to_hf(rule, lambda t, dim, ps=parts: ps, parts[0], arch, tp)):
             assert torch.equal(tensor, hf[name]), name
-
-
-def _shape(arch, name: str) -> tuple[int, ...]:
-    h, d, f = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
-    leaf = name.split(".")[-2]
-    return {
-        "q_proj": (arch.num_heads * d, h),
-        "k_proj": (arch.num_kv_heads * d, h),
-        "v_proj": (arch.num_kv_heads * d, h),
-        "o_proj": (h, arch.num_heads * d),
-        "gate_proj": (f, h),
-        "up_proj": (f, h),
-        "down_proj": (h, f),
-        "gate": (arch.num_experts, h),
-        "q_norm": (d,),
-        "k_norm": (d,),
-        "embed_tokens": (arch.vocab_size, h),
-        "lm_head": (arch.vocab_size, h),
-    }.get(leaf, (h,))
 
 
 def test_ep_must_divide_the_experts_of_an_moe_model():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe_tiny import tiny_mixtral_config, tiny_moe_config
+from tests.moe_tiny import random_hf_tensors, tiny_mixtral_config, tiny_moe_config
 from vime_core.config import ConfigError, load_config, parse_args
 from vime_core.trainer.hf_convert import conversion_rules, hf_to_megatron_shard, shards_to_hf
 from vime_core.trainer.model import UnsupportedModelError, architecture_from_hf, check_tp_divides, moe_settings
@@ -83,28 +83,8 @@ def test_an_unknown_family_is_refused_naming_its_architecture():
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_expert_shards_gather_back_exactly(tp, family):
     arch = architecture_from_hf(tiny_mixtral_config() if family == "mixtral" else tiny_moe_config())
-    gen = torch.Generator().manual_seed(0)
-    h, d, f = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
-    shapes = {
-        "q_proj": (arch.num_heads * d, h),
-        "k_proj": (arch.num_kv_heads * d, h),
-        "v_proj": (arch.num_kv_heads * d, h),
-        "o_proj": (h, arch.num_heads * d),
-        "gate_proj": (f, h),
-        "up_proj": (f, h),
-        "down_proj": (h, f),
-        "w1": (f, h),
-        "w3": (f, h),
-        "w2": (h, f),
-        "gate": (arch.num_experts, h),
-        "q_norm": (d,),
-        "k_norm": (d,),
-        "embed_tokens": (arch.vocab_size, h),
-        "lm_head": (arch.vocab_size, h),
-    }
-    hf = {
-        n: torch.randn(*shapes.get(n.split(".")[-2], (h,)), generator=gen) for r in conversion_rules(arch) for n in r.hf
-    }
+    f, h = arch.moe_ffn_hidden_size, arch.hidden_size
+    hf = random_hf_tensors(arch, (n for r in conversion_rules(arch) for n in r.hf))
     shards = [hf_to_megatron_shard(hf, arch, tp, r) for r in range(tp)]
     fc1 = shards[-1]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert fc1.shape == (2 * f // tp, h)  # [gate_r; up_r] of this rank
