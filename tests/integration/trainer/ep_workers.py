@@ -9,24 +9,13 @@ from typing import Any, Iterable
 
 import torch
 
-from tests.integration.trainer.hand_batch import hand_batch, hand_config
-
-AUX_COEFF = 0.5  # the router's load-balancing loss on: its gradient is part of the compared step
+from tests.integration.trainer.hand_batch import hand_batch
+from tests.integration.trainer.router_loss_workers import router_loss_config
 
 
 def ep_config(checkpoint: str, storage: str, tp: int = 1, ep: int = 1, world_size: int = 1, **overrides):
-    """The hand config with the aux loss on, at (TP=tp, DP=world_size/tp, EP=ep)."""
-    return hand_config(
-        Path(checkpoint),
-        Path(storage),
-        moe_aux_loss_coeff=AUX_COEFF,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        actor_num_gpus_per_node=world_size,
-        colocate=False,
-        rollout_num_gpus=1,
-        **overrides,
-    )
+    """The router-loss tests' config (aux loss on) at (TP=tp, DP=world_size/tp, EP=ep)."""
+    return router_loss_config(checkpoint, storage, tp, world_size, expert_model_parallel_size=ep, **overrides)
 
 
 def probe_ids(vocab_size: int, index: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ from tests.integration.trainer.hand_batch import hand_batch, hand_config
 AUX_COEFF = 0.5  # large enough that a wrong weight of the router term shows above the fp32 noise
 
 
-def router_loss_config(checkpoint: str, storage: str, tp: int = 1, world_size: int = 1):
-    """The hand config with the load-balancing loss on, at (TP=tp, DP=world_size/tp)."""
+def router_loss_config(checkpoint: str, storage: str, tp: int = 1, world_size: int = 1, **overrides):
+    """The hand config with the load-balancing loss on, at (TP=tp, DP=world_size/tp); `overrides`:
+    further fields (the EP tests' expert_model_parallel_size)."""
     return hand_config(
         Path(checkpoint),
         Path(storage),
@@ -22,6 +23,7 @@ def router_loss_config(checkpoint: str, storage: str, tp: int = 1, world_size: i
         actor_num_gpus_per_node=world_size,
         colocate=False,
         rollout_num_gpus=1,
+        **overrides,
     )
 
 
