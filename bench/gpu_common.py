@@ -6,7 +6,12 @@ HF checkpoints, FLOP counts and timing. FLOPs of one training step over samples 
     MFU   = flops / step_time / PEAK_BF16_FLOPS (the GPU's datasheet dense bf16 peak)
 
 A forward-only pass is a third of that; `head_tokens` counts the LM head on the R response tokens
-only: 6 * (N - V * h) * T + 6 * V * h * R."""
+only: 6 * (N - V * h) * T + 6 * V * h * R.
+
+An MoE shape (qwen3_moe: E experts of intermediate size f_e, top k per token) counts N on the
+*active* parameters, those one token's matmuls touch: N = matmul - L * (E - k) * 3 * h * f_e, i.e.
+attention, k of the E experts, the router (E x h, every token) and the LM head as for a dense shape;
+its MFU is "MFU on active parameters" (`parameter_counts`' "active")."""
 
 from __future__ import annotations
 
@@ -94,6 +99,38 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         tie_word_embeddings=False,
     ),
+    # a Qwen3-30B-A3B layer (hidden 2048, 32/4 heads, experts of 768, top-8) with 32 experts and 16
+    # layers: 3.0B parameters, 1.2B active, trained in full beside its engine on one GPU
+    "moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,  # a dense MLP's size: unused while every layer is sparse
+        moe_intermediate_size=768,
+        num_experts=32,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    ),
     "14b": dict(
         model_type="qwen3",
         hidden_size=5120,
@@ -108,12 +145,24 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# qwen3_moe's fields beside the shape: every layer sparse (vime refuses dense layers between them),
+# no router logits in the forward's output
+MOE_FIELDS = dict(decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False)
+
+
+def is_moe(cfg: dict[str, Any]) -> bool:
+    return cfg["model_type"] == "qwen3_moe"
+
+
 def hf_config(shape: str) -> dict[str, Any]:
     if shape not in SHAPES:
         raise ValueError(f"--shape {shape!r}: known shapes are {sorted(SHAPES)}")
+    model_type = SHAPES[shape]["model_type"]
     return {
         **SHAPES[shape],
-        "architectures": ["Qwen3ForCausalLM" if SHAPES[shape]["model_type"] == "qwen3" else "Qwen2ForCausalLM"],
+        **(MOE_FIELDS if model_type == "qwen3_moe" else {}),
+        "architectures": [ARCHITECTURES[model_type]],
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
@@ -137,18 +186,26 @@ def hf_tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         )
         if cfg["model_type"] == "qwen2":
             shapes.update({a + "q_proj.bias": (n * d,), a + "k_proj.bias": (g * d,), a + "v_proj.bias": (g * d,)})
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
-        shapes.update(
-            {
-                a + "o_proj.weight": (h, n * d),
-                p + "mlp.gate_proj.weight": (f, h),
-                p + "mlp.up_proj.weight": (f, h),
-                p + "mlp.down_proj.weight": (h, f),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
+        shapes[a + "o_proj.weight"] = (h, n * d)
+        if is_moe(cfg):
+            fe = cfg["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                shapes.update(
+                    {x + "gate_proj.weight": (fe, h), x + "up_proj.weight": (fe, h), x + "down_proj.weight": (h, fe)}
+                )
+        else:
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                }
+            )
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
     shapes["model.norm.weight"] = (h,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
@@ -156,12 +213,23 @@ def hf_tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def parameter_counts(cfg: dict[str, Any]) -> dict[str, int]:
-    """Total parameters and the matmul parameters N of the FLOP count (module docstring)."""
+    """Total parameters and the matmul parameters N of the FLOP count; an MoE shape adds "active",
+    the N its FLOPs count (module docstring)."""
     shapes = hf_tensor_shapes(cfg)
     total = sum(_numel(s) for s in shapes.values())
     embedding = _numel(shapes["model.embed_tokens.weight"])
     matmul = total if cfg["tie_word_embeddings"] else total - embedding
-    return {"total": total, "matmul": matmul, "embedding": embedding}
+    counts = {"total": total, "matmul": matmul, "embedding": embedding}
+    if is_moe(cfg):
+        expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+        idle = cfg["num_hidden_layers"] * (cfg["num_experts"] - cfg["num_experts_per_tok"]) * expert
+        counts["active"] = matmul - idle
+    return counts
+
+
+def mfu_basis(cfg: dict[str, Any]) -> str:
+    """Which N a shape's MFU counts: "active" (an MoE shape) or "matmul" (module docstring)."""
+    return "active" if is_moe(cfg) else "matmul"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -175,8 +243,9 @@ def step_flops(
     cfg: dict[str, Any], lengths: list[int], passes: int = 3, head_tokens: int | None = None
 ) -> dict[str, float]:
     """``passes=3`` for forward + backward, 1 for a forward; ``head_tokens``: count the LM head on
-    that many tokens instead of all of them (module docstring)."""
-    n = parameter_counts(cfg)["matmul"]
+    that many tokens instead of all of them (module docstring); an MoE shape's N is its active count."""
+    counts = parameter_counts(cfg)
+    n = counts.get("active", counts["matmul"])
     d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
     dense = 2.0 * passes * n * sum(lengths)
     if head_tokens is not None:
@@ -190,12 +259,21 @@ def mfu(flops: float, seconds: float) -> float:
     return flops / seconds / PEAK_BF16_FLOPS if seconds > 0 else 0.0
 
 
-def write_random_checkpoint(path: Path, shape: str, seed: int, device: str) -> Path:
+def write_random_checkpoint(
+    path: Path,
+    shape: str,
+    seed: int,
+    device: str,
+    config_changes: dict[str, Any] | None = None,
+    extra_files: Callable[[Path], Any] | None = None,
+) -> Path:
     """An HF checkpoint folder (config.json + model.safetensors, bf16) with N(0, 0.02) weights and
-    unit norms, reproducible from ``seed``; written once and renamed into place (atomic)."""
+    unit norms, reproducible from ``seed``; written once and renamed into place (atomic).
+    ``config_changes``: fields of config.json that differ from ``hf_config`` (not the shape's);
+    ``extra_files(folder)`` writes more files (a tokenizer) before the rename."""
     if (path / "model.safetensors").is_file():
         return path
-    cfg = hf_config(shape)
+    cfg = {**hf_config(shape), **(config_changes or {})}
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, dims in hf_tensor_shapes(cfg).items():
@@ -208,6 +286,8 @@ def write_random_checkpoint(path: Path, shape: str, seed: int, device: str) -> P
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    if extra_files is not None:
+        extra_files(tmp)
     try:
         tmp.rename(path)
     except OSError:  # another process won the race; its folder is the same checkpoint

@@ -18,7 +18,17 @@ vLLM offline, `vime train` colocated, its startup and the trainer alone, then on
 Each phase can run alone (--phases); results stay under --work, so a later phase joins the report.
 
     python bench/gpu/bench_colocated_step.py --iterations 6 --out $OUT/colocated_step.json
-    bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row"""
+    bench/run.py colocated_step --iterations 6      # the same, its JSON recorded as a row
+
+An MoE shape (--shape moe, bench/gpu/colocated_moe.yaml) reports its MFUs on active parameters
+(`mfu_basis`) and the engines' log-prob mismatch (vime.rollout_k3_kl, vime.rollout_logprob_abs_diff);
+routing replay's cost and effect is a second run with the flag after `--`, in its own --work and
+--run-name (the first run's results stay apart):
+
+    bench/run.py colocated_step --shape moe --iterations 4 --phases model,offline,train,trainer,report \
+        --work /tmp/vime-gpu-moe --run-name moe-replay-off
+    bench/run.py colocated_step --shape moe --iterations 4 --phases model,train,report \
+        --work /tmp/vime-gpu-moe-replay --run-name moe-replay-on -- --use-rollout-routing-replay"""
 
 from __future__ import annotations
 
@@ -354,6 +364,44 @@ def run_summary(a, paths: dict) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def run_config(a) -> dict | None:
+    """The run's resolved configuration (vime train stores it as reports/<run>/config.json)."""
+    path = Path(a.work) / "runs" / "reports" / a.run_name / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def model_counts(shape: str) -> dict:
+    """The shape's parameter counts and which of them its MFUs count (bench/gpu_common.py's
+    docstring: an MoE shape's on its active parameters, router and LM head included)."""
+    import gpu_common  # boundary: torch, on the path only after host_setup
+
+    if shape not in gpu_common.SHAPES:
+        return {}
+    cfg = gpu_common.hf_config(shape)
+    return {"params": gpu_common.parameter_counts(cfg), "mfu_basis": gpu_common.mfu_basis(cfg)}
+
+
+def run_train_mfu(shape: str, run: dict, recs: list[dict]) -> dict:
+    """The run's own trainer MFU, dense term only (6N per token, N as `model_counts`), over t_train:
+    each iteration's stored batch (rows x mean prompt + response length) through a step (3 passes)
+    plus the old-log-prob recompute (1 pass) where the run did not reuse the step's log-probs."""
+    import gpu_common  # boundary: torch, on the path only after host_setup
+
+    if shape not in gpu_common.SHAPES:
+        return {}
+    cfg = gpu_common.hf_config(shape)
+    batches = {b["rollout_id"]: b for b in run.get("batches", [])}
+    mfus = []
+    for r in recs:
+        b = batches.get(r.get("rollout_id"))
+        if not (b and r.get("t_train")):
+            continue
+        tokens = b["rows"] * (b["mean_prompt_length"] + b["mean_response_length"])
+        passes = 3 + (0 if r.get("reused_log_probs") else 1)
+        mfus.append(gpu_common.mfu(gpu_common.step_flops(cfg, [tokens], passes=passes)["dense"], r["t_train"]))
+    return {"train_mfu_6N": _median(mfus)} if mfus else {}
+
+
 def run_engine_starts(logs: dict | None, launched_epoch: float) -> list[dict]:
     """The engine starts of the `vime train` launched at `launched_epoch` (the engine logs of the
     machine may hold earlier ones), from run_colocated_h200.sh's engine_startup.json."""
@@ -397,6 +445,7 @@ def phase_report(a, paths: dict) -> dict:
         "prompt_tokens": a.prompt_tokens,
         "config": str(Path(a.config).resolve().relative_to(REPO)),
     }
+    out.update(model_counts(a.shape))
     ratios: dict = {}
     if rollout:
         offline = rollout.get("offline") or {}
@@ -457,12 +506,17 @@ def phase_report(a, paths: dict) -> dict:
             "rollout_logprob_abs_diff_max": max(
                 (r.get("train_rollout_logprob_abs_diff") or 0.0 for r in recs), default=None
             ),
+            "rollout_k3_kl": _median([r.get("train_rollout_k3_kl") for r in recs]),
+            "rollout_k3_kl_max": max((r.get("train_rollout_k3_kl") or 0.0 for r in recs), default=None),
             "tis_weight": _median([r.get("tis_weight") for r in recs]),
             "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs)
             if recs
             else None,
         }
         out["vime"] = vime
+        if run_cfg := run_config(a):
+            vime["use_rollout_routing_replay"] = run_cfg.get("use_rollout_routing_replay")
+        vime.update(run_train_mfu(a.shape, run, recs))
         out["sleep_wake"] = sleep_wake(recs, link)
         out["guard_margins"] = guard_margins(run.get("records", []), a.config)
         if meta:

@@ -1,6 +1,9 @@
 """A random Qwen-shaped model on the arithmetic task's alphabet (gpu_common.SHAPES, Qwen's vocabulary
 size with filler tokens, bf16) and a prompt set, for GPU runs without a hub. --prompt-noise LO,HI
-spreads the prompt lengths; --prompt-tokens N makes every prompt exactly N tokens.
+spreads the prompt lengths; --prompt-tokens N makes every prompt exactly N tokens. A dense shape is
+transformers' own initialisation (vime_core.demo.model.build_tiny_model); an MoE shape is
+gpu_common.write_random_checkpoint's N(0, 0.02) tensors, drawn on the GPU when there is one (a 3B
+model through transformers' CPU initialisation takes minutes).
 
     python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500"""
 
@@ -16,9 +19,41 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_common  # noqa: E402
+import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
-from vime_core.demo.model import build_tiny_model  # noqa: E402
+from vime_core.demo.model import BOS_ID, EOS_ID, PAD_ID, build_tiny_model, build_tokenizer  # noqa: E402
 from vime_core.demo.task import make_rows  # noqa: E402
+
+
+def build(shape: str, out: Path, seed: int) -> Path:
+    """The checkpoint folder of ``shape`` with the alphabet's tokenizer (module docstring)."""
+    s = gpu_common.SHAPES[shape]
+    if gpu_common.is_moe(s):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return gpu_common.write_random_checkpoint(
+            out,
+            shape,
+            seed,
+            device,
+            # the tokenizer's special ids, so that the engines stop at its <eos>
+            config_changes=dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+            extra_files=lambda folder: build_tokenizer(folder, s["vocab_size"]),
+        )
+    return build_tiny_model(
+        out,
+        family=s["model_type"],
+        seed=seed,
+        hidden_size=s["hidden_size"],
+        num_layers=s["num_hidden_layers"],
+        num_heads=s["num_attention_heads"],
+        num_kv_heads=s["num_key_value_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["intermediate_size"],
+        tie_word_embeddings=s["tie_word_embeddings"],
+        max_position_embeddings=32768,
+        vocab_size=s["vocab_size"],
+        torch_dtype="bfloat16",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,23 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
-    s = gpu_common.SHAPES[a.shape]
-    family = s["model_type"]
-    path = build_tiny_model(
-        a.out,
-        family=family,
-        seed=a.seed,
-        hidden_size=s["hidden_size"],
-        num_layers=s["num_hidden_layers"],
-        num_heads=s["num_attention_heads"],
-        num_kv_heads=s["num_key_value_heads"],
-        head_dim=s["head_dim"],
-        intermediate_size=s["intermediate_size"],
-        tie_word_embeddings=s["tie_word_embeddings"],
-        max_position_embeddings=32768,
-        vocab_size=s["vocab_size"],
-        torch_dtype="bfloat16",
-    )
+    path = build(a.shape, Path(a.out), a.seed)
     print(json.dumps({"model": str(path)}))
     if a.prompts:
         rng = random.Random(a.seed)

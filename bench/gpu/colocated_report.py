@@ -31,6 +31,10 @@ PHASES = (
 )
 
 
+# the engines' log-probs of the sampled tokens against the trainer's (vime_core/trainer/train_step.py)
+MISMATCH = ("train_rollout_k3_kl", "train_rollout_logprob_abs_diff")
+
+
 def _median(values: list[float]) -> float | None:
     values = [v for v in values if isinstance(v, (int, float))]
     return statistics.median(values) if values else None
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             for k in sorted({k for r in steady for k in (r.get("publish_transport_s") or {})})
         },
         "reward_mean": [r.get("reward_mean") for r in records],
+        # with get_mismatch_metrics (or a flag that reads the engines' log-probs): engine vs trainer
+        "mismatch": [{k: r.get(k) for k in MISMATCH} for r in records],
         "weight_check": [r.get("weight_check") for r in records],
         "memory": [{"rollout_id": r["rollout_id"], **memory_row(r.get("memory") or {})} for r in records],
         "batches": batches,
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         k: out[k]
         for k in ("iterations", "versions", "phases_median_s", "publish_phases_median_s", "publish_transport_median_s")
     }
+    summary["mismatch_median"] = {k: _median([r.get(k) for r in steady]) for k in MISMATCH}
     summary["weight_check_max_abs_diff"] = [w.get("max_abs_diff") if w else None for w in out["weight_check"]]
     summary["memory_first_last"] = [out["memory"][0], out["memory"][-1]] if out["memory"] else []
     print(json.dumps(summary, indent=1, default=str))
