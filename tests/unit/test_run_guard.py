@@ -171,6 +171,13 @@ def test_flags_parse_off_and_their_defaults():
     )
 
 
+def test_a_bare_yaml_off_turns_a_check_off(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("guard_k3_max: off\nguard_reward_drop: 0.5\n")  # YAML 1.1 reads the bare off as False
+    s = g.GuardSettings.of(parse_args(["--config", str(config)]))
+    assert (s.k3_max, s.reward_drop) == (None, 0.5)
+
+
 def test_a_breach_is_rolled_back_up_to_guard_retries_then_stops():
     from tasks.guard import rollback_due, stopped_why
 

@@ -25,7 +25,11 @@ RecomputeMethod = Literal["uniform", "block"]
 
 
 def _off_is_none(value: Any) -> Any:
-    return None if isinstance(value, str) and value.strip().lower() == "off" else value
+    # `value is False`: YAML 1.1 reads a bare `off` (or `no`, `false`) as False, which as a float
+    # would be a bound of 0 that fires on every iteration
+    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
+        return None
+    return value
 
 
 # A run-guard bound: a number, or `off` (None) for no such check.
