@@ -73,13 +73,9 @@ def bootstrap(config: VimeConfig) -> dict:
         )
     state = trainers.rank0("state")
     target = max(1, state["weight_version"])
-    versions = ray.get(manager.weight_versions.remote())
-    if publish_needed(target, versions, bool(woken)):  # the first publish is v1
-        trainers.wait(submit_publish(manager, trainers, target, force=True))
-        ray.get(manager.end_sync.remote(True, None, target))  # admission open again, requests name v`target`
+    synced_at_start(config, manager, trainers, target, bool(woken))
     seconds["synced"] = since.seconds
-    if trainer_sleeps(config):  # the engines generate first: the trainer gives them its memory
-        trainers.call("sleep")
+    if trainer_sleeps(config):
         seconds["trainer_asleep"] = since.seconds
     ray.get(manager.onload_kv.remote())  # the last startup step: the engines' KV caches
     seconds["kv_onloaded"] = since.seconds
@@ -128,6 +124,22 @@ def startup_marks(
         marks[f"engine{i}_launched"] = launched
         marks.update({f"engine{i}_{k}": launched + v for k, v in (engine.get("marks_s") or {}).items()})
     return dict(sorted(marks.items(), key=lambda kv: kv[1]))
+
+
+def synced_at_start(config: VimeConfig, manager, trainers, target: int, engines_woken: bool) -> None:
+    """The engines at the trainer's weights (version `target`) and, colocated and sleeping, the
+    trainer asleep, in the order that fits one device: the optimizer state, gradients and main
+    parameters leave it before the publish (the engines are awake beside it: weights and KV cache),
+    the weights after it (the publish reads them, then releases them; or here, if none was needed)."""
+    sleeps = trainer_sleeps(config)  # the engines generate first: the trainer gives them its memory
+    if sleeps:
+        trainers.call("sleep", True)
+    versions = ray.get(manager.weight_versions.remote())
+    if publish_needed(target, versions, engines_woken):  # the first publish is v1
+        trainers.wait(submit_publish(manager, trainers, target, force=True))
+        ray.get(manager.end_sync.remote(True, None, target))  # admission open again, requests name v`target`
+    if sleeps:
+        trainers.call("sleep")
 
 
 def publish_needed(target: int, engine_versions: list[int], engines_woken: bool) -> bool:

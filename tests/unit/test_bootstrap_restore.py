@@ -101,3 +101,22 @@ def test_a_group_found_restored_is_left_as_it_is(run):
     out = run(trainers, created=False)
     assert trainers.calls == []
     assert out["started_trainers"] is False and out["weight_version"] == 3
+
+
+@pytest.mark.parametrize("engine_versions, publishes", [([1], False), ([0], True)], ids=["at-target", "behind"])
+def test_a_sleeping_trainer_frees_its_optimizer_state_before_the_first_publish(monkeypatch, engine_versions, publishes):
+    """Colocated and sleeping, the engines are awake (weights and KV cache) while the trainer
+    publishes: its optimizer state must leave the device first, its weights once they are sent."""
+    calls: list[tuple] = []
+    trainers = _Trainers(restored=True)
+    trainers.call = lambda method, *args: calls.append((method, *args)) or [None]
+    manager = _Manager()
+    manager.weight_versions = _Remote(lambda: engine_versions)
+    monkeypatch.setattr(boot.ray, "get", lambda x: x)
+    monkeypatch.setattr(boot, "submit_publish", lambda m, t, target, force: calls.append(("publish", target)) or [])
+    sleeping_gpu = type("Cfg", (), {"offload_train": True, "device": "cuda"})()
+    boot.synced_at_start(sleeping_gpu, manager, trainers, 1, engines_woken=False)
+    assert calls == [("sleep", True), *([("publish", 1)] if publishes else []), ("sleep",)]
+    calls.clear()
+    boot.synced_at_start(type("Cfg", (), {"offload_train": True, "device": "cpu"})(), manager, trainers, 1, False)
+    assert calls == ([("publish", 1)] if publishes else [])  # on CPU the trainer never sleeps
