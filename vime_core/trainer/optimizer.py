@@ -132,14 +132,28 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> N
             f"{where}: no distributed-optimizer shards for this rank (saved without use_distributed_optimizer?)"
         )
     for part, saved in zip(parts, shards):
+        own_step_counters(part.optimizer)
         params = _shard_params(part)
         if len(saved) != len(params):
             raise ValueError(f"{where}: {len(saved)} distributed-optimizer shards, this rank owns {len(params)}")
-        for param, tensors in zip(params, saved):
-            if set(tensors) == {"param"}:  # saved before the first step: Adam had no state yet
-                part._get_main_param_and_optimizer_states(param)["param"].copy_(tensors["param"])
-            else:
-                part._set_main_param_and_optimizer_states(param, tensors)
+        # no_grad: an fp32 parameter's main shard is a view of the parameter itself (a leaf that
+        # requires grad), which autograd refuses to copy into
+        with torch.no_grad():
+            for param, tensors in zip(params, saved):
+                if set(tensors) == {"param"}:  # saved before the first step: Adam had no state yet
+                    part._get_main_param_and_optimizer_states(param)["param"].copy_(tensors["param"])
+                else:
+                    part._set_main_param_and_optimizer_states(param, tensors)
+
+
+def own_step_counters(optimizer: Any) -> None:
+    """Give each parameter's state its own ``step`` tensor. DistributedOptimizer.load_state_dict
+    (without Apex or Transformer Engine: torch's Adam, which keeps ``step`` per parameter) puts ONE
+    tensor in every state; Adam's ``step += 1`` per parameter would then count each step once per
+    parameter, and the bias corrections 1 - beta^step of the steps after a resume would be wrong."""
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer_steps: int, where: str) -> None:
