@@ -114,6 +114,7 @@ def train_ep_and_dump(
     cfg.use_distributed_optimizer = distributed_optimizer
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
+    before_first_step = trainer.save(99)  # a folder of its own: Adam holds no state yet
     result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])
     # a checkpoint brings back this rank's experts after another rollout moved them, and its
     # optimizer state (Adam's moments, the step count): the rollout trained again moves them as before
@@ -129,6 +130,11 @@ def train_ep_and_dump(
         not torch.equal(moved[n], result["local"][n]) for n in moved if ".local_experts." in n
     )
     result["resume_retrains_alike"] = all(torch.equal(again[n], moved[n]) for n in moved)
+    # and one written before the first optimizer step brings back the start: the first rollout again
+    trainer.load(before_first_step)
+    trainer.train(0, hand_batch())
+    first = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
+    result["fresh_checkpoint_retrains_alike"] = all(torch.equal(first[n], result["local"][n]) for n in first)
     result["distributed_optimizer"] = type(trainer.optimizer.chained_optimizers[-1]).__name__
     result["layout"] = trainer.layout
     result["megatron_ep_rank"] = parallel_state.get_expert_model_parallel_rank()

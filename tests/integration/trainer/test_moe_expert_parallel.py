@@ -63,6 +63,7 @@ def _run_and_check(tmp_path, reference, tp: int, world: int, distributed_optimiz
         assert lay.ep_rank == got["megatron_ep_rank"] == lay.dp_rank % 2
         _check_against_reference(got, reference, lay.dp_rank)
         assert got["rollout_moved_experts"] and got["checkpoint_restores"] and got["resume_retrains_alike"]
+        assert got["fresh_checkpoint_retrains_alike"]
         assert got["distributed_optimizer"] == ("DistributedOptimizer" if distributed_optimizer else "FP32Optimizer")
         # this rank holds local experts 0..3, global experts 4 * ep_rank .. 4 * ep_rank + 3 (its TP slice)
         local = [n for n in got["local"] if ".experts.local_experts." in n and n.startswith("decoder.layers.1.")]
