@@ -161,6 +161,7 @@ def _accept_cpu_params_in_distributed_optimizer() -> None:
     """Wrap DistributedOptimizer._build_model_and_main_param_groups (a staticmethod; its only type
     checks are ``param.type()`` against torch.cuda.* names) so that, during the call, each of its
     parameters answers ``type()`` with its CUDA name (an instance attribute, removed afterwards)."""
+    # boundary: this module must import before megatron.core (the triton stub goes in first)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     build = DistributedOptimizer._build_model_and_main_param_groups
