@@ -1,10 +1,12 @@
 """The CPU compatibility layer that lets megatron-core (0.16.1, the newest declaring Python 3.11) run
 over gloo without CUDA; on a GPU machine `activate()` changes nothing. What is not shimmed: the
-bf16/fp16 and distributed optimizers (on CPU the optimizer is fp32 and non-distributed) and the
-default causal mask (callers always pass one)."""
+bf16/fp16 optimizer (on CPU the optimizer is fp32) and the default causal mask (callers always pass
+one). The distributed optimizer runs (gloo has the reduce-scatter and all-gather its buffers use) for
+the tests of its GPU code paths; the configuration keeps it to device=cuda."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -42,7 +44,9 @@ def activate() -> bool:
        megatron.core.utils) the global `torch` is a proxy mapping "cuda" to "cpu".
     4. clip_grad_by_total_norm_fp32 (asserting torch.cuda.FloatTensor grads) is replaced by the same
        scaling without the assertion.
-    5. Megatron's RNG tracker is created without CUDA by `seed_everything`."""
+    5. Megatron's RNG tracker is created without CUDA by `seed_everything`.
+    6. DistributedOptimizer, which takes only parameters whose ``type()`` is torch.cuda.*Tensor,
+       sees CPU parameters under their CUDA type names while it builds its shards."""
     global _ACTIVE
     if torch.cuda.is_available():
         return False
@@ -56,6 +60,7 @@ def activate() -> bool:
             module.torch = _CpuTorchProxy(torch)
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32_cpu
+    _accept_cpu_params_in_distributed_optimizer()
     _ACTIVE = True
     log.info("megatron-core CPU compatibility layer active (gloo, fp32, explicit masks)")
     return True
@@ -144,3 +149,34 @@ class _CpuTorchProxy(types.ModuleType):
             return attr(*args, **kwargs)
 
         return factory
+
+
+def cuda_type_name(tensor: torch.Tensor) -> str:
+    """``tensor.type()`` as it would read on a GPU: torch.FloatTensor -> torch.cuda.FloatTensor."""
+    name = torch.Tensor.type(tensor)
+    return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+
+def _accept_cpu_params_in_distributed_optimizer() -> None:
+    """Wrap DistributedOptimizer._build_model_and_main_param_groups (a staticmethod; its only type
+    checks are ``param.type()`` against torch.cuda.* names) so that, during the call, each of its
+    parameters answers ``type()`` with its CUDA name (an instance attribute, removed afterwards)."""
+    # boundary: this module must import before megatron.core (the triton stub goes in first)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = DistributedOptimizer._build_model_and_main_param_groups
+    if getattr(build, "__vime_cpu__", False):
+        return
+
+    def build_on_cpu(gbuf_ranges: Any, param_gbuf_map: Any, opt_group_ranges: Any, config: Any) -> Any:
+        params = [p for group in opt_group_ranges for p in group["params"]]
+        for p in params:
+            p.type = functools.partial(cuda_type_name, p)  # Megatron calls it without arguments there
+        try:
+            return build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        finally:
+            for p in params:
+                del p.type
+
+    build_on_cpu.__vime_cpu__ = True  # type: ignore[attr-defined]
+    DistributedOptimizer._build_model_and_main_param_groups = staticmethod(build_on_cpu)

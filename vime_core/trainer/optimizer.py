@@ -83,9 +83,41 @@ def current_lr(optimizer: Any) -> float:
 # ---- checkpoint state ----------------------------------------------------------------------------
 
 
+def _parts(optimizer: Any) -> list[Any]:
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _distributed_parts(optimizer: Any) -> list[Any]:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [p for p in parts if isinstance(p, DistributedOptimizer)]
+    return [p for p in _parts(optimizer) if isinstance(p, DistributedOptimizer)]
+
+
+def _before_first_step(part: Any) -> bool:
+    """A distributed part whose Adam holds no state yet: Megatron's DistributedOptimizer.state_dict()
+    then fails (without Apex or Transformer Engine it asserts one step count across the states)."""
+    return isinstance(part, DistributedOptimizer) and not part.optimizer.state
+
+
+def _state_dict(optimizer: Any) -> Any:
+    """optimizer.state_dict(); when a distributed part has not stepped yet (a critic-only rollout
+    leaves the policy's so), one entry per part, None for such a part."""
+    parts = _parts(optimizer)
+    if not any(_before_first_step(p) for p in parts):
+        return optimizer.state_dict()
+    return [None if _before_first_step(p) else p.state_dict() for p in parts]
+
+
+def _load_state_dict(optimizer: Any, saved: Any) -> None:
+    """What ``_state_dict`` made back into ``optimizer``; a part saved as None starts with no Adam
+    state, as it was (its main parameters come from the shards)."""
+    parts = _parts(optimizer)
+    if not (isinstance(saved, list) and any(s is None for s in saved) and len(saved) == len(parts)):
+        optimizer.load_state_dict(saved)
+        return
+    for part, entry in zip(parts, saved):
+        if entry is None:
+            part.optimizer.state.clear()
+        else:
+            part.load_state_dict(entry)
 
 
 def _shard_params(part: Any) -> list[Any]:
@@ -104,7 +136,7 @@ def optimizer_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
 
     Under the distributed optimizer it includes this rank's shard of the fp32 main parameters and Adam's
     moments, which DistributedOptimizer.state_dict() leaves out; each rank restores its own shard."""
-    state: dict[str, Any] = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    state: dict[str, Any] = {"optimizer": _state_dict(optimizer), "scheduler": scheduler.state_dict()}
     parts = _distributed_parts(optimizer)
     if parts:
         state["optimizer_shards"] = [
@@ -120,7 +152,7 @@ def optimizer_state(optimizer: Any, scheduler: Any) -> dict[str, Any]:
 def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> None:
     """Restore what ``optimizer_state`` kept (not the scheduler: ``restore_scheduler``)."""
     kept = [{k: g[k] for k in GROUP_SCHEDULE_KEYS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    _load_state_dict(optimizer, state["optimizer"])
     for group, values in zip(optimizer.param_groups, kept):
         group.update(values)
     parts = _distributed_parts(optimizer)
@@ -132,14 +164,28 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any], where: str) -> N
             f"{where}: no distributed-optimizer shards for this rank (saved without use_distributed_optimizer?)"
         )
     for part, saved in zip(parts, shards):
+        own_step_counters(part.optimizer)
         params = _shard_params(part)
         if len(saved) != len(params):
             raise ValueError(f"{where}: {len(saved)} distributed-optimizer shards, this rank owns {len(params)}")
-        for param, tensors in zip(params, saved):
-            if set(tensors) == {"param"}:  # saved before the first step: Adam had no state yet
-                part._get_main_param_and_optimizer_states(param)["param"].copy_(tensors["param"])
-            else:
-                part._set_main_param_and_optimizer_states(param, tensors)
+        # no_grad: an fp32 parameter's main shard is a view of the parameter itself (a leaf that
+        # requires grad), which autograd refuses to copy into
+        with torch.no_grad():
+            for param, tensors in zip(params, saved):
+                if set(tensors) == {"param"}:  # saved before the first step: Adam had no state yet
+                    part._get_main_param_and_optimizer_states(param)["param"].copy_(tensors["param"])
+                else:
+                    part._set_main_param_and_optimizer_states(param, tensors)
+
+
+def own_step_counters(optimizer: Any) -> None:
+    """Give each parameter's state its own ``step`` tensor. DistributedOptimizer.load_state_dict
+    (without Apex or Transformer Engine: torch's Adam, which keeps ``step`` per parameter) puts ONE
+    tensor in every state; Adam's ``step += 1`` per parameter would then count each step once per
+    parameter, and the bias corrections 1 - beta^step of the steps after a resume would be wrong."""
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def restore_scheduler(scheduler: Any, state: Optional[dict[str, Any]], optimizer_steps: int, where: str) -> None:

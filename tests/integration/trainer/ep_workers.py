@@ -88,10 +88,21 @@ def run_and_record(trainer: Any, checkpoint: str, probe: Iterable[int]) -> dict[
 
 
 def train_ep_and_dump(
-    rank: int, world_size: int, port: int, tp: int, ep: int, checkpoint: str, storage: str, out: str, steps: int
+    rank: int,
+    world_size: int,
+    port: int,
+    tp: int,
+    ep: int,
+    checkpoint: str,
+    storage: str,
+    out: str,
+    steps: int,
+    distributed_optimizer: bool = False,
 ) -> None:
     """This rank of a (TP=tp, DP=world/tp, EP=ep) trainer: ``run_and_record`` of its probe sequence
-    (its DP rank's), plus its EP rank as Megatron's parallel state has it."""
+    (its DP rank's), plus its EP rank as Megatron's parallel state has it. `distributed_optimizer`:
+    Megatron's DistributedOptimizer, set past the configuration's device=cuda check (the CPU shim
+    of compat_cpu runs it: its GPU code paths under test)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from megatron.core import parallel_state
@@ -100,19 +111,31 @@ def train_ep_and_dump(
     from vime_core.trainer.trainer import MegatronTrainer
 
     cfg = ep_config(checkpoint, storage, tp, ep, world_size, num_steps_per_rollout=steps)
+    cfg.use_distributed_optimizer = distributed_optimizer
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
+    before_first_step = trainer.save(99)  # a folder of its own: Adam holds no state yet
     result = run_and_record(trainer, checkpoint, [trainer.layout.dp_rank])
-    # a checkpoint brings back this rank's experts after another rollout moved them
+    # a checkpoint brings back this rank's experts after another rollout moved them, and its
+    # optimizer state (Adam's moments, the step count): the rollout trained again moves them as before
     saved = trainer.save(0)
     trainer.train(1, hand_batch())
     moved = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
     trainer.load(saved)
-    restored = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
+    restored = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
+    trainer.train(1, hand_batch())
+    again = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
     result["checkpoint_restores"] = all(torch.equal(restored[n], result["local"][n]) for n in restored)
     result["rollout_moved_experts"] = any(
         not torch.equal(moved[n], result["local"][n]) for n in moved if ".local_experts." in n
     )
+    result["resume_retrains_alike"] = all(torch.equal(again[n], moved[n]) for n in moved)
+    # and one written before the first optimizer step brings back the start: the first rollout again
+    trainer.load(before_first_step)
+    trainer.train(0, hand_batch())
+    first = {n: p.detach() for n, p in trainer.model.module.named_parameters()}
+    result["fresh_checkpoint_retrains_alike"] = all(torch.equal(first[n], result["local"][n]) for n in first)
+    result["distributed_optimizer"] = type(trainer.optimizer.chained_optimizers[-1]).__name__
     result["layout"] = trainer.layout
     result["megatron_ep_rank"] = parallel_state.get_expert_model_parallel_rank()
     torch.save(result, Path(out) / f"rank{rank}.pt")

@@ -48,11 +48,12 @@ def _check_against_reference(got: dict, ref: dict, probe: int) -> None:
         assert a == pytest.approx(b, abs=ATOL)
 
 
-def _run_and_check(tmp_path, reference, tp: int, world: int) -> None:
+def _run_and_check(tmp_path, reference, tp: int, world: int, distributed_optimizer: bool = False) -> None:
     from vime_core.trainer.hf_convert import read_hf_safetensors
 
     ckpt = reference["ckpt"]
-    spawn(train_ep_and_dump, world, tp, 2, str(ckpt), str(tmp_path / "storage"), str(tmp_path), reference["steps"])
+    storage, steps = str(tmp_path / "storage"), reference["steps"]
+    spawn(train_ep_and_dump, world, tp, 2, str(ckpt), storage, str(tmp_path), steps, distributed_optimizer)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     source = read_hf_safetensors(ckpt)
     changed = [n for n in source if not torch.equal(reference["hf"][n], source[n])]
@@ -61,7 +62,9 @@ def _run_and_check(tmp_path, reference, tp: int, world: int) -> None:
         lay = got["layout"]
         assert lay.ep_rank == got["megatron_ep_rank"] == lay.dp_rank % 2
         _check_against_reference(got, reference, lay.dp_rank)
-        assert got["rollout_moved_experts"] and got["checkpoint_restores"]
+        assert got["rollout_moved_experts"] and got["checkpoint_restores"] and got["resume_retrains_alike"]
+        assert got["fresh_checkpoint_retrains_alike"]
+        assert got["distributed_optimizer"] == ("DistributedOptimizer" if distributed_optimizer else "FP32Optimizer")
         # this rank holds local experts 0..3, global experts 4 * ep_rank .. 4 * ep_rank + 3 (its TP slice)
         local = [n for n in got["local"] if ".experts.local_experts." in n and n.startswith("decoder.layers.1.")]
         assert sorted({n.split("local_experts.")[1].split(".")[0] for n in local}) == ["0", "1", "2", "3"]
@@ -94,7 +97,10 @@ def test_ep2_with_tp2_on_four_ranks(tmp_path, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("reference", [("qwen3_moe", 1)], indirect=True, ids=["qwen3_moe-one-step"])
 def test_ep2_with_two_expert_data_parallel_replicas(tmp_path, reference):
-    """EP=2 x DP=4 (4 ranks, one sample each in a one-step rollout): two copies of each expert,
-    whose gradients Megatron's DDP reduces over the expert-DP group (ranks 0, 2 and 1, 3) and
-    scales by 1/DP; ranks 2 and 3 hold no part of the first copy and stay out of the publish."""
-    _run_and_check(tmp_path, reference, tp=1, world=4)
+    """EP=2 x DP=4 (4 ranks, one sample each in a one-step rollout) under the distributed optimizer:
+    two copies of each expert, whose gradients Megatron's DDP reduce-scatters over the expert-DP
+    group (ranks 0, 2 and 1, 3), scaled by 1/DP, each rank then holding the Adam state of half of its
+    experts (the dense parameters': a quarter), all-gathered back after the step; the gradient norm
+    sums every shard once; ranks 2 and 3 hold no part of the first copy and stay out of the publish;
+    a checkpoint restores each rank's shards (the rollout after it trains again to the same weights)."""
+    _run_and_check(tmp_path, reference, tp=1, world=4, distributed_optimizer=True)
