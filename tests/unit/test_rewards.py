@@ -21,7 +21,8 @@ from vime_core.data.sample import Sample, Status
 from vime_core.rewards.filters import check_reward_nonzero_std, keep_all, load_filter
 from vime_core.rewards.hub import RewardHub
 from vime_core.rewards.math_checker import extract_answer, extract_boxed, is_equiv, math_reward
-from vime_core.rewards.remote import RemoteRewardError, RemoteRewardModel, parse_reward, redact_url
+from vime_core.rewards.remote import RemoteRewardError, RemoteRewardModel, parse_reward
+from vime_core.utils.secrets import redact_url
 from vime_core.rewards.scorers import exact_match_reward, f1_score
 from vime_core.utils.imports import HookLoadError, load_function
 
@@ -484,3 +485,4 @@ def test_remote_timeout_and_client_error_mark_failed(reward_server):
 
 def test_redact_url():
     assert redact_url("http://user:pw@host:8080/score?key=abc") == "http://host:8080/score"
+    assert redact_url("http://tok@127.0.0.1:8000/#frag") == "http://127.0.0.1:8000"  # engines: no trailing slash

@@ -14,7 +14,6 @@ import json as jsonlib
 import logging
 import uuid
 from typing import Any, Callable, Coroutine, Iterable, Literal, Optional, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -22,6 +21,7 @@ from vime_core.engines.auth import EngineToken, auth_headers
 from vime_core.engines.vllm_api import VERSION_RPC_GET, VERSION_RPC_SET, VllmApi
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.retry import async_attempts
+from vime_core.utils.secrets import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +99,6 @@ class EngineWakeError(EngineError):
 
     def __reduce__(self):
         return type(self), (self.engine, self.tags, self.status, self.why)
-
-
-def redact_url(url: str) -> str:
-    """The URL without user:password, so it can go into logs and errors."""
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        parts = parts._replace(netloc=netloc)
-    return urlunsplit(parts).rstrip("/")
 
 
 def normalize_wake_tags(tags: Optional[Iterable[str]]) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import httpx
 
-from vime_core.engines.client import EngineClient, redact_url
+from vime_core.engines.client import EngineClient
+from vime_core.utils.secrets import redact_url
 from vime_core.engines.server import REPO_ROOT
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.orphan_guard import guard_command

@@ -20,7 +20,8 @@ from vime_core.config import engine_server_args, num_engines
 from vime_core.config.derive import engine_env, platform_supports_sleep
 from vime_core.engines.adapters import RUNTIME_UPDATES_ENV, lora_server_args, serves_adapters
 from vime_core.engines.auth import MIDDLEWARE, OPEN_HEALTH_ENV, TOKEN_ENV, EngineToken, auth_headers
-from vime_core.engines.client import SyncEngineClient, redact_url
+from vime_core.engines.client import SyncEngineClient
+from vime_core.utils.secrets import redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
 from vime_core.utils.device_memory import free_and_total, group_device_memory

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Optional
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from vime_core.rewards.values import InvalidRewardError, as_reward
 from vime_core.utils.retry import RetryCallState, async_attempts
+from vime_core.utils.secrets import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +26,6 @@ class RemoteRewardError(RuntimeError):
 class _NoAnswer(Exception):
     """An attempt worth repeating (transport error, timeout, RETRYABLE_STATUS); the text says
     which, and holds no headers."""
-
-
-def redact_url(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def parse_reward(payload: Any, shown: str = "") -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "<redacted>"
 
@@ -92,3 +93,13 @@ def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
     if isinstance(obj, str):
         return redact_text(obj, secrets)
     return obj
+
+
+def redact_url(url: str) -> str:
+    """A URL to show in logs and errors: scheme, host, port and path; no user:password, query or
+    fragment (a token may ride in a query string), no trailing slash."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", "")).rstrip("/")
