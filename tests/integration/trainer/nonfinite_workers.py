@@ -10,12 +10,22 @@ import torch
 
 
 def nan_on_one_rank_and_dump(
-    rank: int, world_size: int, port: int, tp: int, checkpoint: str, storage: str, out: str
+    rank: int,
+    world_size: int,
+    port: int,
+    tp: int,
+    checkpoint: str,
+    storage: str,
+    out: str,
+    distributed_optimizer: bool = False,
 ) -> None:
     """Train rollout 0 (finite); on rollout 1 rank 1 alone finds a NaN in its gradient buffer
     after the gradients' reduction (what a TP rank sees of its own shard, and what no DP
     all-reduce would carry to the other rank); then rollout 2 (finite). Dumps each rollout's
-    metrics and this rank's parameters before and after rollout 1 and after rollout 2."""
+    metrics and this rank's parameters before and after rollout 1 and after rollout 2.
+    `distributed_optimizer`: Megatron's DistributedOptimizer (the GPU default), set past the
+    configuration's device=cuda check (compat_cpu's shim runs it on CPU), where the reduction is a
+    reduce-scatter and each rank steps its own shard of the main parameters."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -33,6 +43,7 @@ def nan_on_one_rank_and_dump(
         rollout_num_gpus=1,
         num_steps_per_rollout=1,
     )
+    cfg.use_distributed_optimizer = distributed_optimizer
     trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
     trainer.init()
 

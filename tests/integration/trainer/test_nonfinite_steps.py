@@ -104,11 +104,14 @@ def test_the_critic_skips_a_non_finite_step_too(single_rank, ckpt, tmp_path):
     assert again["critic_skipped_steps"] == 0 and again["critic_grad_norm"] > 0
 
 
-def test_a_nan_on_one_dp_rank_makes_both_skip(tmp_path, cache_dir):
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_a_nan_on_one_dp_rank_makes_both_skip(tmp_path, cache_dir, distributed_optimizer):
     """DP=2 over gloo: rank 1 alone finds a NaN in its reduced gradient; the flag's all-reduce
-    makes rank 0 skip the step as well, so the replicas stay identical and untouched."""
+    makes rank 0 skip the step as well, so the replicas stay identical and untouched; also under
+    the distributed optimizer, where each rank steps its own shard."""
     ckpt = tiny_checkpoint(cache_dir, "qwen3", True)
-    spawn(nan_on_one_rank_and_dump, 2, 1, str(ckpt), str(tmp_path / "storage"), str(tmp_path))
+    args = (str(ckpt), str(tmp_path / "storage"), str(tmp_path), distributed_optimizer)
+    spawn(nan_on_one_rank_and_dump, 2, 1, *args)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r in ranks:
         assert [m["skipped_steps"] for m in r["metrics"]] == [0, 1, 0]
