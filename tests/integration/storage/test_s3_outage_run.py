@@ -93,16 +93,21 @@ def _config(server, model, ray_address, num_rollout: int, **over):
     )
 
 
-def _vime_train(cfg, tmp_path, name: str, pause_at=(), pause_dir=None) -> tuple[subprocess.Popen, Path]:
+def _vime_train(
+    cfg, tmp_path, name: str, pause_at=(), pause_dir=None, prefect_api: str = ""
+) -> tuple[subprocess.Popen, Path]:
     """`vime train --config <the configuration>`, in its own session, with the S3 credentials and
     not the endpoint in its environment; `pause_at`: task runs it pauses at, announcing itself in
-    `pause_dir`."""
+    `pause_dir`; `prefect_api`: the Prefect server it talks to, else a temporary one of its own."""
     from vime_core.config.loader import dump_config
     from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
     config_file = Path(dump_config(cfg, tmp_path / f"run-{cfg.num_rollout}.json"))  # one per run: the same command
-    env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV, *ENDPOINT_ENV)}
+    unset = (PAUSE_AT_ENV, PAUSE_DIR_ENV, "PREFECT_API_URL", *ENDPOINT_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     if pause_at:
         env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
     log = tmp_path / f"{name}.log"
@@ -193,7 +198,7 @@ def _store_down_at(driver, log: Path, outage, pause_file: Path) -> None:
     pause_file.unlink()
 
 
-def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home):
+def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home, session_prefect_api):
     from vime_core.cluster.run_actors import teardown
 
     outage, ray_address = s3_cluster
@@ -251,7 +256,9 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
         assert "Traceback" not in stderr and '\n  File "' not in stderr, stderr[-5000:]
         _check_bucket(cfg, LONG_OUTAGE_AT)  # nothing of the failed batch is visible
 
-        driver, log = _vime_train(cfg, tmp_path, "b-resumed")
+        # the stopped drivers' own temporary server ended with each (its last words checked
+        # above); the resumed one talks to the session's (tests/integration/conftest.py)
+        driver, log = _vime_train(cfg, tmp_path, "b-resumed", prefect_api=session_prefect_api)
         assert driver.wait(timeout=600) == 0, _tail(log)
         _check_run(cfg, RUN_B, resumed=frozenset({LONG_OUTAGE_AT}))
         _check_bucket(cfg, RUN_B)
