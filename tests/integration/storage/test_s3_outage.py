@@ -29,7 +29,7 @@ import pytest
 
 from vime_core.storage.s3_server import STATE_FILE, S3Server, _ready, start_s3_server, stop_s3_server
 
-from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, local_ray_head
+from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -183,25 +183,28 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
     assert (cut == "upload") == (leftovers == [])
 
 
-@pytest.fixture
-def ray_with_s3(outage):
-    """A local Ray head whose workers have the store's endpoint and credentials (inherited)."""
-    with local_ray_head(1, num_cpus=1) as address:
-        yield address
-
-
-def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_with_s3, tiny_model_dir):
+def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_head, tiny_model_dir):
     """persist-1 starts while the server is down; it comes back after 6 s: the task's default
-    retries (persist_retry_delays_s, each try after botocore's own) store the batch, once."""
+    retries (persist_retry_delays_s, each try after botocore's own) store the batch, once. The
+    write runs in a Ray task on the session's head, whose workers hold the credentials; the
+    endpoint comes with the configuration, as in a run."""
     import ray
 
     from tasks.rollout import RolloutOutput, persist_for
+    from vime_core.cluster.connect import ensure_ray
     from vime_core.demo.settings import demo_config
     from vime_core.storage import BatchStore
     from vime_core.storage.synthetic import synthetic_batch
 
     uri = outage.server.storage_uri(f"t-{uuid.uuid4().hex[:8]}")
-    cfg = demo_config(run_name=RUN, storage_uri=uri, hf_checkpoint=str(tiny_model_dir), ray_address=ray_with_s3)
+    cfg = demo_config(
+        run_name=RUN,
+        storage_uri=uri,
+        storage_endpoint_url=outage.server.endpoint,
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=ray_head,
+    )
+    ensure_ray(ray_head)
     persist = persist_for(cfg)  # the flow's: the configuration's retries
     first = persist(cfg, 0, RolloutOutput(ray.put(synthetic_batch(seed=0))), "flow-0")
     assert first["key"] == BatchStore(uri).ref(RUN, 0).key
