@@ -16,7 +16,7 @@ from tasks.evaluate import evaluate
 from tasks.guard import IterationGuard
 from tasks.offload import offload_rollout, offload_train, onload_kv, onload_weights
 from tasks.report import report_iteration
-from tasks.rollout import persist, rollout, start_next_rollout
+from tasks.rollout import persist_for, rollout, start_next_rollout
 from tasks.sync import check_weights, sync, train_then_publish
 from tasks.train import train
 from vime_core.config import VimeConfig
@@ -59,7 +59,7 @@ def _engines_asleep(cfg, plan: StepPlan, out, guard: IterationGuard) -> dict[Pha
     """Iteration k's phases up to eval where the engines sleep while the trainer trains
     (colocated on GPUs): each task makes its own calls, one after another, in the order read."""
     k, done = plan.rollout_id, {}
-    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    persisting = persist_for(cfg.unquote()).submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.OFFLOAD_ROLLOUT] = offload_rollout(cfg, k)
         done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
@@ -87,7 +87,7 @@ def _engines_awake(config: VimeConfig, cfg, plan: StepPlan, out, guard: Iteratio
     wait for those calls, and the sync ends the sync (admission resumed or rollout k + 1 started)."""
     k, done = plan.rollout_id, {}
     ahead = train_then_publish(config, k, out.batch_ref, plan.next_version, guard.gate)  # submitted to Ray
-    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    persisting = persist_for(cfg.unquote()).submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.TRAIN] = train(cfg, k, out.batch_ref, ahead)  # waits for `ahead`'s training
     finally:
@@ -114,7 +114,7 @@ def _one_step_off_policy(cfg, plan: StepPlan, out, guard: IterationGuard) -> dic
     k, done = plan.rollout_id, {}
     done[Phase.SYNC] = sync(cfg, plan.version, start_rollout_id=plan.sync_starts_next(out.next_stored))
     done[Phase.CHECK_WEIGHTS] = check_weights(cfg, plan.version, done[Phase.SYNC]) if plan.check_weights else {}
-    persisting = persist.submit(cfg, k, out, str(flow_run.id or ""))
+    persisting = persist_for(cfg.unquote()).submit(cfg, k, out, str(flow_run.id or ""))
     try:
         done[Phase.TRAIN] = train(cfg, k, out.batch_ref)
     finally:

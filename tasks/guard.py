@@ -26,7 +26,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import run_handles
-from tasks.rollout import persist
+from tasks.rollout import persist_for
 from tasks.sync import Submitted, settle
 from vime_core.config import VimeConfig
 from vime_core.faults import raised_in_chain
@@ -75,7 +75,8 @@ class IterationGuard:
         run fails (module docstring)."""
         breaches = rollout_breaches(self.settings, self.history, out.metrics)
         if breaches:
-            persist(self.config, self.rollout_id, out, flow_run_id)  # kept aside by the discard, lineage whole
+            # kept aside by the discard, lineage whole
+            persist_for(self.config)(self.config, self.rollout_id, out, flow_run_id)
             self.stop(breaches, "rollout", out.metrics, {}, trained_on=False)
 
     def check_trained(self, out: Any, trained: dict, submitted: Any = None) -> None:

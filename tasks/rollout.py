@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.cluster import batch_io
@@ -75,16 +76,18 @@ def start_next_rollout(config: VimeConfig, rollout_id: int, version: int) -> boo
     return bool(ray.get(manager.start_generate.remote(rollout_id, version)))
 
 
-# An object store that does not answer (server down or restarting) fails a try after s3fs's own
-# retries; the tries after it wait longer each time, so a short outage is ridden out.
-PERSIST_RETRY_DELAYS_S = [2, 5, 10]
+# An object store that does not answer (server down or restarting) fails a try after botocore's
+# own retries (storage_request_retries); the tries after it wait longer each time
+# (persist_retry_delays_s), so a short outage is ridden out. The decorator's are the defaults;
+# a run's come from its configuration (persist_for).
+_DEFAULT_DELAYS_S = VimeConfig.model_fields["persist_retry_delays_s"].get_default(call_default_factory=True)
 
 
 @task(
     name=Phase.PERSIST,
     task_run_name="persist-{rollout_id}",
-    retries=len(PERSIST_RETRY_DELAYS_S),
-    retry_delay_seconds=PERSIST_RETRY_DELAYS_S,
+    retries=len(_DEFAULT_DELAYS_S),
+    retry_delay_seconds=_DEFAULT_DELAYS_S,
     **TASK_DEFAULTS,
 )
 def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id: str) -> dict:
@@ -109,3 +112,15 @@ def persist(config: VimeConfig, rollout_id: int, out: RolloutOutput, flow_run_id
     info["t_persist"] = since.seconds
     get_run_logger().info("rollout %d: stored %s", rollout_id, info.get("key"))
     return info
+
+
+def persist_for(config: VimeConfig) -> Task:
+    """The persist task with the configuration's retries, one per config.persist_retry_delays_s,
+    waiting that long before each: Prefect reads a task's retries from the task object, not from
+    its arguments."""
+    return _persist_retrying(tuple(config.persist_retry_delays_s))
+
+
+@functools.cache
+def _persist_retrying(delays_s: tuple[float, ...]) -> Task:
+    return persist.with_options(retries=len(delays_s), retry_delay_seconds=list(delays_s))

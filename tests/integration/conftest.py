@@ -7,7 +7,10 @@
 - `new_prefect_home`: a fresh Prefect home for each `vime train` (or Prefect server) a test starts
   in a process of its own, its database already at the installed Prefect's schema. A server on an
   empty home runs every migration before it answers (seconds of CPU at each start); a copy of
-  one migrated database gives the same empty database without them."""
+  one migrated database gives the same empty database without them.
+- `session_prefect_api`: the API of this process's own Prefect temporary server, for a `vime
+  train` a test starts whose Prefect server need not die with it: that process then starts no
+  temporary server of its own (seconds of CPU at each start)."""
 
 from __future__ import annotations
 
@@ -69,6 +72,21 @@ def new_prefect_home(migrated_prefect_db):
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def session_prefect_api() -> str:
+    """PREFECT_API_URL of the server this process's flow runs use: the one PREFECT_API_URL names,
+    else Prefect's temporary server (ephemeral mode, with flows/settings' defaults:
+    tests/conftest.py), started here if no flow ran yet; it ends with this process."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return PREFECT_API_URL.value()
+    server = SubprocessASGIServer()  # the instance Prefect's client starts without PREFECT_API_URL
+    server.start()
+    return server.api_url
 
 
 @pytest.fixture(scope="session")

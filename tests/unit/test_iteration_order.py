@@ -7,12 +7,13 @@ of the order, or of what the flow submits ahead, fails here first."""
 import pytest
 
 import flows.iteration as it
+from tasks.rollout import persist as persist_task
+from vime_core.config import VimeConfig
 from vime_core.config.loader import make_config
 from vime_core.step_plan import Phase
 
 TASKS = [
     "rollout",
-    "persist",
     "offload_rollout",
     "train",
     "offload_train",
@@ -54,6 +55,14 @@ def _run(monkeypatch, rollout_id: int = 4, **overrides) -> list[str]:
         name = getattr(it, attr).name
         assert name in set(Phase), f"{attr}'s task name {name!r} is not a Phase"
         monkeypatch.setattr(it, attr, stub(name, _Out() if name == Phase.ROLLOUT else {}))
+    # persist, with the configuration's retries (tasks/rollout.persist_for)
+    persist = stub(Phase(persist_task.name), {})
+
+    def persist_for(config):
+        assert isinstance(config, VimeConfig), type(config)  # the retries are read from it
+        return persist
+
+    monkeypatch.setattr(it, "persist_for", persist_for)
     # training and the publish, submitted to Ray by the flow ahead of the train and sync tasks
     monkeypatch.setattr(it, "train_then_publish", stub("train_then_publish", None))
     monkeypatch.setattr(it.interrupt, "reinstall", lambda: None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat
 
 # The package, not algo.registry: importing it registers the built-in estimators.
 from vime_core.algo import check_adv_estimator, describe_adv_estimators, registered_adv_estimators
@@ -1173,5 +1173,24 @@ class ConfigFields(BaseModel):
             "CPU vime's worker extension, which needs vllm_enforce_eager=true, use_router=false and starts the "
             "engines without prefix caching) into the batch's routed_experts column. A dense model refuses it at "
             "trainer start."
+        ),
+    )
+
+    # ---- storage retries (tasks/rollout.py persist; vime_core/storage/fs.py) ----------------------
+    persist_retry_delays_s: list[NonNegativeFloat] = Field(
+        default_factory=lambda: [2.0, 5.0, 10.0],
+        description=(
+            "Seconds the persist task waits before each of its retries, one retry per value ([] for none): a batch "
+            "write that failed on the object store (down, restarting, unreachable) is tried again after each, so a "
+            "short outage is ridden out; once every try failed, the iteration fails."
+        ),
+    )
+    storage_request_retries: Optional[int] = Field(
+        None,
+        ge=0,
+        description=(
+            "Retries of each S3 request within one storage call (botocore's retries max_attempts) before the call "
+            "fails and the task's own retries take over. None: botocore's own count (AWS_MAX_ATTEMPTS or the AWS "
+            "profile's max_attempts; else 4 retries in its legacy mode)."
         ),
     )

@@ -4,6 +4,8 @@ callers without one), never its credentials (botocore's chain reads those):
     endpoint  the value given, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else "" (AWS itself)
     region    the value given, else AWS_REGION, else AWS_DEFAULT_REGION, else "" (botocore's choice)
 
+and how often a request to it is retried (configuration only; unset: botocore's own count).
+
 An endpoint carrying credentials is refused: it is recorded in dumps, lineage and logs."""
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ class EndpointCredentialsError(Exception):
 class S3Endpoint:
     url: str = ""  # "": AWS itself
     region: str = ""  # "": botocore's own choice
+    request_retries: int | None = None  # retries of each request (botocore's max_attempts); None: botocore's own
 
     @classmethod
     def of(cls, cfg) -> "S3Endpoint":
         """The configuration's (already resolved when it was made)."""
-        return cls(cfg.storage_endpoint_url, cfg.storage_region)
+        return cls(cfg.storage_endpoint_url, cfg.storage_region, cfg.storage_request_retries)
 
 
 def _first(names: tuple[str, ...], environ: Mapping[str, str]) -> str:

@@ -203,6 +203,9 @@ def _s3_location(root: str, options: dict, where: S3Endpoint) -> StorageLocation
     if endpoint:
         # Self-hosted S3 servers (SeaweedFS, MinIO, Ceph) serve buckets as paths, not host names.
         config_kwargs.setdefault("s3", {"addressing_style": "path"})
+    if where.request_retries is not None:
+        # botocore's own retries of each request (a refused connection is retried with a back-off)
+        config_kwargs.setdefault("retries", {"max_attempts": where.request_retries})
     # Listings must not be cached: other processes publish batches while this one runs.
     options.setdefault("use_listings_cache", False)
     fs = s3fs.S3FileSystem(

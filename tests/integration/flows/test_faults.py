@@ -12,7 +12,10 @@ on from wherever it stands, so the tests run in any order:
 - the trainer refuses a batch (a data error): the iteration is not retried and the error says so;
 - the driver (`vime train`) is SIGKILLed inside each phase in turn (rollout, persist, train, sync,
   checkpoint), each time resumed by the same command, then stopped by SIGTERM (a scheduler's
-  preemption: exit 143 within the grace period, no task retried); the same command finishes the run;
+  preemption: exit 143 within the grace period, no task retried); the same command finishes the run.
+  The first killed driver and the stopped one run Prefect's temporary server in their process
+  group (killed or signalled with them, on one user's Prefect home); the others talk to a server
+  that outlives them (`session_prefect_api`), as drivers of a Prefect server do;
 - within one `vime train`, the trainer's process, the RolloutManager's process and the vLLM
   server are SIGKILLed as chosen phases start: the run goes on, and its console says so in one
   line per fault, without a traceback.
@@ -217,9 +220,13 @@ def test_a_data_error_is_not_retried_and_says_what_to_fix(killed_trainer):
     assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, k)
 
 
-def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None) -> subprocess.Popen:
-    """`vime train` for the run, in its own session (the SIGKILL takes its Prefect server too);
-    `pause_at`: task runs it pauses at (vime_core/faults.PausePoints), announcing in `pause_dir`."""
+def _vime_train(
+    cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=None, prefect_api: str = ""
+) -> subprocess.Popen:
+    """`vime train` for the run, in its own session (a SIGKILL to it takes its temporary Prefect
+    server too); `pause_at`: task runs it pauses at (vime_core/faults.PausePoints), announcing in
+    `pause_dir`; `prefect_api`: the Prefect server it talks to (PREFECT_API_URL), else a
+    temporary one of its own."""
     from vime_core.demo.settings import DEMO_SETTINGS
     from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
@@ -243,8 +250,10 @@ def _vime_train(cfg, repo_root, prefect_home, log_path, pause_at=(), pause_dir=N
     ):
         args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
     args.append("--check-weight-update-equal")
-    env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV, "PREFECT_API_URL")}
     env["PREFECT_HOME"] = str(prefect_home)
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     if pause_at:
         env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
     # what a user's terminal shows, stdout and stderr apart
@@ -286,13 +295,14 @@ def _stored_ids_whole(cfg) -> list[int]:
 
 
 def test_driver_killed_in_each_phase_resumes_with_the_same_command(
-    killed_trainer, repo_root, tmp_path, new_prefect_home
+    killed_trainer, repo_root, tmp_path, new_prefect_home, session_prefect_api
 ):
     """`vime train` SIGKILLed (with everything it started) inside each phase of the step, one
     phase per driver, each driver the same command resuming after the one before, then one
     stopped by SIGTERM; the last runs the run to its end. Each kill lands in its phase: the
     driver pauses as that phase's task run starts (vime_core/faults.PausePoints) and is killed
-    there."""
+    there. The first killed driver and the stopped one run their own temporary Prefect server
+    (module docstring)."""
     from vime_core.step_plan import due, version_before
 
     cfg, _, _ = killed_trainer
@@ -317,7 +327,8 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(
     prefect_home = new_prefect_home(tmp_path / "prefect")  # every driver's, as one user's
     for i, at in enumerate(kills):
         log = tmp_path / f"driver-{i}.log"
-        driver = _vime_train(run, repo_root, prefect_home, log, pause_at=[at], pause_dir=pause_dir)
+        api = "" if i == 0 else session_prefect_api  # the first one's temporary server dies with it
+        driver = _vime_train(run, repo_root, prefect_home, log, pause_at=[at], pause_dir=pause_dir, prefect_api=api)
         try:
             _wait_paused(driver, pause_dir / at, log)
         finally:
@@ -359,7 +370,7 @@ def test_driver_killed_in_each_phase_resumes_with_the_same_command(
     assert term_k <= stopped_k <= run.num_rollout, (term_k, stopped_k)  # num_rollout: after the last one
 
     log = tmp_path / "last.log"
-    rc = _vime_train(run, repo_root, prefect_home, log).wait(timeout=900)
+    rc = _vime_train(run, repo_root, prefect_home, log, prefect_api=session_prefect_api).wait(timeout=900)
     assert rc == 0, _tail(log)
     killed_ids = frozenset(range(rollout_k, stopped_k + 1))
     _check_run(run, run.num_rollout, resumed=killed_ids)
@@ -393,7 +404,9 @@ def _kill_manager_noting_its_router(cfg, routers: list) -> None:
     manager.kill()
 
 
-def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, repo_root, tmp_path, new_prefect_home):
+def test_killed_trainer_manager_and_engine_within_one_driver(
+    killed_trainer, repo_root, tmp_path, new_prefect_home, session_prefect_api
+):
     """One `vime train` goes on while, each as a phase starts (the driver paused there), the
     trainer's process, the RolloutManager's process and the vLLM server are SIGKILLed: the run
     ends with every invariant held, and the console says what happened and what the run does in
@@ -413,7 +426,9 @@ def test_killed_trainer_manager_and_engine_within_one_driver(killed_trainer, rep
     pause_dir.mkdir()
     prefect_home = new_prefect_home(tmp_path / "prefect")  # every driver's, as one user's
     log = tmp_path / "driver.log"
-    driver = _vime_train(run, repo_root, prefect_home, log, pause_at=list(faults), pause_dir=pause_dir)
+    driver = _vime_train(
+        run, repo_root, prefect_home, log, pause_at=list(faults), pause_dir=pause_dir, prefect_api=session_prefect_api
+    )
     try:
         for at, harm in faults.items():
             _wait_paused(driver, pause_dir / at, log)

@@ -40,7 +40,7 @@ def _vime(args: list[str], repo_root, env: dict, timeout_s: float) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def tool_use_run(tmp_path_factory, ray_head, repo_root, new_prefect_home):
+def tool_use_run(tmp_path_factory, ray_head, repo_root, new_prefect_home, session_prefect_api):
     tmp = tmp_path_factory.mktemp("tool-use")
     store = tmp / "store"
     env = {**os.environ, "PREFECT_HOME": str(new_prefect_home(tmp / "prefect"))}
@@ -69,7 +69,9 @@ def tool_use_run(tmp_path_factory, ray_head, repo_root, new_prefect_home):
         summary = json.loads(done.stdout[done.stdout.index('{\n  "run_name"') :])  # `vime train` prints it last
         yield store, summary, env, seconds
     finally:
-        _vime(["teardown", "--run-name", RUN, "--ray-address", ray_head], repo_root, env, timeout_s=120)
+        # a flow run too: on the session's Prefect server, not a temporary one of its own
+        teardown_env = {**env, "PREFECT_API_URL": session_prefect_api}
+        _vime(["teardown", "--run-name", RUN, "--ray-address", ray_head], repo_root, teardown_env, timeout_s=120)
 
 
 def _stored(store):

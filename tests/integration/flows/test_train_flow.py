@@ -285,7 +285,6 @@ def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(traine
     second time."""
     import ray
 
-    import tasks.rollout as rollout_task
     from flows.iteration import iteration
     from vime_core.cluster import batch_io
     from vime_core.storage import BatchStore
@@ -293,13 +292,14 @@ def test_store_failing_beside_training_is_rerun_with_the_batch_trained_on(traine
     cfg, _ = trained
     manager, trainers = _handles(cfg)
     k = _next_rollout_id(trainers)
-    cfg_k = cfg.model_copy(update={"num_rollout": k + 2})  # not the last iteration: sync would start rollout k + 1
+    # not the last iteration (sync would start rollout k + 1); persist's every retry, without waiting
+    retries_now = [0.0] * len(cfg.persist_retry_delays_s)
+    cfg_k = cfg.model_copy(update={"num_rollout": k + 2, "persist_retry_delays_s": retries_now})
 
     def store_down(*args, **kwargs):
         raise OSError("simulated object store outage")
 
     monkeypatch.setattr(batch_io, "save", store_down)
-    monkeypatch.setattr(rollout_task.persist, "retry_delay_seconds", 0)
     with pytest.raises(OSError, match="simulated object store outage"):
         iteration(cfg_k, k)
     assert not BatchStore(cfg.storage_uri).exists(cfg.run_name, k)

@@ -29,7 +29,7 @@ import pytest
 
 from vime_core.storage.s3_server import STATE_FILE, S3Server, _ready, start_s3_server, stop_s3_server
 
-from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, local_ray_head
+from .conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -79,21 +79,35 @@ class Outage:
         return thread
 
 
+@pytest.fixture(scope="module")
+def outage_server() -> S3Server:
+    """A server of this module's own (the session's server must stay up), started once: each test
+    kills and restarts it and writes under a prefix of its own."""
+    data_dir = Path(tempfile.mkdtemp(prefix="vime-s3-outage-"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", TEST_ACCESS_KEY)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)
+        server = start_s3_server(data_dir, bucket=BUCKET, timeout=60)
+    try:
+        yield server
+    finally:
+        stop_s3_server(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 @pytest.fixture
-def outage(monkeypatch):
-    """A server of this test's own (the session's server must stay up), with the client's env."""
+def outage(outage_server, monkeypatch):
+    """The module's server, not yet killed in this test, with the client's env; up again after the
+    test (one that failed may have left it down)."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)
-    data_dir = Path(tempfile.mkdtemp(prefix="vime-s3-outage-"))
-    server = start_s3_server(data_dir, bucket=BUCKET, timeout=60)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    try:
-        yield Outage(server)
-    finally:
-        stop_s3_server(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", outage_server.endpoint)
+    outage = Outage(outage_server)
+    yield outage
+    if not _ready(outage_server.endpoint, outage_server.bucket):
+        outage.restart()
 
 
 def _check_store(uri: str, rollout_ids: list[int]) -> list[str]:
@@ -128,6 +142,7 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
     write publishes it; nothing half-written is ever listed."""
     from vime_core.faults import INFRASTRUCTURE, classify
     from vime_core.storage import BatchStore
+    from vime_core.storage.endpoint import S3Endpoint
     from vime_core.storage.fs import StorageLocation
     from vime_core.storage.index import BatchIndex
     from vime_core.storage.synthetic import synthetic_batch
@@ -148,8 +163,11 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
 
     monkeypatch.setattr(owner, name, killed_first)
     batch = synthetic_batch(seed=1)
+    # each request tried twice (storage_request_retries=1), not botocore's five times: the cut
+    # step and the cleanup after it fail within a second, by the same error
+    cut_short = S3Endpoint(outage.server.endpoint, request_retries=1)
     with pytest.raises(Exception) as info:
-        BatchStore(uri).write(batch, {"run": RUN, "rollout_id": 1})
+        BatchStore(uri, endpoint=cut_short).write(batch, {"run": RUN, "rollout_id": 1})
     fault = classify(info.value)
     assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True), repr(info.value)
     monkeypatch.setattr(owner, name, real)
@@ -165,25 +183,29 @@ def test_a_write_cut_by_the_store_going_away_leaves_nothing_visible(outage, monk
     assert (cut == "upload") == (leftovers == [])
 
 
-@pytest.fixture
-def ray_with_s3(outage):
-    """A local Ray head whose workers have the store's endpoint and credentials (inherited)."""
-    with local_ray_head(1, num_cpus=1) as address:
-        yield address
-
-
-def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_with_s3, tiny_model_dir):
-    """persist-1 starts while the server is down; it comes back after 6 s: the task's retries
-    (waiting 2, 5, 10 s after s3fs's own) store the batch, once."""
+def test_persist_retries_with_a_back_off_until_the_store_is_back(outage, ray_head, tiny_model_dir):
+    """persist-1 starts while the server is down; it comes back after 6 s: the task's default
+    retries (persist_retry_delays_s, each try after botocore's own) store the batch, once. The
+    write runs in a Ray task on the session's head, whose workers hold the credentials; the
+    endpoint comes with the configuration, as in a run."""
     import ray
 
-    from tasks.rollout import RolloutOutput, persist
+    from tasks.rollout import RolloutOutput, persist_for
+    from vime_core.cluster.connect import ensure_ray
     from vime_core.demo.settings import demo_config
     from vime_core.storage import BatchStore
     from vime_core.storage.synthetic import synthetic_batch
 
     uri = outage.server.storage_uri(f"t-{uuid.uuid4().hex[:8]}")
-    cfg = demo_config(run_name=RUN, storage_uri=uri, hf_checkpoint=str(tiny_model_dir), ray_address=ray_with_s3)
+    cfg = demo_config(
+        run_name=RUN,
+        storage_uri=uri,
+        storage_endpoint_url=outage.server.endpoint,
+        hf_checkpoint=str(tiny_model_dir),
+        ray_address=ray_head,
+    )
+    ensure_ray(ray_head)
+    persist = persist_for(cfg)  # the flow's: the configuration's retries
     first = persist(cfg, 0, RolloutOutput(ray.put(synthetic_batch(seed=0))), "flow-0")
     assert first["key"] == BatchStore(uri).ref(RUN, 0).key
 

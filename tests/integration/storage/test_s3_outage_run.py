@@ -5,12 +5,14 @@ configuration only: the driver's and the Ray workers' environments hold the cred
 
 The S3 server is SIGKILLed as a persist task run starts (the driver pauses there:
 vime_core/faults.PausePoints) and started again on the same ports and data folder:
-- (a) back while persist still retries (its back-off, tasks/rollout.PERSIST_RETRY_DELAYS_S): the
-  restart begins when the console says persist's first try failed, so the outage is one the
-  retries cover; the run goes on to its end without a failed iteration;
+- (a) back while persist still retries, with the default retries (persist_retry_delays_s,
+  storage_request_retries): the restart begins when the console says persist's first try
+  failed, so the outage is one the retries cover; the run goes on to its end without a failed
+  iteration;
 - (b) down for longer than every retry: the server comes back only after the driver ended. The
   run stops with one line saying what happened and what to do (exit 1), nothing of the batch is
-  visible, and the same command, once the server is back, resumes the run to its end.
+  visible, and the same command, once the server is back, resumes the run to its end. Its
+  configuration's retries are short ones (RETRIES_B), each tried and announced all the same.
 Only persist meets the outage: the train task beside it needs no storage, and sync, the
 checkpoint (save) and the report come after persist ends. The checkpoints are checked whole all
 the same (a resumed run whose trainer died restores from the latest).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +51,8 @@ SHORT_OUTAGE_AT = 1  # persist-1: (a), its run's last iteration (its checkpoint 
 RUN_A = SHORT_OUTAGE_AT + 1
 LONG_OUTAGE_AT = RUN_A  # persist-2: (b), the iteration the extended run adds
 RUN_B = LONG_OUTAGE_AT + 1
+# (b)'s retries, short: persist waits these before its retries, each S3 request is retried once
+RETRIES_B = dict(persist_retry_delays_s=[0.5, 1.0, 2.0], storage_request_retries=1)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,7 @@ def s3_cluster(ray_head):
             shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _config(server, model, ray_address, num_rollout: int):
+def _config(server, model, ray_address, num_rollout: int, **over):
     from tests.integration.small_run import small_run_config
 
     return small_run_config(
@@ -84,19 +89,25 @@ def _config(server, model, ray_address, num_rollout: int):
         save_interval=2,  # a checkpoint at the end of each run (rollouts 1 and 2)
         check_weight_update_equal=True,
         iteration_retries=0,  # only persist's own retries stand between the outage and the run
+        **over,
     )
 
 
-def _vime_train(cfg, tmp_path, name: str, pause_at=(), pause_dir=None) -> tuple[subprocess.Popen, Path]:
+def _vime_train(
+    cfg, tmp_path, name: str, pause_at=(), pause_dir=None, prefect_api: str = ""
+) -> tuple[subprocess.Popen, Path]:
     """`vime train --config <the configuration>`, in its own session, with the S3 credentials and
     not the endpoint in its environment; `pause_at`: task runs it pauses at, announcing itself in
-    `pause_dir`."""
+    `pause_dir`; `prefect_api`: the Prefect server it talks to, else a temporary one of its own."""
     from vime_core.config.loader import dump_config
     from vime_core.faults import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
     config_file = Path(dump_config(cfg, tmp_path / f"run-{cfg.num_rollout}.json"))  # one per run: the same command
-    env = {k: v for k, v in os.environ.items() if k not in (PAUSE_AT_ENV, PAUSE_DIR_ENV, *ENDPOINT_ENV)}
+    unset = (PAUSE_AT_ENV, PAUSE_DIR_ENV, "PREFECT_API_URL", *ENDPOINT_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     if pause_at:
         env.update({PAUSE_AT_ENV: ",".join(pause_at), PAUSE_DIR_ENV: str(pause_dir)})
     log = tmp_path / f"{name}.log"
@@ -122,6 +133,11 @@ def _persist_failures(log: Path, rollout_id: int) -> list[str]:
     return [
         line for line in _console(log).splitlines() if f"persist-{rollout_id} failed (" in line and "; try " in line
     ]
+
+
+def _announced_delays(notices: list[str]) -> list[float]:
+    """The wait each retry notice announces (`...; try N of M in D s`)."""
+    return [float(re.search(r"; try \d+ of \d+ in (\S+) s$", line).group(1)) for line in notices]
 
 
 def _wait_for(condition, driver, log, what: str, timeout_s: float = 300) -> None:
@@ -182,8 +198,7 @@ def _store_down_at(driver, log: Path, outage, pause_file: Path) -> None:
     pause_file.unlink()
 
 
-def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home):
-    from tasks.rollout import PERSIST_RETRY_DELAYS_S
+def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, new_prefect_home, session_prefect_api):
     from vime_core.cluster.run_actors import teardown
 
     outage, ray_address = s3_cluster
@@ -207,7 +222,9 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
             if driver.poll() is None:
                 os.killpg(driver.pid, 9)
         assert rc == 0, f"server back {back_after:.1f} s after the first failed try\n{_tail(log)}"
-        assert _persist_failures(log, SHORT_OUTAGE_AT)  # the outage was seen, and a later try stored it
+        notices = _persist_failures(log, SHORT_OUTAGE_AT)
+        assert notices  # the outage was seen, and a later try stored it, after the default waits
+        assert _announced_delays(notices) == cfg.persist_retry_delays_s[: len(notices)], notices
         stdout = log.read_text()
         summary = json.loads(stdout[stdout.index('{\n  "run_name"') :])
         assert summary["failed_attempts"] == {}  # no iteration failed: persist's retries absorbed it
@@ -216,7 +233,7 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
         assert _optimizer_steps(cfg) == RUN_A * cfg.num_steps_per_rollout
 
         # (b) an outage longer than every retry: the run stops cleanly; the same command resumes it
-        cfg = _config(server, tiny_model_dir, ray_address, RUN_B)
+        cfg = _config(server, tiny_model_dir, ray_address, RUN_B, **RETRIES_B)
         at = f"persist-{LONG_OUTAGE_AT}"
         driver, log = _vime_train(cfg, tmp_path, "b", pause_at=[at], pause_dir=pause_dir)
         try:
@@ -227,8 +244,10 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
                 os.killpg(driver.pid, 9)
         outage.restart()
         assert rc == 1, _tail(log)
-        # each retry's notice; the last try's failure is said by the run's own line below
-        assert len(_persist_failures(log, LONG_OUTAGE_AT)) == len(PERSIST_RETRY_DELAYS_S)
+        # each retry's notice, with the configuration's wait; the last try's failure is said by
+        # the run's own line below
+        notices = _persist_failures(log, LONG_OUTAGE_AT)
+        assert _announced_delays(notices) == cfg.persist_retry_delays_s, notices
         stderr = _stderr_path(log).read_text()
         said = [line for line in stderr.splitlines() if line.startswith("[vime] run")]
         assert len(said) == 1, said  # the user's last word from vime, once
@@ -237,7 +256,9 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
         assert "Traceback" not in stderr and '\n  File "' not in stderr, stderr[-5000:]
         _check_bucket(cfg, LONG_OUTAGE_AT)  # nothing of the failed batch is visible
 
-        driver, log = _vime_train(cfg, tmp_path, "b-resumed")
+        # the stopped drivers' own temporary server ended with each (its last words checked
+        # above); the resumed one talks to the session's (tests/integration/conftest.py)
+        driver, log = _vime_train(cfg, tmp_path, "b-resumed", prefect_api=session_prefect_api)
         assert driver.wait(timeout=600) == 0, _tail(log)
         _check_run(cfg, RUN_B, resumed=frozenset({LONG_OUTAGE_AT}))
         _check_bucket(cfg, RUN_B)
@@ -245,5 +266,5 @@ def test_store_outages_during_a_train_run(s3_cluster, tiny_model_dir, tmp_path, 
         # the failed iteration ended before its report: every rollout id reported once
         assert [r["rollout_id"] for r in _raw_records(cfg)] == list(range(RUN_B))
     finally:
-        _handles(_config(server, tiny_model_dir, ray_address, RUN_B))  # attached, whatever failed
+        _handles(_config(server, tiny_model_dir, ray_address, RUN_B, **RETRIES_B))  # attached, whatever failed
         teardown(RUN)
