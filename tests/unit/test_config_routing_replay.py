@@ -31,19 +31,16 @@ def test_on_turns_on_megatrons_routing_replay_for_moe_only():
     assert moe_settings(DENSE, 2, routing_replay=True) == {}
 
 
-def test_on_the_cpu_it_needs_an_eager_engine_addressed_directly_one_line_each():
-    cases = [
-        ({"vllm_enforce_eager": False}, "on device=cpu needs vllm_enforce_eager=true: a compiled engine forward"),
-        ({"use_router": True}, "on device=cpu needs use_router=false: the routed experts are taken"),
-    ]
-    for overrides, message in cases:
-        values = {"use_rollout_routing_replay": True, "use_router": False, **overrides}
-        with pytest.raises(ConfigError, match=message) as err:
-            load_config(overrides=values)
-        # ConfigError heads its list of causes with "invalid configuration:"; this cause is one line
-        assert str(err.value).splitlines()[-1].strip().startswith("use_rollout_routing_replay=true on device=cpu")
-    cfg = parse_args(["--use-rollout-routing-replay", "true", "--use-router", "false"])  # the CLI spelling
-    assert cfg.use_rollout_routing_replay and cfg.vllm_enforce_eager  # derived: eager on the CPU
+def test_on_the_cpu_it_needs_an_eager_engine_in_one_line():
+    values = {"use_rollout_routing_replay": True, "vllm_enforce_eager": False}
+    message = "on device=cpu needs vllm_enforce_eager=true: a compiled engine forward"
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(overrides=values)
+    # ConfigError heads its list of causes with "invalid configuration:"; this cause is one line
+    assert str(err.value).splitlines()[-1].strip().startswith("use_rollout_routing_replay=true on device=cpu")
+    for router in ("true", "false"):  # behind vllm-router too: each engine is asked for its rows
+        cfg = parse_args(["--use-rollout-routing-replay", "true", "--use-router", router])  # the CLI spelling
+        assert cfg.use_rollout_routing_replay and cfg.vllm_enforce_eager  # derived: eager on the CPU
 
 
 def test_engines_capture_the_routing_the_releases_way():

@@ -479,16 +479,11 @@ def routing_capture_server_args(cfg: ConfigFields) -> dict:
 
 def _check_routing_replay(cfg: ConfigFields) -> None:
     """The engines' routed experts reach the trainer: on the CPU through the worker extension, which
-    reads the router hook of an eager forward and is addressed per engine (not through vllm-router)."""
+    reads the router hook of an eager forward (behind vllm-router, each engine is asked for them)."""
     if not cfg.use_rollout_routing_replay or cfg.device != "cpu":
         return
     if not cfg.vllm_enforce_eager:
         raise ValueError(
             "use_rollout_routing_replay=true on device=cpu needs vllm_enforce_eager=true: a compiled engine "
             "forward never calls the router hook that captures the routed experts"
-        )
-    if cfg.use_router:
-        raise ValueError(
-            "use_rollout_routing_replay=true on device=cpu needs use_router=false: the routed experts are taken "
-            "from the engine that generated, which vllm-router does not name"
         )

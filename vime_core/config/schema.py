@@ -1170,7 +1170,7 @@ class ConfigFields(BaseModel):
             "to the experts the engine chose for it, so the policy's and the reference's log-probs are computed "
             "with the engine's routing (the router still gets gradients through the chosen experts' "
             "probabilities). The engines return the experts (on CUDA vLLM's --enable-return-routed-experts; on the "
-            "CPU vime's worker extension, which needs vllm_enforce_eager=true, use_router=false and starts the "
+            "CPU vime's worker extension, which needs vllm_enforce_eager=true and starts the "
             "engines without prefix caching) into the batch's routed_experts column. A dense model refuses it at "
             "trainer start."
         ),

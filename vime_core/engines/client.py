@@ -146,6 +146,7 @@ class EngineClient:
         max_connections: int = 1024,
         api: Optional[VllmApi] = None,
         token: Optional[EngineToken] = None,
+        capture_peers: Optional[list["EngineClient"]] = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or redact_url(self.base_url)
@@ -159,6 +160,10 @@ class EngineClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._api: Optional[VllmApi] = api
         self._capture_armed = False
+        # For a client of vllm-router: the engines behind it (a live list: a restarted engine's new
+        # client replaces its old one). The router does not say which engine answered, so routed
+        # experts are armed on and taken from each of them; an engine holds rows only of its own requests.
+        self.capture_peers = capture_peers
         # takes of routed experts waiting for the next /collective_rpc: {request id: (start, future)}
         self._takes: dict[str, tuple[int, asyncio.Future]] = {}
         self._take_flush: Optional[asyncio.Task] = None
@@ -265,7 +270,10 @@ class EngineClient:
     async def arm_routing_capture(self) -> Optional[dict]:
         """Make the engine's workers capture routed experts (once per client; a restarted engine is
         armed again by `_add_captured_routing`): the layout {"layers", "top_k", "dtype"}, or {"native": True}
-        when vLLM returns them itself (the choices then carry them)."""
+        when vLLM returns them itself (the choices then carry them). A router's client arms its peers."""
+        if self.capture_peers is not None:
+            layouts = await asyncio.gather(*(peer.arm_routing_capture() for peer in self.capture_peers))
+            return next((layout for layout in layouts if layout is not None), None)
         if self._capture_armed:
             return None
         layouts = await self.collective_rpc(ARM_CAPTURE_RPC) or [None]
@@ -283,7 +291,8 @@ class EngineClient:
         if rows is None:
             if not any(c.get("token_ids") for c in choices):
                 return  # nothing forwarded yet (aborted before its first step): no rows
-            self._capture_armed = False  # a restarted engine's workers: armed again on the next request
+            for holder in self._capture_holders():  # a restarted engine's workers: armed again on the next request
+                holder._capture_armed = False
             raise EngineError(self.name, endpoint, None, f"no routed experts captured for request {request_id}")
         for choice in choices:
             choice["routed_experts"] = rows
@@ -297,22 +306,39 @@ class EngineClient:
             self._take_flush = asyncio.ensure_future(self._flush_takes())
         return await future
 
+    def _capture_holders(self) -> list["EngineClient"]:
+        """The clients whose engines hold this client's captured rows: the router's peers, or itself."""
+        return list(self.capture_peers) if self.capture_peers is not None else [self]
+
     async def _flush_takes(self) -> None:
         await asyncio.sleep(0)  # answers that arrived together join the first RPC
         while self._takes:
             waiting, self._takes = self._takes, {}
             asked = {"request_ids": list(waiting), "prompt_starts": [start for start, _ in waiting.values()]}
-            try:
-                taken = await self.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked)
-            except Exception as exc:  # each waiting generate raises it
-                for _, future in waiting.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            rows = (taken or [{}])[0]  # TP ranks route the same tokens: rank 0's rows
+            rows, error = await self._take_from_holders(asked)
             for request_id, (_, future) in waiting.items():
-                if not future.done():
+                if future.done():
+                    continue
+                if request_id in rows or error is None:
                     future.set_result(rows.get(request_id))
+                else:  # its engine may be the one that failed to answer
+                    future.set_exception(error)
+
+    async def _take_from_holders(self, asked: dict) -> tuple[dict[str, str], Optional[BaseException]]:
+        """One take RPC to each holder, together: the rows found ({request id: rows}) and the first
+        holder's error, if any failed. TP ranks route the same tokens: each engine's rank 0 rows."""
+        answers = await asyncio.gather(
+            *(holder.collective_rpc(TAKE_ROUTED_EXPERTS_RPC, asked) for holder in self._capture_holders()),
+            return_exceptions=True,
+        )
+        rows: dict[str, str] = {}
+        error: Optional[BaseException] = None
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                error = error or answer
+                continue
+            rows.update((request_id, r) for request_id, r in (answer or [{}])[0].items() if r is not None)
+        return rows, error
 
     @property
     def label(self) -> str:

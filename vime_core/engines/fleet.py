@@ -167,7 +167,8 @@ class EngineFleet:
             for url in urls:
                 self.router.add_worker(url)
             self._wait_router_workers(self.router, urls)
-            self.generator = self._client(self.router.url, "router")
+            # routed experts are taken from the engine that generated, which the router does not name
+            self.generator = self._client(self.router.url, "router", capture_peers=self.clients)
             return
         self.generator = PolicyRouter(self.clients, self.cfg.router_policy, seed=self.cfg.seed)
 
@@ -177,10 +178,11 @@ class EngineFleet:
             missing = sorted(set(urls) - set(router.workers()))
             raise RuntimeError(f"vllm-router did not register {missing} within {timeout_s} s:\n{router.log_tail()}")
 
-    def _client(self, url: str, name: str) -> EngineClient:
+    def _client(self, url: str, name: str, capture_peers: Optional[list[EngineClient]] = None) -> EngineClient:
         return EngineClient(
             url,
             name,
+            capture_peers=capture_peers,
             supports_sleep=self.supports_sleep,
             token=self.token,
             max_connections=max(64, self.cfg.vllm_server_concurrency * 2),

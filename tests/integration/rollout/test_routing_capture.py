@@ -30,7 +30,8 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def capture_engine(cache_dir, vllm_python):
     ckpt = tiny_moe_checkpoint(cache_dir)
-    cfg = make_cfg(ckpt, vllm_python, use_rollout_routing_replay=True, use_router=False)
+    # use_router: /health stays open for vllm-router's checks (the router test below); the rest is direct
+    cfg = make_cfg(ckpt, vllm_python, use_rollout_routing_replay=True, use_router=True)
     with started_engine(cfg, cache_dir / "engine-logs-routing") as server:
         yield server
 
@@ -122,3 +123,31 @@ def test_rows_are_taken_once_and_a_bad_start_is_refused(capture_engine):
     assert asyncio.run(take())[0][request_id] is None  # the generate took them
     with pytest.raises(EngineError, match="routed_experts_prompt_start"):
         _generate(capture_engine, [PROMPT], len(PROMPT) + 1)
+
+
+def test_behind_vllm_router_each_answer_carries_its_engines_rows(capture_engine, tmp_path):
+    """The fleet's router client (the real vllm-router in front of the engine) arms the engine and
+    takes each answer's rows from it: the router does not say which engine answered."""
+    from vime_core.engines.fleet import EngineFleet
+
+    fleet = EngineFleet(capture_engine.cfg, servers=[capture_engine])
+    try:
+        fleet.start(str(tmp_path))
+        assert fleet.router is not None and fleet.generator.capture_peers is fleet.clients
+        prompts = [PROMPT, PROMPT[:24]]
+        params = {"max_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True, ROUTED_EXPERTS_START: 0}
+        calls = [fleet.generator.generate(p, dict(params)) for p in prompts]
+        answers = [fleet.loop.run(call) for call in calls]
+    finally:
+        fleet.shutdown()
+    compared = 0
+    for prompt, answer in zip(prompts, answers):
+        choice = answer["choices"][0]
+        tokens = prompt + choice["token_ids"]
+        rows = decode(choice["routed_experts"])
+        assert rows.shape == (len(tokens) - 1, 2, 2)
+        expected, margin = _hf_topk(capture_engine.model_path, tokens)
+        clear = margin[:-1] > 1e-4
+        np.testing.assert_array_equal(np.sort(rows, -1)[clear], np.sort(expected[:-1], -1)[clear])
+        compared += int(clear.sum())
+    assert compared > 40
