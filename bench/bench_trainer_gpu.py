@@ -16,6 +16,7 @@ choice plus options joined with +:
     +fullhead     logits at every position and Megatron's cross-entropy (logprobs.packed_response_log_probs_full)
     +unfusedrope  Megatron's unfused RoPE instead of vime's packed one (rope.py)
     +unfusedswiglu  SwiGLU unfused instead of Megatron's compiled one
+    +seqexperts   MoE experts one MLP after another (SequentialMLP) instead of grouped GEMMs
 
 Per variant: median step time, tokens/s, MFU (formulas in gpu_common), the recompute's time and
 peak memory; path_check compares each variant's log-probs with the first's. For example:
@@ -48,6 +49,7 @@ from vime_core.data.schedule import build_dp_schedule  # noqa: E402
 from vime_core.trainer import logprobs, rope, train_step  # noqa: E402
 from vime_core.trainer import model as model_module  # noqa: E402
 from vime_core.trainer.attention import SDPACoreAttention  # noqa: E402
+from vime_core.trainer.grouped_experts import GroupedMLP  # noqa: E402
 from vime_core.trainer.hf_convert import unwrap  # noqa: E402
 from vime_core.trainer.model import fusion_settings  # noqa: E402
 from vime_core.trainer.packing import PackedMicroBatch  # noqa: E402
@@ -148,6 +150,7 @@ class Options:
             "eagerhead",
             "unfusedrope",
             "unfusedswiglu",
+            "seqexperts",
         }
         if unknown:
             raise ValueError(f"variant {spec!r}: unknown option(s) {sorted(unknown)}")
@@ -168,6 +171,13 @@ class Options:
         self.logprobs.COMPILE_ON_CUDA = "eagerhead" not in flags
         self.set_device_offsets("devseq" in flags)
         self.set_fusions(rope_fusion="unfusedrope" not in flags, swiglu_fusion="unfusedswiglu" not in flags)
+        self.set_grouped_experts("seqexperts" not in flags)
+
+    def set_grouped_experts(self, on: bool) -> None:
+        """MoE experts as grouped GEMMs (the run's moe_grouped_gemm where the host has the kernel) or in turn."""
+        for module in self.trainer.model.modules():
+            if isinstance(module, GroupedMLP):
+                module.use_grouped = on
 
     def set_fusions(self, rope_fusion: bool, swiglu_fusion: bool) -> None:
         """The run's fusions (model.fusion_settings: on CUDA unless switched off) less the variant's."""

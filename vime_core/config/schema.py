@@ -1129,6 +1129,17 @@ class ConfigFields(BaseModel):
         ),
     )
 
+    moe_grouped_gemm: bool = Field(
+        True,
+        description=(
+            "Each MoE layer's local experts as two grouped GEMMs (torch._grouped_mm, one launch for all experts; "
+            "vime_core/trainer/grouped_experts.py) where the host runs them (the CPU, CUDA from Hopper on), else "
+            "one MLP per expert in turn (Megatron's SequentialMLP). The weights are the same tensors either way; "
+            "grouped keeps a stacked copy of each layer's expert weights until the backward. --no-moe-grouped-gemm: "
+            "always one MLP per expert (Megatron/slime --moe-grouped-gemm)."
+        ),
+    )
+
     # ---- MoE router losses (vime_core/trainer/model.py router_loss_settings; moe_metrics.py) ----------
     moe_aux_loss_coeff: float = Field(
         0.0,

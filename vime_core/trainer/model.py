@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime_core.trainer import compat_cpu, compat_moe, rope
 from vime_core.trainer.attention import SDPACoreAttention
+from vime_core.trainer.grouped_experts import GroupedMLP, grouped_mm_available
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -363,14 +364,23 @@ def fusion_settings(cfg: Any, device: torch.device | str) -> dict[str, bool]:
     }
 
 
-def layer_spec(arch: HFArchitecture) -> Any:
-    """The local layer spec with SDPA core attention; MoE models get Megatron's MoE layer
-    with ``SequentialMLP`` experts, one local MLP per expert:
-    the grouped-GEMM experts need Transformer Engine or the ``grouped_gemm`` package, absent here."""
+def grouped_experts(cfg: Any, device: torch.device | str) -> bool:
+    """Whether MoE layers run their experts as grouped GEMMs: ``moe_grouped_gemm`` where the host
+    has the kernel (``grouped_experts.grouped_mm_available``)."""
+    return bool(getattr(cfg, "moe_grouped_gemm", False)) and grouped_mm_available(device)
+
+
+def layer_spec(arch: HFArchitecture, grouped: bool = False) -> Any:
+    """The local layer spec with SDPA core attention; MoE models get Megatron's MoE layer with one
+    local MLP per expert, run in turn (``SequentialMLP``) or, ``grouped``, as two grouped GEMMs
+    (``grouped_experts.GroupedMLP``, the same parameters). Megatron's own grouped experts need
+    Transformer Engine or the ``grouped_gemm`` package, absent here."""
     spec = get_gpt_layer_local_spec(
         num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if arch.num_experts and grouped:
+        spec.submodules.mlp.submodules.experts.module = GroupedMLP
     return spec
 
 
@@ -384,9 +394,10 @@ def build_gpt_model(
     router_losses: dict[str, Any] | None = None,
     routing_replay: bool = False,
     ep_size: int = 1,
+    grouped: bool = False,
 ) -> Any:
     """A Megatron ``GPTModel`` for this TP (and EP) rank (parallel state must be initialised, with
-    ``ep_size`` as its expert-parallel size).
+    ``ep_size`` as its expert-parallel size); ``grouped``: MoE experts as grouped GEMMs (``layer_spec``).
 
     The output layer returns vocabulary-parallel logits [b, s, padded_vocab / tp].
     """
@@ -395,7 +406,7 @@ def build_gpt_model(
         compat_moe.define_missing_te_gemm()
     model = GPTModel(
         config=transformer_config(arch, tp_size, dtype, recompute, fusions, router_losses, routing_replay, ep_size),
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, grouped),
         vocab_size=padded_vocab_size(arch.vocab_size, tp_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,

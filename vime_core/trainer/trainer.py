@@ -30,6 +30,7 @@ from vime_core.trainer.model import (
     check_router_losses,
     check_ep_divides,
     check_routing_replay,
+    grouped_experts,
     fusion_settings,
     read_hf_config,
     recompute_settings,
@@ -167,6 +168,7 @@ class MegatronTrainer:
                 router_losses,
                 routing_replay,
                 lay.ep_size,
+                grouped_experts(self.cfg, self.device),
             )
             load_hf_into_model(model, checkpoint, arch, lay.tp_size, lay.tp_rank, lay.ep_size, lay.ep_rank)
             return model

@@ -143,3 +143,46 @@ def test_lora_on_an_moe_model_is_refused_in_one_line(single_rank, cache_dir, tmp
     ckpt = tiny_moe_checkpoint(cache_dir)
     with pytest.raises(ValueError, match="LoRA on mixture-of-experts layers is not supported"):
         single_rank_trainer(hand_config(ckpt, tmp_path, lora_rank=4, lora_alpha=8.0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_grouped_experts_compute_what_one_mlp_per_expert_computes(single_rank, cache_dir, family, monkeypatch):
+    """The grouped-GEMM experts (trainer/grouped_experts.py) on the same parameters as SequentialMLP:
+    the same logits and every parameter's gradient, within fp32's summation-order tolerance."""
+    from vime_core.trainer.compat_cpu import seed_everything
+    from vime_core.trainer.grouped_experts import GroupedMLP
+    from vime_core.trainer.hf_convert import load_hf_into_model
+    from vime_core.trainer.model import architecture_from_hf, build_gpt_model, read_hf_config
+
+    ckpt = _checkpoint(cache_dir, family)
+    arch = architecture_from_hf(read_hf_config(ckpt))
+    models = {}
+    for grouped in (False, True):
+        seed_everything(0)
+        models[grouped] = build_gpt_model(arch, tp_size=1, grouped=grouped)
+        load_hf_into_model(models[grouped], ckpt, arch, tp=1, rank=0)
+    experts = [m for m in models[True].modules() if isinstance(m, GroupedMLP)]
+    assert len(experts) == arch.num_layers and all(e.grouped() for e in experts)
+    assert not any(isinstance(m, GroupedMLP) for m in models[False].modules())
+
+    launches = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: launches.append(1) or grouped_mm(*a, **k))
+    ids = torch.randint(0, arch.vocab_size, (2, 13), generator=torch.Generator().manual_seed(5))
+    seq = ids.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    weights = torch.randn(2, seq, models[True].vocab_size, generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for grouped, model in models.items():
+        logits[grouped] = model(ids, torch.arange(seq)[None].expand(2, -1), causal)
+        (logits[grouped] * weights).sum().backward()
+    assert len(launches) == 2 * arch.num_layers  # fc1 and fc2 of each MoE layer, one launch each
+    torch.testing.assert_close(logits[True], logits[False], atol=LOGITS_ATOL, rtol=0)
+    grads = {grouped: dict(model.named_parameters()) for grouped, model in models.items()}
+    expert_grads = 0
+    for name, param in grads[False].items():
+        if param.grad is None:
+            continue
+        torch.testing.assert_close(grads[True][name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=name)
+        expert_grads += "local_experts" in name and bool(param.grad.abs().max() > 0)
+    assert expert_grads > arch.num_layers  # routed experts got gradients, each its own
