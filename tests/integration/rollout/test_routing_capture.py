@@ -1,6 +1,8 @@
 """Routed-experts capture through vime's worker extension on a real vLLM CPU server (tiny Qwen3-MoE,
 fp32): per request the rows of every forwarded position (prompt + response - 1), each row the top-k
-of transformers' own router on the same tokens, from `routed_experts_prompt_start` on, taken once."""
+of transformers' own router on the same tokens, from `routed_experts_prompt_start` on, taken once.
+The last test runs an engine of two TP ranks (vLLM's multiprocessing executor, one core per rank):
+every rank captures the same rows."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.integration.publish.conftest import PROMPT, make_cfg, started_engine
 from tests.moe_tiny import tiny_moe_checkpoint
 from vime_core.engines.client import (
     ARM_CAPTURE_RPC,
+    GENERATE_PATH,
     ROUTED_EXPERTS_START,
     TAKE_ROUTED_EXPERTS_RPC,
     EngineClient,
@@ -33,6 +36,23 @@ def capture_engine(cache_dir, vllm_python):
     # use_router: /health stays open for vllm-router's checks (the router test below); the rest is direct
     cfg = make_cfg(ckpt, vllm_python, use_rollout_routing_replay=True, use_router=True)
     with started_engine(cfg, cache_dir / "engine-logs-routing") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tp2_capture_engine(cache_dir, vllm_python):
+    """The same checkpoint served by one engine of two TP ranks (vLLM's multiprocessing executor)."""
+    ckpt = tiny_moe_checkpoint(cache_dir)
+    cfg = make_cfg(
+        ckpt,
+        vllm_python,
+        use_rollout_routing_replay=True,
+        use_router=False,
+        colocate=False,
+        rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=2,
+    )
+    with started_engine(cfg, cache_dir / "engine-logs-routing-tp2") as server:
         yield server
 
 
@@ -69,22 +89,27 @@ def _hf_topk(folder, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return top.indices[..., :k].numpy(), (top.values[..., k - 1] - top.values[..., k]).numpy()
 
 
+def _assert_hf_topk(model_dir, tokens: list[int], rows: np.ndarray, start: int = 0) -> int:
+    """`rows` are the engine's rows of `tokens` from position `start` on: [len(tokens) - 1 - start, 2 layers,
+    top-2] uint8, k distinct experts each, equal to transformers' top-k where no near tie is; how many compared."""
+    assert rows.dtype == np.uint8 and rows.shape == (len(tokens) - 1 - start, 2, 2)
+    assert (np.sort(rows, -1)[..., 1:] != np.sort(rows, -1)[..., :-1]).all()  # k distinct experts
+    expected, margin = _hf_topk(model_dir, tokens)
+    clear = margin[start:-1] > 1e-4  # rows without a near tie; the last token is not forwarded
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(np.sort(rows, -1)[clear], np.sort(expected[start:-1], -1)[clear])
+    return int(clear.sum())
+
+
 def test_rows_are_the_routers_topk_of_every_forwarded_token(capture_engine):
     prompts = [PROMPT, PROMPT[:20], [1] + PROMPT[30:]]
     answers = _generate(capture_engine, prompts)
-    model_dir = capture_engine.model_path
     compared = 0
     for prompt, answer in zip(prompts, answers):
         choice = answer["choices"][0]
-        rows = decode(choice["routed_experts"])
-        tokens = prompt + choice["token_ids"]
-        assert rows.dtype == np.uint8 and rows.shape == (len(tokens) - 1, 2, 2)  # 2 layers, top-2
-        assert (np.sort(rows, -1)[..., 1:] != np.sort(rows, -1)[..., :-1]).all()  # k distinct experts
-        expected, margin = _hf_topk(model_dir, tokens)
-        clear = margin[:-1] > 1e-4  # rows without a near tie; the last token is not forwarded
-        assert clear.mean() > 0.9
-        np.testing.assert_array_equal(np.sort(rows, -1)[clear], np.sort(expected[:-1], -1)[clear])
-        compared += int(clear.sum())
+        compared += _assert_hf_topk(
+            capture_engine.model_path, prompt + choice["token_ids"], decode(choice["routed_experts"])
+        )
     assert compared > 100
 
     async def stats():
@@ -125,6 +150,42 @@ def test_rows_are_taken_once_and_a_bad_start_is_refused(capture_engine):
         _generate(capture_engine, [PROMPT], len(PROMPT) + 1)
 
 
+def test_tp2_every_rank_captures_the_routers_topk(tp2_capture_engine):
+    engine = tp2_capture_engine
+    params = {"max_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
+    short, start = PROMPT[:20], 5
+
+    async def calls():
+        async with EngineClient(engine.url, token=engine.auth_token) as client:
+            layouts = await client.collective_rpc(ARM_CAPTURE_RPC)
+            # a plain generate (no prompt start: the client takes nothing), then each rank's rows
+            body = {"token_ids": PROMPT, "sampling_params": params, "request_id": "tp2-plain"}
+            plain = await client.request("POST", GENERATE_PATH, json=body)
+            per_rank = await client.collective_rpc(
+                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-plain"], "prompt_starts": [0]}
+            )
+            taken = await client.generate(short, dict(params, **{ROUTED_EXPERTS_START: start}), request_id="tp2-taken")
+            left = await client.collective_rpc(
+                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-taken"], "prompt_starts": [0]}
+            )
+            return layouts, plain, per_rank, taken, left, await client.collective_rpc(ARM_CAPTURE_RPC)
+
+    layouts, plain, per_rank, taken, left, stats = asyncio.run(calls())
+    assert [(w["layers"], w["top_k"], w["dtype"]) for w in layouts] == [(2, 2, "uint8")] * 2
+    # (a) both ranks captured the request, the same rows
+    assert len(per_rank) == 2 and all(r["tp2-plain"] is not None for r in per_rank)
+    rank0, rank1 = (decode(r["tp2-plain"]) for r in per_rank)
+    np.testing.assert_array_equal(rank0, rank1)
+    # (b) they are transformers' top-k
+    compared = _assert_hf_topk(engine.model_path, PROMPT + plain["choices"][0]["token_ids"], rank0)
+    # (c) EngineClient.generate returns them from the prompt start on, and every rank gave its rows up
+    choice = taken["choices"][0]
+    compared += _assert_hf_topk(engine.model_path, short + choice["token_ids"], decode(choice["routed_experts"]), start)
+    assert compared > 50
+    assert left == [{"tp2-taken": None}] * 2
+    assert all(w["steps"] >= 2 * NEW_TOKENS and 0 < w["capture_s"] < w["step_s"] for w in stats)
+
+
 def test_behind_vllm_router_each_answer_carries_its_engines_rows(capture_engine, tmp_path):
     """The fleet's router client (the real vllm-router in front of the engine) arms the engine and
     takes each answer's rows from it: the router does not say which engine answered."""
@@ -140,14 +201,10 @@ def test_behind_vllm_router_each_answer_carries_its_engines_rows(capture_engine,
         answers = [fleet.loop.run(call) for call in calls]
     finally:
         fleet.shutdown()
-    compared = 0
-    for prompt, answer in zip(prompts, answers):
-        choice = answer["choices"][0]
-        tokens = prompt + choice["token_ids"]
-        rows = decode(choice["routed_experts"])
-        assert rows.shape == (len(tokens) - 1, 2, 2)
-        expected, margin = _hf_topk(capture_engine.model_path, tokens)
-        clear = margin[:-1] > 1e-4
-        np.testing.assert_array_equal(np.sort(rows, -1)[clear], np.sort(expected[:-1], -1)[clear])
-        compared += int(clear.sum())
+    compared = sum(
+        _assert_hf_topk(
+            capture_engine.model_path, p + a["choices"][0]["token_ids"], decode(a["choices"][0]["routed_experts"])
+        )
+        for p, a in zip(prompts, answers)
+    )
     assert compared > 40

@@ -8,7 +8,8 @@ Each MoE layer's router calls a hook with the logical top-k expert ids of the st
 forwarded position 0..n-1 (the last sampled token is never forwarded), in vLLM's native layout:
 [rows, hidden layers, top_k] uint8 (uint16 above 256 experts), dense layers' rows 0.
 The router hook is read when the forward runs, so the engine must run eagerly (a compiled graph
-never calls it), and without prefix caching (cached prompt tokens are not forwarded)."""
+never calls it), and without prefix caching (cached prompt tokens are not forwarded).
+Each TP rank runs the replicated router on the same tokens, so each captures (and hands out) the same rows."""
 
 from __future__ import annotations
 
