@@ -1,6 +1,7 @@
 """Startup of `vime train`, from the command to its first iteration (startup_s, and the summary's marks):
 the early start (the default) against --no-early-start, the early start without engine_prestart, and
-(on CPU) the engine as vLLM's two processes (--no-vllm-cpu-single-process) against one.
+(on CPU) the engine as vLLM's three processes (--no-vllm-cpu-single-process) or with its engine core
+spawned instead of forked (vllm_side/api_server.py) against one process forked from the front end.
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
@@ -25,6 +26,7 @@ MODES = {
     "early_no_prestart": ["--early-start", "--no-engine-prestart"],
     "bootstrap": ["--no-early-start"],
     "cpu_engine_two_processes": ["--early-start", "--no-vllm-cpu-single-process"],
+    "cpu_engine_core_spawned": ["--early-start", "--vllm-env", "VIME_VLLM_SPAWN_ENGINE_CORE=1"],
 }
 
 

@@ -574,12 +574,15 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     # a one-rank CPU engine is one engine-core process pinned to its cores, with a thread per core
     assert server.cpu_cores() == cpu_sets(1, 2)[0]
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert cmd[1:3] == ["-m", "vime_core.engines.vllm_side.api_server"]  # its engine core forked
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == str(len(server.cpu_cores()))
     two_ranks = EngineServer(cfg, 1, server_args={"tensor_parallel_size": 2})
     assert two_ranks.cpu_cores() is None and "--distributed-executor-backend" not in two_ranks.command(4321)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two_ranks.environment()
     two_processes = EngineServer(make_config({**cfg.model_dump(), "vllm_cpu_single_process": False}), 1)
     assert two_processes.cpu_cores() is None and "--distributed-executor-backend" not in two_processes.command(4321)
+    for spawned in (two_ranks.command(4321), two_processes.command(4321)):  # vLLM's own server module
+        assert spawned[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
 
 
 def test_attaching_to_an_unreachable_engine_fails_fast(tiny_model_dir):

@@ -522,9 +522,10 @@ class ConfigFields(BaseModel):
         True,
         description=(
             "On CPU, a one-rank engine runs its model worker inside vLLM's engine-core process (vLLM's uni executor, "
-            "as one-rank GPU engines do), pinned to the engine's cores with one thread per core: each start imports "
-            "vLLM and torch once less. False: vLLM's CPU default, a worker process beside the engine core with its "
-            "threads bound to the engine's cores. No effect on CUDA or with rollout_num_gpus_per_engine > 1."
+            "as one-rank GPU engines do), forked from the API server rather than spawned, pinned to the engine's "
+            "cores with one thread per core: each start imports vLLM and torch twice less. False: vLLM's CPU "
+            "default, a spawned engine core and a worker process beside it with its threads bound to the engine's "
+            "cores. No effect on CUDA or with rollout_num_gpus_per_engine > 1."
         ),
     )
     vllm_api_server_count: int = Field(
@@ -550,9 +551,10 @@ class ConfigFields(BaseModel):
         default_factory=list,
         description=(
             "Environment of the vLLM servers on top of their actor's, as NAME=VALUE entries, e.g. "
-            "VLLM_WORKER_MULTIPROC_METHOD=fork (vLLM's engine core forked from its front end instead of spawned: no "
-            "second import of vLLM). Stored with the run's configuration, so a secret is refused here: it reaches the "
-            "engines through the actor's own environment, which they inherit. Names vime sets itself "
+            "VLLM_WORKER_MULTIPROC_METHOD=fork on CUDA (vLLM's engine core forked from its front end instead of "
+            "spawned: no second import of vLLM; vLLM's CPU build ignores it, and vime forks a one-rank CPU engine's "
+            "itself: vllm_cpu_single_process). Stored with the run's configuration, so a secret is refused here: it "
+            "reaches the engines through the actor's own environment, which they inherit. Names vime sets itself "
             "(ENGINE_MANAGED_ENV, config/derive.py) are refused too."
         ),
     )

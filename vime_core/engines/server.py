@@ -206,10 +206,11 @@ class EngineServer:
 
     def cpu_cores(self) -> Optional[list[int]]:
         """The cores of a one-rank engine on CPU that runs as one engine-core process (vLLM's "uni"
-        executor, vllm_cpu_single_process; None otherwise). vLLM's CPU build otherwise spawns a
-        worker process beside the engine core, each importing vLLM and torch again: seconds of every
-        start, for a layout the GPU's one-rank engines do not have. The whole server is pinned to
-        the engine's cores (orphan_guard --cpus), which the worker process alone is bound to then."""
+        executor, vllm_cpu_single_process; None otherwise), forked from the API server
+        (vllm_side/api_server.py). vLLM's CPU build otherwise spawns the engine core and a worker
+        process beside it, each importing vLLM and torch again: seconds of every start, for a layout
+        the GPU's one-rank engines do not have. The whole server is pinned to the engine's cores
+        (orphan_guard --cpus), which the worker process alone is bound to then."""
         tp = int(self.server_args.get("tensor_parallel_size", self.cfg.rollout_num_gpus_per_engine))
         if self.cfg.device != "cpu" or tp != 1 or not self.cfg.vllm_cpu_single_process:
             return None
@@ -222,13 +223,19 @@ class EngineServer:
             raise ValueError(
                 "hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)"
             )
-        # several front ends only through vLLM's CLI (`vllm serve`, vllm_side/serve_cli.py); one:
-        # the server module itself
-        entry = (
-            ["vime_core.engines.vllm_side.serve_cli", "serve", "--api-server-count", str(cfg.vllm_api_server_count)]
-            if cfg.vllm_api_server_count > 1
-            else ["vllm.entrypoints.openai.api_server"]
-        )
+        # several front ends only through vLLM's CLI (`vllm serve`, vllm_side/serve_cli.py); one: the
+        # server module itself, for a one-rank CPU engine with its engine core forked (vllm_side/api_server.py)
+        if cfg.vllm_api_server_count > 1:
+            entry = [
+                "vime_core.engines.vllm_side.serve_cli",
+                "serve",
+                "--api-server-count",
+                str(cfg.vllm_api_server_count),
+            ]
+        elif self.cpu_cores() is not None:
+            entry = ["vime_core.engines.vllm_side.api_server"]
+        else:
+            entry = ["vllm.entrypoints.openai.api_server"]
         cmd = [
             str(resolve_python(cfg.vllm_python)),
             "-m",

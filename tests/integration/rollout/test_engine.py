@@ -81,8 +81,21 @@ def test_vllm_env_reaches_the_server_processes(healthy_engines):
     for server in healthy_engines:
         guard = psutil.Process(server._proc.pid)
         processes = [guard, *(p for p in guard.children(recursive=True) if not p.name().startswith("VLLM::"))]
-        assert any("vllm.entrypoints.openai.api_server" in p.cmdline() for p in processes)
+        assert any("vime_core.engines.vllm_side.api_server" in p.cmdline() for p in processes)
         assert all(p.environ().get(name) == value for p in processes), [(p.pid, p.cmdline()[:3]) for p in processes]
+
+
+# vLLM 0.32's CPU build prints this once per interpreter that imports it
+VLLM_IMPORT_NOTICE = "Triton is installed, but doesn't include CPU backend"
+
+
+def test_a_one_rank_cpu_engine_imports_vllm_once(healthy_engines):
+    """The engine core of a one-rank CPU engine is forked from the API server (vllm_side/api_server.py),
+    which imported vLLM already; a spawned one (vLLM's CPU default) imports it again, seconds of each start."""
+    for server in healthy_engines:
+        assert server.cpu_cores() is not None  # one rank, one engine-core process
+        log = server.log_path.read_text(errors="replace")
+        assert "EngineCore pid=" in log and log.count(VLLM_IMPORT_NOTICE) == 1, log.count(VLLM_IMPORT_NOTICE)
 
 
 def _perturbed_checkpoint(model_dir: Path, out_dir: Path) -> Path:
