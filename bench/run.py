@@ -67,11 +67,13 @@ def _startup(f: dict) -> str:
         "bootstrap": f.get("ratio_early_over_bootstrap"),
         "early_no_prestart": f.get("ratio_early_over_early_no_prestart", f.get("ratio_prestart")),
         "cpu_engine_two_processes": f.get("ratio_early_over_cpu_engine_two_processes"),
+        "cpu_engine_core_spawned": f.get("ratio_early_over_cpu_engine_core_spawned"),
     }
     words = {
         "bootstrap": "bootstrap start",
         "early_no_prestart": "early start without engine prestart",
-        "cpu_engine_two_processes": "CPU engine as two processes",
+        "cpu_engine_two_processes": "CPU engine as vLLM lays it out",
+        "cpu_engine_core_spawned": "CPU engine core spawned",
     }
     parts = [f"command -> first iteration: early start {m['early']:.1f} s"] + [
         f"{words[mode]} {m[mode]:.1f} s (ratio {ratio:.2f})" for mode, ratio in ratios.items() if ratio is not None
