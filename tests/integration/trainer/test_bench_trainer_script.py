@@ -16,7 +16,11 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path):
+@pytest.mark.parametrize(
+    "shape, variants",
+    [("tiny", ["pack32768"]), ("tiny-moe", ["pack32768", "pack32768+seqexperts"])],  # MoE: grouped, then in turn
+)
+def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path, shape, variants):
     out = tmp_path / "trainer.json"
     cmd = [
         sys.executable,
@@ -24,7 +28,7 @@ def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path):
         "--device",
         "cpu",
         "--shape",
-        "tiny",
+        shape,
         "--checkpoint-root",
         str(tmp_path / "ckpt"),
         "--samples",
@@ -34,7 +38,7 @@ def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path):
         "--response-len",
         "16",
         "--variants",
-        "pack32768",
+        ",".join(variants),
         "--warmup",
         "1",
         "--repeats",
@@ -46,6 +50,8 @@ def test_the_trainer_bench_measures_a_step_on_the_cpu(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (variant,) = json.loads(out.read_text())["variants"]
-    assert "error" not in variant, variant
-    assert variant["step_time_s"] > 0 and variant["logprob_time_s"] > 0 and variant["tokens_per_s"] > 0
+    measured = json.loads(out.read_text())["variants"]
+    assert [v["variant"] for v in measured] == variants
+    for variant in measured:
+        assert "error" not in variant, variant
+        assert variant["step_time_s"] > 0 and variant["logprob_time_s"] > 0 and variant["tokens_per_s"] > 0
