@@ -162,15 +162,21 @@ def test_tp2_every_rank_captures_the_routers_topk(tp2_capture_engine):
             body = {"token_ids": PROMPT, "sampling_params": params, "request_id": "tp2-plain"}
             plain = await client.request("POST", GENERATE_PATH, json=body)
             per_rank = await client.collective_rpc(
-                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-plain"], "prompt_starts": [0]}
+                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-plain"], "prompt_starts": [0], "all_ranks": True}
+            )
+            # a take as the client makes it: rank 0 answers with the rows, rank 1 drops its copy
+            await client.request("POST", GENERATE_PATH, json=dict(body, request_id="tp2-once"))
+            once = await client.collective_rpc(
+                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-once"], "prompt_starts": [0]}
             )
             taken = await client.generate(short, dict(params, **{ROUTED_EXPERTS_START: start}), request_id="tp2-taken")
             left = await client.collective_rpc(
-                TAKE_ROUTED_EXPERTS_RPC, {"request_ids": ["tp2-taken"], "prompt_starts": [0]}
+                TAKE_ROUTED_EXPERTS_RPC,
+                {"request_ids": ["tp2-once", "tp2-taken"], "prompt_starts": [0, 0], "all_ranks": True},
             )
-            return layouts, plain, per_rank, taken, left, await client.collective_rpc(ARM_CAPTURE_RPC)
+            return layouts, plain, per_rank, once, taken, left, await client.collective_rpc(ARM_CAPTURE_RPC)
 
-    layouts, plain, per_rank, taken, left, stats = asyncio.run(calls())
+    layouts, plain, per_rank, once, taken, left, stats = asyncio.run(calls())
     assert [(w["layers"], w["top_k"], w["dtype"]) for w in layouts] == [(2, 2, "uint8")] * 2
     # (a) both ranks captured the request, the same rows
     assert len(per_rank) == 2 and all(r["tp2-plain"] is not None for r in per_rank)
@@ -182,7 +188,8 @@ def test_tp2_every_rank_captures_the_routers_topk(tp2_capture_engine):
     choice = taken["choices"][0]
     compared += _assert_hf_topk(engine.model_path, short + choice["token_ids"], decode(choice["routed_experts"]), start)
     assert compared > 50
-    assert left == [{"tp2-taken": None}] * 2
+    assert once[0]["tp2-once"] is not None and once[1] == {"tp2-once": None}  # one copy moves
+    assert left == [{"tp2-once": None, "tp2-taken": None}] * 2  # and neither rank kept its rows
     assert all(w["steps"] >= 2 * NEW_TOKENS and 0 < w["capture_s"] < w["step_s"] for w in stats)
 
 

@@ -9,7 +9,8 @@ forwarded position 0..n-1 (the last sampled token is never forwarded), in vLLM's
 [rows, hidden layers, top_k] uint8 (uint16 above 256 experts), dense layers' rows 0.
 The router hook is read when the forward runs, so the engine must run eagerly (a compiled graph
 never calls it), and without prefix caching (cached prompt tokens are not forwarded).
-Each TP rank runs the replicated router on the same tokens, so each captures (and hands out) the same rows."""
+Each TP rank runs the replicated router on the same tokens, so each captures the same rows; a take
+hands out rank 0's (worker_ext.vime_take_routed_experts) and the other ranks drop theirs."""
 
 from __future__ import annotations
 
@@ -207,9 +208,9 @@ class RoutingCapture:
             _, old = self._done.popitem(last=False)
             self._kept_bytes -= old.nbytes
 
-    def take(self, request_ids: list[str], prompt_starts: list[int]) -> dict[str, Optional[str]]:
+    def take(self, request_ids: list[str], prompt_starts: list[int], encode: bool = True) -> dict[str, Optional[str]]:
         """{request id: base64 .npy of rows[prompt_start:] ([n, layers, top_k]), or None when this
-        worker holds no rows for it}; each request's rows leave the worker."""
+        worker holds no rows for it, or ``encode`` is off}; each request's rows leave the worker."""
         if self.error is not None:
             raise RuntimeError(self.error)
         out: dict[str, Optional[str]] = {}
@@ -224,5 +225,5 @@ class RoutingCapture:
                 continue
             if not 0 <= start <= rows.count:
                 raise ValueError(f"routing capture: prompt_start={start} outside the {rows.count} rows of {request_id}")
-            out[request_id] = encode_rows(rows.data[start : rows.count])
+            out[request_id] = encode_rows(rows.data[start : rows.count]) if encode else None
         return out

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
 from vime_core.engines.vllm_side.reload_session import refresh_tied_layers, repack_cpu_experts_on_reload
@@ -96,9 +97,14 @@ class VimeWorkerExtension:
             self._vime_routing_capture = capture
         return capture.layout()
 
-    def vime_take_routed_experts(self, request_ids: list[str], prompt_starts: list[int]) -> dict[str, Any]:
-        """Each request's captured rows from its prompt_start on (`RoutingCapture.take`), or None."""
+    def vime_take_routed_experts(
+        self, request_ids: list[str], prompt_starts: list[int], all_ranks: bool = False
+    ) -> dict[str, Any]:
+        """Each request's captured rows from its prompt_start on (`RoutingCapture.take`), or None. TP
+        ranks route the same tokens alike (the gate is replicated): rank 0 answers with the rows, the
+        others drop theirs and answer None, so a take moves one copy; `all_ranks`: every rank answers."""
         capture = getattr(self, "_vime_routing_capture", None)
         if capture is None:
             return dict.fromkeys(request_ids)
-        return capture.take(request_ids, prompt_starts)
+        answers = all_ranks or get_tensor_model_parallel_rank() == 0
+        return capture.take(request_ids, prompt_starts, encode=answers)
