@@ -223,6 +223,7 @@ class EngineServer:
             raise ValueError(
                 "hf_checkpoint is empty: EngineServer needs a model folder (model_path or cfg.hf_checkpoint)"
             )
+        one_process = self.cpu_cores() is not None  # a one-rank CPU engine: uni executor, forked engine core
         # several front ends only through vLLM's CLI (`vllm serve`, vllm_side/serve_cli.py); one: the
         # server module itself, for a one-rank CPU engine with its engine core forked (vllm_side/api_server.py)
         if cfg.vllm_api_server_count > 1:
@@ -232,7 +233,7 @@ class EngineServer:
                 "--api-server-count",
                 str(cfg.vllm_api_server_count),
             ]
-        elif self.cpu_cores() is not None:
+        elif one_process:
             entry = ["vime_core.engines.vllm_side.api_server"]
         else:
             entry = ["vllm.entrypoints.openai.api_server"]
@@ -263,7 +264,7 @@ class EngineServer:
             cmd.append("--disable-log-stats")
         if cfg.vllm_enforce_eager:
             cmd.append("--enforce-eager")
-        if self.cpu_cores() is not None:
+        if one_process:
             cmd += ["--distributed-executor-backend", "uni"]
         # Serve in the trainer's precision so rollout log-probs match its recompute.
         cmd += ["--dtype", "bfloat16" if cfg.bf16 else "float32"]
