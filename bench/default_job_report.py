@@ -1,5 +1,6 @@
 """The default job's figures: reward gain (mean of the last 3 iterations minus the first 3), T_step and
-phase medians (iterations after the first), wall time and orchestration overhead per run.
+phase medians (iterations after the first), wall time, orchestration overhead and the run guard's
+margins (how close each check came to its bound under the run's own settings) per run.
 
     bench/run.py default_job --seeds 1 2 3         # runs infra/main_job.sh once per seed, then this
     .venv/bin/python bench/default_job_report.py --storage runs RUN [RUN...]   # runs already made"""
@@ -18,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vime_core.config.loader import read_run_config  # noqa: E402
+from vime_core.report.guard import GuardSettings, margins  # noqa: E402
 from vime_core.report.overhead import overhead  # noqa: E402
 from vime_core.report.records import read_records, reward_gain, run_dir  # noqa: E402
 
@@ -50,6 +53,9 @@ def summarise(storage: str, run: str) -> dict:
         "iteration_wall_median_s": summary.get("iteration_wall_median"),
         # (sum of iteration walls - sum of actor compute) / sum of walls: vime_core/report/overhead.py
         "orchestration_overhead": overhead(walls, records[-len(walls) :]),
+        # per check, the worst value against its bound (ratio 1 would have fired): issue 45's defaults
+        # must never fire on the default job, on the CPU box or a GPU (bench/gpu/run_learning_h200.sh)
+        "guard_margins": margins(records, GuardSettings.of(read_run_config(storage, run))),
     }
 
 
