@@ -669,7 +669,17 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    return 0
+    return train_exit(paths) if "train" in phases else 0
+
+
+def train_exit(paths: dict) -> int:
+    """The train phase's run status (0, or the driver's: a run that stopped, 124 past TRAIN_TIMEOUT):
+    a row whose run failed says so in its exit, not only by its missing figures."""
+    meta = paths["results"] / "train_meta.json"
+    status = json.loads(meta.read_text())["exit"] if meta.exists() else 1
+    if status:
+        print(f"[bench] the train phase's run exited {status}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -77,3 +77,5 @@ if [ -n "${BASELINES_FROM:-}" ]; then
 fi
 # KEEP_ACTORS=1: the engines and the trainer stay up; the same command with a larger ITERATIONS attaches to them
 [ "${KEEP_ACTORS:-0}" = 1 ] || python3 -m flows.cli teardown --run-name "$run" --ray-address "$address" >/dev/null 2>&1 || true
+# the driver's status: a run that stopped or timed out fails the bench (its report above is kept)
+exit "$status"

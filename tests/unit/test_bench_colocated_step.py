@@ -321,3 +321,20 @@ def test_guard_margins_are_the_worst_ratio_per_check():
     assert m["entropy-fall"]["rollout_id"] == 1 and m["entropy-fall"]["value"] == pytest.approx(0.5)
     assert m["reward-failures"]["value"] == pytest.approx(0.05) and m["reward-failures"]["rollout_id"] == 1
     assert all(v["ratio"] < 1 for v in m.values())
+
+
+@pytest.mark.parametrize("status", [0, 1, 124])
+def test_the_bench_exits_with_its_train_runs_status(tmp_path, monkeypatch, status):
+    """A run that stopped (or ran past TRAIN_TIMEOUT) fails the bench: its row's exit says so."""
+    monkeypatch.setattr(step.subprocess, "run", lambda cmd, env, cwd: argparse.Namespace(returncode=status))
+    monkeypatch.setattr(step, "phase_report", lambda a, paths: {"ratios": {}})
+    out = tmp_path / "result.json"
+    code = step.main(["--phases", "train", "--no-host-setup", "--work", str(tmp_path / "w"), "--out", str(out)])
+    assert code == status
+    assert json.loads(out.read_text()) == {"ratios": {}}
+
+
+def test_a_report_alone_exits_zero(tmp_path, monkeypatch):
+    monkeypatch.setattr(step, "phase_report", lambda a, paths: {"ratios": {}})
+    out = tmp_path / "result.json"
+    assert step.main(["--phases", "report", "--no-host-setup", "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
