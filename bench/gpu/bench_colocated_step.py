@@ -508,6 +508,8 @@ def phase_report(a, paths: dict) -> dict:
             ),
             "rollout_k3_kl": _median([r.get("train_rollout_k3_kl") for r in recs]),
             "rollout_k3_kl_max": max((r.get("train_rollout_k3_kl") or 0.0 for r in recs), default=None),
+            # routing replay: the share of the engine's experts the trainer's routers would have chosen
+            "routing_replay_expert_agreement": _median([r.get("routing_replay_expert_agreement") for r in recs]),
             "tis_weight": _median([r.get("tis_weight") for r in recs]),
             "weight_check_max": max((r.get("weight_check") or {}).get("max_abs_diff", 0.0) for r in recs)
             if recs

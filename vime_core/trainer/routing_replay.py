@@ -10,6 +10,7 @@ process (policy, reference, critic, teacher); this module addresses one model's 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -72,11 +73,56 @@ def _token_count_check(rows: int) -> Any:
     return hook
 
 
+class ExpertAgreement:
+    """How often the trainer's routers, left to themselves, would pick the experts replay gives them:
+
+        A = sum_{t in R, l} |own_k(t, l) ∩ engine_k(t, l)| / (k * |R| * layers)
+
+    over the rows R the engine recorded (the filler rows of ``sample_experts`` excluded), own_k the
+    top-k Megatron's routing would have taken from the same scores (its own top-k function: group
+    limits and expert bias included). 1 means replay changed no expert choice; the log-prob
+    mismatch without replay comes from the (1 - A) share. Counted on the device, once per layer
+    per micro-batch (activation recompute runs a router twice)."""
+
+    def __init__(self, recorded: torch.Tensor, recorded_count: int) -> None:
+        self.recorded = recorded  # bool [rows]
+        self.recorded_count = recorded_count  # its sum, known on the host
+        self.matched: Any = 0
+        self.slots = 0
+        self._counted: set[int] = set()
+
+    def count(self, layer: int, own: torch.Tensor, replayed: torch.Tensor) -> None:
+        if layer in self._counted:
+            return
+        self._counted.add(layer)
+        same = (own.unsqueeze(-1) == replayed.unsqueeze(-2)).any(-1)  # [rows, k]: own expert j is replayed
+        self.matched = self.matched + (same & self.recorded.to(same.device).unsqueeze(-1)).sum()
+        self.slots += self.recorded_count * replayed.shape[-1]
+
+
+def _counting_topk(replay: Any, layer: int, agreement: ExpertAgreement) -> Any:
+    """``replay.get_replay_topk`` that also counts ``agreement`` from the router's own top-k."""
+    replayed_topk = replay.get_replay_topk
+
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, top = replayed_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if default_compute_topk is not None:
+            with torch.no_grad():
+                _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+            agreement.count(layer, own, top)
+        return probs, top
+
+    return get_replay_topk
+
+
 @contextmanager
-def replaying(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[None]:
+def replaying(
+    model: torch.nn.Module, experts: torch.Tensor, agreement: Optional[ExpertAgreement] = None
+) -> Iterator[None]:
     """Inside: each MoE layer l of ``model`` routes packed token t to ``experts[t, l]`` (the packed
     order of one micro-batch: row t = token t of ``input_ids[0]``). Kept through the backward
-    (activation recompute reads the same targets); cleared on exit, an exception included."""
+    (activation recompute reads the same targets); cleared on exit, an exception included.
+    ``agreement``: counts how often the routers' own top-k matches ``experts`` (ExpertAgreement)."""
     found = _replay_routers(model)
     targets = checked_experts(experts, found).to(next(model.parameters()).device)
     hooks = []
@@ -85,11 +131,14 @@ def replaying(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[None]:
             router.router_replay.set_target_indices(targets[:, layer].contiguous())
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             hooks.append(router.register_forward_pre_hook(_token_count_check(targets.shape[0])))
+            if agreement is not None:  # an instance attribute over the class's method, deleted on exit
+                router.router_replay.get_replay_topk = _counting_topk(router.router_replay, layer, agreement)
         yield
     finally:
         for hook in hooks:
             hook.remove()
         for router in found:
+            router.router_replay.__dict__.pop("get_replay_topk", None)
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
 
@@ -140,10 +189,13 @@ def engine_layers(model: torch.nn.Module) -> tuple[list[int], int]:
     return [r.layer_number - 1 for r in found], found[0].topk
 
 
-def sample_experts(data: Optional[bytes], layers: list[int], top_k: int, tokens: int, needed: int, where: str) -> Any:
+def sample_experts(
+    data: Optional[bytes], layers: list[int], top_k: int, tokens: int, needed: int, where: str
+) -> tuple[np.ndarray, int]:
     """One sample's experts [tokens, len(layers), top_k] (numpy, the engine's dtype) from its stored
-    rows: the rows past the recorded ones get experts 0..top_k-1 (their outputs feed no trained
-    log-prob: the sample's trained tokens need only the first ``needed`` rows, which are refused missing)."""
+    rows, and how many leading rows the engine recorded: the rows past those get experts
+    0..top_k-1 (their outputs feed no trained log-prob: the sample's trained tokens need only the
+    first ``needed`` rows, which are refused missing)."""
     if data is None:
         raise ValueError(
             f"use_rollout_routing_replay=true: {where} has no routed_experts (generated without the flag, or "
@@ -164,23 +216,46 @@ def sample_experts(data: Optional[bytes], layers: list[int], top_k: int, tokens:
     out[:] = np.arange(top_k, dtype=rows.dtype)
     kept = min(rows.shape[0], tokens)
     out[:kept] = rows[:kept][:, layers]
-    return out
+    return out, kept
 
 
-def packed_experts(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], model: torch.nn.Module) -> torch.Tensor:
+@dataclass
+class PackedRouting:
+    """A micro-batch's experts for ``replaying`` (int64 [rows, MoE layers, top_k]) and which rows
+    the engine recorded (bool [rows]; the others are ``sample_experts``' filler)."""
+
+    experts: torch.Tensor
+    recorded: torch.Tensor
+
+    def agreement(self, device: Any) -> ExpertAgreement:
+        return ExpertAgreement(self.recorded.to(device), int(self.recorded.sum()))
+
+
+def packed_routing(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], model: torch.nn.Module) -> PackedRouting:
     """The experts of a micro-batch of ``indices`` in pack_samples' order (sample i's tokens at
-    [cu_i, cu_i + L_i)): int64 [sum L_i, MoE layers, top_k] for ``replaying(model, ...)``."""
+    [cu_i, cu_i + L_i)), with the rows the engine recorded."""
     layers, top_k = engine_layers(model)
     column = batch.get("routed_experts") or [None] * len(batch["tokens"])
-    parts = []
+    parts, recorded = [], []
     for i in indices:
         tokens, response = len(batch["tokens"][i]), int(batch["response_length"][i])
         trained = [j for j, m in enumerate(batch["loss_mask"][i]) if m]
         needed = tokens - response + trained[-1] if trained else 0  # the last trained token's position
-        parts.append(sample_experts(column[i], layers, top_k, tokens, needed, f"sample {i}"))
-    return torch.from_numpy(np.concatenate(parts)).to(torch.int64)
+        experts, kept = sample_experts(column[i], layers, top_k, tokens, needed, f"sample {i}")
+        parts.append(experts)
+        recorded.append(np.arange(tokens) < kept)
+    return PackedRouting(
+        torch.from_numpy(np.concatenate(parts)).to(torch.int64), torch.from_numpy(np.concatenate(recorded))
+    )
 
 
-def replay_of(model: torch.nn.Module, experts: Optional[torch.Tensor]) -> Any:
-    """``replaying(model, experts)``, or nothing when ``experts`` is None (replay off)."""
-    return nullcontext() if experts is None else replaying(model, experts)
+def packed_experts(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], model: torch.nn.Module) -> torch.Tensor:
+    """int64 [sum L_i, MoE layers, top_k]: ``packed_routing``'s experts, for ``replaying(model, ...)``."""
+    return packed_routing(batch, indices, model).experts
+
+
+def replay_of(
+    model: torch.nn.Module, experts: Optional[torch.Tensor], agreement: Optional[ExpertAgreement] = None
+) -> Any:
+    """``replaying(model, experts, agreement)``, or nothing when ``experts`` is None (replay off)."""
+    return nullcontext() if experts is None else replaying(model, experts, agreement)

@@ -28,7 +28,7 @@ from vime_core.trainer.logprobs import packed_response_log_probs
 from vime_core.trainer.nonfinite import SkipCounter, step_is_finite
 from vime_core.trainer.optimizer import current_lr
 from vime_core.trainer.packing import PackedMicroBatch, pack_samples, to_device
-from vime_core.trainer.routing_replay import packed_experts, replay_of
+from vime_core.trainer.routing_replay import ExpertAgreement, PackedRouting, packed_routing, replay_of
 from vime_core.trainer.router_losses import router_loss_metrics, set_router_loss_weight, take_router_losses
 from vime_core.trainer.truncation import Sampling
 from vime_core.utils.timing import timed
@@ -49,6 +49,9 @@ METRIC_SUMS = (
     "tis_rejected_frac",
     "opd_reverse_kl",
 )
+# routing replay: the share of the engine's experts the trainer's routers would have chosen themselves,
+# over every MoE layer and recorded token of the step (routing_replay.ExpertAgreement)
+EXPERT_AGREEMENT = "routing_replay_expert_agreement"
 
 
 def check_batch(batch: Mapping[str, Sequence[Any]]) -> int:
@@ -66,11 +69,19 @@ class MicroBatch:
     loss_mask: torch.Tensor
     rollout_log_probs: Optional[torch.Tensor]
     mask_counts: list[float]  # sum of loss_mask per sample, from the host lists
-    experts: Optional[torch.Tensor] = None  # routing replay: the engine's experts per packed token
+    routing: Optional[PackedRouting] = None  # routing replay: the engine's experts per packed token
 
     @property
     def response_lengths(self) -> list[int]:
         return self.packed.response_lengths
+
+    @property
+    def experts(self) -> Optional[torch.Tensor]:
+        return self.routing.experts if self.routing is not None else None
+
+    def expert_agreement(self, device: Any) -> Optional[ExpertAgreement]:
+        """Routing replay: a count of the routers' own choices against the engine's (None: off)."""
+        return self.routing.agreement(device) if self.routing is not None else None
 
 
 def make_micro_batch(
@@ -90,8 +101,8 @@ def make_micro_batch(
         if has_rollout
         else None
     )
-    experts = packed_experts(batch, indices, replay_model) if replay_model is not None else None
-    return MicroBatch(list(indices), packed, mask, rollout_lp, [sum(sample) for sample in masks], experts)
+    routing = packed_routing(batch, indices, replay_model) if replay_model is not None else None
+    return MicroBatch(list(indices), packed, mask, rollout_lp, [sum(sample) for sample in masks], routing)
 
 
 def split_per_sample(flat: torch.Tensor, indices: Sequence[int], lengths: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -180,7 +191,11 @@ class _Accumulator:
 
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor, count: float) -> None:
         """Add sum(per_token * mask); ``count`` = sum(mask), known on the host."""
-        self.sums[name] = self.sums[name] + (per_token.detach().double() * mask).sum()
+        self.add_total(name, (per_token.detach().double() * mask).sum(), count)
+
+    def add_total(self, name: str, total: Any, count: float) -> None:
+        """Add a sum already taken (a device tensor or a number) over ``count`` items."""
+        self.sums[name] = self.sums[name] + total
         self.counts[name] += count
 
     def all_reduced(self, dp_group: Any, dp_size: int, device: Any = "cpu") -> dict[str, float]:
@@ -301,16 +316,22 @@ def train_step(
     with timed() as step:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        acc = _Accumulator(weighted_keys=router_loss_metrics(cfg))
-        take_router_losses()  # drop what a forward outside this step recorded
         replay_model = model if getattr(cfg, "use_rollout_routing_replay", False) else None
+        acc = _Accumulator(
+            keys=METRIC_SUMS + ((EXPERT_AGREEMENT,) if replay_model is not None else ()),
+            weighted_keys=router_loss_metrics(cfg),
+        )
+        take_router_losses()  # drop what a forward outside this step recorded
         for indices in inputs.micro_batches:
             mb = make_micro_batch(inputs.batch, indices, device, replay_model)
-            with replay_of(model, mb.experts):  # through the backward: recompute routes the same way
+            agreement = mb.expert_agreement(device)
+            with replay_of(model, mb.experts, agreement):  # through the backward: recompute routes the same way
                 loss = micro_batch_loss(model, mb, inputs, cfg, vocab_size, acc)
                 share = inputs.denominators.share(cfg.loss_agg_mode, mb)
                 set_router_loss_weight(share * dp_size)  # the router's losses weighted like L(B_m)
                 (loss * dp_size).backward()
+            if agreement is not None:
+                acc.add_total(EXPERT_AGREEMENT, agreement.matched, agreement.slots)
             for name, value in take_router_losses().items():
                 if name in acc.weighted:
                     acc.weighted[name] = acc.weighted[name] + value * share

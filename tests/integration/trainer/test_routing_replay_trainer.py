@@ -19,8 +19,8 @@ from tests.moe_tiny import tiny_moe_checkpoint
 from vime_core.data import routed_experts
 from vime_core.trainer.logprobs import forward_packed
 from vime_core.trainer.packing import pack_samples
-from vime_core.trainer.routing_replay import recording, replaying, routers
-from vime_core.trainer.train_step import forward_log_probs, make_micro_batch
+from vime_core.trainer.routing_replay import ExpertAgreement, recording, replaying, routers
+from vime_core.trainer.train_step import EXPERT_AGREEMENT, forward_log_probs, make_micro_batch
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +225,7 @@ def test_the_micro_batch_carries_the_engines_experts_in_packed_order(trainer):
         # every recorded row is the engine's (here the trainer's own routing of the sample alone)
         assert torch.equal(mb.experts[begin : end - 1], own[begin : end - 1])
         assert torch.equal(mb.experts[end - 1], torch.arange(k).expand(trainer.arch.num_layers, k))  # pad row
+        assert mb.routing.recorded[begin : end - 1].all() and not mb.routing.recorded[end - 1]
     lps = forward_log_probs(trainer.model, batch, [indices], trainer.arch.vocab_size, 1.0, "cpu")
     replayed = forward_log_probs(trainer.model, batch, [indices], trainer.arch.vocab_size, 1.0, "cpu", replay=True)
     for i in indices:  # its own routing replayed: the same log-probs
@@ -258,6 +259,43 @@ def test_other_experts_change_the_log_probs_and_missing_rows_are_refused(trainer
 def test_training_with_replay_runs_and_reports_the_mismatch(trainer):
     batch = hand_batch()
     batch["routed_experts"] = _engine_rows(trainer, batch)
-    metrics = trainer.train(0, batch)
+    step_samples, trainer.cfg.global_batch_size = trainer.cfg.global_batch_size, len(batch["tokens"])
+    try:  # one optimizer step: its forward routes with the weights the engine's rows came from
+        metrics = trainer.train(0, batch)
+    finally:
+        trainer.cfg.global_batch_size = step_samples
     assert np.isfinite(metrics["loss"]) and "train_rollout_logprob_abs_diff" in metrics
+    assert metrics[EXPERT_AGREEMENT] == 1.0  # the engine's rows are the trainer's own routing
     assert all(_untouched(r) for r in routers(trainer.model) + routers(trainer.ref_model))
+
+
+def test_expert_agreement_counts_the_routers_own_choice_against_the_replayed(trainer, packed):
+    """ExpertAgreement: own routing replayed agrees everywhere; with only the last layer's experts
+    rotated, the layers before agree and the last one agrees where the rotation kept an expert
+    (its input is the free run's, so its own choice is the recorded one). Rows the engine did not
+    record are not counted, and a second forward (activation recompute) adds nothing."""
+    model, num_experts = trainer.model, trainer.arch.num_experts
+    with recording(model) as record:
+        _logits(model, packed)
+    own = record.experts()
+    rows, layers, k = own.shape
+    recorded = torch.ones(rows, dtype=torch.bool)
+    recorded[-3:] = False
+    counted = int(recorded.sum())
+
+    agreement = ExpertAgreement(recorded, counted)
+    with replaying(model, own, agreement):
+        _logits(model, packed)
+        _logits(model, packed)
+    assert agreement.slots == counted * layers * k
+    assert int(agreement.matched) == agreement.slots
+
+    replayed = own.clone()
+    replayed[:, -1] = (own[:, -1] + 1) % num_experts
+    kept = (own[:, -1].unsqueeze(-1) == replayed[:, -1].unsqueeze(-2)).any(-1)[recorded].sum()
+    agreement = ExpertAgreement(recorded, counted)
+    with replaying(model, replayed, agreement):
+        _logits(model, packed)
+    assert int(agreement.matched) == counted * (layers - 1) * k + int(kept) < agreement.slots
+    assert all(_untouched(r) for r in routers(model))
+    assert "get_replay_topk" not in routers(model)[0].router_replay.__dict__
