@@ -67,7 +67,28 @@ MODES = {
     "serial": {"rollout_prefetch": False},
     "tis": {"rollout_prefetch": True, "use_tis": True},
     "off_policy": {"rollout_prefetch": True, "use_tis": True, "async_staleness": 1},
+    # `prefetch` with the flow and task runs' INFO lines kept from Prefect's API, as before
+    # flows/settings.send_run_logs: what the UI's logs of every iteration cost
+    "no_run_logs": {"rollout_prefetch": True},
 }
+WITHOUT_RUN_LOGS = {"no_run_logs"}
+
+
+def run_logs(on: bool) -> None:
+    """The flows' `send_run_logs` as they call it (on), or one that leaves Prefect's run loggers at
+    the console's level, so their INFO lines reach neither the API nor the console (off)."""
+    # boundary: main() sets Prefect's environment before anything imports it
+    import flows.iteration
+    import flows.replay
+    import flows.settings
+    import flows.train
+
+    def at_console_level() -> None:
+        for name in flows.settings.RUN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+    for module in (flows.train, flows.iteration, flows.replay):
+        module.send_run_logs = flows.settings.send_run_logs if on else at_console_level
 
 
 def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
@@ -78,6 +99,7 @@ def run_mode(iterations: int, mode: str, profile: str = "") -> dict:
     from flows.train import train
 
     apply_env_defaults()  # as `vime train` does, before the first flow run starts Prefect's server
+    run_logs(mode not in WITHOUT_RUN_LOGS)
     retries = PrefectRetryCounter.attach()
     work = Path(tempfile.mkdtemp(prefix="vime-bench-orch-"))
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
@@ -193,6 +215,18 @@ def main() -> None:
         result["per_repeat_ratio"] = [
             a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["serial"])
         ]
+    if "prefetch" in modes and "no_run_logs" in modes:  # the runs' INFO lines in Prefect's API, and not
+        result["t_iteration_ratio_run_logs_over_none"] = (
+            modes["prefetch"]["median_of_runs_mean_t_iteration_s"]
+            / modes["no_run_logs"]["median_of_runs_mean_t_iteration_s"]
+        )
+        result["per_repeat_ratio_run_logs_over_none"] = [
+            a["mean_t_iteration_s"] / b["mean_t_iteration_s"] for a, b in zip(runs["prefetch"], runs["no_run_logs"])
+        ]
+        result["median_t_step_in_flow_ratio_run_logs_over_none"] = statistics.median(
+            a["median_t_step_in_flow_s"] / b["median_t_step_in_flow_s"]
+            for a, b in zip(runs["prefetch"], runs["no_run_logs"])
+        )
     if "off_policy" in modes and "tis" in modes:  # one step off-policy against the same job on-policy
         result["t_iteration_ratio_off_policy_over_tis"] = (
             modes["off_policy"]["median_of_runs_mean_t_iteration_s"] / modes["tis"]["median_of_runs_mean_t_iteration_s"]

@@ -58,6 +58,9 @@ def _orchestration(f: dict) -> str:
         parts.append(
             f"T_iteration one step off-policy / on-policy (both TIS) {f['t_iteration_ratio_off_policy_over_tis']:.2f}"
         )
+    if "t_iteration_ratio_run_logs_over_none" in f:
+        ratio = f["t_iteration_ratio_run_logs_over_none"]
+        parts.append(f"T_iteration with the runs' logs in the UI / without {ratio:.2f}")
     return "; ".join(parts) + f", {f['iterations_per_run']} iterations x {f['repeats']}"
 
 

@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
+from flows.settings import send_run_logs
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
 from tasks.guard import IterationGuard
@@ -34,6 +35,7 @@ def _run_name() -> str:
 def iteration(config: VimeConfig, rollout_id: int) -> dict:
     """rollout, then the schedule's phases (one function each, below), then eval, save, report."""
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
+    send_run_logs()  # a deployment may start an iteration alone
     step, k, plan = Stopwatch(), rollout_id, plan_step(config, rollout_id)
     cfg = quote(config)  # Prefect then does not walk the configuration's fields for futures (a cost per task run)
     out = rollout(cfg, k, plan.version)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger, task
 
+from flows.settings import send_run_logs
 from tasks.bootstrap import prepare_assets
 from tasks.common import TASK_DEFAULTS
 from vime_core.cluster.replay_trainers import (
@@ -36,6 +37,7 @@ def replay(
 ) -> dict:
     """Train `config.run_name`'s trainer on `source_run`'s stored batches, starting from `checkpoint`;
     `rewards`: the batches' own (stored), or those `vime rescore` stored (rescored, vN)."""
+    send_run_logs()
     log = get_run_logger()
     replaying = Stopwatch()
     config = prepare_assets(config)

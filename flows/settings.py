@@ -1,9 +1,11 @@
 """Prefect settings vime applies in code: environment defaults for the temporary server Prefect starts
 without PREFECT_API_URL (SQLite write contention makes it slow a run down; a Postgres-backed server
-needs none of this), and iteration subflows without heartbeats. bench/bench_orchestration.py counts the 503s."""
+needs none of this), iteration subflows without heartbeats, and the runs' INFO lines sent to the UI
+while the console keeps its level. bench/bench_orchestration.py counts the 503s and times the logs."""
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 
@@ -44,3 +46,37 @@ def without_heartbeats():
 
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
+
+
+# Prefect's loggers of flow and task runs: get_run_logger() hands out their children
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+class _BelowConsoleLevel(logging.Filter):
+    """Drops a flow or task run's record below the console's level (the records of every other logger pass)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level or not record.name.startswith(RUN_LOGGERS)
+
+
+def send_run_logs() -> None:
+    """A flow or task run's INFO lines (an iteration's console and ledger lines, bootstrap's marks, a
+    publish's summary) reach Prefect's API, so each flow run's page in the UI holds its story; the
+    console keeps PREFECT_LOGGING_LEVEL (WARNING in infra/env.sh), as vime prints its own lines.
+
+    Prefect's run loggers take their level from the `prefect` logger (PREFECT_LOGGING_LEVEL) and
+    propagate to the root's console handler. Here they log from INFO and the console handlers drop
+    their records below the `prefect` logger's level. Idempotent; call it as a flow starts (Prefect
+    configures logging when it is imported, and again in a process a deployment starts)."""
+    console = logging.getLogger("prefect").getEffectiveLevel()
+    if console <= logging.INFO:
+        return  # the console shows INFO already: the run loggers inherit it
+    for name in RUN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _BelowConsoleLevel) for f in handler.filters):
+            handler.addFilter(_BelowConsoleLevel(console))

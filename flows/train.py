@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from flows.console import one_line_failures
 from flows.iteration import iteration
-from flows.settings import without_heartbeats
+from flows.settings import send_run_logs, without_heartbeats
 from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import compact_index, export_hf, export_peft
 from tasks.guard import rollback_due, stopped_why
@@ -33,6 +33,7 @@ from vime_core.utils.timing import Stopwatch
 @flow(name="train", flow_run_name="train-{config.run_name}", log_prints=True)
 def train(config: VimeConfig) -> dict:
     interrupt.reinstall()  # the flow run took SIGTERM over: vime_core/utils/interrupt.py
+    send_run_logs()
     log = get_run_logger()
     run_clock = Stopwatch()
     preload_curve()  # the first reward curve then costs only its drawing

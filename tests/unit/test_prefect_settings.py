@@ -56,3 +56,28 @@ def test_the_temporary_servers_own_errors_stay_off_the_console_and_the_runs_do_n
     env.update(PYTHONPATH=str(REPO), PREFECT_LOGGING_LEVEL="WARNING")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [False, False, True, True]
+
+
+def _console_after_send_run_logs(level: str) -> str:
+    """stderr of a process that calls send_run_logs under PREFECT_LOGGING_LEVEL=level, then logs
+    from a task run's logger at INFO and WARNING and from another logger at WARNING."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_LOGGING_LEVEL=level, PREFECT_LOGGING_TO_API_ENABLED="false")
+    code = (
+        "import logging; from prefect import flow; from flows.settings import send_run_logs; "
+        "send_run_logs(); send_run_logs(); "
+        "run = logging.getLogger('prefect.task_runs'); "
+        "assert run.getEffectiveLevel() == logging.INFO, run.getEffectiveLevel(); "
+        "extra = {'task_run_name': 'report-0'}; "  # what get_run_logger() adds, and the console's format needs
+        "run.info('run-info-line', extra=extra); run.warning('run-warning-line', extra=extra); "
+        "logging.getLogger('prefect.other').warning('other-warning-line')"
+    )
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stderr
+
+
+def test_run_loggers_log_info_for_the_ui_while_the_console_keeps_its_level():
+    quiet = _console_after_send_run_logs("WARNING")
+    assert "run-info-line" not in quiet
+    assert quiet.count("run-warning-line") == 1 and "other-warning-line" in quiet
+    assert "Logging error" not in quiet
+    # a console asked for INFO shows the run's INFO lines as before
+    assert "run-info-line" in _console_after_send_run_logs("INFO")

@@ -104,6 +104,42 @@ def test_three_batches_stored_with_lineage(trained):
         assert versions == {k + 1}, f"batch {k} was sampled by weights {versions}, expected v{k + 1}"
 
 
+def test_each_iteration_flow_run_logs_its_console_and_ledger_lines(trained):
+    """The UI's page of an iteration flow run holds its story: the report task's console line and
+    ledger line reach Prefect's API at INFO, while the console stays at PREFECT_LOGGING_LEVEL."""
+    import asyncio
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    cfg, _ = trained
+
+    async def lines_by_rollout() -> dict[int, list[str]]:
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="iter-")))
+            ours = {r.id: r.parameters["rollout_id"] for r in runs if cfg.run_name in str(r.parameters)}
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(ours))))
+        out: dict[int, list[str]] = {}
+        for entry in logs:
+            out.setdefault(ours[entry.flow_run_id], []).append(entry.message)
+        return out
+
+    deadline = time.monotonic() + 30  # Prefect sends logs in batches from a background thread
+    while True:
+        lines = asyncio.run(lines_by_rollout())
+        found = {k: v for k, v in lines.items() if k in (0, 1, 2)}
+        done = all(
+            any(m.startswith(f"iter {k:3d} ") for m in found.get(k, []))
+            and any(m.startswith(f"ledger {k}:") for m in found.get(k, []))
+            for k in (0, 1, 2)
+        )
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert done, {k: [m[:60] for m in v] for k, v in lines.items()}
+
+
 def test_every_publish_is_checked_against_the_trainer(trained):
     """check_weight_update_equal: after each publish the engine scores the probe as the trainer
     does, and its scores moved since the previous version (the update arrived)."""
