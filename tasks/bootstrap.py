@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import ray
 from prefect import get_run_logger, task
 
-from tasks.common import ATTACHED, TASK_DEFAULTS
+from tasks.common import ATTACHED, TASK_DEFAULTS, retry_rebuilding_actors
 from tasks.sync import submit_publish
 from vime_core.cluster.batch_io import data_source_after
 from vime_core.cluster.connect import ensure_ray
@@ -29,7 +29,11 @@ def prepare_assets(config: VimeConfig) -> VimeConfig:
     return resolve_run_config(config)
 
 
-@task(name="bootstrap", retries=1, retry_delay_seconds=10, **TASK_DEFAULTS)
+# its next try creates what died (an engine that crashed at start takes its RolloutManager with it)
+BOOTSTRAP_TASK = {**TASK_DEFAULTS, "retry_condition_fn": retry_rebuilding_actors}
+
+
+@task(name="bootstrap", retries=1, retry_delay_seconds=10, **BOOTSTRAP_TASK)
 def bootstrap(config: VimeConfig) -> dict:
     from vime_core.trainer.checkpoint import latest_checkpoint  # torch: the driver imports no trainer/ module
 

@@ -17,10 +17,22 @@ def retry_unless_configuration(task, task_run, state) -> bool:
     same way on every try (vime_core/faults.py), and so does a call to an actor that died (only
     bootstrap, before the iteration's retry, rebuilds it): neither is retried; nor is anything
     once the process was told to stop (vime_core.faults.stopped_by_signal); anything else is."""
+    return _retry(task, task_run, state, rebuilds_actors=False)
+
+
+def retry_rebuilding_actors(task, task_run, state) -> bool:
+    """bootstrap's retry condition: as retry_unless_configuration, but an actor that died is
+    retried, since bootstrap's next try creates it again. A RolloutManager whose engine crashed at
+    start (an infrastructure error: a device another process grew on while vLLM profiled its
+    memory) dies in its constructor; its setting errors stay configuration (faults.classify)."""
+    return _retry(task, task_run, state, rebuilds_actors=True)
+
+
+def _retry(task, task_run, state, rebuilds_actors: bool) -> bool:
     exc = state.data if isinstance(state.data, BaseException) else None
     if interrupt.received() is not None or (exc is not None and stopped_by_signal(exc)):
         return False
-    retry = exc is None or not (actor_died(exc) or classify(exc).kind == CONFIGURATION)
+    retry = exc is None or not ((actor_died(exc) and not rebuilds_actors) or classify(exc).kind == CONFIGURATION)
     if retry:
         _announce_retry(task, task_run, exc)
     return retry

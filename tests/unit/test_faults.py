@@ -342,3 +342,27 @@ def test_an_unreachable_object_store_is_infrastructure():
         assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True), exc
         assert "\n" not in fault.what
     assert classify(down).what == 'Could not connect to the endpoint URL: "http://127.0.0.1:8333/vime/runs"'
+
+
+def test_bootstrap_retries_an_actor_that_died_and_phase_tasks_do_not():
+    """A RolloutManager whose engine crashed at start dies in its constructor: bootstrap's next try
+    creates it again (on a GPU the crash can be a trainer growing while vLLM profiled its memory),
+    a phase task cannot. A setting the engine refused stays a configuration error for both."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from tasks.bootstrap import bootstrap
+    from tasks.common import retry_rebuilding_actors, retry_unless_configuration
+    from vime_core.engines.server import DeviceMemoryError, EngineStartError
+
+    def died_in_init(cause):
+        return SimpleNamespace(data=ActorDiedError(RayTaskError("__init__", "Traceback ...", _remote(cause))))
+
+    crashed = died_in_init(EngineStartError("engine-0: vLLM server exited with code 1 before becoming healthy"))
+    refused = died_in_init(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%"))
+    assert retry_rebuilding_actors(None, None, crashed)
+    assert not retry_unless_configuration(None, None, crashed)
+    assert not retry_rebuilding_actors(None, None, refused)
+    assert retry_rebuilding_actors(None, None, SimpleNamespace(data=ConnectionResetError("reset")))
+    assert bootstrap.retry_condition_fn is retry_rebuilding_actors and bootstrap.retries == 1
