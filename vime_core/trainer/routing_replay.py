@@ -80,9 +80,9 @@ class ExpertAgreement:
 
     over the rows R the engine recorded (the filler rows of ``sample_experts`` excluded), own_k the
     top-k Megatron's routing would have taken from the same scores (its own top-k function: group
-    limits and expert bias included). 1 means replay changed no expert choice; the log-prob
-    mismatch without replay comes from the (1 - A) share. Counted on the device, once per layer
-    per micro-batch (activation recompute runs a router twice)."""
+    limits and expert bias included). 1 means replay changed no expert choice; 1 - A is the share
+    of choices it overrode. Counted on the device, once per layer per micro-batch (activation
+    recompute runs a router twice)."""
 
     def __init__(self, recorded: torch.Tensor, recorded_count: int) -> None:
         self.recorded = recorded  # bool [rows]
