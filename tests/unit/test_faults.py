@@ -50,21 +50,23 @@ def test_rollout_and_engine_failures_raised_in_an_actor_are_infrastructure():
         assert "\n" not in fault.what and "Traceback" not in fault.what
 
 
+def _died_in_init(cause: BaseException):
+    """The ActorDiedError of an actor whose constructor raised `cause`."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    return ActorDiedError(RayTaskError("__init__", "Traceback ...", _remote(cause)))
+
+
 def test_an_actor_whose_constructor_raised_is_judged_by_what_it_raised():
     """ActorDiedError of a failed creation task carries the constructor's error: a RolloutManager
     whose engine refused its memory setting is a setting to fix, one whose engine crashed at start
     is infrastructure."""
-    from ray.exceptions import ActorDiedError, RayTaskError
-
     from vime_core.engines.server import DeviceMemoryError, EngineStartError
 
-    def died_in_init(cause):
-        return ActorDiedError(RayTaskError("__init__", "Traceback ...", _remote(cause)))
-
-    refused = classify(died_in_init(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%")))
+    refused = classify(_died_in_init(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%")))
     assert (refused.kind, refused.retryable, refused.error_type) == (CONFIGURATION, False, "DeviceMemoryError")
     assert refused.what == "engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%"
-    crashed = classify(died_in_init(EngineStartError("engine-0: vLLM server exited with code 1")))
+    crashed = classify(_died_in_init(EngineStartError("engine-0: vLLM server exited with code 1")))
     assert (crashed.kind, crashed.error_type) == (INFRASTRUCTURE, "EngineStartError")
 
 
@@ -350,14 +352,12 @@ def test_bootstrap_retries_an_actor_that_died_and_phase_tasks_do_not():
     a phase task cannot. A setting the engine refused stays a configuration error for both."""
     from types import SimpleNamespace
 
-    from ray.exceptions import ActorDiedError, RayTaskError
-
     from tasks.bootstrap import bootstrap
     from tasks.common import retry_rebuilding_actors, retry_unless_configuration
     from vime_core.engines.server import DeviceMemoryError, EngineStartError
 
     def died_in_init(cause):
-        return SimpleNamespace(data=ActorDiedError(RayTaskError("__init__", "Traceback ...", _remote(cause))))
+        return SimpleNamespace(data=_died_in_init(cause))
 
     crashed = died_in_init(EngineStartError("engine-0: vLLM server exited with code 1 before becoming healthy"))
     refused = died_in_init(DeviceMemoryError("engine-0: vllm_gpu_memory_utilization=0.9 asks for 90%"))

@@ -85,7 +85,7 @@ class ExpertAgreement:
     recompute runs a router twice)."""
 
     def __init__(self, recorded: torch.Tensor, recorded_count: int) -> None:
-        self.recorded = recorded  # bool [rows]
+        self.recorded = recorded  # bool [rows], on the routers' device
         self.recorded_count = recorded_count  # its sum, known on the host
         self.matched: Any = 0
         self.slots = 0
@@ -96,7 +96,7 @@ class ExpertAgreement:
             return
         self._counted.add(layer)
         same = (own.unsqueeze(-1) == replayed.unsqueeze(-2)).any(-1)  # [rows, k]: own expert j is replayed
-        self.matched = self.matched + (same & self.recorded.to(same.device).unsqueeze(-1)).sum()
+        self.matched = self.matched + (same & self.recorded.unsqueeze(-1)).sum()
         self.slots += self.recorded_count * replayed.shape[-1]
 
 
@@ -247,11 +247,6 @@ def packed_routing(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], m
     return PackedRouting(
         torch.from_numpy(np.concatenate(parts)).to(torch.int64), torch.from_numpy(np.concatenate(recorded))
     )
-
-
-def packed_experts(batch: Mapping[str, Sequence[Any]], indices: Sequence[int], model: torch.nn.Module) -> torch.Tensor:
-    """int64 [sum L_i, MoE layers, top_k]: ``packed_routing``'s experts, for ``replaying(model, ...)``."""
-    return packed_routing(batch, indices, model).experts
 
 
 def replay_of(

@@ -135,13 +135,13 @@ def test_replay_brings_the_trainers_log_probs_to_the_engines(trainer, engine_bat
     # the trainer's own routing is not the engine's (the pairs' split)
     from vime_core.trainer.packing import pack_samples
     from vime_core.trainer.logprobs import forward_packed
-    from vime_core.trainer.routing_replay import packed_experts, recording
+    from vime_core.trainer.routing_replay import packed_routing, recording
 
     indices = list(range(len(engine_batch["tokens"])))
     packed = pack_samples(engine_batch["tokens"], engine_batch["response_length"])
     with recording(trainer.model) as record, torch.no_grad():
         forward_packed(trainer.model, packed)
-    engine = packed_experts(engine_batch, indices, trainer.model)
+    engine = packed_routing(engine_batch, indices, trainer.model).experts
     recorded = torch.ones(engine.shape[0], dtype=torch.bool)
     recorded[packed.cu_seqlens[1:].long() - 1] = False  # each sample's last token: not forwarded by the engine
     agreement = float((record.experts()[recorded] == engine[recorded]).float().mean())
