@@ -220,11 +220,68 @@ def lora_hf_state(model: Any, arch: HFArchitecture, prefix: str = "base_model.mo
     return state
 
 
+ADAPTER_KEYS = (".lora.A", ".lora.B")
+FINGERPRINT_CHUNK = 1 << 25  # elements
+
+
+def frozen_names(model: Any) -> set[str]:
+    """The state-dict names of the model's frozen (base) parameters (the wrappers' state dicts are
+    the bare model's, without their `module.` prefix)."""
+    return {n for n, p in unwrap(model).named_parameters() if not p.requires_grad}
+
+
+def base_fingerprint(model: Any) -> list[float]:
+    """This rank's frozen base as two float64 numbers, [sum of w, sum of w^2] over every frozen
+    parameter: what a checkpoint that leaves the base out compares at load, so that adapters are
+    never put on another base than the one they were trained on. Exact for bf16 and fp32 weights
+    up to the float64 sum's order (checked with a relative tolerance of 1e-9)."""
+    sums: list[torch.Tensor] = []
+    for _, p in sorted((n, p) for n, p in unwrap(model).named_parameters() if not p.requires_grad):
+        for chunk in p.detach().reshape(-1).split(FINGERPRINT_CHUNK):  # float64 copies of 256 MiB at most
+            w = chunk.double()
+            sums.append(torch.stack([w.sum(), w.square().sum()]))
+    return torch.stack(sums).sum(0).tolist() if sums else [0.0, 0.0]
+
+
+def checkpoint_model_state(model: Any) -> tuple[dict[str, Any], list[float] | None]:
+    """What a checkpoint keeps of the model and the base's fingerprint. With adapters: every entry
+    but the frozen base (the run's hf_checkpoint, which `init` loads again; at 14B the base is
+    29.5 GB, the adapters of rank 64 about 0.5 GB), and `base_fingerprint`. Without: every entry, None."""
+    state = model.state_dict()
+    if not has_adapters(model):
+        return state, None
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}, base_fingerprint(model)
+
+
+def load_model_state(model: Any, saved: dict[str, Any], fingerprint: list[float] | None, where: str) -> None:
+    """Load what `checkpoint_model_state` kept: the whole model (no fingerprint: a full model, or a
+    LoRA checkpoint of an earlier vime that held its base), or the adapters onto the base loaded at
+    init, which must be the one they were trained on (one line naming the checkpoint if not)."""
+    if fingerprint is None:
+        model.load_state_dict(saved, strict=True)
+        return
+    mine = base_fingerprint(model)
+    if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9) for a, b in zip(mine, fingerprint)):
+        raise ValueError(
+            f"{where} holds adapters trained on another base model than this run's hf_checkpoint (base weights' "
+            f"sum and sum of squares {fingerprint[0]:.6g}, {fingerprint[1]:.6g} against {mine[0]:.6g}, {mine[1]:.6g}): "
+            "resume with the hf_checkpoint the run started from"
+        )
+    own = model.state_dict().keys()  # (Megatron's DDP wrapper returns no key lists from load_state_dict)
+    missing, unexpected = sorted(own - saved.keys() - frozen_names(model)), sorted(saved.keys() - own)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: the adapters' checkpoint does not match this model (missing {missing}, unexpected {unexpected})"
+        )
+    model.load_state_dict(saved, strict=False)
+
+
 def check_lora_state(saved: dict[str, Any], own: dict[str, Any], lora_rank: int, where: str) -> None:
     """Refuse, in one line, a checkpoint whose adapters are not this run's (another lora_rank,
     or saved with LoRA on or off the other way)."""
-    adapters = {k: tuple(v.shape) for k, v in saved.items() if k.endswith((".lora.A", ".lora.B"))}
-    mine = {k: tuple(v.shape) for k, v in own.items() if k.endswith((".lora.A", ".lora.B"))}
+    adapters = {k: tuple(v.shape) for k, v in saved.items() if k.endswith(ADAPTER_KEYS)}
+    mine = {k: tuple(v.shape) for k, v in own.items() if k.endswith(ADAPTER_KEYS)}
     if adapters != mine:
         ranks = sorted({shape[0] for k, shape in adapters.items() if k.endswith(".lora.A")})
         held = f"adapters of rank {', '.join(map(str, ranks))}" if ranks else "no LoRA adapters"

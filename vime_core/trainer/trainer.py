@@ -23,7 +23,14 @@ from vime_core.trainer.compat_cpu import seed_everything
 from vime_core.trainer.critic import Critic
 from vime_core.trainer.hf_convert import iter_hf_weights, load_hf_into_model
 from vime_core.trainer.hf_export import write_hf_folder
-from vime_core.trainer.lora import apply_lora, check_lora_state, lora_hf_state, lora_settings
+from vime_core.trainer.lora import (
+    apply_lora,
+    check_lora_state,
+    checkpoint_model_state,
+    load_model_state,
+    lora_hf_state,
+    lora_settings,
+)
 from vime_core.trainer.model import (
     architecture_from_hf,
     build_gpt_model,
@@ -480,8 +487,10 @@ class MegatronTrainer:
         return path
 
     def _save_state(self, path: str, rollout_id: int, extra_state: Optional[dict[str, Any]]) -> None:
+        model_state, base = checkpoint_model_state(self.model)  # with LoRA: the adapters, not the base
         state = {
-            "model": self.model.state_dict(),
+            "model": model_state,
+            "lora_base_fingerprint": base,
             **optimizer_state(self.optimizer, self.scheduler),  # optimizer, scheduler (, shards)
             "rng": ckpt.capture_rng_state(),
             "weight_version": self.weight_version,
@@ -537,7 +546,7 @@ class MegatronTrainer:
             path, lay.rank, lay.world_size, lay.tp_size, S3Endpoint.of(self.cfg), ep_size=lay.ep_size
         )
         check_lora_state(state["model"], self.model.state_dict(), self.cfg.lora_rank, path)
-        self.model.load_state_dict(state["model"], strict=True)
+        load_model_state(self.model, state["model"], state.get("lora_base_fingerprint"), path)
         load_optimizer_state(self.optimizer, state, path)
         ckpt.restore_rng_state(state["rng"])
         self.weight_version = int(state["weight_version"])

@@ -1,7 +1,8 @@
 """LoRA on the trainer (CPU, gloo): TP=2 against TP=1 with the same whole adapters (outputs and
 gradients), only the adapters train and hold optimizer state, the KL reference is the policy with
-its adapters off, the published weights are the merged W + s B A, and a checkpoint resumes the
-adapters and their Adam state bit for bit."""
+its adapters off, the published weights are the merged W + s B A, and a checkpoint holds the
+adapters without the frozen base, resumes them and their Adam state bit for bit, and is refused on
+another base."""
 
 from __future__ import annotations
 
@@ -158,6 +159,39 @@ def test_resume_restores_adapters_and_their_adam_state_bit_for_bit(single_rank, 
         assert torch.equal(tensor, dict(first.iter_hf_weights())[name]), name
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed[key] == uninterrupted[key] and math.isfinite(resumed[key]), key
+
+
+def test_a_checkpoint_holds_the_adapters_not_the_frozen_base(single_rank, ckpt, tmp_path):
+    from vime_core.trainer.checkpoint import rank_file_name
+    from vime_core.trainer.hf_convert import unwrap
+    from vime_core.trainer.lora import ADAPTER_KEYS, base_fingerprint, frozen_names
+
+    trainer = single_rank_trainer(lora_config(ckpt, tmp_path))
+    trainer.train(0, hand_batch())
+    saved = torch.load(f"{trainer.save(0)}/{rank_file_name(0)}", weights_only=False)
+    frozen = frozen_names(trainer.model)
+    assert frozen and not frozen & saved["model"].keys()
+    adapters = {n for n, p in unwrap(trainer.model).named_parameters() if p.requires_grad}
+    assert adapters and adapters <= saved["model"].keys() and all(n.endswith(ADAPTER_KEYS) for n in adapters)
+    # the base's fingerprint: the float64 sum and sum of squares of every frozen tensor
+    weights = [p.detach().double() for n, p in unwrap(trainer.model).named_parameters() if n in frozen]
+    want = [sum(float(w.sum()) for w in weights), sum(float(w.square().sum()) for w in weights)]
+    assert saved["lora_base_fingerprint"] == pytest.approx(want, rel=1e-12)
+    assert base_fingerprint(trainer.model) == pytest.approx(want, rel=1e-12)
+
+
+def test_adapters_on_another_base_model_are_refused_in_one_line(single_rank, ckpt, tmp_path):
+    from vime_core.demo.model import build_tiny_model
+
+    saved = single_rank_trainer(lora_config(ckpt, tmp_path)).save(0)
+    # the same shape and LoRA settings, other base weights
+    other = build_tiny_model(
+        tmp_path / "other-base", family="qwen2", seed=2, tie_word_embeddings=False, num_heads=4, num_kv_heads=2
+    )
+    with pytest.raises(ValueError) as err:
+        single_rank_trainer(lora_config(other, tmp_path / "other")).load(saved)
+    assert len(str(err.value).splitlines()) == 1, err.value
+    assert saved in str(err.value) and "trained on another base model" in str(err.value)
 
 
 def test_a_checkpoint_with_other_adapters_is_refused_in_one_line(single_rank, ckpt, tmp_path):
