@@ -52,7 +52,7 @@ def train(config: VimeConfig) -> dict:
     compact_index(config)
     records = read_records(config.storage_uri, config.run_name, S3Endpoint.of(config))
     root = run_dir(config.storage_uri, config.run_name)
-    export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports"))
+    export = export_hf(config, run_dir(config.storage_uri, config.run_name, "exports")) if config.export_hf else None
     adapter = (
         export_peft(config, run_dir(config.storage_uri, config.run_name, "adapter")) if lora_enabled(config) else None
     )

@@ -1,9 +1,9 @@
 """A random Qwen-shaped model on the arithmetic task's alphabet (gpu_common.SHAPES, Qwen's vocabulary
 size with filler tokens, bf16) and a prompt set, for GPU runs without a hub. --prompt-noise LO,HI
-spreads the prompt lengths; --prompt-tokens N makes every prompt exactly N tokens. A dense shape is
-transformers' own initialisation (vime_core.demo.model.build_tiny_model); an MoE shape is
-gpu_common.write_random_checkpoint's N(0, 0.02) tensors, drawn on the GPU when there is one (a 3B
-model through transformers' CPU initialisation takes minutes).
+spreads the prompt lengths; --prompt-tokens N makes every prompt exactly N tokens. A dense shape up
+to 5e9 parameters is transformers' own initialisation (vime_core.demo.model.build_tiny_model); an
+MoE shape or a larger dense one is gpu_common.write_random_checkpoint's N(0, 0.02) tensors, drawn on
+the GPU when there is one (a 3B model through transformers' CPU initialisation takes minutes).
 
     python bench/gpu/build_model.py --shape 0.5b --out /tmp/m --prompts /tmp/p.jsonl --prompt-noise 16,500"""
 
@@ -25,10 +25,18 @@ from vime_core.demo.model import BOS_ID, EOS_ID, PAD_ID, build_tiny_model, build
 from vime_core.demo.task import make_rows  # noqa: E402
 
 
+# transformers' CPU initialisation of a larger dense shape takes minutes (14b: 14.8e9 parameters);
+# its N(0, 0.02) weights and unit norms are what write_random_checkpoint draws on the GPU
+CPU_INIT_MAX_PARAMETERS = 5e9
+
+
 def build(shape: str, out: Path, seed: int) -> Path:
     """The checkpoint folder of ``shape`` with the alphabet's tokenizer (module docstring)."""
     s = gpu_common.SHAPES[shape]
-    if gpu_common.is_moe(s):
+    if (
+        gpu_common.is_moe(s)
+        or gpu_common.parameter_counts(gpu_common.hf_config(shape))["total"] > CPU_INIT_MAX_PARAMETERS
+    ):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return gpu_common.write_random_checkpoint(
             out,

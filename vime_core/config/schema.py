@@ -95,6 +95,14 @@ class ConfigFields(BaseModel):
             "whose optimizer state would fill the disk; a run that fails then starts again from the HF checkpoint."
         ),
     )
+    export_hf: bool = Field(
+        True,
+        description=(
+            "After the last iteration, write the trained model as an HF folder (merged weights) under exports/. "
+            "--no-export-hf: none, e.g. a LoRA run of a model whose merged copy would fill the disk; with LoRA the "
+            "PEFT adapter is exported either way."
+        ),
+    )
     eval_interval: Optional[int] = Field(None, ge=1, description="Run an eval rollout every N rollouts. None: never.")
     iteration_retries: int = Field(
         2,

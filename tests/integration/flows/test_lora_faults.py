@@ -51,6 +51,7 @@ def _config(store, model, ray_address, mode: str):
         lora_rank=RANK,
         lora_alpha=8.0,
         lora_publish=mode,
+        export_hf=False,  # the PEFT adapter alone, as a run whose merged copy would fill the disk
     )
 
 
@@ -144,10 +145,15 @@ def lora_killed_engine(request, tmp_path_factory, ray_head, tiny_model_dir):
 
 def test_a_killed_engine_is_replaced_and_serves_the_current_lora_weights(lora_killed_engine):
     from vime_core.engines.adapters import adapter_name
+    from vime_core.storage.layout import run_dir
 
     cfg, summary, read = lora_killed_engine
     assert read["server_pid"] != read["killed_pid"]  # a new vLLM server
     assert summary["iterations"] == cfg.num_rollout
+    # --no-export-hf: no merged HF folder, and the adapter's PEFT folder all the same
+    assert summary["hf_export"] is None
+    assert not os.path.exists(run_dir(cfg.storage_uri, cfg.run_name, "exports"))
+    assert os.path.isfile(os.path.join(summary["peft_adapter"], "adapter_config.json"))
     final = cfg.num_rollout + 1
     _, _, state = read["trainer"]
     assert state["weight_version"] == final
