@@ -68,5 +68,5 @@ def test_the_14b_config_trains_lora_merged_with_an_explicit_kv_cache(tmp_path):
     assert cfg.device == "cuda" and cfg.colocate and cfg.offload_rollout and cfg.offload_train
     assert not cfg.export_hf  # the PEFT adapter alone
     server = engine_server_args(cfg)
-    assert "--kv-cache-memory=40000000000" in cfg.vllm_extra_args
+    assert "--kv-cache-memory=34000000000" in cfg.vllm_extra_args
     assert not server.get("enable_lora")  # merged: the engine serves plain weights

@@ -55,3 +55,55 @@ def test_layout_aligns_offsets_and_copy_into_casts_and_gathers():
     assert torch.equal(got_b, base.t().to(torch.bfloat16))
     assert float(flat[128:132].view(torch.float32)[0]) == 5.0
     assert packed_layout(bucket, alignment=1) == ([0, 12, 36], 40)
+
+
+def test_deferred_tensors_are_made_as_their_bucket_fills_and_freed_with_it():
+    """A publish holds one bucket of made tensors at a time: each is made when it joins its
+    bucket, after the bucket before was yielded, and a bucket the consumer dropped holds nothing
+    by the time the next one's tensors are made."""
+    import gc
+    import weakref
+
+    from vime_core.weight_sync.buckets import DeferredTensor
+
+    sizes = [8, 8, 8, 8, 8, 8, 40, 8]
+    made: list[str] = []
+    alive: dict[str, weakref.ref] = {}
+    held_at_make: list[set[str]] = []
+
+    def maker(name: str, n: int):
+        def make() -> torch.Tensor:
+            gc.collect()
+            held_at_make.append({k for k, r in alive.items() if r() is not None})
+            made.append(name)
+            t = torch.full((n,), float(n))
+            alive[name] = weakref.ref(t)
+            return t
+
+        return make
+
+    tensors = [
+        (f"t{i}", DeferredTensor(torch.Size([n]), torch.float32, maker(f"t{i}", n))) for i, n in enumerate(sizes)
+    ]
+    buckets: list[list[str]] = []
+    for bucket in iter_buckets(tensors, 64):  # two fp32 tensors of 8 per bucket, the 40 alone
+        buckets.append(bucket.names)
+        assert made == [n for b in buckets for n in b]  # nothing of a later bucket made yet
+        assert all(torch.equal(t, torch.full(t.shape, float(t.numel()))) for t in bucket.tensors)
+        assert bucket.nbytes == sum(t.numel() * 4 for t in bucket.tensors)
+        del bucket
+    assert buckets == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6"], ["t7"]]
+    # when a tensor was made, only its own bucket's earlier tensors were alive
+    for name, held in zip(made, held_at_make):
+        own = next(b for b in buckets if name in b)
+        assert held <= set(own[: own.index(name)]), (name, held)
+
+
+def test_a_deferred_tensor_has_the_shape_and_dtype_the_spec_check_reads():
+    from vime_core.weight_sync.buckets import DeferredTensor
+    from vime_core.weight_sync.weight_spec import check_against_spec
+
+    d = DeferredTensor(torch.Size([2, 3]), torch.bfloat16, lambda: pytest.fail("made by the spec check"))
+    spec = {"tensors": {"w": {"shape": [2, 3], "dtype": "bfloat16"}}}
+    assert check_against_spec([("w", d)], spec, "e0") == {"w": torch.bfloat16}
+    assert wire_nbytes(d, torch.float32) == 24

@@ -4,6 +4,7 @@ split over TP ranks and, for an expert, which EP rank holds it; both directions 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vime_core.trainer.model import HFArchitecture, padded_vocab_size
+from vime_core.weight_sync.buckets import DeferredTensor
 
 # HF tensors that checkpoints sometimes carry but that are not weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -411,10 +413,13 @@ def shards_to_hf(
 
 
 def iter_hf_weights(
-    model: Any, arch: HFArchitecture | None = None, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model: Any, arch: HFArchitecture | None = None, dtype: torch.dtype | None = None, defer_merge: bool = False
+) -> Iterator[tuple[str, torch.Tensor | DeferredTensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF weight, gathering TP shards and, with expert
     parallelism, each expert from the EP rank holding it (a broadcast over the EP group), once.
+    ``defer_merge``: a LoRA layer's merged weights come as `DeferredTensor`s where no collective
+    is needed to make them (TP=1, not an expert from another EP rank), made by `iter_buckets` as
+    each bucket fills (a publish then holds one bucket of merged weights, not the model's).
 
     A collective over the TP group and the EP group: all their ranks (``ParallelLayout.holds_first_copy``)
     must iterate in step. ``dtype`` casts the yielded tensors (default: the parameters' dtype). A layer
@@ -450,7 +455,27 @@ def iter_hf_weights(
             local = from_owner(local, rule.expert_owner)
         module, _, leaf = rule.megatron.rpartition(".")
         adapter = getattr(bare.get_submodule(module), "lora", None) if leaf == "weight" else None
+        if adapter is not None and defer_merge and dtype is None and tp == 1 and rule.expert_owner is None:
+            yield from _deferred_merge(rule, adapter, local, arch)
+            continue
         if adapter is not None:  # LoRA (trainer/lora.py): the merged weight W + s B A, split as W
             local = adapter.merged(local)
         for name, tensor in zip(rule.hf, shards_to_hf(rule, gather, local, arch, tp)):
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _deferred_merge(
+    rule: Rule, adapter: Any, local: torch.Tensor, arch: HFArchitecture
+) -> Iterator[tuple[str, DeferredTensor]]:
+    """At TP=1: each HF tensor of an adapted layer as a `DeferredTensor` of its part of the merged
+    W + s B A (a fused layer's merge is made once per part: q/k/v, gate/up; a rank-r product each)."""
+
+    def one(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return [t]
+
+    def part(i: int) -> torch.Tensor:
+        return shards_to_hf(rule, one, adapter.merged(local), arch, 1)[i]
+
+    shapes = shards_to_hf(rule, one, torch.empty_like(local, device="meta"), arch, 1)
+    for i, (name, meta) in enumerate(zip(rule.hf, shapes)):
+        yield name, DeferredTensor(meta.shape, meta.dtype, functools.partial(part, i))

@@ -368,7 +368,8 @@ class MegatronTrainer:
         if serves_adapters(self.cfg):
             result = self._publish_adapter(engine_urls, new_version)
         elif self.layout.holds_first_copy or peers is not None:
-            weights = self.iter_hf_weights()
+            # rank 0 sends: LoRA's merged weights made bucket by bucket (hf_convert.iter_hf_weights)
+            weights = iter_hf_weights(self.model, self.arch, defer_merge=self.layout.rank == 0)
             try:
                 if self.layout.rank == 0:
                     self._publisher = self._publisher or PublishLoop(token_source=self._engine_token)

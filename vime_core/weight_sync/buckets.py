@@ -14,6 +14,21 @@ from vime_core.weight_sync.allocator import plain_segments
 from vime_core.wire.layout import place
 
 
+@dataclass(frozen=True)
+class DeferredTensor:
+    """A tensor made when a bucket takes it (`iter_buckets`), so that a publish holds one bucket of
+    such tensors at a time, not all of them: LoRA's merged weights W + s B A are new memory the size
+    of the model (29.5 GB at 14B, beside the base's 29.5 GB). `shape` and `dtype` are the made
+    tensor's, for the checks against the engine's spec before anything is made."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
 @dataclass
 class Bucket:
     """Tensors sent together; `dtypes[i]` is tensor i's wire dtype, `nbytes` their wire bytes."""
@@ -48,7 +63,8 @@ def iter_buckets(
     bucket_bytes: int,
     wire_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Iterator[Bucket]:
-    """Yield buckets in arrival order (see the module docstring for the rule)."""
+    """Yield buckets in arrival order (see the module docstring for the rule). A `DeferredTensor`
+    is made as it joins its bucket: after the bucket before it was yielded (and sent)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (cfg.update_weight_buffer_size)")
     bucket = Bucket(index=0)
@@ -58,7 +74,7 @@ def iter_buckets(
         if len(bucket) and bucket.nbytes + size > bucket_bytes:
             yield bucket
             bucket = Bucket(index=bucket.index + 1)
-        bucket.add(name, tensor, dtype)
+        bucket.add(name, tensor.make() if isinstance(tensor, DeferredTensor) else tensor, dtype)
     if len(bucket):
         yield bucket
 

@@ -99,9 +99,9 @@ def _served_adapters(cfg) -> dict:
     return asyncio.run(listed())
 
 
-# adapter mode only in the suite (its restart takes another publish path); `merged` restarts through
-# the full weights' path (test_two_nodes, test_faults) and passed here too: add it to run both
-@pytest.fixture(scope="module", params=["adapter"])
+# both publish modes: adapter's restart takes its own publish path; merged sends the merged weights
+# bucket by bucket (DeferredTensor), checked against the engine after every publish
+@pytest.fixture(scope="module", params=["adapter", "merged"])
 def lora_killed_engine(request, tmp_path_factory, ray_head, tiny_model_dir):
     """The run, trained to its end while its engine's vLLM server is SIGKILLed as rollout 1
     starts; checked (test_faults._check_run) and read (the engine's adapters, the trainer's

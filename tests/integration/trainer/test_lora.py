@@ -161,6 +161,25 @@ def test_resume_restores_adapters_and_their_adam_state_bit_for_bit(single_rank, 
         assert resumed[key] == uninterrupted[key] and math.isfinite(resumed[key]), key
 
 
+def test_deferred_merged_weights_equal_the_merged_ones(single_rank, ckpt, tmp_path):
+    """A publish's merged weights made bucket by bucket (defer_merge) are the eager iterator's,
+    name for name, and only an adapted layer's come deferred."""
+    from vime_core.trainer.hf_convert import iter_hf_weights
+    from vime_core.weight_sync.buckets import DeferredTensor, iter_buckets
+
+    trainer = single_rank_trainer(lora_config(ckpt, tmp_path))
+    trainer.train(0, hand_batch())  # B no longer zero: merged != base
+    eager = dict(trainer.iter_hf_weights())
+    lazy = list(iter_hf_weights(trainer.model, trainer.arch, defer_merge=True))
+    assert [n for n, _ in lazy] == list(eager)
+    deferred = {n for n, t in lazy if isinstance(t, DeferredTensor)}
+    assert deferred == {n for n in eager if n.endswith("_proj.weight")}  # every linear (all-linear), no bias
+    for name, t in lazy:
+        assert (tuple(t.shape), t.dtype) == (tuple(eager[name].shape), eager[name].dtype), name
+    made = {n: t for b in iter_buckets(lazy, 1 << 12) for n, t in zip(b.names, b.tensors)}
+    assert made.keys() == eager.keys() and all(torch.equal(made[n], eager[n]) for n in eager)
+
+
 def test_a_checkpoint_holds_the_adapters_not_the_frozen_base(single_rank, ckpt, tmp_path):
     from vime_core.trainer.checkpoint import rank_file_name
     from vime_core.trainer.hf_convert import unwrap
