@@ -154,6 +154,8 @@ def _transport_gpu(f: dict) -> str:
 
 def _colocated(f: dict) -> str:
     p = f["phases_median_s"]
+    if not f["iterations"]:
+        return "no iteration ran (the row's note and exit say why)"
     return (
         f"{f['iterations']} iterations: T_step {p['t_step']:.1f} s = rollout {p['t_rollout']:.1f} + train "
         f"{p['t_train']:.1f} + ...; publish {p.get('publish_s', 0):.2f} s"
