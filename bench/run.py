@@ -2,7 +2,9 @@
 """The one entry point of vime's benchmarks: run a suite, record its figures, show the latest.
 
 `bench/run.py --list` lists the suites, `bench/run.py NAME [suite args...]` runs one and appends a
-row to bench/results/<suite>.jsonl, `bench/run.py --table` regenerates bench/results/README.md.
+row to bench/results/<suite>.jsonl (also when SIGTERM stops it first, as a device call's limit
+does: from what the suite had written, exit -15), `bench/run.py --table` regenerates
+bench/results/README.md.
 What each suite measures and the current figures: docs/measurements.md."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -422,6 +425,29 @@ def result_file(suite: Suite, out_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
+class Stopped(Exception):
+    """SIGTERM reached bench/run.py while its suite ran."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def run_until_stopped(cmd: list[str], env: dict) -> tuple[int, bool]:
+    """Run the suite; (its exit status, False), or (-SIGTERM, True) when bench/run.py is sent
+    SIGTERM first (a device call's limit, whose `timeout` signals the whole process group, the
+    suite included): the row is then written from what the suite had written so far."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+        try:
+            return proc.wait(), False
+        except Stopped:
+            return -signal.SIGTERM, True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc: int, note: str = "") -> int:
     """Suites run with infra/env.sh sourced, under $VIME_BENCH_PYTHON, else .venv/bin/python, else this
     interpreter. Suites that start servers hold /tmp/vime-integration.lock (flock) while they run, so
@@ -453,9 +479,12 @@ def run_suite(suite: Suite, args: list[str], results: Path, record: bool, nproc:
                 )
                 fcntl.flock(lock, fcntl.LOCK_EX)
         t0, load0 = time.monotonic(), os.getloadavg()[0]
-        rc = subprocess.run(shell, cwd=REPO, env=env).returncode
+        rc, stopped = run_until_stopped(shell, env)
         wall = time.monotonic() - t0
     path = result_file(suite, out_dir)
+    if stopped:  # a device call's limit: keep what the suite wrote, say so, and be done before SIGKILL
+        note = f"{note}; " if note else ""
+        note += "bench/run.py was stopped (SIGTERM) before the suite exited: the row holds what it had written"
     if path is None and {"-h", "--help"} & set(args):
         return rc
     if path is None:

@@ -93,3 +93,40 @@ def test_the_table_also_shows_the_latest_full_run_when_the_latest_row_is_partial
         },
     )
     assert sum(l.startswith("| [colocated_step]") for l in run.write_table(tmp_path).read_text().splitlines()) == 1
+
+
+def test_a_run_stopped_by_sigterm_records_what_its_suite_had_written(tmp_path):
+    """A device call's limit sends SIGTERM while a suite tears down: the row is appended all the
+    same, from the suite's output so far, with exit -15 and a note that says so."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "suite.sh"  # writes its result, then "tears down" for a minute
+    script.write_text('echo \'{"iterations": 2}\' > "$OUT/stopped_suite.json"\nexec sleep 60\n')
+    results = tmp_path / "results"
+    driver = (
+        "import importlib.util, sys, pathlib\n"
+        f"spec = importlib.util.spec_from_file_location('bench_run', {str(REPO / 'bench' / 'run.py')!r})\n"
+        "run = importlib.util.module_from_spec(spec); sys.modules[spec.name] = run; spec.loader.exec_module(run)\n"
+        f"suite = run.Suite('stopped-test', {str(script)!r}, 'test', lambda f: 'x', out='stopped_suite.json')\n"
+        f"sys.exit(run.run_suite(suite, [], pathlib.Path({str(results)!r}), True, 1, note='the call'))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, start_new_session=True)
+    out_root = REPO / ".cache" / "bench" / "stopped-test"
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out_root.glob("*/stopped_suite.json")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the suite wrote nothing"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # bench/run.py alone: its suite sleeps on
+        assert proc.wait(timeout=20) == 256 - signal.SIGTERM  # run_suite returned -15: sys.exit(-15)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(out_root, ignore_errors=True)
+    [row] = run.read_rows(results / "stopped-test.jsonl")
+    assert row["exit"] == -signal.SIGTERM and row["figures"] == {"iterations": 2}
+    assert row["note"].startswith("the call; ") and "stopped (SIGTERM)" in row["note"]
