@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -62,7 +63,7 @@ CHECK_TOKENS = 2048  # initial log-probs kept in the JSON for layout comparisons
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # ---- model and layout
-    p.add_argument("--shape", default="0.5b", help=f"model shape: {', '.join(common.SHAPES)}")
+    p.add_argument("--shape", default="0.5b", help=f"model shape: {', '.join(common.SHAPES)}, or NAME@LAYERS")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP = world size / tp)")
     p.add_argument("--checkpoint-root", default="/tmp/vime_bench_ckpt", help="where random HF checkpoints are written")
@@ -81,6 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="samples whose initial log-probs each variant compares with the first's (0: none)",
     )
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument(
+        "--distributed-optimizer", action="store_true", help="Megatron's distributed optimizer (the 4b runs' setting)"
+    )
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="the device memory this process may use (torch's per-process fraction): what a colocated trainer "
+        "has beside its sleeping engine; beyond it, a CUDA OOM",
+    )
     # ---- what to measure
     p.add_argument(
         "--variants", default="mbs4", help="comma-separated variants (module docstring); the first is the baseline"
@@ -314,15 +325,17 @@ def measure_variant(
         "logprob_mfu_with_attention": common.mfu(fwd_flops["dense"] + fwd_flops["attention"], lp) / world,
         "logprob_mfu_with_attention_response_head": common.mfu(fwd_resp["dense"] + fwd_resp["attention"], lp) / world,
         "peak_memory_gib_per_rank": gather_peak_memory(dev),
+        "peak_reserved_gib_per_rank": gather_peak_memory(dev, reserved=True),
         "loss_last": losses[-1],
         "grad_norm_last": norms[-1],
     }
 
 
-def gather_peak_memory(dev: str) -> list[float]:
+def gather_peak_memory(dev: str, reserved: bool = False) -> list[float]:
+    """Each rank's peak of allocated (or, `reserved`, of its allocator's reserved) GiB."""
     if dev != "cuda":
         return []
-    mine = torch.cuda.max_memory_allocated() / 2.0**30
+    mine = (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / 2.0**30
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, mine)
     return [round(float(x), 3) for x in out]
@@ -402,6 +415,7 @@ def build_trainer(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         rollout_max_prompt_len=args.prompt_len,
         rollout_max_response_len=args.response_len,
         lr=args.lr,
+        use_distributed_optimizer=args.distributed_optimizer,
     )
     return trainer, common.hf_config(args.shape)
 
@@ -447,6 +461,11 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     if args.norms_fp32:
         model_module.norms_in_dtype = lambda model, dtype: 0  # type: ignore[assignment]
+    if args.memory_limit_gib is not None and args.device == "cuda":
+        total = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, args.memory_limit_gib * 2**30 / total), int(os.environ.get("LOCAL_RANK", 0))
+        )
     t0 = time.perf_counter()
     trainer, cfg_json = build_trainer(args)
     setup_s = time.perf_counter() - t0

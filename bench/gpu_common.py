@@ -155,12 +155,25 @@ def is_moe(cfg: dict[str, Any]) -> bool:
     return cfg["model_type"] == "qwen3_moe"
 
 
+def is_shape(shape: str) -> bool:
+    """A name of SHAPES, or NAME@L: that shape with L layers (the largest-shape search's candidates)."""
+    base, at, layers = shape.partition("@")
+    return base in SHAPES and (not at or (layers.isdigit() and int(layers) > 0))
+
+
+def shape_spec(shape: str) -> dict[str, Any]:
+    """The fields of SHAPES[shape], or of SHAPES[NAME] with num_hidden_layers=L for NAME@L."""
+    if not is_shape(shape):
+        raise ValueError(f"--shape {shape!r}: known shapes are {sorted(SHAPES)}, or NAME@LAYERS")
+    base, _, layers = shape.partition("@")
+    return {**SHAPES[base], **({"num_hidden_layers": int(layers)} if layers else {})}
+
+
 def hf_config(shape: str) -> dict[str, Any]:
-    if shape not in SHAPES:
-        raise ValueError(f"--shape {shape!r}: known shapes are {sorted(SHAPES)}")
-    model_type = SHAPES[shape]["model_type"]
+    spec = shape_spec(shape)
+    model_type = spec["model_type"]
     return {
-        **SHAPES[shape],
+        **spec,
         **(MOE_FIELDS if model_type == "qwen3_moe" else {}),
         "architectures": [ARCHITECTURES[model_type]],
         "hidden_act": "silu",

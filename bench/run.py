@@ -165,6 +165,14 @@ def _colocated(f: dict) -> str:
     )
 
 
+def _largest_dense(f: dict) -> str:
+    tried = ", ".join(f"{p['layers']}{'' if p['fits'] else ' no'}" for p in f["probes"])
+    confirmed = f["confirmed"]
+    params = f" ({f['confirmed_params'] / 1e9:.2f}e9 parameters)" if confirmed else ""
+    alone = f["largest_trainer_alone"]
+    return f"{f['base']} layers tried: {tried}; trainer alone up to {alone}; colocated: {confirmed}{params}"
+
+
 def _colocated_baselines(f: dict) -> str:
     return (
         f"T_step / (direct rollout + trainer alone) {f['framework_ratio']:.2f}; rollout tok/s vs direct "
@@ -340,6 +348,13 @@ SUITES = {
             _colocated_step,
             gpu=True,
             full=lambda f: {"step_vs_parts", "rollout_vs_offline", "trainer_mfu"} <= set(f.get("ratios") or {}),
+        ),
+        Suite(
+            "largest_dense",
+            "bench/gpu/largest_dense.py",
+            "the largest dense shape full fine-tuning trains colocated on one GPU: trainer-alone bisection, then vime",
+            _largest_dense,
+            gpu=True,
         ),
         Suite(
             "rollout_vs_offline",

@@ -375,7 +375,7 @@ def model_counts(shape: str) -> dict:
     docstring: an MoE shape's on its active parameters, router and LM head included)."""
     import gpu_common  # boundary: torch, on the path only after host_setup
 
-    if shape not in gpu_common.SHAPES:
+    if not gpu_common.is_shape(shape):
         return {}
     cfg = gpu_common.hf_config(shape)
     return {"params": gpu_common.parameter_counts(cfg), "mfu_basis": gpu_common.mfu_basis(cfg)}
@@ -387,7 +387,7 @@ def run_train_mfu(shape: str, run: dict, recs: list[dict]) -> dict:
     plus the old-log-prob recompute (1 pass) where the run did not reuse the step's log-probs."""
     import gpu_common  # boundary: torch, on the path only after host_setup
 
-    if shape not in gpu_common.SHAPES:
+    if not gpu_common.is_shape(shape):
         return {}
     cfg = gpu_common.hf_config(shape)
     batches = {b["rollout_id"]: b for b in run.get("batches", [])}
@@ -599,7 +599,7 @@ def gpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default=",".join(PHASES))
-    p.add_argument("--shape", default="0.5b", help="the model's shape in bench/gpu_common.SHAPES")
+    p.add_argument("--shape", default="0.5b", help="the model's shape in bench/gpu_common.SHAPES (or NAME@LAYERS)")
     p.add_argument(
         "--config",
         default=None,

@@ -32,7 +32,7 @@ CPU_INIT_MAX_PARAMETERS = 5e9
 
 def build(shape: str, out: Path, seed: int) -> Path:
     """The checkpoint folder of ``shape`` with the alphabet's tokenizer (module docstring)."""
-    s = gpu_common.SHAPES[shape]
+    s = gpu_common.shape_spec(shape)
     if (
         gpu_common.is_moe(s)
         or gpu_common.parameter_counts(gpu_common.hf_config(shape))["total"] > CPU_INIT_MAX_PARAMETERS
@@ -66,7 +66,7 @@ def build(shape: str, out: Path, seed: int) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="0.5b", choices=sorted(gpu_common.SHAPES))
+    p.add_argument("--shape", default="0.5b", help="a name of gpu_common.SHAPES, or NAME@LAYERS")
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", default="")
     p.add_argument("--prompt-noise", default="", help="LO,HI characters of noise before each prompt")
