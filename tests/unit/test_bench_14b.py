@@ -5,25 +5,18 @@ and bench/gpu/colocated_14b.yaml through `vime train`'s own parser."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "bench" / "gpu" / "colocated_14b.yaml"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-build_model = _load("bench_build_model", REPO / "bench" / "gpu" / "build_model.py")
+build_model = load_bench("gpu/build_model.py", "bench_build_model")
 gpu_common = sys.modules["gpu_common"]
 
 

@@ -6,21 +6,16 @@ trainer's tokens/s), and the startup from the run's summary.json."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_colocated_step", REPO / "bench" / "gpu" / "bench_colocated_step.py"
-)
-step = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = step
-spec.loader.exec_module(step)
+step = load_bench("gpu/bench_colocated_step.py", "bench_colocated_step")
 
 
 def _record(rollout_id: int, reused: bool) -> dict:

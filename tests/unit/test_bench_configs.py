@@ -3,17 +3,11 @@ silently (bench_publish did once: its 256-token context no longer fit the defaul
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench_scripts import load_bench
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench(f"{name}.py", name)
 
 
 def test_bench_publish_engine_settings_validate(tmp_path):

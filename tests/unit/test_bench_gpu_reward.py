@@ -1,14 +1,10 @@
 """The GPU bench's dense reward (bench/gpu/rewards.py) counts task characters, not fillers."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-spec = importlib.util.spec_from_file_location(
-    "gpu_rewards", Path(__file__).resolve().parents[2] / "bench/gpu/rewards.py"
-)
-rewards = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rewards)
+from tests.bench_scripts import load_bench
+
+rewards = load_bench("gpu/rewards.py", "gpu_rewards")
 
 
 def test_alphabet_share_counts_task_characters_per_response_token():

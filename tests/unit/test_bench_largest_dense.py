@@ -6,7 +6,6 @@ bench_trainer_gpu.py's step on a tiny NAME@L shape."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -14,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_largest_dense", REPO / "bench" / "gpu" / "largest_dense.py")
-largest = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = largest
-spec.loader.exec_module(largest)
+largest = load_bench("gpu/largest_dense.py", "bench_largest_dense")
 gpu_common = sys.modules["gpu_common"]
 
 

@@ -6,7 +6,6 @@ report's MoE keys."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
@@ -15,21 +14,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "bench" / "gpu" / "colocated_moe.yaml"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-build_model = _load("bench_build_model", REPO / "bench" / "gpu" / "build_model.py")
+build_model = load_bench("gpu/build_model.py", "bench_build_model")
 gpu_common = sys.modules["gpu_common"]  # build_model put bench/ on the path and imported it
-step = _load("bench_colocated_step", REPO / "bench" / "gpu" / "bench_colocated_step.py")
+step = load_bench("gpu/bench_colocated_step.py", "bench_colocated_step")
 
 EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 

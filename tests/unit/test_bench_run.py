@@ -5,16 +5,14 @@ shows up here, not in a table nobody checks)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
-run = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = run  # its dataclass looks its module up there
-spec.loader.exec_module(run)
+run = load_bench("run.py", "bench_run")
 
 
 def test_every_suite_names_a_script_that_exists():

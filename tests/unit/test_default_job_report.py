@@ -3,11 +3,11 @@ configuration, so a bound the run changed is the bound its margin is measured ag
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench
 from vime_core.config.loader import dump_config, load_config, run_config_uri
 from vime_core.report.guard import K3
 from vime_core.report.records import append_record
@@ -16,10 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _report_module():
-    spec = importlib.util.spec_from_file_location("default_job_report", REPO / "bench" / "default_job_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("default_job_report.py", "default_job_report")
 
 
 def _store_run(storage: str, run: str, k3_max: float) -> list[float]:

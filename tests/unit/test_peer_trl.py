@@ -5,19 +5,16 @@ the step summary (median over the steps after the first) and the one line withou
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("peer_trl", REPO / "bench" / "gpu" / "peer_trl.py")
-peer = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = peer
-spec.loader.exec_module(peer)
+peer = load_bench("gpu/peer_trl.py", "peer_trl")
 
 YAMLS = [REPO / "bench/gpu/colocated_0.5b.yaml", REPO / "bench/gpu/colocated_4b.yaml"]
 
