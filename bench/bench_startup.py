@@ -1,7 +1,8 @@
 """Startup of `vime train`, from the command to its first iteration (startup_s, and the summary's marks):
 the early start (the default) against --no-early-start, the early start without engine_prestart, and
 (on CPU) the engine as vLLM's three processes (--no-vllm-cpu-single-process) or with its engine core
-spawned instead of forked (vllm_side/api_server.py) against one process forked from the front end.
+spawned instead of forked (vllm_side/api_server.py) against one process forked from the front end,
+and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in the API server.
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
@@ -27,6 +28,15 @@ MODES = {
     "bootstrap": ["--no-early-start"],
     "cpu_engine_two_processes": ["--early-start", "--no-vllm-cpu-single-process"],
     "cpu_engine_core_spawned": ["--early-start", "--vllm-env", "VIME_VLLM_SPAWN_ENGINE_CORE=1"],
+    # a fresh host's cold vLLM cache ({work}: the run's own folder), the model class inspected the way
+    # vLLM does it (a subprocess) or in the API server's process (vllm_side/api_server.py)
+    "cold_vllm_cache": ["--early-start", "--vllm-env", "VLLM_CACHE_ROOT={work}/vllm-cache"],
+    "cold_vllm_cache_inspect_here": [
+        "--early-start",
+        "--vllm-env",
+        "VLLM_CACHE_ROOT={work}/vllm-cache",
+        "VIME_VLLM_INSPECT_IN_PROCESS=1",
+    ],
 }
 
 
@@ -48,7 +58,7 @@ def run_once(mode: str, work: Path) -> dict:
         address,
         "--num-rollout",
         "1",
-        *MODES[mode],
+        *(a.replace("{work}", str(work)) for a in MODES[mode]),
     ]
     t0 = time.monotonic()
     try:

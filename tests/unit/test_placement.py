@@ -84,6 +84,10 @@ def test_engine_command_follows_the_vllm_release_and_gets_its_devices(tiny_model
     new = EngineServer(cfg, 0, api=VllmApi.for_version("0.32.0"))
     assert "--enable-scale-out" in new.command(4321)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--api-server-count" not in cmd
+    # opt-in: the model class inspected in the API server's process, through vime's wrapper of it
+    inspecting = cfg.model_copy(update={"vllm_env": ["VIME_VLLM_INSPECT_IN_PROCESS=1"]})
+    cmd = EngineServer(inspecting, 0, api=VllmApi.for_version("0.26.0")).command(4321)
+    assert cmd[1:3] == ["-m", "vime_core.engines.vllm_side.api_server"]
 
 
 def test_several_front_ends_go_through_vllm_serve(tiny_model_dir):

@@ -24,6 +24,7 @@ from vime_core.engines.client import SyncEngineClient
 from vime_core.utils.secrets import redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
+from vime_core.engines.vllm_side.api_server import INSPECT_ENV
 from vime_core.utils.device_memory import free_and_total, group_device_memory
 from vime_core.utils.errors import InfrastructureError
 from vime_core.utils.orphan_guard import guard_command
@@ -233,7 +234,7 @@ class EngineServer:
                 "--api-server-count",
                 str(cfg.vllm_api_server_count),
             ]
-        elif one_process:
+        elif one_process or engine_env(cfg).get(INSPECT_ENV) == "1":
             entry = ["vime_core.engines.vllm_side.api_server"]
         else:
             entry = ["vllm.entrypoints.openai.api_server"]
