@@ -243,12 +243,12 @@ def base_fingerprint(model: Any) -> list[float]:
     return torch.stack(sums).sum(0).tolist() if sums else [0.0, 0.0]
 
 
-def checkpoint_model_state(model: Any) -> tuple[dict[str, Any], list[float] | None]:
-    """What a checkpoint keeps of the model and the base's fingerprint. With adapters: every entry
+def checkpoint_model_state(model: Any, lora: bool) -> tuple[dict[str, Any], list[float] | None]:
+    """What a checkpoint keeps of the model and the base's fingerprint. With LoRA: every entry
     but the frozen base (the run's hf_checkpoint, which `init` loads again; at 14B the base is
     29.5 GB, the adapters of rank 64 about 0.5 GB), and `base_fingerprint`. Without: every entry, None."""
     state = model.state_dict()
-    if not has_adapters(model):
+    if not lora:  # (the run's lora_rank: adapted_layers reads dense layers, not an MoE model's)
         return state, None
     frozen = frozen_names(model)
     return {k: v for k, v in state.items() if k not in frozen}, base_fingerprint(model)

@@ -488,7 +488,8 @@ class MegatronTrainer:
         return path
 
     def _save_state(self, path: str, rollout_id: int, extra_state: Optional[dict[str, Any]]) -> None:
-        model_state, base = checkpoint_model_state(self.model)  # with LoRA: the adapters, not the base
+        # with LoRA: the adapters, not the frozen base
+        model_state, base = checkpoint_model_state(self.model, lora_enabled(self.cfg))
         state = {
             "model": model_state,
             "lora_base_fingerprint": base,
