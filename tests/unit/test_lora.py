@@ -144,6 +144,22 @@ def test_a_is_kaiming_uniform_and_the_peft_tensors_round_trip(one_rank_model):
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_a_yaml_string_of_target_modules_reads_as_peft_writes_it(tmp_path):
+    """PEFT's and TRL's configs write `target_modules: all-linear` or `q_proj,v_proj`: a string, as
+    the flag's list."""
+    for text, want in (
+        ("all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        ("q_proj,k_proj,v_proj", ["q_proj", "k_proj", "v_proj"]),
+        ("q_proj k_proj v_proj down_proj", ["q_proj", "k_proj", "v_proj", "down_proj"]),
+    ):
+        path = tmp_path / "run.yaml"
+        path.write_text(f"lora_rank: 8\ntarget_modules: {text}\n")
+        assert load_config(path).target_modules == want, text
+    path.write_text("lora_rank: 8\ntarget_modules: 7\n")  # neither a list nor names: the field's own error
+    with pytest.raises(ConfigError, match="target_modules"):
+        load_config(path)
+
+
 def test_the_cli_takes_comma_separated_target_modules(capsys):
     from vime_core.config import parse_args
 

@@ -36,6 +36,15 @@ def _off_is_none(value: Any) -> Any:
 OffOrFloat = Annotated[Optional[float], BeforeValidator(_off_is_none)]
 
 
+def _names_as_list(value: Any) -> Any:
+    """A YAML string (PEFT's and TRL's configs write `target_modules: all-linear`, or
+    `q_proj,v_proj`) as the list the flag gives; lora.check_lora splits the commas."""
+    return value.split() if isinstance(value, str) else value
+
+
+NameList = Annotated[list[str], BeforeValidator(_names_as_list)]
+
+
 class ConfigFields(BaseModel):
     """Every setting of a vime run with its default and constraints; the defaults are for real
     models on GPUs (slime's values). Make configurations as `VimeConfig` (vime_core.config),
@@ -1109,7 +1118,7 @@ class ConfigFields(BaseModel):
         lt=1,
         description="Dropout on the adapters' input while training (PEFT's lora_dropout); the base path has none.",
     )
-    target_modules: list[str] = Field(
+    target_modules: NameList = Field(
         default_factory=lambda: ["all-linear"],
         description=(
             "Linear layers that get adapters, by their HF names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
