@@ -462,10 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.norms_fp32:
         model_module.norms_in_dtype = lambda model, dtype: 0  # type: ignore[assignment]
     if args.memory_limit_gib is not None and args.device == "cuda":
-        total = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, args.memory_limit_gib * 2**30 / total), int(os.environ.get("LOCAL_RANK", 0))
-        )
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        total = torch.cuda.get_device_properties(local).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_limit_gib * 2**30 / total), local)
     t0 = time.perf_counter()
     trainer, cfg_json = build_trainer(args)
     setup_s = time.perf_counter() - t0

@@ -6,6 +6,7 @@ shows up here, not in a table nobody checks)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -122,8 +123,6 @@ def test_a_run_stopped_by_sigterm_records_what_its_suite_had_written(tmp_path):
         assert proc.wait(timeout=20) == 256 - signal.SIGTERM  # run_suite returned -15: sys.exit(-15)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-        import shutil
-
         shutil.rmtree(out_root, ignore_errors=True)
     [row] = run.read_rows(results / "stopped-test.jsonl")
     assert row["exit"] == -signal.SIGTERM and row["figures"] == {"iterations": 2}

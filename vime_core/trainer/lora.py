@@ -190,10 +190,6 @@ def adapters_disabled(model: Any):
             a.enabled = state
 
 
-def has_adapters(model: Any) -> bool:
-    return any(True for _ in adapted_layers(model))
-
-
 def lora_hf_state(model: Any, arch: HFArchitecture, prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
     """Whole adapter tensors under PEFT names (see the module docstring). A collective over the
     TP group: every rank calls it; every rank gets the whole tensors."""

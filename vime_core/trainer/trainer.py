@@ -337,10 +337,11 @@ class MegatronTrainer:
 
     # ---- weights out ---------------------------------------------------------------------------
 
-    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors (a collective over this rank's TP and EP groups)."""
+    def iter_hf_weights(self, defer_merge: bool = False) -> Iterator[tuple[str, Any]]:
+        """Full HF-named tensors (a collective over this rank's TP and EP groups); ``defer_merge``:
+        LoRA's merged weights as DeferredTensors (hf_convert.iter_hf_weights)."""
         self._require_init()
-        return iter_hf_weights(self.model, self.arch)
+        return iter_hf_weights(self.model, self.arch, defer_merge=defer_merge)
 
     def publish(self, engine_urls: Optional[list[str]], target_version: Optional[int] = None, *after: Any) -> Any:
         """Publish the weights to the engines as ``weight_version + 1`` (or ``target_version``).
@@ -369,7 +370,7 @@ class MegatronTrainer:
             result = self._publish_adapter(engine_urls, new_version)
         elif self.layout.holds_first_copy or peers is not None:
             # rank 0 sends: LoRA's merged weights made bucket by bucket (hf_convert.iter_hf_weights)
-            weights = iter_hf_weights(self.model, self.arch, defer_merge=self.layout.rank == 0)
+            weights = self.iter_hf_weights(defer_merge=self.layout.rank == 0)
             try:
                 if self.layout.rank == 0:
                     self._publisher = self._publisher or PublishLoop(token_source=self._engine_token)
