@@ -106,8 +106,15 @@ def confirm(a: argparse.Namespace, layers: int) -> dict:
     """`vime train` colocated on BASE@layers (run_colocated_h200.sh): its exit and report."""
     shape = f"{a.base}@{layers}"
     out = a.work / f"colocated-{layers}"
-    env = dict(os.environ, SHAPE=shape, CONFIG=str(CONFIG), PROMPT_TOKENS=str(a.prompt_len), OUT=str(out))
-    env.setdefault("RUN_NAME", f"largest-{a.base}-{layers}")
+    # a run name per candidate: a RUN_NAME from outside would make the next try resume this one's run
+    env = dict(
+        os.environ,
+        SHAPE=shape,
+        CONFIG=str(CONFIG),
+        PROMPT_TOKENS=str(a.prompt_len),
+        OUT=str(out),
+        RUN_NAME=f"largest-{a.base}-{layers}",
+    )
     t0 = time.monotonic()
     rc = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu" / "run_colocated_h200.sh"), str(a.iterations)], env=env
