@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import pickle
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -32,6 +33,20 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _copy_as_handle(buffer: torch.Tensor) -> tuple:
     return ("bytes", buffer.clone())
+
+
+class HandleCounter:
+    """`_copy_as_handle` that also counts, at each bucket it hands out, the earlier buckets'
+    buffers the rank still holds (weak references: a live one is held by the publish)."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.held_earlier: list[int] = []
+
+    def __call__(self, buffer: torch.Tensor) -> tuple:
+        self.held_earlier.append(sum(ref() is not None for ref in self.refs))
+        self.refs.append(weakref.ref(buffer))
+        return _copy_as_handle(buffer)
 
 
 class IpcStubEngine:
@@ -104,12 +119,12 @@ class IpcStubEngine:
         pass
 
 
-def _publish(w, engine, channel):
+def _publish(w, engine, channel, reduce_fn=_copy_as_handle):
     from vime_core.config import make_config
     from vime_core.weight_sync.publish import publish_weights
     from vime_core.weight_sync.transport.ipc import IpcTransport
 
-    transport = IpcTransport(torch.device("cpu"), _copy_as_handle, "gpu-0", peers=channel)
+    transport = IpcTransport(torch.device("cpu"), reduce_fn, "gpu-0", peers=channel)
     try:
         return publish_weights(
             w.items(),
@@ -142,8 +157,9 @@ def _rank_main(rank: int, port: int, results) -> None:
         missing = {k: v for k, v in w.items() if k != "model.norm.weight"}
         out = {}
         if rank == 0:
-            good = IpcStubEngine(w)
-            out["ok"] = _outcome(lambda: _publish(w, good, channel)["buckets"])
+            good, counter = IpcStubEngine(w), HandleCounter()
+            out["ok"] = _outcome(lambda: _publish(w, good, channel, counter)["buckets"])
+            out["held_earlier"] = counter.held_earlier
             out["loaded"] = {
                 uuid: {n: torch.equal(t, w[n].to(torch.bfloat16)) for n, t in got.items()}
                 for uuid, got in good.loaded.items()
@@ -155,10 +171,12 @@ def _rank_main(rank: int, port: int, results) -> None:
             out["misplaced"] = _outcome(lambda: _publish(w, misplaced, channel))
             out["misplaced_updates"] = misplaced.updates
         else:
-            follow = lambda tensors: follow_publish(
-                tensors.items(), channel, torch.device("cpu"), "gpu-1", _copy_as_handle
+            follow = lambda tensors, reduce_fn=_copy_as_handle: follow_publish(
+                tensors.items(), channel, torch.device("cpu"), "gpu-1", reduce_fn
             )
-            out["ok"] = _outcome(lambda: follow(w))
+            counter = HandleCounter()
+            out["ok"] = _outcome(lambda: follow(w, counter))
+            out["held_earlier"] = counter.held_earlier
             out["invalid"] = _outcome(lambda: follow(w))
             out["engine_fails"] = _outcome(lambda: follow(w))
             out["peer_fails"] = _outcome(lambda: follow(missing))
@@ -194,6 +212,14 @@ def test_every_gpu_gets_a_handle_to_the_same_bytes(ranks):
     assert ranks[1]["ok"] == ("ok", buckets[1])  # the follower packed every bucket rank 0 sent
     names = set(_weights())
     assert ranks[0]["loaded"] == {"gpu-0": dict.fromkeys(names, True), "gpu-1": dict.fromkeys(names, True)}
+
+
+def test_each_rank_lets_a_bucket_go_once_the_engines_loaded_it(ranks):
+    """A publish holds one bucket's buffer on each rank, not a model's worth: at every handle it
+    hands out, no earlier bucket's buffer is alive."""
+    buckets = ranks[0]["ok"][1]
+    for rank in (0, 1):
+        assert ranks[rank]["held_earlier"] == [0] * buckets, rank
 
 
 def test_a_publish_refused_before_any_byte_releases_the_other_rank(ranks):

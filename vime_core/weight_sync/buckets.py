@@ -126,3 +126,10 @@ def pack_ipc(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[i
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     return pack_flat(bucket, device, shareable)
+
+
+def release_unmapped() -> None:
+    """Free the shared blocks no engine maps any more (torch keeps a dropped block that another
+    process still maps in its IPC limbo until this finds its reference count at zero)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()

@@ -1,8 +1,13 @@
 """CUDA transport: CUDA IPC handles in the format of vLLM's own `ipc` weight-transfer engine. A
 colocated engine maps the trainer's device memory and copies out of it, so the bytes never cross
-PCIe or HTTP; every engine worker's GPU must have a handle (else: the nccl transport). Buffers live
-until `finish` returns (vLLM may keep views until a layer is complete); the server needs
-VLLM_ALLOW_INSECURE_SERIALIZATION=1 to unpickle the handle."""
+PCIe or HTTP; every engine worker's GPU must have a handle (else: the nccl transport). The server
+needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to unpickle the handle.
+
+A bucket's buffer is let go once every engine has loaded it (`/update_weights` returned), so a
+publish holds one bucket, not a model's worth: vLLM's consumer clones what it unpacks before it
+answers, and a block an engine still maps (vLLM >= 0.30 keeps the last mapping until the next
+bucket) is kept out of reuse by torch's IPC reference count until `release_unmapped` finds it
+released."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from vime_core.weight_sync.buckets import Bucket, pack_ipc
+from vime_core.weight_sync.buckets import Bucket, pack_ipc, release_unmapped
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.weight_sync.transport.ipc_peers import BUCKET, PeerChannel, merge_handles
 from vime_core.wire.ipc_format import DEVICE_UUID_RPC, gpu_uuid, ipc_update_info
@@ -53,7 +58,6 @@ class IpcTransport(WeightTransport):
         self.reduce_fn = reduce_fn
         self.device_uuid = device_uuid
         self.peers = peers  # the other trainer ranks pack each bucket on their GPUs (ipc_peers.py)
-        self._buffers: list[torch.Tensor] = []
         self._packed_in_update = False
         self._worker_gpus: list[tuple[str, list]] = []  # (engine, its workers' GPU UUIDs)
         self._placement_checked = False
@@ -77,7 +81,6 @@ class IpcTransport(WeightTransport):
             buffer, sizes = pack_ipc(bucket, self.device)
             if buffer.is_cuda:
                 torch.cuda.synchronize(buffer.device)  # the engine reads it from another process
-            self._buffers.append(buffer)
             handles = {self.device_uuid: self.reduce_fn(buffer)}
             if self.peers is not None:  # nothing that can fail between the command and the gather
                 self.peers.command((BUCKET, list(bucket.names), bucket.dtype_names))
@@ -95,8 +98,8 @@ class IpcTransport(WeightTransport):
         self.bytes_moved = True
         with self.timed("wait_load"):
             await self.on_every_engine("update_weights", info)
+        del buffer  # loaded by every engine: its memory may serve the next bucket (module docstring)
+        release_unmapped()
 
     async def close(self) -> None:
-        self._buffers.clear()
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+        release_unmapped()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vime_core.weight_sync.buckets import Bucket, pack_ipc
+from vime_core.weight_sync.buckets import Bucket, pack_ipc, release_unmapped
 
 BUCKET, DONE = "bucket", "done"
 
@@ -51,39 +51,41 @@ def follow_publish(
     reduce_fn: Callable[[torch.Tensor], tuple],
 ) -> int:
     """A rank r > 0's side of one IPC publish: pack each bucket rank 0 names on this rank's
-    device and hand rank 0 its handle; free the buffers at "done". Returns the buckets packed.
+    device and hand rank 0 its handle; let each buffer go at rank 0's next command, which comes once
+    every engine has loaded the bucket (transport/ipc.py). Returns the buckets packed.
 
         rank 0 (IpcTransport.send_bucket)              rank r > 0 (follow_publish)
         command ("bucket", names, wire dtypes)    ->   pack those tensors on its GPU
         gather (uuid_0, handle_0), ...            <-   (uuid_r, handle_r) (or what failed)
-        POST /update_weights {uuid: handle, ...}       keeps its buffer until finish
-        command ("done",)                          ->  frees its buffers
+        POST /update_weights {uuid: handle, ...}       keeps its buffer until the next command
+        command ("bucket", ...) or ("done",)       ->  lets the buffer go
 
     Rank 0 sends "done" whatever failed (PeerChannel.release in its finally), so no rank waits forever."""
     tensors = dict(named_tensors)  # the TP gathers, in step with rank 0's "gather" phase
-    buffers: list[torch.Tensor] = []
+    buffer: torch.Tensor | None = None
+    packed = 0
     failed: Exception | None = None
     try:
         while (message := channel.receive())[0] == BUCKET:
+            buffer = None  # the engines have loaded the last bucket: rank 0 waited for them
+            release_unmapped()
             _, names, dtype_names = message
             try:  # a failure here is answered, not raised: rank 0 waits in the gather
-                bucket = Bucket(len(buffers))
+                bucket = Bucket(packed)
                 for name, dtype_name in zip(names, dtype_names):
                     bucket.add(name, tensors[name], getattr(torch, dtype_name))
                 buffer, _ = pack_ipc(bucket, device)
                 if buffer.is_cuda:
                     torch.cuda.synchronize(buffer.device)  # engines read it from other processes
-                buffers.append(buffer)
+                packed += 1
                 answer = (device_uuid, reduce_fn(buffer), None)
             except Exception as err:
                 failed = failed or err
                 answer = (device_uuid, None, f"rank {channel.rank}: {type(err).__name__}: {err}")
             channel.gather(answer)
     finally:
-        packed = len(buffers)
-        buffers.clear()
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+        buffer = None
+        release_unmapped()
     if failed is not None:
         raise failed
     return packed
