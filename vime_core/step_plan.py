@@ -203,6 +203,7 @@ def iteration_record(
         record["memory"] = {
             "engines_after_offload_rollout": off_r.get("memory"),
             "trainer_after_wake": trained.get("memory_after_wake"),
+            "trainer_after_train": trained.get("memory_after_train"),
             "trainer_after_offload_train": off_t.get("memory"),
             "engines_after_onload_weights": on_w.get("memory"),
             "trainer_after_publish": synced.get("trainer_memory_after_publish"),

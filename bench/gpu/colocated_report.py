@@ -42,7 +42,7 @@ def _median(values: list[float]) -> float | None:
 
 def memory_row(memory: dict) -> dict:
     """GiB per phase: engines' own processes (nvidia-smi) and the device total; trainer rank 0's
-    allocated / reserved."""
+    allocated / reserved / peak allocated since the phase began (trainer/offload.reset_peak)."""
     row = {}
     for phase, value in (memory or {}).items():
         if not value:
@@ -60,6 +60,7 @@ def memory_row(memory: dict) -> dict:
             row[phase] = {
                 "allocated_gib": t.get("allocated_bytes", 0) / GIB,
                 "reserved_gib": t.get("reserved_bytes", 0) / GIB,
+                "peak_allocated_gib": t["peak_allocated_bytes"] / GIB if "peak_allocated_bytes" in t else None,
                 "process_gib": t["process_bytes"] / GIB if t.get("process_bytes") is not None else None,
             }
     return row

@@ -54,6 +54,7 @@ def test_record_from_the_phases_results():
             "pg_clipfrac": 0.1,
             "wake_time_s": 0.2,
             "memory_after_wake": [{"allocated_bytes": 9}],
+            "memory_after_train": [{"allocated_bytes": 8, "peak_allocated_bytes": 11}],
             "per_rank": [1],
         },
         Phase.PERSIST: {"t_persist": 0.3, "key": "batches/p/2"},
@@ -82,6 +83,7 @@ def test_record_from_the_phases_results():
     assert rec["publish_phases_s"] == {"gather": 0.01, "transfer": 0.2} and rec["publish_transport_s"] == {"pack": 0.1}
     assert rec["publish_transport"] == "adapter" and rec["publish_bytes"] == 1234
     assert rec["memory"]["engines_after_offload_rollout"] == [{"process_bytes": 1}]
+    assert rec["memory"]["trainer_after_train"] == [{"allocated_bytes": 8, "peak_allocated_bytes": 11}]
     assert rec["weight_check"] == {"max_abs_diff": 0.01} and rec["checkpoint"] == "ckpt/2" and rec["t_step"] == 9.0
     assert "eval_reward_mean" not in rec
 

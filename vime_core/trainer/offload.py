@@ -152,16 +152,23 @@ def offload_params(model: Any) -> tuple[int, list[HostCopy]]:
 
 
 def device_memory() -> dict[str, int]:
-    """This process's allocator (bytes allocated and reserved) and what the device attributes to
-    the process (`process_bytes`, nvidia-smi: allocator, CUDA context, NCCL and library
-    workspaces); empty on CPU."""
+    """This process's allocator (bytes allocated and reserved, and the most allocated since
+    `reset_peak`) and what the device attributes to the process (`process_bytes`, nvidia-smi:
+    allocator, CUDA context, NCCL and library workspaces); empty on CPU."""
     if not torch.cuda.is_available():
         return {}
     return {
         "allocated_bytes": torch.cuda.memory_allocated(),
         "reserved_bytes": torch.cuda.memory_reserved(),
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
         "process_bytes": processes_bytes({os.getpid()}),
     }
+
+
+def reset_peak() -> None:
+    """Start a new `peak_allocated_bytes` window (a phase's own peak: train, publish)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def onload_params(copies: list[HostCopy]) -> int:

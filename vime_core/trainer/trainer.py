@@ -46,6 +46,7 @@ from vime_core.trainer.model import (
 from vime_core.trainer.nonfinite import NonFiniteStepsError, SkipCounter
 from vime_core.trainer.offload import (
     device_memory,
+    reset_peak,
     offload,
     offload_params,
     onload,
@@ -280,6 +281,7 @@ class MegatronTrainer:
         self._require_init()
         if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
+        reset_peak()  # memory_after_train's peak: this wake and train
         with timed() as waking:
             woke = self.wake()
         with timed() as training:
@@ -298,6 +300,7 @@ class MegatronTrainer:
             skipped=False,
             wake_time_s=waking.seconds,
             memory_after_wake=woke,
+            memory_after_train=device_memory(),
         )
         # counts, where the per-step metrics (averaged over the steps) hold each step's 0 or 1
         metrics["skipped_steps"] = self.skips.skipped
@@ -363,6 +366,7 @@ class MegatronTrainer:
         self._require_init()
         new_version = self.weight_version + 1 if target_version is None else int(target_version)
         result: Any = new_version
+        reset_peak()  # trainer_memory_after_publish's peak: this publish
         if self._params_asleep:
             self._wake_params()  # the optimizer state stays on the host: the engines are awake
         peers = self._peers
