@@ -120,6 +120,19 @@ def test_yaml_file_with_cli_override(tmp_path):
     assert cfg.global_batch_size == 8 * 4
 
 
+def test_a_list_flag_given_again_adds_its_values(tmp_path):
+    """vLLM's own flags start with `--`, so each goes as `--vllm-extra-args=--flag=value`; several
+    such flags add up, and a list flag replaces the file's list."""
+    path = tmp_path / "run.yaml"
+    path.write_text("vllm_extra_args: [--max-num-seqs=8]\n")
+    cfg = parse_args(
+        ["--config", str(path), "--vllm-extra-args=--kv-cache-memory=8000000000", "--vllm-extra-args=--max-num-seqs=48"]
+    )
+    assert cfg.vllm_extra_args == ["--kv-cache-memory=8000000000", "--max-num-seqs=48"]
+    assert parse_args(["--config", str(path)]).vllm_extra_args == ["--max-num-seqs=8"]
+    assert parse_args(["--vllm-env", "A=1", "B=2", "--vllm-env", "C=3"]).vllm_env == ["A=1", "B=2", "C=3"]
+
+
 @pytest.mark.parametrize(
     "flags, colocate",
     [

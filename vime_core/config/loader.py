@@ -142,8 +142,10 @@ def build_parser(prog: str = "vime train", description: str | None = None) -> ar
             choices = list(typing.get_args(field.annotation))
         if kind == "bool":
             parser.add_argument(flag, dest=name, action=BoolFlag, help=help_text)
-        elif kind == "list":
-            parser.add_argument(flag, dest=name, nargs="*", type=elem, metavar=name.upper(), help=help_text)
+        elif kind == "list":  # repeated, the values add up: `--vllm-extra-args=--a=1 --vllm-extra-args=--b=2`
+            parser.add_argument(
+                flag, dest=name, action="extend", nargs="*", type=elem, metavar=name.upper(), help=help_text
+            )
         else:
             parser.add_argument(
                 flag, dest=name, type=str, choices=choices, metavar=None if choices else name.upper(), help=help_text
