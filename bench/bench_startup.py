@@ -2,7 +2,8 @@
 the early start (the default) against --no-early-start, the early start without engine_prestart, and
 (on CPU) the engine as vLLM's three processes (--no-vllm-cpu-single-process) or with its engine core
 spawned instead of forked (vllm_side/api_server.py) against one process forked from the front end,
-and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in the API server.
+and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in the API server, or
+the cache given back from the archive an earlier start stored (vllm_cache_uri).
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
@@ -37,10 +38,20 @@ MODES = {
         "VLLM_CACHE_ROOT={work}/vllm-cache",
         "VIME_VLLM_INSPECT_IN_PROCESS=1",
     ],
+    # the same cold cache, given back from the archive an earlier start stored ({bench}: the bench's
+    # folder; a seeding run, not counted, stores it first): vllm_cache_uri (engines/vllm_cache.py)
+    "cold_vllm_cache_carried": [
+        "--early-start",
+        "--vllm-env",
+        "VLLM_CACHE_ROOT={work}/vllm-cache",
+        "--vllm-cache-uri",
+        "{bench}/vllm-cache-store",
+    ],
 }
+SEEDED = "cold_vllm_cache_carried"  # modes whose archive a first, uncounted run stores
 
 
-def run_once(mode: str, work: Path) -> dict:
+def run_once(mode: str, work: Path, bench: Path) -> dict:
     """One `vime train --num-rollout 1` on its own Ray head; its summary's startup figures."""
     work.mkdir(parents=True)
     address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
@@ -58,7 +69,7 @@ def run_once(mode: str, work: Path) -> dict:
         address,
         "--num-rollout",
         "1",
-        *(a.replace("{work}", str(work)) for a in MODES[mode]),
+        *(a.replace("{work}", str(work)).replace("{bench}", str(bench)) for a in MODES[mode]),
     ]
     t0 = time.monotonic()
     try:
@@ -105,9 +116,10 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="vime-bench-startup-"))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    seeds = {m: run_once(m, root / f"{m}-seed", root) for m in modes if m == SEEDED}
     for i in range(args.repeats):
         for mode in modes:
-            runs[mode].append(run_once(mode, root / f"{mode}-{i}"))
+            runs[mode].append(run_once(mode, root / f"{mode}-{i}", root))
     medians = {m: statistics.median(r["startup_s"] for r in rs) for m, rs in runs.items()}
     result = {
         "bench": "startup",
@@ -124,6 +136,7 @@ def main() -> None:
             if m != "early"
         },
         "runs": runs,
+        "seeding_runs": seeds,  # not counted: they stored the archive the carried runs restore
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -172,6 +172,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
+    _check_vllm_cache_uri(cfg)
     _check_critic(cfg)
     check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
@@ -430,6 +431,19 @@ ENGINE_MANAGED_ENV = frozenset(
         "VIME_ENGINE_OPEN_HEALTH",  # engine_auth (vime_core/engines/vllm_side/auth.py)
     }
 )
+
+
+def _check_vllm_cache_uri(cfg: ConfigFields) -> None:
+    """A vllm_cache_uri that carries credentials (scheme://user:secret@host/...) is refused without
+    echoing it: it is stored with the run's configuration."""
+    uri = cfg.vllm_cache_uri
+    if "://" in uri and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError(
+            "vllm_cache_uri carries credentials in its host part: refused (it is stored with the run's "
+            "configuration); give them as for storage_uri (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)"
+        )
+
+
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 
 

@@ -575,6 +575,16 @@ class ConfigFields(BaseModel):
             "(ENGINE_MANAGED_ENV, config/derive.py) are refused too."
         ),
     )
+    vllm_cache_uri: str = Field(
+        "",
+        description=(
+            "Where engines keep vLLM's cache between hosts (torch.compile's artifacts, what vLLM learned inspecting "
+            "the model): a folder or s3://bucket/prefix, one archive there. An engine unpacks the archive's files "
+            "its host lacks before it starts, and once it serves stores its host's cache there when the start made "
+            "something new, so a fresh host skips what an earlier start did (vime_core/engines/vllm_cache.py). "
+            "Empty: each host's own cache only."
+        ),
+    )
     engine_urls: list[str] = Field(
         default_factory=list,
         description=(

@@ -24,6 +24,7 @@ from vime_core.engines.client import SyncEngineClient
 from vime_core.utils.secrets import redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
+from vime_core.engines.vllm_cache import CarriedCache
 from vime_core.engines.vllm_side.api_server import INSPECT_ENV
 from vime_core.utils.device_memory import free_and_total, group_device_memory
 from vime_core.utils.errors import InfrastructureError
@@ -202,6 +203,8 @@ class EngineServer:
         # then finds its server (not a second launch, not a URL that is not serving yet)
         self._start_lock = threading.Lock()
         self._prestart_failure: Optional[BaseException] = None
+        self._carried_cache: Optional[CarriedCache] = None  # vllm_cache_uri's archive, restored once
+        self.cache_moves: list[dict] = []  # what each restore and store of it did
 
     # ---- what is launched -------------------------------------------------------------------
 
@@ -436,6 +439,7 @@ class EngineServer:
             return self.url  # type: ignore[return-value]
         if self.cfg.device == "cuda":
             self._check_device_memory()
+        self._restore_vllm_cache()
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self._launch(self.port or free_port())
             try:
@@ -449,9 +453,40 @@ class EngineServer:
                 )
                 self._terminate(grace_s=5.0)
                 self.port = None
+        self._store_vllm_cache()
         if self.warmup:
             self._warm_up()
         return self.url  # type: ignore[return-value]
+
+    def _restore_vllm_cache(self) -> None:
+        """vllm_cache_uri: the archive's files this host lacks, before the first launch only (a
+        restart finds them on the host)."""
+        if not self.cfg.vllm_cache_uri or self._carried_cache is not None:
+            return
+        self._carried_cache = CarriedCache.of(self.cfg, self.environment())
+        moved = {"restore": self._carried_cache.restore()}
+        self.cache_moves.append(moved)
+        logger.info(
+            "%s: vllm_cache_uri %s into %s: %s",
+            self.name,
+            redact_url(self.cfg.vllm_cache_uri),
+            self._carried_cache.root,
+            moved,
+        )
+
+    def _store_vllm_cache(self) -> None:
+        """vllm_cache_uri: the host's cache back to the archive when this start made new files, in
+        a thread (the run goes on; a failure is logged, the engine serves all the same)."""
+        carried = self._carried_cache
+        if carried is None:
+            return
+
+        def store() -> None:
+            moved = {"store": carried.store()}
+            self.cache_moves.append(moved)
+            logger.info("%s: vllm_cache_uri %s: %s", self.name, redact_url(self.cfg.vllm_cache_uri), moved)
+
+        threading.Thread(target=store, name=f"{self.name}-vllm-cache", daemon=True).start()
 
     def _lost_its_port(self) -> bool:
         """The server exited because its port was taken (its log says so)."""

@@ -1,0 +1,115 @@
+"""vLLM's cache carried between hosts (vime_core/engines/vllm_cache.py) through a local folder: what a
+host lacks is unpacked, what it has is left alone, a start that made nothing new stores nothing, an
+archive that would write outside the cache root is refused, and a URI with credentials is refused
+at configuration time. The same through a real S3 server: tests/integration/storage; with real vLLM
+engines: tests/integration/rollout/test_vllm_cache_engine.py."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from vime_core.engines.vllm_cache import ARCHIVE, CarriedCache, cache_root, cached_files
+
+
+def _write(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+
+def _read(root: Path) -> dict[str, bytes]:
+    return {name: (root / name).read_bytes() for name in cached_files(root)}
+
+
+def test_the_cache_root_is_vllms():
+    assert cache_root({"VLLM_CACHE_ROOT": "/a/b", "XDG_CACHE_HOME": "/x"}) == Path("/a/b")
+    assert cache_root({"XDG_CACHE_HOME": "/x", "HOME": "/h"}) == Path("/x/vllm")
+    assert cache_root({"HOME": "/h"}) == Path("/h/.cache/vllm")
+
+
+def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
+    store = str(tmp_path / "store")
+    first, fresh = tmp_path / "host1", tmp_path / "host2"
+    made = {
+        "torch_compile_cache/abc123/rank_0_0/backbone/artifact": b"\x00compiled" * 100,
+        "modelinfos/vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json": b'{"is_text_generation_model": true}',
+    }
+
+    one = CarriedCache(store, first)
+    assert one.restore()["missing"] is True  # nothing stored yet: vLLM starts with the host's cache
+    _write(first, made)  # what the start compiled and inspected
+    stored = one.store()
+    assert stored["stored_files"] == 2 and stored["new_files"] == 2
+    assert (tmp_path / "store" / ARCHIVE).is_file()
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name != ARCHIVE]  # no partial left
+
+    _write(fresh, {"modelinfos/other.json": b"mine"})  # the fresh host's own file stays
+    two = CarriedCache(store, fresh)
+    restored = two.restore()
+    assert restored["restored_files"] == 2 and restored["restored_bytes"] == sum(map(len, made.values()))
+    assert _read(fresh) == {**made, "modelinfos/other.json": b"mine"}
+    assert two.store()["stored_files"] == 0  # this start made nothing new: no upload
+
+
+def test_a_host_keeps_its_own_copy_of_a_file_the_archive_also_has(tmp_path):
+    store = str(tmp_path / "store")
+    first = CarriedCache(store, tmp_path / "host1")
+    first.restore()
+    _write(tmp_path / "host1", {"modelinfos/m.json": b"archived"})
+    first.store()
+    _write(tmp_path / "host2", {"modelinfos/m.json": b"the host's"})
+    assert CarriedCache(store, tmp_path / "host2").restore()["restored_files"] == 0
+    assert (tmp_path / "host2" / "modelinfos/m.json").read_bytes() == b"the host's"
+
+
+def test_new_entries_of_a_second_host_join_the_archive(tmp_path):
+    store = str(tmp_path / "store")
+    one = CarriedCache(store, tmp_path / "a")
+    one.restore()
+    _write(tmp_path / "a", {"torch_compile_cache/h1/x": b"1"})
+    one.store()
+    two = CarriedCache(store, tmp_path / "b")
+    two.restore()
+    _write(tmp_path / "b", {"torch_compile_cache/h2/x": b"2"})  # another configuration compiled there
+    assert two.store()["stored_files"] == 2
+    three = CarriedCache(store, tmp_path / "c")
+    assert three.restore()["restored_files"] == 2
+
+
+@pytest.mark.parametrize("member", ["../outside", "/tmp/absolute-vime-test", "link"])
+def test_an_archive_never_writes_outside_the_cache_root(tmp_path, member):
+    """A member that climbs out is refused (tarfile's data filter); an absolute one lands inside the
+    root; a link is not a file and is never unpacked."""
+    (tmp_path / "store").mkdir()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo(member)
+        if member == "link":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+        else:
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"bad"))
+    (tmp_path / "store" / ARCHIVE).write_bytes(buffer.getvalue())
+    root = tmp_path / "deep" / "host"
+    out = CarriedCache(str(tmp_path / "store"), root).restore()
+    assert not (tmp_path / "deep" / "outside").exists() and not Path("/tmp/absolute-vime-test").exists()
+    assert not (root / "link").exists()
+    if member == "../outside":
+        assert "error" in out and out["restored_files"] == 0  # vLLM starts with the host's cache
+    elif member.startswith("/"):
+        assert (root / member.lstrip("/")).read_bytes() == b"bad"
+
+
+def test_a_cache_uri_with_credentials_is_refused_naming_the_field():
+    from vime_core.config import make_config
+    from vime_core.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="vllm_cache_uri carries credentials") as err:
+        make_config({"vllm_cache_uri": "s3://AKIDEXAMPLE:hunter2@bucket/cache"})
+    assert "hunter2" not in str(err.value)
+    assert make_config({"vllm_cache_uri": "s3://bucket/cache"}).vllm_cache_uri == "s3://bucket/cache"
