@@ -155,11 +155,44 @@ def startup_runs(variants: dict[str, list[str]], repeats: int) -> list[tuple[str
     ]
 
 
+def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
+    """What a fresh host lacks that a start leaves behind: vLLM's cache root (compiled graphs, model
+    inspection), torch inductor's and Triton's default caches, FlashInfer's and torch's JIT builds."""
+    import getpass
+    import tempfile
+
+    from vime_core.engines.vllm_cache import cache_root
+
+    environ = dict(os.environ if environ is None else environ)
+    home = Path(environ.get("HOME") or Path.home())
+    return [
+        cache_root(environ),
+        Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}"),
+        Path(environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+        home / ".cache" / "flashinfer",
+        home / ".cache" / "torch_extensions",
+    ]
+
+
+def empty_host_caches() -> list[str]:
+    """Remove `host_compile_caches()`: the next start is a fresh host's (but for the page cache and
+    Python's bytecode); the folders that were there."""
+    import shutil
+
+    removed = [str(path) for path in host_compile_caches() if path.exists()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 def phase_startup(a, paths: dict) -> None:
-    """One-iteration runs, one per variant and round, in the order given (a warm host: the train
-    phase or an earlier call filled vLLM's compile cache), each with its own run name and report."""
+    """One-iteration runs, one per variant and round, in the order given, each with its own run name
+    and report: on a warm host (the train phase or an earlier call filled vLLM's compile cache), or
+    with --startup-fresh each after `empty_host_caches` (a fresh host's start)."""
     out = paths["results"] / "startup"
     for name, flags in startup_runs(startup_variants(a.startup_variants), a.startup_repeats):
+        if a.startup_fresh:
+            print(f"[bench] startup {name}: emptied {empty_host_caches()}", flush=True)
         run = f"{a.run_name}-startup-{name.replace('#', '-')}"
         env = dict(
             os.environ,
@@ -643,6 +676,11 @@ def main(argv: list[str] | None = None) -> int:
             "startup phase: rounds over the variants (round r > 1 names its runs <name>#r); the report gives medians "
             "per flag set"
         ),
+    )
+    p.add_argument(
+        "--startup-fresh",
+        action="store_true",
+        help="startup phase: empty the host's compile caches before each run (host_compile_caches)",
     )
     p.add_argument("--work", default=os.environ.get("VIME_GPU_WORK", "/tmp/vime-gpu"))
     p.add_argument("--run-name", default="bench-colocated-step")

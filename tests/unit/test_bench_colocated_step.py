@@ -257,6 +257,7 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
         work=str(tmp_path / "work"),
         train_args=["--use-tis"],
         startup_repeats=1,
+        startup_fresh=False,
         shape="4b",
         config=step.default_config("4b"),
     )
@@ -333,3 +334,37 @@ def test_a_report_alone_exits_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "phase_report", lambda a, paths: {"ratios": {}})
     out = tmp_path / "result.json"
     assert step.main(["--phases", "report", "--no-host-setup", "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+
+
+def test_a_fresh_start_begins_with_the_hosts_compile_caches_emptied(tmp_path, monkeypatch):
+    """--startup-fresh: before each run, what the last start compiled and inspected is gone."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    caches = step.host_compile_caches()
+    assert caches[:3] == [tmp_path / "vllm", tmp_path / "inductor", tmp_path / "home" / ".triton" / "cache"]
+    left_before_run = []
+
+    def fake_run(cmd, env, cwd):
+        left_before_run.append([c for c in caches if c.exists()])
+        for cache in caches:  # what a start leaves behind
+            (cache / "entry").mkdir(parents=True, exist_ok=True)
+        return argparse.Namespace(returncode=0)
+
+    for cache in caches:
+        cache.mkdir(parents=True)
+    monkeypatch.setattr(step.subprocess, "run", fake_run)
+    a = argparse.Namespace(
+        startup_variants="cold;carried:--vllm-cache-uri /tmp/store",
+        run_name="b",
+        prompt_tokens=512,
+        work=str(tmp_path / "work"),
+        train_args=[],
+        startup_repeats=1,
+        startup_fresh=True,
+        shape="0.5b",
+        config=step.default_config("0.5b"),
+    )
+    step.phase_startup(a, {"results": tmp_path / "bench"})
+    assert left_before_run == [[], []]
