@@ -195,7 +195,7 @@ def _colocated_step(f: dict) -> str:
         parts.append(f"trainer MFU {_pct(r['trainer_mfu'])}")
     if f.get("startup_s") is not None:
         parts.append(f"startup {f['startup_s']:.0f} s")
-    if groups := (f.get("startup_variants") or {}).get("by_flags"):
+    if groups := (f.get("startup_variants") or {}).get("by_variant"):
         parts.append(
             "one-iteration startups, median: "
             + ", ".join(

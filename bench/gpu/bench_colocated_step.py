@@ -141,8 +141,8 @@ def startup_variants(text: str) -> dict[str, list[str]]:
         name, _, flags = item.partition(":")
         if name in variants:
             raise SystemExit(f"--startup-variants: {name!r} twice")
-        if not name or "#" in name or name == "by_flags":
-            raise SystemExit(f"--startup-variants: {name!r} is no variant name (not empty, no '#', not 'by_flags')")
+        if not name or "#" in name or name == "by_variant":
+            raise SystemExit(f"--startup-variants: {name!r} is no variant name (not empty, no '#', not 'by_variant')")
         variants[name] = shlex.split(flags)
     return variants
 
@@ -255,10 +255,11 @@ def startup_stages(marks: dict | None) -> dict[str, float | None]:
 
 
 def startup_report(results: Path) -> dict | None:
-    """{run: its flags, exit, startup_s, marks, stages and ratio to the default settings}, in the
-    order run, and `by_flags`: per distinct flag set (named by its first run) its runs and the
-    medians of startup_s and of each stage. The default settings are the flags of the run named
-    `default`; each ratio is against their median."""
+    """{run: its flags, exit, startup_s, marks, stages and ratio to the default variant}, in the
+    order run, and `by_variant`: per variant (its rounds `<name>#r` with it) its runs and the
+    medians of startup_s and of each stage. Two variants may share flags (the same flags on a cold
+    and on a seeded host, --startup-fresh); each ratio is against the median of the variant named
+    `default`."""
     folder = results / "startup"
     metas = (
         [(path.parent.name, json.loads(path.read_text())) for path in folder.glob("*/meta.json")]
@@ -278,13 +279,14 @@ def startup_report(results: Path) -> dict | None:
             "startup_timeline_s": marks,
             "stages_s": startup_stages(marks) if marks else None,
         }
-    groups: dict[tuple, dict] = {}
+    groups: dict[str, dict] = {}
     for name, v in out.items():
-        groups.setdefault(tuple(v["flags"]), {"name": name, "flags": v["flags"], "runs": []})["runs"].append(name)
-    by_flags = []
+        variant = name.split("#", 1)[0]
+        groups.setdefault(variant, {"name": variant, "flags": v["flags"], "runs": []})["runs"].append(name)
+    by_variant = []
     for g in groups.values():
         runs = [out[n] for n in g["runs"]]
-        by_flags.append(
+        by_variant.append(
             {
                 **g,
                 "startup_s_median": _median([r["startup_s"] for r in runs]),
@@ -293,14 +295,13 @@ def startup_report(results: Path) -> dict | None:
                 },
             }
         )
-    default_flags = tuple(out["default"]["flags"]) if "default" in out else None
-    base = next((g["startup_s_median"] for g in by_flags if tuple(g["flags"]) == default_flags), None)
+    base = next((g["startup_s_median"] for g in by_variant if g["name"] == "default"), None)
     vs_default = lambda s: s / base if base and s else None  # noqa: E731
     for v in out.values():
         v["vs_default"] = vs_default(v["startup_s"])
-    for g in by_flags:
+    for g in by_variant:
         g["vs_default"] = vs_default(g["startup_s_median"])
-    return {**out, "by_flags": by_flags}
+    return {**out, "by_variant": by_variant}
 
 
 def phase_trainer(a, paths: dict) -> None:

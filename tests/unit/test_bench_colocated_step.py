@@ -162,7 +162,7 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
             json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary, "ended_epoch": 1000 + i})
         )
     out = step.startup_report(tmp_path)
-    assert list(out) == ["default", "fork", "broken", "by_flags"]
+    assert list(out) == ["default", "fork", "broken", "by_variant"]
     assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
     assert out["broken"] == {
         "flags": ["broken"],
@@ -173,7 +173,7 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
         "vs_default": None,
     }
     assert step.startup_report(tmp_path / "nothing") is None
-    for bad in ("a#2:--x", ":--x", "by_flags"):
+    for bad in ("a#2:--x", ":--x", "by_variant"):
         with pytest.raises(SystemExit, match="no variant name"):
             step.startup_variants(bad)
 
@@ -199,7 +199,7 @@ def _marks(launched: float, warmup: float, sleep: float) -> dict:
     return {**marks, "trainer_init": 1.0}  # beside the engine's start: no stage
 
 
-def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
+def test_startup_stages_follow_the_critical_path_and_group_by_variant(tmp_path):
     warm, slow_warm, sleep, pinned_sleep = 5, 25, 8, 1
     marks = _marks(launched=1, warmup=warm, sleep=sleep)
     stages = step.startup_stages(marks)
@@ -227,8 +227,8 @@ def test_startup_stages_follow_the_critical_path_and_group_by_flags(tmp_path):
             )
         )
     out = step.startup_report(tmp_path)
-    groups = {g["name"]: g for g in out["by_flags"]}
-    assert [g["runs"] for g in out["by_flags"]] == [["default", "default#2"], ["pin", "pin#2"]]
+    groups = {g["name"]: g for g in out["by_variant"]}
+    assert [g["runs"] for g in out["by_variant"]] == [["default", "default#2"], ["pin", "pin#2"]]
     default_median = statistics.median([runs[0][2]["first_iteration"], runs[2][2]["first_iteration"]])
     assert groups["default"]["startup_s_median"] == pytest.approx(default_median)
     assert groups["pin"]["vs_default"] == pytest.approx(runs[1][2]["first_iteration"] / default_median)

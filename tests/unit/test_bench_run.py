@@ -61,7 +61,7 @@ def test_the_output_flag_goes_before_the_suites_own_args(tmp_path):
 def test_the_table_also_shows_the_latest_full_run_when_the_latest_row_is_partial(tmp_path):
     full = {"vime": {"t_step_s": 9.5}, "ratios": {"step_vs_parts": 1.1, "rollout_vs_offline": 1.0, "trainer_mfu": 0.4}}
     partial = {
-        "startup_variants": {"by_flags": [{"name": "default", "runs": ["default"], "startup_s_median": 80.0}]},
+        "startup_variants": {"by_variant": [{"name": "default", "runs": ["default"], "startup_s_median": 80.0}]},
         "ratios": {},
     }
     for i, (sha, figures) in enumerate((("a000000", full), ("b000000", full), ("c000000", partial))):
