@@ -237,6 +237,23 @@ def test_startup_stages_follow_the_critical_path_and_group_by_variant(tmp_path):
     assert groups["pin"]["stages_s_median"]["trainer_sleep"] == pinned_sleep
 
 
+def _startup_args(tmp_path, variants: str, **over) -> argparse.Namespace:
+    """The startup phase's arguments: `variants`, one round, the 0.5b shape, unless `over` says."""
+    shape = over.pop("shape", "0.5b")
+    values = dict(
+        startup_variants=variants,
+        run_name="b",
+        prompt_tokens=512,
+        work=str(tmp_path / "work"),
+        train_args=[],
+        startup_repeats=1,
+        startup_fresh=False,
+        shape=shape,
+        config=step.default_config(shape),
+    )
+    return argparse.Namespace(**{**values, **over})
+
+
 def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_path, monkeypatch):
     calls = []
     shapes = set()
@@ -250,16 +267,8 @@ def test_the_startup_phase_runs_one_iteration_per_variant_with_its_flags(tmp_pat
         return argparse.Namespace(returncode=0)
 
     monkeypatch.setattr(step.subprocess, "run", fake_run)
-    a = argparse.Namespace(
-        startup_variants="default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork",
-        run_name="b",
-        prompt_tokens=512,
-        work=str(tmp_path / "work"),
-        train_args=["--use-tis"],
-        startup_repeats=1,
-        startup_fresh=False,
-        shape="4b",
-        config=step.default_config("4b"),
+    a = _startup_args(
+        tmp_path, "default;fork:--vllm-env VLLM_WORKER_MULTIPROC_METHOD=fork", train_args=["--use-tis"], shape="4b"
     )
     step.phase_startup(a, {"results": tmp_path / "bench"})
     assert [c[0][2:] for c in calls] == [
@@ -355,16 +364,6 @@ def test_a_fresh_start_begins_with_the_hosts_compile_caches_emptied(tmp_path, mo
     for cache in caches:
         cache.mkdir(parents=True)
     monkeypatch.setattr(step.subprocess, "run", fake_run)
-    a = argparse.Namespace(
-        startup_variants="cold;carried:--vllm-cache-uri /tmp/store",
-        run_name="b",
-        prompt_tokens=512,
-        work=str(tmp_path / "work"),
-        train_args=[],
-        startup_repeats=1,
-        startup_fresh=True,
-        shape="0.5b",
-        config=step.default_config("0.5b"),
-    )
+    a = _startup_args(tmp_path, "cold;carried:--vllm-cache-uri /tmp/store", startup_fresh=True)
     step.phase_startup(a, {"results": tmp_path / "bench"})
     assert left_before_run == [[], []]

@@ -21,6 +21,14 @@ def _write(root: Path, files: dict[str, bytes]) -> None:
         (root / name).write_bytes(data)
 
 
+def _start(store: str, root: Path, makes: dict[str, bytes]) -> dict:
+    """One engine start on the host of `root`: restore, the files the start makes, store."""
+    cache = CarriedCache(store, root)
+    cache.restore()
+    _write(root, makes)
+    return cache.store()
+
+
 def _read(root: Path) -> dict[str, bytes]:
     return {name: (root / name).read_bytes() for name in cached_files(root)}
 
@@ -57,10 +65,7 @@ def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
 
 def test_a_host_keeps_its_own_copy_of_a_file_the_archive_also_has(tmp_path):
     store = str(tmp_path / "store")
-    first = CarriedCache(store, tmp_path / "host1")
-    first.restore()
-    _write(tmp_path / "host1", {"modelinfos/m.json": b"archived"})
-    first.store()
+    _start(store, tmp_path / "host1", {"modelinfos/m.json": b"archived"})
     _write(tmp_path / "host2", {"modelinfos/m.json": b"the host's"})
     assert CarriedCache(store, tmp_path / "host2").restore()["restored_files"] == 0
     assert (tmp_path / "host2" / "modelinfos/m.json").read_bytes() == b"the host's"
@@ -68,14 +73,9 @@ def test_a_host_keeps_its_own_copy_of_a_file_the_archive_also_has(tmp_path):
 
 def test_new_entries_of_a_second_host_join_the_archive(tmp_path):
     store = str(tmp_path / "store")
-    one = CarriedCache(store, tmp_path / "a")
-    one.restore()
-    _write(tmp_path / "a", {"torch_compile_cache/h1/x": b"1"})
-    one.store()
-    two = CarriedCache(store, tmp_path / "b")
-    two.restore()
-    _write(tmp_path / "b", {"torch_compile_cache/h2/x": b"2"})  # another configuration compiled there
-    assert two.store()["stored_files"] == 2
+    _start(store, tmp_path / "a", {"torch_compile_cache/h1/x": b"1"})
+    # another configuration compiled on the second host: the archive holds both
+    assert _start(store, tmp_path / "b", {"torch_compile_cache/h2/x": b"2"})["stored_files"] == 2
     three = CarriedCache(store, tmp_path / "c")
     assert three.restore()["restored_files"] == 2
 
