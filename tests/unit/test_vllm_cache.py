@@ -113,3 +113,24 @@ def test_a_cache_uri_with_credentials_is_refused_naming_the_field():
         make_config({"vllm_cache_uri": "s3://AKIDEXAMPLE:hunter2@bucket/cache"})
     assert "hunter2" not in str(err.value)
     assert make_config({"vllm_cache_uri": "s3://bucket/cache"}).vllm_cache_uri == "s3://bucket/cache"
+
+
+def test_the_engines_of_one_host_take_turns(tmp_path):
+    """A restore waits while another engine of the host holds the turn (it may be unpacking a
+    file this one would otherwise find half-written and skip)."""
+    import threading
+
+    from vime_core.engines.vllm_cache import host_turn
+
+    store = str(tmp_path / "store")
+    _start(store, tmp_path / "first", {"modelinfos/m.json": b"{}"})
+    root = tmp_path / "shared-host"
+    done = []
+    with host_turn(root):
+        worker = threading.Thread(target=lambda: done.append(CarriedCache(store, root).restore()))
+        worker.start()
+        worker.join(timeout=0.5)
+        assert worker.is_alive() and not done  # waiting for the turn
+    worker.join(timeout=10)
+    assert done[0]["restored_files"] == 1
+    assert set(cached_files(root)) == {"modelinfos/m.json"}  # the lock file is not a cached file

@@ -9,14 +9,19 @@ vLLM keeps under its cache root (VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, els
 - `modelinfos/`: what vLLM learned inspecting the model class (31 s there on a cold cache).
 
 `restore` (before the launch) unpacks the archive's files the host lacks; `store` (once the engine
-serves) writes the host's whole cache back when it holds files the archive did not bring. Two
-engines on one host that store at once write the same tree; two hosts that store at once each
-write their own and the last one stays (the other's new entries are made again on its next start).
+serves) writes the host's whole cache back when it holds files the archive did not bring. The
+engines of one host take turns (a lock file in the cache root), so none launches vLLM beside a file
+another is still unpacking. Two hosts that store at once each write their own archive and the last
+one stays (the other's new entries are made again on its next start); a file vLLM is still writing
+when stored may be caught half-written, and vLLM compiles or inspects anew where its entry does not
+load.
 The archive is only ever unpacked into the cache root: members that would land outside it, links
 and special files are refused (tarfile's `data` filter)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import tarfile
@@ -24,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.fs import open_location
@@ -33,6 +38,7 @@ from vime_core.utils.secrets import redact_url
 log = logging.getLogger(__name__)
 
 ARCHIVE = "vllm-cache.tar"
+LOCK = ".vime-carried-cache.lock"  # in the cache root: one restore or store at a time per host
 
 
 def cache_root(environ: Mapping[str, str]) -> Path:
@@ -47,7 +53,19 @@ def cached_files(root: Path) -> set[str]:
     """Every regular file under `root`, as paths relative to it."""
     if not root.is_dir():
         return set()
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and p.name != LOCK}
+
+
+@contextlib.contextmanager
+def host_turn(root: Path) -> Iterator[None]:
+    """This host's engines one at a time in `root` (an exclusive lock on a file there)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class CarriedCache:
@@ -70,6 +88,12 @@ class CarriedCache:
         engine's log: files and bytes unpacked, seconds, or `missing` when no archive is stored.
         A failure to read the archive is logged and leaves the host's cache as it was."""
         started = time.monotonic()
+        with host_turn(self.root):
+            out = self._restore()
+        out["seconds"] = time.monotonic() - started
+        return out
+
+    def _restore(self) -> dict[str, Any]:
         location = open_location(self.uri, endpoint=self.endpoint)
         have = cached_files(self.root)
         out: dict[str, Any] = {"restored_files": 0, "restored_bytes": 0}
@@ -82,7 +106,6 @@ class CarriedCache:
                     location.fs.get_file(location.path(ARCHIVE), str(local))
                     with tarfile.open(local) as tar:
                         members = [m for m in tar.getmembers() if m.isfile() and m.name not in have]
-                        self.root.mkdir(parents=True, exist_ok=True)
                         tar.extractall(self.root, members=members, filter="data")
                     out.update(restored_files=len(members), restored_bytes=sum(m.size for m in members))
         except (OSError, tarfile.TarError) as exc:
@@ -94,18 +117,22 @@ class CarriedCache:
             )
             out["error"] = f"{type(exc).__name__}: {exc}"
         self._known = cached_files(self.root)
-        out["seconds"] = time.monotonic() - started
         return out
 
     def store(self) -> dict[str, Any]:
         """Write the host's cache root as the archive when it holds files that were not there after
         `restore` (what this start compiled or inspected); `stored_files` 0 when nothing is new."""
         started = time.monotonic()
+        with host_turn(self.root):
+            out = self._store()
+        return {**out, "seconds": time.monotonic() - started}
+
+    def _store(self) -> dict[str, Any]:
         now = cached_files(self.root)
         new = now - (self._known or set())
         out: dict[str, Any] = {"stored_files": 0, "new_files": len(new)}
         if not new:
-            return {**out, "seconds": time.monotonic() - started}
+            return out
         location = open_location(self.uri, endpoint=self.endpoint)
         partial = f".{ARCHIVE}.{os.getpid()}.{time.time_ns()}.partial"
         try:
@@ -122,4 +149,4 @@ class CarriedCache:
             out["error"] = f"{type(exc).__name__}: {exc}"
             location.delete(partial)
         self._known = now
-        return {**out, "seconds": time.monotonic() - started}
+        return out
