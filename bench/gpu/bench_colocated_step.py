@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import getpass
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,10 +161,7 @@ def startup_runs(variants: dict[str, list[str]], repeats: int) -> list[tuple[str
 def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
     """What a fresh host lacks that a start leaves behind: vLLM's cache root (compiled graphs, model
     inspection), torch inductor's and Triton's default caches, FlashInfer's and torch's JIT builds."""
-    import getpass
-    import tempfile
-
-    from vime_core.engines.vllm_cache import cache_root
+    from vime_core.engines.vllm_cache import cache_root  # boundary: fsspec (its storage), on the path after host_setup
 
     environ = dict(os.environ if environ is None else environ)
     home = Path(environ.get("HOME") or Path.home())
@@ -177,8 +177,6 @@ def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
 def empty_host_caches() -> list[str]:
     """Remove `host_compile_caches()`: the next start is a fresh host's (but for the page cache and
     Python's bytecode); the folders that were there."""
-    import shutil
-
     removed = [str(path) for path in host_compile_caches() if path.exists()]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
