@@ -48,7 +48,7 @@ MODES = {
         "{bench}/vllm-cache-store",
     ],
 }
-SEEDED = "cold_vllm_cache_carried"  # modes whose archive a first, uncounted run stores
+SEEDED = "cold_vllm_cache_carried"  # the mode whose archive a first, uncounted run stores
 
 
 def run_once(mode: str, work: Path, bench: Path) -> dict:
@@ -116,7 +116,7 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="vime-bench-startup-"))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    seeds = {m: run_once(m, root / f"{m}-seed", root) for m in modes if m == SEEDED}
+    seeds = {SEEDED: run_once(SEEDED, root / f"{SEEDED}-seed", root)} if SEEDED in modes else {}
     for i in range(args.repeats):
         for mode in modes:
             runs[mode].append(run_once(mode, root / f"{mode}-{i}", root))

@@ -13,6 +13,7 @@ from vime_core.config.lora import check_lora
 from vime_core.algo.shaping import check_overlong_buffer
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
+from vime_core.utils.secrets import carries_userinfo
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
 from vime_core.wire.shm_format import BACKEND_NAME as SHM
 
@@ -436,8 +437,7 @@ ENGINE_MANAGED_ENV = frozenset(
 def _check_vllm_cache_uri(cfg: ConfigFields) -> None:
     """A vllm_cache_uri that carries credentials (scheme://user:secret@host/...) is refused without
     echoing it: it is stored with the run's configuration."""
-    uri = cfg.vllm_cache_uri
-    if "://" in uri and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+    if carries_userinfo(cfg.vllm_cache_uri):
         raise ValueError(
             "vllm_cache_uri carries credentials in its host part: refused (it is stored with the run's "
             "configuration); give them as for storage_uri (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Mapping
-from urllib.parse import urlsplit
+
+from vime_core.utils.secrets import carries_userinfo
 
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
@@ -45,7 +46,7 @@ def resolve_endpoint_url(
 ) -> str:
     """`url`, else the environment's (module docstring); refuses one carrying credentials."""
     value = url or _first(ENDPOINT_ENV, environ)
-    if "@" in urlsplit(value).netloc:
+    if carries_userinfo(value):
         source = field if url else "/".join(ENDPOINT_ENV)
         raise EndpointCredentialsError(
             f"{source}: the S3 endpoint carries credentials in its host part (scheme://user:secret@...): "

@@ -10,12 +10,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import fsspec
 
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.endpoint import resolve as resolve_endpoint
+from vime_core.utils.secrets import carries_userinfo
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def _mtime(info: dict) -> float | None:
 
 
 def _refuse_userinfo(uri: str) -> None:
-    if "@" in urlsplit(uri).netloc:
+    if carries_userinfo(uri):
         raise ValueError(
             "storage URI carries credentials in its host part (scheme://user:secret@...): "
             "refused; put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile"

@@ -95,6 +95,11 @@ def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
     return obj
 
 
+def carries_userinfo(url: str) -> bool:
+    """Whether `url` has credentials in its host part (scheme://user:secret@host/...)."""
+    return "@" in urlsplit(url).netloc
+
+
 def redact_url(url: str) -> str:
     """A URL to show in logs and errors: scheme, host, port and path; no user:password, query or
     fragment (a token may ride in a query string), no trailing slash."""
