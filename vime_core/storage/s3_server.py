@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +43,9 @@ PORT_FLAGS = (
     "s3.debug.port",
 )
 STATE_FILE = "server.json"
+# S3's bucket naming rule; SeaweedFS refuses any other name only in its log, so a start would wait
+# out its whole timeout.
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 @dataclass
@@ -131,6 +135,30 @@ def _ready(endpoint: str, bucket: str) -> bool:
         return False
 
 
+def objects_readable(endpoint: str, bucket: str) -> bool:
+    """Every object in `bucket` answers a one-byte read. Started again on a data folder, the server
+    lists the bucket (its filer) seconds before its volume server has reported the volumes that
+    hold the bytes; a read in between fails with InternalError (HTTP 500)."""
+    fs = s3fs.S3FileSystem(
+        endpoint_url=endpoint,
+        skip_instance_cache=True,
+        use_listings_cache=False,
+        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
+    )
+    try:
+        for path, info in fs.find(bucket, detail=True).items():
+            if info.get("size", 0) > 0:
+                fs.cat_file(path, start=0, end=1)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not yet"; the caller times out
+        return False
+
+
+def serving(endpoint: str, bucket: str) -> bool:
+    """The server answers an authenticated request and every object it holds reads back."""
+    return _ready(endpoint, bucket) and objects_readable(endpoint, bucket)
+
+
 # Attempts at starting `weed mini` whose process exits before it answers. Its ports are free when
 # picked but bound seconds later, by which time another process on the machine may hold one.
 START_ATTEMPTS = 3
@@ -143,6 +171,11 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
 
     A server that exits before answering is started again on newly picked ports, up to
     START_ATTEMPTS times in all; the last failure names the exit code and the end of weed.log."""
+    if not BUCKET_NAME.fullmatch(bucket):
+        raise ValueError(
+            f"bucket {bucket!r}: S3 bucket names are 3 to 63 lowercase letters, digits, dots or hyphens, "
+            "beginning and ending with a letter or digit"
+        )
     data_dir = Path(data_dir).resolve()
     running = server_status(data_dir)
     if running is not None:
@@ -166,12 +199,13 @@ def start_s3_server(data_dir: str | Path, bucket: str = "vime", timeout: float =
 
 
 def _answers_before_exit(process: subprocess.Popen, server: S3Server, deadline: float, timeout: float) -> bool:
-    """True once the server answers an authenticated request, False if its process exits first;
-    past `deadline` the server is stopped and TimeoutError raised."""
+    """True once the server serves (answers an authenticated request, and reads back what its data
+    folder held), False if its process exits first; past `deadline` the server is stopped and
+    TimeoutError raised."""
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        if _ready(server.endpoint, server.bucket):
+        if serving(server.endpoint, server.bucket):
             return True
         time.sleep(0.3)
     stop_s3_server(server.data_dir)

@@ -108,3 +108,11 @@ def test_a_server_that_never_starts_names_its_exit_and_log(tmp_path, monkeypatch
     assert len(launched) == START_ATTEMPTS and all(process.returncode is not None for process, _ in launched)
     assert s3_module.server_status(tmp_path / "s3") is None
     assert not (tmp_path / "s3" / s3_module.STATE_FILE).exists()
+
+
+def test_a_bucket_name_s3_refuses_is_named_at_once(tmp_path, monkeypatch):
+    _credentials(monkeypatch)
+    for bucket in ("b", "Vime", "-vime", "x" * 64):
+        with pytest.raises(ValueError, match=f"bucket {bucket!r}: S3 bucket names are 3 to 63"):
+            start_s3_server(tmp_path / "s3", bucket=bucket)
+    assert not (tmp_path / "s3").exists()  # refused before anything was made
