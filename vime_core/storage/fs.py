@@ -143,9 +143,12 @@ class StorageLocation:
         out = []
         for path, info in sorted(found.items()):
             path = str(path)
-            if info.get("type") != "file" or path == base or not path.startswith(root) or "/." in path:
+            if info.get("type") != "file" or path == base or not path.startswith(root):
                 continue
-            out.append((path[len(root) :], _mtime(info)))
+            key = path[len(root) :]
+            if "/." in f"/{key}":  # a hidden partial below the root (the root itself may sit in a hidden folder)
+                continue
+            out.append((key, _mtime(info)))
         return out
 
 

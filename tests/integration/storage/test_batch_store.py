@@ -363,3 +363,22 @@ def test_a_configurations_s3_endpoint_is_read_once_and_reaches_the_server_withou
     assert BatchStore.for_config(cfg).list_batches("cfg") == [ref]
     # the same URI without the configuration's endpoint means AWS itself (nothing is contacted here)
     assert BatchStore(cfg.storage_uri).location.endpoint == ""
+
+
+def test_a_store_in_a_hidden_folder_lists_its_batches(tmp_path):
+    """A store under ~/.cache/... (a dot folder above the store's root) sees what it wrote: only
+    hidden names below the root are partial uploads to leave out of a listing."""
+    uri = str(tmp_path / ".cache" / "vime" / "runs")
+    store = BatchStore(uri)
+    for rollout_id in range(2):
+        store.write(
+            synthetic_batch(num_groups=2, group_size=2, max_response_len=8, seed=rollout_id), lineage("r", rollout_id)
+        )
+    store.location.put(f"{layout.TMP}/r/.upload.partial", b"half")
+    again = BatchStore(uri)  # a resumed run's store: what it knows comes from the listing
+    assert [ref.rollout_id for ref in again.list_batches("r")] == [0, 1]
+    keys = again.location.list_keys("")
+    assert sorted(k for k in keys if k.startswith(f"{layout.BATCHES}/")) == sorted(
+        r.key for r in again.list_batches("r")
+    )
+    assert not [k for k in keys if "/." in f"/{k}"]
