@@ -3,7 +3,7 @@ the early start (the default) against --no-early-start, the early start without 
 (on CPU) the engine as vLLM's three processes (--no-vllm-cpu-single-process) or with its engine core
 spawned instead of forked (vllm_side/api_server.py) against one process forked from the front end,
 and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in the API server, or
-the cache given back from the archive an earlier start stored (vllm_cache_uri).
+the cache given back from the archives an earlier start stored (vllm_cache_uri).
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
 
@@ -38,7 +38,7 @@ MODES = {
         "VLLM_CACHE_ROOT={work}/vllm-cache",
         "VIME_VLLM_INSPECT_IN_PROCESS=1",
     ],
-    # the same cold cache, given back from the archive an earlier start stored ({bench}: the bench's
+    # the same cold cache, given back from the archives an earlier start stored ({bench}: the bench's
     # folder; a seeding run, not counted, stores it first): vllm_cache_uri (engines/vllm_cache.py)
     "cold_vllm_cache_carried": [
         "--early-start",
@@ -48,7 +48,7 @@ MODES = {
         "{bench}/vllm-cache-store",
     ],
 }
-SEEDED = "cold_vllm_cache_carried"  # the mode whose archive a first, uncounted run stores
+SEEDED = "cold_vllm_cache_carried"  # the mode whose archives a first, uncounted run stores
 
 
 def run_once(mode: str, work: Path, bench: Path) -> dict:
@@ -136,7 +136,7 @@ def main() -> None:
             if m != "early"
         },
         "runs": runs,
-        "seeding_runs": seeds,  # not counted: they stored the archive the carried runs restore
+        "seeding_runs": seeds,  # not counted: they stored the archives the carried runs restore
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

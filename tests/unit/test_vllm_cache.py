@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vime_core.engines.vllm_cache import ARCHIVE, CarriedCache, cache_root, cached_files
+from vime_core.engines.vllm_cache import CarriedCache, archive_key, cache_root, cached_files, entry_of
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:
@@ -31,6 +31,11 @@ def _start(store: str, root: Path, makes: dict[str, bytes]) -> dict:
 
 def _read(root: Path) -> dict[str, bytes]:
     return {name: (root / name).read_bytes() for name in cached_files(root)}
+
+
+def _stored(store: Path) -> list[str]:
+    """Every file in the store's folder, relative to it (archives and anything left beside)."""
+    return sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
 
 
 def test_the_cache_root_is_vllms():
@@ -52,8 +57,9 @@ def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
     _write(first, made)  # what the start compiled and inspected
     stored = one.store()
     assert stored["stored_files"] == len(made) and stored["new_files"] == len(made)
-    assert (tmp_path / "store" / ARCHIVE).is_file()
-    assert not [p for p in (tmp_path / "store").iterdir() if p.name != ARCHIVE]  # no partial left
+    # one archive per entry (a compile hash, a model's inspection), no partial left beside
+    assert _stored(tmp_path / "store") == sorted(archive_key(entry_of(name)) for name in made)
+    assert stored["stored_entries"] == len(made)
 
     _write(fresh, {"modelinfos/other.json": b"mine"})  # the fresh host's own file stays
     two = CarriedCache(store, fresh)
@@ -61,6 +67,9 @@ def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
     assert restored["restored_files"] == len(made) and restored["restored_bytes"] == sum(map(len, made.values()))
     assert _read(fresh) == {**made, "modelinfos/other.json": b"mine"}
     assert two.store()["stored_files"] == 0  # this start made nothing new: no upload
+
+    # a warm host (it holds every entry) downloads nothing
+    assert CarriedCache(store, fresh).restore()["restored_entries"] == 0
 
 
 def test_a_host_keeps_its_own_copy_of_a_file_the_archive_also_has(tmp_path):
@@ -71,21 +80,49 @@ def test_a_host_keeps_its_own_copy_of_a_file_the_archive_also_has(tmp_path):
     assert (tmp_path / "host2" / "modelinfos/m.json").read_bytes() == b"the host's"
 
 
-def test_new_entries_of_a_second_host_join_the_archive(tmp_path):
+def test_new_entries_of_a_second_host_join_the_store(tmp_path):
     store = str(tmp_path / "store")
     first, second = {"torch_compile_cache/h1/x": b"1"}, {"torch_compile_cache/h2/x": b"2"}
     _start(store, tmp_path / "a", first)
-    # another configuration compiled on the second host: the archive holds both
-    assert _start(store, tmp_path / "b", second)["stored_files"] == len(first) + len(second)
+    # another configuration compiled on the second host: only its own entry is written
+    assert _start(store, tmp_path / "b", second)["stored_files"] == len(second)
     three = CarriedCache(store, tmp_path / "c")
     assert three.restore()["restored_files"] == len(first) + len(second)
+
+
+def test_two_hosts_storing_at_once_lose_nothing_of_each_other(tmp_path):
+    """Both restore the same (empty) store, each compiles another configuration, both store: a
+    third host gets both entries (one archive of the whole cache would keep the last writer's)."""
+    store = str(tmp_path / "store")
+    makes = [{"torch_compile_cache/h1/a": b"1", "modelinfos/m.json": b"{}"}, {"torch_compile_cache/h2/a": b"2"}]
+    hosts = [CarriedCache(store, tmp_path / f"host{i}") for i in range(2)]
+    for host in hosts:
+        host.restore()
+    for host, made in zip(hosts, makes):
+        _write(host.root, made)
+    for host in hosts:
+        host.store()
+    third = tmp_path / "third"
+    CarriedCache(store, third).restore()
+    assert _read(third) == {**makes[0], **makes[1]}
+
+
+def test_an_entry_grown_on_a_host_is_written_again_whole(tmp_path):
+    """A start that adds files to an entry it restored (a compile of another shape in the same
+    configuration) writes that entry's archive again with every file of it."""
+    store = str(tmp_path / "store")
+    _start(store, tmp_path / "a", {"torch_compile_cache/h/shape1": b"1"})
+    stored = _start(store, tmp_path / "b", {"torch_compile_cache/h/shape2": b"2"})
+    assert (stored["stored_entries"], stored["stored_files"]) == (1, 2)
+    fresh = tmp_path / "c"
+    CarriedCache(store, fresh).restore()
+    assert _read(fresh) == {"torch_compile_cache/h/shape1": b"1", "torch_compile_cache/h/shape2": b"2"}
 
 
 @pytest.mark.parametrize("member", ["../outside", "/tmp/absolute-vime-test", "link"])
 def test_an_archive_never_writes_outside_the_cache_root(tmp_path, member):
     """A member that climbs out is refused (tarfile's data filter); an absolute one lands inside the
     root; a link is not a file and is never unpacked."""
-    (tmp_path / "store").mkdir()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         info = tarfile.TarInfo(member)
@@ -95,7 +132,9 @@ def test_an_archive_never_writes_outside_the_cache_root(tmp_path, member):
         else:
             info.size = 3
             tar.addfile(info, io.BytesIO(b"bad"))
-    (tmp_path / "store" / ARCHIVE).write_bytes(buffer.getvalue())
+    archive = tmp_path / "store" / archive_key("torch_compile_cache/bad")
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(buffer.getvalue())
     root = tmp_path / "deep" / "host"
     out = CarriedCache(str(tmp_path / "store"), root).restore()
     assert not (tmp_path / "deep" / "outside").exists() and not Path("/tmp/absolute-vime-test").exists()

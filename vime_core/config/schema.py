@@ -579,9 +579,9 @@ class ConfigFields(BaseModel):
         "",
         description=(
             "Where engines keep vLLM's cache between hosts (torch.compile's artifacts, what vLLM learned inspecting "
-            "the model): a folder or s3://bucket/prefix, one archive there. An engine unpacks the archive's files "
-            "its host lacks before it starts, and once it serves stores its host's cache there when the start made "
-            "something new, so a fresh host skips what an earlier start did (vime_core/engines/vllm_cache.py). "
+            "the model): a folder or s3://bucket/prefix, one archive per cache entry there. An engine unpacks the "
+            "entries its host lacks before it starts, and once it serves stores the entries its start added to, so "
+            "a fresh host skips what an earlier start did (vime_core/engines/vllm_cache.py). "
             "Empty: each host's own cache only."
         ),
     )

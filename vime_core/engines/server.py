@@ -203,7 +203,7 @@ class EngineServer:
         # then finds its server (not a second launch, not a URL that is not serving yet)
         self._start_lock = threading.Lock()
         self._prestart_failure: Optional[BaseException] = None
-        self._carried_cache: Optional[CarriedCache] = None  # vllm_cache_uri's archive, restored once
+        self._carried_cache: Optional[CarriedCache] = None  # vllm_cache_uri's archives, restored once
         self.cache_moves: list[dict] = []  # what each restore and store of it did
 
     # ---- what is launched -------------------------------------------------------------------
@@ -459,7 +459,7 @@ class EngineServer:
         return self.url  # type: ignore[return-value]
 
     def _restore_vllm_cache(self) -> None:
-        """vllm_cache_uri: the archive's files this host lacks, before the first launch only (a
+        """vllm_cache_uri: the stored entries this host lacks, before the first launch only (a
         restart finds them on the host)."""
         if not self.cfg.vllm_cache_uri or self._carried_cache is not None:
             return
@@ -475,7 +475,7 @@ class EngineServer:
         )
 
     def _store_vllm_cache(self) -> None:
-        """vllm_cache_uri: the host's cache back to the archive when this start made new files, in
+        """vllm_cache_uri: the entries this start added files to, back to the store, in
         a thread (the run goes on; a failure is logged, the engine serves all the same)."""
         carried = self._carried_cache
         if carried is None:

@@ -1,12 +1,12 @@
 """vLLM's cache carried between hosts (vime_core/engines/vllm_cache.py) through the real S3 server:
 a host stores what its start made, a fresh host gets every file back byte for byte, and the
-credentials reach neither the archive's key nor what restore and store report."""
+credentials reach neither the archives' keys nor what restore and store report."""
 
 from __future__ import annotations
 
 import uuid
 
-from vime_core.engines.vllm_cache import ARCHIVE, CarriedCache, cached_files
+from vime_core.engines.vllm_cache import CarriedCache, archive_key, cached_files, entry_of
 from vime_core.storage.fs import open_location
 
 from .conftest import TEST_SECRET_KEY
@@ -26,7 +26,8 @@ def test_a_fresh_host_restores_from_s3_what_the_first_stored(s3_env, tmp_path):
         (first / name).write_bytes(data)
     stored = one.store()
     assert stored["stored_files"] == len(made) and "error" not in stored
-    assert open_location(uri).list_keys("") == [ARCHIVE]  # the partial was moved, not left beside
+    # one archive per entry; each partial was moved, not left beside
+    assert open_location(uri).list_keys("") == sorted(archive_key(entry_of(name)) for name in made)
 
     fresh = tmp_path / "host2"
     restored = CarriedCache(uri, fresh).restore()
