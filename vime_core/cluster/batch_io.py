@@ -16,7 +16,7 @@ from vime_core.data.validation import UntrainableBatchError, validate_trainable
 from vime_core.storage import BatchStore
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.schema import DATA_SOURCE_AFTER, lineage_of
-from vime_core.storage.store import CorruptBatchError
+from vime_core.storage.store import BatchNotFoundError, CorruptBatchError
 from vime_core.utils.timing import timed
 
 
@@ -105,14 +105,14 @@ def usable_stored(cfg: VimeConfig, rollout_id: int) -> tuple[bool, dict | None]:
     not). A stored batch that fails its checksum or the trainer's check (batches stored before
     that check existed) is quarantined (BatchStore.quarantine): kept, recorded with the reason,
     and replaced when the rollout is generated again; so is one without the log-probs a flag of
-    `cfg` reads (e.g. stored before use_tis was set)."""
+    `cfg` reads (e.g. stored before use_tis was set), and one still indexed whose object is gone."""
     store = BatchStore.for_config(cfg)
     if not store.exists(cfg.run_name, rollout_id):
         return False, None
     try:
         batch, _ = store.read(cfg.run_name, rollout_id)
         validate_trainable(batch, log_prob_readers=rollout_logprob_readers(cfg))
-    except (UntrainableBatchError, CorruptBatchError) as exc:
+    except (UntrainableBatchError, CorruptBatchError, BatchNotFoundError) as exc:
         return False, store.quarantine(cfg.run_name, rollout_id, f"{type(exc).__name__}: {exc}")
     return True, None
 

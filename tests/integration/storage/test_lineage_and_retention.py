@@ -141,3 +141,56 @@ def test_parse_age(text, seconds):
 def test_parse_age_refuses_garbage():
     with pytest.raises(ValueError, match="7d"):
         parse_age("seven days")
+
+
+def _failing_compaction(monkeypatch) -> None:
+    from vime_core.storage.index import BatchIndex
+
+    def compact(self, drop_keys=frozenset()):
+        raise ConnectionError("the compacted file could not be written")
+
+    monkeypatch.setattr(BatchIndex, "compact", compact)
+
+
+@pytest.mark.parametrize("remove", ["prune", "discard"])
+def test_a_removal_cut_short_never_lists_a_batch_without_its_object(store_uri, monkeypatch, remove):
+    """The rows are in a compacted file (an earlier compaction): the index loses them before their
+    objects go, so a removal whose compaction fails leaves every listed batch readable, and one
+    that succeeds leaves no listed batch behind (nor, for prune, its object)."""
+    store = BatchStore(store_uri)
+    for k in range(3):
+        store.write(synthetic_batch(num_groups=1, group_size=2, seed=k), {"run": "cut", "rollout_id": k})
+    store.compact()
+    with monkeypatch.context() as patched:
+        _failing_compaction(patched)
+        with pytest.raises(ConnectionError):
+            store.prune(run="cut", dry_run=False) if remove == "prune" else store.discard("cut", 1, "rejected")
+    for ref in store.list_batches("cut"):
+        store.read("cut", ref.rollout_id)  # published, so whole
+    assert [r.rollout_id for r in store.list_batches("cut")] == [0, 1, 2]
+    if remove == "prune":
+        removed = store.prune(run="cut", dry_run=False)
+        assert store.list_batches("cut") == [] and not {r.key for r in removed} & set(store.location.list_keys(""))
+    else:
+        store.discard("cut", 1, "rejected")
+        assert [r.rollout_id for r in store.list_batches("cut")] == [0, 2]
+        with pytest.raises(BatchNotFoundError):
+            store.read("cut", 1)
+
+
+def test_an_indexed_batch_whose_object_is_gone_is_generated_again(store_uri):
+    """usable_stored: a row left in the index without its object (an older vime's removal cut
+    short) is quarantined, so the rollout is generated again and overwrites it, not a failed task."""
+    from vime_core.cluster.batch_io import usable_stored
+    from vime_core.config import make_config
+
+    cfg = make_config({"storage_uri": store_uri, "run_name": "gone"})
+    store = BatchStore(store_uri)
+    ref = store.write(synthetic_batch(num_groups=1, group_size=2, seed=3), {"run": "gone", "rollout_id": 0})
+    store.location.delete(ref.key)
+    usable, record = usable_stored(cfg, 0)
+    assert not usable and record["reason"].startswith("BatchNotFoundError") and record["quarantined_key"] is None
+    again = store.write(
+        synthetic_batch(num_groups=1, group_size=2, seed=4), {"run": "gone", "rollout_id": 0}, overwrite=True
+    )
+    assert store.read("gone", 0)[0] == synthetic_batch(num_groups=1, group_size=2, seed=4) and again.key != ref.key
