@@ -239,7 +239,7 @@ def describe(result: dict) -> list[str]:
         start = before[-1][1] if before else "<a checkpoint of the run's start>"
         replay = [k for k in result["stored_rollout_ids"] if k > (before[-1][0] if before else -1)]
         lines.append(
-            f"retrain: vime replay --source-run {run} --checkpoint {start} "
-            f"--rollout-ids {' '.join(map(str, replay))} --rewards rescored"
+            f"retrain: vime replay --run-name {run}-rescored-v{version} --source-run {run} --checkpoint {start} "
+            f"--rollout-ids {' '.join(map(str, replay))} --rewards v{version}"
         )
     return lines

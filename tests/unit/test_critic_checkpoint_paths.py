@@ -113,3 +113,16 @@ def test_critic_files_without_a_manifest_are_no_checkpoint(tmp_path):
     ckpt.save_rank_state(ckpt.checkpoint_dir(cfg, 0), 0, {"model": {}})
     ckpt.save_rank_state(ckpt.checkpoint_dir(cfg, 0, critic=True), 0, {"model": {}}, critic=True)
     assert ckpt.latest_checkpoint(cfg) is None
+
+
+def test_the_latest_checkpoint_is_the_highest_rollout_id_and_copies_are_not_checkpoints(tmp_path):
+    """Folders ordered by their rollout id as a number (rollout_1000000 after rollout_999999, past
+    the six digits of the name), and a copy such as rollout_000010.bak, manifest and all, is no
+    checkpoint of the run."""
+    cfg = _cfg(tmp_path)
+    root = tmp_path / "store/checkpoints/r1"
+    for name in ("rollout_999998", "rollout_999999", "rollout_1000000", "rollout_000010.bak"):
+        (root / name).mkdir(parents=True)
+        (root / name / ckpt.MANIFEST).write_text("{}")
+    assert [k for k, _ in ckpt.finished_checkpoints(cfg)] == [999998, 999999, 1000000]
+    assert ckpt.latest_checkpoint(cfg) == f"{root}/rollout_1000000" == ckpt.checkpoint_dir(cfg, 1000000)

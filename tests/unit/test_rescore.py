@@ -162,7 +162,8 @@ def test_vime_rescore_prints_the_blast_radius_without_reward_values(stored_run, 
     n = sum(changed(r) for r in _rows(batch))
     assert f"rollout 0: {n} of {len(batch['index'])} samples changed reward" in out
     assert "trained into checkpoints rollout_000000, rollout_000001" in out
-    assert "--rollout-ids 0 1 --rewards rescored" in out and "raw_reward" not in out
+    assert f"--run-name {RUN}-rescored-v2 --source-run {RUN} " in out and "--rollout-ids 0 1 --rewards v2" in out
+    assert "raw_reward" not in out
     args = ["--storage-uri", cfg.storage_uri, "--run", RUN, "--custom-rm-path", f"{THIS}:fixed_reward"]
     assert cmd_rescore([*args, "--rollout-ids", "7"]) == 1
     err = capsys.readouterr().err

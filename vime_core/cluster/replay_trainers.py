@@ -11,11 +11,26 @@ from vime_core.storage import BatchStore
 from vime_core.storage.lineage import batches_by_weight_version
 
 
+def check_replay_request(cfg: VimeConfig, source_run: str, rollout_ids: list[int] | None) -> None:
+    """A replay writes under its own run name (checkpoints/<run_name>/, its trainer actors), never
+    the source run's: with the same name its checkpoint would replace the source run's own, which
+    that run resumes from. Each rollout id once: one named twice would be trained on twice."""
+    if cfg.run_name == source_run:
+        raise ValueError(
+            f"--run-name {cfg.run_name!r} is the --source-run: a replay needs a run name of its own "
+            f"(e.g. --run-name {source_run}-replay); its checkpoints would replace the source run's"
+        )
+    repeated = sorted({k for k in rollout_ids or [] if rollout_ids.count(k) > 1})
+    if repeated:
+        raise ValueError(f"--rollout-ids names {repeated} more than once: each stored batch is replayed once")
+
+
 def select_batches(
     cfg: VimeConfig, source_run: str, rollout_ids: list[int] | None, weight_version: int | None
 ) -> list[int]:
     """Rollout ids to replay: the given ones (each must be stored), or those a lineage query
     over the index selects."""
+    check_replay_request(cfg, source_run, rollout_ids)
     store = BatchStore.for_config(cfg)
     if rollout_ids is None and weight_version is None:
         raise ValueError("replay needs rollout_ids or weight_version (a lineage query)")

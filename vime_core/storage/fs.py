@@ -15,7 +15,7 @@ import fsspec
 
 from vime_core.storage.endpoint import S3Endpoint
 from vime_core.storage.endpoint import resolve as resolve_endpoint
-from vime_core.utils.secrets import carries_userinfo
+from vime_core.utils.secrets import carries_userinfo, redact_url
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,25 @@ def _refuse_userinfo(uri: str) -> None:
         )
 
 
+# fsspec reads a path holding one of these as a glob pattern (its cat of several keys, copy, rm),
+# so a root holding one would fail at the first read of the index, not at its first write
+GLOB_CHARACTERS = "[]*?"
+
+
+def _refuse_glob(uri: str) -> None:
+    found = [c for c in GLOB_CHARACTERS if c in uri]
+    if found:
+        raise ValueError(
+            f"storage URI {redact_url(uri)!r} holds {''.join(found)!r}, which fsspec reads as a glob pattern: "
+            "choose a folder or prefix without [ ] * ?"
+        )
+
+
 def open_location(uri: str, storage_options: dict | None = None, endpoint: S3Endpoint | None = None) -> StorageLocation:
     """The StorageLocation for `uri` (module docstring)."""
     if not uri:
         raise ValueError("storage URI is empty: give a local folder or s3://bucket/prefix")
+    _refuse_glob(uri)
     options = dict(storage_options or {})
     if "://" not in uri or uri.startswith("file://"):
         local = uri[len("file://") :] if uri.startswith("file://") else uri

@@ -24,6 +24,7 @@ from vime_core.storage.fs import open_location
 FORMAT = "vime-trainer-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CHECKPOINT_NAME = re.compile(r"rollout_(\d+)")  # checkpoint_dir's folder name
 
 
 class CheckpointError(ValueError):
@@ -161,8 +162,9 @@ def finished_checkpoints(cfg: Any) -> list[tuple[int, str]]:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in location.fs.ls(location.path(""), detail=False)]
     except FileNotFoundError:
         return []
-    done = sorted(n for n in names if n.startswith("rollout_") and location.fs.isfile(location.path(f"{n}/{MANIFEST}")))
-    return [(int(n.removeprefix("rollout_")), f"{root.rstrip('/')}/{n}") for n in done]
+    ids = {n: int(m.group(1)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))}  # not a copy (rollout_7.bak)
+    done = sorted((k, n) for n, k in ids.items() if location.fs.isfile(location.path(f"{n}/{MANIFEST}")))
+    return [(k, f"{root.rstrip('/')}/{n}") for k, n in done]
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -382,3 +382,13 @@ def test_a_store_in_a_hidden_folder_lists_its_batches(tmp_path):
         r.key for r in again.list_batches("r")
     )
     assert not [k for k in keys if "/." in f"/{k}"]
+
+
+@pytest.mark.parametrize("root", ["exp[1]/runs", "runs*", "s3://bucket/exp?"])
+def test_a_root_fsspec_would_read_as_a_glob_is_refused_naming_it(tmp_path, root):
+    """fsspec expands [ ] * ? in the paths of a multi-key read: such a root would store its first
+    batch, then fail every index read after it. It is refused before anything is written."""
+    uri = root if "://" in root else str(tmp_path / root)
+    with pytest.raises(ValueError, match=r"storage URI .* holds .* glob pattern: choose a folder or prefix without"):
+        BatchStore(uri)
+    assert list(tmp_path.iterdir()) == []
