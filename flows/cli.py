@@ -98,6 +98,7 @@ def cmd_replay(argv: list[str]) -> int:
 
 def cmd_rescore(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="vime rescore",
         description="Score a run's stored samples again with a new reward function (no generation), store the new "
         "rewards beside the old ones (rescored/<run>/v<N>) and print what the old ones reached: per rollout, the "
@@ -147,7 +148,9 @@ def _store(args):
 
 def cmd_lineage(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="vime lineage", description="Lineage queries over the batch index (no batch is read, except by --turns)."
+        allow_abbrev=False,
+        prog="vime lineage",
+        description="Lineage queries over the batch index (no batch is read, except by --turns).",
     )
     _add_storage_arguments(parser)
     q = parser.add_mutually_exclusive_group(required=True)
@@ -249,7 +252,9 @@ def _decoder(tokenizer_path: str):
 
 
 def cmd_cluster(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime cluster", description="A local Ray head on loopback.")
+    parser = argparse.ArgumentParser(
+        prog="vime cluster", description="A local Ray head on loopback.", allow_abbrev=False
+    )
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument(
         "--num-gpus", type=int, default=1, help="Device slots to declare (GPUs, or slots on CPU machines)."
@@ -274,7 +279,7 @@ def cmd_cluster(argv: list[str]) -> int:
 
 
 def cmd_teardown(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vime teardown")
+    parser = argparse.ArgumentParser(prog="vime teardown", allow_abbrev=False)
     parser.add_argument("--run-name", required=True)
     parser.add_argument("--ray-address", default="auto")
     args = parser.parse_args(argv)
@@ -286,7 +291,9 @@ def cmd_teardown(argv: list[str]) -> int:
 
 def cmd_prune(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="vime prune", description="Remove stored batches by run and/or age (dry run unless --yes)."
+        allow_abbrev=False,
+        prog="vime prune",
+        description="Remove stored batches by run and/or age (dry run unless --yes).",
     )
     _add_storage_arguments(parser)
     parser.add_argument("--older-than-days", type=float, default=None)

@@ -15,6 +15,7 @@ from vime_core.config import (
     dp_size,
     engine_server_args,
     load_config,
+    make_config,
     num_engines,
     parse_args,
     rollout_concurrency,
@@ -198,3 +199,34 @@ def test_vime_train_help_is_instant():
     assert proc.returncode == 0, proc.stderr
     assert "--rollout-batch-size" in proc.stdout
     assert elapsed < 2.0, f"vime train --help took {elapsed:.2f}s"
+
+
+def test_an_abbreviated_flag_is_refused_not_taken_for_another_field(capsys):
+    """argparse would take `--clip` for the one flag it begins (clip_grad) and `--max-tokens` for
+    max_tokens_per_gpu: a user meaning eps_clip would train with the gradient clip changed."""
+    for abbreviated in (["--clip", "0.28"], ["--max-tokens", "4096"]):
+        with pytest.raises(SystemExit):
+            parse_args(abbreviated)
+        assert f"unrecognized arguments: {' '.join(abbreviated)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "values, says",
+    [
+        ({"max_tokens_per_gpu": 4096}, "max_tokens_per_gpu=4096 has no effect without use_dynamic_batch_size=true"),
+        ({"tis_clip": 3.0}, "tis_clip=3.0 has no effect without use_tis=true"),
+        ({"eps_clip": 1.0}, "eps_clip=1.0: the lower ratio bound 1 - eps_clip is <= 0"),
+        ({"num_rollout": 5, "start_rollout_id": 5}, "start_rollout_id=5 is at or past num_rollout=5"),
+        ({"rollout_stop": ["</answer>", ""]}, "rollout_stop[1] is empty"),
+        ({"storage_uri": ""}, "storage_uri is empty"),
+        ({"storage_uri": "S3://bucket/runs"}, "storage_uri: write its scheme 'S3' in lower case"),
+        ({"storage_uri": "s3:/bucket/runs"}, "storage_uri begins 's3:/', one slash after the scheme"),
+    ],
+)
+def test_a_setting_that_would_do_nothing_or_fail_late_is_refused(values, says):
+    """Each would run and do nothing (the micro-batch bound, the clip, the iterations), or fail only
+    after the engines started (vLLM's refusal of an empty stop string), or write elsewhere than
+    meant (a local folder `s3:`, the filesystem's root)."""
+    with pytest.raises(ConfigError) as err:
+        make_config(values)
+    assert says in str(err.value)

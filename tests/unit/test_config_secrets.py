@@ -104,3 +104,62 @@ def test_the_json_form_prefect_records_holds_no_credential_and_the_live_one_keep
     assert (
         CANARIES[1] in cfg.model_dump()["rm_url"] and pickle.loads(pickle.dumps(cfg)).vllm_extra_args[1] == CANARIES[2]
     )
+
+
+# An AWS secret access key holds "/" about half the time; a token may stand alone before "@"; some
+# services take their key as ?code= (Azure Functions), ?pwd= or ?jwt=.
+SLASHED = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+URL_FORMS = {
+    f"s3://AKIAIOSFODNN7EXAMPLE:{SLASHED}@bucket/prefix": SLASHED,
+    "https://hf_tokencanary@reward.example.com/score": "hf_tokencanary",
+    "https://rm.azurewebsites.net/api/score?code=Zm9vYmFyY2FuYXJ5&n=1": "Zm9vYmFyY2FuYXJ5",
+    "https://rm.example/s?pwd=pwdcanary": "pwdcanary",
+    "https://rm.example/s?jwt=jwtcanary": "jwtcanary",
+}
+
+
+def test_every_url_form_of_a_credential_is_redacted_and_refused_where_stored():
+    from vime_core.utils.secrets import carries_userinfo, redact_url
+
+    for url, secret in URL_FORMS.items():
+        once = redact_text(url, secrets=[])
+        assert secret not in once and secret not in redact_url(url) and redact_text(once, secrets=[]) == once, url
+    assert carries_userinfo(next(iter(URL_FORMS)))  # urlsplit ends the host at the secret's first "/"
+    assert carries_userinfo("https://hf_tokencanary@reward.example.com/score")
+    for plain in ("s3://bucket/key@v1", "s3://bucket/a:b@c", "http://127.0.0.1:8333/x"):
+        assert not carries_userinfo(plain) and redact_text(plain, secrets=[]) == plain, plain
+
+
+def test_a_storage_uri_or_endpoint_with_a_slashed_secret_is_refused_without_echoing_it(monkeypatch):
+    import pytest
+
+    from vime_core.config import make_config
+    from vime_core.storage.endpoint import EndpointCredentialsError, resolve_endpoint_url
+    from vime_core.storage.fs import open_location
+
+    with pytest.raises(ValueError, match="carries credentials") as err:
+        open_location(f"s3://AKIAIOSFODNN7EXAMPLE:{SLASHED}@bucket/prefix")
+    assert SLASHED not in str(err.value) and "K7MDENG" not in str(err.value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://admin:{SLASHED}@127.0.0.1:8333")
+    with pytest.raises(EndpointCredentialsError, match="carries credentials") as err:
+        resolve_endpoint_url()
+    assert "K7MDENG" not in str(err.value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    with pytest.raises(ValueError, match="vllm_cache_uri carries credentials") as err:
+        make_config({"vllm_cache_uri": f"s3://AKIAIOSFODNN7EXAMPLE:{SLASHED}@bucket/cache"})
+    assert "K7MDENG" not in str(err.value)
+
+
+def test_engine_urls_are_http_urls_given_once():
+    import pytest
+
+    from vime_core.config import make_config
+
+    attached = {"colocate": False, "offload_rollout": False}
+    with pytest.raises(ValueError, match=r"engine_urls\[0\]='' is not an http\(s\)://host:port URL"):
+        make_config({**attached, "engine_urls": [""]})  # an unset $URL: vime's own open engines
+    with pytest.raises(ValueError, match=r"engine_urls\[1\]='127.0.0.1:8000' is not an http"):
+        make_config({**attached, "engine_urls": ["http://127.0.0.1:8001", "127.0.0.1:8000"]})
+    with pytest.raises(ValueError, match=r"engine_urls\[1\] is engine_urls\[0\] again"):
+        make_config({**attached, "engine_urls": ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"]})
+    assert make_config({**attached, "engine_urls": ["http://127.0.0.1:8000", "https://e1:443"]}).engine_urls

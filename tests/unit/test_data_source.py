@@ -266,9 +266,12 @@ def test_some_rows_without_a_label_are_warned_about(tmp_path, caplog):
     assert "rows 2, 5, 6 (3 of 8 prompts) have no label (label_key 'label')" in caplog.text
     caplog.clear()
     unlabelled = _write_jsonl(tmp_path / "u.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    # no labels at all: refused with a built-in reward that scores against them
+    # (tests/unit/test_prompt_labels.py), one line with the user's own reward function
+    own = _cfg(rollout_max_prompt_len=MAX_LEN, custom_rm_path="vime_core.demo.task:reward")
     with caplog.at_level(logging.WARNING):
-        DataSource(_cfg(rollout_max_prompt_len=MAX_LEN), unlabelled, tokenizer=CharTokenizer())
-    assert caplog.text == ""  # no labels at all: a reward function that needs none
+        DataSource(own, unlabelled, tokenizer=CharTokenizer())
+    assert caplog.text.count("no row has label_key 'label' (its columns: prompt)") == 1
 
 
 def test_resume_with_dropped_rows_is_exact_and_refuses_other_drops(tmp_path):
@@ -301,11 +304,12 @@ def test_resume_with_dropped_rows_is_exact_and_refuses_other_drops(tmp_path):
 
 
 def test_chat_template_and_message_prompts(tmp_path):
-    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"prompt": [{"role": "user", "content": "yo"}]}])
+    rows = [{"prompt": "hi", "label": "a"}, {"prompt": [{"role": "user", "content": "yo"}], "label": "b"}]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
     src = DataSource(_cfg(apply_chat_template=True), path, tokenizer=CharTokenizer())
     texts = ["".join(chr(t) for t in r.tokens) for r in src.rows]
     assert texts == ["<user>hi<assistant>", "<user>yo<assistant>"]
-    assert src.rows[0].label is None
+    assert [r.label for r in src.rows] == ["a", "b"]
 
 
 def test_parquet_and_custom_keys(tmp_path):

@@ -294,7 +294,8 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_model_dir, monke
         return rendered[-1]
 
     monkeypatch.setattr(tok, "apply_chat_template", recording)
-    path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "hi"}, {"question": [{"role": "user", "content": "yo"}]}])
+    rows = [{"question": "hi", "answer": "a"}, {"question": [{"role": "user", "content": "yo"}], "answer": "b"}]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
 
     def texts(**over):
         cfg = _cfg(rollout_max_prompt_len=256, **over)

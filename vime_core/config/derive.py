@@ -7,13 +7,15 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
+from urllib.parse import urlsplit
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
 from vime_core.config.lora import check_lora
 from vime_core.algo.shaping import check_overlong_buffer
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
-from vime_core.utils.secrets import carries_userinfo
+from vime_core.utils.secrets import carries_userinfo, redact_url
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
 from vime_core.wire.shm_format import BACKEND_NAME as SHM
 
@@ -173,7 +175,8 @@ def derive_in_place(cfg: ConfigFields) -> None:
     check_overlong_buffer(cfg)
     _check_weight_transport(cfg)
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
-    _check_vllm_cache_uri(cfg)
+    _check_urls(cfg)
+    _check_run_settings(cfg)
     _check_critic(cfg)
     check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
@@ -285,7 +288,9 @@ def _check_tis(cfg: ConfigFields) -> None:
     """The use_tis family (slime's flags): its level, mode and lower bound only with it, and not
     beside use_rollout_logprobs, where the old policy is the engine's and every weight is 1."""
     if not cfg.use_tis:
-        _refuse_set(cfg, {"tis_level": "token", "tis_mode": "truncate", "tis_clip_low": None}, "use_tis=true")
+        _refuse_set(
+            cfg, {"tis_level": "token", "tis_mode": "truncate", "tis_clip": 2.0, "tis_clip_low": None}, "use_tis=true"
+        )
         return
     if cfg.use_rollout_logprobs:
         raise ValueError(
@@ -434,14 +439,63 @@ ENGINE_MANAGED_ENV = frozenset(
 )
 
 
-def _check_vllm_cache_uri(cfg: ConfigFields) -> None:
+def _check_run_settings(cfg: ConfigFields) -> None:
+    """Settings that would run and do nothing, or fail only after the engines started:
+    - max_tokens_per_gpu bounds a micro-batch only with use_dynamic_batch_size;
+    - eps_clip >= 1 puts the lower ratio bound 1 - eps_clip at or below 0, where it never clips;
+    - a start_rollout_id at or past num_rollout runs no iteration (and reports success);
+    - vLLM refuses every request with an empty stop string (the run would retry iteration 0);
+    - storage_uri is a local folder, file://... or scheme://bucket/... with a lower-case scheme
+      (`s3:/bucket` would be a local folder named `s3:`; "" the filesystem's root)."""
+    if cfg.max_tokens_per_gpu is not None and not cfg.use_dynamic_batch_size:
+        raise ValueError(
+            f"max_tokens_per_gpu={cfg.max_tokens_per_gpu} has no effect without use_dynamic_batch_size=true "
+            "(micro-batches are then micro_batch_size samples)"
+        )
+    if cfg.eps_clip >= 1:
+        raise ValueError(f"eps_clip={cfg.eps_clip}: the lower ratio bound 1 - eps_clip is <= 0, so it never clips")
+    if cfg.start_rollout_id is not None and cfg.start_rollout_id >= cfg.num_rollout:
+        raise ValueError(
+            f"start_rollout_id={cfg.start_rollout_id} is at or past num_rollout={cfg.num_rollout}: "
+            f"no iteration would run (rollout ids 0 .. {cfg.num_rollout - 1})"
+        )
+    if "" in cfg.rollout_stop:
+        raise ValueError(f"rollout_stop[{cfg.rollout_stop.index('')}] is empty: vLLM refuses an empty stop string")
+    uri = cfg.storage_uri
+    scheme, sep, _ = uri.partition("://")
+    if not uri.strip():
+        raise ValueError("storage_uri is empty: give a local folder or s3://bucket/prefix")
+    if sep and scheme != scheme.lower():
+        raise ValueError(f"storage_uri: write its scheme {scheme!r} in lower case ({scheme.lower()}://...)")
+    one_slash = re.match(r"(s3a?|gcs?|file|az|abfs|hf|memory):/(?!/)", uri, re.IGNORECASE)
+    if one_slash:
+        raise ValueError(
+            f"storage_uri begins {one_slash.group(0)!r}, one slash after the scheme, so it would be a local folder "
+            f"named {one_slash.group(1) + ':'!r}: write {one_slash.group(1)}://..."
+        )
+
+
+def _check_urls(cfg: ConfigFields) -> None:
     """A vllm_cache_uri that carries credentials (scheme://user:secret@host/...) is refused without
-    echoing it: it is stored with the run's configuration."""
+    echoing it: it is stored with the run's configuration (rm_url's and engine_urls' are redacted
+    there, as their servers may take them). Each of engine_urls is an http(s)://host[:port] URL,
+    given once: an empty entry, as from an unset shell variable, would start vime's own engines
+    past the engine_auth check."""
     if carries_userinfo(cfg.vllm_cache_uri):
         raise ValueError(
             "vllm_cache_uri carries credentials in its host part: refused (it is stored with the run's "
             "configuration); give them as for storage_uri (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)"
         )
+    seen: dict[str, int] = {}
+    for i, url in enumerate(cfg.engine_urls):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine_urls[{i}]={redact_url(url)!r} is not an http(s)://host:port URL")
+        same = seen.setdefault(redact_url(url), i)
+        if same != i:
+            raise ValueError(
+                f"engine_urls[{i}] is engine_urls[{same}] again ({redact_url(url)}): give each engine once"
+            )
 
 
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")

@@ -129,6 +129,7 @@ def build_parser(prog: str = "vime train", description: str | None = None) -> ar
         description=description,
         formatter_class=HelpFormatter,
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # `--clip 0.28` must not set clip_grad when eps_clip was meant
     )
     parser.add_argument("--config", dest="config_file", help="YAML or JSON file of field values; flags override it.")
     for name, field in VimeConfig.model_fields.items():

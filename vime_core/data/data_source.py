@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 
-from vime_core.data.prompt_checks import FIRST_ROWS, BadRows, length_problem, prompt_problem, warn_partial_labels
+from vime_core.data.prompt_checks import (
+    FIRST_ROWS,
+    BadRows,
+    length_problem,
+    prompt_problem,
+    refuse_unlabelled,
+    warn_partial_labels,
+)
 from vime_core.data.sample import Sample
 from vime_core.data.sources import describe, read_records
 
@@ -73,6 +80,7 @@ def read_prompt_rows(path: str, cfg, tokenizer: Any = None, split: Optional[str]
             unlabelled += [i] if len(unlabelled) <= FIRST_ROWS else []
     bad.settle(len(records), cfg.drop_bad_prompts)
     warn_partial_labels(where, unlabelled, num_unlabelled, len(rows), cfg.label_key)
+    refuse_unlabelled(where, len(rows), num_unlabelled, cfg, sorted({k for r in records[:FIRST_ROWS] for k in r}))
     return LoadedPrompts(rows, bad.counts)
 
 

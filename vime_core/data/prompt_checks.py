@@ -125,3 +125,21 @@ def warn_partial_labels(where: str, unlabelled: list[int], num_unlabelled: int, 
             num_kept,
             label_key,
         )
+
+
+# The built-in rewards (rewards/hub.BUILTIN_REWARDS) that score a response against the prompt's
+# label; tests/unit/test_prompt_labels.py keeps the two lists in step.
+LABEL_READING_REWARDS = ("math", "exact_match", "f1", "arith")
+
+
+def refuse_unlabelled(where: str, num_kept: int, num_unlabelled: int, cfg, columns: list[str]) -> None:
+    """No row kept has a label: with a built-in reward that scores against the label, every
+    reward would be that of a wrong answer and every group's advantage 0 (a run that learns
+    nothing and says nothing), so the source is refused naming label_key and the columns it has;
+    with a reward function of the user's (which may not read labels), one warning."""
+    if num_kept == 0 or num_unlabelled < num_kept:
+        return
+    says = f"prompt data {where}: no row has label_key {cfg.label_key!r} (its columns: {', '.join(columns)})"
+    if not cfg.custom_rm_path and cfg.rm_type in LABEL_READING_REWARDS:
+        raise ValueError(f"{says}; rm_type={cfg.rm_type!r} scores against the label: set --label-key")
+    log.warning("%s; the reward function gets None as every label", says)

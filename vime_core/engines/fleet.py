@@ -33,6 +33,7 @@ from vime_core.engines.router import PolicyRouter, Router
 from vime_core.engines.server import EngineServer
 from vime_core.utils.loop_thread import LoopThread
 from vime_core.utils.retry import poll_until
+from vime_core.utils.secrets import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class EngineFleet:
     @staticmethod
     def _wait_router_workers(router: Any, urls: list[str], timeout_s: float = 60.0) -> None:
         if not poll_until(lambda: not set(urls) - set(router.workers()), timeout_s, interval_s=0.2):
-            missing = sorted(set(urls) - set(router.workers()))
+            missing = sorted(redact_url(url) for url in set(urls) - set(router.workers()))
             raise RuntimeError(f"vllm-router did not register {missing} within {timeout_s} s:\n{router.log_tail()}")
 
     def _client(self, url: str, name: str, capture_peers: Optional[list[EngineClient]] = None) -> EngineClient:

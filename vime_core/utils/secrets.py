@@ -20,12 +20,12 @@ _CREDENTIAL_WORDS = (
 _CREDENTIAL_KEY = re.compile(f"({_CREDENTIAL_WORDS})", re.IGNORECASE)
 # Where a credential is kept is not a credential: rm_api_key_env, rm_api_key_file, ..._path.
 _LOCATION_KEY = re.compile(r"(_env|_file|_path|_dir)$", re.IGNORECASE)
-_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]+:)[^/@\s]+(?P<tail>@)")
+# user:password@ (the password may hold "/", as AWS secret keys do), and a token alone before "@"
+_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]+:)[^@\s]+(?P<tail>@)")
+_URI_TOKEN = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/:@\s]+(?P<tail>@)")
 _QUERY_CREDENTIAL = re.compile(
-    r"(?P<head>[?&;](?P<name>[^=&#\s\"']*(key|token|secret|signature|sig|passw|auth|credential)[^=&#\s\"']*)=)"
-    + "(?!"
-    + re.escape(REDACTED)
-    + r")[^&#\s\"']*",
+    r"(?P<head>[?&;](?P<name>[^=&#\s\"']*(key|token|secret|signature|sig|passw|pwd|auth|credential|code|jwt|cookie|"
+    r"session)[^=&#\s\"']*)=)" + "(?!" + re.escape(REDACTED) + r")[^&#\s\"']*",
     re.IGNORECASE,
 )
 _CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
@@ -48,6 +48,7 @@ def redact_text(text: str, secrets: list[str] | None = None) -> str:
     for value in credential_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
     text = _URI_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), text)
+    text = _URI_TOKEN.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), text)
     return _QUERY_CREDENTIAL.sub(lambda m: m.group("head") + REDACTED, text)
 
 
@@ -95,15 +96,31 @@ def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
     return obj
 
 
+def _userinfo(url: str) -> tuple[str, str]:
+    """(the userinfo of `url`, `url` without it). The userinfo is what comes between "://" and the
+    first "@" before any "?" or "#", when the user name before its first ":" (or the whole of it,
+    with no ":") holds no "/": a password may hold "/" (AWS secret keys do), where urlsplit would
+    end the host at the first "/" and take the rest for a path; `s3://bucket/key@v1` has none."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "", url
+    before_query = re.split(r"[?#]", rest, maxsplit=1)[0]
+    info, at, _ = before_query.partition("@")
+    if not at or "/" in info.partition(":")[0]:
+        return "", url
+    return info, f"{scheme}://{rest[len(info) + 1 :]}"
+
+
 def carries_userinfo(url: str) -> bool:
-    """Whether `url` has credentials in its host part (scheme://user:secret@host/...)."""
-    return "@" in urlsplit(url).netloc
+    """Whether `url` has credentials in its host part (scheme://user:secret@host/..., or a token
+    alone before the "@")."""
+    return bool(_userinfo(url)[0])
 
 
 def redact_url(url: str) -> str:
     """A URL to show in logs and errors: scheme, host, port and path; no user:password, query or
     fragment (a token may ride in a query string), no trailing slash."""
-    parts = urlsplit(url)
+    parts = urlsplit(_userinfo(url)[1])
     host = parts.hostname or ""
     if parts.port:
         host = f"{host}:{parts.port}"
