@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from vime_core.trainer import compat_cpu
+from vime_core.utils.tcp_store import LOOPBACK, joining_store, listening_store
 from vime_core.utils.processes import free_port  # noqa: F401  (re-exported: single-machine process groups)
 
 
@@ -75,9 +76,16 @@ def init_parallel(
     else:
         compat_cpu.activate()
     if not torch.distributed.is_initialized():
+        # rank 0's store listens on master_addr only (torch's own would take every interface)
+        if rank == 0:
+            store, _ = listening_store(master_addr, master_port, world_size, timeout_s)
+        else:
+            store = joining_store(master_addr, master_port, world_size, timeout_s)
+        if device != "cuda" and master_addr in LOOPBACK:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs too, not this host name's address
         torch.distributed.init_process_group(
             backend="nccl" if device == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from vime_core.utils.tcp_store import LOOPBACK, joining_store, listening_store
+
 NCCL_UNIQUE_ID_BYTES = 128
 NCCL_UINT8 = 1  # ncclDataType_t: ncclInt8 = 0, ncclUint8 = 1
 
@@ -84,24 +85,8 @@ class GlooGroup(BroadcastGroup):
 
 
 def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dict, Any]:
-    """Rank 0's TCP store on a socket bound to `host` (torch's own would listen on every
-    interface); port chosen by the OS."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-        use_libuv=False,
-    )
+    """Rank 0's TCP store listening on `host` only (utils/tcp_store.py); port chosen by the OS."""
+    store, port = listening_store(host, 0, world_size, timeout_s)
     return {"host": host, "port": port}, store
 
 
@@ -295,12 +280,6 @@ def open_group(
         return NcclGroup(rendezvous["unique_id"], rank, world_size, device, timeout_s)
     if carrier == "gloo":
         host, port = rendezvous["host"], int(rendezvous["port"])
-        store = (
-            local
-            if local is not None
-            else dist.TCPStore(
-                host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False
-            )
-        )
+        store = local if local is not None else joining_store(host, port, world_size, timeout_s)
         return GlooGroup(store, host, rank, world_size, timeout_s)
     raise ValueError(f"vime_broadcast: unknown carrier {carrier!r}")
