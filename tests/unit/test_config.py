@@ -221,6 +221,11 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_another_field(capsys):
         ({"storage_uri": ""}, "storage_uri is empty"),
         ({"storage_uri": "S3://bucket/runs"}, "storage_uri: write its scheme 'S3' in lower case"),
         ({"storage_uri": "s3:/bucket/runs"}, "storage_uri begins 's3:/', one slash after the scheme"),
+        ({"vllm_extra_args": ["--max-num-seqs=8", "--dtype=float16"]}, "vllm_extra_args[1] sets --dtype, which vime"),
+        ({"vllm_extra_args": ["--logprobs-mode", "raw_logprobs"]}, "sets --logprobs-mode, which vime sets for every"),
+        ({"vllm_extra_args": [""]}, "vllm_extra_args[0] is empty"),
+        ({"lora_rank": 8, "moe_aux_loss_coeff": 0.01}, "moe_aux_loss_coeff is for mixture-of-experts models"),
+        ({"lora_rank": 8, "use_rollout_routing_replay": True}, "use_rollout_routing_replay is for mixture-of-experts"),
     ],
 )
 def test_a_setting_that_would_do_nothing_or_fail_late_is_refused(values, says):
@@ -230,3 +235,33 @@ def test_a_setting_that_would_do_nothing_or_fail_late_is_refused(values, says):
     with pytest.raises(ConfigError) as err:
         make_config(values)
     assert says in str(err.value)
+
+
+def test_a_refused_credential_location_is_not_echoed():
+    """A user who gives the token itself where its variable's name goes (rm_api_key_env) does not
+    find it printed in the error; other refused values are shown."""
+    with pytest.raises(ConfigError) as err:
+        make_config({"rm_api_key_env": "sk-live-canary-123"})
+    assert "sk-live-canary-123" not in str(err.value) and "rm_api_key_env" in str(err.value)
+    with pytest.raises(ConfigError, match=r"rollout_batch_size: .*\(got -1\)"):
+        make_config({"rollout_batch_size": -1})
+
+
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        (
+            "dup.yaml",
+            "rollout_batch_size: 4\nseed: 1\nrollout_batch_size: 8\n",
+            "key 'rollout_batch_size' is given twice",
+        ),
+        ("dup.json", '{"seed": 1, "seed": 2}', "key 'seed' is given twice"),
+        ("spellings.yaml", "rollout_batch_size: 4\nrollout-batch-size: 8\n", "gives rollout_batch_size twice"),
+    ],
+)
+def test_a_field_given_twice_in_a_file_is_refused(tmp_path, name, text, says):
+    """YAML and JSON keep the last of two equal keys without a word: one of the two values the
+    user wrote would be dropped."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"config file .*{name}.*{says}"):
+        load_config(tmp_path / name)

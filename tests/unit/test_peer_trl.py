@@ -62,7 +62,7 @@ def test_settings_follow_the_configuration():
     kl = _cfg(base, use_kl_loss=True, kl_loss_coef=0.001)
     assert peer.peer_settings(kl)["beta"] == kl["kl_loss_coef"]
 
-    fixed = _cfg(base, use_dynamic_batch_size=False, micro_batch_size=6)
+    fixed = _cfg(base, use_dynamic_batch_size=False, max_tokens_per_gpu=None, micro_batch_size=6)
     micro = peer.peer_settings(fixed)["per_device_train_batch_size"]
     assert micro <= fixed["micro_batch_size"] and fixed["global_batch_size"] % micro == 0
     assert all(fixed["global_batch_size"] % d for d in range(micro + 1, fixed["micro_batch_size"] + 1))

@@ -170,7 +170,7 @@ def test_the_step_loss_is_the_ppo_loss_times_the_weights_over_every_loss_token(m
 
 
 def test_without_use_tis_the_loss_is_unweighted_and_the_default_is_the_tis_weight(monkeypatch):
-    plain, _, acc = _step_loss(monkeypatch, _is_config(use_tis=False))
+    plain, _, acc = _step_loss(monkeypatch, _is_config(use_tis=False, tis_clip=2.0))  # tis_clip: use_tis's
     assert acc.counts["tis_weight"] == 0
     truncated, _, _ = _step_loss(monkeypatch, _is_config())  # token / truncate: TIS as before
     ratios = [math.exp(c - o) for c, o in zip(_flat(CURRENT).tolist(), _flat(OLD).tolist())]
@@ -191,6 +191,7 @@ def test_without_use_tis_the_loss_is_unweighted_and_the_default_is_the_tis_weigh
         ({"tis_level": "sequence"}, r"tis_level=sequence has no effect without use_tis=true"),
         ({"tis_mode": "mask"}, r"tis_mode=mask has no effect without use_tis=true"),
         ({"tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without use_tis=true"),
+        ({"tis_clip": 3.0}, r"tis_clip=3.0 has no effect without use_tis=true"),
         ({"use_tis": True, "tis_clip_low": 0.5}, r"tis_clip_low=0.5 has no effect without tis_mode=mask"),
         ({"use_tis": True, "tis_mode": "mask", "tis_clip_low": 2.0}, r"tis_clip_low=2.0 must be below tis_clip=2.0"),
         (

@@ -1,6 +1,6 @@
 """The trainer's process group on loopback listens on loopback only: torch's TCP store master, given
 tcp://127.0.0.1:PORT, would listen on every interface (`::`), and take connections from the
-network for the actor's whole life (vime_core/utils/tcp_store.py)."""
+network for the actor's whole life (vime_core/wire/broadcast_group.listening_store)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vime_core.trainer.parallel import destroy_parallel, init_parallel
 from vime_core.utils.processes import free_port
-from vime_core.utils.tcp_store import listening_store
+from vime_core.wire.broadcast_group import listening_store
 
 LISTEN = "0A"  # the TCP state in /proc/net/tcp*
 

@@ -177,6 +177,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     engine_env(cfg)  # refuses a malformed, secret-looking or vime-managed vllm_env entry
     _check_urls(cfg)
     _check_run_settings(cfg)
+    _check_vllm_extra_args(cfg)
     _check_critic(cfg)
     check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
@@ -473,6 +474,39 @@ def _check_run_settings(cfg: ConfigFields) -> None:
             f"storage_uri begins {one_slash.group(0)!r}, one slash after the scheme, so it would be a local folder "
             f"named {one_slash.group(1) + ':'!r}: write {one_slash.group(1)}://..."
         )
+
+
+# The vLLM server options vime sets itself (engines/server.EngineServer.command) and where each
+# comes from: appended after them, vllm_extra_args would win, and the engine would differ from what
+# the trainer and the checks assume (another dtype or log-prob mode: other log-probs than the
+# recompute's; another port: a start that waits out its timeout).
+VIME_MANAGED_VLLM_FLAGS = {  # flag: the field to set instead, or why vime alone sets it
+    "--model": "hf_checkpoint",
+    "--host": "engine_bind_host",
+    "--port": "(a free port vime picks per engine)",
+    "--max-model-len": "rollout_max_context_len",
+    "--logprobs-mode": "(processed_logprobs: the log-probs the trainer recomputes)",
+    "--tensor-parallel-size": "rollout_num_gpus_per_engine",
+    "--seed": "seed",
+    "--dtype": "bf16",
+    "--gpu-memory-utilization": "vllm_gpu_memory_utilization",
+    "--enforce-eager": "vllm_enforce_eager",
+    "--worker-extension-cls": "(vime's worker extension: weight checks and versions)",
+    "--weight-transfer-config": "weight_transport",
+    "--middleware": "engine_auth",
+}
+
+
+def _check_vllm_extra_args(cfg: ConfigFields) -> None:
+    """vllm_extra_args adds options; it does not replace those vime sets (VIME_MANAGED_VLLM_FLAGS)."""
+    for i, word in enumerate(cfg.vllm_extra_args):
+        if not word.strip():
+            raise ValueError(f"vllm_extra_args[{i}] is empty")
+        flag = word.split("=", 1)[0]
+        source = VIME_MANAGED_VLLM_FLAGS.get(flag)
+        if source is not None:
+            instead = f"vime sets it {source}" if source.startswith("(") else f"set {source} instead"
+            raise ValueError(f"vllm_extra_args[{i}] sets {flag}, which vime sets for every engine: {instead}")
 
 
 def _check_urls(cfg: ConfigFields) -> None:

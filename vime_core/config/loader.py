@@ -27,7 +27,7 @@ from vime_core.config.derive import derive_in_place
 from vime_core.config.schema import ConfigFields
 from vime_core.config.demo_settings import DEMO_SETTINGS, with_demo_settings
 from vime_core.data.sources import parse_chat_template_kwargs
-from vime_core.utils.secrets import redact_secrets
+from vime_core.utils.secrets import is_credential_name, redact_secrets
 
 
 class VimeConfig(ConfigFields):
@@ -161,15 +161,41 @@ def _read_file(path: str | Path) -> dict:
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         else:
-            data = json.loads(text)
-    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
+    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError / a key given twice
         raise ConfigError(f"config file {path} does not parse: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of field names to values")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    return data
+    fields = [(k.replace("-", "_"), k) for k in data]
+    seen: dict[str, str] = {}
+    for name, key in fields:
+        if name in seen:
+            raise ConfigError(f"config file {path} gives {name} twice ({seen[name]!r} and {key!r})")
+        seen[name] = key
+    return {name: data[key] for name, key in fields}
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are each given once (json keeps the last silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a mapping that gives a key twice (it keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise yaml.constructor.ConstructorError(None, None, f"key {repeated[0]!r} is given twice", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _from_cli_string(name: str, raw: str) -> Any:
@@ -186,8 +212,19 @@ def make_config(values: dict, source: str = "configuration") -> VimeConfig:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "(config)"
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {field}: {msg} (got {err.get('input')!r})" if err["loc"] else f"  {msg}")
+            lines.append(
+                f"  {field}: {msg} (got {_shown_input(field, err.get('input'))})" if err["loc"] else f"  {msg}"
+            )
         raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def _shown_input(field: str, value: Any) -> str:
+    """A refused value as the error shows it: not at all for a field that names where a
+    credential lives (`rm_api_key_env`: a user may have given the token itself) or names one,
+    and redacted elsewhere."""
+    if is_credential_name(field) or field.endswith(("_env", "_file")):
+        return "a value not shown: the field may hold a credential"
+    return repr(redact_secrets(value))
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> VimeConfig:

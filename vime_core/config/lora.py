@@ -78,6 +78,17 @@ def check_lora(cfg: ConfigFields, has_critic: bool) -> None:
                 f"({layer.split('.')[-1]}), so they take one adapter together; name all of them"
             )
     cfg.target_modules = [n for n in HF_NAMES if n in names]
+    moe_only = {
+        "expert_model_parallel_size": cfg.expert_model_parallel_size > 1,
+        "use_rollout_routing_replay": cfg.use_rollout_routing_replay,
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff > 0,
+    }
+    for name, given in moe_only.items():
+        if given:  # LoRA refuses MoE models at trainer start; a dense model refuses these
+            raise ValueError(
+                f"lora_rank={cfg.lora_rank} with {name}={getattr(cfg, name)}: {name} is for mixture-of-experts "
+                "models, which LoRA does not train"
+            )
     if has_critic:
         raise ValueError(
             f"lora_rank={cfg.lora_rank} with advantage_estimator={cfg.advantage_estimator} (a critic) is not "

@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from vime_core.trainer import compat_cpu
-from vime_core.utils.tcp_store import LOOPBACK, joining_store, listening_store
+from vime_core.wire.broadcast_group import LOOPBACK, joining_store, listening_store
 from vime_core.utils.processes import free_port  # noqa: F401  (re-exported: single-machine process groups)
 
 

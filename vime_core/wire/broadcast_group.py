@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vime_core.utils.tcp_store import LOOPBACK, joining_store, listening_store
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 NCCL_UNIQUE_ID_BYTES = 128
 NCCL_UINT8 = 1  # ncclDataType_t: ncclInt8 = 0, ncclUint8 = 1
@@ -84,8 +84,40 @@ class GlooGroup(BroadcastGroup):
                 pass
 
 
+# torch's TCPStore master ignores the host it is given and listens on every interface (`::`): rank
+# 0 binds the socket itself, on the rendezvous host only, and hands it to the store. The trainer's
+# own process group uses these too (trainer/parallel.py).
+def listening_store(host: str, port: int, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """(rank 0's store listening on `host`:`port` only, the port): `port` 0 lets the OS choose.
+    The others join it with `joining_store`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen()
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
+    return store, port
+
+
+def joining_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A rank other than 0's connection to rank 0's store."""
+    return dist.TCPStore(
+        host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False
+    )
+
+
 def _serve_gloo_store(host: str, world_size: int, timeout_s: float) -> tuple[dict, Any]:
-    """Rank 0's TCP store listening on `host` only (utils/tcp_store.py); port chosen by the OS."""
+    """Rank 0's TCP store listening on `host` only (listening_store); port chosen by the OS."""
     store, port = listening_store(host, 0, world_size, timeout_s)
     return {"host": host, "port": port}, store
 
