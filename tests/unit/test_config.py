@@ -218,6 +218,8 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_another_field(capsys):
         ({"eps_clip": 1.0}, "eps_clip=1.0: the lower ratio bound 1 - eps_clip is <= 0"),
         ({"num_rollout": 5, "start_rollout_id": 5}, "start_rollout_id=5 is at or past num_rollout=5"),
         ({"rollout_stop": ["</answer>", ""]}, "rollout_stop[1] is empty"),
+        ({"prompt_data": "data/math.jsonl", "eval_interval": 10}, "eval_interval=10 needs eval_prompt_data"),
+        ({"device": "cuda", "engine_urls": ["http://10.0.0.5:8000"]}, "engine_urls with colocate=true"),
         ({"storage_uri": ""}, "storage_uri is empty"),
         ({"storage_uri": "S3://bucket/runs"}, "storage_uri: write its scheme 'S3' in lower case"),
         ({"storage_uri": "s3:/bucket/runs"}, "storage_uri begins 's3:/', one slash after the scheme"),

@@ -412,6 +412,11 @@ def _check_weight_transport(cfg: ConfigFields) -> None:
             f"weight_transport={cfg.weight_transport} needs CUDA engines; on CPU use shm "
             f"(engines on the trainer's machine), gloo (engines elsewhere) or disk"
         )
+    if cfg.engine_urls and cfg.colocate and cfg.device == "cuda":
+        raise ValueError(
+            "engine_urls with colocate=true: attached engines run outside the trainer's placement, so they can "
+            "neither share its GPUs (CUDA IPC) nor be put to sleep for its steps; set colocate=false"
+        )
     if cfg.weight_transport == "nccl" and cfg.colocate:
         raise ValueError(
             "weight_transport=nccl with colocate=true: the trainer's rank 0 and an engine worker "
@@ -445,6 +450,8 @@ def _check_run_settings(cfg: ConfigFields) -> None:
     - max_tokens_per_gpu bounds a micro-batch only with use_dynamic_batch_size;
     - eps_clip >= 1 puts the lower ratio bound 1 - eps_clip at or below 0, where it never clips;
     - a start_rollout_id at or past num_rollout runs no iteration (and reports success);
+    - eval_interval with the user's prompt_data and no eval_prompt_data fails at the first eval
+      (always due at the last rollout, before its checkpoint);
     - vLLM refuses every request with an empty stop string (the run would retry iteration 0);
     - storage_uri is a local folder, file://... or scheme://bucket/... with a lower-case scheme
       (`s3:/bucket` would be a local folder named `s3:`; "" the filesystem's root)."""
@@ -459,6 +466,11 @@ def _check_run_settings(cfg: ConfigFields) -> None:
         raise ValueError(
             f"start_rollout_id={cfg.start_rollout_id} is at or past num_rollout={cfg.num_rollout}: "
             f"no iteration would run (rollout ids 0 .. {cfg.num_rollout - 1})"
+        )
+    if cfg.eval_interval and cfg.prompt_data and not cfg.eval_prompt_data:
+        raise ValueError(
+            f"eval_interval={cfg.eval_interval} needs eval_prompt_data with your own prompt_data (only the "
+            "embedded task brings an eval set); without it the run would fail at its first eval rollout"
         )
     if "" in cfg.rollout_stop:
         raise ValueError(f"rollout_stop[{cfg.rollout_stop.index('')}] is empty: vLLM refuses an empty stop string")
