@@ -226,6 +226,11 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_another_field(capsys):
         ({"vllm_extra_args": ["--max-num-seqs=8", "--dtype=float16"]}, "vllm_extra_args[1] sets --dtype, which vime"),
         ({"vllm_extra_args": ["--logprobs-mode", "raw_logprobs"]}, "sets --logprobs-mode, which vime sets for every"),
         ({"vllm_extra_args": [""]}, "vllm_extra_args[0] is empty"),
+        (
+            {"custom_rm_path": "my_rewards.fixed"},
+            "custom_rm_path='my_rewards.fixed': expected 'package.module:function'",
+        ),
+        ({"dynamic_sampling_filter_path": "a:b:c"}, "dynamic_sampling_filter_path='a:b:c': expected"),
         ({"lora_rank": 8, "moe_aux_loss_coeff": 0.01}, "moe_aux_loss_coeff is for mixture-of-experts models"),
         ({"lora_rank": 8, "use_rollout_routing_replay": True}, "use_rollout_routing_replay is for mixture-of-experts"),
     ],

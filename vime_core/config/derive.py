@@ -178,6 +178,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
     _check_urls(cfg)
     _check_run_settings(cfg)
     _check_vllm_extra_args(cfg)
+    _check_hook_paths(cfg)
     _check_critic(cfg)
     check_lora(cfg, get_adv_estimator(cfg.advantage_estimator).critic)
     _check_group_size(cfg)
@@ -507,6 +508,27 @@ VIME_MANAGED_VLLM_FLAGS = {  # flag: the field to set instead, or why vime alone
     "--weight-transfer-config": "weight_transport",
     "--middleware": "engine_auth",
 }
+
+
+HOOK_FIELDS = (
+    "rollout_function_path",
+    "custom_generate_function_path",
+    "dynamic_sampling_filter_path",
+    "custom_rm_path",
+)
+
+
+def _check_hook_paths(cfg: ConfigFields) -> None:
+    """A hook is `package.module:function` or `file.py:function` (utils/imports.load_function):
+    one of another shape is refused here, not once the RolloutManager loads it after the engines
+    started."""
+    for field in HOOK_FIELDS:
+        value = getattr(cfg, field)
+        module, colon, function = value.partition(":")
+        if value and (not colon or ":" in function or not module.strip() or not function.strip()):
+            raise ValueError(
+                f"{field}={value!r}: expected 'package.module:function' or 'file.py:function' (exactly one ':')"
+            )
 
 
 def _check_vllm_extra_args(cfg: ConfigFields) -> None:

@@ -119,13 +119,18 @@ def server_status(data_dir: str | Path) -> S3Server | None:
     return server if pid_alive(server.pid) and _is_our_weed(server.pid, server.data_dir) else None
 
 
-def _ready(endpoint: str, bucket: str) -> bool:
-    fs = s3fs.S3FileSystem(
+def _probe_client(endpoint: str) -> s3fs.S3FileSystem:
+    """A client for readiness probes: one try per request, short timeouts, nothing cached."""
+    return s3fs.S3FileSystem(
         endpoint_url=endpoint,
         skip_instance_cache=True,
         use_listings_cache=False,
         config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
     )
+
+
+def _ready(endpoint: str, bucket: str) -> bool:
+    fs = _probe_client(endpoint)
     try:
         if not fs.exists(bucket):
             fs.mkdir(bucket)
@@ -139,12 +144,7 @@ def objects_readable(endpoint: str, bucket: str) -> bool:
     """Every object in `bucket` answers a one-byte read. Started again on a data folder, the server
     lists the bucket (its filer) seconds before its volume server has reported the volumes that
     hold the bytes; a read in between fails with InternalError (HTTP 500)."""
-    fs = s3fs.S3FileSystem(
-        endpoint_url=endpoint,
-        skip_instance_cache=True,
-        use_listings_cache=False,
-        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5},
-    )
+    fs = _probe_client(endpoint)
     try:
         for path, info in fs.find(bucket, detail=True).items():
             if info.get("size", 0) > 0:
