@@ -70,6 +70,10 @@ def resolve_run_config(cfg: VimeConfig, base: Path | None = None) -> VimeConfig:
         resolved = resolved.model_copy(update={"prompt_data": str(path)})
         if not resolved.eval_prompt_data:
             resolved = resolved.model_copy(update={"eval_prompt_data": str(path)})
+    for field in ("ref_load", "critic_load"):  # read by the trainer actors, after the engines started
+        value = getattr(resolved, field)
+        if value and not _is_remote(value) and not Path(value.removeprefix("file://")).exists():
+            raise FileNotFoundError(f"{field}: {value} does not exist")
     check_source(resolved.prompt_data, resolved.prompt_data_split, resolved.input_key)
     if resolved.eval_prompt_data:
         eval_split = resolved.eval_prompt_data_split or resolved.prompt_data_split

@@ -112,3 +112,30 @@ def test_snapshot_without_config_json_is_refused(hub_cache, tmp_path):
     cache_snapshot(hub_cache, "vime-test/no-config", source)
     with pytest.raises(HubCheckpointError, match="no config.json"):
         resolve_hf_checkpoint("vime-test/no-config", tmp_path)
+
+
+def test_a_local_folder_without_config_json_is_refused_naming_the_field(tmp_path):
+    """A folder that exists but is not a Hugging Face model (a Megatron checkpoint, weights alone):
+    refused on the driver, naming the field, not by the trainer and every engine after their start."""
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(HubCheckpointError, match=r"^opd_teacher_load: .*weights-only holds no config.json"):
+        resolve_hf_checkpoint(str(folder), tmp_path, "opd_teacher_load")
+
+
+@pytest.mark.parametrize(
+    "field, extra", [("ref_load", {"use_kl_loss": True}), ("critic_load", {"advantage_estimator": "ppo"})]
+)
+def test_a_missing_reference_or_critic_checkpoint_is_named_before_the_actors_start(
+    tiny_model_dir, tmp_path, field, extra
+):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    values = {
+        "hf_checkpoint": str(tiny_model_dir),
+        "storage_uri": str(tmp_path / "s"),
+        "prompt_data": str(tmp_path / "p.jsonl"),
+    }
+    cfg = make_config({**values, **extra, field: str(tmp_path / "absent")})
+    with pytest.raises(FileNotFoundError, match=f"^{field}: .*absent does not exist"):
+        resolve_run_config(cfg, base=tmp_path)

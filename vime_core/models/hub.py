@@ -54,6 +54,11 @@ def resolve_hf_checkpoint(value: str, base: Path, field: str = "hf_checkpoint") 
     local = Path(value.removeprefix("file://")).expanduser()
     local = local if local.is_absolute() else base / local
     if local.is_dir():
+        if not (local / "config.json").is_file():  # else the trainer and every engine fail on it, later
+            raise HubCheckpointError(
+                f"{field}: {local} holds no config.json: not a Hugging Face model folder "
+                "(config.json, tokenizer files and *.safetensors)"
+            )
         return os.path.abspath(local)
     parsed = parse_hub_id(value)
     if parsed is None or value.startswith(("/", ".", "~", "file://")):
