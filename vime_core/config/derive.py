@@ -510,6 +510,18 @@ VIME_MANAGED_VLLM_FLAGS = {  # flag: the field to set instead, or why vime alone
 }
 
 
+def _check_vllm_extra_args(cfg: ConfigFields) -> None:
+    """vllm_extra_args adds options; it does not replace those vime sets (VIME_MANAGED_VLLM_FLAGS)."""
+    for i, word in enumerate(cfg.vllm_extra_args):
+        if not word.strip():
+            raise ValueError(f"vllm_extra_args[{i}] is empty")
+        flag = word.split("=", 1)[0]
+        source = VIME_MANAGED_VLLM_FLAGS.get(flag)
+        if source is not None:
+            instead = f"vime sets it {source}" if source.startswith("(") else f"set {source} instead"
+            raise ValueError(f"vllm_extra_args[{i}] sets {flag}, which vime sets for every engine: {instead}")
+
+
 HOOK_FIELDS = (
     "rollout_function_path",
     "custom_generate_function_path",
@@ -529,18 +541,6 @@ def _check_hook_paths(cfg: ConfigFields) -> None:
             raise ValueError(
                 f"{field}={value!r}: expected 'package.module:function' or 'file.py:function' (exactly one ':')"
             )
-
-
-def _check_vllm_extra_args(cfg: ConfigFields) -> None:
-    """vllm_extra_args adds options; it does not replace those vime sets (VIME_MANAGED_VLLM_FLAGS)."""
-    for i, word in enumerate(cfg.vllm_extra_args):
-        if not word.strip():
-            raise ValueError(f"vllm_extra_args[{i}] is empty")
-        flag = word.split("=", 1)[0]
-        source = VIME_MANAGED_VLLM_FLAGS.get(flag)
-        if source is not None:
-            instead = f"vime sets it {source}" if source.startswith("(") else f"set {source} instead"
-            raise ValueError(f"vllm_extra_args[{i}] sets {flag}, which vime sets for every engine: {instead}")
 
 
 def _check_urls(cfg: ConfigFields) -> None:
