@@ -159,8 +159,11 @@ def _colocated(f: dict) -> str:
     p = f["phases_median_s"]
     if not f["iterations"]:
         return "no iteration ran (the row's note and exit say why)"
+    # rows before t_step_recurring: T_step with the last iteration's checkpoint in it
+    step = p.get("t_step_recurring") or p["t_step"]
+    periodic = "" if p.get("t_step_recurring") is None else " (eval and checkpoint apart)"
     return (
-        f"{f['iterations']} iterations: T_step {p['t_step']:.1f} s = rollout {p['t_rollout']:.1f} + train "
+        f"{f['iterations']} iterations: T_step {step:.1f} s{periodic} = rollout {p['t_rollout']:.1f} + train "
         f"{p['t_train']:.1f} + ...; publish {p.get('publish_s', 0):.2f} s"
     )
 

@@ -45,6 +45,9 @@ T_STEP_TERMS = {
     "onload": (Phase.ONLOAD_WEIGHTS, Phase.ONLOAD_KV),
     "sync": (Phase.SYNC,),
 }
+# The phases that run every eval_interval / save_interval iterations only (t_eval, t_save): T_step
+# includes them where they ran; report.records.recurring_step_s leaves them out.
+PERIODIC_TERMS = ("eval", "save")
 # The reward curve and its artifact every 10th iteration and on the last (drawing is not free,
 # the artifact one more API call); the metrics table every iteration.
 CURVE_EVERY = 10
@@ -215,6 +218,9 @@ def iteration_record(
         record["eval_reward_mean"] = get(Phase.EVAL).get("eval/reward_mean")  # RolloutManager.eval's keys
     if plan.save_due:
         record["checkpoint"] = get(Phase.SAVE).get("path")
+    # the periodic phases, apart: T_step includes them on the iterations they run (PERIODIC_TERMS)
+    record["t_eval"] = get(Phase.EVAL).get("t_eval", 0.0)
+    record["t_save"] = get(Phase.SAVE).get("t_save", 0.0)
     record["t_step"] = t_step
     record["ledger"] = iteration_ledger(rollout_metrics.get(ROLLOUT_TOKENS), record, plan.devices)
     return record

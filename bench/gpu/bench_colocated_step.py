@@ -501,10 +501,13 @@ def phase_report(a, paths: dict) -> dict:
             ratios["logprobs_cost"] = costs.get("default", next(iter(costs.values())))
             out["logprobs_cost_by_server"] = costs
     if run:
+        from vime_core.report.records import recurring_step_s  # boundary: fsspec, on the path after host_setup
+
         recs = [r for r in run.get("records", []) if r.get("rollout_id", 0) >= 1] or run.get("records", [])
         vime = {
             "iterations": len(run.get("records", [])),
-            "t_step_s": _median([r.get("t_step") for r in recs]),
+            # the step every iteration pays: the last iteration's checkpoint (t_save) apart
+            "t_step_s": _median([recurring_step_s(r) for r in recs]),
             "phases_s": {
                 k: _median([r.get(k) for r in recs])
                 for k in (
@@ -515,6 +518,8 @@ def phase_report(a, paths: dict) -> dict:
                     "t_offload_rollout",
                     "t_offload_train",
                     "t_persist",
+                    "t_eval",
+                    "t_save",
                 )
             },
             "rollout_tokens_per_s": _median([r["output_tokens"] / r["t_rollout"] for r in recs if r.get("t_rollout")]),

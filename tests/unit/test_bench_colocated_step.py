@@ -19,9 +19,11 @@ step = load_bench("gpu/bench_colocated_step.py", "bench_colocated_step")
 
 
 def _record(rollout_id: int, reused: bool) -> dict:
+    t_save = 25.0 if rollout_id == 1 else 0.0  # a checkpoint in iteration 1: the step's median leaves it out
     return {
         "rollout_id": rollout_id,
-        "t_step": 10.0 + rollout_id,
+        "t_step": 10.0 + rollout_id + t_save,
+        "t_save": t_save,
         "t_rollout": 6.0,
         "t_train": 3.0,
         "output_tokens": 240_000,
@@ -120,7 +122,7 @@ def test_the_report_reads_the_phases_files(tmp_path, monkeypatch, reused):
     monkeypatch.setenv("VIME_GIT_SHA", "abc1234")
     a = _lay_out(tmp_path, reused)
     out = step.phase_report(a, {"results": tmp_path / "bench"})
-    t_step = 12.0  # median of 11, 12, 13 (iteration 0 left out)
+    t_step = 12.0  # median of 11, 12, 13 (iteration 0 left out; iteration 1's checkpoint apart)
     parts = 4.0 + 2.0 + (0.0 if reused else 1.0)
     assert out["parts_s"] == pytest.approx(parts) and out["parts_include_logprob_recompute"] is (not reused)
     assert out["ratios"]["step_vs_parts"] == pytest.approx(t_step / parts)

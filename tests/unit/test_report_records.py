@@ -3,7 +3,7 @@
 import pytest
 
 from vime_core.report.curve import reward_curve_png
-from vime_core.report.records import append_record, console_line, read_records, reward_gain
+from vime_core.report.records import append_record, console_line, read_records, recurring_step_s, reward_gain
 
 
 def test_records_keep_last_per_rollout_id(tmp_path):
@@ -147,3 +147,15 @@ def test_preload_imports_pyplot_in_the_calling_thread():
     )
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120)
+
+
+def test_the_recurring_step_leaves_out_the_eval_and_checkpoint_that_ran():
+    phases = {"t_rollout": 10.0, "t_train": 4.0}
+    plain = {"rollout_id": 1, "t_step": 15.0, "t_eval": 0.0, "t_save": 0.0, **phases}
+    saving = {"rollout_id": 2, "t_step": 36.0, "t_eval": 1.5, "t_save": 20.0, **phases}
+    assert recurring_step_s(plain) == plain["t_step"]
+    assert recurring_step_s(saving) == saving["t_step"] - saving["t_eval"] - saving["t_save"]
+    assert recurring_step_s({"rollout_id": 0, "t_step": 2.0}) == 2.0  # a record from before the two were kept
+    assert recurring_step_s({"rollout_id": 0}) is None
+    assert "eval" not in console_line(plain) and "save" not in console_line(plain)
+    assert "T_step 36.00s" in console_line(saving) and "eval 1.50 save 20.00]" in console_line(saving)

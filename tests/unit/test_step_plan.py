@@ -71,7 +71,7 @@ def test_record_from_the_phases_results():
             "trainer_memory_after_publish": [{"allocated_bytes": 1}],
         },
         Phase.CHECK_WEIGHTS: {"max_abs_diff": 0.01},
-        Phase.SAVE: {"path": "ckpt/2"},
+        Phase.SAVE: {"path": "ckpt/2", "t_save": 4.5},
     }
     rec = iteration_record(
         plan, {"rollout/reward_mean": 0.7, "rollout/time_build_s": 0.02, "rollout/hist": [1]}, False, done, 9.0
@@ -86,6 +86,7 @@ def test_record_from_the_phases_results():
     assert rec["memory"]["trainer_after_train"] == [{"allocated_bytes": 8, "peak_allocated_bytes": 11}]
     assert rec["weight_check"] == {"max_abs_diff": 0.01} and rec["checkpoint"] == "ckpt/2" and rec["t_step"] == 9.0
     assert "eval_reward_mean" not in rec
+    assert rec["t_save"] == 4.5 and rec["t_eval"] == 0.0  # the periodic phases, apart from T_step's terms
 
 
 def test_bootstrap_publishes_to_engines_at_another_version_or_woken_from_sleep():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Iterable
 
-from vime_core.step_plan import T_STEP_TERMS
+from vime_core.step_plan import PERIODIC_TERMS, T_STEP_TERMS
 from vime_core.storage.fs import open_location
 from vime_core.storage.layout import RUN_CONFIG, run_dir
 
@@ -82,8 +82,22 @@ def console_line(rec: dict) -> str:
         f"iter {rec['rollout_id']:>3} v{rec.get('version_before', '?')}->v{rec.get('version_after', '?')} "
         f"reward {_fmt(rec.get('reward_mean'))} len {_fmt(rec.get('response_len_mean'), '.2f')} "
         f"clip {_fmt(rec.get('clip_fraction'))} {_skipped(rec)}{critic}T_step {_fmt(rec.get('t_step'), '.2f')}s "
-        f"[{phases}]{early}"
+        f"[{phases}{_periodic(rec)}]{early}"
     )
+
+
+def recurring_step_s(rec: dict) -> float | None:
+    """T_step less the periodic phases that ran in it (T_eval, T_save): the step a run pays every
+    iteration, what a step time is compared on (a checkpoint of the optimizer state can double it).
+    None for a record without t_step."""
+    if rec.get("t_step") is None:
+        return None
+    return rec["t_step"] - sum(rec.get("t_" + term) or 0.0 for term in PERIODIC_TERMS)
+
+
+def _periodic(rec: dict) -> str:
+    """` eval 3.10 save 20.02`: the periodic phases that ran in this iteration."""
+    return "".join(f" {term} {rec['t_' + term]:.2f}" for term in PERIODIC_TERMS if rec.get("t_" + term))
 
 
 def _skipped(rec: dict) -> str:
