@@ -100,11 +100,17 @@ def test_engine_server_args():
         ({"advantage_estimator": "dpo"}, "advantage_estimator"),
         ({"use_dynamic_batch_size": True}, "max_tokens_per_gpu"),
         ({"rm_type": "remote_rm"}, "rm_url"),
+        ({"rm_type": "maths"}, r"rm_type='maths' is unknown; known: arith, exact_match, f1, math, remote_rm"),
     ],
 )
 def test_bad_values_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         load_config(overrides=over)
+
+
+def test_an_unknown_rm_type_passes_with_the_users_own_reward():
+    cfg = load_config(overrides={"rm_type": "maths", "custom_rm_path": "vime_core.demo.task:reward"})
+    assert cfg.custom_rm_path == "vime_core.demo.task:reward"  # custom_rm_path overrides rm_type
 
 
 def test_unknown_field_rejected():

@@ -11,8 +11,8 @@ import pytest
 
 from vime_core.config import make_config
 from vime_core.data.data_source import read_prompt_rows
-from vime_core.data.prompt_checks import LABEL_READING_REWARDS
-from vime_core.rewards import BUILTIN_REWARDS
+from vime_core.builtin_rewards import BUILTIN_REWARDS, LABEL_READING_REWARDS
+from vime_core.utils.imports import load_function
 
 
 def _source(tmp_path, rows: list[dict]) -> str:
@@ -24,12 +24,13 @@ def _source(tmp_path, rows: list[dict]) -> str:
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 
 
-def test_the_label_reading_rewards_are_built_in_ones():
-    assert set(LABEL_READING_REWARDS) <= set(BUILTIN_REWARDS)
-    assert set(BUILTIN_REWARDS) - set(LABEL_READING_REWARDS) == {"remote_rm"}  # scores prompt and response
+def test_every_built_in_reward_loads_and_all_but_the_remote_model_read_the_label():
+    for name, reward in BUILTIN_REWARDS.items():
+        assert name == "remote_rm" or callable(load_function(reward.function, field="rm_type"))
+    assert set(BUILTIN_REWARDS) - LABEL_READING_REWARDS == {"remote_rm"}  # scores prompt and response
 
 
-@pytest.mark.parametrize("rm_type", LABEL_READING_REWARDS)
+@pytest.mark.parametrize("rm_type", sorted(LABEL_READING_REWARDS))
 def test_a_source_without_the_label_is_refused_naming_the_key(tmp_path, rm_type):
     cfg = make_config({"rm_type": rm_type})
     with pytest.raises(

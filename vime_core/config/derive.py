@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
 from vime_core.config.lora import check_lora
 from vime_core.algo.shaping import check_overlong_buffer
+from vime_core.builtin_rewards import BUILTIN_REWARDS
 from vime_core.config.optimizer import derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
 from vime_core.utils.secrets import carries_userinfo, redact_url
@@ -153,8 +154,7 @@ def derive_in_place(cfg: ConfigFields) -> None:
         raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
     if cfg.eps_clip_c is not None and cfg.eps_clip_c <= 1.0:
         raise ValueError(f"eps_clip_c={cfg.eps_clip_c} must be > 1")
-    if cfg.rm_type == "remote_rm" and not cfg.rm_url and not cfg.custom_rm_path:
-        raise ValueError("rm_type=remote_rm needs rm_url")
+    check_rm_type(cfg)
     if dp_size(cfg) % cfg.expert_model_parallel_size:  # Megatron: TP x EP divides the world (expert TP = TP)
         raise ValueError(
             f"expert_model_parallel_size={cfg.expert_model_parallel_size} does not divide the data-parallel size "
@@ -264,6 +264,19 @@ def _refuse_set(cfg: ConfigFields, defaults: dict[str, object], without: str) ->
     for name, default in defaults.items():
         if getattr(cfg, name) != default:
             raise ValueError(f"{name}={getattr(cfg, name)} has no effect without {without}")
+
+
+def check_rm_type(cfg: ConfigFields) -> None:
+    """Without custom_rm_path, rm_type names a built-in reward (and remote_rm has its rm_url): a
+    typo fails here, in one line naming the field, not after the engines have started."""
+    if cfg.custom_rm_path:
+        return
+    if cfg.rm_type not in BUILTIN_REWARDS:
+        raise ValueError(
+            f"rm_type={cfg.rm_type!r} is unknown; known: {', '.join(sorted(BUILTIN_REWARDS))} (or set custom_rm_path)"
+        )
+    if cfg.rm_type == "remote_rm" and not cfg.rm_url:
+        raise ValueError("rm_type=remote_rm needs rm_url")
 
 
 def _check_kl(cfg: ConfigFields) -> None:

@@ -449,8 +449,8 @@ class ConfigFields(BaseModel):
     rm_type: str = Field(
         "arith",
         description=(
-            "Built-in reward: math (boxed/final-number checker), exact_match, f1, remote_rm, or a task name "
-            "registered in vime_core.rewards (e.g. arith)."
+            "Built-in reward (vime_core/builtin_rewards.py): math (boxed/final-number checker), exact_match, f1, "
+            "arith (the demo task's), remote_rm. Anything else is refused unless custom_rm_path is set."
         ),
     )
     custom_rm_path: str = Field(

@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from vime_core.builtin_rewards import LABEL_READING_REWARDS
+
 log = logging.getLogger(__name__)
 
 FIRST_ROWS = 5  # row numbers named per reason in a summary
@@ -125,11 +127,6 @@ def warn_partial_labels(where: str, unlabelled: list[int], num_unlabelled: int, 
             num_kept,
             label_key,
         )
-
-
-# The built-in rewards (rewards/hub.BUILTIN_REWARDS) that score a response against the prompt's
-# label; tests/unit/test_prompt_labels.py keeps the two lists in step.
-LABEL_READING_REWARDS = ("math", "exact_match", "f1", "arith")
 
 
 def refuse_unlabelled(where: str, num_kept: int, num_unlabelled: int, cfg, columns: list[str]) -> None:

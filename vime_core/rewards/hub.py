@@ -12,18 +12,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from vime_core.config import VimeConfig
+from vime_core.builtin_rewards import BUILTIN_REWARDS
+from vime_core.config.derive import check_rm_type
 from vime_core.data.sample import Sample, Status
 from vime_core.rewards.remote import RemoteRewardModel
 from vime_core.rewards.values import InvalidRewardError, as_reward, type_name
 from vime_core.utils.imports import load_function
-
-BUILTIN_REWARDS: dict[str, str] = {
-    "math": "vime_core.rewards.math_checker:math_reward",
-    "exact_match": "vime_core.rewards.scorers:exact_match_reward",
-    "f1": "vime_core.rewards.scorers:f1_reward",
-    "arith": "vime_core.demo.task:reward",
-    "remote_rm": "",  # built from cfg.rm_url below
-}
 
 
 def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -56,6 +50,7 @@ def remote_rm_token(cfg, environ: Mapping[str, str] = os.environ) -> Optional[st
 class RewardHub:
     def __init__(self, cfg) -> None:
         self.group_rm = bool(cfg.group_rm)
+        check_rm_type(cfg)  # a configuration made without derive (a test's, a hook's) is checked here too
         if cfg.custom_rm_path:
             self.fn: Callable = load_function(cfg.custom_rm_path, field="custom_rm_path")
             self.name = cfg.custom_rm_path
@@ -66,14 +61,10 @@ class RewardHub:
             self.fn = RemoteRewardModel(cfg.rm_url, timeout_s=cfg.rm_timeout_s, headers=headers)
             self.name = "remote_rm"
             self.fn_takes_group = False
-        elif cfg.rm_type in BUILTIN_REWARDS:
-            self.fn = load_function(BUILTIN_REWARDS[cfg.rm_type], field="rm_type")
+        else:
+            self.fn = load_function(BUILTIN_REWARDS[cfg.rm_type].function, field="rm_type")
             self.name = cfg.rm_type
             self.fn_takes_group = False
-        else:
-            raise ValueError(
-                f"rm_type={cfg.rm_type!r} is unknown; known: {sorted(BUILTIN_REWARDS)} (or set custom_rm_path)"
-            )
 
     def __repr__(self) -> str:
         return f"RewardHub({self.name}, group_rm={self.group_rm})"
