@@ -19,11 +19,6 @@ LOOPBACK_ENV = {
     # unless the user set RAY_AUTH_MODE.
     "RAY_AUTH_MODE": "disabled",
 }
-# A Ray node vime starts on this machine (its raylet, so every worker it starts) and a driver that
-# attaches to one collect and export no Ray metrics: with the dashboard off nothing reads them, and
-# on the 2-core box the default job's start took 0.88x the time without them (bench/run.py startup,
-# early_ray_metrics_on). The user's environment wins (setdefault / os.environ after these).
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}
 DRIVER_NAMESPACE = "vime"
 
 
@@ -44,14 +39,9 @@ def actor_env() -> dict[str, str]:
     return env
 
 
-def is_local_address(address: str) -> bool:
-    """`auto` (the local head) or a head on a loopback address: a node vime started on this machine."""
-    return address == "auto" or address.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "localhost", "::1")
-
-
 def ensure_ray(address: str = "auto"):
     """Attach to the cluster at `address` (idempotent). `auto` means the running local head."""
-    for k, v in {**LOOPBACK_ENV, **(LOCAL_RAY_ENV if is_local_address(address) else {})}.items():
+    for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
     import ray
 

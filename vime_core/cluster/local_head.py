@@ -28,7 +28,7 @@ TEMP_DIR_ENV = "VIME_RAY_TEMP_DIR"  # the command lines' default --temp-dir
 NUM_GPUS_ENV = "VIME_NUM_GPUS"  # this module's default --num-gpus
 STATE_FILE = "vime_head.json"
 WORKER_STATE_FILE = "vime_worker.json"
-from vime_core.cluster.connect import LOCAL_RAY_ENV, LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
+from vime_core.cluster.connect import LOOPBACK_ENV  # noqa: E402  (one definition for heads and drivers)
 
 
 def _ray_command() -> list[str]:
@@ -110,7 +110,6 @@ def _ray_start(
     the process group the node's daemons inherit) and its output."""
     env = {
         **LOOPBACK_ENV,
-        **LOCAL_RAY_ENV,
         **os.environ,
         **env,
         "AUTOSCALER_METRIC_PORT": str(free_port()),
