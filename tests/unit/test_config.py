@@ -113,6 +113,32 @@ def test_an_unknown_rm_type_passes_with_the_users_own_reward():
     assert cfg.custom_rm_path == "vime_core.demo.task:reward"  # custom_rm_path overrides rm_type
 
 
+def test_what_each_estimator_reads_passes():
+    """The settings the refusals above name pass where they are read."""
+    load_config(overrides={"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1})
+    load_config(overrides={"advantage_estimator": "ppo", "gamma": 0.99, "lambd": 0.95})
+    load_config(overrides={"advantage_estimator": "grpo", "grpo_std_normalization": False})
+    load_config(overrides={"advantage_estimator": "cispo", "eps_clip": 0.3})  # cispo's upper clip without eps_clip_high
+    load_config(overrides={"loss_type": "sft_loss", "use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01})
+
+
+def test_the_critic_only_rollouts_leave_the_policys_schedule_out():
+    """The policy's schedule decays over its own optimizer steps; the critic's over those and its
+    critic-only steps, so that both end at the last rollout."""
+    from vime_core.trainer.critic import critic_config
+
+    cfg = load_config(
+        overrides={
+            "advantage_estimator": "ppo",
+            "num_rollout": 10,
+            "num_critic_only_steps": 4,
+            "num_steps_per_rollout": 2,
+        }
+    )
+    assert cfg.lr_decay_iters == (10 - 4) * 2
+    assert critic_config(cfg).lr_decay_iters == 10 * 2
+
+
 def test_unknown_field_rejected():
     with pytest.raises(ConfigError, match="rollout_batch_sise"):
         load_config(overrides={"rollout_batch_sise": 4})
@@ -239,6 +265,30 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_another_field(capsys):
         ({"dynamic_sampling_filter_path": "a:b:c"}, "dynamic_sampling_filter_path='a:b:c': expected"),
         ({"lora_rank": 8, "moe_aux_loss_coeff": 0.01}, "moe_aux_loss_coeff is for mixture-of-experts models"),
         ({"lora_rank": 8, "use_rollout_routing_replay": True}, "use_rollout_routing_replay is for mixture-of-experts"),
+        # what sft_loss (minus the log-probability of the response) never reads
+        ({"loss_type": "sft_loss", "use_tis": True}, "use_tis=True has no effect without loss_type=policy_loss"),
+        ({"loss_type": "sft_loss", "eps_clip_c": 3.0}, "eps_clip_c=3.0 has no effect without loss_type=policy_loss"),
+        (
+            {"loss_type": "sft_loss", "advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1},
+            "kl_coef=0.1 has no effect without loss_type=policy_loss",
+        ),
+        (
+            {"loss_type": "sft_loss", "use_rollout_logprobs": True},
+            "use_rollout_logprobs=True has no effect without loss_type=policy_loss",
+        ),
+        # what the estimator never reads
+        ({"gamma": 0.9}, "gamma=0.9 has no effect without token rewards: ppo, reinforce_plus_plus"),
+        ({"advantage_estimator": "rloo", "lambd": 0.95}, "lambd=0.95 has no effect without GAE: ppo"),
+        (
+            {"advantage_estimator": "rloo", "grpo_std_normalization": False},
+            "grpo_std_normalization=False has no effect without a group std normalisation: cispo, grpo, gspo",
+        ),
+        ({"advantage_estimator": "cispo", "eps_clip_c": 3.0}, "eps_clip_c=3.0 has no effect without a dual clip"),
+        (
+            {"advantage_estimator": "cispo", "eps_clip_high": 0.3, "eps_clip": 0.1},
+            "eps_clip=0.1 has no effect without a lower clip, which the cispo loss has not",
+        ),
+        ({"num_rollout": 3, "advantage_estimator": "ppo", "num_critic_only_steps": 3}, "leaves the policy no rollout"),
     ],
 )
 def test_a_setting_that_would_do_nothing_or_fail_late_is_refused(values, says):

@@ -66,7 +66,7 @@ def test_the_cli_names_the_flag_of_a_critic_setting_without_ppo(capsys):
         ({"critic_lr": 1e-7, "lr": 1e-6, "lr_warmup_init": 5e-7}, r"critic_lr=1e-07 is below lr_warmup_init=5e-07"),
         (
             {"critic_lr_warmup_iters": 60, "num_rollout": 60},
-            r"critic_lr_warmup_iters=60 is not fewer than lr_decay_iters=60",
+            r"critic_lr_warmup_iters=60 is not fewer than the critic's decay steps 60 \(lr_decay_iters=60",
         ),
         ({"loss_type": "sft_loss"}, r"loss_type=sft_loss has no advantages"),
     ],

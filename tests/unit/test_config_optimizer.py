@@ -129,7 +129,7 @@ def test_reloading_a_resolved_config_gives_the_same_config():
         ({"lr": 1e-4, "lr_warmup_init": 1e-3}, "lr_warmup_init=0.001 is above lr=0.0001"),
         (
             {"num_rollout": 10, "lr_warmup_iters": 11, "lr_decay_iters": 100},
-            r"lr_warmup_iters gives 11 warmup steps, more than the run's 10 optimizer steps \(num_rollout=10",
+            r"lr_warmup_iters gives 11 warmup steps, more than the policy's 10 optimizer steps \(\(num_rollout=10",
         ),
         (
             {"num_rollout": 10, "lr_warmup_iters": 10},

@@ -11,10 +11,11 @@ import re
 from urllib.parse import urlsplit
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
+from vime_core.algo.registry import registered_adv_estimators
 from vime_core.config.lora import check_lora
 from vime_core.algo.shaping import check_overlong_buffer
 from vime_core.builtin_rewards import BUILTIN_REWARDS
-from vime_core.config.optimizer import derive_optimizer
+from vime_core.config.optimizer import critic_only_steps, derive_optimizer
 from vime_core.config.schema import ConfigFields  # the fields these functions read
 from vime_core.utils.secrets import carries_userinfo, redact_url
 from vime_core.wire.broadcast_format import BACKEND_NAME as BROADCAST
@@ -167,6 +168,8 @@ def derive_in_place(cfg: ConfigFields) -> None:
         )
     _check_routing_replay(cfg)
     derive_optimizer(cfg)
+    _check_sft(cfg)
+    _check_estimator_fields(cfg)
     _check_kl(cfg)
     _check_tis(cfg)
     _check_opd(cfg)
@@ -248,10 +251,11 @@ def _check_critic(cfg: ConfigFields) -> None:
         raise ValueError(
             f"critic_lr={cfg.critic_lr} is below lr_warmup_init={cfg.lr_warmup_init}; warmup rises from it"
         )
-    if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= cfg.lr_decay_iters:
+    critic_decay = cfg.lr_decay_iters + critic_only_steps(cfg)  # the critic's schedule (trainer/critic.py)
+    if cfg.critic_lr_warmup_iters and cfg.critic_lr_warmup_iters >= critic_decay:
         raise ValueError(
-            f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than "
-            f"lr_decay_iters={cfg.lr_decay_iters} (the critic steps as often as the policy)"
+            f"critic_lr_warmup_iters={cfg.critic_lr_warmup_iters} is not fewer than the critic's decay steps "
+            f"{critic_decay} (lr_decay_iters={cfg.lr_decay_iters} and the critic-only rollouts' steps)"
         )
     for field in ("critic_load", "critic_save"):  # relative to where the run was started: the actors run elsewhere
         path = getattr(cfg, field)
@@ -264,6 +268,63 @@ def _refuse_set(cfg: ConfigFields, defaults: dict[str, object], without: str) ->
     for name, default in defaults.items():
         if getattr(cfg, name) != default:
             raise ValueError(f"{name}={getattr(cfg, name)} has no effect without {without}")
+
+
+# What only the policy loss reads (train_step.py): with loss_type=sft_loss, minus the log-probability of
+# the response, each would be computed (a teacher, a reference, rollout log-probs) and thrown away.
+# (eps_clip_high too, which is eps_clip unless set: _check_sft)
+POLICY_LOSS_FIELDS = (
+    "eps_clip",
+    "eps_clip_c",
+    "kl_coef",
+    "use_tis",
+    "use_opd",
+    "use_rollout_logprobs",
+)
+
+
+def _defaults(*names: str) -> dict[str, object]:
+    return {name: ConfigFields.model_fields[name].default for name in names}
+
+
+def _check_sft(cfg: ConfigFields) -> None:
+    if cfg.loss_type == "sft_loss":
+        without = "loss_type=policy_loss (sft_loss is minus the log-probability of the response)"
+        _refuse_set(cfg, _defaults(*POLICY_LOSS_FIELDS), without)
+        _refuse_set(cfg, {"eps_clip_high": cfg.eps_clip}, without)  # derived: eps_clip unless set
+
+
+def _estimators(**registration: object) -> str:
+    """The registered estimators whose registration has these values, named for a message."""
+    names = [
+        n
+        for n in registered_adv_estimators()
+        if all(getattr(get_adv_estimator(n), key) == value for key, value in registration.items())
+    ]
+    return ", ".join(names)
+
+
+def _check_estimator_fields(cfg: ConfigFields) -> None:
+    """A setting the chosen estimator and its policy loss never read (algo/advantages.py, losses.py), set
+    to another value than its default, is refused: gamma discounts token rewards, lambd is GAE's,
+    grpo_std_normalization divides by a group's std, and cispo clips only above (eps_clip_high,
+    else eps_clip) and has no dual clip."""
+    estimator = get_adv_estimator(cfg.advantage_estimator)
+    which = f"(advantage_estimator is {estimator.name})"
+    if not estimator.token_rewards:
+        _refuse_set(cfg, _defaults("gamma"), f"token rewards: {_estimators(token_rewards=True)} {which}")
+    if not estimator.critic:
+        _refuse_set(cfg, _defaults("lambd"), f"GAE: {_estimators(critic=True)} {which}")
+    if estimator.group_normalisation != "mean_std":
+        _refuse_set(
+            cfg,
+            _defaults("grpo_std_normalization"),
+            f"a group std normalisation: {_estimators(group_normalisation='mean_std')} {which}",
+        )
+    if estimator.policy_loss == "cispo":
+        _refuse_set(cfg, _defaults("eps_clip_c"), f"a dual clip, which the cispo loss has not {which}")
+        if cfg.eps_clip_high != cfg.eps_clip:  # eps_clip_high set apart: eps_clip is not cispo's upper clip
+            _refuse_set(cfg, _defaults("eps_clip"), f"a lower clip, which the cispo loss has not {which}")
 
 
 def check_rm_type(cfg: ConfigFields) -> None:

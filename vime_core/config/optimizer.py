@@ -1,5 +1,5 @@
 """The optimizer's, schedule's and activation recompute's configuration, called from `derive_in_place`:
-lr_decay_iters = num_rollout * num_steps_per_rollout when unset, warmup from lr_warmup_iters or
+lr_decay_iters = the policy's optimizer steps when unset, warmup from lr_warmup_iters or
 lr_warmup_fraction, recompute defaults; and checks that refuse, before anything starts, what
 Megatron's OptimizerParamScheduler would assert later."""
 
@@ -13,8 +13,15 @@ from vime_core.config.schema import ConfigFields  # the fields these functions r
 GPU_ONLY = ("recompute_granularity", "use_distributed_optimizer")
 
 
+def critic_only_steps(cfg: ConfigFields) -> int:
+    """The critic's optimizer steps before the policy's first (num_critic_only_steps rollouts)."""
+    return cfg.num_critic_only_steps * cfg.num_steps_per_rollout
+
+
 def total_optimizer_steps(cfg: ConfigFields) -> int:
-    return cfg.num_rollout * cfg.num_steps_per_rollout
+    """The policy's optimizer steps: (num_rollout - num_critic_only_steps) * num_steps_per_rollout (the
+    critic-only rollouts do not step the policy, nor its schedule)."""
+    return cfg.num_rollout * cfg.num_steps_per_rollout - critic_only_steps(cfg)
 
 
 def lr_warmup_steps(cfg: ConfigFields) -> float:
@@ -28,6 +35,11 @@ def lr_warmup_steps(cfg: ConfigFields) -> float:
 def derive_optimizer(cfg: ConfigFields) -> None:
     """Fill lr_decay_iters and the recompute defaults; raise ValueError naming the fields of a
     contradiction. Needs num_steps_per_rollout derived."""
+    if cfg.num_critic_only_steps >= cfg.num_rollout:
+        raise ValueError(
+            f"num_critic_only_steps={cfg.num_critic_only_steps} leaves the policy no rollout to train on "
+            f"(num_rollout={cfg.num_rollout})"
+        )
     total = total_optimizer_steps(cfg)
     if cfg.lr_decay_iters is None:
         cfg.lr_decay_iters = total
@@ -44,13 +56,14 @@ def derive_optimizer(cfg: ConfigFields) -> None:
     warmup_field = "lr_warmup_fraction" if cfg.lr_warmup_fraction is not None else "lr_warmup_iters"
     if warmup > total:
         raise ValueError(
-            f"{warmup_field} gives {warmup:g} warmup steps, more than the run's {total} optimizer steps "
-            f"(num_rollout={cfg.num_rollout} * num_steps_per_rollout={cfg.num_steps_per_rollout})"
+            f"{warmup_field} gives {warmup:g} warmup steps, more than the policy's {total} optimizer steps "
+            f"((num_rollout={cfg.num_rollout} - num_critic_only_steps={cfg.num_critic_only_steps}) * "
+            f"num_steps_per_rollout={cfg.num_steps_per_rollout})"
         )
     if warmup >= cfg.lr_decay_iters:
         raise ValueError(
             f"{warmup_field} gives {warmup:g} warmup steps, not fewer than lr_decay_iters={cfg.lr_decay_iters} "
-            "(the decay steps count the warmup; default: the run's num_rollout * num_steps_per_rollout)"
+            "(the decay steps count the warmup; default: the policy's optimizer steps)"
         )
 
     if cfg.recompute_granularity == "full":

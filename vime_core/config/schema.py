@@ -688,7 +688,12 @@ class ConfigFields(BaseModel):
         ),
     )
     kl_loss_coef: float = Field(
-        0.0, ge=0, description="Weight of the KL loss term when use_kl_loss (slime's --kl-loss-coef)."
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the KL loss term when use_kl_loss: loss + kl_loss_coef * agg(token KL), aggregated like "
+            "the policy loss (loss_agg_mode) (slime's --kl-loss-coef)."
+        ),
     )
     kl_loss_type: KLLossType = Field(
         "low_var_kl", description="KL estimator of both KL terms: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10])."
@@ -701,7 +706,12 @@ class ConfigFields(BaseModel):
         ),
     )
     entropy_coef: float = Field(
-        0.0, ge=0, description="Entropy bonus weight (loss - entropy_coef * mean token entropy); 0 is the usual GRPO."
+        0.0,
+        ge=0,
+        description=(
+            "Entropy bonus weight: loss - entropy_coef * agg(token entropy), aggregated like the policy loss "
+            "(loss_agg_mode); 0 is the usual GRPO."
+        ),
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and GAE.")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
@@ -881,8 +891,8 @@ class ConfigFields(BaseModel):
         ge=1,
         description=(
             "Optimizer steps over which the learning rate decays to min_lr (warmup included); min_lr afterwards. "
-            "Default: the run's optimizer steps, num_rollout * num_steps_per_rollout (Megatron/slime "
-            "--lr-decay-iters)."
+            "Default: the policy's optimizer steps, (num_rollout - num_critic_only_steps) * num_steps_per_rollout "
+            "(Megatron/slime --lr-decay-iters); the critic's schedule decays over this plus its critic-only steps."
         ),
     )
     lr_warmup_iters: int = Field(

@@ -1,7 +1,10 @@
 """Dynamic-sampling group filters: `filter(group: list[Sample]) -> bool` (True keeps the group), after
 scoring and before the normalisation, on the rewards that count (data/group_rewards.py).
 check_reward_nonzero_std keeps a group only when at least two rewards count and differ: with std 0
-every GRPO advantage is 0 (DAPO's dynamic sampling, Yu et al. 2025)."""
+every GRPO advantage is 0 (DAPO's dynamic sampling, Yu et al. 2025). It judges the scorer's rewards,
+before the overlong length penalty (overlong_buffer_enable, algo/shaping.py), as DAPO filters on
+accuracy: with the penalty on, a kept group's shaped rewards can still be equal (advantages 0) and a
+dropped group's differ by the penalty alone."""
 
 from __future__ import annotations
 

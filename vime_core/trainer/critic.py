@@ -13,6 +13,7 @@ import torch
 
 from vime_core.algo.losses import aggregate_loss
 from vime_core.algo.value_loss import clipped_value_loss, explained_variance_from_moments
+from vime_core.config.optimizer import critic_only_steps
 from vime_core.trainer.hf_convert import unwrap
 from vime_core.trainer.logprobs import forward_packed, hidden_states_only
 from vime_core.trainer.model import architecture_from_hf, read_hf_config
@@ -43,9 +44,16 @@ CRITIC_METRIC_SUMS = ("value_clipfrac", "value_mean", "ev_r", "ev_r2", "ev_d", "
 
 def critic_config(cfg: Any) -> Any:
     """The configuration the critic's optimizer and schedule are built from: the run's, with
-    critic_lr as lr and critic_lr_warmup_iters as the warmup (config/derive.py checked them)."""
+    critic_lr as lr, critic_lr_warmup_iters as the warmup (config/derive.py checked them) and the
+    decay lengthened by the critic-only steps (the critic steps in those rollouts, the policy not),
+    so that both schedules end together."""
     return cfg.model_copy(
-        update={"lr": cfg.critic_lr, "lr_warmup_iters": cfg.critic_lr_warmup_iters, "lr_warmup_fraction": None}
+        update={
+            "lr": cfg.critic_lr,
+            "lr_warmup_iters": cfg.critic_lr_warmup_iters,
+            "lr_warmup_fraction": None,
+            "lr_decay_iters": cfg.lr_decay_iters + critic_only_steps(cfg),
+        }
     )
 
 
@@ -182,7 +190,7 @@ class Critic:
             ("ev_d2", diff * diff),
         ):
             acc.add(name, per, mask, count)
-        loss = aggregate_loss(per_token, mask, self.cfg.loss_agg_mode, mb.response_lengths)
+        loss = aggregate_loss(per_token, mask, self.cfg.loss_agg_mode, mb.response_lengths, self.cfg.loss_scale_factor)
         share = denominators.share(self.cfg.loss_agg_mode, mb)
         acc.loss = acc.loss + loss.detach().double() * share
         return loss * share

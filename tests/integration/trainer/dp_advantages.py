@@ -35,7 +35,7 @@ def config(estimator: str):
             "kl_coef": 0.05,
             "kl_loss_type": "k1",
             "gamma": 0.95,
-            "lambd": 0.9,
+            **({"lambd": 0.9} if estimator == "ppo" else {}),  # GAE's: the others refuse it
         }
     )
 

@@ -60,6 +60,19 @@ def test_the_value_loss_of_the_first_step_is_half_the_mean_squared_return(single
     assert metrics["num_steps"] == 1 and "pg_loss" in metrics
 
 
+def test_the_value_loss_follows_seq_mean_token_sum_norm(single_rank, ckpt, tmp_path):
+    """The critic aggregates like the policy: with seq_mean_token_sum_norm each sample's summed loss
+    over loss_scale_factor, averaged (it raised at the first critic step before: no scale passed)."""
+    cfg = hand_config(
+        ckpt, tmp_path, advantage_estimator="ppo", num_steps_per_rollout=1, loss_agg_mode="seq_mean_token_sum_norm"
+    )
+    batch = hand_batch(scale=2.0)
+    metrics = single_rank_trainer(cfg).train(0, batch)
+    per_token = 0.5 * 2.0**2  # V = V_old = 0 against returns of +-2 on every token
+    sums = [per_token * sum(mask) for mask in batch["loss_mask"]]
+    assert metrics["value_loss"] == pytest.approx(sum(sums) / len(sums) / cfg.loss_scale_factor, abs=1e-12)
+
+
 @pytest.mark.parametrize("critic_save", [False, True], ids=["beside", "critic_save"])
 def test_resume_with_a_critic_equals_the_uninterrupted_run(single_rank, ckpt, tmp_path, critic_save):
     """Train rollout 0, save, train rollout 1 (the uninterrupted run); a fresh trainer loads the
