@@ -47,15 +47,31 @@ MODES = {
         "--vllm-cache-uri",
         "{bench}/vllm-cache-store",
     ],
+    # the default again: an A/A control, whose ratio to `early` is the bench's own noise and order effect
+    "early_again": ["--early-start"],
+    # Ray's metrics collection and its OpenTelemetry exporter off, on the head and in the driver (HEAD_ENV)
+    "early_ray_metrics_off": ["--early-start"],
 }
+# the environment a mode's Ray head (its raylet, so every worker) and `vime train` start with
+HEAD_ENV = {"early_ray_metrics_off": {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}}
 SEEDED = "cold_vllm_cache_carried"  # the mode whose archives a first, uncounted run stores
 
 
 def run_once(mode: str, work: Path, bench: Path) -> dict:
     """One `vime train --num-rollout 1` on its own Ray head; its summary's startup figures."""
     work.mkdir(parents=True)
-    address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
-    env = dict(os.environ, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
+    head_env = HEAD_ENV.get(mode, {})
+    before = {k: os.environ.get(k) for k in head_env}
+    os.environ.update(head_env)  # start_local_head starts `ray start` with this process's environment
+    try:
+        address = local_head.start_local_head(num_gpus=1, temp_dir=work / "ray")
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    env = dict(os.environ, **head_env, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
     cmd = [
         sys.executable,
         "-m",
