@@ -5,7 +5,9 @@ spawned instead of forked (vllm_side/api_server.py) against one process forked f
 and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in the API server, or
 the cache given back from the archives an earlier start stored (vllm_cache_uri).
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
-own Prefect home; the modes interleave --repeats times. Run: bench/run.py startup [--repeats N]"""
+own Prefect home; the modes interleave --repeats times, each round rotated (round_order), and
+`early_again` (the default twice: an A/A control) gives the bench's own noise.
+Run: bench/run.py startup [--repeats N] [--modes ...]; nothing else should run on the box meanwhile."""
 
 from __future__ import annotations
 
@@ -119,6 +121,13 @@ def run_once(mode: str, work: Path, bench: Path) -> dict:
     }
 
 
+def round_order(modes: list[str], i: int) -> list[str]:
+    """The modes of round `i`, rotated by i: over len(modes) rounds each mode runs once in each
+    position (a loaded box made the mode measured second faster, whichever it was)."""
+    k = i % len(modes)
+    return modes[k:] + modes[:k]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
@@ -134,7 +143,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     seeds = {SEEDED: run_once(SEEDED, root / f"{SEEDED}-seed", root)} if SEEDED in modes else {}
     for i in range(args.repeats):
-        for mode in modes:
+        for mode in round_order(modes, i):
             runs[mode].append(run_once(mode, root / f"{mode}-{i}", root))
     medians = {m: statistics.median(r["startup_s"] for r in rs) for m, rs in runs.items()}
     result = {
