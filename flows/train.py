@@ -18,6 +18,7 @@ from tasks.bootstrap import bootstrap, prepare_assets
 from tasks.checkpoint import compact_index, export_hf, export_peft
 from tasks.guard import rollback_due, stopped_why
 from vime_core.config import VimeConfig
+from vime_core.config.derive import unused_settings
 from vime_core.config.lora import lora_enabled
 from vime_core.config.loader import describe, dump_config, run_config_uri
 from vime_core.faults import CONFIGURATION, classify, retry_delay
@@ -39,6 +40,8 @@ def train(config: VimeConfig) -> dict:
     preload_curve()  # the first reward curve then costs only its drawing
     config = prepare_assets(config)
     log.info("resolved configuration:\n%s", describe(config))
+    for line in unused_settings(config):
+        log.warning(line)
     dump_config(config, run_config_uri(config.storage_uri, config.run_name))
     with one_line_failures():
         try:

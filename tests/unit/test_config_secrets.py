@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from vime_core.config import config_hash, load_config
+from vime_core.config import config_hash, load_config, make_config
 from vime_core.config.loader import config_dict, describe, dump_config, read_run_config, run_config_uri
 from vime_core.storage.schema import batch_to_table, lineage_of
 from vime_core.storage.synthetic import synthetic_batch
@@ -163,3 +163,18 @@ def test_engine_urls_are_http_urls_given_once():
     with pytest.raises(ValueError, match=r"engine_urls\[1\] is engine_urls\[0\] again"):
         make_config({**attached, "engine_urls": ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"]})
     assert make_config({**attached, "engine_urls": ["http://127.0.0.1:8000", "https://e1:443"]}).engine_urls
+
+
+def test_remote_reward_settings_without_the_remote_model_are_named_unused_without_their_values():
+    """rm_url given to a run whose rewards come from elsewhere is warned about at the run's start,
+    one line per field, never with the URL (it may carry a credential)."""
+    from vime_core.config.derive import unused_settings
+
+    url = f"https://bob:{CANARIES[0]}@rm.example/score"
+    lines = unused_settings(make_config({"rm_url": url, "rm_timeout_s": 5.0}))
+    assert [line.split(" ", 1)[0] for line in lines] == ["rm_url", "rm_timeout_s"]
+    assert "rewards come from rm_type='arith'" in lines[0] and not any(CANARIES[0] in line for line in lines)
+    custom = unused_settings(make_config({"rm_url": url, "custom_rm_path": "vime_core.demo.task:reward"}))
+    assert "custom_rm_path='vime_core.demo.task:reward'" in custom[0]
+    assert unused_settings(make_config({"rm_type": "remote_rm", "rm_url": url, "rm_timeout_s": 5.0})) == []
+    assert unused_settings(make_config({})) == []

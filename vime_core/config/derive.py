@@ -327,6 +327,24 @@ def _check_estimator_fields(cfg: ConfigFields) -> None:
             _refuse_set(cfg, _defaults("eps_clip"), f"a lower clip, which the cispo loss has not {which}")
 
 
+# The remote reward model's settings (rewards/hub.py reads them with rm_type=remote_rm only).
+REMOTE_RM_FIELDS = ("rm_url", "rm_api_key_env", "rm_api_key_file", "rm_timeout_s")
+
+
+def unused_settings(cfg: ConfigFields) -> list[str]:
+    """Settings given a value that this run never reads, one line each for the run's start to warn
+    with (flows/train.py), the values left out (they locate or hold credentials): the remote reward
+    model's without rm_type=remote_rm (a custom_rm_path overrides rm_type)."""
+    if cfg.rm_type == "remote_rm" and not cfg.custom_rm_path:
+        return []
+    reward = f"custom_rm_path={cfg.custom_rm_path!r}" if cfg.custom_rm_path else f"rm_type={cfg.rm_type!r}"
+    return [
+        f"{name} is set but unused: the rewards come from {reward}; only rm_type=remote_rm calls the remote model"
+        for name in REMOTE_RM_FIELDS
+        if getattr(cfg, name) != ConfigFields.model_fields[name].default
+    ]
+
+
 def check_rm_type(cfg: ConfigFields) -> None:
     """Without custom_rm_path, rm_type names a built-in reward (and remote_rm has its rm_url): a
     typo fails here, in one line naming the field, not after the engines have started."""
