@@ -479,3 +479,35 @@ def test_turns_are_stored_with_the_batch_and_shown_by_vime_lineage(
     with pytest.raises(SystemExit):
         cmd_lineage(["--storage-uri", str(tmp_path / "store"), "--turns", "0"])
     assert "--turns needs --run" in capsys.readouterr().err
+
+
+def test_a_call_marker_that_is_a_special_token_is_seen_as_the_engine_saw_it(make_cfg, tokenizer):
+    """vLLM matches stop strings on text decoded with the request's skip_special_tokens (false by
+    default): the turn is read the same way, so a special-token marker calls the tool."""
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<call>"]})
+    call = tokenizer.convert_tokens_to_ids("<call>")
+    first = tokenizer.encode("3*4=", add_special_tokens=False)
+
+    class Engine:
+        answers = [first + [call], tokenizer.encode(">12", add_special_tokens=False) + [EOS]]
+
+        async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+            assert sampling_params["skip_special_tokens"] is False and "<call>" in sampling_params["stop"]
+            out = self.answers.pop(0)
+            return {"choices": [{"token_ids": out, "finish_reason": "stop", "logprobs": None}], "usage": {}}
+
+    calls = []
+
+    class Tool:
+        call_marker = "<call>"
+
+        def __call__(self, text):
+            calls.append(text)
+            return ToolResult(call=text, output="12")
+
+    cfg = make_cfg()
+    sample = Sample(tokens=[4, 13, 4], prompt_length=3, group_index=0, index=0)
+    ctx = GenerateContext(cfg, Engine(), tokenizer, EOS)
+    asyncio.run(generate_multi_turn(ctx, sample, base_sampling_params(cfg), Tool(), max_turns=3))
+    assert calls == ["3*4=<call>"] and sample.metadata["tool_calls"] == 1
+    assert [t["role"] for t in sample.metadata[TURNS_KEY]] == ["model", "tool", "model"]

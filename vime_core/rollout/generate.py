@@ -210,6 +210,15 @@ async def _wait_for_admission(ctx: GenerateContext) -> None:
         await asyncio.sleep(0.05)
 
 
+def refuse_failed(sample: Sample) -> None:
+    """A FAILED sample is never continued: requeue_partial gives it back as its prompt alone, and
+    continuing a finished response would append after its EOS."""
+    if sample.status is Status.FAILED:
+        raise ValueError(
+            f"sample {sample.group_index}/{sample.index} is FAILED: only a pending or aborted sample is generated"
+        )
+
+
 async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
     """Generate (or continue) one sample in place; returns it.
 
@@ -220,6 +229,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     cfg = ctx.cfg
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:
         return sample  # finished before an abort; came back with its group
+    refuse_failed(sample)
     budget = cfg.rollout_max_response_len - sample.response_length
     if budget <= 0:
         sample.status, sample.finish_reason = Status.TRUNCATED, "length"

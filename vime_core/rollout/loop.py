@@ -374,9 +374,13 @@ async def _abort_quietly(engine: Any) -> None:
 
 def requeue_partial(data_source: Any, groups: list[list[Sample]]) -> int:
     """Give unfinished groups back with their partial responses; what was generated so far is
-    off-policy for the next rollout, so its loss mask becomes 0. Returns the sample count."""
+    off-policy for the next rollout, so its loss mask becomes 0. A FAILED sample (its reward or
+    its generation failed) goes back as its prompt alone, to be generated again: continuing it would
+    append to a finished response, after its EOS. Returns the sample count."""
     for group in groups:
         for s in group:
+            if s.status is Status.FAILED:
+                s.clear_response()
             s.loss_mask = [0] * len(s.loss_mask)
             if s.status is Status.ABORTED:
                 s.status = Status.PENDING

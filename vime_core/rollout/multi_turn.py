@@ -11,7 +11,7 @@ from typing import Awaitable, Optional, Protocol, Union
 
 from vime_core.data.sample import Sample, Status
 from vime_core.data.turns import MODEL, TURNS_KEY, model_span, tool_span
-from vime_core.rollout.generate import GenerateContext, decode_response, generate_sample
+from vime_core.rollout.generate import GenerateContext, decode_response, generate_sample, refuse_failed
 
 TOOL_CALLS_KEY = "tool_calls"
 UNANSWERED_CALL_KEY = "unanswered_call"
@@ -68,7 +68,9 @@ def _room(ctx: GenerateContext, sample: Sample) -> int:
 
 
 def _decode(ctx: GenerateContext, token_ids: list[int]) -> str:
-    return ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
+    """A turn's text as the engine matched its stop strings: with rollout_skip_special_tokens as the
+    request said (a call marker that is a special token is in the text only without skipping)."""
+    return ctx.tokenizer.decode(token_ids, skip_special_tokens=ctx.cfg.rollout_skip_special_tokens)
 
 
 async def generate_multi_turn(
@@ -99,6 +101,7 @@ async def generate_multi_turn(
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:
         return sample  # finished before an abort; came back with its group
+    refuse_failed(sample)
     if sample.response_length == 0:  # a fresh sample, or a group generated again from its prompt
         sample.metadata[TURNS_KEY] = []
         sample.metadata.pop(TOOL_CALLS_KEY, None)
