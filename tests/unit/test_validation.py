@@ -1,9 +1,15 @@
 """The one trainability check (vime_core/data/validation.py) that the rollout side, the trainer
 and resume apply."""
 
+import json
+
 import pytest
 
 from vime_core.data.validation import UntrainableBatchError, validate_trainable
+
+
+def _span(role: str, start: int, end: int) -> dict:
+    return {"role": role, "turn": 0, "start": start, "end": end}
 
 
 def _batch(**changes):
@@ -50,6 +56,14 @@ def test_a_consistent_batch_passes():
         ({"loss_mask": [[1], [1]]}, r"sample 1 .*loss_mask has 1 entries, response_length=2"),
         ({"rollout_log_probs": [[-0.1, -0.2], []]}, r"sample 0 .*rollout_log_probs has 2 entries"),
         ({"loss_mask": [[1]]}, r"column 'loss_mask' has 1 rows, 'tokens' has 2"),
+        (  # a generate hook that appended the tool's output with the default loss mask 1
+            {"metadata": ["{}", json.dumps({"turns": [_span("model", 0, 1), _span("tool", 1, 2)]})]},
+            r"sample 1 .*turn span 1 \(tool, turn 0\) has tokens with loss mask 1",
+        ),
+        (
+            {"metadata": ["{}", json.dumps({"turns": [_span("model", 0, 1)]})]},
+            r"sample 1 .*turn spans end at 1; the response has 2 tokens",
+        ),
     ],
 )
 def test_each_rule_names_the_sample_and_what_is_wrong(changes, message):
@@ -159,3 +173,8 @@ def test_a_stored_batch_without_log_probs_is_refused_for_replay_under_a_flag_tha
         match=r"^sample 0 \(group 0 index 0, .*\): rollout_log_probs is empty .*use_tis needs them$",
     ):
         validate_trainable(stored, log_prob_readers=rollout_logprob_readers(ReplayConfig()))
+
+
+def test_a_tool_span_with_loss_mask_0_passes():
+    turns = [_span("model", 0, 1), _span("tool", 1, 2)]
+    assert validate_trainable(_batch(loss_mask=[[1], [1, 0]], metadata=["{}", json.dumps({"turns": turns})])) == 2

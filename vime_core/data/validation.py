@@ -9,6 +9,8 @@ one sample, and for every sample i
     len(rollout_log_probs_i) in {0, response_length_i}
     routed_experts_i null, or a [rows, layers, top_k] array with rows <= len(tokens_i) - 1
     prompt_length_i >= 1, response_length_i >= 1
+    no tool token trained: a sample whose metadata records turns (multi-turn, data/turns.py) has
+    spans covering its response and loss mask 0 on every tool span (turns_error)
 
 `lengths_only` (what the store checks) drops the last rule. Where a set flag reads the engines'
 log-probs (config.derive.rollout_logprob_readers), len(rollout_log_probs_i) == response_length_i
@@ -23,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 from vime_core.data import routed_experts
 from vime_core.data.columns import REQUIRED_COLUMNS
 from vime_core.data.sample import MISSING_LOGPROB, MISSING_LOGPROBS_ENGINE
+from vime_core.data.turns import turns_error, turns_of
 
 
 class UntrainableBatchError(ValueError):
@@ -98,6 +101,7 @@ def validate_trainable(
     prompt_lengths = batch.get("prompt_length")
     total_lengths = batch.get("total_length")
     log_probs = batch.get("rollout_log_probs")
+    metadata_column = batch.get("metadata")
     for i in range(n):
         r = int(batch["response_length"][i])
         n_tokens = len(batch["tokens"][i])
@@ -125,6 +129,10 @@ def validate_trainable(
             raise UntrainableBatchError(
                 f"{_where(batch, i)}: loss_mask has {len(batch['loss_mask'][i])} entries, response_length={r}"
             )
+        if metadata_column is not None:  # a multi-turn sample's tool tokens are never trained (data/turns.py)
+            error = turns_error(turns_of(metadata_column[i], r), r, batch["loss_mask"][i])
+            if error:
+                raise UntrainableBatchError(f"{_where(batch, i)}: {error}")
         if log_probs is not None and log_probs[i] is not None and len(log_probs[i]) not in (0, r):
             raise UntrainableBatchError(
                 f"{_where(batch, i)}: rollout_log_probs has {len(log_probs[i])} entries, response_length={r}"
