@@ -926,3 +926,24 @@ def test_a_bad_eval_set_stops_the_manager_before_its_engines_start(make_cfg, tmp
     cfg = make_cfg(eval_prompt_data=str(bad), eval_interval=5)
     with pytest.raises(ValueError, match=r"eval\.jsonl, row 1: the prompt field 'prompt' is null"):
         RolloutManager(cfg, servers=[Untouchable()])
+
+
+def _finished(index: int, status: Status) -> Sample:
+    s = Sample(tokens=[5, 13, 5, 2], prompt_length=2, group_index=0, index=index)
+    s.response_length, s.loss_mask, s.status = 2, [1, 1], status
+    return s
+
+
+def test_the_rollouts_reward_mean_leaves_out_failed_samples():
+    """A FAILED sample's reward is a 0.0 placeholder (no gradient): counted, it would drag
+    rollout/reward_mean, the figure guard_reward_drop watches, down with every reward failure."""
+    from vime_core.rollout.loop import _Progress, rollout_metrics
+
+    scored = [_finished(i, Status.COMPLETED) for i in range(3)]
+    for s, r in zip(scored, (1.0, 1.0, 0.0)):
+        s.reward = r
+    failed = _finished(3, Status.FAILED)
+    failed.reward = 0.0
+    metrics = rollout_metrics([[*scored, failed]], _Progress(), 0, 0, {})
+    assert metrics["rollout/reward_mean"] == pytest.approx(2 / 3)
+    assert metrics["rollout/failed_count"] == 1.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from vime_core.config.derive import rollout_logprob_readers
+from vime_core.data.group_rewards import live_rewards
 from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import UntrainableBatchError, log_probs_error
 from vime_core.engines.client import EngineError
@@ -393,7 +394,8 @@ def rollout_metrics(
     groups: list[list[Sample]], progress: _Progress, aborted: int, requeued: int, times: dict[str, float]
 ) -> dict[str, float]:
     samples = [s for g in groups for s in g]
-    rewards = [float(s.reward or 0.0) for s in samples]
+    # the rewards that count: a FAILED sample's 0.0 placeholder would drag the mean the run guard watches
+    rewards = live_rewards(samples)
     lengths = [s.response_length for s in samples]
     completed_groups = len(progress.kept) - progress.topped_up + progress.dropped_groups
     gen_s = times.get("rollout/time_generate_s", 0.0)
