@@ -34,7 +34,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from vime_core.config.loader import read_run_config
-from vime_core.data.batch import build_batch
+from vime_core.data.batch import MASK_BEFORE_FAILURE_KEY, build_batch, mask_of_runs
 from vime_core.data.data_source import load_prompt_rows, load_tokenizer
 from vime_core.data.sample import Sample, Status
 from vime_core.rewards.hub import RewardHub
@@ -55,8 +55,10 @@ def source_sha256(fn: Any) -> str:
 
 
 def _stored_status(status: str, finish_reason: str, metadata: dict) -> Status:
-    """A stored row's status for scoring: a reward failure is scored again as what was generated."""
-    if status == Status.FAILED.value and "reward_error" in metadata:
+    """A stored row's status for scoring: a reward failure is scored again as what was generated,
+    where the row kept the loss mask it had (MASK_BEFORE_FAILURE_KEY, samples_of restores it);
+    a row of a batch stored before that key existed stays FAILED (its trained tokens are unknown)."""
+    if status == Status.FAILED.value and "reward_error" in metadata and MASK_BEFORE_FAILURE_KEY in metadata:
         for key in ("reward_error", "reward_error_type"):
             metadata.pop(key, None)
         return Status.TRUNCATED if finish_reason == "length" else Status.COMPLETED
@@ -90,6 +92,8 @@ def samples_of(batch: dict[str, list], prompts: dict[str, Any], tokenizer: Any, 
             metadata=metadata,
         )
         s.status = _stored_status(batch["status"][i], s.finish_reason, metadata)
+        if s.status is not Status.FAILED and MASK_BEFORE_FAILURE_KEY in metadata:  # a reward failure scored again
+            s.loss_mask = mask_of_runs(metadata.pop(MASK_BEFORE_FAILURE_KEY))
         s.response = decode_response(tokenizer, s, cfg.rollout_skip_special_tokens, tokenizer.eos_token_id)
         samples.append(s)
     return samples

@@ -85,7 +85,11 @@ def test_failed_samples_have_zero_reward_and_mask_and_do_not_move_the_group():
     std = statistics.stdev([1.0, 0.0, 1.0])
     mean = 2 / 3
     assert batch["reward"][:3] == pytest.approx([(r - mean) / (std + 1e-6) for r in [1.0, 0.0, 1.0]])
-    assert json.loads(batch["metadata"][3]) == {"reward_error": "RuntimeError: boom"}
+    # the mask it had, for a rescore (data/batch.py: MASK_BEFORE_FAILURE_KEY)
+    assert json.loads(batch["metadata"][3]) == {
+        "reward_error": "RuntimeError: boom",
+        "loss_mask_before_failure": [[1, len(failed.loss_mask)]],
+    }
 
 
 def test_inconsistent_samples_are_rejected_with_their_id():

@@ -15,6 +15,32 @@ from vime_core.data.sample import Sample, Status
 from vime_core.data.validation import validate_trainable
 
 
+# A FAILED sample's loss mask is stored as zeros (no gradient); the mask it had is kept in its metadata
+# under this key, as runs [[value, count], ...], so that `vime rescore`, scoring it again, trains it as
+# generated (tool tokens and a requeued prefix at 0).
+MASK_BEFORE_FAILURE_KEY = "loss_mask_before_failure"
+
+
+def mask_runs(mask: Sequence[int]) -> list[list[int]]:
+    """[1, 1, 0, 1] -> [[1, 2], [0, 1], [1, 1]]."""
+    runs: list[list[int]] = []
+    for value in mask:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(value), 1])
+    return runs
+
+
+def mask_of_runs(runs: Sequence[Sequence[int]]) -> list[int]:
+    return [int(value) for value, count in runs for _ in range(int(count))]
+
+
+def _stored_metadata(s: Sample, failed: bool) -> str:
+    metadata = {**s.metadata, MASK_BEFORE_FAILURE_KEY: mask_runs(s.loss_mask)} if failed else s.metadata
+    return json.dumps(metadata, sort_keys=True, default=str)
+
+
 def _check_scored(s: Sample) -> None:
     if s.reward is None and s.status != Status.FAILED:
         raise ValueError(
@@ -38,7 +64,8 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
 
     raw_reward stays unshaped (the reward metrics read it, so the overlong penalty moves advantages,
     not the learning curve). Failed samples get rewards and advantage 0.0 and a zero loss mask: kept
-    for lineage, no gradient, no effect on their group's mean or std."""
+    for lineage, no gradient, no effect on their group's mean or std; the mask they had is kept in
+    their metadata (MASK_BEFORE_FAILURE_KEY) for a rescore."""
     ordered = sorted(samples, key=lambda s: (s.group_index, s.index))
     for s in ordered:
         _check_scored(s)
@@ -74,7 +101,7 @@ def build_batch(samples: Sequence[Sample], cfg, is_eval: bool = False) -> dict[s
         ],
         "session_id": [s.session_id for s in ordered],
         "is_eval": [is_eval] * len(ordered),
-        "metadata": [json.dumps(s.metadata, sort_keys=True, default=str) for s in ordered],
+        "metadata": [_stored_metadata(s, f) for s, f in zip(ordered, failed)],
         "routed_experts": [s.routed_experts for s in ordered],
     }
     batch = {name: values[name] for name in COLUMN_NAMES}
