@@ -53,25 +53,34 @@ class Outage:
             pass
         self.kills += 1
 
-    def restart(self, timeout: float = 60.0) -> None:
+    def restart(self, timeout: float = 60.0, attempts: int = 5) -> None:
+        """Start the same command again until it serves. A start that exits at once is tried again
+        after a pause (CI34: the restarted server exited 1; one of its fixed ports can be held for
+        a while by a client connection's local port, which the OS picks from the same range)."""
         data_dir = Path(self.server.data_dir)
-        with open(data_dir / "weed.log", "ab") as log:
-            process = subprocess.Popen(
-                self.args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=data_dir,
-                start_new_session=True,
-            )
-        self.server.pid = process.pid
-        (data_dir / STATE_FILE).write_text(json.dumps(self.server.__dict__))  # stop_s3_server ends this one
         deadline = time.monotonic() + timeout
-        while not serving(self.server.endpoint, self.server.bucket):  # back: what it held reads again
-            assert process.poll() is None and time.monotonic() < deadline, (
-                f"S3 server did not come back; see {data_dir / 'weed.log'}"
+        for attempt in range(1, attempts + 1):
+            with open(data_dir / "weed.log", "ab") as log:
+                process = subprocess.Popen(
+                    self.args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=data_dir,
+                    start_new_session=True,
+                )
+            self.server.pid = process.pid
+            (data_dir / STATE_FILE).write_text(json.dumps(self.server.__dict__))  # stop_s3_server ends this one
+            while process.poll() is None and not serving(self.server.endpoint, self.server.bucket):
+                assert time.monotonic() < deadline, f"S3 server did not come back in {timeout:.0f} s"
+                time.sleep(0.3)
+            if process.poll() is None:
+                return  # back: what it held reads again
+            tail = (data_dir / "weed.log").read_text(errors="replace").splitlines()[-5:]
+            assert attempt < attempts and time.monotonic() < deadline, (
+                f"S3 server exited {process.returncode} on each of {attempt} starts; weed.log ends: {tail}"
             )
-            time.sleep(0.3)
+            time.sleep(2.0)
 
     def restart_after(self, seconds: float) -> threading.Thread:
         thread = threading.Thread(target=lambda: (time.sleep(seconds), self.restart()), daemon=True)
