@@ -133,7 +133,6 @@ def test_every_url_form_of_a_credential_is_redacted_and_refused_where_stored():
 def test_a_storage_uri_or_endpoint_with_a_slashed_secret_is_refused_without_echoing_it(monkeypatch):
     import pytest
 
-    from vime_core.config import make_config
     from vime_core.storage.endpoint import EndpointCredentialsError, resolve_endpoint_url
     from vime_core.storage.fs import open_location
 
@@ -152,8 +151,6 @@ def test_a_storage_uri_or_endpoint_with_a_slashed_secret_is_refused_without_echo
 
 def test_engine_urls_are_http_urls_given_once():
     import pytest
-
-    from vime_core.config import make_config
 
     attached = {"colocate": False, "offload_rollout": False}
     with pytest.raises(ValueError, match=r"engine_urls\[0\]='' is not an http\(s\)://host:port URL"):

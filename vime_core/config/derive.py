@@ -340,8 +340,8 @@ def unused_settings(cfg: ConfigFields) -> list[str]:
     reward = f"custom_rm_path={cfg.custom_rm_path!r}" if cfg.custom_rm_path else f"rm_type={cfg.rm_type!r}"
     return [
         f"{name} is set but unused: the rewards come from {reward}; only rm_type=remote_rm calls the remote model"
-        for name in REMOTE_RM_FIELDS
-        if getattr(cfg, name) != ConfigFields.model_fields[name].default
+        for name, default in _defaults(*REMOTE_RM_FIELDS).items()
+        if getattr(cfg, name) != default
     ]
 
 
