@@ -574,6 +574,45 @@ def test_a_group_that_keeps_failing_is_dropped_and_refilled(make_cfg, tokenizer)
     assert metrics["rollout/retried_groups"] == 1 and metrics["rollout/failed_groups"] == 1
 
 
+def test_a_retry_is_submitted_alone_and_spends_no_generation_batch(make_cfg, tokenizer):
+    """One batch of groups (max_num_gen_batches=1) and a transient engine failure: the failed group
+    alone is generated again (no new batch drawn around it, no prompt consumed for nothing), and
+    the rollout fills instead of failing as if the dynamic filter had rejected groups."""
+    cfg = make_cfg(rollout_group_max_attempts=2, max_num_gen_batches=1)
+    state = make_state(cfg, tokenizer, HealthyFake())
+    first_try = lambda s: s.group_index == 1 and "group_attempts" not in s.metadata  # noqa: E731
+    state.generate_fn = failing_generate(first_try, retryable=True)
+    samples, metrics = run_loop(state)
+    assert sorted({s.group_index for s in samples}) == list(range(cfg.rollout_batch_size))
+    assert metrics["rollout/retried_groups"] == 1 and metrics["rollout/failed_groups"] == 0
+    assert metrics["rollout/submitted_groups"] == cfg.rollout_batch_size + 1
+    assert state.data_source.get_groups(1)[0][0].group_index == cfg.rollout_batch_size  # no prompt drawn ahead
+
+
+def test_a_dropped_group_is_replaced_by_one_new_group(make_cfg, tokenizer):
+    cfg = make_cfg(max_num_gen_batches=1)
+    state = make_state(cfg, tokenizer, HealthyFake())
+    state.generate_fn = failing_generate(lambda s: s.group_index == 2, retryable=False)
+    samples, metrics = run_loop(state)
+    target = cfg.rollout_batch_size
+    assert sorted({s.group_index for s in samples}) == [g for g in range(target + 1) if g != 2]
+    assert metrics["rollout/failed_groups"] == 1 and metrics["rollout/submitted_groups"] == target + 1
+
+
+def test_a_failed_group_beside_enough_in_flight_goes_back_for_a_later_rollout(make_cfg, tokenizer):
+    """Over-sampling: the groups still running can fill the batch, so a retried group is not sent
+    again now; it waits in the data source, its prompt not lost."""
+    cfg = make_cfg(rollout_group_max_attempts=2, over_sampling_batch_size=8)
+    state = make_state(cfg, tokenizer, HealthyFake())
+    first = lambda s: s.group_index == 0 and "group_attempts" not in s.metadata  # noqa: E731
+    state.generate_fn = failing_generate(first, retryable=True)
+    samples, metrics = run_loop(state)
+    assert 0 not in {s.group_index for s in samples} and metrics["rollout/retried_groups"] == 1
+    assert metrics["rollout/submitted_groups"] == 8
+    back = state.data_source.get_groups(1)[0]
+    assert back[0].group_index == 0 and back[0].metadata["group_attempts"] == 2 and back[0].response_length == 0
+
+
 def test_a_bad_request_is_dropped_without_a_retry(make_cfg, tokenizer):
     cfg = make_cfg()
     state = make_state(cfg, tokenizer, HealthyFake())
@@ -852,16 +891,19 @@ def test_keep_rejected_tops_the_batch_up_with_rejected_groups_and_counts_them(ma
     assert all(a == 0.0 for a, g in zip(batch["advantage"], batch["group_index"]) if g in topped)
 
 
-def test_groups_the_engines_fail_count_toward_max_num_gen_batches(make_cfg, tokenizer):
+def test_groups_the_engines_fail_are_replaced_one_by_one_up_to_the_batch_size(make_cfg, tokenizer):
+    """Failed groups spend no generation batch (that bound is the dynamic filter's); each dropped
+    group draws one new group, until more groups were dropped than the batch holds."""
     from vime_core.rollout.loop import RolloutFailedError
 
     cfg = make_cfg(over_sampling_batch_size=2, max_num_gen_batches=2)
     state = make_state(cfg, tokenizer, HealthyFake())
     state.generate_fn = failing_generate(lambda s: True, retryable=False)
     batches = count_submitted(state)
-    with pytest.raises(RolloutFailedError, match=r"kept 0 of the 0 groups answered \(0 rejected, 4 more not generated"):
+    with pytest.raises(RolloutFailedError, match=r"5 groups could not be generated, more than the batch's 4"):
         run_loop(state)
-    assert sum(batches) == cfg.max_num_gen_batches * cfg.over_sampling_batch_size
+    # two batches of two fill the batch's 4 places; each of the first 4 drops draws one replacement
+    assert batches == [cfg.over_sampling_batch_size] * cfg.max_num_gen_batches + [1] * cfg.rollout_batch_size
 
 
 def test_batches_that_cannot_hold_the_rollout_are_refused(make_cfg):

@@ -428,10 +428,11 @@ class ConfigFields(BaseModel):
         10,
         ge=1,
         description=(
-            "Most batches of over_sampling_batch_size groups one rollout submits while the dynamic filter (or failed "
-            "groups) leaves it short of rollout_batch_size groups (verl's "
-            "algorithm.filter_groups.max_num_gen_batches, unbounded there by default); then filter_exhausted decides. "
-            "Bounded so that data the filter rejects entirely cannot loop forever."
+            "Most batches of over_sampling_batch_size groups one rollout submits while the dynamic filter leaves it "
+            "short of rollout_batch_size groups (verl's algorithm.filter_groups.max_num_gen_batches, unbounded there "
+            "by default); then filter_exhausted decides. Bounded so that data the filter rejects entirely cannot loop "
+            "forever. A group the engines failed is not counted: it is generated again alone, or one new group takes "
+            "its place (rollout_group_max_attempts)."
         ),
     )
     filter_exhausted: Literal["fail", "keep_rejected"] = Field(

@@ -152,15 +152,24 @@ async def wait_for_live_engine(
 
 
 async def _handle_failed_group(
-    state: "RolloutState", rollout_id: int, group: list[Sample], failure: tuple[str, bool], progress: _Progress
-) -> None:
-    """Generate the group again on a live engine, or drop it.
+    state: "RolloutState",
+    rollout_id: int,
+    group: list[Sample],
+    failure: tuple[str, bool],
+    progress: _Progress,
+    needed: bool,
+) -> Optional[list[Sample]]:
+    """The group to submit in the place of a group the engines failed, or None.
 
     When the engines failed it (engine died, connection reset) it is generated again once an engine
     answers /health and a one-token request gets through the router, up to rollout_group_max_attempts
-    in all; then (or at once, for a bad request) it is dropped and a new group refills its place. More
-    dropped groups than the batch holds, or no live engine within rollout_engine_wait_s:
-    RolloutFailedError, naming the engines and the reasons."""
+    in all; then (or at once, for a bad request) it is dropped and one new group takes its place.
+    `needed` (the groups kept and in flight fall short of the batch): the group (or its replacement)
+    is returned to be submitted at once, outside max_num_gen_batches, which bounds what the dynamic
+    filter rejects, not what the infrastructure failed; otherwise a retried group goes back to the data
+    source for a later rollout and a dropped one is not replaced. More dropped groups than the batch
+    holds, or no live engine within rollout_engine_wait_s: RolloutFailedError, naming the engines and
+    the reasons."""
     cfg = state.cfg
     reason, retryable = failure
     progress.failure_reasons[_reason_key(reason)] += 1
@@ -174,16 +183,18 @@ async def _handle_failed_group(
             attempts + 1,
             cfg.rollout_group_max_attempts,
         )
+        for sample in group:
+            sample.clear_response()
+            sample.metadata["group_attempts"] = attempts + 1
+        progress.retried_groups += 1
+        if not needed:
+            state.data_source.add_back([group])
+            return None
         prompt = group[0].tokens[: group[0].prompt_length or len(group[0].tokens)]
         await wait_for_live_engine(
             state.engines, cfg.rollout_engine_wait_s, generator=state.generator, probe_tokens=prompt
         )
-        for sample in group:
-            sample.clear_response()
-            sample.metadata["group_attempts"] = attempts + 1
-        state.data_source.add_back([group])
-        progress.retried_groups += 1
-        return
+        return group
     progress.failed_groups += 1
     logger.warning(
         "rollout %d: group %d dropped after %d attempt(s): %s", rollout_id, group[0].group_index, attempts, reason
@@ -195,6 +206,7 @@ async def _handle_failed_group(
             f"rollout {rollout_id}: {progress.failed_groups} groups could not be generated, more than the batch's "
             f"{cfg.rollout_batch_size} (engines: {names}; reasons: {reasons})"
         )
+    return state.data_source.get_groups(1)[0] if needed else None
 
 
 async def _run_sample(
@@ -433,11 +445,12 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
 
         while kept < rollout_batch_size:
             submit batches of over_sampling_batch_size groups while kept + in flight < target and
-                fewer than max_num_gen_batches were submitted (refills of dropped groups count);
+                fewer than max_num_gen_batches were submitted;
                 a semaphore of vllm_server_concurrency * engines bounds the requests in flight
             take the first group that completes: score it (group_rm; else each sample was scored
                 after its generation), apply the dynamic filter -> kept / dropped; a group the
-                engines failed goes to `_handle_failed_group`; a sample lacking log-probs a set flag
+                engines failed goes to `_handle_failed_group`, which gives the group (retried) or one
+                new group (dropped) to submit in its place; a sample lacking log-probs a set flag
                 reads stops the rollout (UntrainableBatchError, not retried)
             nothing in flight: exhausted -> `fill_exhausted`
         abort what still runs; partial_rollout gives unfinished groups back to the data source with
@@ -467,15 +480,18 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
     all_tasks: list[asyncio.Task] = []
     bar = tqdm(total=target * cfg.n_samples_per_prompt, desc=f"rollout {rollout_id}", unit="sample", disable=None)
 
+    def submit(group: list[Sample]) -> None:
+        task = asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar))
+        in_flight.add(task)
+        all_tasks.append(task)
+        progress.submitted_groups += 1
+
     try:
         while len(progress.kept) < target:
             while len(progress.kept) + len(in_flight) < target and progress.gen_batches < cfg.max_num_gen_batches:
                 progress.gen_batches += 1
                 for group in state.data_source.get_groups(cfg.over_sampling_batch_size):
-                    task = asyncio.create_task(_run_group(state, ctx, sem, group, params, progress, bar))
-                    in_flight.add(task)
-                    all_tasks.append(task)
-                    progress.submitted_groups += 1
+                    submit(group)
             if not in_flight:
                 break  # max_num_gen_batches submitted and answered: exhausted (fill_exhausted)
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -492,7 +508,10 @@ async def generate_rollout(state: RolloutState, rollout_id: int) -> tuple[list[S
                 if failure is not None:
                     progress.tokens.discard("generate_failed", group)
                     if len(progress.kept) < target:
-                        await _handle_failed_group(state, rollout_id, group, failure, progress)
+                        needed = len(progress.kept) + len(in_flight) < target
+                        again = await _handle_failed_group(state, rollout_id, group, failure, progress, needed)
+                        if again is not None:
+                            submit(again)
                     continue
                 error = group_log_probs_error(group, readers)
                 if error:
