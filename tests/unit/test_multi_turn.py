@@ -27,12 +27,14 @@ LOGPROB = -0.5
 class ScriptedEngine:
     """Answers request i with script[i] (text, "<eos>" for EOS), generated token by token as vLLM
     does: it stops after the token that completes a stop string ("stop"), at max_tokens
-    ("length"), or at EOS ("stop"). A script entry ("abort", text) comes back with finish "abort"."""
+    ("length"), or at EOS ("stop"). A script entry ("abort", text) comes back with finish "abort",
+    as from the rollout's own abort: it sets `aborting` (the context's) first."""
 
     def __init__(self, tokenizer, script):
         self.tokenizer = tokenizer
         self.script = list(script)
         self.requests: list[tuple[list[int], dict]] = []
+        self.aborting: asyncio.Event | None = None
 
     def _ids(self, text: str) -> list[int]:
         parts = text.split("<eos>")
@@ -42,7 +44,10 @@ class ScriptedEngine:
     async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
         self.requests.append((list(token_ids), dict(sampling_params)))
         await asyncio.sleep(0)
-        return self.answer(self.script.pop(0), sampling_params)
+        entry = self.script.pop(0)
+        if isinstance(entry, tuple) and self.aborting is not None:
+            self.aborting.set()
+        return self.answer(entry, sampling_params)
 
     def answer(self, entry, sampling_params) -> dict:
         aborted = isinstance(entry, tuple)
@@ -103,6 +108,7 @@ def make_cfg(tiny_model_dir):
 def run(cfg, tokenizer, script, prompt="3*4+5", label="17", sample=None, max_turns=4, tool=CALCULATOR, log_probs=None):
     engine = ScriptedEngine(tokenizer, script)
     ctx = GenerateContext(cfg, engine, tokenizer, EOS)
+    engine.aborting = ctx.aborting
     if sample is None:
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         sample = Sample(

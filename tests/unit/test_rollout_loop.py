@@ -711,6 +711,114 @@ def test_a_router_that_never_lets_a_request_through_fails_the_rollout_naming_it(
         run_loop(state)
 
 
+class AbortsInFlight(HealthyFake):
+    """Like vLLM: abort_requests ends every request then in flight on the engine, whoever sent it,
+    with the tokens generated so far ([7]) and finish "abort". `until_abort` picks the sessions
+    whose first request runs until an abort."""
+
+    def __init__(self, until_abort, **kw):
+        super().__init__(**kw)
+        self.until_abort = until_abort
+        self.in_flight: set[asyncio.Future] = set()
+        self.aborted_sessions: set[str] = set()  # answered normally from then on
+        self.aborts = 0
+
+    async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+        if not self.until_abort(session_id) or session_id in self.aborted_sessions:
+            return await HealthyFake.generate(self, token_ids, sampling_params, session_id, request_id)
+        self.calls.append((list(token_ids), dict(sampling_params), session_id))
+        aborted = asyncio.get_running_loop().create_future()
+        self.in_flight.add(aborted)
+        try:
+            await aborted
+        finally:
+            self.in_flight.discard(aborted)
+        self.aborted_sessions.add(session_id)
+        return answer([7], [-0.5], finish="abort", with_log_probs=sampling_params.get("logprobs") is not None)
+
+    async def abort_requests(self):
+        self.aborts += 1
+        for waiting in list(self.in_flight):
+            waiting.set_result(None)
+        return 0
+
+
+def test_a_sample_the_engine_aborted_for_someone_else_goes_on_from_its_tokens(make_cfg, tokenizer):
+    """async_staleness=1: iteration k's eval overlaps rollout k+1 on the same engines, and the
+    rollout's end aborts every request on them. The eval's samples are not this rollout's: they go
+    on from the tokens they had, instead of scoring an aborted response as 0."""
+    from vime_core.data.data_source import load_prompt_rows
+    from vime_core.rollout.eval import run_eval
+    from vime_core.rollout.loop import generate_rollout
+
+    cfg = make_cfg(over_sampling_batch_size=6, eval_temperature=0.0, custom_rm_path=f"{THIS}:index_reward")
+
+    def slow(session):  # eval sample 0 of each prompt, and the over-sampled groups the rollout will not need
+        return session.endswith("-0") if session.startswith("eval-") else int(session.split("-")[-2]) >= 4
+
+    engine = AbortsInFlight(until_abort=slow)
+    state = make_state(cfg, tokenizer, engine)
+    rows = load_prompt_rows(cfg.prompt_data, cfg, tokenizer)[:2]
+
+    async def overlapped():
+        evaluation = asyncio.create_task(run_eval(state, rows, 0))
+        while not engine.in_flight:
+            await asyncio.sleep(0.001)
+        await generate_rollout(state, 1)  # its end aborts what runs on the engine, the eval's requests too
+        assert engine.aborts >= 1
+        return await evaluation
+
+    samples, metrics = asyncio.run(overlapped())
+    continued = [s for s in samples if s.metadata.get("engine_aborts")]
+    assert continued and all(s.metadata["engine_aborts"] == 1 for s in continued)
+    assert all(s.status is Status.COMPLETED and s.response_tokens == [7, 5, EOS] for s in continued)
+    assert metrics["eval/failed_count"] == 0 and all(s.status is Status.COMPLETED for s in samples)
+
+
+def test_a_rollout_sample_the_engine_aborted_keeps_its_tokens_log_probs_and_mask(make_cfg, tokenizer):
+    from vime_core.data.batch import build_batch
+    from vime_core.data.validation import validate_trainable
+    from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+
+    cfg = make_cfg(use_tis=True)  # TIS reads the rollout's log-probs
+    engine = AbortsInFlight(until_abort=lambda session: True)
+    state = make_state(cfg, tokenizer, engine)
+    sample = state.data_source.get_groups(1)[0][0]
+    ctx = GenerateContext(cfg, engine, tokenizer, state.eos_token_id)
+
+    async def pause_with_abort():  # a publish's pause(mode="abort") while the sample runs
+        task = asyncio.create_task(generate_sample(ctx, sample, base_sampling_params(cfg)))
+        while not engine.in_flight:
+            await asyncio.sleep(0.001)
+        await engine.abort_requests()
+        return await task
+
+    asyncio.run(pause_with_abort())
+    assert sample.status is Status.COMPLETED and sample.response_tokens == [7, 5, EOS]
+    assert sample.rollout_log_probs == [-0.5, -0.25, -0.25] and sample.loss_mask == [1, 1, 1]
+    assert sample.metadata["engine_aborts"] == 1
+    sample.reward = 1.0
+    validate_trainable(build_batch([sample], cfg))
+
+
+def test_an_engine_that_keeps_aborting_fails_the_sample_as_the_infrastructures(make_cfg, tokenizer):
+    from vime_core.rollout.generate import GenerateContext, generate_sample
+
+    cfg = make_cfg(rollout_request_max_attempts=2, rollout_max_response_len=64)
+
+    class AlwaysAborts(FakeGenerator):
+        async def generate(self, token_ids, sampling_params, session_id=None, request_id=None):
+            self.calls.append((list(token_ids), dict(sampling_params), session_id))
+            return answer([7], finish="abort")
+
+    engine = AlwaysAborts()
+    state = make_state(cfg, tokenizer, engine)
+    sample = state.data_source.get_groups(1)[0][0]
+    asyncio.run(generate_sample(GenerateContext(cfg, engine, tokenizer, state.eos_token_id), sample, {}))
+    assert sample.status is Status.FAILED and sample.metadata["retryable"] is True
+    assert "aborted the request 3 times" in sample.metadata["generate_error"] and len(engine.calls) == 3
+
+
 def test_eval_generates_through_the_runs_generate_hook(make_cfg, tokenizer):
     """A multi-turn recipe's eval runs in turns too: eval calls the state's generate_fn, not the
     single-turn default."""

@@ -225,7 +225,8 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     max_new_tokens = rollout_max_response_len - response_length (0: TRUNCATED, no request). The request
     is prompt + response ids with `request_params`; the answer is appended with
     `Sample.append_response_tokens`, its spans shifted to index the whole response. Status: finish
-    "stop" -> COMPLETED (also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED."""
+    "stop" -> COMPLETED (also when EOS is the last allowed token), "length" -> TRUNCATED, "abort" -> ABORTED
+    when this context is aborting, else the sample goes on (`_continue_after_foreign_abort`)."""
     cfg = ctx.cfg
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length:
         return sample  # finished before an abort; came back with its group
@@ -305,4 +306,25 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     sample.finish_reason = finish
     sample.status = FINISH_STATUS.get(finish, Status.COMPLETED)
     sample.response = decode_response(ctx.tokenizer, sample, cfg.rollout_skip_special_tokens, ctx.eos_token_id)
+    if sample.status is Status.ABORTED and not ctx.aborting.is_set():
+        return await _continue_after_foreign_abort(ctx, sample, sampling_params)
     return sample
+
+
+async def _continue_after_foreign_abort(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
+    """The engine aborted the request, but not for this context: another rollout's or an eval's
+    end-of-rollout abort (it aborts every request on the engine), or a publish's pause. The tokens
+    so far are kept, with their log-probs and weight versions, and the sample goes on from them; up to
+    rollout_request_max_attempts such aborts, then it fails as the infrastructure's (its group is
+    generated again)."""
+    aborts = int(sample.metadata.get("engine_aborts", 0)) + 1
+    sample.metadata["engine_aborts"] = aborts
+    if aborts > ctx.cfg.rollout_request_max_attempts:
+        return fail_sample(
+            sample,
+            f"the engine aborted the request {aborts} times (rollout_request_max_attempts="
+            f"{ctx.cfg.rollout_request_max_attempts}) without this rollout aborting it",
+            retryable=True,
+        )
+    logger.info("sample %s: aborted by the engine, not by this rollout; continuing it", sample.session_id)
+    return await generate_sample(ctx, sample, sampling_params)
