@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,43 @@ def process_age_s() -> float:
     return time.time() - process_started_epoch()
 
 
+# Below the kernel's ephemeral range (Linux's default 32768-60999), where the outbound connections'
+# source ports come from: a port picked there can be taken by any connection before its server binds
+# it, or between a server's exit and its restart on the same port.
+LISTEN_PORTS = (20000, 32768)
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FREE_PORT_TRIES = 64
+_PICKER = random.SystemRandom()  # not the seeded module state: processes seeded alike would pick alike
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in EPHEMERAL_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    """A port that was free on 127.0.0.1 a moment ago: a random one of LISTEN_PORTS outside the
+    kernel's ephemeral range, else (every try taken, or no room outside the range) the OS's pick."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(*LISTEN_PORTS) if not low <= p <= high]
+    for port in _PICKER.sample(candidates, min(FREE_PORT_TRIES, len(candidates))):
+        if _can_bind(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _can_bind(port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
 
 
 def port_is_free(host: str, port: int) -> bool:
