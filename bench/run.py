@@ -168,6 +168,10 @@ def _colocated(f: dict) -> str:
     )
 
 
+def _import_time(f: dict) -> str:
+    return "; ".join(f"{name} {min(s['wall_s']):.1f} s (first {s['wall_s'][0]:.1f})" for name, s in f["sets"].items())
+
+
 def _largest_dense(f: dict) -> str:
     tried = ", ".join(f"{p['layers']}{'' if p['fits'] else ' no'}" for p in f["probes"])
     confirmed = f["confirmed"]
@@ -357,6 +361,13 @@ SUITES = {
             "bench/gpu/largest_dense.py",
             "the largest dense shape full fine-tuning trains colocated on one GPU: trainer-alone bisection, then vime",
             _largest_dense,
+            gpu=True,
+        ),
+        Suite(
+            "import_time",
+            "bench/gpu/import_time.py",
+            "each process's imports on this host (-X importtime), first try (bytecode written) and again",
+            _import_time,
             gpu=True,
         ),
         Suite(
