@@ -71,6 +71,7 @@ def train(config: VimeConfig) -> dict:
         "bootstrap_marks_s": boot.get("bootstrap_marks_s"),
         # where the startup's seconds go, each mark in seconds since the command
         "startup_marks_s": {**(boot.get("startup_marks_s") or {}), "first_iteration": startup_s},
+        "engine_compile_cache": boot.get("engine_compile_cache"),
         # the period of the loop: T_step plus the flow run's own start and end (what a user waits)
         "iteration_wall_median": _median(iteration_walls[1:] or iteration_walls),
         "iteration_walls": iteration_walls,

@@ -92,6 +92,8 @@ def bootstrap(config: VimeConfig) -> dict:
         "started_trainers": starting,
         "bootstrap_marks_s": seconds,
         "startup_marks_s": startup_marks(early_marks(early), started, seconds, engine_starts, manager_epochs),
+        # each launched engine's torch.compile cache: "hit", "miss", "load_failure", None (compiled nothing)
+        "engine_compile_cache": [e.get("compile_cache") for e in engine_starts if e.get("launched_epoch") is not None],
     }
     log.info(
         "bootstrap done in %.1fs: engines at v%d, next rollout %d (seconds from its start: %s)",

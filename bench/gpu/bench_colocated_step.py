@@ -274,6 +274,7 @@ def startup_report(results: Path) -> dict | None:
             "flags": meta["flags"],
             "exit": meta["exit"],
             "startup_s": summary.get("startup_s"),
+            "engine_compile_cache": summary.get("engine_compile_cache"),  # a hit and a miss are unlike starts
             "startup_timeline_s": marks,
             "stages_s": startup_stages(marks) if marks else None,
         }

@@ -159,17 +159,23 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
     for i, (name, startup) in enumerate((("default", 80.0), ("fork", 60.0), ("broken", None))):
         folder = tmp_path / "startup" / name
         folder.mkdir(parents=True)
-        summary = {"startup_s": startup, "startup_marks_s": {"first_iteration": startup}} if startup else None
+        summary = (
+            {"startup_s": startup, "startup_marks_s": {"first_iteration": startup}, "engine_compile_cache": [name]}
+            if startup
+            else None
+        )
         (folder / "meta.json").write_text(
             json.dumps({"exit": 0 if startup else 1, "flags": [name], "summary": summary, "ended_epoch": 1000 + i})
         )
     out = step.startup_report(tmp_path)
     assert list(out) == ["default", "fork", "broken", "by_variant"]
     assert out["fork"]["vs_default"] == pytest.approx(60.0 / 80.0) and out["default"]["vs_default"] == 1.0
+    assert out["fork"]["engine_compile_cache"] == ["fork"]  # each run's own engines' answers
     assert out["broken"] == {
         "flags": ["broken"],
         "exit": 1,
         "startup_s": None,
+        "engine_compile_cache": None,
         "startup_timeline_s": None,
         "stages_s": None,
         "vs_default": None,

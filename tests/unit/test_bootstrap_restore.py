@@ -33,7 +33,10 @@ class _Manager:
             "onload_kv": None,
             "discard_prefetch": None,
             "load_data_source_state": None,
-            "engine_startup_marks": [{"launched_epoch": 1.0, "marks_s": {"serving": 2.0}}],
+            "engine_startup_marks": [
+                {"launched_epoch": 1.0, "marks_s": {"serving": 2.0}, "compile_cache": "hit"},
+                {"launched_epoch": None, "marks_s": {}, "compile_cache": None},  # attached: not launched here
+            ],
             "startup_epochs": {"engines_started": 3.0},
         }.items():
             setattr(self, name, _Remote(lambda *a, _v=value, **k: _v))
@@ -87,6 +90,7 @@ def test_a_created_group_is_initialised_and_restored(run):
     out = run(trainers, created=True)
     assert trainers.calls == [("init", "/models/x"), ("restore", "/ckpt/rollout_2")]
     assert out["started_trainers"] is True and out["next_rollout_id"] == 3
+    assert out["engine_compile_cache"] == ["hit"]  # the engines it launched, for the run's summary
 
 
 def test_a_group_found_before_its_restore_is_restored(run):
