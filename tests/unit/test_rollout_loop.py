@@ -819,6 +819,35 @@ def test_an_engine_that_keeps_aborting_fails_the_sample_as_the_infrastructures(m
     assert "aborted the request 3 times" in sample.metadata["generate_error"] and len(engine.calls) == 3
 
 
+def fails_on_group_zero(sample):
+    """Group 0's reward fails (a reward server timing out); others score 1 for odd indices."""
+    if sample.group_index == 0:
+        raise TimeoutError("reward server did not answer")
+    return float(sample.index % 2)
+
+
+def test_eval_figures_leave_out_samples_that_were_not_scored(make_cfg, tokenizer, caplog):
+    """A reward server failing on one prompt's samples does not read as a worse model: reward_mean
+    and pass_at_n are over what was scored, the failures counted and logged once."""
+    from vime_core.data.data_source import load_prompt_rows
+    from vime_core.rollout.eval import run_eval
+
+    cfg = make_cfg(custom_rm_path=f"{THIS}:fails_on_group_zero", n_samples_per_eval_prompt=4)
+    state = make_state(cfg, tokenizer, FakeGenerator())
+    rows = load_prompt_rows(cfg.prompt_data, cfg, tokenizer)[:3]
+    with caplog.at_level("WARNING", logger="vime_core.rollout.eval"):
+        samples, metrics = asyncio.run(run_eval(state, rows, rollout_id=5))
+    failed = [s for s in samples if s.status is Status.FAILED]
+    assert {s.group_index for s in failed} == {0} and len(failed) == 4
+    scored = [s.reward for s in samples if s.status is not Status.FAILED]
+    assert metrics["eval/reward_mean"] == pytest.approx(sum(scored) / len(scored)) == 0.5
+    assert metrics["eval/pass_at_n"] == 1.0 and metrics["eval/failed_count"] == 4
+    assert [r.getMessage() for r in caplog.records].count(
+        "eval at rollout 5: 4 of 12 samples FAILED (not generated, or not scored); eval/reward_mean and "
+        "eval/pass_at_n are over the 8 scored"
+    ) == 1
+
+
 def test_eval_generates_through_the_runs_generate_hook(make_cfg, tokenizer):
     """A multi-turn recipe's eval runs in turns too: eval calls the state's generate_fn, not the
     single-turn default."""
