@@ -6,9 +6,11 @@ in this process (`inspect_models_in_process`).
 vLLM's CPU platform always asks for spawn (`CpuPlatform.check_and_update_config`), so the engine core
 starts a fresh interpreter that imports vLLM and torch again: seconds of every engine start. A
 one-rank engine runs its model worker inside the engine core (the "uni" executor,
-`vllm_cpu_single_process`), so no other process is started, and the engine core is forked as vLLM
-forks it on CUDA hosts: before the API server has run a model or a thread pool of torch's; the
-child then binds its own threads to the engine's cores. Engines of several ranks keep vLLM's spawn."""
+`vllm_cpu_single_process`), so no other process is started, and the engine core is forked (as the
+library forks it; vLLM's server entry point asks for spawn on every platform when
+VLLM_WORKER_MULTIPROC_METHOD is unset): before the API server has run a model or a thread pool of
+torch's; the child then binds its own threads to the engine's cores. Engines of several ranks keep
+vLLM's spawn."""
 
 from __future__ import annotations
 
