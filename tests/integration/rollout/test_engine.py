@@ -345,3 +345,48 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_sample_the_engine_aborts_for_someone_else_goes_on_from_its_tokens(
+    healthy_engines, tiny_model_dir, vllm_python
+):
+    """vLLM's /abort_requests ends every request on the engine, a rollout's or not. A sample whose
+    own context is not aborting keeps what the aborted request generated (its tokens, log-probs and
+    weight version) and is continued to its full length. The abort is sent a moment after the
+    request: too early (nothing running yet) or too late (the tiny model finished first) shows no
+    abort and proves nothing, so the attempt is tried again with another delay."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.rollout.conftest import make_cfg
+    from vime_core.data.sample import Sample, Status
+    from vime_core.rollout.generate import GenerateContext, base_sampling_params, generate_sample
+
+    server = healthy_engines[0]
+    budget = ENGINE_CONTEXT - len(PROMPT) - 1
+    cfg = make_cfg(tiny_model_dir, vllm_python, rollout_max_response_len=budget, use_tis=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = {**base_sampling_params(cfg), "ignore_eos": True}
+
+    async def one_attempt(delay_s: float) -> Sample:
+        sample = Sample(tokens=list(PROMPT), prompt_length=len(PROMPT), session_id="foreign-abort-0-0")
+        async with (
+            EngineClient(server.url, token=server.auth_token) as client,
+            EngineClient(server.url, token=server.auth_token) as other,
+        ):
+            ctx = GenerateContext(cfg, client, tokenizer, tokenizer.eos_token_id)
+            task = asyncio.create_task(generate_sample(ctx, sample, params))
+            await asyncio.sleep(delay_s)
+            await other.abort_requests()  # not this context's abort: someone else's
+            return await task
+
+    for delay_s in (0.05, 0.02, 0.1, 0.2, 0.01):
+        sample = run(one_attempt(delay_s))
+        if sample.metadata.get("engine_aborts"):
+            break
+    print(f"engine_aborts {sample.metadata.get('engine_aborts')} after {delay_s} s, {sample.response_length} tokens")
+    assert sample.metadata.get("engine_aborts") == 1, "no attempt's request was running when the abort came"
+    assert sample.status is Status.TRUNCATED and sample.response_length == budget  # continued to the end
+    assert len(sample.rollout_log_probs) == sample.response_length == len(sample.loss_mask)
+    assert all(lp <= 0.0 for lp in sample.rollout_log_probs) and all(m == 1 for m in sample.loss_mask)
+    spans = sample.weight_versions
+    assert spans[0].start == 0 and spans[-1].end == budget  # both requests' tokens, in order
