@@ -6,8 +6,11 @@ and with a cold vLLM cache, the model class inspected in vLLM's subprocess or in
 the cache given back from the archives an earlier start stored (vllm_cache_uri).
 Each run is the real command on the default job with one iteration, a fresh loopback Ray head and its
 own Prefect home; the modes interleave --repeats times, each round rotated (round_order), and
-`early_again` (the default twice: an A/A control) gives the bench's own noise.
-Run: bench/run.py startup [--repeats N] [--modes ...]; nothing else should run on the box meanwhile."""
+`early_again` (the default twice: an A/A control) gives the bench's own noise. `base` is the default
+run from another checkout (--base-tree, e.g. a `git worktree` of the commit before a change, sharing
+this one's environments): a change measured against the code before it, in the same run.
+Run: bench/run.py startup [--repeats N] [--modes ...] [--base-tree DIR]; nothing else should run on
+the box meanwhile."""
 
 from __future__ import annotations
 
@@ -53,14 +56,17 @@ MODES = {
     "early_again": ["--early-start"],
     # Ray's metrics collection and its OpenTelemetry exporter off, on the head and in the driver (HEAD_ENV)
     "early_ray_metrics_off": ["--early-start"],
+    # the default, run from the --base-tree checkout
+    "base": ["--early-start"],
 }
 # the environment a mode's Ray head (its raylet, so every worker) and `vime train` start with
 HEAD_ENV = {"early_ray_metrics_off": {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}}
 SEEDED = "cold_vllm_cache_carried"  # the mode whose archives a first, uncounted run stores
 
 
-def run_once(mode: str, work: Path, bench: Path) -> dict:
-    """One `vime train --num-rollout 1` on its own Ray head; its summary's startup figures."""
+def run_once(mode: str, work: Path, bench: Path, repo: Path = REPO) -> dict:
+    """One `vime train --num-rollout 1` of the checkout `repo` on its own Ray head; its summary's
+    startup figures."""
     work.mkdir(parents=True)
     head_env = HEAD_ENV.get(mode, {})
     before = {k: os.environ.get(k) for k in head_env}
@@ -73,7 +79,7 @@ def run_once(mode: str, work: Path, bench: Path) -> dict:
                 del os.environ[k]
             else:
                 os.environ[k] = v
-    env = dict(os.environ, **head_env, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(REPO))
+    env = dict(os.environ, **head_env, PREFECT_HOME=str(work / "prefect"), PYTHONPATH=str(repo))
     cmd = [
         sys.executable,
         "-m",
@@ -91,7 +97,7 @@ def run_once(mode: str, work: Path, bench: Path) -> dict:
     ]
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     finally:
         subprocess.run(
             [
@@ -104,7 +110,7 @@ def run_once(mode: str, work: Path, bench: Path) -> dict:
                 "--ray-address",
                 address,
             ],
-            cwd=REPO,
+            cwd=repo,
             env=env,
             capture_output=True,
             timeout=120,
@@ -121,6 +127,11 @@ def run_once(mode: str, work: Path, bench: Path) -> dict:
     }
 
 
+def _tree_sha(repo: Path) -> str:
+    out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def round_order(modes: list[str], i: int) -> list[str]:
     """The modes of round `i`, rotated by i: over len(modes) rounds each mode runs once in each
     position (a loaded box made the mode measured second faster, whichever it was)."""
@@ -132,9 +143,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes to run (early always)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=[m for m in MODES if m != "base"],
+        help="modes to run (early always; base with --base-tree)",
+    )
+    p.add_argument("--base-tree", type=Path, default=None, help="the checkout the `base` mode runs (its own git tree)")
     args = p.parse_args()
     modes = ["early", *(m for m in args.modes if m != "early")]
+    if ("base" in modes) != (args.base_tree is not None):
+        p.error("--modes base and --base-tree go together")
+    repos = {"base": args.base_tree.resolve()} if args.base_tree else {}
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -144,7 +165,7 @@ def main() -> None:
     seeds = {SEEDED: run_once(SEEDED, root / f"{SEEDED}-seed", root)} if SEEDED in modes else {}
     for i in range(args.repeats):
         for mode in round_order(modes, i):
-            runs[mode].append(run_once(mode, root / f"{mode}-{i}", root))
+            runs[mode].append(run_once(mode, root / f"{mode}-{i}", root, repos.get(mode, REPO)))
     medians = {m: statistics.median(r["startup_s"] for r in rs) for m, rs in runs.items()}
     result = {
         "bench": "startup",
@@ -153,6 +174,7 @@ def main() -> None:
         "config": "the default job, one iteration, one engine + one Megatron actor colocated, a fresh Ray head and "
         "Prefect home per run",
         "repeats": args.repeats,
+        **({"base_tree_sha": _tree_sha(repos["base"])} if "base" in repos else {}),
         "startup_s_median": medians,
         **{f"ratio_early_over_{m}": medians["early"] / medians[m] for m in modes if m != "early"},
         **{

@@ -69,20 +69,21 @@ def _orchestration(f: dict) -> str:
 
 def _startup(f: dict) -> str:
     m = f["startup_s_median"]
-    ratios = {  # rows before the modes were selectable name two ratios their own way
-        "bootstrap": f.get("ratio_early_over_bootstrap"),
-        "early_no_prestart": f.get("ratio_early_over_early_no_prestart", f.get("ratio_prestart")),
-        "cpu_engine_two_processes": f.get("ratio_early_over_cpu_engine_two_processes"),
-        "cpu_engine_core_spawned": f.get("ratio_early_over_cpu_engine_core_spawned"),
-    }
+    ratios = {mode: f.get(f"ratio_early_over_{mode}") for mode in m if mode != "early"}
+    if "early_no_prestart" in m and ratios["early_no_prestart"] is None:  # rows before the modes were selectable
+        ratios["early_no_prestart"] = f.get("ratio_prestart")
     words = {
         "bootstrap": "bootstrap start",
         "early_no_prestart": "early start without engine prestart",
         "cpu_engine_two_processes": "CPU engine as vLLM lays it out",
         "cpu_engine_core_spawned": "CPU engine core spawned",
+        "early_again": "the same again (A/A)",
+        "base": f"at {f.get('base_tree_sha', 'the base tree')}",
     }
     parts = [f"command -> first iteration: early start {m['early']:.1f} s"] + [
-        f"{words[mode]} {m[mode]:.1f} s (ratio {ratio:.2f})" for mode, ratio in ratios.items() if ratio is not None
+        f"{words.get(mode, mode)} {m[mode]:.1f} s (ratio {ratio:.2f})"
+        for mode, ratio in ratios.items()
+        if ratio is not None
     ]
     return ", ".join(parts) + f", x{f['repeats']}"
 
@@ -299,7 +300,7 @@ SUITES = {
             "startup",
             "bench/bench_startup.py",
             "`vime train` from the command to its first iteration, early start vs "
-            "--no-early-start and vs --no-engine-prestart",
+            "--no-early-start, --no-engine-prestart, other modes or another checkout (--base-tree)",
             _startup,
             lock=True,
         ),

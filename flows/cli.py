@@ -47,16 +47,16 @@ def _config_from(ns: dict, parser):
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("vime train")
     cfg = _config_from(vars(parser.parse_args(argv)), parser)
-    from flows.train import RunStoppedError, train
-
     interrupt.install(
         f"\n[vime] interrupted: stored batches and the last checkpoint are kept; "
         f"run again with --run-name {cfg.run_name} to resume\n"
     )
-    if cfg.early_start:  # the run's actors start while the first flow run starts Prefect's server
+    if cfg.early_start:  # the run's actors start while the flow is imported and starts Prefect's server
         from vime_core.cluster.early_start import start_actors_early
 
         start_actors_early(cfg)
+    from flows.train import RunStoppedError, train  # Prefect: seconds of imports, beside the engines' start
+
     try:
         with one_line_failures():  # the flow run's own failure line, without a page of traceback
             summary = train(cfg)

@@ -13,9 +13,10 @@ import pytest
 def _actor_classes():
     from vime_core.engines.server import EngineServer
     from vime_core.rollout.manager import RolloutManager
+    from vime_core.cluster.trainer_group import TrainerActor
     from vime_core.trainer.trainer import MegatronTrainer
 
-    return [RolloutManager, EngineServer, MegatronTrainer]
+    return [RolloutManager, EngineServer, TrainerActor, MegatronTrainer]
 
 
 @pytest.mark.parametrize("cls", _actor_classes(), ids=lambda c: c.__name__)

@@ -14,3 +14,18 @@ def test_each_mode_takes_each_position_once_over_as_many_rounds():
     for position in range(len(modes)):
         assert sorted(r[position] for r in rounds) == sorted(modes)
     assert rounds[0] == modes and bench.round_order(modes, len(modes)) == modes
+
+
+def test_the_headline_names_every_measured_mode_and_the_base_trees_commit():
+    """bench/run.py's line for a startup row: each mode's median and its ratio, the `base` mode
+    (another checkout) by the commit it ran."""
+    run = load_bench("run.py", "bench_run")
+    medians = {"early": 24.0, "base": 30.0, "early_again": 25.0}
+    row = {
+        "startup_s_median": medians,
+        "repeats": 3,
+        "base_tree_sha": "abc1234",
+        **{f"ratio_early_over_{m}": medians["early"] / medians[m] for m in ("base", "early_again")},
+    }
+    line = run._startup(row)
+    assert "at abc1234 30.0 s (ratio 0.80)" in line and "the same again (A/A) 25.0 s (ratio 0.96)" in line

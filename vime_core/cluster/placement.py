@@ -79,20 +79,21 @@ class BundleDevice:
 
 
 def engine_devices(plan: PlacementPlan, bundles: list[BundleDevice]) -> list[tuple[str, list[str]]]:
-    """For each engine: (node ip, device ids for CUDA_VISIBLE_DEVICES). An engine's bundles must
-    sit on one node (vLLM's TP workers of one server share a host) on distinct devices."""
-    out = []
-    for e, ids in enumerate(plan.engine_bundles):
-        nodes = {bundles[b].node_ip for b in ids}
-        devices = [bundles[b].device_id for b in ids]
-        if len(nodes) != 1:
-            raise RuntimeError(
-                (
-                    f"engine {e}: its bundles {ids} are on several nodes {sorted(nodes)}; an engine's TP workers need "
-                    f"one node"
-                )
-            )
-        if len(set(devices)) != len(devices):
-            raise RuntimeError(f"engine {e}: its bundles {ids} share devices {devices}")
-        out.append((nodes.pop(), devices))
-    return out
+    """For each engine: (node ip, device ids for CUDA_VISIBLE_DEVICES) (`one_engine_devices`)."""
+    return [one_engine_devices(e, ids, [bundles[b] for b in ids]) for e, ids in enumerate(plan.engine_bundles)]
+
+
+def one_engine_devices(engine: int, ids: list[int], devices: list[BundleDevice]) -> tuple[str, list[str]]:
+    """(node ip, device ids for CUDA_VISIBLE_DEVICES) of engine `engine`, whose bundles `ids` Ray
+    assigned `devices`: they must sit on one node (vLLM's TP workers of one server share a host) on
+    distinct devices."""
+    nodes = {d.node_ip for d in devices}
+    device_ids = [d.device_id for d in devices]
+    if len(nodes) != 1:
+        raise RuntimeError(
+            f"engine {engine}: its bundles {ids} are on several nodes {sorted(nodes)}; an engine's TP workers need "
+            f"one node"
+        )
+    if len(set(device_ids)) != len(device_ids):
+        raise RuntimeError(f"engine {engine}: its bundles {ids} share devices {device_ids}")
+    return nodes.pop(), device_ids

@@ -19,10 +19,10 @@ from vime_core.cluster.placement import (
     BundleDevice,
     PlacementPlan,
     bundle_resources,
-    engine_devices,
+    one_engine_devices,
     plan_placement,
 )
-from vime_core.cluster.trainer_group import TrainerGroup
+from vime_core.cluster.trainer_group import TrainerActor, TrainerGroup
 from vime_core.config import VimeConfig
 from vime_core.config.derive import trainer_num_devices
 from vime_core.engines.auth import EngineToken
@@ -149,17 +149,40 @@ def _in_bundle(pg, index: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def bundle_devices(pg, num_bundles: int) -> list[BundleDevice]:
-    """The node and device id Ray assigned to each bundle (one tiny task per bundle)."""
+def _here() -> BundleDevice:
+    """The node and device of the calling task or actor (the device of its bundle)."""
     import ray
 
-    @ray.remote(num_cpus=0, num_gpus=PROBE_SHARE)
-    def probe() -> tuple[str, str]:
-        ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), str(ids[0]) if ids else ""
+    ids = ray.get_gpu_ids()
+    return BundleDevice(ray.util.get_node_ip_address(), str(ids[0]) if ids else "")
 
-    refs = [probe.options(scheduling_strategy=_in_bundle(pg, b)).remote() for b in range(num_bundles)]
-    return [BundleDevice(ip, dev) for ip, dev in ray.get(refs)]
+
+def bundle_devices(pg, bundles: int | list[int]) -> list[BundleDevice]:
+    """The node and device id Ray assigned to each of `bundles` (a count: the first that many),
+    one tiny task per bundle: a Ray worker process each (a GPU task's worker is not reused)."""
+    import ray
+
+    probe = ray.remote(num_cpus=0, num_gpus=PROBE_SHARE)(_here)
+    indices = range(bundles) if isinstance(bundles, int) else bundles
+    return ray.get([probe.options(scheduling_strategy=_in_bundle(pg, b)).remote() for b in indices])
+
+
+@dataclass(frozen=True)
+class EngineDevices:
+    """The device ids of engine `engine`, found in its actor's own process (EngineServer calls it):
+    its own bundle's device from Ray, the other bundles' (an engine over several devices) from one
+    probe each. The driver that creates the actor waits for no probe, so the actor's process start
+    is not queued behind the probes' own."""
+
+    pg: Any
+    engine: int
+    bundles: tuple[int, ...]
+
+    def __call__(self) -> list[str]:
+        devices = [_here(), *bundle_devices(self.pg, list(self.bundles[1:]))]
+        node_ip, device_ids = one_engine_devices(self.engine, list(self.bundles), devices)
+        log.info("engine %d: bundles %s on %s, devices %s", self.engine, list(self.bundles), node_ip, device_ids)
+        return device_ids
 
 
 def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = None) -> list[Any]:
@@ -177,15 +200,12 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
         return found
     if token is None:
         token = run_engine_token(cfg, len(plan.engine_bundles))
-    devices = engine_devices(plan, bundle_devices(pg, plan.num_bundles))
     actor_cls = ray.remote(EngineServer)
     actors = []
     for e, existing in enumerate(found):
         if existing is not None:
             actors.append(existing)
             continue
-        node_ip, device_ids = devices[e]
-        log.info("engine %d: bundles %s on %s, devices %s", e, plan.engine_bundles[e], node_ip, device_ids)
         actor = actor_cls.options(
             name=names.engine(e),
             namespace=names.namespace(cfg.run_name),
@@ -195,7 +215,7 @@ def get_or_create_engines(cfg: VimeConfig, pg, token: Optional[EngineToken] = No
             max_concurrency=4,  # health checks and memory reads while a start or restart runs
             scheduling_strategy=_in_bundle(pg, plan.engine_bundles[e][0]),
             runtime_env={"env_vars": actor_env()},
-        ).remote(cfg, e, device_ids=device_ids, token=token)
+        ).remote(cfg, e, device_ids=EngineDevices(pg, e, tuple(plan.engine_bundles[e])), token=token)
         # vLLM launches as soon as the actor exists, not once the RolloutManager is made and
         # calls start() (which then waits for this start): its imports and engine-core start
         # overlap the manager's own start
@@ -241,8 +261,16 @@ def publish_to_restarted_engine(cfg: VimeConfig, index: int, url: str) -> None:
 
 
 def _master_endpoint(pg) -> tuple[str, int]:
-    """Address and a free port on the node of bundle 0, where rank 0 runs."""
+    """Address and a free port on the node of bundle 0, where rank 0 runs: picked in this process
+    when it is on that node (the placement group's table says), else by a task there (a Ray worker
+    process to start, seconds on a loaded or fresh host)."""
     import ray
+    from ray.util import placement_group_table
+
+    node_id = placement_group_table(pg)["bundles_to_node_id"].get(0)
+    if node_id == ray.get_runtime_context().get_node_id():
+        [address] = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]  # Ray's name for it
+        return address, free_port()
 
     @ray.remote(num_cpus=0)
     def node_and_free_port() -> tuple[str, int]:
@@ -262,7 +290,7 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))
     ]
     if all(a is not None for a in found):
-        diverged = ray.get(found[0].state.remote()).get("diverged_rollout_id")
+        diverged = TrainerGroup(cfg, found).rank0("state").get("diverged_rollout_id")
         if diverged is None:
             return TrainerGroup(cfg, found), False
         log.warning(
@@ -275,11 +303,9 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         for a in found:
             if a is not None:
                 ray.kill(a)
-    from vime_core.trainer.trainer import MegatronTrainer  # torch: the driver imports no trainer/ module
-
     master_addr, master_port = _master_endpoint(pg)
     plan = plan_for(cfg)
-    actor_cls = ray.remote(MegatronTrainer)
+    actor_cls = ray.remote(TrainerActor)  # MegatronTrainer, built in the actor (trainer_group.py)
     token_source = functools.partial(manager_engine_token, cfg)  # the publish asks the run's RolloutManager
     actors = []
     for rank in range(world):

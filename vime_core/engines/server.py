@@ -14,7 +14,7 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from vime_core.config import engine_server_args, num_engines
 from vime_core.config.derive import engine_env, platform_supports_sleep
@@ -163,12 +163,14 @@ class EngineServer:
         extra_env: Optional[dict[str, str]] = None,
         log_dir: Optional[str] = None,
         warmup: bool = True,
-        device_ids: Optional[list[str]] = None,
+        device_ids: Optional[Union[list[str], Callable[[], list[str]]]] = None,
         api: Optional[VllmApi] = None,
         token: Optional[EngineToken] = None,
     ) -> None:
         """`token`: the run's engine token (all of a run's engines share one: the router forwards
         one client's header to any of them); None makes one for this server when cfg.engine_auth.
+        `device_ids`: the devices the server sees, or what finds them in this process (an engine
+        actor's: cluster/run_actors.EngineDevices).
         Attached servers (`attach_url`) are sent `token` when given, and nothing else."""
         self.cfg = cfg
         self.engine_index = engine_index
@@ -190,6 +192,8 @@ class EngineServer:
         if worker_extension_cls is not None:
             self.server_args["worker_extension_cls"] = worker_extension_cls
         self.extra_env = dict(extra_env or {})
+        if callable(device_ids):
+            device_ids = device_ids()
         self.device_ids = [str(d) for d in device_ids] if device_ids is not None else None
         self._api = api
         self.log_dir = Path(log_dir) if log_dir else REPO_ROOT / ".cache" / "engine-logs"

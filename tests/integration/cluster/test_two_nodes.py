@@ -213,7 +213,7 @@ def test_a_killed_engine_is_replaced_and_joins_a_new_broadcast_group(trained):
 
     def groups() -> tuple[str, list]:
         kept = ray.get(
-            trainers.actors[0].__ray_call__.remote(lambda self: self._publisher.broadcast_group("gloo").group_id)
+            trainers.actors[0].__ray_call__.remote(lambda a: a.trainer._publisher.broadcast_group("gloo").group_id)
         )
         [url] = ray.get(manager.engine_urls.remote())
         token = ray.get(manager.engine_token.remote())

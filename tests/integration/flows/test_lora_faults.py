@@ -55,12 +55,13 @@ def _config(store, model, ray_address, mode: str):
     )
 
 
-def _trained_state(self) -> tuple[dict, dict]:
+def _trained_state(actor) -> tuple[dict, dict]:
     """On the trainer actor: its adapters (the trained parameters, and the whole tensors under
     PEFT names) and every tensor of its optimizer's state, keyed by (chained part, param group,
     parameter index, state key), copied."""
     from vime_core.trainer.lora import lora_hf_state
 
+    self = actor.trainer  # TrainerActor's MegatronTrainer
     adapters = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
     adapters.update({n: t.detach().clone() for n, t in lora_hf_state(self.model, self.arch).items()})
     state = {}

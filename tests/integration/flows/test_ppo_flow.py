@@ -172,7 +172,7 @@ def test_the_resumed_critic_is_the_saved_one(resumed):
     from vime_core.storage import BatchStore
 
     # in the actor's process; defined here so that Ray sends the function itself, not its module
-    def in_actor(trainer, critic_file: str, batch: dict) -> float:
+    def in_actor(actor, critic_file: str, batch: dict) -> float:
         """In the trainer actor: the token mean of V_old over `batch`'s loss tokens (the record's
         value_mean) with the critic of `critic_file`, over the micro-batches the trainer packed
         the rollout into; the trainer's own critic is put back afterwards."""
@@ -182,7 +182,7 @@ def test_the_resumed_critic_is_the_saved_one(resumed):
 
         from vime_core.data.schedule import build_dp_schedule
 
-        cfg, critic = trainer.cfg, trainer.critic
+        cfg, critic = actor.trainer.cfg, actor.trainer.critic  # TrainerActor's MegatronTrainer
         own = copy.deepcopy(critic.state())
         critic.load_state(torch.load(critic_file, map_location="cpu", weights_only=False), critic_file)
         try:
