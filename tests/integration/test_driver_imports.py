@@ -43,3 +43,30 @@ def test_the_driver_reuses_the_built_demo_model_without_torch(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     built, reused = (r.stdout.strip().splitlines()[-1] for r in runs)
     assert "torch" in built and reused == "[]", (built, reused)
+
+
+def test_creating_the_trainer_group_imports_no_trainer_library(ray_head, tiny_model_dir):
+    """run_actors makes the trainer ranks' actors (bootstrap, `vime train`'s early start) without
+    importing torch or Megatron: the actor's class (TrainerActor) builds MegatronTrainer in the
+    actor's own process, which then answers by its trainer's methods."""
+    probe = (
+        "import json, sys\n"
+        "from vime_core.cluster.connect import ensure_ray\n"
+        "from vime_core.cluster.run_actors import get_or_create_placement_group, get_or_create_trainer_group, "
+        "teardown\n"
+        "from vime_core.config import make_config\n"
+        "from vime_core.demo.settings import demo_values\n"
+        f"cfg = make_config(demo_values({{'run_name': 'driver-imports', 'ray_address': {ray_head!r}, "
+        f"'hf_checkpoint': {str(tiny_model_dir)!r}}}))\n"
+        "ensure_ray(cfg.ray_address)\n"
+        "try:\n"
+        "    group, created = get_or_create_trainer_group(cfg, get_or_create_placement_group(cfg))\n"
+        "    state = group.rank0('state')\n"
+        f"    print(json.dumps([created, state['weight_version'], sorted(h for h in {HEAVY!r} if h in sys.modules)]))\n"
+        "finally:\n"
+        "    teardown(cfg.run_name, num_trainers=1)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[true, 0, []]", out.stdout[-2000:]

@@ -158,5 +158,7 @@ def test_the_mismatch_metric_shows_both(trainer, engine_batch):
     with_replay = metrics["train_rollout_logprob_abs_diff"]
     assert with_replay <= LOGPROB_ATOL, with_replay
     assert without > 10 * LOGPROB_ATOL, without
-    # the near-tied gates send some tokens elsewhere than the engine did: replay changed choices
-    assert 0.0 < metrics[EXPERT_AGREEMENT] < 1.0, metrics[EXPERT_AGREEMENT]
+    # each token's best pair is the same on both sides, the member opposite (the split's sign): the
+    # trainer's own top-1 is rarely the engine's, so replay overrode most choices. Which few agree
+    # (a split below the float noise) depends on the sampled tokens; none may (A = 0)
+    assert 0.0 <= metrics[EXPERT_AGREEMENT] < 0.5, metrics[EXPERT_AGREEMENT]
