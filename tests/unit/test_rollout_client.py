@@ -569,6 +569,13 @@ def test_engine_server_command_and_environment(tiny_model_dir):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind(1, 2)
     assert env["PYTHONPATH"].split(":")[0] == str(Path(__file__).resolve().parents[2])
+    # Triton's kernels in one folder under vLLM's cache root, whatever its compile cache answers; a
+    # folder the user names wins
+    from vime_core.engines.vllm_cache import cache_root
+
+    assert env["TRITON_CACHE_DIR"] == str(cache_root(env) / "triton_cache")
+    named = make_config({**cfg.model_dump(), "vllm_env": ["TRITON_CACHE_DIR=/scratch/triton"]})
+    assert EngineServer(named, 1).environment()["TRITON_CACHE_DIR"] == "/scratch/triton"
     assert cpu_bind(0, 2, cores=[0, 1]) == "0" and cpu_bind(1, 2, cores=[0, 1]) == "1"
     assert cpu_bind(0, 1, cores=[0, 1, 2, 3]) == "0-3" and cpu_bind(1, 1, 2, cores=[0, 1, 2, 3]) == "0-1|2-3"
     # a one-rank CPU engine is one engine-core process pinned to its cores, with a thread per core

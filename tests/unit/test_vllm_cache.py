@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from vime_core.engines.vllm_cache import CarriedCache, archive_key, cache_root, cached_files, entry_of
+from vime_core.engines.vllm_cache import (
+    TRITON_DIR,
+    CarriedCache,
+    archive_key,
+    cache_root,
+    cached_files,
+    engine_triton_cache,
+    entry_of,
+)
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:
@@ -42,6 +50,7 @@ def test_the_cache_root_is_vllms():
     assert cache_root({"VLLM_CACHE_ROOT": "/a/b", "XDG_CACHE_HOME": "/x"}) == Path("/a/b")
     assert cache_root({"XDG_CACHE_HOME": "/x", "HOME": "/h"}) == Path("/x/vllm")
     assert cache_root({"HOME": "/h"}) == Path("/h/.cache/vllm")
+    assert engine_triton_cache({"HOME": "/h"}) == Path("/h/.cache/vllm") / TRITON_DIR  # carried with it
 
 
 def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
@@ -50,7 +59,11 @@ def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
     made = {
         "torch_compile_cache/abc123/rank_0_0/backbone/artifact": b"\x00compiled" * 100,
         "modelinfos/vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json": b'{"is_text_generation_model": true}',
+        # a Triton kernel the engine JIT-compiled into its TRITON_CACHE_DIR (engine_triton_cache): two files, one entry
+        f"{TRITON_DIR}/Q2XVN7KJ3M/_topk_topp_kernel.cubin": b"\x7fELF" * 50,
+        f"{TRITON_DIR}/Q2XVN7KJ3M/__grp___topk_topp_kernel.json": b'{"child_paths": {}}',
     }
+    entries = {entry_of(name) for name in made}
 
     one = CarriedCache(store, first)
     assert one.restore()["missing"] is True  # nothing stored yet: vLLM starts with the host's cache
@@ -58,8 +71,8 @@ def test_a_fresh_host_gets_what_the_first_host_made(tmp_path):
     stored = one.store()
     assert stored["stored_files"] == len(made) and stored["new_files"] == len(made)
     # one archive per entry (a compile hash, a model's inspection), no partial left beside
-    assert _stored(tmp_path / "store") == sorted(archive_key(entry_of(name)) for name in made)
-    assert stored["stored_entries"] == len(made)
+    assert _stored(tmp_path / "store") == sorted(archive_key(entry) for entry in entries)
+    assert stored["stored_entries"] == len(entries) == 3
 
     _write(fresh, {"modelinfos/other.json": b"mine"})  # the fresh host's own file stays
     two = CarriedCache(store, fresh)

@@ -24,7 +24,7 @@ from vime_core.engines.client import SyncEngineClient
 from vime_core.utils.secrets import redact_url
 from vime_core.engines.startup_log import describe, launch_line, startup_marks
 from vime_core.engines.vllm_api import VERSIONED_API_SINCE, VllmApi, installed_version
-from vime_core.engines.vllm_cache import CarriedCache
+from vime_core.engines.vllm_cache import CarriedCache, engine_triton_cache
 from vime_core.engines.vllm_side.api_server import INSPECT_ENV
 from vime_core.utils.device_memory import free_and_total, group_device_memory
 from vime_core.utils.errors import InfrastructureError
@@ -368,6 +368,8 @@ class EngineServer:
                 env["OMP_NUM_THREADS"] = str(len(cores))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
+        # one Triton cache whatever vLLM's compile cache answers, carried with it (vllm_cache.py)
+        env.setdefault("TRITON_CACHE_DIR", str(engine_triton_cache(env)))
         if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses
             env.update(RUNTIME_UPDATES_ENV)
         env.update(self.extra_env)

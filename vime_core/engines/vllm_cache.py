@@ -8,6 +8,8 @@ vLLM keeps under its cache root (VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, els
   configurations and devices live side by side: an engine uses the one of its own hash, else
   compiles anew (21 s of a fresh 0.5B start on an H200, docs/measurements.md).
 - `modelinfos/<file>`: what vLLM learned inspecting a model class (31 s there on a cold cache).
+- `triton_cache/<kernel hash>/...`: the Triton kernels the engine JIT-compiled, there because vime
+  points the engine's TRITON_CACHE_DIR at it (`engine_triton_cache`).
 An entry is a file's first two path components (`entry_of`); its archive is `<uri>/<entry>.tar`.
 
 `restore` (before the launch) unpacks, from the archive of each entry the host holds nothing of,
@@ -50,6 +52,27 @@ def cache_root(environ: Mapping[str, str]) -> Path:
         return Path(environ["VLLM_CACHE_ROOT"]).expanduser()
     base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
     return Path(base).expanduser() / "vllm"
+
+
+TRITON_DIR = "triton_cache"
+
+
+def engine_triton_cache(environ: Mapping[str, str]) -> Path:
+    """The Triton kernel cache an engine launched with `environ` is given (its TRITON_CACHE_DIR, unless
+    set): `triton_cache` under vLLM's cache root, one folder for every start of the host.
+
+    Left to vLLM (0.26, torch >= 2.10), the folder moves with the compile cache's answer. A start
+    that compiles points TRITON_CACHE_DIR at `torch_compile_cache/<hash>/.../triton_cache`
+    (compilation/compiler_interface.py, the Inductor adaptor's initialize_cache), and the kernels
+    JIT-compiled after the graphs (the V2 model runner's `warmup_kernels`: sampling, penalties,
+    log-probs) land there. A start whose compile cache hits loads the AOT artifact instead
+    (VLLM_USE_AOT_COMPILE, on by default with torch >= 2.10), sets no TRITON_CACHE_DIR
+    (compilation/caching.py: initialize_cache with disable_cache), and looks for those kernels in
+    Triton's default ~/.triton/cache: the first hit of each host compiles them again (19 s of a
+    0.5B warm start on an H100; the next hit 1 s, docs/measurements.md). One folder under the cache
+    root serves both answers, and `vllm_cache_uri` carries it with the compiled graphs. Triton's own
+    keys (the kernel's source, its constants, the device, Triton's version) keep kernels apart."""
+    return cache_root(environ) / TRITON_DIR
 
 
 def cached_files(root: Path) -> set[str]:
