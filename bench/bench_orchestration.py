@@ -36,28 +36,35 @@ TASK_TIMES = ("t_rollout", "t_persist", "t_train", "t_sync")
 
 class PrefectRetryCounter(logging.Handler):
     """Counts the Prefect client's retries of retryable answers (a 503 from a locked SQLite
-    database costs a fixed back-off each); Prefect logs each one at DEBUG."""
+    database costs a fixed back-off each); Prefect logs each one at DEBUG. While attached, the
+    client's logger lets DEBUG through to this handler only: what it logged before (at its
+    effective level and above) still goes on to the console's handlers, nothing below."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.count = 0
         self._logger = logging.getLogger("prefect.client")
-        self._level = self._logger.level
+        self._level, self._propagate = self._logger.level, self._logger.propagate
+        self._passed = self._logger.getEffectiveLevel()  # what reached the console before
 
     @classmethod
     def attach(cls) -> "PrefectRetryCounter":
         counter = cls()
         counter._logger.addHandler(counter)
         counter._logger.setLevel(logging.DEBUG)
+        counter._logger.propagate = False  # emit passes on what the console showed before
         return counter
 
     def detach(self) -> None:
         self._logger.removeHandler(self)
         self._logger.setLevel(self._level)
+        self._logger.propagate = self._propagate
 
     def emit(self, record: logging.LogRecord) -> None:
         if "retryable" in record.getMessage():
             self.count += 1
+        if record.levelno >= self._passed and self._propagate and self._logger.parent is not None:
+            self._logger.parent.handle(record)
 
 
 # Each mode's flags over the default job. `tis` is the on-policy baseline of `off_policy`: both
