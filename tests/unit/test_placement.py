@@ -9,7 +9,8 @@ from vime_core.cluster.placement import (
     NODE_RESOURCE_SHARE,
     BundleDevice,
     bundle_resources,
-    engine_devices,
+    PlacementPlan,
+    one_engine_devices,
     plan_placement,
 )
 
@@ -17,6 +18,12 @@ from vime_core.cluster.placement import (
 def _devices(n: int, nodes: int = 1) -> list[BundleDevice]:
     per_node = n // nodes
     return [BundleDevice(f"10.0.0.{b // per_node}", str(b % per_node)) for b in range(n)]
+
+
+def engine_devices(plan: PlacementPlan, bundles: list[BundleDevice]) -> list[tuple[str, list[str]]]:
+    """Each engine's (node, device ids) as its actor finds them (run_actors.EngineDevices), when Ray
+    assigned `bundles` to the plan's bundles."""
+    return [one_engine_devices(e, ids, [bundles[b] for b in ids]) for e, ids in enumerate(plan.engine_bundles)]
 
 
 def test_colocated_engines_share_the_devices_of_their_trainer_ranks():
@@ -129,14 +136,15 @@ def test_vllm_env_reaches_the_engine_and_cannot_touch_what_vime_sets(tiny_model_
     import os
 
     from vime_core.config import make_config
-    from vime_core.config.derive import ENGINE_MANAGED_ENV
+    from vime_core.config.derive import ENGINE_DEFAULT_ENV, ENGINE_MANAGED_ENV
     from vime_core.engines.server import EngineServer
 
     base = {"hf_checkpoint": str(tiny_model_dir), "device": "cuda", "bf16": True, "weight_transport": "ipc"}
     cfg = make_config({**base, "vllm_env": ["VLLM_WORKER_MULTIPROC_METHOD=fork", "TRITON_CACHE_DIR=/x=y"]})
     env = EngineServer(cfg, 0, device_ids=["1"]).environment()
     assert (env["VLLM_WORKER_MULTIPROC_METHOD"], env["TRITON_CACHE_DIR"]) == ("fork", "/x=y")  # split at the first '='
-    # every variable the server sets over its actor's environment is one vllm_env may not set
+    # every variable the server sets over its actor's environment is one vllm_env may not set, or
+    # a default that vllm_env (above) replaces
     servers = [
         EngineServer(make_config(base), 0, device_ids=["0"]),
         EngineServer(make_config({**base, "device": "cpu", "bf16": False, "weight_transport": "shm"}), 0),
@@ -144,7 +152,7 @@ def test_vllm_env_reaches_the_engine_and_cannot_touch_what_vime_sets(tiny_model_
     monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", "")})  # the actor's own: PATH only
     for server in servers:
         added = set(server.environment()) - {"PATH"}
-        assert added <= ENGINE_MANAGED_ENV, added - ENGINE_MANAGED_ENV
+        assert added <= ENGINE_MANAGED_ENV | ENGINE_DEFAULT_ENV, added - ENGINE_MANAGED_ENV - ENGINE_DEFAULT_ENV
     for entries, needle in (
         ([["CUDA_VISIBLE_DEVICES=0"]], "vllm_env sets CUDA_VISIBLE_DEVICES"),
         ([["HF_TOKEN=hf_abc123"]], "vllm_env names HF_TOKEN, which looks like a secret"),

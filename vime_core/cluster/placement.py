@@ -78,11 +78,6 @@ class BundleDevice:
     device_id: str
 
 
-def engine_devices(plan: PlacementPlan, bundles: list[BundleDevice]) -> list[tuple[str, list[str]]]:
-    """For each engine: (node ip, device ids for CUDA_VISIBLE_DEVICES) (`one_engine_devices`)."""
-    return [one_engine_devices(e, ids, [bundles[b] for b in ids]) for e, ids in enumerate(plan.engine_bundles)]
-
-
 def one_engine_devices(engine: int, ids: list[int], devices: list[BundleDevice]) -> tuple[str, list[str]]:
     """(node ip, device ids for CUDA_VISIBLE_DEVICES) of engine `engine`, whose bundles `ids` Ray
     assigned `devices`: they must sit on one node (vLLM's TP workers of one server share a host) on

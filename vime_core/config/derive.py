@@ -536,6 +536,8 @@ ENGINE_MANAGED_ENV = frozenset(
         "VIME_ENGINE_OPEN_HEALTH",  # engine_auth (vime_core/engines/vllm_side/auth.py)
     }
 )
+# what every engine is given unless vllm_env or the actor's environment names it
+ENGINE_DEFAULT_ENV = frozenset({"TRITON_CACHE_DIR"})  # one kernel cache, hit or miss (engines/vllm_cache.py)
 
 
 def _check_run_settings(cfg: ConfigFields) -> None:

@@ -368,7 +368,8 @@ class EngineServer:
                 env["OMP_NUM_THREADS"] = str(len(cores))
         if self.device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids)
-        # one Triton cache whatever vLLM's compile cache answers, carried with it (vllm_cache.py)
+        # one Triton cache whatever vLLM's compile cache answers, carried with it (vllm_cache.py);
+        # a default (ENGINE_DEFAULT_ENV): vllm_env or the actor's environment may name another
         env.setdefault("TRITON_CACHE_DIR", str(engine_triton_cache(env)))
         if serves_adapters(cfg):  # the run-time adapter routes the adapter publish uses
             env.update(RUNTIME_UPDATES_ENV)
