@@ -175,3 +175,25 @@ def test_remote_reward_settings_without_the_remote_model_are_named_unused_withou
     assert "custom_rm_path='vime_core.demo.task:reward'" in custom[0]
     assert unused_settings(make_config({"rm_type": "remote_rm", "rm_url": url, "rm_timeout_s": 5.0})) == []
     assert unused_settings(make_config({})) == []
+
+
+def test_settings_read_only_beside_another_are_named_unused_when_it_is_off():
+    """A KL estimator with no KL term, guard_retries without rollback, eval settings without
+    eval_interval, W&B settings without use_wandb: one line each at the run's start; none when the
+    setting that reads them is on."""
+    from vime_core.config.derive import unused_settings
+
+    off = {
+        "kl_loss_type": "k1",
+        "guard_retries": 5,
+        "n_samples_per_eval_prompt": 4,
+        "eval_temperature": 0.7,
+        "wandb_project": "mine",
+        "wandb_mode": "offline",
+    }
+    lines = unused_settings(make_config(off))
+    assert [line.split(" ", 1)[0] for line in lines] == list(off)
+    assert "kl_loss_type is set but unused: it is read only with a KL term" in lines[0]
+    assert "read only with eval_interval" in lines[2] and "read only with use_wandb=true" in lines[4]
+    on = {**off, "use_kl_loss": True, "guard_action": "rollback", "eval_interval": 2, "use_wandb": True}
+    assert unused_settings(make_config(on)) == []

@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import re
+from typing import Callable
 from urllib.parse import urlsplit
 
 from vime_core.algo import get_adv_estimator  # the package: the built-in estimators registered
@@ -334,15 +335,42 @@ REMOTE_RM_FIELDS = ("rm_url", "rm_api_key_env", "rm_api_key_file", "rm_timeout_s
 def unused_settings(cfg: ConfigFields) -> list[str]:
     """Settings given a value that this run never reads, one line each for the run's start to warn
     with (flows/train.py), the values left out (they locate or hold credentials): the remote reward
-    model's without rm_type=remote_rm (a custom_rm_path overrides rm_type)."""
-    if cfg.rm_type == "remote_rm" and not cfg.custom_rm_path:
-        return []
-    reward = f"custom_rm_path={cfg.custom_rm_path!r}" if cfg.custom_rm_path else f"rm_type={cfg.rm_type!r}"
-    return [
-        f"{name} is set but unused: the rewards come from {reward}; only rm_type=remote_rm calls the remote model"
-        for name, default in _defaults(*REMOTE_RM_FIELDS).items()
-        if getattr(cfg, name) != default
-    ]
+    model's without rm_type=remote_rm (a custom_rm_path overrides rm_type), and settings read only
+    beside another that is off (`_READ_ONLY_WITH`). Warned, not refused: none of them changes what
+    is trained, and a run's configuration often keeps them while the feature is switched off."""
+    lines = []
+    if cfg.rm_type != "remote_rm" or cfg.custom_rm_path:
+        reward = f"custom_rm_path={cfg.custom_rm_path!r}" if cfg.custom_rm_path else f"rm_type={cfg.rm_type!r}"
+        lines += [
+            f"{name} is set but unused: the rewards come from {reward}; only rm_type=remote_rm calls the remote model"
+            for name, default in _defaults(*REMOTE_RM_FIELDS).items()
+            if getattr(cfg, name) != default
+        ]
+    for fields, needs, reads in _READ_ONLY_WITH:
+        if not reads(cfg):
+            lines += [
+                f"{name} is set but unused: it is read only with {needs}"
+                for name, default in _defaults(*fields).items()
+                if getattr(cfg, name) != default
+            ]
+    return lines
+
+
+# (settings, what reads them, whether that is on): unused_settings' second part
+_READ_ONLY_WITH: tuple[tuple[tuple[str, ...], str, Callable[[ConfigFields], bool]], ...] = (
+    (("kl_loss_type",), "a KL term (use_kl_loss=true, or kl_coef > 0)", lambda c: c.use_kl_loss or c.kl_coef > 0),
+    (("guard_retries",), "guard_action=rollback", lambda c: c.guard_action == "rollback"),
+    (
+        ("eval_prompt_data", "eval_prompt_data_split", "n_samples_per_eval_prompt", "eval_temperature"),
+        "eval_interval",
+        lambda c: c.eval_interval is not None,
+    ),
+    (
+        ("wandb_project", "wandb_group", "wandb_run_name", "wandb_mode", "wandb_dir"),
+        "use_wandb=true",
+        lambda c: c.use_wandb,
+    ),
+)
 
 
 def check_rm_type(cfg: ConfigFields) -> None:
