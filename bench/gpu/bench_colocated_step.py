@@ -174,6 +174,24 @@ def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
     ]
 
 
+def host_cache_entries(environ: dict[str, str] | None = None) -> dict:
+    """What the host's caches hold, to tell what a start hit and what it made: vLLM's compile hashes
+    (torch.compile's folders, and the AOT artifacts' a hit loads), and the Triton kernels in the
+    engines' folder (engine_triton_cache) and in Triton's default one, a folder each."""
+    from vime_core.engines.vllm_cache import cache_root, engine_triton_cache  # boundary: as host_compile_caches
+
+    environ = dict(os.environ if environ is None else environ)
+    compiled = cache_root(environ) / "torch_compile_cache"
+    folders = lambda path: sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []  # noqa: E731
+    home = Path(environ.get("HOME") or Path.home())
+    return {
+        "compile_hashes": [name for name in folders(compiled) if name != "torch_aot_compile"],
+        "aot_hashes": folders(compiled / "torch_aot_compile"),
+        "engine_triton_kernels": len(folders(engine_triton_cache(environ))),
+        "default_triton_kernels": len(folders(Path(environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"))),
+    }
+
+
 def empty_host_caches() -> list[str]:
     """Remove `host_compile_caches()`: the next start is a fresh host's (but for the page cache and
     Python's bytecode); the folders that were there."""
@@ -204,6 +222,7 @@ def phase_startup(a, paths: dict) -> None:
         )
         (out / name).mkdir(parents=True, exist_ok=True)
         print(f"[bench] startup {name}: {' '.join(flags) or '(defaults)'}", flush=True)
+        caches_before = host_cache_entries()
         proc = subprocess.run(
             ["bash", str(REPO / "bench/gpu/run_colocated_h200.sh"), "1", *a.train_args, *flags], env=env, cwd=REPO
         )
@@ -216,6 +235,7 @@ def phase_startup(a, paths: dict) -> None:
                     "run_name": run,
                     "ended_epoch": time.time(),
                     "summary": json.loads(summary.read_text()) if summary.exists() else None,
+                    "host_caches": {"before": caches_before, "after": host_cache_entries()},
                 }
             )
         )
@@ -275,6 +295,7 @@ def startup_report(results: Path) -> dict | None:
             "exit": meta["exit"],
             "startup_s": summary.get("startup_s"),
             "engine_compile_cache": summary.get("engine_compile_cache"),  # a hit and a miss are unlike starts
+            "host_caches": meta.get("host_caches"),  # which compile hash it used or made, the kernels it added
             "startup_timeline_s": marks,
             "stages_s": startup_stages(marks) if marks else None,
         }

@@ -176,6 +176,7 @@ def test_startup_variants_parse_and_report_against_the_default(tmp_path):
         "exit": 1,
         "startup_s": None,
         "engine_compile_cache": None,
+        "host_caches": None,  # meta.json of a run before the bench kept them
         "startup_timeline_s": None,
         "stages_s": None,
         "vs_default": None,
@@ -375,3 +376,29 @@ def test_a_fresh_start_begins_with_the_hosts_compile_caches_emptied(tmp_path, mo
     a = _startup_args(tmp_path, "cold;carried:--vllm-cache-uri /tmp/store", startup_fresh=True)
     step.phase_startup(a, {"results": tmp_path / "bench"})
     assert left_before_run == [[], []]
+
+
+def test_each_startup_records_what_the_hosts_caches_held_before_and_after(tmp_path, monkeypatch):
+    """The compile hash a start made (a miss) or loaded (a hit: its AOT artifact's), and the Triton
+    kernels it added to the engines' folder or to Triton's default one, per run in the report."""
+    from vime_core.engines.vllm_cache import engine_triton_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    kernels = engine_triton_cache({"VLLM_CACHE_ROOT": str(tmp_path / "vllm")})
+
+    def fake_run(cmd, env, cwd):  # a miss: one compile hash, its AOT artifact, two kernels
+        for folder in ("torch_compile_cache/abc123/rank_0_0", "torch_compile_cache/torch_aot_compile/def456"):
+            (tmp_path / "vllm" / folder).mkdir(parents=True, exist_ok=True)
+        for kernel in ("K1", "K2"):
+            (kernels / kernel).mkdir(parents=True, exist_ok=True)
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(step.subprocess, "run", fake_run)
+    step.phase_startup(_startup_args(tmp_path, "default"), {"results": tmp_path / "bench"})
+    caches = step.startup_report(tmp_path / "bench")["default"]["host_caches"]
+    empty = {"compile_hashes": [], "aot_hashes": [], "engine_triton_kernels": 0, "default_triton_kernels": 0}
+    assert caches["before"] == empty
+    made = {"compile_hashes": ["abc123"], "aot_hashes": ["def456"], "engine_triton_kernels": 2}
+    assert caches["after"] == {**empty, **made}
