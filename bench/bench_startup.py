@@ -26,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from provenance import tree_sha  # noqa: E402
 from vime_core.cluster import local_head  # noqa: E402
 
 MODES = {
@@ -127,11 +129,6 @@ def run_once(mode: str, work: Path, bench: Path, repo: Path = REPO) -> dict:
     }
 
 
-def _tree_sha(repo: Path) -> str:
-    out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def round_order(modes: list[str], i: int) -> list[str]:
     """The modes of round `i`, rotated by i: over len(modes) rounds each mode runs once in each
     position (a loaded box made the mode measured second faster, whichever it was)."""
@@ -174,7 +171,7 @@ def main() -> None:
         "config": "the default job, one iteration, one engine + one Megatron actor colocated, a fresh Ray head and "
         "Prefect home per run",
         "repeats": args.repeats,
-        **({"base_tree_sha": _tree_sha(repos["base"])} if "base" in repos else {}),
+        **({"base_tree_sha": tree_sha(repos["base"]) or "unknown"} if "base" in repos else {}),
         "startup_s_median": medians,
         **{f"ratio_early_over_{m}": medians["early"] / medians[m] for m in modes if m != "early"},
         **{

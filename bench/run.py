@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from provenance import tree_sha  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 LOCK = Path("/tmp/vime-integration.lock")
 
@@ -391,22 +394,12 @@ SUITES = {
 
 
 # ---- provenance ----------------------------------------------------------------------------------
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def git_sha() -> tuple[str, str]:
     """(sha, where it came from): $VIME_GIT_SHA, else HEAD with -dirty when tracked files differ."""
     if os.environ.get("VIME_GIT_SHA"):
         return os.environ["VIME_GIT_SHA"], "VIME_GIT_SHA"
-    sha = _git("rev-parse", "HEAD")
-    if not sha:
-        return "unknown", "no git"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return sha + ("-dirty" if dirty else ""), "git rev-parse HEAD"
+    sha = tree_sha(REPO)
+    return (sha, "git rev-parse HEAD") if sha else ("unknown", "no git")
 
 
 def machine() -> str:

@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
+from provenance import tree_sha  # noqa: E402
 
 CONFIGS = REPO / "bench" / "gpu"
 TRAINER_SITE = "/tmp/site-trainer"
@@ -63,13 +64,7 @@ def _median(values) -> float | None:
 
 def git_sha() -> str:
     """VIME_GIT_SHA when set (a copied tree's .git may not be the code that runs), else git's."""
-    if os.environ.get("VIME_GIT_SHA"):
-        return os.environ["VIME_GIT_SHA"]
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-    return sha + ("-dirty" if dirty else "") if sha else "unknown"
+    return os.environ.get("VIME_GIT_SHA") or tree_sha(REPO) or "unknown"
 
 
 def phase_model(a, paths: dict) -> None:
@@ -158,6 +153,11 @@ def startup_runs(variants: dict[str, list[str]], repeats: int) -> list[tuple[str
     ]
 
 
+def default_triton_cache(environ: dict[str, str]) -> Path:
+    """Triton's kernel cache for a process started with `environ`: TRITON_CACHE_DIR, else its default."""
+    return Path(environ.get("TRITON_CACHE_DIR") or Path(environ.get("HOME") or Path.home()) / ".triton" / "cache")
+
+
 def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
     """What a fresh host lacks that a start leaves behind: vLLM's cache root (compiled graphs, model
     inspection), torch inductor's and Triton's default caches, FlashInfer's and torch's JIT builds."""
@@ -168,7 +168,7 @@ def host_compile_caches(environ: dict[str, str] | None = None) -> list[Path]:
     return [
         cache_root(environ),
         Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}"),
-        Path(environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+        default_triton_cache(environ),
         home / ".cache" / "flashinfer",
         home / ".cache" / "torch_extensions",
     ]
@@ -183,12 +183,11 @@ def host_cache_entries(environ: dict[str, str] | None = None) -> dict:
     environ = dict(os.environ if environ is None else environ)
     compiled = cache_root(environ) / "torch_compile_cache"
     folders = lambda path: sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []  # noqa: E731
-    home = Path(environ.get("HOME") or Path.home())
     return {
         "compile_hashes": [name for name in folders(compiled) if name != "torch_aot_compile"],
         "aot_hashes": folders(compiled / "torch_aot_compile"),
         "engine_triton_kernels": len(folders(engine_triton_cache(environ))),
-        "default_triton_kernels": len(folders(Path(environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"))),
+        "default_triton_kernels": len(folders(default_triton_cache(environ))),
     }
 
 

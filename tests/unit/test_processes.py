@@ -49,7 +49,8 @@ def test_free_ports_come_from_outside_the_kernels_ephemeral_range(tmp_path, monk
     assert len(ports) > 1  # random picks, not the module's seeded state
     # a port in use is passed over: of two, the one not held
     first = ports.pop()
-    pair = (first, first + 1) if processes._can_bind(first + 1) else (first - 1, first)
+    next_free = processes.port_is_free("127.0.0.1", first + 1, reuse_address=False)
+    pair = (first, first + 1) if next_free else (first - 1, first)
     monkeypatch.setattr(processes, "LISTEN_PORTS", (pair[0], pair[1] + 1))
     with socket.socket() as held:
         held.bind(("127.0.0.1", pair[0]))

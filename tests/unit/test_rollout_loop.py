@@ -608,7 +608,7 @@ def test_a_failed_group_beside_enough_in_flight_goes_back_for_a_later_rollout(ma
     state.generate_fn = failing_generate(first, retryable=True)
     samples, metrics = run_loop(state)
     assert 0 not in {s.group_index for s in samples} and metrics["rollout/retried_groups"] == 1
-    assert metrics["rollout/submitted_groups"] == 8
+    assert metrics["rollout/submitted_groups"] == cfg.over_sampling_batch_size  # one batch, no resubmission
     back = state.data_source.get_groups(1)[0]
     assert back[0].group_index == 0 and back[0].metadata["group_attempts"] == 2 and back[0].response_length == 0
 
@@ -837,14 +837,15 @@ def test_eval_figures_leave_out_samples_that_were_not_scored(make_cfg, tokenizer
     rows = load_prompt_rows(cfg.prompt_data, cfg, tokenizer)[:3]
     with caplog.at_level("WARNING", logger="vime_core.rollout.eval"):
         samples, metrics = asyncio.run(run_eval(state, rows, rollout_id=5))
+    n = cfg.n_samples_per_eval_prompt
     failed = [s for s in samples if s.status is Status.FAILED]
-    assert {s.group_index for s in failed} == {0} and len(failed) == 4
+    assert {s.group_index for s in failed} == {0} and len(failed) == n
     scored = [s.reward for s in samples if s.status is not Status.FAILED]
-    assert metrics["eval/reward_mean"] == pytest.approx(sum(scored) / len(scored)) == 0.5
-    assert metrics["eval/pass_at_n"] == 1.0 and metrics["eval/failed_count"] == 4
+    assert metrics["eval/reward_mean"] == pytest.approx(sum(scored) / len(scored)) == 0.5  # odd indices score 1
+    assert metrics["eval/pass_at_n"] == 1.0 and metrics["eval/failed_count"] == n
     assert [r.getMessage() for r in caplog.records].count(
-        "eval at rollout 5: 4 of 12 samples FAILED (not generated, or not scored); eval/reward_mean and "
-        "eval/pass_at_n are over the 8 scored"
+        f"eval at rollout 5: {n} of {n * len(rows)} samples FAILED (not generated, or not scored); "
+        f"eval/reward_mean and eval/pass_at_n are over the {len(scored)} scored"
     ) == 1
 
 

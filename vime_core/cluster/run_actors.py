@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from vime_core.cluster import names
 from vime_core.cluster.connect import actor_env, ensure_ray
@@ -157,14 +157,13 @@ def _here() -> BundleDevice:
     return BundleDevice(ray.util.get_node_ip_address(), str(ids[0]) if ids else "")
 
 
-def bundle_devices(pg, bundles: int | list[int]) -> list[BundleDevice]:
-    """The node and device id Ray assigned to each of `bundles` (a count: the first that many),
-    one tiny task per bundle: a Ray worker process each (a GPU task's worker is not reused)."""
+def bundle_devices(pg, bundles: Iterable[int]) -> list[BundleDevice]:
+    """The node and device id Ray assigned to each of `bundles` (indices), one tiny task per
+    bundle: a Ray worker process each (a GPU task's worker is not reused)."""
     import ray
 
     probe = ray.remote(num_cpus=0, num_gpus=PROBE_SHARE)(_here)
-    indices = range(bundles) if isinstance(bundles, int) else bundles
-    return ray.get([probe.options(scheduling_strategy=_in_bundle(pg, b)).remote() for b in indices])
+    return ray.get([probe.options(scheduling_strategy=_in_bundle(pg, b)).remote() for b in bundles])
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class EngineDevices:
     bundles: tuple[int, ...]
 
     def __call__(self) -> list[str]:
-        devices = [_here(), *bundle_devices(self.pg, list(self.bundles[1:]))]
+        devices = [_here(), *bundle_devices(self.pg, self.bundles[1:])]
         node_ip, device_ids = one_engine_devices(self.engine, list(self.bundles), devices)
         log.info("engine %d: bundles %s on %s, devices %s", self.engine, list(self.bundles), node_ip, device_ids)
         return device_ids
@@ -290,9 +289,10 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         for a in (_get_actor(names.trainer(r), cfg.run_name) for r in range(world))
     ]
     if all(a is not None for a in found):
-        diverged = TrainerGroup(cfg, found).rank0("state").get("diverged_rollout_id")
+        group = TrainerGroup(cfg, found)
+        diverged = group.rank0("state").get("diverged_rollout_id")
         if diverged is None:
-            return TrainerGroup(cfg, found), False
+            return group, False
         log.warning(
             "the trainer group holds steps of rollout %d applied before its non-finite steps or the run guard "
             "stopped the run: rebuilt from the last checkpoint, the stored batches since are trained again",

@@ -69,7 +69,7 @@ async def run_eval(state: Any, rows: list[Any], rollout_id: int) -> tuple[list[S
 
     samples = list(await asyncio.gather(*(one(s) for g in groups for s in g)))
     rewards = live_rewards(samples)
-    scored_groups = [live_rewards(g) for g in groups if live_rewards(g)]
+    scored_groups = [scored for g in groups if (scored := live_rewards(g))]
     solved = sum(any(r > 0 for r in g) for g in scored_groups)
     failed = sum(s.status is Status.FAILED for s in samples)
     if failed:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import s3fs
 
-from vime_core.utils.processes import free_port, log_tail, pid_alive
+from vime_core.utils.processes import free_port, log_tail, pid_alive, port_is_free
 
 # Port flags of `weed mini` (seaweedfs 4.48); each gets its own free loopback port.
 PORT_FLAGS = (
@@ -72,21 +71,12 @@ def weed_binary() -> str:
     return found
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _admin_ports() -> tuple[int, int]:
     """(http, grpc) with grpc = http + 10000: the embedded maintenance worker dials admin
     http + 10000 whatever -admin.port.grpc says, so the pair must line up."""
     for _ in range(200):
         http = free_port()
-        if http + 10000 < 65536 and _port_is_free(http + 10000):
+        if http + 10000 < 65536 and port_is_free("127.0.0.1", http + 10000, reuse_address=False):
             return http, http + 10000
     raise RuntimeError("no free pair of loopback ports (p, p + 10000) for the SeaweedFS admin server")
 

@@ -53,27 +53,21 @@ def free_port() -> int:
     low, high = _ephemeral_range()
     candidates = [p for p in range(*LISTEN_PORTS) if not low <= p <= high]
     for port in _PICKER.sample(candidates, min(FREE_PORT_TRIES, len(candidates))):
-        if _can_bind(port):
+        if port_is_free("127.0.0.1", port, reuse_address=False):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _can_bind(port: int) -> bool:
+def port_is_free(host: str, port: int, reuse_address: bool = True) -> bool:
+    """Whether `port` on `host` can be bound now. `reuse_address` (SO_REUSEADDR): a port in
+    TIME_WAIT counts as free, as it does for a server that binds it so; without, only a port no
+    socket holds in any state."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", port))
-    except OSError:
-        return False
-    return True
-
-
-def port_is_free(host: str, port: int) -> bool:
-    """Whether `port` on `host` can be bound now (SO_REUSEADDR: a port in TIME_WAIT counts as free)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_address:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError:
         return False

@@ -43,7 +43,7 @@ def test_engines_receive_the_devices_of_their_bundles(ray_head, tiny_model_dir, 
     try:
         pg = get_or_create_placement_group(cfg)
         plan = plan_for(cfg)
-        bundles = bundle_devices(pg, plan.num_bundles)
+        bundles = bundle_devices(pg, range(plan.num_bundles))
         assert len({b.device_id for b in bundles}) == plan.num_bundles  # one device per bundle
         engines = get_or_create_engines(cfg, pg)
         got = [ray.get(e.get_device_ids.remote()) for e in engines]
