@@ -180,3 +180,43 @@ def test_adapter_dropout_acts_in_the_gradient_forward_only(one_rank_model):
     with torch.no_grad():  # the log-prob passes: deterministic
         assert torch.equal(_logits(model, tokens), _logits(model, tokens))
     assert not torch.equal(_logits(model, tokens), _logits(model, tokens))
+
+
+def _recompute_every_layer(model):
+    """Each decoder layer through a reentrant activation checkpoint, as Megatron's full recompute
+    runs it (an autograd Function whose output has a gradient only when an input has one)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from vime_core.trainer.hf_convert import unwrap
+
+    for layer in unwrap(model).decoder.layers:
+
+        def forward(*args, _layer_forward=layer.forward, **kwargs):
+            hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+            rest = args[1:] if "hidden_states" not in kwargs else args
+
+            def run(h):
+                return _layer_forward(h, *rest, **kwargs)[0]
+
+            return checkpoint(run, hidden, use_reentrant=True), None
+
+        layer.forward = forward
+
+
+def test_adapters_get_gradients_when_every_layer_is_recomputed(one_rank_model):
+    """The embedding is frozen, so the first layer's input has no gradient; a reentrant recompute
+    would then drop every adapter's gradient (on the GPU: 'element 0 of tensors does not require
+    grad'). apply_lora makes the embedding's output require one."""
+    from vime_core.trainer.lora import adapted_layers, apply_lora
+
+    model, arch = one_rank_model
+    apply_lora(model, load_config(overrides={"lora_rank": 4}), arch, 1, 0)
+    _randomise_b(model, 5)
+    _recompute_every_layer(model)
+    tokens = torch.randint(0, arch.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    _logits(model, tokens).float().pow(2).mean().backward()
+    grads = [(m.lora.A.grad, m.lora.B.grad) for _, _, m in adapted_layers(model)]
+    assert grads and all(a is not None and b is not None and a.abs().sum() > 0 for a, b in grads)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora." not in n)
+    with torch.no_grad():  # the log-prob passes build no graph
+        assert not _logits(model, tokens).requires_grad

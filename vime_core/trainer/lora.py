@@ -92,6 +92,14 @@ def _add_adapter(module: Any, args: tuple, output: Any) -> Any:
     return out + adapter(args[0]).to(out.dtype), bias
 
 
+def _input_requires_grad(module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the frozen embedding: its output requires a gradient, so that a layer
+    recomputed by Megatron's full recompute (a reentrant autograd Function, which gives its output
+    a gradient only when an input has one) passes the adapters' gradients on. The embedding's
+    weight stays frozen; the cost is the gradient of the first layer's input."""
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
+
+
 def adapted_layers(model: Any) -> Iterator[tuple[int, str, Any]]:
     """(layer index, Megatron layer name, module) of every adapted linear layer."""
     for i, layer in enumerate(unwrap(model).decoder.layers):
@@ -121,6 +129,8 @@ def apply_lora(model: Any, cfg: Any, arch: HFArchitecture, tp: int, tp_rank: int
     bare = unwrap(model)
     for param in bare.parameters():
         param.requires_grad_(False)
+    if getattr(bare, "embedding", None) is not None:  # the first pipeline stage's
+        bare.embedding.register_forward_hook(_input_requires_grad)
     rank = cfg.lora_rank
     count = 0
     for i, layer in enumerate(bare.decoder.layers):
