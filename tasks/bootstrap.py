@@ -18,7 +18,7 @@ from vime_core.cluster.early_start import claim_early, early_marks
 from vime_core.cluster.run_actors import start_actors
 from vime_core.config import VimeConfig
 from vime_core.run_assets import resolve_run_config
-from vime_core.step_plan import trainer_sleeps
+from vime_core.step_plan import engines_sleep, trainer_sleeps
 from vime_core.utils.processes import process_age_s, process_started_epoch
 from vime_core.utils.timing import Stopwatch
 
@@ -135,13 +135,17 @@ def startup_marks(
 def synced_at_start(config: VimeConfig, manager, trainers, target: int, engines_woken: bool) -> None:
     """The engines at the trainer's weights (version `target`) and, colocated and sleeping, the
     trainer asleep, in the order that fits one device: the optimizer state, gradients and main
-    parameters leave it before the publish (the engines are awake beside it: weights and KV cache),
-    the weights after it (the publish reads them, then releases them; or here, if none was needed)."""
+    parameters leave it before the publish, and colocated engines whose sleep drops their weights
+    let their KV cache go for it (RolloutManager.room_for_publish; bootstrap wakes it last), so the
+    device holds what it holds at each iteration's publish; the trainer's weights leave after it
+    (the publish reads them, then releases them; or here, if none was needed)."""
     sleeps = trainer_sleeps(config)  # the engines generate first: the trainer gives them its memory
     if sleeps:
         trainers.call("sleep", True)
     versions = ray.get(manager.weight_versions.remote())
     if publish_needed(target, versions, engines_woken):  # the first publish is v1
+        if config.colocate and engines_sleep(config):
+            ray.get(manager.room_for_publish.remote())
         trainers.wait(submit_publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(True, None, target))  # admission open again, requests name v`target`
     if sleeps:

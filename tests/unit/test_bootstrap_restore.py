@@ -107,20 +107,30 @@ def test_a_group_found_restored_is_left_as_it_is(run):
     assert out["started_trainers"] is False and out["weight_version"] == 3
 
 
+def _config(device: str, colocate: bool = True, offload_rollout: bool = True):
+    fields = {"offload_train": True, "offload_rollout": offload_rollout, "colocate": colocate, "device": device}
+    return type("Cfg", (), fields)()
+
+
 @pytest.mark.parametrize("engine_versions, publishes", [([1], False), ([0], True)], ids=["at-target", "behind"])
 def test_a_sleeping_trainer_frees_its_optimizer_state_before_the_first_publish(monkeypatch, engine_versions, publishes):
-    """Colocated and sleeping, the engines are awake (weights and KV cache) while the trainer
-    publishes: its optimizer state must leave the device first, its weights once they are sent."""
+    """Colocated and sleeping, the engines are awake while the trainer publishes: its optimizer
+    state must leave the device first, its weights once they are sent; the engines let their KV
+    cache go before the publish (room_for_publish), as at each iteration's publish."""
     calls: list[tuple] = []
     trainers = _Trainers(restored=True)
     trainers.call = lambda method, *args: calls.append((method, *args)) or [None]
     manager = _Manager()
     manager.weight_versions = _Remote(lambda: engine_versions)
+    manager.room_for_publish = _Remote(lambda: calls.append(("room_for_publish",)) or True)
     monkeypatch.setattr(boot.ray, "get", lambda x: x)
     monkeypatch.setattr(boot, "submit_publish", lambda m, t, target, force: calls.append(("publish", target)) or [])
-    sleeping_gpu = type("Cfg", (), {"offload_train": True, "device": "cuda"})()
-    boot.synced_at_start(sleeping_gpu, manager, trainers, 1, engines_woken=False)
-    assert calls == [("sleep", True), *([("publish", 1)] if publishes else []), ("sleep",)]
+    boot.synced_at_start(_config("cuda"), manager, trainers, 1, engines_woken=False)
+    assert calls == [("sleep", True), *([("room_for_publish",), ("publish", 1)] if publishes else []), ("sleep",)]
+    for apart in (_config("cuda", colocate=False), _config("cuda", offload_rollout=False)):
+        calls.clear()  # engines on their own devices, or never asleep: their KV cache stays
+        boot.synced_at_start(apart, manager, trainers, 1, False)
+        assert calls == [("sleep", True), *([("publish", 1)] if publishes else []), ("sleep",)]
     calls.clear()
-    boot.synced_at_start(type("Cfg", (), {"offload_train": True, "device": "cpu"})(), manager, trainers, 1, False)
-    assert calls == ([("publish", 1)] if publishes else [])  # on CPU the trainer never sleeps
+    boot.synced_at_start(_config("cpu"), manager, trainers, 1, False)
+    assert calls == ([("publish", 1)] if publishes else [])  # on CPU nothing sleeps

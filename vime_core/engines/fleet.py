@@ -248,9 +248,25 @@ class EngineFleet:
         were, e.g. after a checkpoint). Returns each engine's device memory afterwards (as the
         wake calls do)."""
         self.health.pause()
-        level = 1 if keep_weights or self.serves_adapters or not self.receives_weight_updates else 2
+        level = 2 if self.sleep_drops_weights() and not keep_weights else 1
         self._each_engine("sleep", level, "keep")
         return self.engine_memory()
+
+    def sleep_drops_weights(self) -> bool:
+        """The engines' sleep drops their weights (level 2): every publish brings all of them."""
+        return self.receives_weight_updates and not self.serves_adapters
+
+    def room_for_publish(self) -> bool:
+        """Before a publish of every weight beside the trainer (bootstrap's, colocated): engines
+        whose sleep drops their weights sleep and wake the weights only, as each iteration leaves
+        them before its publish. The device then holds both copies of the weights but not the
+        engines' KV cache, which onload_kv wakes after the publish. False (nothing done) where the
+        engines keep their weights asleep or cannot sleep."""
+        if not (self.supports_sleep and self.sleep_drops_weights()):
+            return False
+        self.offload()
+        self.onload_weights()
+        return True
 
     def wake_asleep_engines(self) -> list[str]:
         """Engines a stopped iteration left asleep wake their weights; their names (bootstrap

@@ -140,6 +140,9 @@ class RolloutManager:
     def wake_asleep_engines(self) -> list[str]:
         return self.fleet.wake_asleep_engines()
 
+    def room_for_publish(self) -> bool:
+        return self.fleet.room_for_publish()
+
     def onload_weights(self) -> list[dict]:
         return self.fleet.onload_weights()
 
