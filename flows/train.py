@@ -21,7 +21,7 @@ from vime_core.config import VimeConfig
 from vime_core.config.derive import unused_settings
 from vime_core.config.lora import lora_enabled
 from vime_core.config.loader import describe, dump_config, run_config_uri
-from vime_core.faults import CONFIGURATION, classify, retry_delay
+from vime_core.faults import CONFIGURATION, DEVICE_MEMORY, classify, retry_delay
 from vime_core.ledger import run_ledger
 from vime_core.report.curve import preload as preload_curve
 from vime_core.report.records import METRICS, REWARD_CURVE, SUMMARY, read_records, report_location, reward_gain, run_dir
@@ -112,12 +112,20 @@ class StartFailedError(RunStoppedError):
     """Bootstrap (placement, engines, trainer, checkpoint restore) failed after its retries."""
 
 
+OUT_OF_MEMORY_ADVICE = (
+    "not retried (the same step runs out again); lower one of the settings named and run the same command "
+    "again to resume from the last checkpoint"
+)
+
+
 def start_failed(exc: Exception) -> StartFailedError:
     """The one-line error for a bootstrap that failed (logged, and returned to be raised)."""
     get_run_logger().debug("bootstrap failed", exc_info=exc)
     fault = classify(exc)
     if fault.kind == CONFIGURATION:
         why = "a configuration or data error; fix it and run the same command again"
+    elif fault.kind == DEVICE_MEMORY:
+        why = OUT_OF_MEMORY_ADVICE
     else:
         why = "run the same command again to retry (stored batches and checkpoints are kept)"
     message = f"the run could not start: {fault.what} ({fault.error_type}); {why}"
@@ -184,6 +192,8 @@ def retry_or_raise(config: VimeConfig, rollout_id: int, exc: Exception, failed: 
             "a configuration or data error, not retried; fix it and run the same command again to "
             "resume from the last checkpoint"
         )
+    elif fault.kind == DEVICE_MEMORY:
+        why = OUT_OF_MEMORY_ADVICE
     else:
         why = "not an infrastructure failure, not retried"
     log.error("%s; %s", what, why)

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from vime_core.cluster.errors import ActorsMissingError
-from vime_core.utils.errors import InfrastructureError
+from vime_core.utils.errors import InfrastructureError, TrainerOutOfMemoryError
 
 INFRASTRUCTURE = "infrastructure"
 CONFIGURATION = "configuration or data"
+DEVICE_MEMORY = "device memory"
 UNKNOWN = "unknown"
 
 # Ray's message for a dead actor carries its name on a line "name: trainer-0".
@@ -124,6 +125,8 @@ def classify(exc: BaseException) -> Fault:
                                    FilterExhaustedError, NonFiniteStepsError), TypeError, KeyError,
                                    LookupError, ImportError, FileNotFoundError, NotADirectoryError,
                                    PermissionError
+        device memory              TrainerOutOfMemoryError: a trainer call ran out of device memory;
+          (not retried)            the same step runs out again; its message names the settings
         anything else              most likely a bug (not retried)
 
     An exception raised in a Ray task or actor arrives as RayTaskError: its `cause` decides; an actor
@@ -136,6 +139,8 @@ def classify(exc: BaseException) -> Fault:
         # wrapper subclasses ValueError (RayTaskError takes on the class of its cause)
         if isinstance(err, infrastructure):
             return Fault(INFRASTRUCTURE, True, describe(err), type(err).__name__)
+        if isinstance(err, TrainerOutOfMemoryError):
+            return Fault(DEVICE_MEMORY, False, str(err), type(err).__name__)  # one line, settings first
         if isinstance(err, _CONFIGURATION_TYPES):
             return Fault(CONFIGURATION, False, describe(err), type(err).__name__)
     err = _unwrap(exc)

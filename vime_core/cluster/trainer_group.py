@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vime_core.cluster.device_memory import is_out_of_memory, out_of_memory_error
+
 if TYPE_CHECKING:
     from vime_core.config import VimeConfig
 
@@ -30,7 +32,12 @@ class TrainerActor:
         self.trainer = MegatronTrainer(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs):
-        return getattr(self.trainer, method)(*args, **kwargs)
+        try:
+            return getattr(self.trainer, method)(*args, **kwargs)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise out_of_memory_error(method, exc) from exc
+            raise
 
 
 def submit(actor, method: str, *args, **kwargs):

@@ -10,3 +10,10 @@ class InfrastructureError(Exception):
     Ray's, httpx's and botocore's own transport errors). An error class takes it as an extra
     base beside its own (`class EngineError(RuntimeError, InfrastructureError)`), so
     `except RuntimeError` still catches it."""
+
+
+class TrainerOutOfMemoryError(RuntimeError):
+    """A trainer call ran out of device memory. The same step with the same settings on the same
+    device runs out again, so it is not retried (vime_core/faults.py); the message says which
+    call, what the allocator reported, and the settings that decide that call's memory
+    (vime_core/cluster/device_memory.py)."""
