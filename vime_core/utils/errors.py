@@ -16,4 +16,4 @@ class TrainerOutOfMemoryError(RuntimeError):
     """A trainer call ran out of device memory. The same step with the same settings on the same
     device runs out again, so it is not retried (vime_core/faults.py); the message says which
     call, what the allocator reported, and the settings that decide that call's memory
-    (vime_core/cluster/device_memory.py)."""
+    (vime_core/cluster/out_of_memory.py)."""
