@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from vime_core.cluster.errors import ActorsMissingError
-from vime_core.utils.errors import InfrastructureError, TrainerOutOfMemoryError
+from vime_core.utils.errors import InfrastructureError, PartiallyTrainedError, TrainerOutOfMemoryError, first_line
 
 INFRASTRUCTURE = "infrastructure"
 CONFIGURATION = "configuration or data"
@@ -139,12 +139,23 @@ def classify(exc: BaseException) -> Fault:
         # wrapper subclasses ValueError (RayTaskError takes on the class of its cause)
         if isinstance(err, infrastructure):
             return Fault(INFRASTRUCTURE, True, describe(err), type(err).__name__)
+        if isinstance(err, PartiallyTrainedError):  # judged by what failed; the refusal, by a rebuild
+            inner = classify(err.failure) if err.failure is not None else None
+            kind, retryable = (inner.kind, inner.retryable) if inner is not None else (INFRASTRUCTURE, True)
+            return Fault(kind, retryable, describe(err), type(err).__name__)
         if isinstance(err, TrainerOutOfMemoryError):
             return Fault(DEVICE_MEMORY, False, str(err), type(err).__name__)  # one line, settings first
         if isinstance(err, _CONFIGURATION_TYPES):
             return Fault(CONFIGURATION, False, describe(err), type(err).__name__)
     err = _unwrap(exc)
     return Fault(UNKNOWN, False, describe(err), type(err).__name__)
+
+
+def needs_rebuilt_actor(exc: BaseException) -> bool:
+    """Only rebuilding the failed call's actor helps: it died or is gone (actor_died), or it holds
+    steps of a rollout whose training failed half-way (PartiallyTrainedError). A phase task does
+    not call it again; the iteration's retry (bootstrap first) rebuilds it."""
+    return actor_died(exc) or raised_in_chain(exc, (PartiallyTrainedError,))
 
 
 def raised_in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> bool:
@@ -174,8 +185,7 @@ def describe(err: BaseException) -> str:
         return f"{name.group(1) if name else 'an actor'} died"
     if getattr(err, "missing", None):  # ActorsMissingError: a retried task found the actor gone
         return f"{', '.join(err.missing)} gone (its process died)"
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    return first[:300] if first else type(err).__name__
+    return first_line(err)
 
 
 def retry_delay(base_s: float, attempt: int) -> float:

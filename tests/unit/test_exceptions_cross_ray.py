@@ -14,6 +14,7 @@ def _instances():
     from vime_core.engines.client import EngineError, EngineWakeError
     from vime_core.rewards.values import InvalidRewardError
     from vime_core.storage.store import CorruptBatchError
+    from vime_core.utils.errors import PartiallyTrainedError
     from vime_core.weight_sync.publish import PublishError
 
     return [
@@ -30,6 +31,8 @@ def _instances():
         (ActorsMissingError("run 'r' has no trainer-0", ("trainer-0",)), ("missing",)),
         (CorruptBatchError("batches/r/00000001.parquet", "checksum mismatch"), ("key", "detail")),
         (InvalidRewardError("returned str"), ("what", "expected")),
+        # with a failure: tests/unit/test_partially_trained.py (exceptions do not compare by value)
+        (PartiallyTrainedError("rollout 1: this trainer holds steps of rollout 1"), ("failure",)),
     ]
 
 

@@ -1,4 +1,4 @@
-"""A trainer call that runs out of device memory (vime_core/cluster/out_of_memory.py): the actor
+"""A trainer call that runs out of device memory (vime_core/trainer/out_of_memory.py): the actor
 raises one line naming the call, the settings that decide its memory and torch's own figures; the
 run stops on it at once (not retried: the same step runs out again), at start or in an iteration."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime_core.cluster.out_of_memory import SETTINGS_BY_CALL, is_out_of_memory
+from vime_core.trainer.out_of_memory import SETTINGS_BY_CALL, is_out_of_memory
 from vime_core.cluster.trainer_group import TrainerActor
 from vime_core.faults import DEVICE_MEMORY, classify
 from vime_core.utils.errors import TrainerOutOfMemoryError

@@ -294,8 +294,8 @@ def get_or_create_trainer_group(cfg: VimeConfig, pg) -> tuple[TrainerGroup, bool
         if diverged is None:
             return group, False
         log.warning(
-            "the trainer group holds steps of rollout %d applied before its non-finite steps or the run guard "
-            "stopped the run: rebuilt from the last checkpoint, the stored batches since are trained again",
+            "the trainer group holds steps of rollout %d applied before its training failed (or the run guard "
+            "rejected it): rebuilt from the last checkpoint, the stored batches since are trained again",
             diverged,
         )
     if any(a is not None for a in found):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vime_core.cluster.out_of_memory import is_out_of_memory, out_of_memory_error
+from vime_core.trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
 if TYPE_CHECKING:
     from vime_core.config import VimeConfig

@@ -14,6 +14,7 @@ import torch
 
 from vime_core.algo.gates import needs_critic, needs_reference, needs_teacher
 from vime_core.config import VimeConfig, weight_transport
+from vime_core.trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 from vime_core.config.lora import lora_enabled
 from vime_core.engines.adapters import serves_adapters
 from vime_core.engines.auth import EngineToken
@@ -68,6 +69,7 @@ from vime_core.trainer.rollout_training import train_on_rollout
 from vime_core.trainer.teacher import check_teacher_checkpoint
 from vime_core.trainer.train_step import check_batch, forward_log_probs
 from vime_core.trainer.truncation import Sampling
+from vime_core.utils.errors import PartiallyTrainedError, first_line
 from vime_core.utils.timing import timed
 from vime_core.weight_sync.adapter_publish import publish_adapter
 from vime_core.weight_sync.allocator import use_expandable_segments
@@ -109,8 +111,9 @@ class MegatronTrainer:
         self.skips = SkipCounter(cfg.max_skipped_steps)  # the policy's skipped steps (trainer/nonfinite.py)
         self.hf_checkpoint: Optional[str] = None
         self._restored: Optional[dict[str, Any]] = None  # what `restore` returned: the run's startup is done
-        # the rollout whose non-finite steps stopped the run after some of its steps were applied:
-        # the weights are then neither the last trained rollout's nor the next one's (state())
+        # the rollout whose training failed (non-finite steps, or any error) after some of its steps
+        # were applied, or that the run guard rejected once trained: the weights are then neither
+        # the last trained rollout's nor the next one's (state()); bootstrap rebuilds the group
         self._diverged: Optional[int] = None
         self.model: Any = None
         self.optimizer: Any = None
@@ -281,6 +284,11 @@ class MegatronTrainer:
         self._require_init()
         if self.last_trained_rollout_id is not None and rollout_id <= self.last_trained_rollout_id:
             return {**self._metrics.get(rollout_id, {}), "rollout_id": rollout_id, "skipped": True}
+        if self._diverged is not None:  # a retry on these weights would apply steps a second time
+            raise PartiallyTrainedError(
+                f"rollout {rollout_id}: this trainer holds steps of rollout {self._diverged} applied before it "
+                f"failed; it trains again once rebuilt from its last checkpoint"
+            )
         reset_peak()  # memory_after_train's peak: this wake and train
         with timed() as waking:
             woke = self.wake()
@@ -290,10 +298,14 @@ class MegatronTrainer:
                 counter.begin(rollout_id)
             try:
                 metrics = train_on_rollout(self, batch, rollout_id)
-            except NonFiniteStepsError:
-                if any(counter.applied for counter in counters):
-                    self._diverged = rollout_id
-                raise
+            except Exception as exc:
+                applied = sum(counter.applied for counter in counters)
+                if not applied:
+                    raise  # the weights are those from before the rollout: a retry is safe
+                self._diverged = rollout_id
+                if isinstance(exc, NonFiniteStepsError):
+                    raise
+                raise partially_trained(rollout_id, applied, exc) from exc
         metrics.update(
             rollout_id=rollout_id,
             train_time_s=training.seconds,
@@ -648,3 +660,15 @@ class MegatronTrainer:
     def memory(self) -> dict[str, Any]:
         """This rank's allocator (allocated/reserved bytes); empty on CPU."""
         return {"rank": self.layout.rank, **device_memory()}
+
+
+def partially_trained(rollout_id: int, applied: int, exc: Exception) -> PartiallyTrainedError:
+    """The error of a rollout whose training raised `exc` after `applied` optimizer steps: one line
+    saying so and what failed, carrying the failure (out of device memory as TrainerActor.call
+    reports it) for its fault kind."""
+    failure = out_of_memory_error("train", exc) if is_out_of_memory(exc) else exc
+    return PartiallyTrainedError(
+        f"rollout {rollout_id}: {applied} optimizer step(s) were applied before training failed; the trainer is "
+        f"rebuilt from its last checkpoint before it trains again ({type(failure).__name__}: {first_line(failure)})",
+        failure,
+    )

@@ -16,4 +16,22 @@ class TrainerOutOfMemoryError(RuntimeError):
     """A trainer call ran out of device memory. The same step with the same settings on the same
     device runs out again, so it is not retried (vime_core/faults.py); the message says which
     call, what the allocator reported, and the settings that decide that call's memory
-    (vime_core/cluster/out_of_memory.py)."""
+    (vime_core/trainer/out_of_memory.py)."""
+
+
+class PartiallyTrainedError(RuntimeError):
+    """Training a rollout failed after some of its optimizer steps were applied: the weights are
+    neither those before it nor those after it. The trainer refuses to train again until it is
+    rebuilt from its last checkpoint (bootstrap does that: its state's diverged_rollout_id), so a
+    retry never applies a step twice. `failure` is what failed, whose fault kind decides whether the
+    iteration is retried (vime_core/faults.py); None for the refusal itself, which a rebuild ends."""
+
+    def __init__(self, message: str, failure: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's first non-empty line (at most `limit` characters), else its class name."""
+    line = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return line[:limit] if line else type(exc).__name__

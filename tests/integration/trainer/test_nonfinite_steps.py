@@ -141,3 +141,62 @@ def test_a_rollout_stopped_after_some_of_its_steps_applied_says_so(single_rank, 
     with pytest.raises(NonFiniteStepsError, match=r"^rollout 1: 1 policy optimizer steps in a row"):
         trainer.train(1, half)
     assert trainer.state()["diverged_rollout_id"] == 1 and trainer.last_trained_rollout_id == 0
+
+
+def test_a_rollout_that_failed_after_some_of_its_steps_is_never_trained_on_those_weights_again(
+    single_rank, ckpt, tmp_path
+):
+    """Two steps per rollout; an error (not a NaN) after the first step was applied: the trainer
+    says how many steps were applied and what failed, and refuses to train again on those weights,
+    so neither a phase task's retry nor the iteration's applies that step twice; bootstrap rebuilds
+    such a group from its last checkpoint (run_actors). An error before any step leaves the weights
+    as they were: a retry then trains normally."""
+    from types import SimpleNamespace
+
+    from tasks.common import retry_unless_configuration
+    from vime_core.faults import INFRASTRUCTURE, UNKNOWN, classify
+    from vime_core.utils.errors import PartiallyTrainedError
+
+    trainer = single_rank_trainer(hand_config(ckpt, tmp_path, num_steps_per_rollout=2))
+    record = trainer.skips.record
+    faults = {"before": 0, "after": 0}
+
+    def failing_record(skipped):  # called after each optimizer step (trainer/nonfinite.py)
+        if faults["before"]:
+            faults["before"] -= 1
+            raise RuntimeError("device fault before the step counted")
+        record(skipped)
+        if faults["after"]:
+            faults["after"] -= 1
+            raise RuntimeError("device fault after the step")
+
+    trainer.skips.record = failing_record
+    faults["before"] = 1
+    with pytest.raises(RuntimeError, match="device fault before"):
+        trainer.train(0, hand_batch())
+    assert trainer.state()["diverged_rollout_id"] is None  # nothing applied: a retry is safe
+    steps = trainer.optimizer_steps
+    trainer.train(0, hand_batch())
+    assert trainer.optimizer_steps == steps + 2 and trainer.last_trained_rollout_id == 0
+
+    faults["after"] = 1
+    with pytest.raises(PartiallyTrainedError) as failed:
+        trainer.train(1, hand_batch())
+    assert str(failed.value) == (
+        "rollout 1: 1 optimizer step(s) were applied before training failed; the trainer is rebuilt from its "
+        "last checkpoint before it trains again (RuntimeError: device fault after the step)"
+    )
+    assert trainer.state()["diverged_rollout_id"] == 1 and trainer.last_trained_rollout_id == 0
+    fault = classify(failed.value)
+    assert (fault.kind, fault.retryable) == (UNKNOWN, False)  # a bug stays a bug: the run stops
+    assert not retry_unless_configuration(None, None, SimpleNamespace(data=failed.value))
+
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    steps = trainer.optimizer_steps
+    with pytest.raises(PartiallyTrainedError, match=r"^rollout 1: this trainer holds steps of rollout 1") as again:
+        trainer.train(1, hand_batch())
+    assert trainer.optimizer_steps == steps
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
+    fault = classify(again.value)  # the iteration's retry rebuilds the group, then trains
+    assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True)
+    assert not retry_unless_configuration(None, None, SimpleNamespace(data=again.value))
