@@ -1,5 +1,6 @@
-"""The marker of an infrastructure failure, kept in a leaf module so `vime_core/faults.py` can
-classify an error without importing the package that raises it."""
+"""Errors that `vime_core/faults.py` classifies (the marker of an infrastructure failure, a trainer
+out of device memory, a rollout trained half-way), kept in a leaf module so it can classify an
+error without importing the package that raises it."""
 
 from __future__ import annotations
 
