@@ -14,6 +14,7 @@ from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
 from vime_core.faults import classify
 from vime_core.step_plan import Phase
+from vime_core.utils.errors import first_line
 from vime_core.utils.timing import Stopwatch
 from vime_core.weight_sync.weight_check import compare
 
@@ -112,10 +113,6 @@ def sync(
     return stats
 
 
-def _first_line(exc: BaseException) -> str:
-    return next(iter(str(exc).splitlines()), "") or type(exc).__name__
-
-
 def _what(exc: BaseException) -> str:
     """One line saying what failed: the remote error's own message, not Ray's call header."""
     fault = classify(exc)
@@ -161,11 +158,9 @@ def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict
     try:
         engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"], target_version))
     except Exception as exc:  # a diagnostic: say so, do not fail the iteration
-        first_line = _first_line(exc)
-        get_run_logger().warning(
-            "check weights v%d: the engines could not score the probe: %s", target_version, first_line
-        )
-        return {"version": target_version, "error": first_line[:500]}
+        line = first_line(exc, limit=500)
+        get_run_logger().warning("check weights v%d: the engines could not score the probe: %s", target_version, line)
+        return {"version": target_version, "error": line}
     result = {"version": target_version, **compare(probe["log_probs"], engines, previous)}
     get_run_logger().info(
         "check weights v%d: max |engine - trainer| = %.4g%s",

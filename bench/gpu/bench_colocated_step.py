@@ -182,7 +182,10 @@ def host_cache_entries(environ: dict[str, str] | None = None) -> dict:
 
     environ = dict(os.environ if environ is None else environ)
     compiled = cache_root(environ) / "torch_compile_cache"
-    folders = lambda path: sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []  # noqa: E731
+
+    def folders(path: Path) -> list[str]:
+        return sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+
     return {
         "compile_hashes": [name for name in folders(compiled) if name != "torch_aot_compile"],
         "aot_hashes": folders(compiled / "torch_aot_compile"),

@@ -13,6 +13,8 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+from vime_core.utils.errors import first_line
+
 log = logging.getLogger(__name__)
 
 # What the trainer, vLLM and the tokenizer read; not *.bin/*.pth/onnx/gguf copies of the weights.
@@ -89,14 +91,8 @@ def snapshot_folder(repo_id: str, revision: str | None = None, note: str = "", f
             f"there is network (`hf download {repo_id}` with the same HF_HUB_CACHE/HF_HOME) or pass a local folder"
         ) from None
     except (HfHubHTTPError, ValueError) as error:  # not found, gated (needs HF_TOKEN), bad revision
-        raise HubCheckpointError(
-            f"{field}: hub model {shown!r}: {type(error).__name__}: {_first_line(error)}"
-        ) from None
+        raise HubCheckpointError(f"{field}: hub model {shown!r}: {type(error).__name__}: {first_line(error)}") from None
     if not (folder / "config.json").is_file():
         raise HubCheckpointError(f"{field}: the snapshot of {shown!r} at {folder} has no config.json")
     log.info("%s %s -> %s", field, shown, folder)
     return folder
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]

@@ -14,7 +14,6 @@ import torch
 
 from vime_core.algo.gates import needs_critic, needs_reference, needs_teacher
 from vime_core.config import VimeConfig, weight_transport
-from vime_core.trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 from vime_core.config.lora import lora_enabled
 from vime_core.engines.adapters import serves_adapters
 from vime_core.engines.auth import EngineToken
@@ -63,6 +62,7 @@ from vime_core.trainer.optimizer import (
     optimizer_state,
     restore_scheduler,
 )
+from vime_core.trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 from vime_core.trainer.parallel import init_parallel, layout_for
 from vime_core.trainer.peft_export import write_peft_folder
 from vime_core.trainer.rollout_training import train_on_rollout
