@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -71,6 +72,16 @@ def _infrastructure_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def _collective_types() -> tuple[type, ...]:
+    """torch.distributed's errors of a lost peer, store or network (NCCL's and Gloo's
+    DistBackendError, the TCPStore's DistStoreError, DistNetworkError): the group is rebuilt and the
+    iteration runs again. Looked up only where torch.distributed is already imported, as it is in
+    any process that raised or unpickled one (the driver imports no torch to classify)."""
+    dist = sys.modules.get("torch.distributed")
+    names = ("DistBackendError", "DistStoreError", "DistNetworkError")
+    return tuple(getattr(dist, n) for n in names if hasattr(dist, n)) if dist is not None else ()
+
+
 _CONFIGURATION_TYPES = (
     ValueError,
     TypeError,
@@ -117,7 +128,9 @@ def classify(exc: BaseException) -> Fault:
         infrastructure (retried)   Ray's RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError
                                    (and subclasses), ObjectFetchTimedOutError, RaySystemError, GetTimeoutError;
                                    ConnectionError, TimeoutError, httpx.TransportError, botocore's
-                                   ConnectionError and HTTPClientError; vime's InfrastructureError subclasses
+                                   ConnectionError and HTTPClientError; torch.distributed's
+                                   DistBackendError, DistStoreError, DistNetworkError (a collective
+                                   or its store lost a peer); vime's InfrastructureError subclasses
                                    (RolloutFailedError, EngineStartError, EngineError, RouterError,
                                    PublishError, ActorsMissingError)
         configuration or data      ValueError (ConfigError, ValidationError, UntrainableBatchError,
@@ -133,7 +146,7 @@ def classify(exc: BaseException) -> Fault:
     whose constructor raised arrives as ActorDiedError carrying that RayTaskError, which decides (a
     setting that kept the engines from starting is a configuration error, not a crash). A chain
     (`raise ... from`, or raised while handling another) is searched outermost first."""
-    infrastructure = _infrastructure_types()
+    infrastructure = _infrastructure_types() + _collective_types()
     for err in _chain(exc):
         # infrastructure first: a dead actor's error must not read as a data error because some
         # wrapper subclasses ValueError (RayTaskError takes on the class of its cause)

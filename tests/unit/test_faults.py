@@ -346,6 +346,25 @@ def test_an_unreachable_object_store_is_infrastructure():
     assert classify(down).what == 'Could not connect to the endpoint URL: "http://127.0.0.1:8333/vime/runs"'
 
 
+def test_a_collective_that_lost_a_peer_is_infrastructure_and_other_runtime_errors_are_not():
+    """torch.distributed's errors of a lost peer, store or network are retried (the iteration's
+    retry rebuilds the group), as raised, as a Ray task's error carries them, and as the failure of
+    a rollout trained half-way; any other RuntimeError stays a bug."""
+    import ray.cloudpickle as cloudpickle
+    import torch.distributed as dist
+
+    from vime_core.utils.errors import PartiallyTrainedError
+
+    for cls in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
+        err = cloudpickle.loads(cloudpickle.dumps(cls("NCCL communicator was aborted on rank 1")))
+        half = PartiallyTrainedError("rollout 2: 1 optimizer step(s) were applied before training failed", err)
+        for exc in (err, _remote(err), _remote(cloudpickle.loads(cloudpickle.dumps(half)))):
+            fault = classify(exc)
+            assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True), exc
+    for exc in (RuntimeError("shape mismatch"), _remote(RuntimeError("shape mismatch"))):
+        assert (classify(exc).kind, classify(exc).retryable) == (UNKNOWN, False)
+
+
 def test_bootstrap_retries_an_actor_that_died_and_phase_tasks_do_not():
     """A RolloutManager whose engine crashed at start dies in its constructor: bootstrap's next try
     creates it again (on a GPU the crash can be a trainer growing while vLLM profiled its memory),
