@@ -54,11 +54,17 @@ prompt_shape=$([ -n "${PROMPT_TOKENS:-}" ] && echo "--prompt-tokens $PROMPT_TOKE
 address=$(python3 -m flows.cli cluster up --num-gpus "$gpus" | tail -n 1)
 echo "[gpu] ray head at $address"
 status=0
+# the run's records copied as it writes them: a device call stopped at its limit still returns the
+# iterations done under $OUT (the report below runs only once the driver has exited)
+records=$work/runs/reports/$run/metrics.jsonl
+( while sleep 10; do [ -f "$records" ] && cp "$records" "$out/metrics.partial.jsonl"; done ) &
+copier=$!
 timeout -k 30 "${TRAIN_TIMEOUT:-480}" python3 -m flows.cli train --config "$config" --run-name "$run" --num-rollout "$iters" \
     --ray-address "$address" \
     --storage-uri "$work/runs" --hf-checkpoint "$work/model-$shape" --prompt-data "$prompts" \
     --eval-prompt-data "$prompts" ${layout_flags[@]+"${layout_flags[@]}"} "$@" 2>&1 | tee "$out/train.log" | grep -v "it/s\]$" | tail -n 400 || status=$?
 # (pipefail: the driver's status, or 124 when TRAIN_TIMEOUT stopped it)
+kill "$copier" 2>/dev/null || true
 echo "[gpu] train exit $status after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/colocated_report.py --storage-uri "$work/runs" --run-name "$run" --out "$out/colocated_$shape.json" || true
 cp -r "$work/runs/reports/$run" "$out/reports" 2>/dev/null || true
