@@ -117,3 +117,28 @@ def tp_forward_backward(rank: int, world_size: int, port: int, checkpoint: str, 
     result["peft"] = lora_hf_state(trainer.model, trainer.arch)
     result["trained"] = train_adapters(trainer)
     torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def recompute_train(rank: int, world_size: int, port: int, checkpoint: str, storage: str, recompute: str, out: str):
+    """Worker of dist_workers.spawn on CUDA (its own NCCL process group: the session's single_rank is
+    gloo, which cannot reduce CUDA gradients): one rollout's two optimizer steps with LoRA and
+    recompute_granularity=`recompute` ("" for none); the parameters before and after, which ones
+    train, the loss and the optimizer's step count, saved to `out`."""
+    from tests.integration.trainer.hand_batch import hand_batch
+    from vime_core.trainer.trainer import MegatronTrainer
+
+    cfg = lora_config(checkpoint, storage, device="cuda", bf16=True, recompute_granularity=recompute or None)
+    trainer = MegatronTrainer(cfg, rank, world_size, "127.0.0.1", port)
+    trainer.init()
+    before = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train(0, hand_batch())
+    torch.save(
+        {
+            "before": before,
+            "after": {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
+            "trainable": [n for n, p in trainer.model.named_parameters() if p.requires_grad],
+            "loss": metrics["loss"],
+            "optimizer_steps": trainer.optimizer_steps,
+        },
+        out,
+    )
