@@ -8,15 +8,16 @@ from tasks.signals import stopped_by_signal
 from vime_core.cluster.connect import ensure_ray
 from vime_core.cluster.run_actors import AttachedHandles, attach
 from vime_core.config import VimeConfig
-from vime_core.faults import CONFIGURATION, DEVICE_MEMORY, classify, needs_rebuilt_actor, pause_points
+from vime_core.faults import CONFIGURATION, DEVICE_MEMORY, classify, needs_bootstrap, pause_points
 from vime_core.utils import interrupt
 
 
 def retry_unless_configuration(task, task_run, state) -> bool:
     """Prefect's retry condition for every phase task: a configuration or data error, or a trainer
     call out of device memory, fails the same way on every try (vime_core/faults.py), and so does a
-    call to an actor that died or holds a half-trained rollout (only
-    bootstrap, before the iteration's retry, rebuilds it): neither is retried; nor is anything
+    call to an actor that died or holds a half-trained rollout, or a check that found engines a
+    publish did not reach (only bootstrap, before the iteration's retry, rebuilds or publishes
+    again: faults.needs_bootstrap): neither is retried; nor is anything
     once the process was told to stop (vime_core.faults.stopped_by_signal); anything else is."""
     return _retry(task, task_run, state, rebuilds_actors=False)
 
@@ -36,7 +37,7 @@ def _retry(task, task_run, state, rebuilds_actors: bool) -> bool:
     exc = state.data if isinstance(state.data, BaseException) else None
     if interrupt.received() is not None or (exc is not None and stopped_by_signal(exc)):
         return False
-    retry = exc is None or not ((needs_rebuilt_actor(exc) and not rebuilds_actors) or classify(exc).kind in NOT_RETRIED)
+    retry = exc is None or not ((needs_bootstrap(exc) and not rebuilds_actors) or classify(exc).kind in NOT_RETRIED)
     if retry:
         _announce_retry(task, task_run, exc)
     return retry

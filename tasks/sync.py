@@ -14,7 +14,7 @@ from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
 from vime_core.faults import classify
 from vime_core.step_plan import Phase
-from vime_core.utils.errors import first_line
+from vime_core.utils.errors import StaleEnginesError, first_line
 from vime_core.utils.timing import Stopwatch
 from vime_core.weight_sync.weight_check import compare
 
@@ -150,22 +150,35 @@ def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict
     """check_weight_update_equal: the engines' log-probs of the probe sequence against the
     trainer's (computed by the publish, before its weights were released), and against the
     engines' previous version (vime_core/weight_sync/weight_check). Runs once the engines'
-    KV cache is awake. Logs and returns the comparison; it does not fail the iteration."""
+    KV cache is awake. Logs and returns the comparison. The difference from the trainer does not
+    fail the iteration (bf16 noise); engines that scored the probe exactly as before while the
+    trainer's log-probs moved do (StaleEnginesError): the RolloutManager then reports them at
+    version 0, and the iteration's retry publishes to them again, bootstrap first."""
     probe = synced.get("probe")
     if not probe:
         return {}
     manager, _ = run_handles(config)
     try:
-        engines, previous = ray.get(manager.probe_log_probs.remote(probe["tokens"], target_version))
+        engines, previous, previous_trainer = ray.get(
+            manager.probe_log_probs.remote(probe["tokens"], target_version, probe["log_probs"])
+        )
     except Exception as exc:  # a diagnostic: say so, do not fail the iteration
         line = first_line(exc, limit=500)
         get_run_logger().warning("check weights v%d: the engines could not score the probe: %s", target_version, line)
         return {"version": target_version, "error": line}
-    result = {"version": target_version, **compare(probe["log_probs"], engines, previous)}
+    result = {"version": target_version, **compare(probe["log_probs"], engines, previous, previous_trainer)}
     get_run_logger().info(
         "check weights v%d: max |engine - trainer| = %.4g%s",
         target_version,
         result["max_abs_diff"],
         f", changed by up to {result['changed_max']:.4g} since the previous version" if "changed_max" in result else "",
     )
+    if result.get("stale_engines"):
+        ray.get(manager.mark_weights_stale.remote())
+        raise StaleEnginesError(
+            f"check weights v{target_version}: engine(s) {', '.join(map(str, result['stale_engines']))} scored the "
+            f"probe exactly as before this publish while the trainer's log-probs moved by up to "
+            f"{result['trainer_changed_max']:.4g}: the publish did not reach their weights; they are published to "
+            f"again before the iteration runs again"
+        )
     return result

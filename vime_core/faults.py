@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from vime_core.cluster.errors import ActorsMissingError
-from vime_core.utils.errors import InfrastructureError, PartiallyTrainedError, TrainerOutOfMemoryError, first_line
+from vime_core.utils.errors import (
+    InfrastructureError,
+    PartiallyTrainedError,
+    StaleEnginesError,
+    TrainerOutOfMemoryError,
+    first_line,
+)
 
 INFRASTRUCTURE = "infrastructure"
 CONFIGURATION = "configuration or data"
@@ -164,11 +170,12 @@ def classify(exc: BaseException) -> Fault:
     return Fault(UNKNOWN, False, describe(err), type(err).__name__)
 
 
-def needs_rebuilt_actor(exc: BaseException) -> bool:
-    """Only rebuilding the failed call's actor helps: it died or is gone (actor_died), or it holds
-    steps of a rollout whose training failed half-way (PartiallyTrainedError). A phase task does
-    not call it again; the iteration's retry (bootstrap first) rebuilds it."""
-    return actor_died(exc) or raised_in_chain(exc, (PartiallyTrainedError,))
+def needs_bootstrap(exc: BaseException) -> bool:
+    """Only bootstrap, before the iteration's retry, helps: the failed call's actor died or is
+    gone (actor_died), or holds steps of a rollout whose training failed half-way
+    (PartiallyTrainedError: bootstrap rebuilds it), or engines hold weights a publish did not
+    reach (StaleEnginesError: bootstrap publishes again). A phase task does not call it again."""
+    return actor_died(exc) or raised_in_chain(exc, (PartiallyTrainedError, StaleEnginesError))
 
 
 def raised_in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) -> bool:

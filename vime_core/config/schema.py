@@ -626,7 +626,9 @@ class ConfigFields(BaseModel):
         description=(
             "After every publish, compare the engines' log-probs of a fixed probe sequence with the trainer's (max "
             "|diff| recorded in the iteration record, with the change from the previous version); as slime's "
-            "--check-weight-update-equal. Costs one short forward on each side."
+            "--check-weight-update-equal. An engine that scores the probe exactly as before while the trainer's "
+            "log-probs moved did not receive the publish: the iteration fails and its retry publishes again. Costs "
+            "one short forward on each side."
         ),
     )
     engine_startup_timeout_s: float = Field(

@@ -159,9 +159,12 @@ class RolloutManager:
         self.fleet.resume_admission()
 
     def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
-        return self.fleet.begin_sync(target_version, force)
+        # engines whose weights a publish did not reach are published to whatever they report
+        return self.fleet.begin_sync(target_version, force or getattr(self, "_weights_stale", False))
 
     def weight_versions(self) -> list[int]:
+        if getattr(self, "_weights_stale", False):
+            return [0] * len(self.fleet.clients)
         return self.fleet.weight_versions()
 
     def check_engines(self) -> int:
@@ -294,11 +297,13 @@ class RolloutManager:
         return metrics
 
     def probe_log_probs(
-        self, tokens: list[int], version: Optional[int] = None
-    ) -> tuple[list[list[float]], Optional[list[list[float]]]]:
+        self, tokens: list[int], version: Optional[int] = None, trainer_log_probs: Optional[list[float]] = None
+    ) -> tuple[list[list[float]], Optional[list[list[float]]], Optional[list[float]]]:
         """Every engine's log-probs of the probe `tokens` (positions 1..n-1, temperature 1) under
         weights `version` (with lora_publish=adapter, its adapter; None: what requests name now),
-        and the previous call's answer (check_weight_update_equal; vime_core/weight_sync/weight_check)."""
+        the previous call's answer, and the trainer's log-probs the previous call was given (kept
+        here, beside the engines', as the driver may be another process by the next check;
+        check_weight_update_equal; vime_core/weight_sync/weight_check)."""
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         clients = self.fleet.clients
         model = served_name(self.cfg, version) if version is not None else None
@@ -308,7 +313,18 @@ class RolloutManager:
 
         now = [prompt_logprobs_of(answer, tokens) for answer in self.fleet.loop.run(all_engines())]
         previous, self._last_probe = getattr(self, "_last_probe", None), now
-        return now, previous
+        previous_trainer, self._last_trainer_probe = getattr(self, "_last_trainer_probe", None), trainer_log_probs
+        return now, previous, previous_trainer
+
+    def mark_weights_stale(self) -> None:
+        """The engines' weights are not the version they report (the weight check found them
+        unchanged by a publish): `weight_versions` reports 0 for every engine until the next
+        publish ends, so the next start (bootstrap) publishes the trainer's weights again. A
+        rollout started ahead on them (prefetch) is dropped and its prompts go back, as is the
+        last rollout kept for a repeated ask: their samples name a version the engines lacked."""
+        self._weights_stale = True
+        self.discard_prefetch(True)
+        self._last = None
 
     def end_sync(
         self,
@@ -328,6 +344,7 @@ class RolloutManager:
         call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if version is not None:
             self.fleet.serve_version(version)
+            self._weights_stale = False  # a publish ended: the engines hold what it sent
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:

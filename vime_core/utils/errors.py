@@ -32,6 +32,14 @@ class PartiallyTrainedError(RuntimeError):
         self.failure = failure
 
 
+class StaleEnginesError(RuntimeError, InfrastructureError):
+    """The weight check after a publish found engines whose log-probs of the probe are exactly
+    those of the previous version while the trainer's moved: the publish did not reach their
+    weights, whatever version they report. The RolloutManager then reports those engines at
+    version 0, so the iteration's retry (bootstrap first) publishes the trainer's weights again;
+    a phase task's own retry would score the same stale weights and find nothing."""
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The exception's first non-empty line (at most `limit` characters), else its class name."""
     line = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")

@@ -1,0 +1,110 @@
+"""The weight check after a publish (vime_core/weight_sync/weight_check.compare, tasks/sync.check_weights
+and the RolloutManager's stale mark): the difference from the trainer is bf16 noise and only reported;
+engines that scored the probe exactly as before while the trainer's log-probs moved did not receive
+the publish, which fails the iteration and makes the retry publish to them again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from vime_core.weight_sync.weight_check import compare
+
+TOKENS = [5, 7, 9, 11]
+
+
+def _moved(values, by):
+    return [v + by for v in values]
+
+
+def test_compare_reports_the_noise_and_names_the_engines_a_publish_did_not_reach():
+    trainer_before, trainer = [-1.0, -2.0, -3.0], [-1.1, -2.0, -2.9]
+    before = [[-1.02, -2.01, -3.0], [-1.0, -2.02, -2.99]]
+    engines = [_moved(trainer, 0.01), before[1]]  # engine 1 scores as before
+    out = compare(trainer, engines, before, trainer_before)
+    assert out["stale_engines"] == [1] and out["changed_max"] == 0
+    assert out["trainer_changed_max"] == max(abs(a - b) for a, b in zip(trainer, trainer_before))
+    # noise above a step's change is no failure: every engine moved
+    noisy = [_moved(trainer, 0.3), _moved(trainer, -0.3)]
+    assert compare(trainer, noisy, before, trainer_before)["stale_engines"] == []
+    # the trainer did not move (its steps were skipped): engines scoring as before are right
+    assert compare(trainer_before, before, before, trainer_before)["stale_engines"] == []
+    # the first check, or no trainer log-probs kept: no verdict
+    assert "stale_engines" not in compare(trainer, engines, before)
+    assert "stale_engines" not in compare(trainer, engines)
+
+
+class _Engine:
+    """An engine client whose prompt log-probs are `scores` (what its weights give)."""
+
+    def __init__(self, scores):
+        self.scores = scores
+
+    async def generate(self, tokens, params, model=None):
+        return {"prompt_logprobs": [None] + [{str(t): {"logprob": s}} for t, s in zip(tokens[1:], self.scores)]}
+
+
+class _Handle:
+    """An actor handle calling the object's methods in this process: m.remote(...) -> its result."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self.obj, name))
+
+
+def _manager(engines, versions):
+    from vime_core.rollout.manager import RolloutManager
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.cfg = SimpleNamespace(lora_rank=0, lora_publish="merged")
+    manager._prefetch_lock, manager._prefetched, manager._last = threading.Lock(), None, None
+    manager.fleet = SimpleNamespace(
+        clients=engines,
+        loop=SimpleNamespace(run=asyncio.run),
+        weight_versions=lambda: list(versions),
+        begin_sync=lambda version, force: "forced" if force else None,
+        serve_version=lambda version: None,
+        resume_admission=lambda: None,
+    )
+    return manager
+
+
+def test_a_check_finding_stale_engines_fails_the_iteration_and_the_retry_publishes_again(monkeypatch):
+    import tasks.sync as sync
+    from tasks.common import retry_unless_configuration
+    from vime_core.faults import INFRASTRUCTURE, classify, needs_bootstrap
+    from vime_core.utils.errors import StaleEnginesError
+
+    engines = [_Engine([-1.0, -2.0, -3.0]), _Engine([-1.01, -2.0, -3.0])]
+    manager = _manager(engines, versions=[3, 3])
+    monkeypatch.setattr(sync, "run_handles", lambda config: (_Handle(manager), None))
+    monkeypatch.setattr(sync, "ray", SimpleNamespace(get=lambda x: x))
+    monkeypatch.setattr(sync, "get_run_logger", lambda: logging.getLogger("test"))
+    trainer_v2 = [-1.0, -2.0, -3.0]
+
+    def synced(log_probs):
+        return {"probe": {"tokens": TOKENS, "log_probs": log_probs}}
+
+    first = sync.check_weights.fn(None, 2, synced(trainer_v2))  # nothing to compare with yet
+    assert "stale_engines" not in first and first["max_abs_diff"] == pytest.approx(0.01)
+
+    engines[0].scores = [-1.1, -2.0, -2.9]  # engine 0 took v3; engine 1 kept v2's weights
+    with pytest.raises(StaleEnginesError, match=r"^check weights v3: engine\(s\) 1 scored the probe exactly") as err:
+        sync.check_weights.fn(None, 3, synced(_moved(trainer_v2, 0.1)))
+    fault = classify(err.value)
+    assert (fault.kind, fault.retryable) == (INFRASTRUCTURE, True)  # the iteration runs again
+    assert needs_bootstrap(err.value)  # but not the task: it would score the same weights again
+    assert not retry_unless_configuration(None, None, SimpleNamespace(data=err.value))
+
+    # until a publish ends, the engines report version 0 (bootstrap publishes the trainer's weights
+    # again) and a sync publishes whatever they report
+    assert manager.weight_versions() == [0, 0]
+    assert manager.begin_sync(3) == "forced"
+    manager.end_sync(True, None, 3)
+    assert manager.weight_versions() == [3, 3] and manager.begin_sync(3) is None
