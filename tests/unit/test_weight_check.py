@@ -64,6 +64,7 @@ def _manager(engines, versions):
     manager = RolloutManager.__new__(RolloutManager)
     manager.cfg = SimpleNamespace(lora_rank=0, lora_publish="merged")
     manager._prefetch_lock, manager._prefetched, manager._last = threading.Lock(), None, None
+    manager._last_probe, manager._last_trainer_probe, manager._weights_stale = None, None, False
     manager.fleet = SimpleNamespace(
         clients=engines,
         loop=SimpleNamespace(run=asyncio.run),
