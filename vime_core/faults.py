@@ -88,6 +88,16 @@ def _collective_types() -> tuple[type, ...]:
     return tuple(getattr(dist, n) for n in names if hasattr(dist, n)) if dist is not None else ()
 
 
+# NCCL's own verdict that the caller misused it (ncclInvalidUsage, ncclInvalidArgument: mismatched
+# shapes, dtypes or group members across ranks): the same code raises it again after a rebuild
+_COLLECTIVE_MISUSE = ("ncclInvalidUsage", "ncclInvalidArgument", "invalid usage", "invalid argument")
+
+
+def _collective_misuse(err: BaseException, collective: tuple[type, ...]) -> bool:
+    """A torch.distributed error whose message is NCCL's misuse verdict: a bug, not a lost peer."""
+    return bool(collective) and isinstance(err, collective) and any(m in str(err) for m in _COLLECTIVE_MISUSE)
+
+
 _CONFIGURATION_TYPES = (
     ValueError,
     TypeError,
@@ -136,7 +146,9 @@ def classify(exc: BaseException) -> Fault:
                                    ConnectionError, TimeoutError, httpx.TransportError, botocore's
                                    ConnectionError and HTTPClientError; torch.distributed's
                                    DistBackendError, DistStoreError, DistNetworkError (a collective
-                                   or its store lost a peer); vime's InfrastructureError subclasses
+                                   or its store lost a peer; not NCCL's ncclInvalidUsage or
+                                   ncclInvalidArgument, a misuse that a rebuild raises again: a bug);
+                                   vime's InfrastructureError subclasses
                                    (RolloutFailedError, EngineStartError, EngineError, RouterError,
                                    PublishError, ActorsMissingError)
         configuration or data      ValueError (ConfigError, ValidationError, UntrainableBatchError,
@@ -152,8 +164,11 @@ def classify(exc: BaseException) -> Fault:
     whose constructor raised arrives as ActorDiedError carrying that RayTaskError, which decides (a
     setting that kept the engines from starting is a configuration error, not a crash). A chain
     (`raise ... from`, or raised while handling another) is searched outermost first."""
-    infrastructure = _infrastructure_types() + _collective_types()
+    collective = _collective_types()
+    infrastructure = _infrastructure_types() + collective
     for err in _chain(exc):
+        if _collective_misuse(err, collective):
+            break
         # infrastructure first: a dead actor's error must not read as a data error because some
         # wrapper subclasses ValueError (RayTaskError takes on the class of its cause)
         if isinstance(err, infrastructure):

@@ -365,6 +365,32 @@ def test_a_collective_that_lost_a_peer_is_infrastructure_and_other_runtime_error
         assert (classify(exc).kind, classify(exc).retryable) == (UNKNOWN, False)
 
 
+def test_nccl_misuse_is_a_bug_and_not_retried():
+    """NCCL's verdict that the caller misused it (mismatched shapes or members across ranks) comes
+    as a DistBackendError too; a rebuilt group raises it again, so it is not retried, as raised, as
+    a Ray task carries it and under a rollout trained half-way. A remote peer's error stays retried."""
+    import ray.cloudpickle as cloudpickle
+    import torch.distributed as dist
+
+    from vime_core.utils.errors import PartiallyTrainedError
+
+    misuse = dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:3356, invalid usage (run with NCCL_DEBUG=WARN for details), "
+        "NCCL version 2.27.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library."
+    )
+    lost = dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error\n"
+        "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+    )
+    for err, expected in ((misuse, (UNKNOWN, False)), (lost, (INFRASTRUCTURE, True))):
+        err = cloudpickle.loads(cloudpickle.dumps(err))
+        half = PartiallyTrainedError("rollout 2: 1 optimizer step(s) were applied before training failed", err)
+        for exc in (err, _remote(err), _remote(cloudpickle.loads(cloudpickle.dumps(half)))):
+            fault = classify(exc)
+            assert (fault.kind, fault.retryable) == expected, exc
+            assert "\n" not in fault.what
+
+
 def test_bootstrap_retries_an_actor_that_died_and_phase_tasks_do_not():
     """A RolloutManager whose engine crashed at start dies in its constructor: bootstrap's next try
     creates it again (on a GPU the crash can be a trainer growing while vLLM profiled its memory),
