@@ -1,5 +1,5 @@
 """The weight check after a publish (vime_core/weight_sync/weight_check.compare, tasks/sync.check_weights
-and the RolloutManager's stale mark): the difference from the trainer is bf16 noise and only reported;
+and the engine fleet's stale mark): the difference from the trainer is bf16 noise and only reported;
 engines that scored the probe exactly as before while the trainer's log-probs moved did not receive
 the publish, which fails the iteration and makes the retry publish to them again."""
 
@@ -59,20 +59,22 @@ class _Handle:
 
 
 def _manager(engines, versions):
+    """A RolloutManager over a real EngineFleet (its versions and stale mark) whose engines answer
+    the probe with their scores and report `versions`; no servers, no admission."""
+    from vime_core.engines.fleet import EngineFleet
     from vime_core.rollout.manager import RolloutManager
 
+    cfg = SimpleNamespace(lora_rank=0, lora_publish="merged")
+    fleet = EngineFleet.__new__(EngineFleet)
+    fleet.cfg, fleet.clients, fleet.generator, fleet.served_model = cfg, engines, None, None
+    fleet._weights_stale, fleet.loop = False, SimpleNamespace(run=asyncio.run)
+    fleet._each_engine = lambda method: list(versions)
+    fleet.pause_admission = fleet.resume_admission = lambda: None
+    fleet.engine_urls = lambda: [f"engine-{i}" for i in range(len(engines))]
     manager = RolloutManager.__new__(RolloutManager)
-    manager.cfg = SimpleNamespace(lora_rank=0, lora_publish="merged")
+    manager.cfg, manager.fleet = cfg, fleet
     manager._prefetch_lock, manager._prefetched, manager._last = threading.Lock(), None, None
-    manager._last_probe, manager._last_trainer_probe, manager._weights_stale = None, None, False
-    manager.fleet = SimpleNamespace(
-        clients=engines,
-        loop=SimpleNamespace(run=asyncio.run),
-        weight_versions=lambda: list(versions),
-        begin_sync=lambda version, force: "forced" if force else None,
-        serve_version=lambda version: None,
-        resume_admission=lambda: None,
-    )
+    manager._last_probe, manager._last_trainer_probe = None, None
     return manager
 
 
@@ -106,6 +108,8 @@ def test_a_check_finding_stale_engines_fails_the_iteration_and_the_retry_publish
     # until a publish ends, the engines report version 0 (bootstrap publishes the trainer's weights
     # again) and a sync publishes whatever they report
     assert manager.weight_versions() == [0, 0]
-    assert manager.begin_sync(3) == "forced"
-    manager.end_sync(True, None, 3)
+    assert manager.begin_sync(3) == ["engine-0", "engine-1"]  # though both report v3
+    manager.fleet.weight_versions()  # agreeing versions served by the fleet: the mark stays
+    assert manager.weight_versions() == [0, 0]
+    manager.end_sync(True, None, 3)  # a publish ended
     assert manager.weight_versions() == [3, 3] and manager.begin_sync(3) is None

@@ -60,6 +60,7 @@ class EngineFleet:
         self.health_interval_s = health_interval_s
         self.supports_sleep = platform_supports_sleep(cfg)
         self.admission_open = Admission()
+        self._weights_stale = False  # the weight check found engines a publish did not reach
         self._owns_servers = servers is None
         self.loop = LoopThread("rollout-loop")
         if servers is not None:
@@ -332,17 +333,34 @@ class EngineFleet:
 
     def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
         """The engine side of sync's start: None when every engine already reports
-        `target_version` (nothing to publish) and not `force`, else admission paused and the
-        engines' URLs to publish to (tasks.sync.publish)."""
+        `target_version` (nothing to publish) and neither `force` nor the stale mark is set, else
+        admission paused and the engines' URLs to publish to (tasks.sync.publish)."""
         versions = self.weight_versions()
-        if not force and versions and all(v == target_version for v in versions):
+        if not (force or self._weights_stale) and versions and all(v == target_version for v in versions):
             return None
         self.pause_admission()
         return self.engine_urls()
 
+    def mark_weights_stale(self) -> None:
+        """The engines' weights are not the version they report (the weight check found them
+        unchanged by a publish): `weight_versions` reports 0 for every engine and `begin_sync`
+        publishes until a publish ends (`published`), so the next start (bootstrap) publishes the
+        trainer's weights again."""
+        self._weights_stale = True
+
+    def published(self, version: int) -> None:
+        """A publish of `version` ended: the engines hold what it sent (the stale mark goes) and
+        generate requests name it (`serve_version`). Only here: `weight_versions` serving the
+        version the engines agree on says nothing of whether their weights are that version."""
+        self._weights_stale = False
+        self.serve_version(version)
+
     def weight_versions(self) -> list[int]:
-        """Every engine's version; where they agree, generate requests name it from now on
-        (`serve_version`: a fleet attached to engines that already hold adapters)."""
+        """Every engine's version, or 0 for each while the stale mark is set; where they agree,
+        generate requests name it from now on (`serve_version`: a fleet attached to engines that
+        already hold adapters)."""
+        if self._weights_stale:
+            return [0] * len(self.clients)
         versions = self._each_engine("weight_version")
         if versions and len(set(versions)) == 1:
             self.serve_version(versions[0])

@@ -89,7 +89,6 @@ class RolloutManager:
         # the weight check's previous scores of its probe: the engines' and the trainer's
         self._last_probe: Optional[list[list[float]]] = None
         self._last_trainer_probe: Optional[list[float]] = None
-        self._weights_stale = False  # the check found engines a publish did not reach (mark_weights_stale)
         self.fleet = EngineFleet(
             cfg,
             servers=servers,
@@ -163,12 +162,9 @@ class RolloutManager:
         self.fleet.resume_admission()
 
     def begin_sync(self, target_version: int, force: bool = False) -> Optional[list[str]]:
-        # engines whose weights a publish did not reach are published to whatever they report
-        return self.fleet.begin_sync(target_version, force or self._weights_stale)
+        return self.fleet.begin_sync(target_version, force)
 
     def weight_versions(self) -> list[int]:
-        if self._weights_stale:
-            return [0] * len(self.fleet.clients)
         return self.fleet.weight_versions()
 
     def check_engines(self) -> int:
@@ -322,11 +318,12 @@ class RolloutManager:
 
     def mark_weights_stale(self) -> None:
         """The engines' weights are not the version they report (the weight check found them
-        unchanged by a publish): `weight_versions` reports 0 for every engine until the next
-        publish ends, so the next start (bootstrap) publishes the trainer's weights again. A
-        rollout started ahead on them (prefetch) is dropped and its prompts go back, as is the
-        last rollout kept for a repeated ask: their samples name a version the engines lacked."""
-        self._weights_stale = True
+        unchanged by a publish): the fleet reports version 0 for them until the next publish ends
+        (`EngineFleet.mark_weights_stale`), so the next start (bootstrap) publishes the trainer's
+        weights again. A rollout started ahead on them (prefetch) is dropped and its prompts go
+        back, as is the last rollout kept for a repeated ask: their samples name a version the
+        engines lacked."""
+        self.fleet.mark_weights_stale()
         self.discard_prefetch(True)
         self._last = None
 
@@ -347,8 +344,7 @@ class RolloutManager:
         references there, top-level arguments that Ray resolves before it runs a call, so this
         call runs the moment the publish ends (and not at all when it fails; tasks.sync)."""
         if version is not None:
-            self.fleet.serve_version(version)
-            self._weights_stale = False  # a publish ended: the engines hold what it sent
+            self.fleet.published(version)
         if start_rollout_id is not None:
             return self.start_generate(start_rollout_id, version)  # which opens admission
         if resume:
