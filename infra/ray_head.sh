@@ -4,7 +4,7 @@
 #   infra/ray_head.sh start [--num-gpus N] [--num-cpus N] [--port P] [--temp-dir DIR]   # prints the address
 #   infra/ray_head.sh status                                                 # address, or exit 3
 #   infra/ray_head.sh stop
-#   infra/ray_head.sh join --temp-dir DIR [--node-ip-address 127.0.0.2] [--num-gpus N] [--resources JSON]
+#   infra/ray_head.sh join --all-interfaces --temp-dir DIR [--node-ip-address 127.0.0.2] [--num-gpus N] [--resources JSON]
 #   infra/ray_head.sh leave --temp-dir DIR   # a worker node on this machine, joined to the head
 #
 # Idempotent: `start` on a running head prints its address. Every port is a free loopback port

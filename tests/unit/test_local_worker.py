@@ -15,6 +15,19 @@ def test_a_local_worker_needs_a_loopback_address_of_its_own(ip, tmp_path):
         local_head.start_local_worker("127.0.0.1:6379", tmp_path, node_ip=ip)
 
 
+def test_a_local_worker_listening_on_every_interface_is_asked_for_by_name(tmp_path, capsys):
+    """Ray binds a node whose address is not exactly 127.0.0.1 on every interface: joining is refused,
+    naming the flag, until it is passed; nothing is started (the head address below runs nothing)."""
+    with pytest.raises(ValueError, match="--all-interfaces") as err:
+        local_head.start_local_worker("127.0.0.1:6379", tmp_path, node_ip="127.0.0.2")
+    assert "every interface" in str(err.value)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        local_head.main(["join", "--address", "127.0.0.1:6379", "--temp-dir", str(tmp_path / "w")])
+    assert "--all-interfaces" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
 def test_join_and_leave_need_the_workers_own_temp_dir(capsys):
     for command in ("join", "leave"):
         with pytest.raises(SystemExit):

@@ -304,6 +304,7 @@ def start_local_worker(
     resources: dict[str, float] | None = None,
     object_store_memory: int = 256 << 20,
     timeout: float = 180.0,
+    all_interfaces: bool = False,
 ) -> dict:
     """Start a Ray worker node on this machine joined to the head at `head_address`, with its own
     loopback address `node_ip` (not 127.0.0.1, the head's), free ports, `num_gpus` device slots,
@@ -316,9 +317,20 @@ def start_local_worker(
     refuses to join while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and, with it on, rewrites the head's
     127.0.0.1 to the public address, so the worker runs Ray's `ray start` with only that guard lifted
     (WORKER_LAUNCHER).
+
+    Ray keeps a node's servers on loopback only when its address is exactly 127.0.0.1, so this
+    node's raylet and its workers listen on every interface, and the local cluster runs without
+    Ray's token authentication (connect.LOOPBACK_ENV): `all_interfaces` must say that this is
+    wanted (a machine whose ports others cannot reach), else ValueError.
     """
     if node_ip in ("127.0.0.1", "localhost") or not node_ip.startswith("127."):
         raise ValueError(f"node_ip={node_ip!r}: a local worker needs a loopback address of its own (127.0.0.2 ...)")
+    if not all_interfaces:
+        raise ValueError(
+            f"node_ip={node_ip!r}: Ray binds a node's raylet and workers to every interface unless its address is "
+            "exactly 127.0.0.1, and the local cluster has no Ray authentication: pass --all-interfaces "
+            "(all_interfaces=True) only on a machine whose ports other machines cannot reach"
+        )
     temp = _temp_dir(temp_dir)
     running = worker_running(temp)
     if running:
@@ -413,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--node-ip-address", default="127.0.0.2", help="join: the worker's own loopback address (default 127.0.0.2)"
     )
+    parser.add_argument(
+        "--all-interfaces",
+        action="store_true",
+        help="join: required; the worker's raylet and workers listen on every interface (Ray keeps only "
+        "127.0.0.1 on loopback) without Ray's authentication: only on a machine others cannot reach",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     head_temp_dir = default_temp_dir()  # the head's, where --temp-dir names the worker's
@@ -439,15 +457,19 @@ def main(argv: list[str] | None = None) -> int:
         head = args.address or head_running(head_temp_dir)
         if not head:
             parser.error("join: no local head running; pass --address")
-        state = start_local_worker(
-            head,
-            args.temp_dir,
-            args.node_ip_address,
-            args.num_gpus,
-            args.num_cpus,
-            args.resources,
-            args.object_store_memory,
-        )
+        try:
+            state = start_local_worker(
+                head,
+                args.temp_dir,
+                args.node_ip_address,
+                args.num_gpus,
+                args.num_cpus,
+                args.resources,
+                args.object_store_memory,
+                all_interfaces=args.all_interfaces,
+            )
+        except ValueError as err:  # the address or the missing --all-interfaces: one line, no traceback
+            parser.error(f"join: {err}")
         print(state["node_ip"])
         return 0
     if args.command == "stop":

@@ -46,7 +46,7 @@ def two_nodes(tmp_path_factory):
     try:
         address = local_head.start_local_head(num_gpus=1, temp_dir=head_dir, resources={"vime_trainer": 1})
         worker = local_head.start_local_worker(
-            address, worker_dir, node_ip=WORKER_IP, num_gpus=1, resources={"vime_engine": 1}
+            address, worker_dir, node_ip=WORKER_IP, num_gpus=1, resources={"vime_engine": 1}, all_interfaces=True
         )
         print(f"two-node cluster up in {time.monotonic() - t0:.1f} s")
         yield address, worker
