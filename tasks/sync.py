@@ -152,7 +152,7 @@ def check_weights(config: VimeConfig, target_version: int, synced: dict) -> dict
     engines' previous version (vime_core/weight_sync/weight_check). Runs once the engines'
     KV cache is awake. Logs and returns the comparison. The difference from the trainer does not
     fail the iteration (bf16 noise); engines that scored the probe exactly as before while the
-    trainer's log-probs moved do (StaleEnginesError): the RolloutManager then reports them at
+    trainer's log-probs moved do (StaleEnginesError): the engine fleet then reports them at
     version 0, and the iteration's retry publishes to them again, bootstrap first."""
     probe = synced.get("probe")
     if not probe:

@@ -95,7 +95,7 @@ _COLLECTIVE_MISUSE = ("ncclInvalidUsage", "ncclInvalidArgument", "invalid usage"
 
 def _collective_misuse(err: BaseException, collective: tuple[type, ...]) -> bool:
     """A torch.distributed error whose message is NCCL's misuse verdict: a bug, not a lost peer."""
-    return bool(collective) and isinstance(err, collective) and any(m in str(err) for m in _COLLECTIVE_MISUSE)
+    return isinstance(err, collective) and any(m in str(err) for m in _COLLECTIVE_MISUSE)
 
 
 _CONFIGURATION_TYPES = (

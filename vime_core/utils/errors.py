@@ -35,8 +35,8 @@ class PartiallyTrainedError(RuntimeError):
 class StaleEnginesError(RuntimeError, InfrastructureError):
     """The weight check after a publish found engines whose log-probs of the probe are exactly
     those of the previous version while the trainer's moved: the publish did not reach their
-    weights, whatever version they report. The RolloutManager then reports those engines at
-    version 0, so the iteration's retry (bootstrap first) publishes the trainer's weights again;
+    weights, whatever version they report. The engine fleet then reports them at version 0
+    (EngineFleet.mark_weights_stale), so the iteration's retry (bootstrap first) publishes the trainer's weights again;
     a phase task's own retry would score the same stale weights and find nothing."""
 
 
