@@ -6,7 +6,8 @@ run on the same weights: a memcpy of the same bytes, and the engine reloading th
     gloo     gloo broadcast into a second engine with the vime_broadcast backend, against its reload
 
 Models: build_tiny_model Qwen3 shapes, one engine at a time, in the trainer's precision (fp32;
---bf16). Prints JSON (medians over repeats; ratio = publish / reload).
+--bf16). Prints JSON (medians over repeats; ratio = publish / reload; checksum_cost_ratio = the
+first bucket size's publish with the transfer checksums / without them, in the same rounds).
 Run: bench/run.py publish [--repeats N] [--transports shm gloo]"""
 
 from __future__ import annotations
@@ -171,15 +172,19 @@ def bench_model(name: str, shape: dict, args) -> dict:
     result["memcpy_bytes_per_s"] = nbytes / result["memcpy_s"]
 
     # one engine per weight-transfer backend it is started with: vime_shm (shm, and disk), vime_broadcast (gloo)
+    # the first bucket size also without the transfer checksums (--check-weight-transfer): their cost
     engines: dict[str, dict] = {}
+    unchecked = {"check_weight_transfer": False, "update_weight_buffer_size": args.bucket_mib[0] * MiB}
     if "shm" in args.transports:
         engines["shm"] = {f"publish_shm_{mib}MiB": {"update_weight_buffer_size": mib * MiB} for mib in args.bucket_mib}
+        engines["shm"][f"publish_shm_{args.bucket_mib[0]}MiB_unchecked"] = unchecked
         engines["shm"]["publish_disk_512MiB"] = {"weight_transport": "disk"}
     if "gloo" in args.transports:
         engines["gloo"] = {
             f"publish_gloo_{mib}MiB": {"weight_transport": "gloo", "update_weight_buffer_size": mib * MiB}
             for mib in args.bucket_mib
         }
+        engines["gloo"][f"publish_gloo_{args.bucket_mib[0]}MiB_unchecked"] = {**unchecked, "weight_transport": "gloo"}
     for backend, overrides in engines.items():
         engine_cfg = {**base_cfg, "weight_transport": backend}
         measured = bench_engine(
@@ -191,6 +196,8 @@ def bench_model(name: str, shape: dict, args) -> dict:
         result["reload_bytes_per_s" + suffix] = nbytes / measured["reload_s"]
         for key, stats_list in measured["runs"].items():
             result[key] = summarise(stats_list, nbytes, measured["reload_s"], result["memcpy_s"])
+        checked, bare = (f"publish_{backend}_{args.bucket_mib[0]}MiB{suffix}" for suffix in ("", "_unchecked"))
+        result[f"checksum_cost_ratio_{backend}"] = result[checked]["seconds"] / result[bare]["seconds"]
     return result
 
 

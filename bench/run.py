@@ -106,7 +106,9 @@ def _publish(f: dict) -> str:
     for name, m in f["models"].items():
         shm = m.get("publish_shm_512MiB", {}).get("ratio_to_reload")
         gloo = m.get("publish_gloo_512MiB", {}).get("ratio_to_reload")
-        parts.append(f"{name} shm {shm:.2f}x" + (f", gloo {gloo:.2f}x" if gloo else "") + " the engine's reload")
+        line = f"{name} shm {shm:.2f}x" + (f", gloo {gloo:.2f}x" if gloo else "") + " the engine's reload"
+        cost = m.get("checksum_cost_ratio_shm")
+        parts.append(line + (f" (checksums: {cost:.2f}x unchecked)" if cost else ""))
     return "; ".join(parts)
 
 

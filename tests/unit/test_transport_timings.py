@@ -78,7 +78,7 @@ def test_disk_times_each_write_summed_then_reload_and_finish(clock, monkeypatch,
 def test_shm_times_pack_the_wait_for_the_load_and_finish(clock, monkeypatch, tmp_path):
     real_write = shm.write_bucket_file
 
-    def slow_write(bucket, pool):
+    def slow_write(bucket, pool, checksums=True):
         clock[0] += WRITE_SECONDS
         return real_write(bucket, pool)
 

@@ -621,6 +621,16 @@ class ConfigFields(BaseModel):
             "warning at start says so. For a network you control end to end."
         ),
     )
+    check_weight_transfer: bool = Field(
+        True,
+        description=(
+            "Check every weight bucket's bytes on arrival: the trainer sends an integer checksum of each tensor as it "
+            "packed it, each engine worker sums what it received and refuses a bucket that differs before loading any "
+            "of it (the publish fails and is retried). Exact, unlike the log-prob probe of check_weight_update_equal. "
+            "For the shm, nccl and gloo transports (ipc hands the trainer's own memory to the engine; disk goes "
+            "through safetensors); costs one more read of the bytes on each side."
+        ),
+    )
     check_weight_update_equal: bool = Field(
         False,
         description=(

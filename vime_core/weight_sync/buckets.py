@@ -1,7 +1,8 @@
 """Group HF-named tensors into weight-update buckets (one `/update_weights` call each) of a bounded size
 in wire bytes. Rule, in arrival order: a tensor joins the open bucket if the total stays <=
 `bucket_bytes`, else a new bucket starts with it; a larger tensor travels alone, no bucket is empty.
-Packing follows wire/layout.py: `pack_flat`, `pack_ipc` (CUDA IPC memory), `copy_into` (shm files)."""
+Packing follows wire/layout.py: `pack_flat`, `pack_ipc` (CUDA IPC memory), `copy_into` (shm files);
+`packed_checksums` is what the worker checks the received bytes against (wire/checksum.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vime_core.weight_sync.allocator import plain_segments
-from vime_core.wire.layout import place
+from vime_core.wire.checksum import tensor_checksums
+from vime_core.wire.layout import bucket_views, place
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,13 @@ def pack_flat(
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
         copy_into(buffer, offset, tensor, dtype)
     return buffer, [wire_nbytes(t, d) for t, d in zip(bucket.tensors, bucket.dtypes)]
+
+
+def packed_checksums(flat: torch.Tensor, bucket: Bucket, offsets: list[int]) -> list[int]:
+    """Each of the bucket's tensors' checksum (wire/checksum.py) as packed in the uint8 buffer
+    `flat` at `offsets`: read back from the bytes that travel, after the cast to the wire dtype."""
+    shapes = [list(t.shape) for t in bucket.tensors]
+    return tensor_checksums(bucket_views(flat, list(bucket.names), bucket.dtype_names, shapes, offsets))
 
 
 def pack_ipc(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[int]]:

@@ -68,8 +68,9 @@ def publish_weights(
     its own, else its token source's).
 
     A failure before the first tensor byte reached an engine closes the session empty (vLLM keeps the
-    old weights) and the engines resume on the old version; after it, the engines may hold a
-    half-applied update, so they stay paused and PublishError says so (publish again or restart them)."""
+    old weights) and the engines resume on the old version; after it, the session is closed too (so
+    the next publish can open one) but the engines may hold a half-applied update under their old
+    version, so they stay paused and PublishError says so: the next publish overwrites every tensor."""
     if loop is None:
         own = PublishLoop()
         try:
@@ -202,9 +203,14 @@ async def _apply(
             await transport.finish(new_version)
     except BaseException as err:
         if transport.bytes_moved:
+            try:  # an engine left in its session refuses the next one: close it, keep it paused
+                await transport.abort()
+            except Exception as close_err:
+                err.add_note(f"closing the engines' session failed as well: {close_err}")
             raise PublishError(
                 f"publish v{new_version} failed after weights reached the engines ({err}); they may hold a "
-                "half-applied update and stay paused: publish again or restart them",
+                "half-applied update under their old version and stay paused: the next publish sends every "
+                "tensor again (or restart them)",
                 bytes_moved=True,
             ) from err
         try:

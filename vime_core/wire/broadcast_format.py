@@ -6,7 +6,8 @@ standard library only; descriptors travel as JSON.
     ranks    engine e's worker w is rank_offset(e) + w, rank_offset(e) = 1 + the worker counts of
              engines 0..e-1; world = 1 + all workers
     bucket   one flat uint8 buffer: tensor i occupies tensor_sizes[i] bytes from sum(tensor_sizes[:i]),
-             C-contiguous, in its wire dtype; a worker outside `group_id` refuses it before any collective"""
+             C-contiguous, in its wire dtype; a worker outside `group_id` refuses it before any collective,
+             and one whose received bytes miss the descriptor's `checksums` (wire/checksum.py) after it"""
 
 from __future__ import annotations
 
@@ -57,10 +58,11 @@ class BroadcastBucketInfo:
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     tensor_sizes: list[int] = field(default_factory=list)
+    checksums: list[int] | None = None  # wire/checksum.py, one per tensor; None: not checked
 
     def __post_init__(self) -> None:
         n = len(self.names)
-        for what in ("dtype_names", "shapes", "tensor_sizes"):
+        for what in ("dtype_names", "shapes", "tensor_sizes") + (("checksums",) if self.checksums is not None else ()):
             if len(getattr(self, what)) != n:
                 raise ValueError(f"vime_broadcast bucket: {what} has {len(getattr(self, what))} entries, names has {n}")
         for name, dtype, shape, size in zip(self.names, self.dtype_names, self.shapes, self.tensor_sizes):

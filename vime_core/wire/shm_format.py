@@ -1,7 +1,8 @@
 """The wire format of one weight bucket in shared memory (backend `vime_shm`), imported by the trainer's
 transport and the vLLM worker, so standard library only. A bucket is one tmpfs file; tensor i at
 `offsets[i]` (multiples of ALIGNMENT, so viewable in place), C-contiguous. The descriptor travels as
-plain JSON in `update_info`: no insecure serialization."""
+plain JSON in `update_info`: no insecure serialization. `checksums` (wire/checksum.py), when
+given, are what the worker checks the mapped bytes against before loading them."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ class ShmBucketInfo:
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    checksums: list[int] | None = None  # wire/checksum.py, one per tensor; None: not checked
 
     def __post_init__(self) -> None:
         n = len(self.names)
-        for what in ("dtype_names", "shapes", "offsets"):
+        for what in ("dtype_names", "shapes", "offsets") + (("checksums",) if self.checksums is not None else ()):
             if len(getattr(self, what)) != n:
                 raise ValueError(f"bucket {self.path}: {what} has {len(getattr(self, what))} entries, names has {n}")
         if not os.path.basename(self.path).startswith(FILE_PREFIX):

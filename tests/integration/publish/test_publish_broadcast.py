@@ -68,3 +68,40 @@ def test_gloo_publishes_keep_one_group_and_a_new_publisher_forms_another(
         )
     finally:
         rebuilt.close()
+
+
+def test_gloo_bucket_changed_in_transit_is_refused_and_publishing_again_repairs(
+    broadcast_engine, tiny_model_dir, base_weights, monkeypatch
+):
+    """The trainer's end of the group flips one bit of the first bucket after summing it: the worker
+    refuses the bucket, the group is dropped, and the next publish forms a new one and serves."""
+    from vime_core.weight_sync.publish import PublishError
+    from vime_core.weight_sync.publish_loop import PublishLoop
+    from vime_core.wire.broadcast_group import GlooGroup
+
+    engine = broadcast_engine
+    send = GlooGroup.broadcast
+    flipped = []
+
+    def flip_then_send(self, buffer):
+        if not flipped:
+            buffer[0] ^= 0x01
+            flipped.append(True)
+        send(self, buffer)
+
+    monkeypatch.setattr(GlooGroup, "broadcast", flip_then_send)  # in this process: rank 0, the sender
+    version = engine_call(engine, "weight_version")
+    trainer = PublishLoop()
+    try:
+        with pytest.raises(PublishError, match="checksum") as err:
+            publish(engine, perturbed(base_weights, seed=24), version + 1, trainer)
+        assert err.value.bytes_moved and trainer.broadcast_group("gloo") is None
+        assert engine_call(engine, "weight_version") == version
+
+        monkeypatch.undo()
+        repaired = perturbed(base_weights, seed=25)
+        stats = publish(engine, repaired, version + 1, trainer)
+        assert "form_group" in stats["transport_seconds"]
+        assert_serves(engine, tiny_model_dir, repaired, version + 1)
+    finally:
+        trainer.close()

@@ -140,3 +140,39 @@ def test_disk_fallback_publishes_a_new_version(publish_engine, tiny_model_dir, b
     newer = perturbed(base_weights, seed=6)
     publish(publish_engine, newer, version + 2)
     assert_serves(publish_engine, tiny_model_dir, newer, version + 2)
+
+
+def test_a_bucket_changed_in_transit_is_refused_and_publishing_again_repairs(
+    publish_engine, tiny_model_dir, base_weights, monkeypatch
+):
+    """One bit of one tensor flipped in the shared-memory file after the trainer summed it: the
+    worker's checksum refuses the bucket before loading it, the error names the tensor, and the
+    next publish (what the sync's retry does) brings the engine to the trainer's weights."""
+    import vime_core.weight_sync.transport.shm as shm
+    from vime_core.weight_sync.publish import PublishError
+
+    culprit = "model.layers.1.self_attn.o_proj.weight"
+    write = shm.write_bucket_file
+
+    def write_then_flip_a_bit(bucket, pool, checksums=True):
+        info = write(bucket, pool, checksums)
+        if culprit in info.names:
+            with open(info.path, "r+b") as f:
+                f.seek(info.offsets[info.names.index(culprit)])
+                byte = f.read(1)[0]
+                f.seek(-1, 1)
+                f.write(bytes([byte ^ 0x01]))
+        return info
+
+    monkeypatch.setattr(shm, "write_bucket_file", write_then_flip_a_bit)
+    version = engine_call(publish_engine, "weight_version")
+    with pytest.raises(PublishError, match=culprit.replace(".", r"\.") + ".*none of it was loaded") as err:
+        publish(publish_engine, perturbed(base_weights, seed=8), version + 1)
+    assert err.value.bytes_moved and engine_call(publish_engine, "weight_version") == version
+
+    monkeypatch.undo()
+    repaired = perturbed(base_weights, seed=9)
+    publish(publish_engine, repaired, version + 1)
+    [worker] = engine_call(publish_engine, "collective_rpc", "vime_update_stats")
+    assert worker["checked_tensors"] == worker["loaded_tensors"] == len(repaired)
+    assert_serves(publish_engine, tiny_model_dir, repaired, version + 1)

@@ -61,7 +61,7 @@ class BroadcastWeightTransferEngine(LayerwiseReloadEngine):
             weights = bucket_views(
                 buffer, update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets()
             )
-        self.load(weights, update_info.nbytes, receiving.seconds)
+        self.load(weights, update_info.nbytes, receiving.seconds, update_info.checksums)
 
     def release_received(self) -> None:
         self._received = []

@@ -1,8 +1,9 @@
 """The weight-update session vime's vLLM backends share (`vime_shm`, `vime_broadcast`): vLLM's
 checkpoint-format reload, each bucket's tensors viewed in the received bytes and loaded through the
 model's own `load_weights` (which fuses and shards for TP). vLLM keeps views until a layer is complete,
-so a backend holds what it received until `finish`. Imports only vllm, torch, the standard library and
-vime_core/utils/timing.py (itself standard library only)."""
+so a backend holds what it received until `finish`. A bucket that comes with checksums is checked
+against them before any of it loads (wire/checksum.py). Imports only vllm, torch, the standard
+library, vime_core/wire and vime_core/utils/timing.py (itself standard library only)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from vime_core.utils.timing import timed
+from vime_core.wire.checksum import mismatched
 
 try:  # the CPU build's vLLM (0.32); 0.26, the GPU hosts' release, has neither the check nor this module
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -36,6 +38,8 @@ class UpdateStats:
     buckets: int = 0
     bytes: int = 0
     map_seconds: float = 0.0  # getting the bytes: mapping the shm file, receiving the broadcast
+    check_seconds: float = 0.0  # the received bytes' checksums against the sender's
+    checked_tensors: int = 0
     load_seconds: float = 0.0
     finish_seconds: float = 0.0
     loaded_names: set[str] = field(default_factory=set)
@@ -45,6 +49,8 @@ class UpdateStats:
             "buckets": self.buckets,
             "bytes": self.bytes,
             "map_seconds": self.map_seconds,
+            "check_seconds": self.check_seconds,
+            "checked_tensors": self.checked_tensors,
             "load_seconds": self.load_seconds,
             "finish_seconds": self.finish_seconds,
             "loaded_tensors": len(self.loaded_names),
@@ -131,22 +137,52 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.stats = UpdateStats()
+        self._reloading = False  # the model's layers are in layerwise-reload mode
 
     def start_weight_update(self) -> None:
+        if self._reloading:  # a session nobody finished: end its reload first (`update_weights`)
+            self._end_reload()
         self.release_received()
         self.stats = UpdateStats()
         repack_cpu_experts_on_reload(self.model)
         initialize_layerwise_reload(self.model)
+        self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM's worker ends the session when a bucket fails without finishing it (0.32), which
+            # leaves the layers in reload mode, where the next session's load fails: end the reload
+            # here, keeping what loaded (the trainer's PublishError says the update is half-applied
+            # and its next publish sends every tensor)
+            self._end_reload()
+            raise
         # The base class synchronizes the accelerator after each bucket, which raises on a
         # CPU-only torch; so only sync when there is one.
-        self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def load(self, weights: list[tuple[str, torch.Tensor]], nbytes: int, receive_seconds: float) -> None:
-        """Load one received bucket's (name, tensor) views into the model; count it."""
+    def load(
+        self,
+        weights: list[tuple[str, torch.Tensor]],
+        nbytes: int,
+        receive_seconds: float,
+        checksums: list[int] | None = None,
+    ) -> None:
+        """Load one received bucket's (name, tensor) views into the model; count it. With the
+        sender's `checksums`, a bucket whose bytes differ from what was sent is refused whole
+        (ValueError naming the tensors) before any of it loads."""
+        if checksums is not None:
+            with timed() as checking:
+                bad = mismatched(weights, checksums)
+            self.stats.check_seconds += checking.seconds
+            if bad:
+                raise ValueError(
+                    f"{len(bad)} of {len(weights)} tensors of this bucket arrived other than they were sent "
+                    f"(checksum): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; none of it was loaded"
+                )
+            self.stats.checked_tensors += len(weights)
         with timed() as loading, _no_mtp_completeness_check():
             self.model.load_weights(weights)
         self.stats.buckets += 1
@@ -157,13 +193,20 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
 
     def finish_weight_update(self) -> None:
         with timed() as finishing:
-            try:
+            self._end_reload()
+        self.stats.finish_seconds = finishing.seconds
+
+    def _end_reload(self) -> None:
+        """Process what the session loaded and put every layer back in serving mode (a layer
+        that received nothing gets its previous tensors back), then drop the received buffers."""
+        try:
+            if self._reloading:
                 with torch.no_grad():
                     finalize_layerwise_reload(self.model, self.model_config)
                     refresh_tied_layers(self.model)
-            finally:
-                self.release_received()
-        self.stats.finish_seconds = finishing.seconds
+        finally:
+            self._reloading = False
+            self.release_received()
 
     def release_received(self) -> None:
         """Give back what the received buckets hold (vLLM's views of them are gone after finish)."""

@@ -39,7 +39,7 @@ class ShmWeightTransferEngine(LayerwiseReloadEngine):
     def receive_weights(self, update_info: ShmBucketInfo) -> None:
         with timed() as receiving:
             weights = self._map_bucket(update_info)
-        self.load(weights, update_info.nbytes, receiving.seconds)
+        self.load(weights, update_info.nbytes, receiving.seconds, update_info.checksums)
 
     def shutdown(self) -> None:
         self.release_received()

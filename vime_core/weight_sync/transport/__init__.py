@@ -32,7 +32,8 @@ def make_transport(
     `peers`: the other trainer ranks also publish from their GPUs (ipc only: ipc_peers.py)."""
     kind = weight_transport(cfg)
     if kind == "shm":
-        return ShmTransport(shm_dir, pool=keeper.shm_pool(shm_dir) if keeper is not None else None)
+        pool = keeper.shm_pool(shm_dir) if keeper is not None else None
+        return ShmTransport(shm_dir, pool=pool, checksums=cfg.check_weight_transfer)
     if kind == "disk":
         return DiskTransport(shm_dir)
     if kind == "ipc":
@@ -41,5 +42,6 @@ def make_transport(
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device()) if kind == "nccl" else torch.device("cpu")
-        return BroadcastTransport(kind, rendezvous_host(cfg.engine_bind_host), device, keeper=keeper)
+        host = rendezvous_host(cfg.engine_bind_host)
+        return BroadcastTransport(kind, host, device, keeper=keeper, checksums=cfg.check_weight_transfer)
     raise ValueError(f"weight_transport={kind!r} is not one of shm, ipc, nccl, gloo, disk")

@@ -1,6 +1,6 @@
 """The one interface every weight transport implements; `publish_weights` drives it through one
 versioned update: prepare, stage (optional head start), start, send_bucket per bucket, finish(version),
-abort (after a failure while no byte moved: vLLM puts the old weights back), close (always). After
+abort (after a failure: the session closes with no version), close (always). After
 `finish` returns every engine has loaded every bucket and reports `version`."""
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ class WeightTransport(ABC):
             self.session_open = False
 
     async def abort(self) -> None:
-        """Close the engines' session with no weights loaded; layerwise reload then restores
-        every layer's previous tensors. No version is set."""
+        """Close the engines' session without setting a version. With no weights loaded, layerwise
+        reload restores every layer's previous tensors; after a failure mid-transfer the layers
+        loaded keep what they received (a half-applied update, which the next publish overwrites)."""
         if self.session_open:
             await self.on_every_engine("request", "POST", "/finish_weight_update", json={})
             self.session_open = False

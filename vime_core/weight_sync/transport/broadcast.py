@@ -15,9 +15,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from vime_core.engines.server import advertised_host
-from vime_core.weight_sync.buckets import Bucket, pack_flat
+from vime_core.weight_sync.buckets import Bucket, pack_flat, packed_checksums
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
+from vime_core.wire.layout import place
 from vime_core.wire.broadcast_group import (
     LOOPBACK,
     BroadcastGroup,
@@ -99,9 +100,16 @@ def rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
 
 class BroadcastTransport(WeightTransport):
     def __init__(
-        self, carrier: str, host: str, device: torch.device, keeper: GroupKeeper | None = None, timeout_s: float = 300.0
+        self,
+        carrier: str,
+        host: str,
+        device: torch.device,
+        keeper: GroupKeeper | None = None,
+        timeout_s: float = 300.0,
+        checksums: bool = True,
     ) -> None:
         super().__init__()
+        self.checksums = checksums  # cfg.check_weight_transfer
         self.name = carrier  # "nccl" or "gloo"
         self.host = host  # the address engines reach this process at (the gloo store's)
         self.device = device
@@ -164,6 +172,7 @@ class BroadcastTransport(WeightTransport):
         assert self.kept is not None, "prepare() forms or finds the group first"
         with self.timed("pack"):
             buffer, sizes = self.kept.pack(bucket, self.device)
+            checksums = packed_checksums(buffer, bucket, place(sizes)[0]) if self.checksums else None
             if buffer.is_cuda:
                 torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
             info = BroadcastBucketInfo(
@@ -172,6 +181,7 @@ class BroadcastTransport(WeightTransport):
                 bucket.dtype_names,
                 [list(t.shape) for t in bucket.tensors],
                 sizes,
+                checksums,
             ).to_dict()
         self.bytes_moved = True
         with self.timed("broadcast_and_load"):

@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from vime_core.weight_sync.buckets import Bucket, copy_into, packed_layout
+from vime_core.weight_sync.buckets import Bucket, copy_into, packed_checksums, packed_layout
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.weight_sync.transport.shm_pool import ShmBufferPool
 from vime_core.wire.shm_format import ALIGNMENT, ShmBucketInfo, ShmInitInfo
 
 
-def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:
+def write_bucket_file(bucket: Bucket, pool: ShmBufferPool, checksums: bool = True) -> ShmBucketInfo:
     """Write the bucket's tensors (wire dtypes, `ALIGNMENT`-aligned) into pool slot
-    `bucket.index` and return its descriptor."""
+    `bucket.index` and return its descriptor; with `checksums`, the written tensors' checksums
+    in it, which the engines check what they map against."""
     offsets, nbytes = packed_layout(bucket, ALIGNMENT)
     path, flat = pool.buffer(bucket.index, nbytes)
     for tensor, dtype, offset in zip(bucket.tensors, bucket.dtypes, offsets):
@@ -27,15 +28,17 @@ def write_bucket_file(bucket: Bucket, pool: ShmBufferPool) -> ShmBucketInfo:
         dtype_names=bucket.dtype_names,
         shapes=[list(t.shape) for t in bucket.tensors],
         offsets=offsets,
+        checksums=packed_checksums(flat, bucket, offsets) if checksums else None,
     )
 
 
 class ShmTransport(WeightTransport):
     name = "shm"
 
-    def __init__(self, shm_dir: str = "/dev/shm", pool: ShmBufferPool | None = None) -> None:
+    def __init__(self, shm_dir: str = "/dev/shm", pool: ShmBufferPool | None = None, checksums: bool = True) -> None:
         super().__init__()
         self.shm_dir = shm_dir
+        self.checksums = checksums  # cfg.check_weight_transfer
         self.pool = pool
         self._owns_pool = False  # made here (no pool given): released at close
         self._locked = False
@@ -77,7 +80,7 @@ class ShmTransport(WeightTransport):
 
     async def _pack(self, bucket: Bucket) -> ShmBucketInfo:
         with self.timed("pack"):
-            return await asyncio.to_thread(write_bucket_file, bucket, self.pool)
+            return await asyncio.to_thread(write_bucket_file, bucket, self.pool, self.checksums)
 
     async def finish(self, version: int) -> None:
         await self._drain()
