@@ -105,7 +105,7 @@ def summarise(stats_list: list[dict], nbytes: int, reload_s: float, memcpy_s: fl
     if "engine" in stats_list[0]:
         entry["engine_s"] = {
             p: round(median([s["engine"][p] for s in stats_list]), 4)
-            for p in ("map_seconds", "load_seconds", "finish_seconds")
+            for p in ("map_seconds", "check_seconds", "load_seconds", "finish_seconds")
         }
     return entry
 

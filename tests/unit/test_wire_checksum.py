@@ -14,11 +14,11 @@ FORMATS = {1: "b", 2: "h", 4: "i", 8: "q"}  # element width -> struct's signed i
 
 
 def reference_checksum(t: torch.Tensor) -> int:
-    """The module docstring's sum, element by element from the little-endian bytes, wrapped to a
-    signed 64-bit integer."""
-    width = t.element_size()
-    raw = t.contiguous().reshape(-1).view(torch.uint8).tolist()
-    words = struct.unpack(f"<{len(raw) // width}{FORMATS[width]}", bytes(raw))
+    """The module docstring's sum from the little-endian bytes: 64-bit words when the bytes start
+    at and number a multiple of 8, else elements of their own width; wrapped to a signed int64."""
+    raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+    width = 8 if len(raw) % 8 == 0 and t.data_ptr() % 8 == 0 else t.element_size()
+    words = struct.unpack(f"<{len(raw) // width}{FORMATS[width]}", raw)
     total = sum(words) % 2**64
     return total - 2**64 if total >= 2**63 else total
 
@@ -26,21 +26,28 @@ def reference_checksum(t: torch.Tensor) -> int:
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn]
 )
-def test_checksum_is_the_integer_sum_of_the_elements_bits(dtype):
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("numel", [1, 3, 4096], ids=lambda n: f"{n}el")  # odd sizes take the element sum
+def test_checksum_is_the_integer_sum_of_the_bytes(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
     if dtype == torch.bool:
-        t = torch.rand(33, 7, generator=g) > 0.5
+        t = torch.rand(numel, generator=g) > 0.5
     elif dtype == torch.int64:  # large enough that the sum wraps around 2**64
-        t = torch.randint(-(2**62), 2**62, (64,), generator=g, dtype=torch.int64) * 3
+        t = torch.randint(-(2**62), 2**62, (numel,), generator=g, dtype=torch.int64) * 3
     else:
-        t = (torch.randn(33, 7, generator=g) * 100).to(dtype)
+        t = (torch.randn(numel, generator=g) * 100).to(dtype)
     assert tensor_checksums([("t", t)]) == [reference_checksum(t)]
+    assert tensor_checksums([("t", t[1:])]) == [reference_checksum(t[1:])]  # misaligned start: elements
 
 
 def test_checksum_does_not_depend_on_the_reduction_order_and_sees_one_bit():
-    t = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    t = torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     (whole,) = tensor_checksums([("t", t)])
-    assert tensor_checksums([("t", t.flip(0).contiguous())]) == [whole]  # same elements, other order
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # one thread reduces in another order than several
+        assert tensor_checksums([("t", t)]) == [whole]
+    finally:
+        torch.set_num_threads(threads)
     halves = tensor_checksums([("a", t[:1000]), ("b", t[1000:])])
     assert (sum(halves) - whole) % 2**64 == 0  # exact: parts add up to the whole
     flipped = t.clone()

@@ -3,12 +3,14 @@ the sender on the packed bucket and by the worker on what it received, before an
 
     checksum(t) = sum_i w_i  (mod 2**64, as a signed 64-bit integer)
 
-w_i the i-th element of `t` read as a signed integer of the element's width (a bf16 weight's 16
-bits as an int16). Integer addition is exact and associative, so the sum does not depend on the
-order a GPU or a thread pool reduces in, unlike any float statistic (the weight check's log-probs
-cannot see an error below bf16 noise). It misses errors that cancel: a permutation of a tensor's
-elements, or changes whose sum is a multiple of 2**64. Standard library only at import (torch
-inside the functions)."""
+w_i the i-th little-endian 64-bit word of `t`'s bytes when they start at an address and number a
+multiple of 8 (a bucket's weight matrices: summed in place at memory speed), else the i-th element
+read as a signed integer of its own width (a bf16 weight's 16 bits as an int16). Both ends view the
+same bucket layout from buffers whose bases are 64-byte aligned, so they take the same words.
+Integer addition is exact and associative, so the sum does not depend on the order a GPU or a
+thread pool reduces in, unlike any float statistic (the weight check's log-probs cannot see an
+error below bf16 noise). It misses errors that cancel: words swapped within a tensor, or changes
+whose sum is a multiple of 2**64. Standard library only at import (torch inside the functions)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,21 @@ def tensor_checksums(views: Sequence[tuple[str, "torch.Tensor"]]) -> list[int]:
 
     if not views:
         return []
-    sums = [t.view(getattr(torch, _SIGNED[t.element_size()])).sum(dtype=torch.int64) for _, t in views]
+    sums = [_word_sum(t.reshape(-1)) for _, t in views]
     return [int(s) for s in torch.stack(sums).tolist()]  # one transfer from a GPU, not one per tensor
+
+
+def _word_sum(flat: "torch.Tensor") -> "torch.Tensor":
+    """The module docstring's sum of one C-contiguous tensor, flattened, as a 0-d int64 tensor."""
+    import torch
+
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    if nbytes % 8 == 0 and flat.data_ptr() % 8 == 0:
+        return flat.view(torch.int64).sum()  # int64 accumulates in place; wraps mod 2**64
+    # a narrower integer summed with dtype=int64 is first copied wide: slower, for the few odd tensors
+    return flat.view(getattr(torch, _SIGNED[flat.element_size()])).sum(dtype=torch.int64)
 
 
 def mismatched(views: Sequence[tuple[str, "torch.Tensor"]], expected: Sequence[int]) -> list[str]:
