@@ -18,7 +18,6 @@ from vime_core.engines.server import advertised_host
 from vime_core.weight_sync.buckets import Bucket, pack_flat, packed_checksums
 from vime_core.weight_sync.transport.base import WeightTransport
 from vime_core.wire.broadcast_format import GROUP_ID_RPC, BroadcastBucketInfo, BroadcastInitInfo
-from vime_core.wire.layout import place
 from vime_core.wire.broadcast_group import (
     LOOPBACK,
     BroadcastGroup,
@@ -26,6 +25,7 @@ from vime_core.wire.broadcast_group import (
     pooled_host_buffer,
     serve_rendezvous,
 )
+from vime_core.wire.layout import place
 
 T = TypeVar("T")
 
