@@ -35,7 +35,7 @@ def tensor_checksums(views: Sequence[tuple[str, "torch.Tensor"]]) -> list[int]:
 
 def _word_sum(flat: "torch.Tensor") -> "torch.Tensor":
     """The module docstring's sum of one C-contiguous tensor, flattened, as a 0-d int64 tensor."""
-    import torch
+    import torch  # boundary: as in tensor_checksums
 
     nbytes = flat.numel() * flat.element_size()
     if nbytes == 0:
