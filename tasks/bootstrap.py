@@ -11,7 +11,7 @@ import ray
 from prefect import get_run_logger, task
 
 from tasks.common import ATTACHED, TASK_DEFAULTS, retry_rebuilding_actors
-from tasks.sync import submit_publish
+from tasks.sync import submit_publish, wait_publish
 from vime_core.cluster.batch_io import data_source_after
 from vime_core.cluster.connect import ensure_ray
 from vime_core.cluster.early_start import claim_early, early_marks
@@ -146,7 +146,7 @@ def synced_at_start(config: VimeConfig, manager, trainers, target: int, engines_
     if publish_needed(target, versions, engines_woken):  # the first publish is v1
         if config.colocate and engines_sleep(config):
             ray.get(manager.room_for_publish.remote())
-        trainers.wait(submit_publish(manager, trainers, target, force=True))
+        wait_publish(manager, trainers, submit_publish(manager, trainers, target, force=True))
         ray.get(manager.end_sync.remote(True, None, target))  # admission open again, requests name v`target`
     if sleeps:
         trainers.call("sleep")

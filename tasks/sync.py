@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 
 from tasks.common import TASK_DEFAULTS, first_try, run_handles
 from vime_core.config import VimeConfig
-from vime_core.faults import classify
+from vime_core.faults import classify, left_engines_half_published
 from vime_core.step_plan import Phase
 from vime_core.utils.errors import StaleEnginesError, first_line
 from vime_core.utils.timing import Stopwatch
@@ -29,6 +29,19 @@ def submit_publish(manager, trainers, target_version: int, after: Sequence[Any] 
     arguments exist, and not at all when one failed. The caller ends the sync (`end_sync`)."""
     urls = manager.begin_sync.remote(target_version, force=force)
     return trainers.call_async("publish", urls, target_version, *after)
+
+
+def wait_publish(manager, trainers, published: list) -> list:
+    """Every rank's publish result (`submit_publish`'s references). A publish that failed after
+    its first byte reached the engines leaves them with part of it under the version they report
+    (and paused): the RolloutManager is told (`mark_weights_stale`), so the next sync, this task's
+    retry or bootstrap's, publishes again whatever they report."""
+    try:
+        return trainers.wait(published)
+    except BaseException as exc:
+        if left_engines_half_published(exc):
+            ray.get(manager.mark_weights_stale.remote())
+        raise
 
 
 @dataclass
@@ -93,7 +106,7 @@ def sync(
     per_rank = None
     if submitted is not None and first_try():
         try:
-            per_rank = trainers.wait(submitted.publish)
+            per_rank = wait_publish(manager, trainers, submitted.publish)
         except Exception as exc:  # e.g. training failed and was retried: publish what it trained
             settle(submitted)  # every rank's failed call, not only the one raised
             log.warning("sync: the publish submitted with training failed (%s); publishing again", _what(exc))
@@ -127,7 +140,7 @@ def _publish_then_end_sync(
     published = submit_publish(manager, trainers, target_version)
     ended = manager.end_sync.remote(resume_admission, start_rollout_id, target_version, *published)
     try:
-        per_rank = trainers.wait(published)
+        per_rank = wait_publish(manager, trainers, published)
     except BaseException:
         # the chained end_sync does not run when a publish failed: open admission again
         ray.get(manager.end_sync.remote(resume_admission))

@@ -201,6 +201,13 @@ def raised_in_chain(exc: BaseException, types: tuple[type[BaseException], ...]) 
     return any(isinstance(err, types) for err in _chain(exc))
 
 
+def left_engines_half_published(exc: BaseException) -> bool:
+    """A publish in `exc`'s chain failed after its first byte reached the engines
+    (`PublishError.bytes_moved`, read by name: the driver does not import the publisher): they may
+    hold part of it under the version they report."""
+    return any(getattr(err, "bytes_moved", False) is True for err in _chain(exc))
+
+
 def actor_died(exc: BaseException) -> bool:
     """The failed call's own actor is dead (ActorDiedError) or gone (ActorsMissingError): only
     rebuilding it helps, so a phase task does not try it again and the iteration's retry

@@ -113,3 +113,41 @@ def test_a_check_finding_stale_engines_fails_the_iteration_and_the_retry_publish
     assert manager.weight_versions() == [0, 0]
     manager.end_sync(True, None, 3)  # a publish ended
     assert manager.weight_versions() == [3, 3] and manager.begin_sync(3) is None
+
+
+class _Trainers:
+    """Trainer ranks whose publish raises `error` (as Ray raises a remote one), or succeeds."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def call_async(self, method, urls, version, *after):
+        return [(urls, version)]
+
+    def wait(self, refs):
+        if self.error is not None:
+            raise self.error
+        return [{"version": version} for _, version in refs]
+
+
+@pytest.mark.parametrize("bytes_moved", [True, False], ids=["after-a-byte", "before-any-byte"])
+def test_a_publish_that_failed_after_its_first_byte_leaves_the_engines_stale(monkeypatch, bytes_moved):
+    """Engines a publish half reached hold part of it under the version they report: the sync's
+    retry and bootstrap publish again whatever they report, until a publish ends. One that failed
+    before any byte changed nothing."""
+    import tasks.sync as sync
+    from vime_core.weight_sync.publish import PublishError
+
+    manager = _manager([_Engine([]), _Engine([])], versions=[4, 4])
+    monkeypatch.setattr(sync, "ray", SimpleNamespace(get=lambda x: x))
+    failed = PublishError("publish v5 failed after weights reached the engines", bytes_moved=bytes_moved)
+    with pytest.raises(PublishError):
+        sync._publish_then_end_sync(_Handle(manager), _Trainers(failed), 5, True, None)
+    if not bytes_moved:
+        assert manager.weight_versions() == [4, 4] and manager.begin_sync(4) is None
+        return
+    assert manager.weight_versions() == [0, 0]  # bootstrap publishes
+    assert manager.begin_sync(4) == ["engine-0", "engine-1"]  # though both report v4
+    per_rank, _ = sync._publish_then_end_sync(_Handle(manager), _Trainers(), 4, True, None)
+    assert per_rank == [{"version": 4}]
+    assert manager.weight_versions() == [4, 4] and manager.begin_sync(4) is None
