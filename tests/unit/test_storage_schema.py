@@ -224,7 +224,7 @@ def test_latest_per_batch_keeps_the_row_published_last():
     assert kept.column("key").to_pylist() == ["new"]
 
 
-def test_an_index_file_of_version_1_is_read_and_other_versions_refused_naming_it():
+def test_index_files_of_versions_1_and_2_are_read_and_other_versions_refused_naming_them():
     import pyarrow.compute as pc
 
     from vime_core.storage.index import INDEX_SCHEMA, INDEX_VERSION, _as_index_table
@@ -240,6 +240,10 @@ def test_an_index_file_of_version_1_is_read_and_other_versions_refused_naming_it
         upgraded = _as_index_table(v1, "index/v1.parquet")
         assert upgraded.schema.names == INDEX_SCHEMA.names
         assert pc.all(pc.equal(upgraded["published_at"], upgraded["created_at"])).as_py()
+        assert not pc.any(upgraded["unpublished"]).as_py()
+    # version 2 (no tombstones): every row published
+    v2 = row.drop_columns(["unpublished"]).replace_schema_metadata({b"index_version": b"2"})
+    assert _as_index_table(v2, "index/v2.parquet").equals(row.cast(INDEX_SCHEMA))
     newer = row.replace_schema_metadata({b"index_version": str(INDEX_VERSION + 1).encode()})
     with pytest.raises(
         ValueError, match=f"index/new.parquet was written by a newer vime \\(index version {INDEX_VERSION + 1}\\)"

@@ -2,7 +2,13 @@
 is one Parquet dataset (pyarrow.dataset, DuckDB). `BatchIndex.table()` reads it consistently while
 writers and compactions run: it lists the manifests before the compacted files (a compaction writes
 its output before deleting what it folded), starts again if a listed file vanished, and keeps the
-latest `published_at` per (run, rollout_id). `prune` must not run concurrently with a compaction."""
+latest `published_at` per (run, rollout_id).
+
+A batch leaves the index by a newer row of its own, a tombstone (`unpublished`), never by a
+compaction leaving its row out: a compaction that read the index before the removal and writes its
+file after it would bring the row back. The tombstone, newer than any row that compaction holds,
+hides it whichever file it is in; compactions keep tombstones for TOMBSTONE_KEEP, far longer than
+one can run."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from vime_core.utils.retry import attempts
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 2  # 2: published_at
+INDEX_VERSION = 3  # 2: published_at; 3: unpublished
 INDEX_SCHEMA = pa.schema(
     [
         pa.field("run", pa.string(), nullable=False),
@@ -46,11 +52,13 @@ INDEX_SCHEMA = pa.schema(
         pa.field("reward_mean", pa.float64()),
         pa.field("response_length_mean", pa.float64()),
         pa.field("num_eval_rows", pa.int64()),
+        pa.field("unpublished", pa.bool_(), nullable=False),  # a tombstone: the batch was removed
     ],
     metadata={"index_version": str(INDEX_VERSION)},
 )
 
 _READ_ATTEMPTS = 8
+TOMBSTONE_KEEP = dt.timedelta(days=1)
 T = TypeVar("T")
 
 
@@ -93,7 +101,15 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
         if "response_length" in table.column_names
         else None,
         "num_eval_rows": int(pc.sum(table.column("is_eval")).as_py() or 0) if "is_eval" in table.column_names else 0,
+        "unpublished": False,
     }
+    return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
+
+
+def tombstone_row(entry: dict) -> pa.Table:
+    """The row that removes published batch `entry` (an index row as a dict) from the index: the
+    same fields, published now, `unpublished` set."""
+    row = {**entry, "published_at": dt.datetime.now(dt.timezone.utc), "unpublished": True}
     return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
 
 
@@ -103,8 +119,15 @@ def _to_parquet(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def published(table: pa.Table) -> pa.Table:
+    """The batches an index table lists: `latest_per_batch`, tombstones left out."""
+    latest = latest_per_batch(table)
+    return latest.filter(pc.invert(latest.column("unpublished")))
+
+
 def latest_per_batch(table: pa.Table) -> pa.Table:
-    """One row per (run, rollout_id): the one published last; sorted by run, rollout_id."""
+    """One row per (run, rollout_id): the one published last, a tombstone included; sorted by run,
+    rollout_id."""
     if table.num_rows == 0:
         return table
     table = table.sort_by([("run", "ascending"), ("rollout_id", "ascending"), ("published_at", "ascending")])
@@ -128,6 +151,12 @@ class BatchIndex:
         self.location.put_atomic(key, _to_parquet(row))
         return key
 
+    def unpublish(self, entry: dict) -> None:
+        """Remove published batch `entry` (its index row) from the index: its tombstone's manifest,
+        beside the batch's own (module docstring). Its manifest and object are the caller's."""
+        key = layout.tombstone_key(entry["run"], entry["rollout_id"], entry["checksum"])
+        self.location.put_atomic(key, _to_parquet(tombstone_row(entry)))
+
     def entry(self, run: str, rollout_id: int) -> dict | None:
         """The index row of (run, rollout_id) as a dict, or None when not published.
 
@@ -143,7 +172,7 @@ class BatchIndex:
             return self._read(names + [k for k in compacted if k.endswith(".parquet")])
 
         rows = self._consistent(read_once)
-        rows = latest_per_batch(
+        rows = published(
             rows.filter(pc.and_(pc.equal(rows.column("run"), run), pc.equal(rows.column("rollout_id"), rollout_id)))
         )
         return rows.to_pylist()[0] if rows.num_rows else None
@@ -181,44 +210,50 @@ class BatchIndex:
 
     def table(self) -> pa.Table:
         """All published batches, one row each, sorted by run and rollout_id."""
-        return latest_per_batch(self.snapshot()[1])
+        return published(self.snapshot()[1])
 
-    def compact(self, drop_keys: frozenset[str] = frozenset()) -> pa.Table:
-        """Fold every manifest and compacted file into one new compacted file; returns its rows.
+    def compact(self) -> pa.Table:
+        """Fold every manifest and compacted file into one new compacted file; returns the
+        published batches' rows."""
+        return self.fold(*self.snapshot())
 
-        Rows whose batch `key` is in `drop_keys` are left out (used by retention).
-        """
-        read_keys, rows = self.snapshot()
-        if not drop_keys and all(k.startswith(layout.COMPACTED) for k in read_keys) and len(read_keys) <= 1:
-            return latest_per_batch(rows)  # already one compacted file: nothing to fold
+    def fold(self, read_keys: list[str], rows: pa.Table) -> pa.Table:
+        """`compact`'s second half, on what its `snapshot` read: one compacted file with the latest
+        row of each batch, tombstones younger than TOMBSTONE_KEEP among them; the files read go."""
+        if all(k.startswith(layout.COMPACTED) for k in read_keys) and len(read_keys) <= 1:
+            return published(rows)  # already one compacted file: nothing to fold
         rows = latest_per_batch(rows)
-        if drop_keys:
-            rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), pa.array(sorted(drop_keys), pa.string()))))
+        expired = dt.datetime.now(dt.timezone.utc) - TOMBSTONE_KEEP
+        rows = rows.filter(pc.or_(pc.invert(rows.column("unpublished")), pc.greater(rows["published_at"], expired)))
         if rows.num_rows or read_keys:
             self.location.put_atomic(layout.compacted_key(), _to_parquet(rows))
         for key in read_keys:
             self.location.delete(key)
         log.info("compacted %d index files into %d rows at %s", len(read_keys), rows.num_rows, self.location.describe())
-        return rows
+        return published(rows)
 
 
 def _as_index_table(table: pa.Table, key: str) -> pa.Table:
     """One index file as INDEX_SCHEMA, upgraded when an older vime wrote it, or an error naming
     the file: never half-read.
 
-    Index version 1 (and files without a stamp) had the same fields without `published_at`;
-    files stamped 1 after that field was added carry it. A version-1 file is read with its
-    `published_at` when it has one, else `created_at` (the batch's creation time: the order in
-    which re-published batches replaced each other is kept, as a re-publish is always of a newer
-    batch). Any other layout or a newer version is refused; the next compaction rewrites what
-    was upgraded in the current version.
+    Index version 1 (and files without a stamp) had the fields of version 2 without
+    `published_at`; files stamped 1 after that field was added carry it. A version-1 file is read
+    with its `published_at` when it has one, else `created_at` (the batch's creation time: the
+    order in which re-published batches replaced each other is kept, as a re-publish is always of
+    a newer batch). Versions 1 and 2 had no tombstones: `unpublished` is false in every row. Any
+    other layout or a newer version is refused; the next compaction rewrites what was upgraded in
+    the current version.
     """
     stamp = (table.schema.metadata or {}).get(b"index_version", b"?").decode()
     names = table.schema.names
     if stamp in ("1", "?") and "published_at" not in names and "created_at" in names:
         table = table.add_column(names.index("created_at") + 1, "published_at", table.column("created_at"))
         names = table.schema.names
-    if stamp in ("1", "?", str(INDEX_VERSION)) and names == INDEX_SCHEMA.names:
+    if stamp in ("1", "?", "2") and "unpublished" not in names:
+        table = table.append_column("unpublished", pa.array([False] * table.num_rows, pa.bool_()))
+        names = table.schema.names
+    if stamp in ("1", "?", "2", str(INDEX_VERSION)) and names == INDEX_SCHEMA.names:
         return table.cast(INDEX_SCHEMA)
     why = (
         f"a newer vime (index version {stamp})"
@@ -227,6 +262,6 @@ def _as_index_table(table: pa.Table, key: str) -> pa.Table:
     )
     raise ValueError(
         f"index file {key} was written by {why}; this vime reads index version {INDEX_VERSION} "
-        f"({INDEX_SCHEMA.names}) and version 1: read it with the vime that wrote it, or move it "
+        f"({INDEX_SCHEMA.names}) and versions 1 and 2: read it with the vime that wrote it, or move it "
         f"away (the batches it lists then leave the index; their objects stay readable by key)"
     )

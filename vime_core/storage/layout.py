@@ -2,6 +2,7 @@
 
     batches/<run>/<rollout_id:08d>-<checksum[:16]>.parquet         published batch objects
     index/manifests/<run>/<rollout_id:08d>-<checksum[:16]>.parquet one index row per batch
+    index/manifests/<run>/<rollout_id:08d>-<checksum[:16]>.unpublished.parquet  its tombstone
     index/compacted/<utc time>-<random>.parquet                    many rows, made by compact()
     tmp/<run>/<rollout_id:08d>-<random>.parquet                    uploads not yet verified
 
@@ -54,6 +55,11 @@ def batch_key(run: str, rollout_id: int, checksum: str) -> str:
 
 def manifest_key(run: str, rollout_id: int, checksum: str) -> str:
     return f"{MANIFESTS}/{check_run(run)}/{_stem(rollout_id, checksum)}.parquet"
+
+
+def tombstone_key(run: str, rollout_id: int, checksum: str) -> str:
+    """The manifest that removes a published batch from the index (index.py: tombstones)."""
+    return f"{MANIFESTS}/{check_run(run)}/{_stem(rollout_id, checksum)}.unpublished.parquet"
 
 
 def quarantine_key(run: str, rollout_id: int, checksum: str) -> str:

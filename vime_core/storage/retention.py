@@ -1,7 +1,8 @@
 """Retention: everything is kept by default; these remove batches on request. `prune_selection` says
 which batches `BatchStore.prune` removes (a run, an age); `remove_orphans` removes what killed
-writers left (tmp/ uploads and unindexed objects older than a grace period). Run neither
-concurrently with a compaction (index.py says why)."""
+writers and cut-short removals left (tmp/ uploads and unindexed objects older than a grace
+period). A removal unlists a batch by its tombstone, which a concurrent compaction cannot undo
+(index.py)."""
 
 from __future__ import annotations
 

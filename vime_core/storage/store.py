@@ -239,9 +239,9 @@ class BatchStore:
         quarantine record."""
         record = self.quarantine(run, rollout_id, reason)
         entry = self._entry(run, rollout_id)
-        # the index row goes first: a failure after it leaves an unindexed object (remove_orphans'),
-        # never a published batch whose object is gone
-        self.batch_index.compact(drop_keys=frozenset({entry["key"]}))
+        # the index row goes first (its tombstone): a failure after it leaves an unindexed object
+        # (remove_orphans'), never a published batch whose object is gone
+        self.batch_index.unpublish(entry)
         self._forget(entry)
         return record
 
@@ -270,19 +270,22 @@ class BatchStore:
         self, run: str | None = None, older_than: "str | dt.timedelta | dt.datetime | None" = None, dry_run: bool = True
     ) -> list[BatchRef]:
         """Remove the published batches of `run` (all runs if None) created before `older_than`
-        (any age if None; at least one of the two: retention.prune_selection): first the index is
-        recompacted without them (they stop being visible, whether their rows were in manifests
-        or in compacted files), then their manifests and objects go. A failure in between leaves
-        unindexed objects (retention.remove_orphans), never a listed batch without its object.
-        Returns the batches removed (or, with dry_run, that would be)."""
+        (any age if None; at least one of the two: retention.prune_selection): first their
+        tombstones go into the index (they stop being visible, whether their rows were in
+        manifests or in compacted files), then their manifests and objects, and a compaction
+        folds what is left. A failure in between leaves unindexed objects
+        (retention.remove_orphans), never a listed batch without its object. Returns the batches
+        removed (or, with dry_run, that would be)."""
         selection = prune_selection(run, older_than)
         selected = self.index().filter(selection).to_pylist()
         refs = [self._ref(entry) for entry in selected]
         if dry_run or not selected:
             return refs
-        self.batch_index.compact(drop_keys=frozenset(e["key"] for e in selected))
+        for entry in selected:
+            self.batch_index.unpublish(entry)
         for entry in selected:
             self._forget(entry)
+        self.batch_index.compact()
         log.info("pruned %d batches from %s", len(selected), self.location.describe())
         return refs
 

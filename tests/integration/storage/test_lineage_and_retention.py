@@ -11,7 +11,7 @@ import pytest
 
 from vime_core.storage import BatchNotFoundError, BatchStore
 from vime_core.storage import layout, lineage
-from vime_core.storage.index import latest_per_batch
+from vime_core.storage.index import published
 from vime_core.storage.retention import parse_age, remove_orphans
 from vime_core.storage.synthetic import synthetic_batch
 
@@ -91,9 +91,10 @@ def test_index_folder_is_a_parquet_dataset(store_uri):
     _fill(store)
     store.compact()
     store.write(synthetic_batch(seed=77), {"run": "lin", "rollout_id": 4})  # a manifest beside the compacted file
+    store.discard("lin", 3, "rejected")  # a tombstone beside the row it hides
     dataset = ds.dataset(store.location.path("index"), format="parquet", filesystem=store.location.fs)
-    table = latest_per_batch(dataset.to_table())
-    assert table.equals(store.index())
+    table = published(dataset.to_table())
+    assert table.equals(store.index()) and 3 not in table.column("rollout_id").to_pylist()
     v2 = table.filter(
         pc.and_(pc.less_equal(table["weight_version_min"], 2), pc.greater_equal(table["weight_version_max"], 2))
     )
@@ -143,39 +144,95 @@ def test_parse_age_refuses_garbage():
         parse_age("seven days")
 
 
-def _failing_compaction(monkeypatch) -> None:
+def _three_compacted(store: BatchStore, run: str) -> None:
+    """Batches 0, 1, 2 of `run`, their rows in a compacted file (an earlier compaction)."""
+    for k in range(3):
+        store.write(synthetic_batch(num_groups=1, group_size=2, seed=k), {"run": run, "rollout_id": k})
+    store.compact()
+
+
+def _remove(store: BatchStore, remove: str, run: str) -> list[int]:
+    """Prune every batch of `run`, or discard its batch 1; the rollout ids left listed after it."""
+    if remove == "prune":
+        store.prune(run=run, dry_run=False)
+        return []
+    store.discard(run, 1, "rejected")
+    return [0, 2]
+
+
+@pytest.mark.parametrize("fail_at", ["tombstone", "delete"])
+@pytest.mark.parametrize("remove", ["prune", "discard"])
+def test_a_removal_cut_short_never_lists_a_batch_without_its_object(store_uri, monkeypatch, remove, fail_at):
+    """A removal that fails writing its tombstones changes nothing; one that fails after them, deleting
+    the objects, has unlisted the batches it removes and leaves their objects to remove_orphans:
+    never a listed batch without its object."""
     from vime_core.storage.index import BatchIndex
 
-    def compact(self, drop_keys=frozenset()):
-        raise ConnectionError("the compacted file could not be written")
+    store = BatchStore(store_uri)
+    _three_compacted(store, "cut")
+    before = set(store.location.list_keys(layout.BATCHES))
 
-    monkeypatch.setattr(BatchIndex, "compact", compact)
+    def fail(*args, **kwargs):
+        raise ConnectionError("the store went away")
+
+    with monkeypatch.context() as patched:
+        if fail_at == "tombstone":
+            patched.setattr(BatchIndex, "unpublish", fail)
+        else:
+            patched.setattr(type(store.location), "delete", fail)
+        with pytest.raises(ConnectionError):
+            _remove(store, remove, "cut")
+    listed = [r.rollout_id for r in store.list_batches("cut")]
+    for rollout_id in listed:
+        store.read("cut", rollout_id)  # published, so whole
+    if fail_at == "tombstone":
+        assert listed == [0, 1, 2]
+        assert _remove(store, remove, "cut") == [r.rollout_id for r in store.list_batches("cut")]
+        return
+    assert listed == ([] if remove == "prune" else [0, 2])
+    assert set(store.location.list_keys(layout.BATCHES)) == before  # the objects wait for remove_orphans
+    orphans = remove_orphans(store, older_than=NOW + dt.timedelta(hours=1), dry_run=False)
+    assert len(orphans) == len(before) - len(listed)
+    for rollout_id in listed:
+        store.read("cut", rollout_id)
 
 
 @pytest.mark.parametrize("remove", ["prune", "discard"])
-def test_a_removal_cut_short_never_lists_a_batch_without_its_object(store_uri, monkeypatch, remove):
-    """The rows are in a compacted file (an earlier compaction): the index loses them before their
-    objects go, so a removal whose compaction fails leaves every listed batch readable, and one
-    that succeeds leaves no listed batch behind (nor, for prune, its object)."""
+def test_a_compaction_that_read_the_index_before_a_removal_does_not_bring_it_back(store_uri, remove):
+    """Another process's compaction lists the index, then a removal and a compaction run, then that
+    compaction writes what it read (with the removed rows) and deletes the files it read: the
+    removed batches stay out of the index, then and after later compactions, and every listed
+    batch reads."""
     store = BatchStore(store_uri)
-    for k in range(3):
-        store.write(synthetic_batch(num_groups=1, group_size=2, seed=k), {"run": "cut", "rollout_id": k})
+    _three_compacted(store, "race")
+    store.write(synthetic_batch(seed=7), {"run": "race-other", "rollout_id": 0})  # a manifest: two files to fold
+    stale = store.batch_index.snapshot()  # the other compaction has read the index
+    kept = _remove(store, remove, "race")
+    store.compact()  # a compaction after the removal folds its tombstones
+    store.batch_index.fold(*stale)  # ... then the other one writes what it read
+    for _ in range(2):
+        assert [r.rollout_id for r in store.list_batches("race")] == kept
+        assert not store.exists("race", 1) and store.exists("race-other", 0)
+        for rollout_id in kept:
+            store.read("race", rollout_id)
+        store.compact()
+
+
+def test_a_compaction_drops_tombstones_once_they_are_old(store_uri, monkeypatch):
+    import vime_core.storage.index as index
+
+    store = BatchStore(store_uri)
+    _three_compacted(store, "old")
+    store.discard("old", 1, "rejected")
     store.compact()
-    with monkeypatch.context() as patched:
-        _failing_compaction(patched)
-        with pytest.raises(ConnectionError):
-            store.prune(run="cut", dry_run=False) if remove == "prune" else store.discard("cut", 1, "rejected")
-    for ref in store.list_batches("cut"):
-        store.read("cut", ref.rollout_id)  # published, so whole
-    assert [r.rollout_id for r in store.list_batches("cut")] == [0, 1, 2]
-    if remove == "prune":
-        removed = store.prune(run="cut", dry_run=False)
-        assert store.list_batches("cut") == [] and not {r.key for r in removed} & set(store.location.list_keys(""))
-    else:
-        store.discard("cut", 1, "rejected")
-        assert [r.rollout_id for r in store.list_batches("cut")] == [0, 2]
-        with pytest.raises(BatchNotFoundError):
-            store.read("cut", 1)
+    rows = store.batch_index.snapshot()[1]
+    assert rows.num_rows == 3 and rows.filter(rows["unpublished"]).column("rollout_id").to_pylist() == [1]
+    monkeypatch.setattr(index, "TOMBSTONE_KEEP", dt.timedelta(0))
+    store.write(synthetic_batch(seed=5), {"run": "old", "rollout_id": 3})  # something to fold
+    store.compact()
+    rows = store.batch_index.snapshot()[1]
+    assert rows.column("rollout_id").to_pylist() == [0, 2, 3] and not pc.any(rows["unpublished"]).as_py()
+    assert [r.rollout_id for r in store.list_batches("old")] == [0, 2, 3]
 
 
 def test_an_indexed_batch_whose_object_is_gone_is_generated_again(store_uri):
