@@ -151,12 +151,15 @@ class LayerwiseReloadEngine(WeightTransferEngine):  # type: ignore[type-arg]
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
             self.receive_weights(self.parse_update_info(update_info))
-        except BaseException:
+        except BaseException as failed:
             # vLLM's worker ends the session when a bucket fails without finishing it (0.32), which
             # leaves the layers in reload mode, where the next session's load fails: end the reload
             # here, keeping what loaded (the trainer's PublishError says the update is half-applied
             # and its next publish sends every tensor)
-            self._end_reload()
+            try:
+                self._end_reload()
+            except Exception as ending:  # the bucket's own error is the one to report
+                failed.add_note(f"ending the weight reload after it failed as well: {ending}")
             raise
         # The base class synchronizes the accelerator after each bucket, which raises on a
         # CPU-only torch; so only sync when there is one.
