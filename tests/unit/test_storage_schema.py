@@ -224,6 +224,21 @@ def test_latest_per_batch_keeps_the_row_published_last():
     assert kept.column("key").to_pylist() == ["new"]
 
 
+def test_a_tombstone_hides_a_row_whose_publisher_clock_ran_ahead():
+    """The machine that published the row may have a clock ahead of the one that removes it."""
+    import datetime as dt
+
+    from vime_core.storage.index import published, tombstone_row
+
+    row = index_row(batch_to_table(synthetic_batch(), LINEAGE), "k", 1)
+    ahead = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+    at = row.schema.get_field_index("published_at")
+    row = row.set_column(at, row.schema.field(at), pa.array([ahead], row.schema.field(at).type))
+    tombstone = tombstone_row(row.to_pylist()[0])
+    assert tombstone["published_at"][0].as_py() > ahead and tombstone["unpublished"][0].as_py()
+    assert published(pa.concat_tables([tombstone, row])).num_rows == 0
+
+
 def test_index_files_of_versions_1_and_2_are_read_and_other_versions_refused_naming_them():
     import pyarrow.compute as pc
 

@@ -108,8 +108,10 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
 
 def tombstone_row(entry: dict) -> pa.Table:
     """The row that removes published batch `entry` (an index row as a dict) from the index: the
-    same fields, published now, `unpublished` set."""
-    row = {**entry, "published_at": dt.datetime.now(dt.timezone.utc), "unpublished": True}
+    same fields, published now (and after the row it removes, whatever the clock of the machine
+    that published that one said), `unpublished` set."""
+    after = entry["published_at"] + dt.timedelta(microseconds=1)
+    row = {**entry, "published_at": max(dt.datetime.now(dt.timezone.utc), after), "unpublished": True}
     return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
 
 
