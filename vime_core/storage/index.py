@@ -67,8 +67,16 @@ def _mean(column: pa.ChunkedArray) -> float | None:
     return None if value is None else float(value)
 
 
-def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
-    """The one-row index table describing stored batch `table` at `key`.
+def _published_now(after: dt.datetime | None) -> dt.datetime:
+    """Now, or just after `after` (the batch's last row) where this machine's clock is behind the
+    one that wrote that row: a batch's rows are ordered by `published_at`, whoever wrote them."""
+    now = dt.datetime.now(dt.timezone.utc)
+    return now if after is None else max(now, after + dt.timedelta(microseconds=1))
+
+
+def index_row(table: pa.Table, key: str, size_bytes: int, after: dt.datetime | None = None) -> pa.Table:
+    """The one-row index table describing stored batch `table` at `key`, published after `after`
+    (the batch's last row, a tombstone included, if it has one).
 
     reward_mean is the mean raw (unnormalised) reward over scored samples: the normalised reward
     of GRPO averages to 0 in every group and says nothing about progress.
@@ -82,7 +90,7 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
         "created_at": dt.datetime.fromisoformat(lineage["created_at"]).astimezone(dt.timezone.utc),
         # When this row was made: decides between two rows of one batch (an overwrite), whatever
         # created_at the caller put in the lineage.
-        "published_at": dt.datetime.now(dt.timezone.utc),
+        "published_at": _published_now(after),
         "num_rows": table.num_rows,
         "size_bytes": size_bytes,
         "checksum": lineage["checksum"],
@@ -108,10 +116,8 @@ def index_row(table: pa.Table, key: str, size_bytes: int) -> pa.Table:
 
 def tombstone_row(entry: dict) -> pa.Table:
     """The row that removes published batch `entry` (an index row as a dict) from the index: the
-    same fields, published now (and after the row it removes, whatever the clock of the machine
-    that published that one said), `unpublished` set."""
-    after = entry["published_at"] + dt.timedelta(microseconds=1)
-    row = {**entry, "published_at": max(dt.datetime.now(dt.timezone.utc), after), "unpublished": True}
+    same fields, published after it (`_published_now`), `unpublished` set."""
+    row = {**entry, "published_at": _published_now(entry["published_at"]), "unpublished": True}
     return pa.Table.from_pylist([row], schema=INDEX_SCHEMA)
 
 
@@ -160,7 +166,12 @@ class BatchIndex:
         self.location.put_atomic(key, _to_parquet(tombstone_row(entry)))
 
     def entry(self, run: str, rollout_id: int) -> dict | None:
-        """The index row of (run, rollout_id) as a dict, or None when not published.
+        """The index row of (run, rollout_id) as a dict, or None when not published."""
+        row = self.latest(run, rollout_id)
+        return None if row is None or row["unpublished"] else row
+
+    def latest(self, run: str, rollout_id: int) -> dict | None:
+        """The last row of (run, rollout_id) as a dict, a tombstone included, or None.
 
         Reads only that batch's manifests and the compacted files, never every manifest: a
         published batch is in its own manifest or (once folded) in a compacted file. Manifests
@@ -174,7 +185,7 @@ class BatchIndex:
             return self._read(names + [k for k in compacted if k.endswith(".parquet")])
 
         rows = self._consistent(read_once)
-        rows = published(
+        rows = latest_per_batch(
             rows.filter(pc.and_(pc.equal(rows.column("run"), run), pc.equal(rows.column("rollout_id"), rollout_id)))
         )
         return rows.to_pylist()[0] if rows.num_rows else None

@@ -122,7 +122,8 @@ class BatchStore:
         table = batch_to_table(batch, lineage)
         full = lineage_of(table)
         run, rollout_id, checksum = layout.check_run(full["run"]), full["rollout_id"], full["checksum"]
-        previous = self.batch_index.entry(run, rollout_id)
+        latest = self.batch_index.latest(run, rollout_id)  # a removed batch's: its tombstone
+        previous = latest if latest is not None and not latest["unpublished"] else None
         if previous is not None and not overwrite:
             raise BatchExistsError(
                 f"batch {run}/{rollout_id} is already stored at {previous['key']}; pass overwrite=True to replace it"
@@ -133,7 +134,8 @@ class BatchStore:
         self.location.put(tmp, data)
         try:
             verify_table(self.location.get(tmp), tmp, checksum)
-            self._publish(tmp, final, index_row(table, final, len(data)))
+            after = latest["published_at"] if latest is not None else None
+            self._publish(tmp, final, index_row(table, final, len(data), after))
         except BaseException:
             self.location.delete(tmp)
             raise

@@ -218,6 +218,25 @@ def test_a_compaction_that_read_the_index_before_a_removal_does_not_bring_it_bac
         store.compact()
 
 
+def test_a_batch_stored_again_after_its_removal_is_listed_whatever_the_clocks(store_uri, monkeypatch):
+    """The run guard discards a batch and the rollout is generated and stored again, perhaps on a
+    machine whose clock is behind the remover's: the new row still comes after the tombstone."""
+    import vime_core.storage.index as index
+
+    store = BatchStore(store_uri)
+    store.write(synthetic_batch(seed=1), {"run": "clock", "rollout_id": 0})
+    real_now = index._published_now
+    ahead = dt.timedelta(minutes=10)
+    with monkeypatch.context() as patched:
+        patched.setattr(index, "_published_now", lambda after: real_now(after) + ahead)  # the remover's clock
+        store.discard("clock", 0, "rejected")
+    assert not store.exists("clock", 0)
+    again = store.write(synthetic_batch(seed=2), {"run": "clock", "rollout_id": 0})  # not an overwrite
+    assert store.exists("clock", 0) and store.read("clock", 0)[0] == synthetic_batch(seed=2)
+    store.compact()
+    assert [r.key for r in store.list_batches("clock")] == [again.key]
+
+
 def test_a_compaction_drops_tombstones_once_they_are_old(store_uri, monkeypatch):
     import vime_core.storage.index as index
 
