@@ -202,21 +202,18 @@ async def _apply(
         with clock("finish"):
             await transport.finish(new_version)
     except BaseException as err:
+        try:  # close the engines' session (one left open refuses the next publish)
+            await transport.abort()
+            if not transport.bytes_moved:  # nothing reached them: they serve the old weights again
+                await _on_all(engines, "resume")
+        except Exception as undo_err:  # keep the original error; say the undo failed too
+            err.add_note(f"undoing the publish failed as well: {undo_err}")
         if transport.bytes_moved:
-            try:  # an engine left in its session refuses the next one: close it, keep it paused
-                await transport.abort()
-            except Exception as close_err:
-                err.add_note(f"closing the engines' session failed as well: {close_err}")
             raise PublishError(
                 f"publish v{new_version} failed after weights reached the engines ({err}); they may hold a "
                 "half-applied update under their old version and stay paused: the next publish sends every "
                 "tensor again (or restart them)",
                 bytes_moved=True,
             ) from err
-        try:
-            await transport.abort()
-            await _on_all(engines, "resume")
-        except Exception as undo_err:  # keep the original error; say the undo failed too
-            err.add_note(f"undoing the publish failed as well: {undo_err}")
         raise
     return buckets, nbytes

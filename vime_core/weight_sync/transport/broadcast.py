@@ -25,7 +25,6 @@ from vime_core.wire.broadcast_group import (
     pooled_host_buffer,
     serve_rendezvous,
 )
-from vime_core.wire.layout import place
 
 T = TypeVar("T")
 
@@ -172,7 +171,6 @@ class BroadcastTransport(WeightTransport):
         assert self.kept is not None, "prepare() forms or finds the group first"
         with self.timed("pack"):
             buffer, sizes = self.kept.pack(bucket, self.device)
-            checksums = packed_checksums(buffer, bucket, place(sizes)[0]) if self.checksums else None
             if buffer.is_cuda:
                 torch.cuda.synchronize(buffer.device)  # packed on this thread's stream; sent from another
             info = BroadcastBucketInfo(
@@ -181,11 +179,12 @@ class BroadcastTransport(WeightTransport):
                 bucket.dtype_names,
                 [list(t.shape) for t in bucket.tensors],
                 sizes,
-                checksums,
-            ).to_dict()
+            )
+            if self.checksums:  # over the tensors where the worker will view them
+                info.checksums = packed_checksums(buffer, bucket, info.offsets())
         self.bytes_moved = True
         with self.timed("broadcast_and_load"):
-            receiving = asyncio.ensure_future(self.on_every_engine("update_weights", info))
+            receiving = asyncio.ensure_future(self.on_every_engine("update_weights", info.to_dict()))
             sending = in_daemon_thread(self.kept.group.broadcast, buffer)
             done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((f for f in (receiving, sending) if f in done and f.exception() is not None), None)
